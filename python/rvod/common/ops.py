@@ -1,0 +1,213 @@
+"""The collective ops, written once for every framework.
+
+A shim passes a *tensor adapter* (see ``TensorAdapter``) that turns its tensors into DLPack capsules and
+capsules back into tensors; everything else (naming, argument checks, handles, keeping inputs alive until
+the engine is done with them, in-place write-back) happens here.
+"""
+
+from rvod import _rvod
+from rvod.common import naming
+from rvod.common.process_sets import check_process_set, global_process_set
+from rvod.common.reduce_ops import Average, Sum, resolve_op
+
+# Collective kinds, as numbered by the engine.
+ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, BARRIER, JOIN = range(7)
+
+
+class TensorAdapter:
+    """How a framework's tensors cross to the engine. Shims subclass this."""
+
+    def export(self, tensor):
+        """Return ``(capsule, holder)``: a DLPack capsule of a C-contiguous CPU tensor with the values of
+        ``tensor`` and the object owning that memory (``tensor`` itself when no copy was needed)."""
+        raise NotImplementedError
+
+    def from_dlpack(self, capsule):
+        """A framework tensor viewing the engine-owned memory of ``capsule`` (no copy)."""
+        raise NotImplementedError
+
+    def copy_(self, dst, src):
+        """Copy the values of ``src`` into ``dst`` (used to write back in-place results)."""
+        raise NotImplementedError
+
+    def to_int_list(self, values):
+        """A Python list of ints from a list or a 1-D integer tensor (alltoall splits)."""
+        return [int(v) for v in values]
+
+
+class _Pending:
+    """An op in flight: what must stay alive until it completes, and how to build its result."""
+
+    __slots__ = ("keepalive", "finish")
+
+    def __init__(self, keepalive, finish):
+        self.keepalive = keepalive
+        self.finish = finish
+
+
+_pending = {}
+
+
+def _prefixed(prefix, name):
+    return naming.next_name(prefix) if name is None else f"{prefix}.{name}"
+
+
+def _submit(kind, names, adapter, tensors, in_place, finish, op=Sum, prescale=1.0, postscale=1.0, root=-1, splits=()):
+    capsules, holders = [], []
+    for tensor in tensors:
+        capsule, holder = adapter.export(tensor)
+        capsules.append(capsule)
+        holders.append(holder)
+    if in_place:
+        user_finish = finish
+
+        def finish(outputs, received_splits, last_joined):
+            for original, holder in zip(tensors, holders):
+                if holder is not original:
+                    adapter.copy_(original, holder)
+            return user_finish(outputs, received_splits, last_joined)
+
+    handle = _rvod.submit(
+        kind, names, capsules, in_place, op, float(prescale), float(postscale), int(root), list(splits)
+    )
+    _pending[handle] = _Pending((tuple(tensors), capsules, holders), finish)
+    return handle
+
+
+def poll(handle):
+    """True when the op behind ``handle`` has completed (never blocks)."""
+    if handle not in _pending:
+        raise ValueError(f"unknown handle {handle}")
+    return _rvod.poll(handle)
+
+
+def synchronize(handle):
+    """Wait for ``handle`` (releasing the GIL) and return its result; ``None`` for an unknown handle."""
+    pending = _pending.get(handle)
+    if pending is None:
+        return None
+    try:
+        outputs = _rvod.wait(handle)
+    except KeyboardInterrupt:
+        # The op is still running and may write into its tensors: keep them alive.
+        raise
+    except BaseException:
+        del _pending[handle]
+        raise
+    del _pending[handle]
+    return pending.finish(*outputs)
+
+
+def _single_output(adapter, original, in_place):
+    def finish(outputs, received_splits, last_joined):
+        return original if in_place else adapter.from_dlpack(outputs[0])
+
+    return finish
+
+
+def _list_output(adapter, originals, in_place):
+    def finish(outputs, received_splits, last_joined):
+        if in_place:
+            return list(originals)
+        return [adapter.from_dlpack(c) for c in outputs]
+
+    return finish
+
+
+def allreduce_async(adapter, tensor, average=None, name=None, op=None, prescale_factor=1.0,
+                    postscale_factor=1.0, process_set=global_process_set, in_place=False):
+    op = resolve_op(op, average)
+    check_process_set(process_set)
+    names = [_prefixed("allreduce", name)]
+    return _submit(ALLREDUCE, names, adapter, [tensor], in_place, _single_output(adapter, tensor, in_place),
+                   op=op, prescale=prescale_factor, postscale=postscale_factor)
+
+
+def grouped_allreduce_async(adapter, tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                            postscale_factor=1.0, process_set=global_process_set, in_place=False):
+    op = resolve_op(op, average)
+    check_process_set(process_set)
+    tensors = list(tensors)
+    if not tensors:
+        raise ValueError("grouped_allreduce needs at least one tensor")
+    if name is None:
+        names = [naming.next_name("grouped_allreduce") for _ in tensors]
+    else:
+        names = [f"grouped_allreduce.{name}_{i}" for i in range(len(tensors))]
+    return _submit(ALLREDUCE, names, adapter, tensors, in_place, _list_output(adapter, tensors, in_place),
+                   op=op, prescale=prescale_factor, postscale=postscale_factor)
+
+
+def allgather_async(adapter, tensor, name=None, process_set=global_process_set):
+    check_process_set(process_set)
+    return _submit(ALLGATHER, [_prefixed("allgather", name)], adapter, [tensor], False,
+                   _single_output(adapter, tensor, False))
+
+
+def grouped_allgather_async(adapter, tensors, name=None, process_set=global_process_set):
+    check_process_set(process_set)
+    tensors = list(tensors)
+    if not tensors:
+        raise ValueError("grouped_allgather needs at least one tensor")
+    if name is None:
+        names = [naming.next_name("grouped_allgather") for _ in tensors]
+    else:
+        names = [f"grouped_allgather.{name}_{i}" for i in range(len(tensors))]
+    return _submit(ALLGATHER, names, adapter, tensors, False, _list_output(adapter, tensors, False))
+
+
+def broadcast_async(adapter, tensor, root_rank, name=None, process_set=global_process_set, in_place=False):
+    check_process_set(process_set)
+    return _submit(BROADCAST, [_prefixed("broadcast", name)], adapter, [tensor], in_place,
+                   _single_output(adapter, tensor, in_place), root=root_rank)
+
+
+def alltoall_async(adapter, tensor, splits=None, name=None, process_set=global_process_set):
+    check_process_set(process_set)
+    split_list = [] if splits is None else adapter.to_int_list(splits)
+
+    def finish(outputs, received_splits, last_joined):
+        output = adapter.from_dlpack(outputs[0])
+        return output if splits is None else (output, received_splits)
+
+    return _submit(ALLTOALL, [_prefixed("alltoall", name)], adapter, [tensor], False, finish, splits=split_list)
+
+
+def reducescatter_async(adapter, tensor, name=None, op=Average, process_set=global_process_set,
+                        prescale_factor=1.0, postscale_factor=1.0):
+    check_process_set(process_set)
+    op = resolve_op(op, None)
+    return _submit(REDUCESCATTER, [_prefixed("reducescatter", name)], adapter, [tensor], False,
+                   _single_output(adapter, tensor, False), op=op, prescale=prescale_factor,
+                   postscale=postscale_factor)
+
+
+def grouped_reducescatter_async(adapter, tensors, name=None, op=Average, process_set=global_process_set,
+                                prescale_factor=1.0, postscale_factor=1.0):
+    check_process_set(process_set)
+    op = resolve_op(op, None)
+    tensors = list(tensors)
+    if not tensors:
+        raise ValueError("grouped_reducescatter needs at least one tensor")
+    if name is None:
+        names = [naming.next_name("grouped_reducescatter") for _ in tensors]
+    else:
+        names = [f"grouped_reducescatter.{name}_{i}" for i in range(len(tensors))]
+    return _submit(REDUCESCATTER, names, adapter, tensors, False, _list_output(adapter, tensors, False),
+                   op=op, prescale=prescale_factor, postscale=postscale_factor)
+
+
+def barrier(process_set=global_process_set):
+    """Block until every rank of the set reaches the barrier."""
+    check_process_set(process_set)
+    handle = _rvod.submit(BARRIER, [], [], False, Sum, 1.0, 1.0, -1, [])
+    _pending[handle] = _Pending(None, lambda outputs, splits, joined: None)
+    synchronize(handle)
+
+
+def join():
+    """Signal that this rank has no more data; blocks until every rank has joined. Meanwhile allreduces
+    submitted by other ranks complete with this rank contributing zeros. Returns the last rank to join."""
+    handle = _rvod.submit(JOIN, [], [], False, Sum, 1.0, 1.0, -1, [])
+    _pending[handle] = _Pending(None, lambda outputs, splits, joined: joined)
+    return synchronize(handle)

@@ -1,0 +1,34 @@
+"""The exception tree every rvod module raises.
+
+``RvodInternalError`` means a collective failed (a peer died, a link broke, the job shut down); elastic
+training recovers from it, and ``HorovodInternalError`` is the same class so Horovod scripts catch it.
+``RvodMismatchError`` means ranks disagreed about a tensor (shape, dtype, op, root); it is also a
+``ValueError``. Bad arguments raise plain ``TypeError``/``ValueError`` before anything is sent.
+"""
+
+
+class RvodError(Exception):
+    """Base class of every rvod-specific error."""
+
+
+class RvodInternalError(RvodError, RuntimeError):
+    """A collective failed on this rank; the message says which op, which tensor and which peer."""
+
+
+HorovodInternalError = RvodInternalError
+
+
+class RvodMismatchError(RvodInternalError, ValueError):
+    """Ranks disagreed about a tensor; the message names the ranks and the values they sent."""
+
+
+class RvodTimeoutError(RvodInternalError):
+    """A peer made no progress for RVOD_TIMEOUT seconds."""
+
+
+class HostsUpdatedInterrupt(RvodError, RuntimeError):
+    """The set of hosts of an elastic job changed; training state is restored and synchronised."""
+
+    def __init__(self, skip_sync=False):
+        super().__init__("hosts updated")
+        self.skip_sync = skip_sync

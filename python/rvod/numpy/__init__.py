@@ -1,0 +1,174 @@
+"""Horovod's op surface for NumPy arrays (and any object with ``__dlpack__``).
+
+Names, argument order and defaults follow ``horovod.torch``, so a script written for it runs on NumPy
+data with ``import rvod.numpy as hvd``. Results are NumPy arrays; async ops return integer handles for
+``poll`` and ``synchronize``.
+"""
+
+from rvod.common import ops as _ops
+from rvod.common import objects as _objects
+from rvod.common.basics import (
+    ccl_built,
+    cross_rank,
+    cross_size,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    init,
+    is_homogeneous,
+    is_initialized,
+    local_rank,
+    local_size,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rank,
+    rocm_built,
+    shutdown,
+    size,
+    start_timeline,
+    stop_timeline,
+)
+from rvod.common.ops import barrier, join, poll, synchronize
+from rvod.common.process_sets import (
+    ProcessSet,
+    add_process_set,
+    global_process_set,
+    remove_process_set,
+)
+from rvod.common.reduce_ops import Adasum, Average, Max, Min, Product, Sum
+from rvod.exceptions import HorovodInternalError, RvodInternalError, RvodMismatchError
+from rvod.numpy.adapter import NumpyAdapter
+
+_adapter = NumpyAdapter()
+gps = global_process_set
+
+
+def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                    process_set=gps):
+    return _ops.allreduce_async(_adapter, tensor, average, name, op, prescale_factor, postscale_factor,
+                                process_set)
+
+
+def allreduce(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+              process_set=gps):
+    """Reduce ``tensor`` across ranks (default: Average) into a new array."""
+    return synchronize(allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
+
+
+def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                     process_set=gps):
+    return _ops.allreduce_async(_adapter, tensor, average, name, op, prescale_factor, postscale_factor,
+                                process_set, in_place=True)
+
+
+def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+               process_set=gps):
+    """Reduce ``tensor`` across ranks in place; returns it."""
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
+
+
+def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                            postscale_factor=1.0, process_set=gps):
+    return _ops.grouped_allreduce_async(_adapter, tensors, average, name, op, prescale_factor,
+                                        postscale_factor, process_set)
+
+
+def grouped_allreduce(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                      process_set=gps):
+    """Reduce a list of arrays as one unit; returns a list of new arrays."""
+    return synchronize(grouped_allreduce_async(tensors, average, name, op, prescale_factor, postscale_factor,
+                                               process_set))
+
+
+def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                             postscale_factor=1.0, process_set=gps):
+    return _ops.grouped_allreduce_async(_adapter, tensors, average, name, op, prescale_factor,
+                                        postscale_factor, process_set, in_place=True)
+
+
+def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                       process_set=gps):
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
+                                                process_set))
+
+
+def allgather_async(tensor, name=None, process_set=gps):
+    return _ops.allgather_async(_adapter, tensor, name, process_set)
+
+
+def allgather(tensor, name=None, process_set=gps):
+    """Concatenate every rank's array along the first dimension (first dimensions may differ)."""
+    return synchronize(allgather_async(tensor, name, process_set))
+
+
+def grouped_allgather_async(tensors, name=None, process_set=gps):
+    return _ops.grouped_allgather_async(_adapter, tensors, name, process_set)
+
+
+def grouped_allgather(tensors, name=None, process_set=gps):
+    return synchronize(grouped_allgather_async(tensors, name, process_set))
+
+
+def broadcast_async(tensor, root_rank, name=None, process_set=gps):
+    return _ops.broadcast_async(_adapter, tensor, root_rank, name, process_set)
+
+
+def broadcast(tensor, root_rank, name=None, process_set=gps):
+    """Return ``root_rank``'s array on every rank."""
+    return synchronize(broadcast_async(tensor, root_rank, name, process_set))
+
+
+def broadcast_async_(tensor, root_rank, name=None, process_set=gps):
+    return _ops.broadcast_async(_adapter, tensor, root_rank, name, process_set, in_place=True)
+
+
+def broadcast_(tensor, root_rank, name=None, process_set=gps):
+    """Overwrite ``tensor`` with ``root_rank``'s values; returns it."""
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+
+
+def alltoall_async(tensor, splits=None, name=None, process_set=gps):
+    return _ops.alltoall_async(_adapter, tensor, splits, name, process_set)
+
+
+def alltoall(tensor, splits=None, name=None, process_set=gps):
+    """Send ``splits[i]`` rows of dim 0 to rank i (even split when None) and gather what others send.
+    Returns the output, or ``(output, received_splits)`` when ``splits`` is given."""
+    return synchronize(alltoall_async(tensor, splits, name, process_set))
+
+
+def reducescatter_async(tensor, name=None, op=Average, process_set=gps, prescale_factor=1.0,
+                        postscale_factor=1.0):
+    return _ops.reducescatter_async(_adapter, tensor, name, op, process_set, prescale_factor, postscale_factor)
+
+
+def reducescatter(tensor, name=None, op=Average, process_set=gps, prescale_factor=1.0, postscale_factor=1.0):
+    """Reduce across ranks, then give rank r its share of dim 0 (the first ranks take the extra rows)."""
+    return synchronize(reducescatter_async(tensor, name, op, process_set, prescale_factor, postscale_factor))
+
+
+def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=gps, prescale_factor=1.0,
+                                postscale_factor=1.0):
+    return _ops.grouped_reducescatter_async(_adapter, tensors, name, op, process_set, prescale_factor,
+                                            postscale_factor)
+
+
+def grouped_reducescatter(tensors, name=None, op=Average, process_set=gps, prescale_factor=1.0,
+                          postscale_factor=1.0):
+    return synchronize(grouped_reducescatter_async(tensors, name, op, process_set, prescale_factor,
+                                                   postscale_factor))
+
+
+def broadcast_object(obj, root_rank=0, name=None, process_set=gps):
+    """Return ``root_rank``'s picklable object on every rank."""
+    return _objects.broadcast_object(
+        lambda array, root, object_name: broadcast(array, root, object_name, process_set),
+        rank(), obj, root_rank, name)
+
+
+def allgather_object(obj, name=None):
+    """A list with every rank's picklable object, in rank order."""
+    return _objects.allgather_object(allgather, obj, name)

@@ -1,0 +1,23 @@
+//! Negotiation: deciding, identically on every rank, which collectives run next and in what order.
+//!
+//! - [`message`]: a rank's [`Request`](message::Request) and the agreed [`Response`](message::Response).
+//! - [`round`]: the messages of one round (round header, request list, response list).
+//! - [`codec`]: their versioned binary wire format, decoded defensively.
+//! - [`bitset`]: compact sets of response-cache bits, ANDed and ORed across ranks.
+//! - [`cache`]: the response cache that lets steady-state rounds skip the coordinator.
+//! - [`negotiation`]: one round, run in lockstep by every rank.
+//! - [`message_table`]: the coordinator's requests-so-far, join state and stall detection.
+//! - [`validate`]: every rank's requests for a tensor turned into one response or one error.
+//! - [`stall`]: the stall warning and its clock.
+//!
+//! Invariant: every rank applies the same responses, in the same order, to the same cache state.
+
+pub mod bitset;
+pub mod cache;
+pub mod codec;
+pub mod message;
+pub mod message_table;
+pub mod negotiation;
+pub mod round;
+pub mod stall;
+pub mod validate;

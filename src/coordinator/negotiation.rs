@@ -1,0 +1,229 @@
+//! One negotiation round, run in lockstep by every rank of a communicator.
+//!
+//! 1. Each rank looks its new requests up in the response cache and sends every other rank a
+//!    [`RoundHeader`] (flags, cache hits, invalid bits). Every rank ANDs the hits of the ranks that have
+//!    not joined and ORs the invalid bits, so all reach the same verdict with no coordinator involved:
+//!    in steady state this is the whole round.
+//! 2. Only if some rank has uncached requests (or an entry became invalid), workers send them to the
+//!    coordinator (rank 0), which answers everyone with the same [`ResponseList`].
+//! 3. Every rank updates its cache with the new responses in the same order, and fuses the list.
+//!
+//! A rank starts a round when it has new work; an idle rank joins when a peer's header arrives.
+
+use std::time::{Duration, Instant};
+
+use crate::coordinator::bitset::BitSet;
+use crate::coordinator::cache::{CacheLookup, ResponseCache, TensorParams};
+use crate::coordinator::codec::WireMessage;
+use crate::coordinator::message_table::MessageTable;
+use crate::coordinator::message::Response;
+use crate::coordinator::round::{RequestList, ResponseList, RoundHeader};
+use crate::engine::table::{Announcement, TensorTable};
+use crate::fusion::plan_fusion;
+use crate::transport::{Transport, TransportError};
+use crate::types::CollectiveKind;
+
+/// Control messages larger than this are treated as corrupt.
+const MAX_CONTROL_MESSAGE: usize = 256 * 1024 * 1024;
+
+/// What a round decided.
+pub struct RoundOutcome {
+    /// Responses to run now, fused, identical on every rank.
+    pub responses: Vec<Response>,
+    /// Some rank asked to shut down; every rank leaves after running `responses`.
+    pub shutdown: bool,
+}
+
+pub struct Negotiator {
+    cache: ResponseCache,
+    fusion_threshold: usize,
+    /// Cached entries pending longer than this are invalidated so the coordinator can report the stall.
+    stall_check: Option<Duration>,
+    coordinator: Option<MessageTable>,
+}
+
+fn is_cacheable(kind: CollectiveKind) -> bool {
+    matches!(kind, CollectiveKind::Allreduce | CollectiveKind::Allgather | CollectiveKind::Alltoall)
+}
+
+fn send_message(t: &mut dyn Transport, peer: usize, body: &[u8]) -> Result<(), TransportError> {
+    let mut frame = Vec::with_capacity(4 + body.len());
+    frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    frame.extend_from_slice(body);
+    t.send(peer, &frame)
+}
+
+fn recv_message<M: WireMessage>(t: &mut dyn Transport, peer: usize) -> Result<M, TransportError> {
+    let mut len = [0u8; 4];
+    t.recv(peer, &mut len)?;
+    let len = u32::from_le_bytes(len) as usize;
+    if len > MAX_CONTROL_MESSAGE {
+        return Err(TransportError::Protocol { peer, detail: format!("control message of {len} bytes") });
+    }
+    let mut body = vec![0u8; len];
+    t.recv(peer, &mut body)?;
+    M::from_bytes(&body).map_err(|e| TransportError::Protocol { peer, detail: e.to_string() })
+}
+
+impl Negotiator {
+    pub fn new(rank: usize, size: usize, cache_capacity: usize, fusion_threshold: usize, stall_check: Option<Duration>) -> Self {
+        Negotiator {
+            cache: ResponseCache::new(cache_capacity),
+            fusion_threshold,
+            stall_check,
+            coordinator: (rank == 0).then(|| MessageTable::new(size)),
+        }
+    }
+
+    /// The coordinator's state, on rank 0.
+    pub fn coordinator_mut(&mut self) -> Option<&mut MessageTable> {
+        self.coordinator.as_mut()
+    }
+
+    /// Whether this rank should start a round even without new work (queued stall errors).
+    pub fn wants_round(&self) -> bool {
+        self.coordinator.as_ref().is_some_and(MessageTable::has_queued)
+    }
+
+    /// Run one round. `shutdown` asks every rank to stop after it.
+    pub fn round(&mut self, t: &mut dyn Transport, table: &mut TensorTable, shutdown: bool) -> Result<RoundOutcome, TransportError> {
+        let (me, n) = (t.rank(), t.size());
+        let header = self.local_header(table, shutdown);
+
+        let header_bytes = header.to_bytes();
+        for peer in (0..n).filter(|&p| p != me) {
+            send_message(t, peer, &header_bytes)?;
+        }
+        let mut headers = Vec::with_capacity(n);
+        for peer in 0..n {
+            if peer == me {
+                headers.push(header.clone());
+            } else {
+                headers.push(recv_message::<RoundHeader>(t, peer)?);
+            }
+        }
+
+        let any_shutdown = headers.iter().any(|h| h.shutdown);
+        let any_uncached = headers.iter().any(|h| h.has_uncached);
+        let mut invalid = BitSet::new();
+        for h in &headers {
+            invalid.union_with(&h.invalid);
+        }
+        let mut common: Option<BitSet> = None;
+        let active: Vec<&RoundHeader> = headers.iter().filter(|h| !h.joined).collect();
+        let voters = if active.is_empty() { headers.iter().collect() } else { active };
+        for h in voters {
+            match common.as_mut() {
+                None => common = Some(h.cache_hits.clone()),
+                Some(c) => c.intersect_with(&h.cache_hits),
+            }
+        }
+        let common = common.unwrap_or_default();
+
+        // Invalid entries are erased everywhere; local hits on them go the slow way this same round.
+        for bit in invalid.iter_ones() {
+            self.cache.erase(bit);
+        }
+        if !invalid.is_empty() {
+            table.for_each(|_, announcement| {
+                if let Announcement::CacheHit(bit) = *announcement {
+                    if invalid.contains(bit) {
+                        *announcement = Announcement::Unsent;
+                    }
+                }
+            });
+        }
+
+        let mut responses = Vec::new();
+        for bit in common.iter_ones().filter(|b| !invalid.contains(*b)) {
+            if let Some(cached) = self.cache.get(bit) {
+                responses.push(cached.clone());
+                self.cache.touch(bit);
+            }
+        }
+
+        if any_uncached || !invalid.is_empty() {
+            let new_responses = self.slow_path(t, table, any_shutdown)?;
+            for response in &new_responses {
+                self.cache.put(response, |name| table.request(name).map(TensorParams::from));
+            }
+            responses.extend(new_responses);
+        }
+
+        Ok(RoundOutcome { responses: plan_fusion(responses, self.fusion_threshold), shutdown: any_shutdown })
+    }
+
+    /// This rank's header: classify new requests against the cache and collect hits and invalid bits.
+    fn local_header(&mut self, table: &mut TensorTable, shutdown: bool) -> RoundHeader {
+        let mut header = RoundHeader { shutdown, joined: table.has_join(), ..RoundHeader::default() };
+        let cache = &self.cache;
+        let use_cache = cache.capacity() > 0;
+        let stall_deadline = self.stall_check.and_then(|d| Instant::now().checked_sub(d));
+        let forced = self.wants_round();
+        table.for_each(|entry, announcement| {
+            if *announcement == Announcement::Unsent && use_cache && is_cacheable(entry.request.kind) {
+                match cache.lookup(&entry.request) {
+                    CacheLookup::Hit(bit) => *announcement = Announcement::CacheHit(bit),
+                    CacheLookup::Invalid(bit) => header.invalid.insert(bit),
+                    CacheLookup::Miss => {}
+                }
+            }
+            match *announcement {
+                Announcement::CacheHit(bit) => {
+                    // A hit waiting longer than the stall time is invalidated so the coordinator sees it.
+                    if stall_deadline.is_some_and(|deadline| entry.submitted < deadline) {
+                        header.invalid.insert(bit);
+                    } else {
+                        header.cache_hits.insert(bit);
+                    }
+                }
+                Announcement::Unsent => header.has_uncached = true,
+                Announcement::SentToCoordinator => {}
+            }
+        });
+        header.has_uncached |= forced;
+        header
+    }
+
+    /// Workers send their uncached requests to the coordinator, which answers everyone.
+    fn slow_path(&mut self, t: &mut dyn Transport, table: &mut TensorTable, shutdown: bool) -> Result<Vec<Response>, TransportError> {
+        let (me, n) = (t.rank(), t.size());
+        let mut mine = RequestList::default();
+        table.for_each(|entry, announcement| {
+            if *announcement == Announcement::Unsent {
+                *announcement = Announcement::SentToCoordinator;
+                mine.requests.push(entry.request.clone());
+            }
+        });
+        match self.coordinator.as_mut() {
+            Some(coordinator) => {
+                for request in mine.requests {
+                    coordinator.add(request);
+                }
+                for peer in (0..n).filter(|&p| p != me) {
+                    let list = recv_message::<RequestList>(t, peer)?;
+                    for request in list.requests {
+                        if request.rank as usize != peer {
+                            return Err(TransportError::Protocol {
+                                peer,
+                                detail: format!("request claims to come from rank {}", request.rank),
+                            });
+                        }
+                        coordinator.add(request);
+                    }
+                }
+                let decision = ResponseList { responses: coordinator.ready_responses(), shutdown };
+                let bytes = decision.to_bytes();
+                for peer in (0..n).filter(|&p| p != me) {
+                    send_message(t, peer, &bytes)?;
+                }
+                Ok(decision.responses)
+            }
+            None => {
+                send_message(t, 0, &mine.to_bytes())?;
+                let decision = recv_message::<ResponseList>(t, 0)?;
+                Ok(decision.responses)
+            }
+        }
+    }
+}

@@ -1,0 +1,259 @@
+//! The three messages of one negotiation round and their framed wire encodings.
+//!
+//! 1. Every rank sends every other rank a [`RoundHeader`]: its status flags and which response-cache
+//!    bits it hit or found invalid. Each rank ANDs the hit sets and ORs the invalid sets locally, so all
+//!    ranks reach the same verdict without a coordinator.
+//! 2. If any rank has uncached requests, workers send the coordinator a [`RequestList`].
+//! 3. The coordinator answers every rank with the same [`ResponseList`].
+//!
+//! All three are [`WireMessage`]s: framed with magic, kind and protocol version (see
+//! [`crate::coordinator::codec`]), so the protocol version lives in the frame, not in the structs.
+
+use crate::coordinator::bitset::BitSet;
+use crate::coordinator::codec::{DecodeError, MessageKind, Wire, WireMessage, WireReader, WireWriter};
+use crate::coordinator::message::{Request, Response};
+
+const FLAG_SHUTDOWN: u8 = 1;
+const FLAG_HAS_UNCACHED: u8 = 1 << 1;
+const FLAG_JOINED: u8 = 1 << 2;
+const KNOWN_FLAGS: u8 = FLAG_SHUTDOWN | FLAG_HAS_UNCACHED | FLAG_JOINED;
+
+/// What a rank tells every other rank at the start of a round.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RoundHeader {
+    /// This rank asked for a coordinated shutdown.
+    pub shutdown: bool,
+    /// This rank has requests that missed the cache (or are never cached), so the round needs the slow path.
+    pub has_uncached: bool,
+    /// This rank has called join (it reports hits on every cached bit).
+    pub joined: bool,
+    /// Cache bits of this rank's requests that hit.
+    pub cache_hits: BitSet,
+    /// Cache bits this rank found invalid (same name, different parameters); every rank erases them.
+    pub invalid: BitSet,
+}
+
+impl RoundHeader {
+    pub fn has_invalid(&self) -> bool {
+        !self.invalid.is_empty()
+    }
+}
+
+/// A worker's requests for the coordinator.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RequestList {
+    pub requests: Vec<Request>,
+}
+
+/// The coordinator's decision, identical on every rank: run these responses in this order.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ResponseList {
+    pub responses: Vec<Response>,
+    /// Every rank leaves the background loop after running `responses`.
+    pub shutdown: bool,
+}
+
+impl Wire for RoundHeader {
+    fn encode(&self, w: &mut WireWriter) {
+        let mut flags = 0;
+        if self.shutdown {
+            flags |= FLAG_SHUTDOWN;
+        }
+        if self.has_uncached {
+            flags |= FLAG_HAS_UNCACHED;
+        }
+        if self.joined {
+            flags |= FLAG_JOINED;
+        }
+        w.put_u8(flags);
+        self.cache_hits.encode(w);
+        self.invalid.encode(w);
+    }
+
+    fn decode(r: &mut WireReader<'_>) -> Result<Self, DecodeError> {
+        let flags = r.u8("round header flags")?;
+        if flags & !KNOWN_FLAGS != 0 {
+            return Err(DecodeError::BadTag { what: "round header flags", tag: flags });
+        }
+        Ok(RoundHeader {
+            shutdown: flags & FLAG_SHUTDOWN != 0,
+            has_uncached: flags & FLAG_HAS_UNCACHED != 0,
+            joined: flags & FLAG_JOINED != 0,
+            cache_hits: BitSet::decode(r)?,
+            invalid: BitSet::decode(r)?,
+        })
+    }
+}
+
+impl WireMessage for RoundHeader {
+    const KIND: MessageKind = MessageKind::RoundHeader;
+}
+
+impl Wire for RequestList {
+    fn encode(&self, w: &mut WireWriter) {
+        w.put_seq(&self.requests);
+    }
+
+    fn decode(r: &mut WireReader<'_>) -> Result<Self, DecodeError> {
+        Ok(RequestList { requests: r.seq("requests")? })
+    }
+}
+
+impl WireMessage for RequestList {
+    const KIND: MessageKind = MessageKind::RequestList;
+}
+
+impl Wire for ResponseList {
+    fn encode(&self, w: &mut WireWriter) {
+        w.put_seq(&self.responses);
+        w.put_bool(self.shutdown);
+    }
+
+    fn decode(r: &mut WireReader<'_>) -> Result<Self, DecodeError> {
+        Ok(ResponseList { responses: r.seq("responses")?, shutdown: r.bool("response list shutdown flag")? })
+    }
+}
+
+impl WireMessage for ResponseList {
+    const KIND: MessageKind = MessageKind::ResponseList;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::coordinator::codec::tests::{arb_request, arb_response};
+    use crate::coordinator::codec::{PROTOCOL_VERSION, WIRE_MAGIC};
+    use proptest::prelude::*;
+
+    fn arb_bitset() -> impl Strategy<Value = BitSet> {
+        prop::collection::vec(0usize..300, 0..20).prop_map(|bits| bits.into_iter().collect())
+    }
+
+    fn arb_header() -> impl Strategy<Value = RoundHeader> {
+        (any::<bool>(), any::<bool>(), any::<bool>(), arb_bitset(), arb_bitset()).prop_map(
+            |(shutdown, has_uncached, joined, cache_hits, invalid)| RoundHeader {
+                shutdown,
+                has_uncached,
+                joined,
+                cache_hits,
+                invalid,
+            },
+        )
+    }
+
+    fn arb_request_list() -> impl Strategy<Value = RequestList> {
+        prop::collection::vec(arb_request(), 0..4).prop_map(|requests| RequestList { requests })
+    }
+
+    fn arb_response_list() -> impl Strategy<Value = ResponseList> {
+        (prop::collection::vec(arb_response(), 0..4), any::<bool>())
+            .prop_map(|(responses, shutdown)| ResponseList { responses, shutdown })
+    }
+
+    /// Decodes and re-encodes: equal bytes means equal messages, NaN scale factors included.
+    fn assert_roundtrip<M: WireMessage>(message: &M) {
+        let bytes = message.to_bytes();
+        let decoded = M::from_bytes(&bytes).unwrap();
+        assert_eq!(decoded.to_bytes(), bytes);
+    }
+
+    fn assert_every_truncation_fails<M: WireMessage>(message: &M) {
+        let bytes = message.to_bytes();
+        for cut in 0..bytes.len() {
+            assert!(M::from_bytes(&bytes[..cut]).is_err(), "prefix of {cut} bytes decoded");
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn round_header_roundtrips(header in arb_header()) {
+            prop_assert_eq!(RoundHeader::from_bytes(&header.to_bytes()).unwrap(), header.clone());
+            assert_every_truncation_fails(&header);
+        }
+
+        #[test]
+        fn request_list_roundtrips(list in arb_request_list()) {
+            assert_roundtrip(&list);
+            assert_every_truncation_fails(&list);
+        }
+
+        #[test]
+        fn response_list_roundtrips(list in arb_response_list()) {
+            assert_roundtrip(&list);
+            assert_every_truncation_fails(&list);
+        }
+
+        #[test]
+        fn random_bytes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..512)) {
+            let _ = RoundHeader::from_bytes(&bytes);
+            let _ = RequestList::from_bytes(&bytes);
+            let _ = ResponseList::from_bytes(&bytes);
+        }
+
+        #[test]
+        fn random_bodies_behind_a_valid_frame_never_panic(body in prop::collection::vec(any::<u8>(), 0..512)) {
+            for kind in [MessageKind::RoundHeader, MessageKind::RequestList, MessageKind::ResponseList] {
+                let mut w = WireWriter::new();
+                w.put_u32(WIRE_MAGIC);
+                w.put_u8(kind as u8);
+                w.put_u16(PROTOCOL_VERSION);
+                let mut bytes = w.into_bytes();
+                bytes.extend_from_slice(&body);
+                let _ = RoundHeader::from_bytes(&bytes);
+                let _ = RequestList::from_bytes(&bytes);
+                let _ = ResponseList::from_bytes(&bytes);
+            }
+        }
+    }
+
+    #[test]
+    fn frame_errors_are_detected() {
+        let bytes = RoundHeader::default().to_bytes();
+
+        let mut bad_magic = bytes.clone();
+        bad_magic[0] ^= 0xff;
+        assert!(matches!(RoundHeader::from_bytes(&bad_magic), Err(DecodeError::BadMagic { .. })));
+
+        assert_eq!(
+            RequestList::from_bytes(&bytes).unwrap_err(),
+            DecodeError::WrongKind { expected: MessageKind::RequestList, found: MessageKind::RoundHeader as u8 }
+        );
+
+        let mut future = bytes.clone();
+        future[5..7].copy_from_slice(&(PROTOCOL_VERSION + 1).to_le_bytes());
+        assert_eq!(
+            RoundHeader::from_bytes(&future).unwrap_err(),
+            DecodeError::VersionMismatch { found: PROTOCOL_VERSION + 1, expected: PROTOCOL_VERSION }
+        );
+
+        let mut trailing = bytes.clone();
+        trailing.push(0);
+        assert_eq!(RoundHeader::from_bytes(&trailing).unwrap_err(), DecodeError::TrailingBytes { count: 1 });
+
+        let mut unknown_flag = bytes;
+        unknown_flag[7] = 0x80;
+        assert!(matches!(RoundHeader::from_bytes(&unknown_flag), Err(DecodeError::BadTag { .. })));
+    }
+
+    #[test]
+    fn huge_sequence_length_is_rejected() {
+        let mut w = WireWriter::new();
+        w.put_u32(WIRE_MAGIC);
+        w.put_u8(MessageKind::ResponseList as u8);
+        w.put_u16(PROTOCOL_VERSION);
+        w.put_u64(u64::MAX);
+        w.put_bool(false);
+        assert!(matches!(
+            ResponseList::from_bytes(&w.into_bytes()),
+            Err(DecodeError::LengthOverLimit { declared: u64::MAX, .. })
+        ));
+    }
+
+    #[test]
+    fn has_invalid_follows_the_invalid_set() {
+        let mut header = RoundHeader::default();
+        assert!(!header.has_invalid());
+        header.invalid.insert(3);
+        assert!(header.has_invalid());
+    }
+}

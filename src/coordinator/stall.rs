@@ -1,0 +1,90 @@
+//! The stall inspector: the coordinator's record of tensors that some ranks submitted and others did not,
+//! and the warning that names the missing ranks.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+/// Tensor names waiting for each missing rank, sorted by rank.
+pub type MissingRanks = BTreeMap<u32, Vec<String>>;
+
+/// At most this many tensor names are listed per missing rank.
+const NAMES_PER_RANK: usize = 6;
+
+/// Horovod-style warning text naming, for each missing rank, the tensors it has not submitted.
+pub fn stall_warning(missing: &MissingRanks, waited: Duration, shutdown_after: Option<Duration>, stalled_out: &[u32]) -> String {
+    let mut text = format!(
+        "One or more tensors were submitted to be reduced, gathered or broadcasted by subset of ranks and are waiting \
+         for remainder of ranks for more than {} seconds. This may indicate that different ranks are trying to submit \
+         different tensors or that only subset of ranks is submitting tensors, which will cause deadlock.\nMissing ranks:",
+        waited.as_secs()
+    );
+    for (rank, names) in missing {
+        let marker = if stalled_out.contains(rank) { "!" } else { "" };
+        let shown: Vec<&str> = names.iter().take(NAMES_PER_RANK).map(String::as_str).collect();
+        let more = if names.len() > NAMES_PER_RANK { ", ..." } else { "" };
+        text.push_str(&format!("\n{rank}{marker}: [{}{more}]", shown.join(", ")));
+    }
+    if let Some(limit) = shutdown_after {
+        if !stalled_out.is_empty() {
+            text.push_str(&format!(
+                "\nOne or more rank (marked by \"!\") is stalled for longer than {} seconds. Their collectives fail.",
+                limit.as_secs()
+            ));
+        }
+    }
+    text
+}
+
+/// When the next stall check is due.
+pub struct StallClock {
+    interval: Duration,
+    next_check: Instant,
+}
+
+impl StallClock {
+    pub fn new(interval: Duration) -> StallClock {
+        StallClock { interval, next_check: Instant::now() + interval }
+    }
+
+    /// Whether a check is due now; if so the next one is scheduled.
+    pub fn due(&mut self, now: Instant) -> bool {
+        if now < self.next_check {
+            return false;
+        }
+        self.next_check = now + self.interval;
+        true
+    }
+
+    /// Time left until the next check.
+    pub fn remaining(&self, now: Instant) -> Duration {
+        self.next_check.saturating_duration_since(now)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn warning_names_ranks_and_tensors() {
+        let mut missing = MissingRanks::new();
+        missing.insert(1, vec!["allreduce.a".into(), "allreduce.b".into()]);
+        missing.insert(2, (0..8).map(|i| format!("t{i}")).collect());
+        let text = stall_warning(&missing, Duration::from_secs(60), None, &[]);
+        assert!(text.contains("more than 60 seconds"));
+        assert!(text.contains("\n1: [allreduce.a, allreduce.b]"));
+        assert!(text.contains("\n2: [t0, t1, t2, t3, t4, t5, ...]"));
+        let text = stall_warning(&missing, Duration::from_secs(60), Some(Duration::from_secs(90)), &[2]);
+        assert!(text.contains("\n2!: ["));
+        assert!(text.contains("stalled for longer than 90 seconds"));
+    }
+
+    #[test]
+    fn clock_fires_once_per_interval() {
+        let start = Instant::now();
+        let mut clock = StallClock::new(Duration::from_secs(10));
+        assert!(!clock.due(start));
+        assert!(clock.due(start + Duration::from_secs(11)));
+        assert!(!clock.due(start + Duration::from_secs(12)));
+    }
+}

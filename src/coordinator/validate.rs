@@ -1,0 +1,276 @@
+//! Turning every rank's request for one tensor into the response all ranks run, or into the error all
+//! ranks report. Error messages name the tensor, the ranks and the values they disagree on.
+
+use std::fmt::Display;
+
+use crate::coordinator::message::{ErrorKind, Request, Response, ResponseEntry};
+use crate::types::{CollectiveKind, ReduceOp};
+
+/// "rank 0 sent X; ranks 1, 2 sent Y", grouping ranks that agree. Values are listed in rank order.
+fn describe<T: Display>(values: &[(u32, T)]) -> String {
+    let mut groups: Vec<(String, Vec<u32>)> = Vec::new();
+    for (rank, value) in values {
+        let text = value.to_string();
+        match groups.iter_mut().find(|(v, _)| *v == text) {
+            Some((_, ranks)) => ranks.push(*rank),
+            None => groups.push((text, vec![*rank])),
+        }
+    }
+    groups
+        .iter()
+        .map(|(value, ranks)| {
+            let who = if ranks.len() == 1 {
+                format!("rank {}", ranks[0])
+            } else {
+                format!("ranks {}", ranks.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(", "))
+            };
+            format!("{who} sent {value}")
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+fn shape_text(shape: &[i64]) -> String {
+    format!("{shape:?}")
+}
+
+/// Checks that `key` agrees on every rank; otherwise the mismatch message.
+fn agree<T: PartialEq + Display>(
+    requests: &[Request],
+    what: &str,
+    name: &str,
+    kind: CollectiveKind,
+    key: impl Fn(&Request) -> T,
+) -> Result<(), String> {
+    let first = key(&requests[0]);
+    if requests.iter().all(|r| key(r) == first) {
+        return Ok(());
+    }
+    let values: Vec<(u32, T)> = requests.iter().map(|r| (r.rank, key(r))).collect();
+    Err(format!("Mismatched {what} for {kind} of tensor '{name}': {}.", describe(&values)))
+}
+
+fn error_response(first: &Request, kind: ErrorKind, message: String) -> Response {
+    Response {
+        kind: first.kind,
+        entries: vec![ResponseEntry { name: first.name.clone(), shape: first.shape.clone(), per_rank: Vec::new() }],
+        dtype: first.dtype,
+        reduce_op: first.reduce_op,
+        root_rank: first.root_rank,
+        prescale: first.prescale,
+        postscale: first.postscale,
+        error: Some((kind, message)),
+        last_joined_rank: -1,
+    }
+}
+
+struct ShapeText<'a>(&'a [i64]);
+impl Display for ShapeText<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&shape_text(self.0))
+    }
+}
+
+/// Build the response for one tensor from the requests of every rank that submitted it (sorted by rank,
+/// non-empty). `size` is the communicator size; `any_joined` tells whether some ranks joined instead of
+/// submitting (they contribute zeros to an allreduce; other collectives cannot run then).
+pub fn construct_response(requests: &[Request], size: usize, any_joined: bool) -> Response {
+    let first = &requests[0];
+    let name = first.name.as_str();
+    let kind = first.kind;
+    let mismatch = |message: String| error_response(first, ErrorKind::Mismatch, message);
+
+    if let Err(m) = agree(requests, "operations", name, kind, |r| r.kind.name()) {
+        return mismatch(m);
+    }
+    if let Err(m) = agree(requests, "data types", name, kind, |r| r.dtype.name()) {
+        return mismatch(m);
+    }
+    if any_joined && kind != CollectiveKind::Allreduce && kind != CollectiveKind::Barrier {
+        let message = format!(
+            "{} of tensor '{name}' is not supported while some ranks have called join(); only allreduce is.",
+            capitalise(kind.name())
+        );
+        return error_response(first, ErrorKind::Invalid, message);
+    }
+    let check = match kind {
+        CollectiveKind::Allreduce | CollectiveKind::Reducescatter => {
+            let shapes = agree(requests, "tensor shapes", name, kind, |r| shape_text(&r.shape));
+            let ops = || agree(requests, "reduction operations", name, kind, |r| r.reduce_op.name());
+            let scales = || {
+                agree(requests, "prescale and/or postscale factors", name, kind, |r| {
+                    format!("prescale={} postscale={}", r.prescale, r.postscale)
+                })
+            };
+            shapes.and_then(|_| ops()).and_then(|_| scales())
+        }
+        CollectiveKind::Broadcast => agree(requests, "tensor shapes", name, kind, |r| shape_text(&r.shape))
+            .and_then(|_| agree(requests, "root ranks", name, kind, |r| r.root_rank)),
+        CollectiveKind::Allgather | CollectiveKind::Alltoall => {
+            agree(requests, "tensor ranks (number of dimensions)", name, kind, |r| r.shape.len()).and_then(|_| {
+                agree(requests, "tensor shapes beyond the first dimension", name, kind, |r| {
+                    ShapeText(r.shape.get(1..).unwrap_or(&[])).to_string()
+                })
+            })
+        }
+        CollectiveKind::Barrier | CollectiveKind::Join => Ok(()),
+    };
+    if let Err(m) = check {
+        return mismatch(m);
+    }
+    if matches!(kind, CollectiveKind::Allgather | CollectiveKind::Reducescatter) && first.shape.is_empty() {
+        let message = format!("{} of tensor '{name}' needs at least one dimension, got a scalar.", capitalise(kind.name()));
+        return error_response(first, ErrorKind::Invalid, message);
+    }
+    if kind == CollectiveKind::Reducescatter && !matches!(first.reduce_op, ReduceOp::Sum | ReduceOp::Average) {
+        let message = format!("Reducescatter of tensor '{name}' supports only Average and Sum, not {}.", first.reduce_op);
+        return error_response(first, ErrorKind::Invalid, message);
+    }
+
+    let per_rank = match kind {
+        CollectiveKind::Allgather => requests.iter().map(|r| r.shape.first().copied().unwrap_or(0)).collect(),
+        CollectiveKind::Alltoall => {
+            let mut matrix = Vec::with_capacity(size * size);
+            for r in requests {
+                if r.splits.len() == size {
+                    matrix.extend_from_slice(&r.splits);
+                } else {
+                    let rows = r.shape.first().copied().unwrap_or(0).max(0) / size.max(1) as i64;
+                    matrix.extend(std::iter::repeat(rows).take(size));
+                }
+            }
+            matrix
+        }
+        _ => Vec::new(),
+    };
+    Response {
+        kind,
+        entries: vec![ResponseEntry { name: name.to_string(), shape: first.shape.clone(), per_rank }],
+        dtype: first.dtype,
+        reduce_op: first.reduce_op,
+        root_rank: first.root_rank,
+        prescale: first.prescale,
+        postscale: first.postscale,
+        error: None,
+        last_joined_rank: -1,
+    }
+}
+
+fn capitalise(word: &str) -> String {
+    let mut chars = word.chars();
+    match chars.next() {
+        Some(c) => c.to_uppercase().collect::<String>() + chars.as_str(),
+        None => String::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::types::DataType;
+
+    fn req(rank: u32, kind: CollectiveKind, shape: &[i64]) -> Request {
+        Request {
+            rank,
+            kind,
+            name: "t".into(),
+            dtype: DataType::Float32,
+            shape: shape.to_vec(),
+            reduce_op: ReduceOp::Sum,
+            root_rank: -1,
+            prescale: 1.0,
+            postscale: 1.0,
+            splits: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn agreeing_allreduce_gives_a_response() {
+        let r = construct_response(&[req(0, CollectiveKind::Allreduce, &[2, 3]), req(1, CollectiveKind::Allreduce, &[2, 3])], 2, false);
+        assert!(r.error.is_none());
+        assert_eq!(r.entries[0].shape, vec![2, 3]);
+    }
+
+    #[test]
+    fn shape_mismatch_names_ranks_and_shapes() {
+        let r = construct_response(
+            &[
+                req(0, CollectiveKind::Allreduce, &[2, 3]),
+                req(1, CollectiveKind::Allreduce, &[4]),
+                req(2, CollectiveKind::Allreduce, &[2, 3]),
+            ],
+            3,
+            false,
+        );
+        let (kind, msg) = r.error.unwrap();
+        assert_eq!(kind, ErrorKind::Mismatch);
+        assert_eq!(msg, "Mismatched tensor shapes for allreduce of tensor 't': ranks 0, 2 sent [2, 3]; rank 1 sent [4].");
+    }
+
+    #[test]
+    fn dtype_op_root_and_scale_mismatches() {
+        let mut b = req(1, CollectiveKind::Allreduce, &[2]);
+        b.dtype = DataType::Float64;
+        let msg = construct_response(&[req(0, CollectiveKind::Allreduce, &[2]), b], 2, false).error.unwrap().1;
+        assert!(msg.contains("data types") && msg.contains("rank 1 sent float64"), "{msg}");
+
+        let mut b = req(1, CollectiveKind::Allreduce, &[2]);
+        b.reduce_op = ReduceOp::Max;
+        let msg = construct_response(&[req(0, CollectiveKind::Allreduce, &[2]), b], 2, false).error.unwrap().1;
+        assert!(msg.contains("reduction operations") && msg.contains("Max"), "{msg}");
+
+        let mut a = req(0, CollectiveKind::Broadcast, &[2]);
+        a.root_rank = 0;
+        let mut b = req(1, CollectiveKind::Broadcast, &[2]);
+        b.root_rank = 1;
+        let msg = construct_response(&[a, b], 2, false).error.unwrap().1;
+        assert!(msg.contains("root ranks") && msg.contains("rank 1 sent 1"), "{msg}");
+
+        let mut b = req(1, CollectiveKind::Allreduce, &[2]);
+        b.prescale = 2.0;
+        let msg = construct_response(&[req(0, CollectiveKind::Allreduce, &[2]), b], 2, false).error.unwrap().1;
+        assert!(msg.contains("prescale"), "{msg}");
+
+        let msg = construct_response(&[req(0, CollectiveKind::Allreduce, &[2]), req(1, CollectiveKind::Broadcast, &[2])], 2, false)
+            .error
+            .unwrap()
+            .1;
+        assert!(msg.contains("operations") && msg.contains("broadcast"), "{msg}");
+    }
+
+    #[test]
+    fn allgather_collects_first_dimensions() {
+        let r = construct_response(&[req(0, CollectiveKind::Allgather, &[2, 3]), req(1, CollectiveKind::Allgather, &[5, 3])], 2, false);
+        assert!(r.error.is_none());
+        assert_eq!(r.entries[0].per_rank, vec![2, 5]);
+        let r = construct_response(&[req(0, CollectiveKind::Allgather, &[2, 3]), req(1, CollectiveKind::Allgather, &[5, 4])], 2, false);
+        assert!(r.error.unwrap().1.contains("beyond the first dimension"));
+        let r = construct_response(&[req(0, CollectiveKind::Allgather, &[]), req(1, CollectiveKind::Allgather, &[])], 2, false);
+        assert_eq!(r.error.unwrap().0, ErrorKind::Invalid);
+    }
+
+    #[test]
+    fn alltoall_builds_the_split_matrix() {
+        let mut a = req(0, CollectiveKind::Alltoall, &[3]);
+        a.splits = vec![1, 2];
+        let b = req(1, CollectiveKind::Alltoall, &[4]);
+        let r = construct_response(&[a, b], 2, false);
+        assert_eq!(r.entries[0].per_rank, vec![1, 2, 2, 2]);
+    }
+
+    #[test]
+    fn join_allows_only_allreduce() {
+        let r = construct_response(&[req(0, CollectiveKind::Broadcast, &[2])], 2, true);
+        assert_eq!(r.error.unwrap().0, ErrorKind::Invalid);
+        let r = construct_response(&[req(0, CollectiveKind::Allreduce, &[2])], 2, true);
+        assert!(r.error.is_none());
+    }
+
+    #[test]
+    fn reducescatter_rejects_min() {
+        let mut a = req(0, CollectiveKind::Reducescatter, &[4]);
+        a.reduce_op = ReduceOp::Min;
+        let r = construct_response(&[a], 1, false);
+        assert!(r.error.unwrap().1.contains("only Average and Sum"));
+    }
+}

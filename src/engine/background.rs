@@ -1,0 +1,217 @@
+//! The background loop: wait (without spinning) for local work or a peer's round, run a negotiation
+//! round, execute what it agreed, complete handles. A transport failure stops the loop and fails every
+//! pending and later op with an error that names the peer.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::config::Config;
+use crate::coordinator::negotiation::Negotiator;
+use crate::coordinator::stall::StallClock;
+use crate::engine::execute::{Executor, TensorResult};
+use crate::engine::table::{TensorEntry, TensorTable};
+use crate::engine::Shared;
+use crate::error::EngineError;
+use crate::transport::{Activity, Transport};
+
+/// How long an idle engine sleeps between checks when nothing else bounds the wait.
+const IDLE_WAIT: Duration = Duration::from_secs(1);
+
+struct Loop {
+    shared: Arc<Shared>,
+    transport: Box<dyn Transport>,
+    config: Config,
+    table: TensorTable,
+    negotiator: Negotiator,
+    executor: Executor,
+    stall_clock: Option<StallClock>,
+}
+
+pub(crate) fn run(shared: Arc<Shared>, transport: Box<dyn Transport>, config: Config) {
+    let negotiator = Negotiator::new(
+        transport.rank(),
+        transport.size(),
+        config.cache_capacity,
+        config.fusion_threshold,
+        config.stall_check,
+    );
+    let mut state = Loop {
+        stall_clock: config.stall_check.map(StallClock::new),
+        shared,
+        transport,
+        config,
+        table: TensorTable::default(),
+        negotiator,
+        executor: Executor::default(),
+    };
+    let stopped_because = match state.run() {
+        Ok(reason) => EngineError::ShutDown(reason),
+        Err(err) => {
+            tracing::error!("rank {}: {err}", state.config.topology.rank);
+            err
+        }
+    };
+    state.transport.close();
+    state.fail_everything(stopped_because);
+}
+
+impl Loop {
+    /// Runs until a coordinated shutdown (Ok, with the reason) or a fatal failure.
+    fn run(&mut self) -> Result<String, EngineError> {
+        loop {
+            let had_outstanding = !self.table.is_empty();
+            let mut first_new = self.take_inbox();
+            let shutdown = self.shared.shutdown_requested.load(Ordering::SeqCst);
+            self.check_stalls();
+
+            let mut start = first_new.is_some() || shutdown || self.negotiator.wants_round();
+            if !start {
+                match self.transport.wait_for_activity(&self.shared.waker, self.idle_timeout()) {
+                    Ok(Activity::Local) => {
+                        self.shared.waker.drain();
+                        continue;
+                    }
+                    Ok(Activity::Peer) => start = true,
+                    Ok(Activity::Idle) => start = self.cached_entry_stalled(),
+                    Err(e) => return Err(EngineError::transport("waiting for the other ranks", &e)),
+                }
+                if !start {
+                    continue;
+                }
+            } else if had_outstanding && !shutdown && !self.config.cycle_time.is_zero() {
+                // Busy: give other tensors of this burst up to one cycle to arrive, so they fuse.
+                if let Some(first) = first_new.take() {
+                    self.batch_until(first + self.config.cycle_time)?;
+                }
+            }
+
+            let outcome = match self.negotiator.round(&mut *self.transport, &mut self.table, shutdown) {
+                Ok(outcome) => outcome,
+                Err(_) if shutdown => return Ok("this rank called shutdown()".into()),
+                Err(e) => return Err(EngineError::transport("negotiation", &e)),
+            };
+            for response in &outcome.responses {
+                self.execute(response)?;
+            }
+            if outcome.shutdown {
+                return Ok(if shutdown {
+                    "this rank called shutdown()".into()
+                } else {
+                    "another rank called shutdown() or finished; collectives cannot run after that".into()
+                });
+            }
+        }
+    }
+
+    /// Move submissions into the table; returns when the earliest of them arrived.
+    fn take_inbox(&mut self) -> Option<Instant> {
+        let entries = std::mem::take(&mut self.shared.inbox().entries);
+        let first = entries.iter().map(|e| e.submitted).min();
+        for entry in entries {
+            self.table.insert(entry);
+        }
+        first
+    }
+
+    /// Wait for more local work until `deadline`, but start at once if a peer starts the round.
+    fn batch_until(&mut self, deadline: Instant) -> Result<(), EngineError> {
+        loop {
+            let now = Instant::now();
+            if now >= deadline {
+                return Ok(());
+            }
+            match self.transport.wait_for_activity(&self.shared.waker, deadline - now) {
+                Ok(Activity::Local) => {
+                    self.shared.waker.drain();
+                    self.take_inbox();
+                    if self.shared.shutdown_requested.load(Ordering::SeqCst) {
+                        return Ok(());
+                    }
+                }
+                Ok(Activity::Peer) | Ok(Activity::Idle) => return Ok(()),
+                Err(e) => return Err(EngineError::transport("waiting for the other ranks", &e)),
+            }
+        }
+    }
+
+    fn idle_timeout(&self) -> Duration {
+        match (&self.stall_clock, self.table.is_empty()) {
+            (Some(clock), false) => clock.remaining(Instant::now()).max(Duration::from_millis(10)).min(IDLE_WAIT),
+            _ => IDLE_WAIT,
+        }
+    }
+
+    /// Whether a cache hit on this rank has waited past the stall time (the next round invalidates it).
+    fn cached_entry_stalled(&self) -> bool {
+        match (self.config.stall_check, self.table.oldest_cache_hit()) {
+            (Some(limit), Some(oldest)) => oldest.elapsed() >= limit,
+            _ => false,
+        }
+    }
+
+    /// On the coordinator, warn about tensors some ranks never submitted.
+    fn check_stalls(&mut self) {
+        let (Some(clock), Some(limit)) = (self.stall_clock.as_mut(), self.config.stall_check) else { return };
+        let now = Instant::now();
+        if !clock.due(now) {
+            return;
+        }
+        let fail_after = self.config.stall_shutdown;
+        if let Some(table) = self.negotiator.coordinator_mut() {
+            if let Some(warning) = table.check_stalls(now, limit, fail_after) {
+                tracing::warn!("{warning}");
+            }
+        }
+    }
+
+    fn execute(&mut self, response: &crate::coordinator::message::Response) -> Result<(), EngineError> {
+        let mut entries: Vec<Option<TensorEntry>> = response.entries.iter().map(|e| self.table.take(&e.name)).collect();
+        match self.executor.execute(&mut *self.transport, response, &mut entries) {
+            Ok(results) => {
+                for (entry, result) in entries.into_iter().zip(results) {
+                    if let Some(entry) = entry {
+                        self.complete(entry, result);
+                    }
+                }
+                Ok(())
+            }
+            Err(e) => {
+                let err = EngineError::transport(format!("{} of tensor '{}'", response.kind, response.entries.first().map(|e| e.name.as_str()).unwrap_or("")), &e);
+                for entry in entries.into_iter().flatten() {
+                    self.complete(entry, Err(err.clone()));
+                }
+                Err(err)
+            }
+        }
+    }
+
+    fn complete(&self, entry: TensorEntry, result: Result<TensorResult, EngineError>) {
+        let name = entry.request.name;
+        match result {
+            Ok(TensorResult { output, received_splits, last_joined_rank }) => {
+                self.shared.handles.complete_part(entry.handle, Some(&name), entry.index, Ok(output), |out| {
+                    if received_splits.is_some() {
+                        out.received_splits = received_splits;
+                    }
+                    if last_joined_rank.is_some() {
+                        out.last_joined_rank = last_joined_rank;
+                    }
+                });
+            }
+            Err(e) => self.shared.handles.complete_part(entry.handle, Some(&name), entry.index, Err(e), |_| {}),
+        }
+    }
+
+    /// Close the inbox and fail every entry still pending with `err`.
+    fn fail_everything(&mut self, err: EngineError) {
+        let queued = {
+            let mut inbox = self.shared.inbox();
+            inbox.closed = Some(err.clone());
+            std::mem::take(&mut inbox.entries)
+        };
+        for entry in self.table.drain().into_iter().chain(queued) {
+            self.complete(entry, Err(err.clone()));
+        }
+    }
+}

@@ -1,0 +1,272 @@
+//! Running one agreed response on this rank: gathering its tensors (zeros for a joined rank), packing
+//! fused tensors, calling the collective algorithm, scaling, and producing each tensor's result.
+//!
+//! A transport failure is returned as `Err` (the engine treats it as fatal); everything else becomes a
+//! per-tensor result.
+
+use crate::coordinator::message::{shape_elements, Response};
+use crate::engine::submission::OutputTensor;
+use crate::engine::table::TensorEntry;
+use crate::error::EngineError;
+use crate::fusion::layout::FusionLayout;
+use crate::ring;
+use crate::tensor::AlignedBuffer;
+use crate::transport::{Transport, TransportError};
+use crate::types::{CollectiveKind, Combine, DataType, ReduceOp};
+
+/// What one tensor of a response produced.
+#[derive(Debug, Default)]
+pub struct TensorResult {
+    pub output: Option<OutputTensor>,
+    pub received_splits: Option<Vec<i64>>,
+    pub last_joined_rank: Option<i32>,
+}
+
+/// Reusable memory for fused and scratch work; grows to the largest need and stays.
+#[derive(Default)]
+pub struct Executor {
+    fusion_buffer: Option<AlignedBuffer>,
+}
+
+fn combine_of(op: ReduceOp) -> Combine {
+    match op {
+        ReduceOp::Min => Combine::Min,
+        ReduceOp::Max => Combine::Max,
+        ReduceOp::Product => Combine::Product,
+        ReduceOp::Sum | ReduceOp::Average | ReduceOp::Adasum => Combine::Sum,
+    }
+}
+
+fn postscale_of(response: &Response, size: usize) -> f64 {
+    if response.reduce_op == ReduceOp::Average {
+        response.postscale / size as f64
+    } else {
+        response.postscale
+    }
+}
+
+fn output(buffer: AlignedBuffer, shape: Vec<i64>, dtype: DataType) -> Option<OutputTensor> {
+    Some(OutputTensor { buffer, shape, dtype })
+}
+
+/// Bytes of one row (all dimensions but the first) of `shape`.
+fn row_bytes(shape: &[i64], dtype: DataType) -> usize {
+    shape_elements(shape.get(1..).unwrap_or(&[])) * dtype.size()
+}
+
+impl Executor {
+    fn fusion_buffer(&mut self, len: usize) -> &mut [u8] {
+        let buffer = self.fusion_buffer.get_or_insert_with(|| AlignedBuffer::zeroed(len));
+        buffer.ensure_len(len);
+        &mut buffer.as_mut_slice()[..len]
+    }
+
+    /// Run `response`. `entries[i]` is this rank's tensor for `response.entries[i]`, or `None` if this rank
+    /// joined and contributes zeros.
+    pub fn execute(
+        &mut self,
+        t: &mut dyn Transport,
+        response: &Response,
+        entries: &mut [Option<TensorEntry>],
+    ) -> Result<Vec<Result<TensorResult, EngineError>>, TransportError> {
+        if let Some((kind, message)) = &response.error {
+            let err = EngineError::negotiated(*kind, message.clone());
+            return Ok(entries.iter().map(|_| Err(err.clone())).collect());
+        }
+        match response.kind {
+            CollectiveKind::Allreduce => self.allreduce(t, response, entries),
+            CollectiveKind::Allgather => each(entries, |e| allgather(t, response, e)),
+            CollectiveKind::Broadcast => each(entries, |e| broadcast(t, response, e)),
+            CollectiveKind::Alltoall => each(entries, |e| alltoall(t, response, e)),
+            CollectiveKind::Reducescatter => {
+                let size = t.size();
+                let rank = t.rank();
+                each(entries, |e| reducescatter(t, response, e, rank, size))
+            }
+            CollectiveKind::Barrier => Ok(entries.iter().map(|_| Ok(TensorResult::default())).collect()),
+            CollectiveKind::Join => Ok(entries
+                .iter()
+                .map(|_| Ok(TensorResult { last_joined_rank: Some(response.last_joined_rank), ..TensorResult::default() }))
+                .collect()),
+        }
+    }
+
+    fn allreduce(
+        &mut self,
+        t: &mut dyn Transport,
+        response: &Response,
+        entries: &mut [Option<TensorEntry>],
+    ) -> Result<Vec<Result<TensorResult, EngineError>>, TransportError> {
+        let dtype = response.dtype;
+        let combine = combine_of(response.reduce_op);
+        let postscale = postscale_of(response, t.size());
+        if let ([entry], [spec]) = (&mut *entries, response.entries.as_slice()) {
+            // One tensor: reduce straight in its output, no fusion buffer.
+            let len = spec.num_elements() * dtype.size();
+            let mut owned = None;
+            let buf: &mut [u8] = match entry {
+                Some(e) if e.in_place => e.input.as_mut_slice(),
+                Some(e) => owned.insert(AlignedBuffer::from_slice(e.input.as_slice())).as_mut_slice(),
+                None => owned.insert(AlignedBuffer::zeroed(len)).as_mut_slice(),
+            };
+            ring::scale_in_place(buf, dtype, response.prescale);
+            ring::allreduce(t, buf, dtype, combine)?;
+            ring::scale_in_place(buf, dtype, postscale);
+            let out = match (entry, owned) {
+                (Some(e), Some(b)) if !e.in_place => output(b, spec.shape.clone(), dtype),
+                _ => None,
+            };
+            return Ok(vec![Ok(TensorResult { output: out, ..TensorResult::default() })]);
+        }
+
+        let Some(layout) = FusionLayout::for_response(response) else {
+            let err = EngineError::Internal("fused tensors are too large to address".into());
+            return Ok(entries.iter().map(|_| Err(err.clone())).collect());
+        };
+        let slots = layout.slots();
+        let buffer = self.fusion_buffer(layout.total_bytes());
+        let mut packed_end = 0;
+        for (slot, entry) in slots.iter().zip(entries.iter()) {
+            // Zero the alignment gap too: gaps are reduced along with the data.
+            buffer[packed_end..slot.offset].fill(0);
+            let region = &mut buffer[slot.offset..slot.offset + slot.bytes];
+            match entry {
+                Some(e) => region.copy_from_slice(e.input.as_slice()),
+                None => region.fill(0),
+            }
+            packed_end = slot.offset + slot.bytes;
+        }
+        buffer[packed_end..].fill(0);
+        ring::scale_in_place(buffer, dtype, response.prescale);
+        ring::allreduce(t, buffer, dtype, combine)?;
+        ring::scale_in_place(buffer, dtype, postscale);
+        let mut results = Vec::with_capacity(entries.len());
+        for (i, (slot, entry)) in slots.iter().zip(entries.iter_mut()).enumerate() {
+            let region = &buffer[slot.offset..slot.offset + slot.bytes];
+            let out = match entry {
+                Some(e) if e.in_place => {
+                    e.input.as_mut_slice().copy_from_slice(region);
+                    None
+                }
+                Some(_) => output(AlignedBuffer::from_slice(region), response.entries[i].shape.clone(), dtype),
+                None => None,
+            };
+            results.push(Ok(TensorResult { output: out, ..TensorResult::default() }));
+        }
+        Ok(results)
+    }
+}
+
+/// Run a one-tensor collective for each entry (these kinds are never fused).
+fn each(
+    entries: &mut [Option<TensorEntry>],
+    mut run: impl FnMut(&mut TensorEntry) -> Result<Result<TensorResult, EngineError>, TransportError>,
+) -> Result<Vec<Result<TensorResult, EngineError>>, TransportError> {
+    let mut results = Vec::with_capacity(entries.len());
+    for entry in entries.iter_mut() {
+        results.push(match entry {
+            Some(e) => run(e)?,
+            None => Err(EngineError::Internal("a joined rank was asked to run a collective it cannot join".into())),
+        });
+    }
+    Ok(results)
+}
+
+fn allgather(
+    t: &mut dyn Transport,
+    response: &Response,
+    entry: &mut TensorEntry,
+) -> Result<Result<TensorResult, EngineError>, TransportError> {
+    let spec = &response.entries[0];
+    let dtype = response.dtype;
+    let row = row_bytes(&spec.shape, dtype);
+    let bytes_per_rank: Vec<usize> = spec.per_rank.iter().map(|&rows| rows.max(0) as usize * row).collect();
+    let total_rows: i64 = spec.per_rank.iter().sum();
+    let mut out = AlignedBuffer::zeroed(bytes_per_rank.iter().sum());
+    ring::allgatherv(t, entry.input.as_slice(), out.as_mut_slice(), &bytes_per_rank)?;
+    let mut shape = spec.shape.clone();
+    if let Some(first) = shape.first_mut() {
+        *first = total_rows;
+    }
+    Ok(Ok(TensorResult { output: output(out, shape, dtype), ..TensorResult::default() }))
+}
+
+fn broadcast(
+    t: &mut dyn Transport,
+    response: &Response,
+    entry: &mut TensorEntry,
+) -> Result<Result<TensorResult, EngineError>, TransportError> {
+    let root = response.root_rank.max(0) as usize;
+    if entry.in_place {
+        ring::broadcast(t, entry.input.as_mut_slice(), root)?;
+        return Ok(Ok(TensorResult::default()));
+    }
+    let mut out = if t.rank() == root {
+        AlignedBuffer::from_slice(entry.input.as_slice())
+    } else {
+        AlignedBuffer::zeroed(entry.input.len())
+    };
+    ring::broadcast(t, out.as_mut_slice(), root)?;
+    Ok(Ok(TensorResult { output: output(out, entry.request.shape.clone(), response.dtype), ..TensorResult::default() }))
+}
+
+fn alltoall(
+    t: &mut dyn Transport,
+    response: &Response,
+    entry: &mut TensorEntry,
+) -> Result<Result<TensorResult, EngineError>, TransportError> {
+    let n = t.size();
+    let me = t.rank();
+    let spec = &response.entries[0];
+    let dtype = response.dtype;
+    let row = row_bytes(&entry.request.shape, dtype);
+    let matrix = &spec.per_rank;
+    if matrix.len() != n * n {
+        return Ok(Err(EngineError::Internal(format!("alltoall split matrix has {} entries for {n} ranks", matrix.len()))));
+    }
+    let rows = |sender: usize, receiver: usize| matrix[sender * n + receiver].max(0) as usize;
+    let send_bytes: Vec<usize> = (0..n).map(|d| rows(me, d) * row).collect();
+    let recv_rows: Vec<i64> = (0..n).map(|s| rows(s, me) as i64).collect();
+    let recv_bytes: Vec<usize> = recv_rows.iter().map(|&r| r as usize * row).collect();
+    let send_total: usize = send_bytes.iter().sum();
+    let input = entry.input.as_slice();
+    if send_total > input.len() {
+        return Ok(Err(EngineError::InvalidArgument(format!(
+            "alltoall of tensor '{}': splits send {send_total} bytes but the tensor has {}",
+            entry.request.name,
+            input.len()
+        ))));
+    }
+    let mut out = AlignedBuffer::zeroed(recv_bytes.iter().sum());
+    ring::alltoallv(t, &input[..send_total], &send_bytes, out.as_mut_slice(), &recv_bytes)?;
+    let mut shape = entry.request.shape.clone();
+    if let Some(first) = shape.first_mut() {
+        *first = recv_rows.iter().sum();
+    }
+    Ok(Ok(TensorResult { output: output(out, shape, dtype), received_splits: Some(recv_rows), last_joined_rank: None }))
+}
+
+fn reducescatter(
+    t: &mut dyn Transport,
+    response: &Response,
+    entry: &mut TensorEntry,
+    rank: usize,
+    size: usize,
+) -> Result<Result<TensorResult, EngineError>, TransportError> {
+    let dtype = response.dtype;
+    let shape = &entry.request.shape;
+    let dim0 = shape.first().copied().unwrap_or(0).max(0) as usize;
+    let row_elements = shape_elements(shape.get(1..).unwrap_or(&[]));
+    let rows_of = |r: usize| dim0 / size + usize::from(r < dim0 % size);
+    let elems_per_rank: Vec<usize> = (0..size).map(|r| rows_of(r) * row_elements).collect();
+    let mut scratch = AlignedBuffer::from_slice(entry.input.as_slice());
+    ring::scale_in_place(scratch.as_mut_slice(), dtype, response.prescale);
+    let mut out = AlignedBuffer::zeroed(elems_per_rank[rank] * dtype.size());
+    ring::reducescatter(t, scratch.as_mut_slice(), &elems_per_rank, dtype, combine_of(response.reduce_op), out.as_mut_slice())?;
+    ring::scale_in_place(out.as_mut_slice(), dtype, postscale_of(response, size));
+    let mut out_shape = shape.clone();
+    if let Some(first) = out_shape.first_mut() {
+        *first = rows_of(rank) as i64;
+    }
+    Ok(Ok(TensorResult { output: output(out, out_shape, dtype), ..TensorResult::default() }))
+}

@@ -1,0 +1,193 @@
+//! The handle table: ops in flight on this rank, their names, and their results once complete.
+//!
+//! Submitting threads insert; the engine thread completes; waiting threads block on one condition
+//! variable. A name stays reserved from submission until its tensor completes, which is how a second
+//! in-flight op with the same name is refused.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Condvar, Mutex, MutexGuard};
+use std::time::Duration;
+
+use crate::engine::submission::{OpOutput, OutputTensor};
+use crate::error::EngineError;
+
+pub type HandleId = u64;
+
+struct HandleState {
+    /// Tensors (or barrier/join events) still to complete.
+    remaining: usize,
+    output: OpOutput,
+    error: Option<EngineError>,
+}
+
+#[derive(Default)]
+struct Table {
+    next_id: HandleId,
+    handles: HashMap<HandleId, HandleState>,
+    names_in_flight: HashSet<String>,
+}
+
+#[derive(Default)]
+pub struct HandleTable {
+    table: Mutex<Table>,
+    completed: Condvar,
+}
+
+/// Outcome of [`HandleTable::wait`].
+pub enum WaitOutcome {
+    Done(Result<OpOutput, EngineError>),
+    /// Still running after the wait slice.
+    Pending,
+    Unknown,
+}
+
+impl HandleTable {
+    fn lock(&self) -> MutexGuard<'_, Table> {
+        // A panic while holding this lock cannot leave the table inconsistent (each update is one step),
+        // so a poisoned lock is still usable.
+        self.table.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Reserve `names` and create a handle expecting `parts` completions (`tensors` output slots).
+    /// Fails without side effects if a name is already in flight.
+    pub fn register(&self, op: &str, names: &[String], parts: usize, tensors: usize) -> Result<HandleId, EngineError> {
+        let mut t = self.lock();
+        let mut seen = HashSet::new();
+        for name in names {
+            if t.names_in_flight.contains(name) || !seen.insert(name) {
+                return Err(EngineError::DuplicateName { op: op.to_string(), name: name.clone() });
+            }
+        }
+        for name in names {
+            t.names_in_flight.insert(name.clone());
+        }
+        t.next_id += 1;
+        let id = t.next_id;
+        let output = OpOutput { tensors: (0..tensors).map(|_| None).collect(), ..OpOutput::default() };
+        t.handles.insert(id, HandleState { remaining: parts.max(1), output, error: None });
+        Ok(id)
+    }
+
+    /// Undo a registration whose submission could not be queued.
+    pub fn unregister(&self, id: HandleId, names: &[String]) {
+        let mut t = self.lock();
+        t.handles.remove(&id);
+        for name in names {
+            t.names_in_flight.remove(name);
+        }
+    }
+
+    /// Record one completed part of `id` (the tensor `name`, output slot `index`).
+    pub fn complete_part(
+        &self,
+        id: HandleId,
+        name: Option<&str>,
+        index: usize,
+        result: Result<Option<OutputTensor>, EngineError>,
+        apply: impl FnOnce(&mut OpOutput),
+    ) {
+        let mut t = self.lock();
+        if let Some(name) = name {
+            t.names_in_flight.remove(name);
+        }
+        if let Some(state) = t.handles.get_mut(&id) {
+            match result {
+                Ok(out) => {
+                    if let Some(slot) = state.output.tensors.get_mut(index) {
+                        *slot = out;
+                    }
+                    apply(&mut state.output);
+                }
+                Err(e) => {
+                    if state.error.is_none() {
+                        state.error = Some(e);
+                    }
+                }
+            }
+            state.remaining = state.remaining.saturating_sub(1);
+            if state.remaining == 0 {
+                self.completed.notify_all();
+            }
+        }
+    }
+
+    pub fn is_done(&self, id: HandleId) -> Option<bool> {
+        self.lock().handles.get(&id).map(|s| s.remaining == 0)
+    }
+
+    /// Wait up to `slice` for `id`; a finished handle is removed and its result returned.
+    pub fn wait(&self, id: HandleId, slice: Duration) -> WaitOutcome {
+        let mut t = self.lock();
+        let deadline = std::time::Instant::now() + slice;
+        loop {
+            match t.handles.get(&id) {
+                None => return WaitOutcome::Unknown,
+                Some(state) if state.remaining == 0 => {
+                    let state = match t.handles.remove(&id) {
+                        Some(s) => s,
+                        None => return WaitOutcome::Unknown,
+                    };
+                    return WaitOutcome::Done(match state.error {
+                        Some(e) => Err(e),
+                        None => Ok(state.output),
+                    });
+                }
+                Some(_) => {}
+            }
+            let now = std::time::Instant::now();
+            if now >= deadline {
+                return WaitOutcome::Pending;
+            }
+            t = match self.completed.wait_timeout(t, deadline - now) {
+                Ok((guard, _)) => guard,
+                Err(poisoned) => poisoned.into_inner().0,
+            };
+        }
+    }
+
+    /// Forget a handle the caller no longer wants (its result is dropped when it completes).
+    pub fn release(&self, id: HandleId) {
+        let mut t = self.lock();
+        if t.handles.get(&id).is_some_and(|s| s.remaining == 0) {
+            t.handles.remove(&id);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn duplicate_names_are_refused_until_completion() {
+        let t = HandleTable::default();
+        let a = t.register("allreduce", &["x".into()], 1, 1).unwrap();
+        let err = t.register("allreduce", &["x".into()], 1, 1).unwrap_err();
+        assert!(matches!(err, EngineError::DuplicateName { .. }));
+        assert_eq!(t.is_done(a), Some(false));
+        t.complete_part(a, Some("x"), 0, Ok(None), |_| {});
+        assert_eq!(t.is_done(a), Some(true));
+        assert!(matches!(t.wait(a, Duration::ZERO), WaitOutcome::Done(Ok(_))));
+        assert!(matches!(t.wait(a, Duration::ZERO), WaitOutcome::Unknown));
+        t.register("allreduce", &["x".into()], 1, 1).unwrap();
+    }
+
+    #[test]
+    fn duplicate_within_one_group_is_refused() {
+        let t = HandleTable::default();
+        assert!(t.register("allreduce", &["a".into(), "a".into()], 2, 2).is_err());
+        t.register("allreduce", &["a".into()], 1, 1).unwrap();
+    }
+
+    #[test]
+    fn wait_times_out_then_completes() {
+        let t = HandleTable::default();
+        let a = t.register("barrier", &[], 1, 0).unwrap();
+        assert!(matches!(t.wait(a, Duration::from_millis(5)), WaitOutcome::Pending));
+        t.complete_part(a, None, 0, Err(EngineError::Internal("boom".into())), |_| {});
+        match t.wait(a, Duration::ZERO) {
+            WaitOutcome::Done(Err(EngineError::Internal(m))) => assert_eq!(m, "boom"),
+            _ => panic!("expected the error"),
+        }
+    }
+}

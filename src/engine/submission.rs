@@ -1,0 +1,66 @@
+//! What a caller hands the engine (an [`OpSubmission`]) and what it gets back ([`OpOutput`]).
+
+use crate::tensor::{AlignedBuffer, RawTensor};
+use crate::types::{CollectiveKind, DataType, ReduceOp};
+
+/// One tensor of a collective.
+#[derive(Debug)]
+pub struct TensorSubmission {
+    /// Name matched across ranks.
+    pub name: String,
+    pub dtype: DataType,
+    pub shape: Vec<i64>,
+    /// Caller-owned input (for in-place ops also the output).
+    pub input: RawTensor,
+    /// Write the result into `input` instead of a new buffer (`allreduce_`, `broadcast_`).
+    pub in_place: bool,
+}
+
+/// A collective as submitted by one rank: one tensor, a group of tensors negotiated together, or none
+/// (barrier, join).
+#[derive(Debug)]
+pub struct OpSubmission {
+    pub kind: CollectiveKind,
+    pub tensors: Vec<TensorSubmission>,
+    pub reduce_op: ReduceOp,
+    pub prescale: f64,
+    pub postscale: f64,
+    /// Broadcast root (communicator rank); ignored otherwise.
+    pub root_rank: i32,
+    /// Alltoall rows per destination rank; empty means an even split.
+    pub splits: Vec<i64>,
+}
+
+impl OpSubmission {
+    /// A submission of `kind` with default reduction settings and no tensors.
+    pub fn new(kind: CollectiveKind) -> OpSubmission {
+        OpSubmission {
+            kind,
+            tensors: Vec::new(),
+            reduce_op: ReduceOp::Sum,
+            prescale: 1.0,
+            postscale: 1.0,
+            root_rank: -1,
+            splits: Vec::new(),
+        }
+    }
+}
+
+/// A result tensor allocated by the engine.
+#[derive(Debug)]
+pub struct OutputTensor {
+    pub buffer: AlignedBuffer,
+    pub shape: Vec<i64>,
+    pub dtype: DataType,
+}
+
+/// Everything a completed op returns.
+#[derive(Debug, Default)]
+pub struct OpOutput {
+    /// One slot per submitted tensor; `None` where the result was written in place.
+    pub tensors: Vec<Option<OutputTensor>>,
+    /// Alltoall: rows received from each rank.
+    pub received_splits: Option<Vec<i64>>,
+    /// Join: the rank that joined last.
+    pub last_joined_rank: Option<i32>,
+}

@@ -1,0 +1,105 @@
+//! The engine thread's table of tensors submitted on this rank and not yet completed, with how far
+//! each one has got in negotiation. Iteration follows submission order, which keeps what a rank sends
+//! in a round deterministic.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::Instant;
+
+use crate::coordinator::message::Request;
+use crate::engine::handles::HandleId;
+use crate::tensor::RawTensor;
+use crate::types::CollectiveKind;
+
+/// One tensor (or barrier/join event) submitted on this rank.
+#[derive(Debug)]
+pub struct TensorEntry {
+    pub handle: HandleId,
+    /// Output slot within the handle (position in a grouped op).
+    pub index: usize,
+    pub request: Request,
+    pub input: RawTensor,
+    pub in_place: bool,
+    pub submitted: Instant,
+}
+
+/// Where an entry stands in negotiation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Announcement {
+    /// Not yet told to anyone; goes to the coordinator in the next slow-path round.
+    Unsent,
+    /// The coordinator holds our request and answers when every rank has submitted it.
+    SentToCoordinator,
+    /// Found in the response cache at this bit; announced in every round header until all ranks hit it.
+    CacheHit(usize),
+}
+
+struct Slot {
+    sequence: u64,
+    entry: TensorEntry,
+    announcement: Announcement,
+}
+
+/// Tensors in negotiation on this rank.
+#[derive(Default)]
+pub struct TensorTable {
+    slots: HashMap<String, Slot>,
+    order: BTreeMap<u64, String>,
+    next_sequence: u64,
+}
+
+impl TensorTable {
+    pub fn insert(&mut self, entry: TensorEntry) {
+        let name = entry.request.name.clone();
+        let sequence = self.next_sequence;
+        self.next_sequence += 1;
+        self.order.insert(sequence, name.clone());
+        self.slots.insert(name, Slot { sequence, entry, announcement: Announcement::Unsent });
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.slots.is_empty()
+    }
+
+    pub fn take(&mut self, name: &str) -> Option<TensorEntry> {
+        let slot = self.slots.remove(name)?;
+        self.order.remove(&slot.sequence);
+        Some(slot.entry)
+    }
+
+    /// Everything left, in submission order (used to fail them all).
+    pub fn drain(&mut self) -> Vec<TensorEntry> {
+        let order = std::mem::take(&mut self.order);
+        order.into_values().filter_map(|name| self.slots.remove(&name).map(|s| s.entry)).collect()
+    }
+
+    /// Visit every entry in submission order.
+    pub fn for_each(&mut self, mut visit: impl FnMut(&TensorEntry, &mut Announcement)) {
+        for name in self.order.values() {
+            if let Some(slot) = self.slots.get_mut(name) {
+                visit(&slot.entry, &mut slot.announcement);
+            }
+        }
+    }
+
+    pub fn announcement(&self, name: &str) -> Option<Announcement> {
+        self.slots.get(name).map(|s| s.announcement)
+    }
+
+    pub fn request(&self, name: &str) -> Option<&Request> {
+        self.slots.get(name).map(|s| &s.entry.request)
+    }
+
+    /// Whether this rank has a pending join.
+    pub fn has_join(&self) -> bool {
+        self.slots.values().any(|s| s.entry.request.kind == CollectiveKind::Join)
+    }
+
+    /// The oldest submission time among entries in `state`, if any.
+    pub fn oldest_cache_hit(&self) -> Option<Instant> {
+        self.slots
+            .values()
+            .filter(|s| matches!(s.announcement, Announcement::CacheHit(_)))
+            .map(|s| s.entry.submitted)
+            .min()
+    }
+}

@@ -1,0 +1,89 @@
+//! Argument checks made when an op is submitted, before anything is sent: errors here are the caller's
+//! mistake and leave the engine untouched.
+
+use crate::coordinator::message::shape_elements;
+use crate::engine::submission::OpSubmission;
+use crate::error::EngineError;
+use crate::types::{CollectiveKind, ReduceOp};
+
+pub fn check(op: &OpSubmission, size: usize) -> Result<(), EngineError> {
+    let invalid = |m: String| Err(EngineError::InvalidArgument(m));
+    let needs_tensors = !matches!(op.kind, CollectiveKind::Barrier | CollectiveKind::Join);
+    if needs_tensors && op.tensors.is_empty() {
+        return invalid(format!("{} needs at least one tensor", op.kind));
+    }
+    if !needs_tensors && !op.tensors.is_empty() {
+        return invalid(format!("{} takes no tensors", op.kind));
+    }
+    for t in &op.tensors {
+        if t.name.is_empty() {
+            return invalid(format!("{}: tensor names must not be empty", op.kind));
+        }
+        let expected = shape_elements(&t.shape) * t.dtype.size();
+        if t.input.len() != expected {
+            return Err(EngineError::Internal(format!(
+                "tensor '{}' has {} bytes but shape {:?} of {} needs {expected}",
+                t.name,
+                t.input.len(),
+                t.shape,
+                t.dtype
+            )));
+        }
+    }
+    if matches!(op.kind, CollectiveKind::Allreduce | CollectiveKind::Reducescatter) && op.reduce_op == ReduceOp::Adasum {
+        return invalid("Adasum is not supported by this rvod build; use Average or Sum.".into());
+    }
+    if !op.prescale.is_finite() || !op.postscale.is_finite() {
+        return invalid(format!("{}: prescale and postscale factors must be finite numbers", op.kind));
+    }
+    match op.kind {
+        CollectiveKind::Reducescatter => {
+            if !matches!(op.reduce_op, ReduceOp::Sum | ReduceOp::Average) {
+                return invalid(format!("Reducescatter currently only supports Average and Sum, not {}.", op.reduce_op));
+            }
+            if op.tensors.iter().any(|t| t.shape.is_empty()) {
+                return invalid("reducescatter needs a tensor with at least one dimension, got a scalar".into());
+            }
+        }
+        CollectiveKind::Allgather => {
+            if op.tensors.iter().any(|t| t.shape.is_empty()) {
+                return invalid("allgather needs a tensor with at least one dimension, got a scalar".into());
+            }
+        }
+        CollectiveKind::Broadcast => {
+            if op.root_rank < 0 || op.root_rank as usize >= size {
+                return invalid(format!("broadcast root_rank {} is not a rank of this job (size {size})", op.root_rank));
+            }
+        }
+        CollectiveKind::Alltoall => {
+            for t in &op.tensors {
+                let Some(&dim0) = t.shape.first() else {
+                    return invalid("alltoall needs a tensor with at least one dimension, got a scalar".into());
+                };
+                if op.splits.is_empty() {
+                    if dim0 % size as i64 != 0 {
+                        return invalid(
+                            "splits not provided, but first dimension of tensor is not an even multiple of the number of workers."
+                                .into(),
+                        );
+                    }
+                } else {
+                    if op.splits.len() != size {
+                        return invalid(format!(
+                            "Number of entries in splits ({}) does not equal number of workers ({size}).",
+                            op.splits.len()
+                        ));
+                    }
+                    if op.splits.iter().any(|&s| s < 0) {
+                        return invalid("alltoall splits must not be negative.".into());
+                    }
+                    if op.splits.iter().sum::<i64>() > dim0 {
+                        return invalid("Sum of splits entries is greater than the first dimension of tensor.".into());
+                    }
+                }
+            }
+        }
+        _ => {}
+    }
+    Ok(())
+}

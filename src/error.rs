@@ -1,0 +1,72 @@
+//! The engine's error type. Every variant says what failed in words a user can act on: which tensor,
+//! which op, which ranks. `py/error.rs` maps each variant to one Python exception.
+
+use crate::coordinator::message::ErrorKind;
+use crate::transport::TransportError;
+
+#[derive(Debug, Clone, thiserror::Error, PartialEq)]
+pub enum EngineError {
+    /// An op was called before `init()` or after `shutdown()` on this rank.
+    #[error("rvod has not been initialized; use hvd.init().")]
+    NotInitialized,
+    /// The job is shutting down: some rank called `shutdown()` (or exited) while this op was pending.
+    #[error("rvod has been shut down: {0}")]
+    ShutDown(String),
+    /// The same name is already in flight on this rank.
+    #[error(
+        "Requested to {op} a tensor with the same name as another tensor that is currently being processed: \
+         '{name}'. Give every in-flight collective a unique name."
+    )]
+    DuplicateName { op: String, name: String },
+    /// The caller's arguments are wrong (caught before anything was sent).
+    #[error("{0}")]
+    InvalidArgument(String),
+    /// Ranks disagreed about a tensor; the message names the ranks and the values.
+    #[error("{0}")]
+    Mismatch(String),
+    /// Negotiation rejected the request for every rank (e.g. an op that cannot run while ranks are joined).
+    #[error("{0}")]
+    Rejected(String),
+    /// A collective failed because a peer died, a link broke or a peer went silent.
+    #[error("{op} failed: {cause}")]
+    Transport { op: String, cause: TransportErrorInfo },
+    /// The engine could not start (bad configuration, rendezvous unreachable).
+    #[error("rvod initialization failed: {0}")]
+    Init(String),
+    /// An engine bug or an impossible state reached through bad peer data.
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+/// A cloneable record of a transport failure (handles of several tensors report the same failure).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TransportErrorInfo {
+    pub message: String,
+    pub timed_out: bool,
+}
+
+impl std::fmt::Display for TransportErrorInfo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl From<&TransportError> for TransportErrorInfo {
+    fn from(e: &TransportError) -> Self {
+        TransportErrorInfo { message: e.to_string(), timed_out: matches!(e, TransportError::Timeout { .. }) }
+    }
+}
+
+impl EngineError {
+    pub fn transport(op: impl Into<String>, e: &TransportError) -> EngineError {
+        EngineError::Transport { op: op.into(), cause: e.into() }
+    }
+
+    /// The error every rank reports for a negotiated failure.
+    pub fn negotiated(kind: ErrorKind, message: String) -> EngineError {
+        match kind {
+            ErrorKind::Mismatch => EngineError::Mismatch(message),
+            ErrorKind::Invalid => EngineError::Rejected(message),
+        }
+    }
+}

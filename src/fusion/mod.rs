@@ -1,0 +1,13 @@
+//! Tensor fusion: running many small compatible collectives as one over a shared buffer.
+//!
+//! - [`plan`]: which agreed responses fuse, in which order (pure and deterministic, so every rank plans
+//!   the same fused responses from the same input).
+//! - [`layout`]: where each fused tensor sits in the fusion buffer, for packing and unpacking.
+//!
+//! Only allreduce responses fuse for now; allgather, reducescatter and the rest run one at a time.
+
+pub mod layout;
+pub mod plan;
+
+pub use layout::{FusionLayout, FusionSlot, FUSION_ALIGNMENT};
+pub use plan::plan_fusion;

@@ -1,0 +1,290 @@
+//! [`plan_fusion`]: merges compatible ready responses into fused responses, following Horovod's
+//! `FuseResponses`.
+//!
+//! Starting from the first response, later allreduce responses with the same dtype, reduce op,
+//! prescale and postscale are appended while the fused tensors still fit in `threshold_bytes` of fusion
+//! buffer, measured with [`FusionLayout`]'s 64-byte alignment (so every fused response's layout fits
+//! a threshold-sized buffer; Horovod counts unpadded bytes). Responses that do not match are skipped
+//! with look-ahead while the fused bytes plus the skipped bytes stay within the threshold, and are then
+//! planned, in their original order, before anything after them; a compatible response that does not fit
+//! ends the group, so compatible responses never overtake each other. A single response larger than the
+//! threshold still runs, alone.
+//!
+//! Only error-free allreduce responses (Adasum included) are fused; every other response passes through
+//! unchanged. A threshold of 0 disables fusion. The plan is a pure function of its input, so every rank
+//! that plans the same responses gets the same result.
+//!
+//! [`FusionLayout`]: crate::fusion::layout::FusionLayout
+
+use std::collections::VecDeque;
+
+use crate::coordinator::message::Response;
+use crate::fusion::layout::aligned;
+use crate::types::CollectiveKind;
+
+/// Fuses `responses` (in the order every rank agreed on) into the responses to execute, in order.
+pub fn plan_fusion(responses: Vec<Response>, threshold_bytes: usize) -> Vec<Response> {
+    if threshold_bytes == 0 {
+        return responses;
+    }
+    let mut pending: VecDeque<Response> = responses.into();
+    let mut planned = Vec::with_capacity(pending.len());
+    while let Some(mut group) = pending.pop_front() {
+        if is_fusable(&group) {
+            absorb_following(&mut group, &mut pending, threshold_bytes);
+        }
+        planned.push(group);
+    }
+    planned
+}
+
+/// Moves the responses that fuse with `group` from the front part of `pending` into it.
+fn absorb_following(group: &mut Response, pending: &mut VecDeque<Response>, threshold_bytes: usize) {
+    let mut group_end = layout_end(0, group);
+    let mut skipped = Vec::new();
+    let mut skipped_bytes = 0usize;
+    while let Some(next) = pending.pop_front() {
+        if fuses_with(group, &next) {
+            let end_with_next = layout_end(group_end, &next);
+            if end_with_next > threshold_bytes {
+                // Never jump over a compatible response: tensors of one kind keep their order.
+                pending.push_front(next);
+                break;
+            }
+            group_end = end_with_next;
+            group.entries.extend(next.entries);
+            continue;
+        }
+        // Mixed-precision models interleave dtypes, so look past a few non-matching responses rather
+        // than end the group at the first one.
+        skipped_bytes = skipped_bytes.saturating_add(tensor_bytes(&next));
+        skipped.push(next);
+        if group_end.saturating_add(skipped_bytes) > threshold_bytes {
+            break;
+        }
+    }
+    for response in skipped.into_iter().rev() {
+        pending.push_front(response);
+    }
+}
+
+fn is_fusable(response: &Response) -> bool {
+    response.kind == CollectiveKind::Allreduce && response.error.is_none()
+}
+
+fn fuses_with(group: &Response, next: &Response) -> bool {
+    is_fusable(next)
+        && next.dtype == group.dtype
+        && next.reduce_op == group.reduce_op
+        && next.prescale == group.prescale
+        && next.postscale == group.postscale
+}
+
+/// Bytes of each of the response's tensors, saturating instead of overflowing.
+fn entry_bytes(response: &Response) -> impl Iterator<Item = usize> + '_ {
+    let element_bytes = response.dtype.size();
+    response.entries.iter().map(move |entry| entry.num_elements().saturating_mul(element_bytes))
+}
+
+fn tensor_bytes(response: &Response) -> usize {
+    entry_bytes(response).fold(0, usize::saturating_add)
+}
+
+/// End of the fusion-buffer layout after appending the response's tensors to a layout ending at `end`.
+fn layout_end(end: usize, response: &Response) -> usize {
+    entry_bytes(response)
+        .fold(end, |end, bytes| aligned(end).and_then(|offset| offset.checked_add(bytes)).unwrap_or(usize::MAX))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use super::*;
+    use crate::coordinator::message::{ErrorKind, ResponseEntry};
+    use crate::fusion::layout::FusionLayout;
+    use crate::types::{DataType, ReduceOp};
+    use proptest::prelude::*;
+
+    fn response(kind: CollectiveKind, name: &str, dtype: DataType, elements: i64) -> Response {
+        Response {
+            kind,
+            entries: vec![ResponseEntry { name: name.into(), shape: vec![elements], per_rank: vec![] }],
+            dtype,
+            reduce_op: ReduceOp::Sum,
+            root_rank: -1,
+            prescale: 1.0,
+            postscale: 1.0,
+            error: None,
+            last_joined_rank: -1,
+        }
+    }
+
+    fn f32_allreduce(name: &str, elements: i64) -> Response {
+        response(CollectiveKind::Allreduce, name, DataType::Float32, elements)
+    }
+
+    fn names(planned: &[Response]) -> Vec<Vec<&str>> {
+        planned.iter().map(|r| r.entries.iter().map(|e| e.name.as_str()).collect()).collect()
+    }
+
+    #[test]
+    fn compatible_allreduces_fuse_up_to_the_threshold() {
+        // 16 floats = 64 bytes each: three fit in 192 bytes, the fourth starts a new group.
+        let input: Vec<_> = ["a", "b", "c", "d"].iter().map(|n| f32_allreduce(n, 16)).collect();
+        let planned = plan_fusion(input, 192);
+        assert_eq!(names(&planned), vec![vec!["a", "b", "c"], vec!["d"]]);
+        assert_eq!(FusionLayout::for_response(&planned[0]).unwrap().total_bytes(), 192);
+    }
+
+    #[test]
+    fn padding_counts_against_the_threshold() {
+        // 1 float each: 4 bytes, but the second tensor starts at offset 64.
+        let input = vec![f32_allreduce("a", 1), f32_allreduce("b", 1)];
+        assert_eq!(names(&plan_fusion(input.clone(), 67)), vec![vec!["a"], vec!["b"]]);
+        assert_eq!(names(&plan_fusion(input, 68)), vec![vec!["a", "b"]]);
+    }
+
+    #[test]
+    fn zero_threshold_disables_fusion() {
+        let input = vec![f32_allreduce("a", 0), f32_allreduce("b", 0)];
+        assert_eq!(plan_fusion(input.clone(), 0), input);
+    }
+
+    #[test]
+    fn a_tensor_over_the_threshold_runs_alone() {
+        let input = vec![f32_allreduce("big", 1000), f32_allreduce("a", 1), f32_allreduce("b", 1)];
+        assert_eq!(names(&plan_fusion(input, 128)), vec![vec!["big"], vec!["a", "b"]]);
+    }
+
+    #[test]
+    fn look_ahead_skips_mismatches_and_keeps_them_in_order() {
+        let input = vec![
+            f32_allreduce("a", 1),
+            response(CollectiveKind::Allreduce, "h1", DataType::Float16, 1),
+            response(CollectiveKind::Broadcast, "bc", DataType::Float32, 1),
+            response(CollectiveKind::Allreduce, "h2", DataType::Float16, 1),
+            f32_allreduce("b", 1),
+        ];
+        let planned = plan_fusion(input, 1024);
+        assert_eq!(names(&planned), vec![vec!["a", "b"], vec!["h1", "h2"], vec!["bc"]]);
+    }
+
+    #[test]
+    fn a_compatible_tensor_that_does_not_fit_ends_the_group() {
+        // "c" would fit after "a", but must not overtake "b".
+        let input = vec![f32_allreduce("a", 81), f32_allreduce("b", 195), f32_allreduce("c", 1)];
+        assert_eq!(names(&plan_fusion(input, 1104)), vec![vec!["a"], vec!["b", "c"]]);
+    }
+
+    #[test]
+    fn look_ahead_stops_when_skipped_bytes_exceed_the_threshold() {
+        let input = vec![
+            f32_allreduce("a", 1),
+            response(CollectiveKind::Allreduce, "h", DataType::Float16, 100),
+            f32_allreduce("b", 1),
+        ];
+        assert_eq!(names(&plan_fusion(input, 200)), vec![vec!["a"], vec!["h"], vec!["b"]]);
+    }
+
+    #[test]
+    fn scale_factors_and_errors_prevent_fusion() {
+        let mut scaled = f32_allreduce("scaled", 1);
+        scaled.postscale = 0.5;
+        let mut failed = f32_allreduce("failed", 1);
+        failed.error = Some((ErrorKind::Mismatch, "shapes differ".into()));
+        let input = vec![f32_allreduce("a", 1), scaled, failed, f32_allreduce("b", 1)];
+        assert_eq!(names(&plan_fusion(input, 4096)), vec![vec!["a", "b"], vec!["scaled"], vec!["failed"]]);
+    }
+
+    const KINDS: [CollectiveKind; 4] =
+        [CollectiveKind::Allreduce, CollectiveKind::Allgather, CollectiveKind::Broadcast, CollectiveKind::Barrier];
+
+    /// Mostly allreduces over two dtypes, two ops and two postscales, sometimes failed, sometimes other kinds.
+    fn arb_responses() -> impl Strategy<Value = Vec<Response>> {
+        prop::collection::vec((0usize..8, any::<bool>(), any::<bool>(), any::<bool>(), 0i64..200, 0u8..10), 0..30)
+            .prop_map(|specs| {
+                specs
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, (kind, half, max, halve, elements, error))| {
+                        let dtype = if half { DataType::Float16 } else { DataType::Float32 };
+                        let mut r = response(
+                            KINDS.get(kind).copied().unwrap_or(CollectiveKind::Allreduce),
+                            &format!("t{i}"),
+                            dtype,
+                            elements,
+                        );
+                        r.reduce_op = if max { ReduceOp::Max } else { ReduceOp::Sum };
+                        r.postscale = if halve { 0.5 } else { 1.0 };
+                        if error == 0 {
+                            r.error = Some((ErrorKind::Mismatch, "mismatch".into()));
+                        }
+                        r
+                    })
+                    .collect()
+            })
+    }
+
+    /// Responses that may fuse with each other share a class; every other response is its own class.
+    fn class(r: &Response) -> String {
+        if is_fusable(r) {
+            format!("{:?}/{:?}/{}/{}", r.dtype, r.reduce_op, r.prescale, r.postscale)
+        } else {
+            r.entries[0].name.clone()
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn plan_properties(input in arb_responses(), threshold in 0usize..2048) {
+            let planned = plan_fusion(input.clone(), threshold);
+            let by_name: HashMap<&str, &Response> = input.iter().map(|r| (r.entries[0].name.as_str(), r)).collect();
+            let flat: Vec<&str> = planned.iter().flat_map(|r| r.entries.iter().map(|e| e.name.as_str())).collect();
+
+            // Every tensor exactly once.
+            let mut sorted = flat.clone();
+            sorted.sort_unstable();
+            let mut expected: Vec<&str> = by_name.keys().copied().collect();
+            expected.sort_unstable();
+            prop_assert_eq!(sorted, expected);
+
+            for r in &planned {
+                let first = by_name[r.entries[0].name.as_str()];
+                if r.entries.len() == 1 {
+                    // Unfused responses, fusable or not, are passed through unchanged.
+                    prop_assert_eq!(r, first);
+                    continue;
+                }
+                prop_assert!(threshold > 0);
+                prop_assert!(FusionLayout::for_response(r).unwrap().total_bytes() <= threshold);
+                for entry in &r.entries {
+                    let original = by_name[entry.name.as_str()];
+                    prop_assert!(is_fusable(original));
+                    prop_assert_eq!(class(original), class(first));
+                    prop_assert_eq!(&original.entries[0], entry);
+                }
+            }
+
+            // Relative order within each class is the input order.
+            let position: HashMap<&str, usize> = flat.iter().enumerate().map(|(i, n)| (*n, i)).collect();
+            for (i, a) in input.iter().enumerate() {
+                for b in &input[i + 1..] {
+                    if class(a) == class(b) {
+                        prop_assert!(position[a.entries[0].name.as_str()] < position[b.entries[0].name.as_str()]);
+                    }
+                }
+            }
+
+            // Responses that never fuse keep their relative order too.
+            let unfusable = |names: Vec<&str>| -> Vec<String> {
+                names.into_iter().filter(|n| !is_fusable(by_name[n])).map(str::to_owned).collect()
+            };
+            prop_assert_eq!(unfusable(flat.clone()), unfusable(input.iter().map(|r| r.entries[0].name.as_str()).collect()));
+
+            if threshold == 0 {
+                prop_assert_eq!(&planned, &input);
+            }
+        }
+    }
+}

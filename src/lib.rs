@@ -1,0 +1,21 @@
+//! rvod: Horovod's API with a Rust engine.
+//!
+//! One engine runs per process, started by `init()`. Framework shims hand tensors to it as DLPack
+//! capsules through [`py`]; the engine's background thread negotiates with the other ranks which
+//! collectives are ready everywhere ([`coordinator`]), packs compatible ones together ([`fusion`]), runs
+//! the collective algorithms ([`ring`]) over a [`transport`] (TCP between processes, an in-memory one for
+//! tests), and completes the caller's handle with the result or a precise error ([`error`]).
+//! Every knob is read once into a [`config::Config`].
+
+pub mod config;
+pub mod coordinator;
+pub mod engine;
+pub mod error;
+pub mod fusion;
+pub mod ring;
+pub mod tensor;
+pub mod transport;
+pub mod types;
+
+#[cfg(feature = "python")]
+pub mod py;

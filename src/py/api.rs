@@ -1,0 +1,173 @@
+//! The functions `rvod.common` calls: engine life cycle, topology, submit / poll / wait.
+//!
+//! The engine of this process lives here (one per process, replaced on re-init). Blocking work runs with
+//! the GIL released; waits wake every few milliseconds to turn Ctrl-C into `KeyboardInterrupt`.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList, PyTuple};
+
+use crate::config::Config;
+use crate::engine::handles::WaitOutcome;
+use crate::engine::submission::{OpSubmission, TensorSubmission};
+use crate::engine::Engine;
+use crate::error::EngineError;
+use crate::py::dlpack::{export_capsule, import_capsule};
+use crate::py::error::to_py_err;
+use crate::types::{CollectiveKind, ReduceOp};
+
+/// How long one wait slice lasts before checking for signals.
+const WAIT_SLICE: Duration = Duration::from_millis(50);
+
+#[derive(Default)]
+struct ProcessState {
+    engine: Option<Arc<Engine>>,
+    /// Number of inits so far; names the rendezvous scope of the next one.
+    generation: u64,
+}
+
+static STATE: Mutex<ProcessState> = Mutex::new(ProcessState { engine: None, generation: 0 });
+
+fn state() -> MutexGuard<'static, ProcessState> {
+    STATE.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+fn engine() -> PyResult<Arc<Engine>> {
+    state().engine.clone().ok_or_else(|| to_py_err(EngineError::NotInitialized))
+}
+
+fn init_logging(level: &str) {
+    let filter = match level.to_ascii_lowercase().as_str() {
+        "trace" => "trace",
+        "debug" => "debug",
+        "info" => "info",
+        "error" | "fatal" => "error",
+        _ => "warn",
+    };
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new(format!("rvod={filter}")))
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .try_init();
+}
+
+/// Start the engine (idempotent while running).
+#[pyfunction]
+pub fn init(py: Python<'_>) -> PyResult<()> {
+    py.allow_threads(|| {
+        let mut state = state();
+        if state.engine.is_some() {
+            return Ok(());
+        }
+        let config = Config::from_env().map_err(|e| EngineError::Init(e.to_string()))?;
+        init_logging(&config.log_level);
+        let generation = state.generation;
+        state.generation += 1;
+        let engine = Engine::start(config, generation)?;
+        state.engine = Some(Arc::new(engine));
+        Ok(())
+    })
+    .map_err(to_py_err)
+}
+
+/// Stop the engine of this process; the other ranks stop too. Safe to call when not initialized.
+#[pyfunction]
+pub fn shutdown(py: Python<'_>) {
+    py.allow_threads(|| {
+        let engine = state().engine.take();
+        if let Some(engine) = engine {
+            engine.shutdown();
+        }
+    })
+}
+
+#[pyfunction]
+pub fn is_initialized() -> bool {
+    state().engine.is_some()
+}
+
+/// (rank, size, local_rank, local_size, cross_rank, cross_size, is_homogeneous)
+#[pyfunction]
+pub fn topology(py: Python<'_>) -> PyResult<Bound<'_, PyTuple>> {
+    let engine = engine()?;
+    let t = engine.topology();
+    (t.rank, t.size, t.local_rank, t.local_size, t.cross_rank, t.cross_size, engine.is_homogeneous()).into_pyobject(py)
+}
+
+/// Queue a collective; returns its handle. `capsules` are DLPack capsules the caller keeps alive until
+/// the handle completes.
+#[pyfunction]
+#[pyo3(signature = (kind, names, capsules, in_place, reduce_op, prescale, postscale, root_rank, splits))]
+#[allow(clippy::too_many_arguments)]
+pub fn submit(
+    py: Python<'_>,
+    kind: u8,
+    names: Vec<String>,
+    capsules: Vec<Bound<'_, PyAny>>,
+    in_place: bool,
+    reduce_op: u8,
+    prescale: f64,
+    postscale: f64,
+    root_rank: i32,
+    splits: Vec<i64>,
+) -> PyResult<u64> {
+    let kind = CollectiveKind::from_code(kind).ok_or_else(|| PyValueError::new_err(format!("unknown collective {kind}")))?;
+    let reduce_op =
+        ReduceOp::from_code(reduce_op).ok_or_else(|| PyValueError::new_err(format!("unknown reduce op {reduce_op}")))?;
+    if names.len() != capsules.len() {
+        return Err(PyValueError::new_err("one name per tensor is required"));
+    }
+    let engine = engine()?;
+    let mut tensors = Vec::with_capacity(capsules.len());
+    for (name, capsule) in names.into_iter().zip(&capsules) {
+        let imported = import_capsule(capsule, &format!("{kind} '{name}'"))?;
+        tensors.push(TensorSubmission { name, dtype: imported.dtype, shape: imported.shape, input: imported.tensor, in_place });
+    }
+    let op = OpSubmission { kind, tensors, reduce_op, prescale, postscale, root_rank, splits };
+    py.allow_threads(|| engine.submit(op)).map_err(to_py_err)
+}
+
+/// True once the handle completed (its result is then ready for `wait`).
+#[pyfunction]
+pub fn poll(handle: u64) -> PyResult<bool> {
+    engine()?
+        .poll(handle)
+        .ok_or_else(|| PyValueError::new_err(format!("unknown handle {handle}")))
+}
+
+/// Block until the handle completes (GIL released). Returns (outputs, received_splits, last_joined_rank):
+/// one DLPack capsule per tensor, or None where the result was written in place.
+#[pyfunction]
+pub fn wait(py: Python<'_>, handle: u64) -> PyResult<Bound<'_, PyTuple>> {
+    let engine = engine()?;
+    loop {
+        match py.allow_threads(|| engine.wait(handle, WAIT_SLICE)) {
+            WaitOutcome::Pending => py.check_signals()?,
+            WaitOutcome::Unknown => return Err(PyValueError::new_err(format!("unknown handle {handle}"))),
+            WaitOutcome::Done(Err(e)) => return Err(to_py_err(e)),
+            WaitOutcome::Done(Ok(output)) => {
+                let outputs = PyList::empty(py);
+                for tensor in output.tensors {
+                    match tensor {
+                        Some(t) => outputs.append(export_capsule(py, t.buffer, t.shape, t.dtype)?)?,
+                        None => outputs.append(py.None())?,
+                    }
+                }
+                return (outputs, output.received_splits, output.last_joined_rank).into_pyobject(py);
+            }
+        }
+    }
+}
+
+/// What this build contains, for `rvodrun --check-build`.
+#[pyfunction]
+pub fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let info = PyDict::new(py);
+    info.set_item("version", env!("CARGO_PKG_VERSION"))?;
+    info.set_item("transports", vec!["tcp"])?;
+    info.set_item("nccl", false)?;
+    Ok(info)
+}

@@ -1,0 +1,223 @@
+//! DLPack at the Python boundary: reading a framework's capsule as a [`RawTensor`], and handing an
+//! engine-owned [`AlignedBuffer`] back as a capsule any framework can import without a copy.
+//!
+//! Input capsules are read, not consumed: the Python side keeps the capsule (and so the tensor) alive
+//! until the op's handle completes, and the capsule's own destructor releases it. That way the engine
+//! thread never has to call a deleter that needs the GIL.
+
+use std::ffi::{c_void, CStr};
+
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::ffi;
+use pyo3::prelude::*;
+
+use crate::tensor::{AlignedBuffer, RawTensor};
+use crate::types::DataType;
+
+const CAPSULE_NAME: &CStr = c"dltensor";
+const DEVICE_CPU: i32 = 1;
+const DEVICE_CUDA: i32 = 2;
+const DEVICE_CUDA_HOST: i32 = 3;
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct DLDevice {
+    device_type: i32,
+    device_id: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct DLDataType {
+    code: u8,
+    bits: u8,
+    lanes: u16,
+}
+
+#[repr(C)]
+struct DLTensor {
+    data: *mut c_void,
+    device: DLDevice,
+    ndim: i32,
+    dtype: DLDataType,
+    shape: *mut i64,
+    strides: *mut i64,
+    byte_offset: u64,
+}
+
+#[repr(C)]
+struct DLManagedTensor {
+    dl_tensor: DLTensor,
+    manager_ctx: *mut c_void,
+    deleter: Option<unsafe extern "C" fn(*mut DLManagedTensor)>,
+}
+
+/// A tensor read out of a DLPack capsule.
+pub struct ImportedTensor {
+    pub tensor: RawTensor,
+    pub dtype: DataType,
+    pub shape: Vec<i64>,
+}
+
+fn dtype_from_dlpack(dt: DLDataType) -> Option<DataType> {
+    if dt.lanes != 1 {
+        return None;
+    }
+    Some(match (dt.code, dt.bits) {
+        (0, 8) => DataType::Int8,
+        (0, 16) => DataType::Int16,
+        (0, 32) => DataType::Int32,
+        (0, 64) => DataType::Int64,
+        (1, 8) => DataType::Uint8,
+        (2, 16) => DataType::Float16,
+        (2, 32) => DataType::Float32,
+        (2, 64) => DataType::Float64,
+        (4, 16) => DataType::Bfloat16,
+        (6, 8) | (1, 1) => DataType::Bool,
+        _ => return None,
+    })
+}
+
+fn dtype_to_dlpack(dtype: DataType) -> DLDataType {
+    let (code, bits) = match dtype {
+        DataType::Int8 => (0, 8),
+        DataType::Int16 => (0, 16),
+        DataType::Int32 => (0, 32),
+        DataType::Int64 => (0, 64),
+        DataType::Uint8 => (1, 8),
+        DataType::Float16 => (2, 16),
+        DataType::Float32 => (2, 32),
+        DataType::Float64 => (2, 64),
+        DataType::Bfloat16 => (4, 16),
+        DataType::Bool => (6, 8),
+    };
+    DLDataType { code, bits, lanes: 1 }
+}
+
+/// Read the tensor a `dltensor` capsule describes. The capsule must stay alive while the view is used.
+pub fn import_capsule(capsule: &Bound<'_, PyAny>, what: &str) -> PyResult<ImportedTensor> {
+    // SAFETY: PyCapsule_IsValid accepts any object pointer.
+    if unsafe { ffi::PyCapsule_IsValid(capsule.as_ptr(), CAPSULE_NAME.as_ptr()) } == 0 {
+        return Err(PyTypeError::new_err(format!("{what}: expected an unconsumed DLPack capsule")));
+    }
+    // SAFETY: validated above that this is a capsule named "dltensor", whose pointer is a DLManagedTensor.
+    let managed = unsafe { ffi::PyCapsule_GetPointer(capsule.as_ptr(), CAPSULE_NAME.as_ptr()) } as *const DLManagedTensor;
+    if managed.is_null() {
+        return Err(PyTypeError::new_err(format!("{what}: the DLPack capsule holds no tensor")));
+    }
+    // SAFETY: the producer guarantees the DLManagedTensor is valid while the capsule is alive.
+    let t = unsafe { &(*managed).dl_tensor };
+    match t.device.device_type {
+        DEVICE_CPU | DEVICE_CUDA_HOST => {}
+        DEVICE_CUDA => {
+            return Err(PyValueError::new_err(format!(
+                "{what}: GPU tensors need an rvod build with NCCL support; this build handles CPU tensors only"
+            )))
+        }
+        other => return Err(PyValueError::new_err(format!("{what}: unsupported device type {other} (only CPU)"))),
+    }
+    let dtype = dtype_from_dlpack(t.dtype).ok_or_else(|| {
+        PyValueError::new_err(format!(
+            "{what}: tensor type (code {}, {} bits, {} lanes) is not supported",
+            t.dtype.code, t.dtype.bits, t.dtype.lanes
+        ))
+    })?;
+    if t.ndim < 0 || (t.ndim > 0 && t.shape.is_null()) {
+        return Err(PyValueError::new_err(format!("{what}: malformed DLPack shape")));
+    }
+    let ndim = t.ndim as usize;
+    // SAFETY: shape points at ndim i64 values (checked non-null above when ndim > 0).
+    let shape: Vec<i64> = if ndim == 0 { Vec::new() } else { unsafe { std::slice::from_raw_parts(t.shape, ndim) }.to_vec() };
+    if shape.iter().any(|&d| d < 0) {
+        return Err(PyValueError::new_err(format!("{what}: negative dimension in shape {shape:?}")));
+    }
+    let elements: usize = shape.iter().map(|&d| d as usize).product();
+    if !t.strides.is_null() && elements > 1 {
+        // SAFETY: strides points at ndim i64 values when non-null.
+        let strides = unsafe { std::slice::from_raw_parts(t.strides, ndim) };
+        let mut expected = 1i64;
+        for (dim, stride) in shape.iter().zip(strides).rev() {
+            if *dim != 1 && *stride != expected {
+                return Err(PyValueError::new_err(format!("{what}: Tensor is required to be contiguous.")));
+            }
+            expected *= dim;
+        }
+    }
+    let len = elements * dtype.size();
+    let data = if len == 0 {
+        std::ptr::null_mut()
+    } else {
+        if t.data.is_null() {
+            return Err(PyValueError::new_err(format!("{what}: the tensor has no data pointer")));
+        }
+        // SAFETY: byte_offset lies inside the producer's allocation by the DLPack contract.
+        unsafe { (t.data as *mut u8).add(t.byte_offset as usize) }
+    };
+    // SAFETY: the memory is valid for len bytes while the capsule lives; the caller keeps it alive until the
+    // op completes and does not write to it meanwhile (the documented contract of every async op).
+    let tensor = unsafe { RawTensor::new(data, len) };
+    Ok(ImportedTensor { tensor, dtype, shape })
+}
+
+struct ExportContext {
+    buffer: AlignedBuffer,
+    shape: Vec<i64>,
+}
+
+unsafe extern "C" fn delete_exported(managed: *mut DLManagedTensor) {
+    if managed.is_null() {
+        return;
+    }
+    // SAFETY: `managed` and its manager_ctx were created by Box::into_raw in `export_capsule`, and DLPack
+    // guarantees the deleter runs once.
+    unsafe {
+        let managed = Box::from_raw(managed);
+        drop(Box::from_raw(managed.manager_ctx as *mut ExportContext));
+    }
+}
+
+unsafe extern "C" fn capsule_destructor(capsule: *mut ffi::PyObject) {
+    // A consumer that imported the tensor renamed the capsule and owns the deleter call; otherwise we free it.
+    // SAFETY: called by Python with the capsule being destroyed.
+    unsafe {
+        if ffi::PyCapsule_IsValid(capsule, CAPSULE_NAME.as_ptr()) != 0 {
+            let managed = ffi::PyCapsule_GetPointer(capsule, CAPSULE_NAME.as_ptr()) as *mut DLManagedTensor;
+            if let Some(deleter) = managed.as_ref().and_then(|m| m.deleter) {
+                deleter(managed);
+            }
+        } else {
+            ffi::PyErr_Clear();
+        }
+    }
+}
+
+/// Wrap an engine-owned buffer as a `dltensor` capsule (zero copy).
+pub fn export_capsule(py: Python<'_>, buffer: AlignedBuffer, shape: Vec<i64>, dtype: DataType) -> PyResult<PyObject> {
+    let mut ctx = Box::new(ExportContext { buffer, shape });
+    let data = ctx.buffer.as_mut_ptr() as *mut c_void;
+    let shape_ptr = ctx.shape.as_mut_ptr();
+    let ndim = ctx.shape.len() as i32;
+    let managed = Box::new(DLManagedTensor {
+        dl_tensor: DLTensor {
+            data,
+            device: DLDevice { device_type: DEVICE_CPU, device_id: 0 },
+            ndim,
+            dtype: dtype_to_dlpack(dtype),
+            shape: shape_ptr,
+            strides: std::ptr::null_mut(),
+            byte_offset: 0,
+        },
+        manager_ctx: Box::into_raw(ctx) as *mut c_void,
+        deleter: Some(delete_exported),
+    });
+    let raw = Box::into_raw(managed);
+    // SAFETY: raw is a valid DLManagedTensor; on failure we free it ourselves.
+    let capsule = unsafe { ffi::PyCapsule_New(raw as *mut c_void, CAPSULE_NAME.as_ptr(), Some(capsule_destructor)) };
+    if capsule.is_null() {
+        // SAFETY: the capsule was not created, so nobody else owns raw.
+        unsafe { delete_exported(raw) };
+        return Err(PyErr::fetch(py));
+    }
+    // SAFETY: PyCapsule_New returned a new strong reference.
+    Ok(unsafe { PyObject::from_owned_ptr(py, capsule) })
+}

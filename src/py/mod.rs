@@ -1,0 +1,28 @@
+//! The Python extension module `rvod._rvod`: the only place that uses pyo3.
+//!
+//! - [`api`]: engine life cycle and ops, called by `rvod.common`.
+//! - [`dlpack`]: tensors in and out as DLPack capsules.
+//! - [`error`]: engine errors as Python exceptions.
+//! - [`rendezvous`]: the rendezvous server class used by `rvodrun`.
+
+pub mod api;
+pub mod dlpack;
+pub mod error;
+pub mod rendezvous;
+
+use pyo3::prelude::*;
+
+#[pymodule]
+fn _rvod(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_function(wrap_pyfunction!(api::init, m)?)?;
+    m.add_function(wrap_pyfunction!(api::shutdown, m)?)?;
+    m.add_function(wrap_pyfunction!(api::is_initialized, m)?)?;
+    m.add_function(wrap_pyfunction!(api::topology, m)?)?;
+    m.add_function(wrap_pyfunction!(api::submit, m)?)?;
+    m.add_function(wrap_pyfunction!(api::poll, m)?)?;
+    m.add_function(wrap_pyfunction!(api::wait, m)?)?;
+    m.add_function(wrap_pyfunction!(api::build_info, m)?)?;
+    m.add_class::<rendezvous::RendezvousServer>()?;
+    Ok(())
+}

@@ -1,0 +1,46 @@
+//! Allgather with per-rank sizes: every rank ends with all ranks' blocks, concatenated in rank order.
+//!
+//! Ring algorithm: `n - 1` steps, each forwarding the block received in the previous step to the right
+//! neighbour while the next block arrives from the left straight into its final place.
+//! [`allgather_ring`] is also the second half of the large-message allreduce.
+
+use crate::ring::args::{expect_len, invalid_argument};
+use crate::ring::chunks::{allgather_step, Blocks};
+use crate::ring::disjoint::read_write_pair;
+use crate::transport::{Transport, TransportError};
+
+/// Gather every rank's `send` into `recv` in rank order; rank `r` contributes `bytes_per_rank[r]` bytes
+/// (possibly 0) and `recv.len()` is their sum.
+pub fn allgatherv(
+    t: &mut dyn Transport,
+    send: &[u8],
+    recv: &mut [u8],
+    bytes_per_rank: &[usize],
+) -> Result<(), TransportError> {
+    const OP: &str = "allgatherv";
+    let rank = t.rank();
+    expect_len(rank, OP, "number of per-rank byte counts", bytes_per_rank.len(), t.size())?;
+    let blocks = Blocks::from_lengths(bytes_per_rank, 1)
+        .ok_or_else(|| invalid_argument(rank, OP, "per-rank byte counts overflow".to_string()))?;
+    expect_len(rank, OP, "send length in bytes", send.len(), blocks.len(rank))?;
+    expect_len(rank, OP, "receive length in bytes", recv.len(), blocks.total())?;
+    recv[blocks.range(rank)].copy_from_slice(send);
+    if t.size() > 1 && blocks.total() > 0 {
+        allgather_ring(t, recv, &blocks)?;
+    }
+    Ok(())
+}
+
+/// The ring allgather over `buf` split into `blocks`, where block `rank` is already in place.
+pub(crate) fn allgather_ring(t: &mut dyn Transport, buf: &mut [u8], blocks: &Blocks) -> Result<(), TransportError> {
+    let (rank, n) = (t.rank(), t.size());
+    let right = (rank + 1) % n;
+    let left = (rank + n - 1) % n;
+    for step in 0..n - 1 {
+        let (send_block, recv_block) = allgather_step(rank, n, step);
+        let (outgoing, incoming) = read_write_pair(buf, blocks.range(send_block), blocks.range(recv_block))
+            .ok_or_else(|| invalid_argument(rank, "allgather", "ring blocks overlap or overrun the buffer".into()))?;
+        t.sendrecv(right, outgoing, left, incoming)?;
+    }
+    Ok(())
+}

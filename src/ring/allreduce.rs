@@ -1,0 +1,84 @@
+//! Allreduce: every rank's buffer becomes the element-wise combination of all ranks' buffers, with
+//! bitwise identical results on every rank.
+//!
+//! Small buffers use recursive doubling: `log2(n)` whole-buffer exchanges, with the ranks beyond the
+//! largest power of two first folding their data onto a partner and getting the result back at the end.
+//! Partners always combine in rank order (lower rank's operand on the left), so both compute the same
+//! expression on the same bits even where `a ⊕ b` and `b ⊕ a` differ (NaN payloads). Large buffers use
+//! the bandwidth-optimal ring: reduce-scatter, where each block is combined along one chain, then
+//! allgather, which copies the finished blocks to everyone.
+
+use crate::ring::allgather::allgather_ring;
+use crate::ring::args::invalid_argument;
+use crate::ring::chunks::Blocks;
+use crate::ring::reduce::reduce_into;
+use crate::ring::reducescatter::reduce_scatter_ring;
+use crate::transport::{Transport, TransportError};
+use crate::types::{Combine, DataType};
+
+/// Buffers of at most this many bytes use recursive doubling, larger ones the ring. Per link, recursive
+/// doubling sends `log2(n) * S` bytes in `log2(n)` steps and the ring `2(n-1)/n * S` in `2(n-1)` steps; with
+/// TCP's ~22 us per step and ~1.5 GB/s links the two cost the same near 100 KiB for n = 2..8, and
+/// measurements over the in-memory transport put the crossover between 32 and 128 KiB.
+pub const RING_THRESHOLD_BYTES: usize = 64 * 1024;
+
+/// Combine `buf` element-wise across all ranks, in place.
+pub fn allreduce(
+    t: &mut dyn Transport,
+    buf: &mut [u8],
+    dtype: DataType,
+    combine: Combine,
+) -> Result<(), TransportError> {
+    let n = t.size();
+    if buf.len() % dtype.size() != 0 {
+        let detail = format!("{} bytes is not a whole number of {dtype} elements", buf.len());
+        return Err(invalid_argument(t.rank(), "allreduce", detail));
+    }
+    if n <= 1 || buf.is_empty() {
+        return Ok(());
+    }
+    if buf.len() <= RING_THRESHOLD_BYTES {
+        recursive_doubling(t, buf, dtype, combine)
+    } else {
+        let blocks = Blocks::even(buf.len() / dtype.size(), n, dtype.size());
+        reduce_scatter_ring(t, buf, &blocks, dtype, combine)?;
+        allgather_ring(t, buf, &blocks)
+    }
+}
+
+fn recursive_doubling(
+    t: &mut dyn Transport,
+    buf: &mut [u8],
+    dtype: DataType,
+    combine: Combine,
+) -> Result<(), TransportError> {
+    let (rank, n) = (t.rank(), t.size());
+    let core = 1usize << n.ilog2();
+    if rank >= core {
+        let partner = rank - core;
+        t.send(partner, buf)?;
+        return t.recv(partner, buf);
+    }
+    let folded_partner = rank + core;
+    let mut received = vec![0u8; buf.len()];
+    if folded_partner < n {
+        t.recv(folded_partner, &mut received)?;
+        reduce_into(buf, &received, dtype, combine);
+    }
+    let mut distance = 1;
+    while distance < core {
+        let partner = rank ^ distance;
+        t.sendrecv(partner, buf, partner, &mut received)?;
+        if partner < rank {
+            reduce_into(&mut received, buf, dtype, combine);
+            buf.copy_from_slice(&received);
+        } else {
+            reduce_into(buf, &received, dtype, combine);
+        }
+        distance <<= 1;
+    }
+    if folded_partner < n {
+        t.send(folded_partner, buf)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,30 @@
+//! Collective algorithms and the reduction kernels they use, written against the [`Transport`] trait
+//! only: they move bytes with `send`/`recv`/`exchange` and never know what carries them.
+//!
+//! Buffers are raw native-endian bytes of one [`DataType`]. Every collective is deterministic: the
+//! combination order of each element is fixed by the algorithm, never by timing, so repeated runs and
+//! all ranks of an allreduce produce the same bits. Inconsistent arguments return an `InvalidInput`
+//! [`TransportError::Io`] instead of panicking.
+//!
+//! [`Transport`]: crate::transport::Transport
+//! [`TransportError::Io`]: crate::transport::TransportError::Io
+//! [`DataType`]: crate::types::DataType
+
+pub mod allgather;
+pub mod allreduce;
+pub mod alltoall;
+mod args;
+pub mod broadcast;
+pub mod chunks;
+mod disjoint;
+pub mod reduce;
+pub mod reducescatter;
+mod streaming;
+
+pub use allgather::allgatherv;
+pub use allreduce::{allreduce, RING_THRESHOLD_BYTES};
+pub use alltoall::alltoallv;
+pub use broadcast::{broadcast, BROADCAST_CHAIN_THRESHOLD_BYTES, BROADCAST_CHUNK_BYTES};
+pub use chunks::{segment_bounds, Blocks};
+pub use reduce::{reduce_into, scale_in_place};
+pub use reducescatter::reducescatter;

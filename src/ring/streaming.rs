@@ -1,0 +1,89 @@
+//! Reducing a message into a buffer while it streams in, in pieces of any size.
+//!
+//! Pieces need not end on element boundaries: the bytes of an element split across pieces wait in a
+//! small carry buffer until the element is whole. Nothing larger than one element is ever staged.
+
+use crate::ring::reduce::reduce_into;
+use crate::types::{Combine, DataType};
+
+/// Largest element size of any [`DataType`].
+const MAX_ELEMENT_BYTES: usize = 8;
+
+/// Consumes the pieces of one incoming message, in order, combining them into `dst` element-wise.
+pub(crate) struct StreamingReducer<'a> {
+    dst: &'a mut [u8],
+    dtype: DataType,
+    combine: Combine,
+    /// Bytes of `dst` already combined.
+    done: usize,
+    carry: [u8; MAX_ELEMENT_BYTES],
+    carry_len: usize,
+}
+
+impl<'a> StreamingReducer<'a> {
+    pub(crate) fn new(dst: &'a mut [u8], dtype: DataType, combine: Combine) -> StreamingReducer<'a> {
+        StreamingReducer { dst, dtype, combine, done: 0, carry: [0; MAX_ELEMENT_BYTES], carry_len: 0 }
+    }
+
+    /// Combine the next piece of the message into `dst`. Bytes beyond `dst`'s length are ignored.
+    pub(crate) fn accept(&mut self, mut piece: &[u8]) {
+        let size = self.dtype.size();
+        if self.carry_len > 0 {
+            let take = (size - self.carry_len).min(piece.len());
+            self.carry[self.carry_len..self.carry_len + take].copy_from_slice(&piece[..take]);
+            self.carry_len += take;
+            piece = &piece[take..];
+            if self.carry_len < size {
+                return;
+            }
+            self.carry_len = 0;
+            let carried = self.carry;
+            self.combine_whole(&carried[..size]);
+        }
+        let whole = piece.len() - piece.len() % size;
+        self.combine_whole(&piece[..whole]);
+        let rest = &piece[whole..];
+        self.carry[..rest.len()].copy_from_slice(rest);
+        self.carry_len = rest.len();
+    }
+
+    fn combine_whole(&mut self, elements: &[u8]) {
+        // `done <= dst.len()` always holds: it only ever advances by at most the room left.
+        let len = elements.len().min(self.dst.len() - self.done);
+        reduce_into(&mut self.dst[self.done..self.done + len], &elements[..len], self.dtype, self.combine);
+        self.done += len;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn as_bytes(values: &[i32]) -> Vec<u8> {
+        values.iter().flat_map(|v| v.to_ne_bytes()).collect()
+    }
+
+    #[test]
+    fn pieces_split_inside_elements_reduce_like_one_piece() {
+        let local: Vec<i32> = (0..37).collect();
+        let incoming: Vec<i32> = (0..37).map(|v| v * 100).collect();
+        let expected: Vec<i32> = (0..37).map(|v| v * 101).collect();
+        let message = as_bytes(&incoming);
+        for piece_len in [1, 2, 3, 5, 7, 64, 148, 1000] {
+            let mut dst = as_bytes(&local);
+            let mut reducer = StreamingReducer::new(&mut dst, DataType::Int32, Combine::Sum);
+            for piece in message.chunks(piece_len) {
+                reducer.accept(piece);
+            }
+            assert_eq!(dst, as_bytes(&expected), "piece length {piece_len}");
+        }
+    }
+
+    #[test]
+    fn excess_bytes_are_ignored() {
+        let mut dst = as_bytes(&[1, 2]);
+        let mut reducer = StreamingReducer::new(&mut dst, DataType::Int32, Combine::Max);
+        reducer.accept(&as_bytes(&[5, 0, 9]));
+        assert_eq!(dst, as_bytes(&[5, 2]));
+    }
+}

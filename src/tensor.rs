@@ -1,0 +1,172 @@
+//! Tensor memory: views of caller-owned buffers and engine-owned aligned buffers.
+//!
+//! This is the one place (besides DLPack parsing in `py/dlpack.rs`) that holds raw pointers. A
+//! [`RawTensor`] points at memory owned by a framework tensor; the Python side keeps that tensor alive
+//! until the handle that uses it completes, and the engine touches it only from its background thread
+//! while the op is in flight.
+
+use std::alloc::{self, Layout};
+use std::ptr::NonNull;
+
+/// Alignment of engine-allocated buffers (enough for every dtype and for SIMD loads).
+const BUFFER_ALIGN: usize = 64;
+
+/// A view of `len` bytes of caller-owned memory.
+#[derive(Debug)]
+pub struct RawTensor {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the memory is owned by an object the submitting thread keeps alive until the op completes, and
+// only the engine thread accesses it while the op is in flight (the caller must not touch it meanwhile,
+// which is Horovod's contract too).
+unsafe impl Send for RawTensor {}
+
+impl RawTensor {
+    /// # Safety
+    /// `ptr` must be valid for reads and writes of `len` bytes until this view is dropped, and nothing else
+    /// may write to that memory meanwhile. A null `ptr` is allowed only with `len == 0`.
+    pub unsafe fn new(ptr: *mut u8, len: usize) -> RawTensor {
+        RawTensor { ptr, len }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn as_slice(&self) -> &[u8] {
+        if self.len == 0 {
+            return &[];
+        }
+        // SAFETY: guaranteed by the contract of `new`.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        if self.len == 0 {
+            return &mut [];
+        }
+        // SAFETY: guaranteed by the contract of `new`; `&mut self` prevents aliasing through this view.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+/// A zero-initialised, 64-byte aligned heap buffer owned by the engine (outputs, fusion buffers).
+pub struct AlignedBuffer {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: AlignedBuffer uniquely owns its allocation.
+unsafe impl Send for AlignedBuffer {}
+unsafe impl Sync for AlignedBuffer {}
+
+impl AlignedBuffer {
+    pub fn zeroed(len: usize) -> AlignedBuffer {
+        if len == 0 {
+            return AlignedBuffer { ptr: NonNull::dangling(), len: 0 };
+        }
+        let layout = Self::layout(len);
+        // SAFETY: layout has non-zero size.
+        let raw = unsafe { alloc::alloc_zeroed(layout) };
+        match NonNull::new(raw) {
+            Some(ptr) => AlignedBuffer { ptr, len },
+            None => alloc::handle_alloc_error(layout),
+        }
+    }
+
+    /// A buffer holding a copy of `bytes`.
+    pub fn from_slice(bytes: &[u8]) -> AlignedBuffer {
+        let mut buf = AlignedBuffer::zeroed(bytes.len());
+        buf.as_mut_slice().copy_from_slice(bytes);
+        buf
+    }
+
+    fn layout(len: usize) -> Layout {
+        // Only fails for sizes near isize::MAX, which no allocation can satisfy anyway.
+        Layout::from_size_align(len, BUFFER_ALIGN).unwrap_or_else(|_| Layout::new::<u8>())
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn as_ptr(&self) -> *const u8 {
+        self.ptr.as_ptr()
+    }
+
+    pub fn as_mut_ptr(&mut self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: ptr is valid for len initialised bytes (or dangling with len 0).
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as above, and &mut self gives unique access.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+
+    /// Make the buffer at least `len` bytes long; contents are not preserved when it grows.
+    pub fn ensure_len(&mut self, len: usize) {
+        if len > self.len {
+            *self = AlignedBuffer::zeroed(len.next_power_of_two());
+        }
+    }
+}
+
+impl Drop for AlignedBuffer {
+    fn drop(&mut self) {
+        if self.len > 0 {
+            // SAFETY: allocated in `zeroed` with this exact layout.
+            unsafe { alloc::dealloc(self.ptr.as_ptr(), Self::layout(self.len)) }
+        }
+    }
+}
+
+impl std::fmt::Debug for AlignedBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "AlignedBuffer({} bytes)", self.len)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn aligned_buffer_is_aligned_and_zeroed() {
+        for len in [0usize, 1, 7, 4097] {
+            let b = AlignedBuffer::zeroed(len);
+            assert_eq!(b.len(), len);
+            assert!(b.as_slice().iter().all(|&x| x == 0));
+            if len > 0 {
+                assert_eq!(b.as_ptr() as usize % BUFFER_ALIGN, 0);
+            }
+        }
+        let b = AlignedBuffer::from_slice(&[1, 2, 3]);
+        assert_eq!(b.as_slice(), &[1, 2, 3]);
+    }
+
+    #[test]
+    fn raw_tensor_views_memory() {
+        let mut v = vec![1u8, 2, 3, 4];
+        // SAFETY: v outlives the view and is not otherwise touched meanwhile.
+        let mut t = unsafe { RawTensor::new(v.as_mut_ptr(), v.len()) };
+        t.as_mut_slice()[0] = 9;
+        assert_eq!(t.as_slice(), &[9, 2, 3, 4]);
+        drop(t);
+        assert_eq!(v[0], 9);
+    }
+}

@@ -1,0 +1,94 @@
+//! Transports move bytes between the ranks of one communicator; they know nothing of tensors or
+//! reduce operations.
+//!
+//! Every rank of a communicator holds one [`Transport`] whose `rank()`/`size()` are positions inside
+//! that communicator. Channels are ordered and reliable per pair of ranks, and all ranks perform the
+//! same sequence of operations on each pair, so no framing is needed for data: a receive of `n` bytes
+//! reads exactly the `n` bytes the peer sent for it. Blocking operations give up with
+//! [`TransportError::Timeout`] when a peer makes no progress for the configured timeout, and with
+//! [`TransportError::PeerClosed`] when a peer's connection ends.
+
+pub mod memory;
+pub mod tcp;
+pub mod handshake;
+pub mod rendezvous;
+pub mod waker;
+
+use std::time::Duration;
+
+pub use waker::Waker;
+
+/// Why a transport operation failed. Each variant names the peer (communicator rank) involved.
+#[derive(Debug, thiserror::Error)]
+pub enum TransportError {
+    #[error("rank {peer} closed its connection")]
+    PeerClosed { peer: usize },
+    #[error("no progress from rank {peer} for {seconds:.1} s")]
+    Timeout { peer: usize, seconds: f64 },
+    #[error("I/O error with rank {peer}: {source}")]
+    Io {
+        peer: usize,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("connection set-up failed: {0}")]
+    Setup(String),
+    #[error("rank {peer} sent a malformed message: {detail}")]
+    Protocol { peer: usize, detail: String },
+}
+
+/// Why [`Transport::wait_for_activity`] returned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activity {
+    /// The local waker fired (new work was submitted on this rank).
+    Local,
+    /// Some peer has sent bytes that nobody has read yet (it started a negotiation round).
+    Peer,
+    /// The timeout passed with neither.
+    Idle,
+}
+
+/// Ordered, reliable byte channels to every other rank of one communicator.
+pub trait Transport: Send {
+    /// This rank's position in the communicator.
+    fn rank(&self) -> usize;
+    /// Number of ranks in the communicator.
+    fn size(&self) -> usize;
+
+    /// Send all of `data` to `peer`. Returns once the bytes are handed off (the peer may not have read them).
+    /// Safe to call for any size: implementations must not deadlock when `peer` is simultaneously sending to us
+    /// a message of any size (they buffer or interleave reading as needed).
+    fn send(&mut self, peer: usize, data: &[u8]) -> Result<(), TransportError>;
+
+    /// Receive exactly `buf.len()` bytes from `peer`.
+    fn recv(&mut self, peer: usize, buf: &mut [u8]) -> Result<(), TransportError>;
+
+    /// Send `send` to `to` while receiving `recv_len` bytes from `from`, both progressing at once (full duplex).
+    /// Received bytes are handed to `sink(offset, bytes)` in order, in pieces of any size, as they arrive;
+    /// `offset` is the position of `bytes` within the whole incoming message. This lets a reduction consume
+    /// data while it is still streaming in, without staging the whole message. `to` and `from` may be the same
+    /// peer. Zero-length sides are allowed.
+    fn exchange(
+        &mut self,
+        to: usize,
+        send: &[u8],
+        from: usize,
+        recv_len: usize,
+        sink: &mut dyn FnMut(usize, &[u8]),
+    ) -> Result<(), TransportError>;
+
+    /// Convenience: full-duplex exchange straight into `recv`.
+    fn sendrecv(&mut self, to: usize, send: &[u8], from: usize, recv: &mut [u8]) -> Result<(), TransportError> {
+        let len = recv.len();
+        self.exchange(to, send, from, len, &mut |off, bytes| {
+            recv[off..off + bytes.len()].copy_from_slice(bytes);
+        })
+    }
+
+    /// Block until `waker` fires, any peer has unread incoming bytes or a peer's connection closed
+    /// (reported as [`Activity::Peer`]; the following `recv` then returns the error), or `timeout` passes.
+    fn wait_for_activity(&mut self, waker: &Waker, timeout: Duration) -> Result<Activity, TransportError>;
+
+    /// Close every connection now, so peers blocked on this rank fail fast instead of waiting for a timeout.
+    fn close(&mut self);
+}

@@ -1,0 +1,260 @@
+//! The store's blocking client: one authenticated connection, one request at a time.
+//!
+//! Every failure is a [`TransportError::Setup`] whose message names the store's address, the operation and
+//! the key. After an I/O failure the connection's framing is unknown, so the client should be dropped.
+
+use std::io::{self, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::time::{Duration, Instant};
+
+use super::wire::{request_header, Op, MAX_KEY_LEN, MAX_VALUE_LEN, STATUS_FAILED, STATUS_MISSING, STATUS_OK};
+use crate::transport::handshake::{self, Purpose};
+use crate::transport::TransportError;
+
+/// Pause between attempts to reach a store that is not listening yet.
+const CONNECT_RETRY_PAUSE: Duration = Duration::from_millis(50);
+
+/// A connection to a [`super::RendezvousServer`].
+pub struct StoreClient {
+    stream: TcpStream,
+    addr: SocketAddr,
+    /// How long one request may wait for its answer (a `get` adds its own wait on top).
+    io_timeout: Duration,
+}
+
+impl StoreClient {
+    /// Connects and authenticates, retrying until `timeout` passes, since ranks may start before the store
+    /// listens. `timeout` also bounds every later request.
+    pub fn connect(addr: SocketAddr, secret: &[u8], timeout: Duration) -> Result<StoreClient, TransportError> {
+        let deadline = handshake::deadline_after(timeout);
+        let mut stream = loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let attempt = if left.is_zero() {
+                Err(io::Error::new(io::ErrorKind::TimedOut, "no time left"))
+            } else {
+                TcpStream::connect_timeout(&addr, left)
+            };
+            match attempt {
+                Ok(stream) => break stream,
+                Err(err) if Instant::now() + CONNECT_RETRY_PAUSE >= deadline => {
+                    return Err(TransportError::Setup(format!(
+                        "could not reach the rendezvous store at {addr} within {:.1} s: {err}",
+                        timeout.as_secs_f64()
+                    )));
+                }
+                Err(_) => std::thread::sleep(CONNECT_RETRY_PAUSE),
+            }
+        };
+        handshake::connect(&mut stream, secret, Purpose::Store, b"", deadline)
+            .map_err(|err| TransportError::Setup(format!("rendezvous store at {addr}: {err}")))?;
+        stream
+            .set_nodelay(true)
+            .map_err(|err| TransportError::Setup(format!("rendezvous store at {addr}: {err}")))?;
+        Ok(StoreClient { stream, addr, io_timeout: timeout.max(Duration::from_millis(1)) })
+    }
+
+    /// Stores `value` under `key`, replacing any previous value, and wakes every `get` waiting for it.
+    pub fn set(&mut self, key: &str, value: &[u8]) -> Result<(), TransportError> {
+        check_key(key)?;
+        if value.len() > MAX_VALUE_LEN {
+            return Err(TransportError::Setup(format!(
+                "value for rendezvous key '{key}' is {} bytes, the limit is {MAX_VALUE_LEN}",
+                value.len()
+            )));
+        }
+        let mut request = request_header(Op::Set, key.as_bytes(), 4 + value.len());
+        request.extend_from_slice(&(value.len() as u32).to_be_bytes());
+        request.extend_from_slice(value);
+        self.round_trip("set", key, &request, Duration::ZERO, |client| match client.read_u8()? {
+            STATUS_OK => Ok(()),
+            status => client.failure_or_unknown(status),
+        })
+    }
+
+    /// Returns the value of `key`, waiting up to `timeout` for some client to set it.
+    pub fn get(&mut self, key: &str, timeout: Duration) -> Result<Vec<u8>, TransportError> {
+        check_key(key)?;
+        let wait_ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
+        let mut request = request_header(Op::Get, key.as_bytes(), 8);
+        request.extend_from_slice(&wait_ms.to_be_bytes());
+        let value = self.round_trip("get", key, &request, timeout, |client| match client.read_u8()? {
+            STATUS_OK => {
+                let len = client.read_u32()? as usize;
+                if len > MAX_VALUE_LEN {
+                    return Err(Failure::Framing(format!("a value of {len} bytes")));
+                }
+                let mut value = vec![0u8; len];
+                client.stream.read_exact(&mut value)?;
+                Ok(Some(value))
+            }
+            STATUS_MISSING => Ok(None),
+            status => client.failure_or_unknown(status),
+        })?;
+        value.ok_or_else(|| {
+            TransportError::Setup(format!(
+                "timed out after {:.1} s waiting for key '{key}' in the rendezvous store at {}",
+                timeout.as_secs_f64(),
+                self.addr
+            ))
+        })
+    }
+
+    /// Adds `delta` to the integer counter at `key` (a missing key counts as 0) and returns the new value.
+    pub fn add(&mut self, key: &str, delta: i64) -> Result<i64, TransportError> {
+        check_key(key)?;
+        let mut request = request_header(Op::Add, key.as_bytes(), 8);
+        request.extend_from_slice(&delta.to_be_bytes());
+        self.round_trip("add", key, &request, Duration::ZERO, |client| match client.read_u8()? {
+            STATUS_OK => {
+                let mut bytes = [0u8; 8];
+                client.stream.read_exact(&mut bytes)?;
+                Ok(i64::from_be_bytes(bytes))
+            }
+            status => client.failure_or_unknown(status),
+        })
+    }
+
+    /// Removes `key`; returns whether it existed.
+    pub fn delete(&mut self, key: &str) -> Result<bool, TransportError> {
+        check_key(key)?;
+        let request = request_header(Op::Delete, key.as_bytes(), 0);
+        self.round_trip("delete", key, &request, Duration::ZERO, |client| match client.read_u8()? {
+            STATUS_OK => Ok(client.read_u8()? != 0),
+            status => client.failure_or_unknown(status),
+        })
+    }
+
+    /// Sends `request` and reads its answer with `read_answer`, allowing `extra_wait` beyond the usual
+    /// timeout for the server to answer.
+    fn round_trip<T>(
+        &mut self,
+        op: &str,
+        key: &str,
+        request: &[u8],
+        extra_wait: Duration,
+        read_answer: impl FnOnce(&mut Self) -> Result<T, Failure>,
+    ) -> Result<T, TransportError> {
+        let answer = self.send_request(request, extra_wait).and_then(|()| read_answer(self));
+        answer.map_err(|failure| {
+            let detail = match failure {
+                Failure::Io(err) if matches!(err.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+                    "no answer in time".to_string()
+                }
+                Failure::Io(err) if err.kind() == io::ErrorKind::UnexpectedEof => "the store closed the connection".into(),
+                Failure::Io(err) => err.to_string(),
+                Failure::Framing(what) => format!("malformed answer: {what}"),
+                Failure::Refused(message) => message,
+            };
+            TransportError::Setup(format!("rendezvous store at {}: {op} '{key}' failed: {detail}", self.addr))
+        })
+    }
+
+    fn send_request(&mut self, request: &[u8], extra_wait: Duration) -> Result<(), Failure> {
+        self.stream.set_write_timeout(Some(self.io_timeout))?;
+        self.stream.set_read_timeout(Some(self.io_timeout.saturating_add(extra_wait)))?;
+        self.stream.write_all(request)?;
+        Ok(())
+    }
+
+    fn read_u8(&mut self) -> Result<u8, Failure> {
+        let mut byte = [0u8; 1];
+        self.stream.read_exact(&mut byte)?;
+        Ok(byte[0])
+    }
+
+    fn read_u32(&mut self) -> Result<u32, Failure> {
+        let mut bytes = [0u8; 4];
+        self.stream.read_exact(&mut bytes)?;
+        Ok(u32::from_be_bytes(bytes))
+    }
+
+    /// Reads the message of a FAILED answer, or reports an unknown status.
+    fn failure_or_unknown<T>(&mut self, status: u8) -> Result<T, Failure> {
+        if status != STATUS_FAILED {
+            return Err(Failure::Framing(format!("unknown status {status}")));
+        }
+        let mut len = [0u8; 2];
+        self.stream.read_exact(&mut len)?;
+        let mut message = vec![0u8; u16::from_be_bytes(len) as usize];
+        self.stream.read_exact(&mut message)?;
+        Err(Failure::Refused(String::from_utf8_lossy(&message).into_owned()))
+    }
+}
+
+/// Why one request failed, before it is put into words.
+enum Failure {
+    Io(io::Error),
+    Framing(String),
+    Refused(String),
+}
+
+impl From<io::Error> for Failure {
+    fn from(err: io::Error) -> Failure {
+        Failure::Io(err)
+    }
+}
+
+fn check_key(key: &str) -> Result<(), TransportError> {
+    if key.len() > MAX_KEY_LEN {
+        return Err(TransportError::Setup(format!(
+            "rendezvous key of {} bytes, the limit is {MAX_KEY_LEN}",
+            key.len()
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transport::rendezvous::RendezvousServer;
+    use std::net::{Ipv4Addr, TcpListener};
+
+    #[test]
+    fn connect_waits_for_a_late_server() {
+        let port = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap().local_addr().unwrap().port();
+        let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+        let client = std::thread::spawn(move || StoreClient::connect(addr, b"k", Duration::from_secs(10)));
+        std::thread::sleep(Duration::from_millis(200));
+        let _server = RendezvousServer::start(Ipv4Addr::LOCALHOST.into(), port, b"k".to_vec()).unwrap();
+        let mut client = client.join().unwrap().unwrap();
+        client.set("a", b"1").unwrap();
+        assert_eq!(client.get("a", Duration::ZERO).unwrap(), b"1");
+    }
+
+    #[test]
+    fn operations_and_their_errors() {
+        let server = RendezvousServer::start(Ipv4Addr::LOCALHOST.into(), 0, b"k".to_vec()).unwrap();
+        let mut client = StoreClient::connect(server.addr(), b"k", Duration::from_secs(5)).unwrap();
+        assert_eq!(client.add("count", 2).unwrap(), 2);
+        assert_eq!(client.add("count", 3).unwrap(), 5);
+        assert_eq!(client.get("count", Duration::ZERO).unwrap(), b"5");
+        client.set("text", b"x").unwrap();
+        let err = client.add("text", 1).unwrap_err().to_string();
+        assert!(err.contains("not an integer"), "{err}");
+        assert!(client.delete("text").unwrap());
+        assert!(!client.delete("text").unwrap());
+        let err = client.get("text", Duration::from_millis(50)).unwrap_err().to_string();
+        assert!(err.contains("'text'") && err.contains("timed out"), "{err}");
+        let long_key = "k".repeat(MAX_KEY_LEN + 1);
+        assert!(client.set(&long_key, b"").is_err());
+        // The connection is still usable after refused requests.
+        client.set("empty", b"").unwrap();
+        assert_eq!(client.get("empty", Duration::ZERO).unwrap(), b"");
+    }
+
+    #[test]
+    fn waiting_get_fails_fast_when_the_server_stops() {
+        let server = RendezvousServer::start(Ipv4Addr::LOCALHOST.into(), 0, b"k".to_vec()).unwrap();
+        let mut client = StoreClient::connect(server.addr(), b"k", Duration::from_secs(5)).unwrap();
+        let started = Instant::now();
+        let stopper = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(100));
+            server.stop();
+        });
+        let err = client.get("never", Duration::from_secs(30)).unwrap_err().to_string();
+        assert!(err.contains("closed"), "{err}");
+        assert!(started.elapsed() < Duration::from_secs(5));
+        stopper.join().unwrap();
+    }
+}

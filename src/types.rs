@@ -1,0 +1,188 @@
+//! Element types, reduce operations and collective kinds shared by every layer.
+//!
+//! The numeric values of [`ReduceOp`] are Horovod's (`Average=0, Sum=1, Adasum=2, Min=3, Max=4, Product=5`),
+//! and [`DataType`] codes are stable wire values: both cross the network and the Python boundary.
+
+use std::fmt;
+
+/// Element type of a tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum DataType {
+    Uint8 = 0,
+    Int8 = 1,
+    Int16 = 2,
+    Int32 = 3,
+    Int64 = 4,
+    Float16 = 5,
+    Bfloat16 = 6,
+    Float32 = 7,
+    Float64 = 8,
+    Bool = 9,
+}
+
+impl DataType {
+    pub const ALL: [DataType; 10] = [
+        DataType::Uint8,
+        DataType::Int8,
+        DataType::Int16,
+        DataType::Int32,
+        DataType::Int64,
+        DataType::Float16,
+        DataType::Bfloat16,
+        DataType::Float32,
+        DataType::Float64,
+        DataType::Bool,
+    ];
+
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            DataType::Uint8 | DataType::Int8 | DataType::Bool => 1,
+            DataType::Int16 | DataType::Float16 | DataType::Bfloat16 => 2,
+            DataType::Int32 | DataType::Float32 => 4,
+            DataType::Int64 | DataType::Float64 => 8,
+        }
+    }
+
+    pub fn from_code(code: u8) -> Option<DataType> {
+        DataType::ALL.get(code as usize).copied()
+    }
+
+    pub fn code(self) -> u8 {
+        self as u8
+    }
+
+    /// The name users see (NumPy / PyTorch spelling).
+    pub fn name(self) -> &'static str {
+        match self {
+            DataType::Uint8 => "uint8",
+            DataType::Int8 => "int8",
+            DataType::Int16 => "int16",
+            DataType::Int32 => "int32",
+            DataType::Int64 => "int64",
+            DataType::Float16 => "float16",
+            DataType::Bfloat16 => "bfloat16",
+            DataType::Float32 => "float32",
+            DataType::Float64 => "float64",
+            DataType::Bool => "bool",
+        }
+    }
+
+    pub fn is_float(self) -> bool {
+        matches!(self, DataType::Float16 | DataType::Bfloat16 | DataType::Float32 | DataType::Float64)
+    }
+}
+
+impl fmt::Display for DataType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Reduction applied by allreduce and reducescatter. Values are Horovod's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum ReduceOp {
+    Average = 0,
+    Sum = 1,
+    Adasum = 2,
+    Min = 3,
+    Max = 4,
+    Product = 5,
+}
+
+impl ReduceOp {
+    pub fn from_code(code: u8) -> Option<ReduceOp> {
+        match code {
+            0 => Some(ReduceOp::Average),
+            1 => Some(ReduceOp::Sum),
+            2 => Some(ReduceOp::Adasum),
+            3 => Some(ReduceOp::Min),
+            4 => Some(ReduceOp::Max),
+            5 => Some(ReduceOp::Product),
+            _ => None,
+        }
+    }
+
+    pub fn code(self) -> u8 {
+        self as u8
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            ReduceOp::Average => "Average",
+            ReduceOp::Sum => "Sum",
+            ReduceOp::Adasum => "Adasum",
+            ReduceOp::Min => "Min",
+            ReduceOp::Max => "Max",
+            ReduceOp::Product => "Product",
+        }
+    }
+}
+
+impl fmt::Display for ReduceOp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The element-wise combination the collective kernels perform. Average is Sum followed by a
+/// postscale of 1/n, applied by the engine, so kernels never see it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Combine {
+    Sum,
+    Min,
+    Max,
+    Product,
+}
+
+/// What a request or response asks the engine to do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum CollectiveKind {
+    Allreduce = 0,
+    Allgather = 1,
+    Broadcast = 2,
+    Alltoall = 3,
+    Reducescatter = 4,
+    Barrier = 5,
+    Join = 6,
+}
+
+impl CollectiveKind {
+    pub fn from_code(code: u8) -> Option<CollectiveKind> {
+        match code {
+            0 => Some(CollectiveKind::Allreduce),
+            1 => Some(CollectiveKind::Allgather),
+            2 => Some(CollectiveKind::Broadcast),
+            3 => Some(CollectiveKind::Alltoall),
+            4 => Some(CollectiveKind::Reducescatter),
+            5 => Some(CollectiveKind::Barrier),
+            6 => Some(CollectiveKind::Join),
+            _ => None,
+        }
+    }
+
+    pub fn code(self) -> u8 {
+        self as u8
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            CollectiveKind::Allreduce => "allreduce",
+            CollectiveKind::Allgather => "allgather",
+            CollectiveKind::Broadcast => "broadcast",
+            CollectiveKind::Alltoall => "alltoall",
+            CollectiveKind::Reducescatter => "reducescatter",
+            CollectiveKind::Barrier => "barrier",
+            CollectiveKind::Join => "join",
+        }
+    }
+}
+
+impl fmt::Display for CollectiveKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}

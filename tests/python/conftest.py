@@ -1,0 +1,87 @@
+"""Shared fixtures for tests that start jobs with rvodrun.
+
+Every job a test starts carries a unique tag in its environment, which its workers inherit; whatever
+still carries the tag when the test ends (or times out) is killed, so a failing test leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import pytest
+
+if importlib.util.find_spec("rvod") is None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))  # not installed: test the source tree
+import rvod  # noqa: E402
+
+# Where the rvod under test lives; jobs' processes import the same one.
+RVOD_IMPORT_ROOT = Path(next(iter(rvod.__path__))).parent
+JOB_TAG_VARIABLE = "RVOD_TEST_JOB_TAG"
+RVODRUN = ("-m", "rvod.runner")
+
+
+def tagged_pids(tag: str) -> list[int]:
+    """Processes whose environment carries `tag` (Linux /proc)."""
+    needle = f"{JOB_TAG_VARIABLE}={tag}".encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if needle in environ.split(b"\0"):
+            pids.append(int(entry.name))
+    return pids
+
+
+def kill_tagged(tag: str) -> None:
+    for pid in tagged_pids(tag):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.fixture
+def job_env() -> Iterator[dict[str, str]]:
+    """An environment for rvodrun: this one, the rvod under test on PYTHONPATH, and a fresh job tag."""
+    tag = uuid.uuid4().hex
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(RVOD_IMPORT_ROOT), env.get("PYTHONPATH")]))
+    env[JOB_TAG_VARIABLE] = tag
+    yield env
+    kill_tagged(tag)
+
+
+@pytest.fixture
+def run_rvodrun(job_env: dict[str, str]) -> Callable[..., subprocess.CompletedProcess[str]]:
+    """Runs `python -m rvod.runner ARGS` to the end and returns its exit status and output.
+
+    `entry` replaces `-m rvod.runner` (for example with `-c CODE` that wraps it). On timeout the job is
+    killed and the test fails with what rvodrun printed so far.
+    """
+
+    def run(
+        args: Sequence[str], timeout: float = 60, entry: Sequence[str] = RVODRUN
+    ) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, *entry, *args]
+        process = subprocess.Popen(command, env=job_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True, errors="replace")
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_tagged(job_env[JOB_TAG_VARIABLE])
+            stdout, stderr = process.communicate()
+            pytest.fail(f"rvodrun did not finish within {timeout} s\nstdout:\n{stdout}\nstderr:\n{stderr}")
+        return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+    return run

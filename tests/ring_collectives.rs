@@ -1,0 +1,358 @@
+//! Every collective of `rvod::ring`, run with 1..=5 ranks as threads over the in-memory transport, for
+//! every dtype and combine, sizes that are multiples of nothing, uneven and empty per-rank blocks, and
+//! failures (a peer that closes, a peer that never answers). Inputs are small integers, exact in every
+//! dtype, so the reference result does not depend on the order in which the algorithm combines them.
+
+use std::sync::Barrier;
+use std::time::{Duration, Instant};
+
+use half::{bf16, f16};
+use rvod::ring::*;
+use rvod::transport::memory::{run_ranks, MemoryTransport};
+use rvod::transport::{Transport, TransportError};
+use rvod::types::*;
+
+const COMBINES: [Combine; 4] = [Combine::Sum, Combine::Min, Combine::Max, Combine::Product];
+const SIZES: [usize; 4] = [0, 1, 7, 4097];
+/// Above the ring threshold even for one-byte types, so every dtype also takes the ring path.
+const RING_SIZE: usize = 70_001;
+const BIG_SIZE: usize = 1_000_003;
+
+fn on_ranks<R: Send>(n: usize, body: impl Fn(&mut MemoryTransport) -> R + Sync) -> Vec<R> {
+    run_ranks(MemoryTransport::mesh(n), body)
+}
+
+/// Inputs and results repeat with this period in the element index, so buffers are built by tiling.
+const PERIOD: usize = 25;
+
+/// The value rank `rank` contributes at element `i`: a small integer (0/1 for bool, non-negative for uint8).
+fn input_value(dtype: DataType, rank: usize, i: usize) -> i64 {
+    let v = ((i * 7 + rank * 3 + i / 5) % 5) as i64;
+    match dtype {
+        DataType::Bool => i64::from(v % 2 == 1),
+        DataType::Uint8 => v,
+        _ => v - 2,
+    }
+}
+
+/// Elements `elements` of the sequence whose element `i` is `element(i % PERIOD)`.
+fn tiled(dtype: DataType, elements: std::ops::Range<usize>, element: impl Fn(usize) -> f64) -> Vec<u8> {
+    let size = dtype.size();
+    let period: Vec<u8> = (0..PERIOD).flat_map(|i| encode(dtype, element(i))).collect();
+    let mut out = Vec::with_capacity(elements.len() * size);
+    let mut next = elements.start;
+    while next < elements.end {
+        let phase = next % PERIOD;
+        let take = (PERIOD - phase).min(elements.end - next);
+        out.extend_from_slice(&period[phase * size..(phase + take) * size]);
+        next += take;
+    }
+    out
+}
+
+/// `value` (an integer, or a signed zero) in `dtype`'s encoding; integers wrap like the kernels' Sum and Product.
+fn encode(dtype: DataType, value: f64) -> Vec<u8> {
+    let integer = value as i64;
+    match dtype {
+        DataType::Uint8 => vec![integer as u8],
+        DataType::Int8 => vec![integer as i8 as u8],
+        DataType::Int16 => (integer as i16).to_ne_bytes().to_vec(),
+        DataType::Int32 => (integer as i32).to_ne_bytes().to_vec(),
+        DataType::Int64 => integer.to_ne_bytes().to_vec(),
+        DataType::Float16 => f16::from_f64(value).to_ne_bytes().to_vec(),
+        DataType::Bfloat16 => bf16::from_f64(value).to_ne_bytes().to_vec(),
+        DataType::Float32 => (value as f32).to_ne_bytes().to_vec(),
+        DataType::Float64 => value.to_ne_bytes().to_vec(),
+        DataType::Bool => vec![u8::from(value != 0.0)],
+    }
+}
+
+fn input(dtype: DataType, rank: usize, count: usize) -> Vec<u8> {
+    tiled(dtype, 0..count, |i| input_value(dtype, rank, i) as f64)
+}
+
+/// Element `i` of the combination over `n` ranks, computed the obvious way. Every intermediate is a small
+/// integer, exact in f64; a float product of zero keeps its sign, as the kernels' does.
+fn expected_value(dtype: DataType, combine: Combine, n: usize, i: usize) -> f64 {
+    let values = (0..n).map(|rank| input_value(dtype, rank, i) as f64);
+    let (min, max) = (values.clone().fold(f64::INFINITY, f64::min), values.clone().fold(f64::NEG_INFINITY, f64::max));
+    match (combine, dtype) {
+        (Combine::Sum, DataType::Bool) | (Combine::Max, _) => max,
+        (Combine::Product, DataType::Bool) | (Combine::Min, _) => min,
+        (Combine::Sum, _) => values.sum(),
+        (Combine::Product, _) => values.product(),
+    }
+}
+
+fn expected(dtype: DataType, combine: Combine, n: usize, elements: std::ops::Range<usize>) -> Vec<u8> {
+    tiled(dtype, elements, |i| expected_value(dtype, combine, n, i))
+}
+
+fn check_allreduce(n: usize, dtype: DataType, combine: Combine, count: usize) {
+    let results = on_ranks(n, |t| {
+        let mut buf = input(dtype, t.rank(), count);
+        allreduce(t, &mut buf, dtype, combine).unwrap();
+        buf
+    });
+    let want = expected(dtype, combine, n, 0..count);
+    for (rank, got) in results.iter().enumerate() {
+        assert!(got == &want, "allreduce n={n} {dtype} {combine:?} count={count}: rank {rank} differs");
+    }
+}
+
+#[test]
+fn allreduce_every_dtype_and_combine() {
+    for n in 1..=5 {
+        for dtype in DataType::ALL {
+            for combine in COMBINES {
+                for count in SIZES.into_iter().chain([RING_SIZE]) {
+                    check_allreduce(n, dtype, combine, count);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn allreduce_large_buffers() {
+    for n in 1..=5 {
+        check_allreduce(n, DataType::Float32, Combine::Sum, BIG_SIZE);
+    }
+    for n in [2, 5] {
+        check_allreduce(n, DataType::Bfloat16, Combine::Max, BIG_SIZE);
+    }
+}
+
+/// Pseudo-random floats of many magnitudes (and, with `nans`, NaNs with rank-specific payloads), where
+/// summation order changes the rounding, so only a deterministic algorithm gives every rank the same bits.
+fn random_f32(rank: usize, count: usize, nans: bool) -> Vec<u8> {
+    let mut state = 0x2545_F491_4F6C_DD1D_u64 ^ (rank as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    (0..count)
+        .flat_map(|i| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let mantissa = (state >> 11) as f64 / (1u64 << 53) as f64 - 0.5;
+            let value = if nans && i % 11 == 3 {
+                f32::from_bits(0x7fc0_0000 | (rank as u32 + 1) << 8 | (i as u32 & 0xff))
+            } else {
+                (mantissa * 2f64.powi((state % 40) as i32 - 20)) as f32
+            };
+            value.to_ne_bytes()
+        })
+        .collect()
+}
+
+#[test]
+fn allreduce_results_are_bitwise_identical_on_every_rank() {
+    for n in 2..=5 {
+        for count in [7, 4097, 100_003] {
+            for (combine, nans) in [(Combine::Sum, false), (Combine::Sum, true), (Combine::Min, true), (Combine::Max, true)] {
+                let results = on_ranks(n, |t| {
+                    let mut buf = random_f32(t.rank(), count, nans);
+                    allreduce(t, &mut buf, DataType::Float32, combine).unwrap();
+                    buf
+                });
+                for (rank, got) in results.iter().enumerate().skip(1) {
+                    assert!(got == &results[0], "n={n} count={count} {combine:?}: rank {rank} differs from rank 0");
+                }
+            }
+        }
+    }
+}
+
+/// Per-rank element counts: even splits, and uneven ones with empty blocks.
+fn split_patterns(n: usize, total: usize) -> Vec<Vec<usize>> {
+    let even = (0..n).map(|r| segment_bounds(total, n, r).1).collect();
+    let uneven = (0..n).map(|r| if r % 2 == 1 { 0 } else { total / (r + 1) + r }).collect();
+    let all_on_last = (0..n).map(|r| if r == n - 1 { total } else { 0 }).collect();
+    vec![even, uneven, all_on_last]
+}
+
+#[test]
+fn reducescatter_even_and_uneven_blocks() {
+    for n in 1..=5 {
+        for dtype in DataType::ALL {
+            for combine in COMBINES {
+                for total in SIZES.into_iter().chain([RING_SIZE]) {
+                    for elems_per_rank in split_patterns(n, total) {
+                        let count: usize = elems_per_rank.iter().sum();
+                        let results = on_ranks(n, |t| {
+                            let rank = t.rank();
+                            let mut buf = input(dtype, rank, count);
+                            let mut out = vec![0xAA; elems_per_rank[rank] * dtype.size()];
+                            reducescatter(t, &mut buf, &elems_per_rank, dtype, combine, &mut out).unwrap();
+                            out
+                        });
+                        let mut start = 0;
+                        for (rank, got) in results.iter().enumerate() {
+                            let end = start + elems_per_rank[rank];
+                            let want = expected(dtype, combine, n, start..end);
+                            assert!(
+                                got == &want,
+                                "reducescatter n={n} {dtype} {combine:?} {elems_per_rank:?}: rank {rank} differs"
+                            );
+                            start = end;
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn reducescatter_large_buffer() {
+    for n in [2, 3, 5] {
+        let elems_per_rank: Vec<usize> = (0..n).map(|r| segment_bounds(BIG_SIZE, n, r).1).collect();
+        let results = on_ranks(n, |t| {
+            let rank = t.rank();
+            let mut buf = input(DataType::Float32, rank, BIG_SIZE);
+            let mut out = vec![0; elems_per_rank[rank] * 4];
+            reducescatter(t, &mut buf, &elems_per_rank, DataType::Float32, Combine::Sum, &mut out).unwrap();
+            out
+        });
+        let mut start = 0;
+        for (rank, got) in results.iter().enumerate() {
+            let end = start + elems_per_rank[rank];
+            assert!(got == &expected(DataType::Float32, Combine::Sum, n, start..end), "rank {rank}");
+            start = end;
+        }
+    }
+}
+
+fn rank_bytes(rank: usize, salt: usize, len: usize) -> Vec<u8> {
+    (0..len).map(|j| ((rank * 31 + salt * 17 + j) % 251) as u8).collect()
+}
+
+#[test]
+fn allgatherv_with_uneven_and_empty_contributions() {
+    for n in 1..=5 {
+        for total in SIZES.into_iter().chain([RING_SIZE, BIG_SIZE]) {
+            for bytes_per_rank in split_patterns(n, total) {
+                let want: Vec<u8> = (0..n).flat_map(|r| rank_bytes(r, 0, bytes_per_rank[r])).collect();
+                let results = on_ranks(n, |t| {
+                    let send = rank_bytes(t.rank(), 0, bytes_per_rank[t.rank()]);
+                    let mut recv = vec![0; want.len()];
+                    allgatherv(t, &send, &mut recv, &bytes_per_rank).unwrap();
+                    recv
+                });
+                for (rank, got) in results.iter().enumerate() {
+                    assert!(got == &want, "allgatherv n={n} {bytes_per_rank:?}: rank {rank} differs");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn alltoallv_with_uneven_and_zero_splits() {
+    for n in 1..=5 {
+        for unit in [1, 7, 4097, 300_007] {
+            // Bytes rank `from` sends to rank `to`; some pairs send nothing.
+            let size = |from: usize, to: usize| ((from * 7 + to * 3) % 5) * unit / 2;
+            let results = on_ranks(n, |t| {
+                let rank = t.rank();
+                let send_bytes: Vec<usize> = (0..n).map(|to| size(rank, to)).collect();
+                let recv_bytes: Vec<usize> = (0..n).map(|from| size(from, rank)).collect();
+                let send: Vec<u8> = (0..n).flat_map(|to| rank_bytes(rank, to, send_bytes[to])).collect();
+                let mut recv = vec![0; recv_bytes.iter().sum()];
+                alltoallv(t, &send, &send_bytes, &mut recv, &recv_bytes).unwrap();
+                recv
+            });
+            for (rank, got) in results.iter().enumerate() {
+                let want: Vec<u8> = (0..n).flat_map(|from| rank_bytes(from, rank, size(from, rank))).collect();
+                assert!(got == &want, "alltoallv n={n} unit={unit}: rank {rank} differs");
+            }
+        }
+    }
+}
+
+#[test]
+fn broadcast_from_every_root() {
+    let chain_size = 3 * BROADCAST_CHAIN_THRESHOLD_BYTES + 17;
+    for n in 1..=5 {
+        for root in 0..n {
+            for len in SIZES.into_iter().chain([BIG_SIZE, chain_size]) {
+                let want = rank_bytes(root, 9, len);
+                let results = on_ranks(n, |t| {
+                    let mut buf = if t.rank() == root { want.clone() } else { vec![0; len] };
+                    broadcast(t, &mut buf, root).unwrap();
+                    buf
+                });
+                for (rank, got) in results.iter().enumerate() {
+                    assert!(got == &want, "broadcast n={n} root={root} len={len}: rank {rank} differs");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn inconsistent_arguments_are_errors_not_panics() {
+    let results = on_ranks(2, |t| {
+        let mut odd = vec![0u8; 6];
+        let allreduce_error = allreduce(t, &mut odd, DataType::Float32, Combine::Sum);
+        let broadcast_error = broadcast(t, &mut odd, 2);
+        let mut out = vec![0u8; 4];
+        let reducescatter_error = reducescatter(t, &mut odd, &[1, 1], DataType::Float32, Combine::Sum, &mut out);
+        let allgather_error = allgatherv(t, &[1, 2, 3], &mut out, &[2, 2]);
+        let alltoall_error = alltoallv(t, &[1], &[1], &mut out, &[1, 1]);
+        [allreduce_error, broadcast_error, reducescatter_error, allgather_error, alltoall_error]
+    });
+    for errors in results {
+        for error in errors {
+            match error {
+                Err(TransportError::Io { source, .. }) => {
+                    assert_eq!(source.kind(), std::io::ErrorKind::InvalidInput, "{source}")
+                }
+                other => panic!("expected an invalid-argument error, got {other:?}"),
+            }
+        }
+    }
+}
+
+#[test]
+fn closed_peer_fails_the_collective_on_every_other_rank() {
+    for count in [7, 100_003] {
+        let started = Instant::now();
+        let results = on_ranks(3, |t| {
+            if t.rank() == 2 {
+                t.close();
+                return None;
+            }
+            let mut buf = input(DataType::Float32, t.rank(), count);
+            Some(allreduce(t, &mut buf, DataType::Float32, Combine::Sum))
+        });
+        for (rank, result) in results.iter().enumerate().take(2) {
+            assert!(
+                matches!(result, Some(Err(TransportError::PeerClosed { .. }))),
+                "count={count}: rank {rank} got {result:?}"
+            );
+        }
+        assert!(started.elapsed() < Duration::from_secs(10));
+    }
+}
+
+#[test]
+fn silent_peer_times_out_instead_of_hanging() {
+    let timeout = Duration::from_millis(200);
+    let finished = Barrier::new(2);
+    let started = Instant::now();
+    let results = run_ranks(MemoryTransport::mesh_with_timeout(2, timeout), |t| {
+        let result = if t.rank() == 0 {
+            let mut buf = input(DataType::Int32, 0, 4097);
+            Some(allreduce(t, &mut buf, DataType::Int32, Combine::Sum))
+        } else {
+            None
+        };
+        // Rank 1 keeps its transport open, without taking part, until rank 0 has given up.
+        finished.wait();
+        result
+    });
+    match &results[0] {
+        Some(Err(TransportError::Timeout { peer: 1, seconds })) => assert!((seconds - 0.2).abs() < 1e-9),
+        other => panic!("expected a timeout naming rank 1, got {other:?}"),
+    }
+    assert!(started.elapsed() < Duration::from_secs(10));
+}
