@@ -147,7 +147,9 @@ fn random_f32(rank: usize, count: usize, nans: bool) -> Vec<u8> {
 fn allreduce_results_are_bitwise_identical_on_every_rank() {
     for n in 2..=5 {
         for count in [7, 4097, 100_003] {
-            for (combine, nans) in [(Combine::Sum, false), (Combine::Sum, true), (Combine::Min, true), (Combine::Max, true)] {
+            for (combine, nans) in
+                [(Combine::Sum, false), (Combine::Sum, true), (Combine::Min, true), (Combine::Max, true)]
+            {
                 let results = on_ranks(n, |t| {
                     let mut buf = random_f32(t.rank(), count, nans);
                     allreduce(t, &mut buf, DataType::Float32, combine).unwrap();

@@ -2,7 +2,7 @@
 //!
 //! Ring algorithm: `n - 1` steps, each forwarding the block received in the previous step to the right
 //! neighbour while the next block arrives from the left straight into its final place.
-//! [`allgather_ring`] is also the second half of the large-message allreduce.
+//! `allgather_ring` is also the second half of the large-message allreduce.
 
 use crate::ring::args::{expect_len, invalid_argument};
 use crate::ring::chunks::{allgather_step, Blocks};
@@ -43,4 +43,22 @@ pub(crate) fn allgather_ring(t: &mut dyn Transport, buf: &mut [u8], blocks: &Blo
         t.sendrecv(right, outgoing, left, incoming)?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transport::memory::{run_ranks, MemoryTransport};
+
+    #[test]
+    fn blocks_land_in_rank_order() {
+        let bytes_per_rank = [1, 0, 3, 2];
+        let results = run_ranks(MemoryTransport::mesh(4), |t| {
+            let send = vec![t.rank() as u8; bytes_per_rank[t.rank()]];
+            let mut recv = vec![9; 6];
+            allgatherv(t, &send, &mut recv, &bytes_per_rank).unwrap();
+            recv
+        });
+        assert!(results.iter().all(|r| r == &[0, 2, 2, 2, 3, 3]));
+    }
 }

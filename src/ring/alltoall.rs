@@ -35,3 +35,27 @@ pub fn alltoallv(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transport::memory::{run_ranks, MemoryTransport};
+
+    #[test]
+    fn blocks_reach_their_ranks() {
+        // Rank r sends r + 1 copies of byte 10 * r + p to rank p, except nothing to rank 0 from rank 2.
+        let size = |from: usize, to: usize| if from == 2 && to == 0 { 0 } else { from + 1 };
+        let results = run_ranks(MemoryTransport::mesh(3), |t| {
+            let rank = t.rank();
+            let send_bytes: Vec<usize> = (0..3).map(|to| size(rank, to)).collect();
+            let recv_bytes: Vec<usize> = (0..3).map(|from| size(from, rank)).collect();
+            let send: Vec<u8> = (0..3).flat_map(|to| vec![(10 * rank + to) as u8; size(rank, to)]).collect();
+            let mut recv = vec![0; recv_bytes.iter().sum()];
+            alltoallv(t, &send, &send_bytes, &mut recv, &recv_bytes).unwrap();
+            recv
+        });
+        assert_eq!(results[0], vec![0, 10, 10]);
+        assert_eq!(results[1], vec![1, 11, 11, 21, 21, 21]);
+        assert_eq!(results[2], vec![2, 12, 12, 22, 22, 22]);
+    }
+}

@@ -7,7 +7,10 @@ use crate::transport::TransportError;
 
 /// The error for a collective called with inconsistent arguments on `rank`.
 pub(crate) fn invalid_argument(rank: usize, collective: &str, detail: String) -> TransportError {
-    TransportError::Io { peer: rank, source: io::Error::new(io::ErrorKind::InvalidInput, format!("{collective}: {detail}")) }
+    TransportError::Io {
+        peer: rank,
+        source: io::Error::new(io::ErrorKind::InvalidInput, format!("{collective}: {detail}")),
+    }
 }
 
 /// Fails unless `actual == expected`; `what` names the quantity in the message.

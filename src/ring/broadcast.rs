@@ -79,3 +79,37 @@ fn pipelined_chain(t: &mut dyn Transport, buf: &mut [u8], root: usize) -> Result
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transport::memory::{run_ranks, MemoryTransport};
+
+    fn check(n: usize, root: usize, len: usize) {
+        let data: Vec<u8> = (0..len).map(|i| (i % 253) as u8).collect();
+        let results = run_ranks(MemoryTransport::mesh(n), |t| {
+            let mut buf = if t.rank() == root { data.clone() } else { vec![0; len] };
+            broadcast(t, &mut buf, root).unwrap();
+            buf
+        });
+        assert!(results.iter().all(|r| r == &data), "n={n} root={root} len={len}");
+    }
+
+    #[test]
+    fn tree_reaches_every_rank() {
+        for root in 0..6 {
+            check(6, root, 1000);
+        }
+    }
+
+    #[test]
+    fn chain_reaches_every_rank_with_a_partial_last_chunk() {
+        check(4, 2, BROADCAST_CHAIN_THRESHOLD_BYTES + BROADCAST_CHUNK_BYTES / 2 + 1);
+    }
+
+    #[test]
+    fn root_outside_the_communicator_is_rejected() {
+        let results = run_ranks(MemoryTransport::mesh(2), |t| broadcast(t, &mut [1], 2));
+        assert!(results.iter().all(|r| matches!(r, Err(TransportError::Io { .. }))));
+    }
+}

@@ -5,11 +5,7 @@ use std::ops::Range;
 
 /// `(&buf[read], &mut buf[write])`, or `None` if either range is out of bounds or they overlap.
 /// Empty ranges never overlap anything.
-pub(crate) fn read_write_pair(
-    buf: &mut [u8],
-    read: Range<usize>,
-    write: Range<usize>,
-) -> Option<(&[u8], &mut [u8])> {
+pub(crate) fn read_write_pair(buf: &mut [u8], read: Range<usize>, write: Range<usize>) -> Option<(&[u8], &mut [u8])> {
     let in_bounds = |r: &Range<usize>| r.start <= r.end && r.end <= buf.len();
     if !in_bounds(&read) || !in_bounds(&write) {
         return None;

@@ -14,6 +14,7 @@ pub mod allgather;
 pub mod allreduce;
 pub mod alltoall;
 mod args;
+mod bfloat16;
 pub mod broadcast;
 pub mod chunks;
 mod disjoint;

@@ -4,7 +4,7 @@
 //! Ring algorithm: `n - 1` steps, each sending one (partially reduced) block to the right neighbour while
 //! the left neighbour's block streams in and is combined into the local copy as its bytes arrive, so no
 //! message is ever staged whole. Each block is combined in a fixed chain order, so its result does not
-//! depend on timing. [`reduce_scatter_ring`] is also the first half of the large-message allreduce.
+//! depend on timing. `reduce_scatter_ring` is also the first half of the large-message allreduce.
 
 use crate::ring::args::{expect_len, invalid_argument};
 use crate::ring::chunks::{reduce_scatter_step, Blocks};
@@ -52,10 +52,38 @@ pub(crate) fn reduce_scatter_ring(
     for step in 0..n - 1 {
         let (send_block, recv_block) = reduce_scatter_step(rank, n, step);
         let (outgoing, incoming) = read_write_pair(buf, blocks.range(send_block), blocks.range(recv_block))
-            .ok_or_else(|| invalid_argument(rank, "reduce-scatter", "ring blocks overlap or overrun the buffer".into()))?;
+            .ok_or_else(|| {
+                invalid_argument(rank, "reduce-scatter", "ring blocks overlap or overrun the buffer".into())
+            })?;
         let incoming_len = incoming.len();
         let mut reducer = StreamingReducer::new(incoming, dtype, combine);
         t.exchange(right, outgoing, left, incoming_len, &mut |_, piece| reducer.accept(piece))?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transport::memory::{run_ranks, MemoryTransport};
+
+    #[test]
+    fn each_rank_gets_its_reduced_block() {
+        let elems_per_rank = [2, 0, 3];
+        let results = run_ranks(MemoryTransport::mesh(3), |t| {
+            let mut input: Vec<u8> = (0..5).map(|i| (i * 10 + t.rank()) as u8).collect();
+            let mut out = vec![0; elems_per_rank[t.rank()]];
+            reducescatter(t, &mut input, &elems_per_rank, DataType::Uint8, Combine::Max, &mut out).unwrap();
+            out
+        });
+        assert_eq!(results, vec![vec![2, 12], vec![], vec![22, 32, 42]]);
+    }
+
+    #[test]
+    fn mismatched_output_is_rejected() {
+        let results = run_ranks(MemoryTransport::mesh(1), |t| {
+            reducescatter(t, &mut [0; 4], &[4], DataType::Uint8, Combine::Sum, &mut [0; 3])
+        });
+        assert!(matches!(&results[0], Err(TransportError::Io { .. })));
+    }
 }

@@ -15,8 +15,9 @@
 //! The claim is the identity the connector asserts (for the mesh: its rank and the communicator's scope);
 //! both proofs cover it. The acceptor sends nothing derived from the secret before the connector has proven
 //! itself, and drops a connection that fails any check without answering. Every read has a fixed size
-//! bound (at most [`MAX_CLAIM_LEN`] bytes of claim) and a deadline, so a stranger sending garbage, a huge
-//! length or nothing at all costs at most a short wait.
+//! bound (at most [`MAX_CLAIM_LEN`] bytes of claim) and a deadline, so a stranger sending a huge length or
+//! nothing at all costs at most a short wait; the acceptor checks the 7-byte preamble before reading on, so
+//! one speaking another protocol is dropped at once.
 //!
 //! The protocol steps live in a sans-IO core (`ConnectorSide`, `AcceptorSide`); [`connect`] and
 //! [`accept`] drive it over a blocking `std` stream, [`accept_async`] over a tokio stream.
@@ -41,7 +42,8 @@ const ACCEPTOR_LABEL: &[u8] = b"rvod handshake: acceptor proof\0";
 /// Longest identity a connector may claim.
 pub const MAX_CLAIM_LEN: usize = 1024;
 
-const HELLO_HEADER_LEN: usize = MAGIC.len() + 2 + 1 + NONCE_LEN + 2;
+const PREAMBLE_LEN: usize = MAGIC.len() + 2 + 1;
+const HELLO_HEADER_LEN: usize = PREAMBLE_LEN + NONCE_LEN + 2;
 const CHALLENGE_LEN: usize = MAGIC.len() + 2 + 1 + NONCE_LEN;
 const VERDICT_LEN: usize = MAC_LEN + 1;
 
@@ -140,7 +142,8 @@ fn check_preamble(bytes: &[u8], purpose: Purpose) -> Result<(), HandshakeError> 
     Ok(())
 }
 
-fn preamble(purpose: Purpose, nonce: &[u8; NONCE_LEN]) -> Vec<u8> {
+/// How both the hello and the challenge begin.
+fn preamble_and_nonce(purpose: Purpose, nonce: &[u8; NONCE_LEN]) -> Vec<u8> {
     let mut out = Vec::with_capacity(HELLO_HEADER_LEN);
     out.extend_from_slice(&MAGIC);
     out.extend_from_slice(&VERSION.to_be_bytes());
@@ -167,7 +170,7 @@ impl<'a> ConnectorSide<'a> {
             acceptor_nonce: [0; NONCE_LEN],
             claim: claim.to_vec(),
         };
-        let mut hello = preamble(purpose, &transcript.connector_nonce);
+        let mut hello = preamble_and_nonce(purpose, &transcript.connector_nonce);
         hello.extend_from_slice(&(claim.len() as u16).to_be_bytes());
         hello.extend_from_slice(claim);
         Ok((ConnectorSide { secret, transcript }, hello))
@@ -176,7 +179,7 @@ impl<'a> ConnectorSide<'a> {
     /// Takes the acceptor's challenge; returns our proof.
     fn on_challenge(&mut self, challenge: &[u8; CHALLENGE_LEN]) -> Result<[u8; MAC_LEN], HandshakeError> {
         check_preamble(challenge, self.transcript.purpose)?;
-        self.transcript.acceptor_nonce.copy_from_slice(&challenge[7..]);
+        self.transcript.acceptor_nonce.copy_from_slice(&challenge[PREAMBLE_LEN..]);
         self.transcript.proof(self.secret, CONNECTOR_LABEL)
     }
 
@@ -210,10 +213,16 @@ impl<'a> AcceptorSide<'a> {
         }
     }
 
-    /// Takes the fixed part of the hello; returns the length of the claim that follows.
+    /// Takes the first bytes of the hello on their own, so a stranger speaking some other protocol is
+    /// dropped at once instead of being waited for.
+    fn on_preamble(&self, preamble: &[u8]) -> Result<(), HandshakeError> {
+        check_preamble(preamble, self.transcript.purpose)
+    }
+
+    /// Takes the whole fixed part of the hello (its preamble already checked); returns the length of the
+    /// claim that follows.
     fn on_hello_header(&mut self, header: &[u8; HELLO_HEADER_LEN]) -> Result<usize, HandshakeError> {
-        check_preamble(header, self.transcript.purpose)?;
-        self.transcript.connector_nonce.copy_from_slice(&header[7..7 + NONCE_LEN]);
+        self.transcript.connector_nonce.copy_from_slice(&header[PREAMBLE_LEN..PREAMBLE_LEN + NONCE_LEN]);
         let claim_len = u16::from_be_bytes([header[HELLO_HEADER_LEN - 2], header[HELLO_HEADER_LEN - 1]]) as usize;
         if claim_len > MAX_CLAIM_LEN {
             return Err(HandshakeError::ClaimTooLong(claim_len));
@@ -226,7 +235,7 @@ impl<'a> AcceptorSide<'a> {
         self.transcript.claim = claim;
         self.transcript.acceptor_nonce = fresh_nonce()?;
         let mut challenge = [0u8; CHALLENGE_LEN];
-        challenge.copy_from_slice(&preamble(self.transcript.purpose, &self.transcript.acceptor_nonce));
+        challenge.copy_from_slice(&preamble_and_nonce(self.transcript.purpose, &self.transcript.acceptor_nonce));
         Ok(challenge)
     }
 
@@ -334,7 +343,10 @@ pub fn accept(
 ) -> Result<Vec<u8>, HandshakeError> {
     let mut side = AcceptorSide::new(secret, purpose);
     let mut header = [0u8; HELLO_HEADER_LEN];
-    read_by(stream, &mut header, deadline)?;
+    let (preamble, rest) = header.split_at_mut(PREAMBLE_LEN);
+    read_by(stream, preamble, deadline)?;
+    side.on_preamble(preamble)?;
+    read_by(stream, rest, deadline)?;
     let mut claim = vec![0u8; side.on_hello_header(&header)?];
     read_by(stream, &mut claim, deadline)?;
     let challenge = side.on_claim(claim)?;
@@ -368,7 +380,10 @@ pub async fn accept_async<S: AsyncRead + AsyncWrite + Unpin>(
 ) -> Result<Vec<u8>, HandshakeError> {
     let mut side = AcceptorSide::new(secret, purpose);
     let mut header = [0u8; HELLO_HEADER_LEN];
-    stream.read_exact(&mut header).await.map_err(async_error)?;
+    let (preamble, rest) = header.split_at_mut(PREAMBLE_LEN);
+    stream.read_exact(preamble).await.map_err(async_error)?;
+    side.on_preamble(preamble)?;
+    stream.read_exact(rest).await.map_err(async_error)?;
     let mut claim = vec![0u8; side.on_hello_header(&header)?];
     stream.read_exact(&mut claim).await.map_err(async_error)?;
     let challenge = side.on_claim(claim)?;
@@ -400,6 +415,7 @@ mod tests {
         let (mut connector, hello) = ConnectorSide::start(connector_secret, Purpose::Mesh, claim).unwrap();
         let mut acceptor = AcceptorSide::new(acceptor_secret, Purpose::Mesh);
         let header: [u8; HELLO_HEADER_LEN] = hello[..HELLO_HEADER_LEN].try_into().unwrap();
+        acceptor.on_preamble(&header[..PREAMBLE_LEN]).unwrap();
         let claim_len = acceptor.on_hello_header(&header).unwrap();
         assert_eq!(claim_len, claim.len());
         let challenge = acceptor.on_claim(hello[HELLO_HEADER_LEN..].to_vec()).unwrap();
@@ -446,14 +462,12 @@ mod tests {
     #[test]
     fn malformed_hellos_are_refused() {
         let mut acceptor = AcceptorSide::new(b"k", Purpose::Store);
+        assert!(matches!(acceptor.on_preamble(b"GET / H"), Err(HandshakeError::NotRvod)));
+        assert!(matches!(acceptor.on_preamble(b"RVOD"), Err(HandshakeError::NotRvod)));
+        assert!(matches!(acceptor.on_preamble(b"RVOD\x00\x09\x01"), Err(HandshakeError::Version(9))));
+        assert!(matches!(acceptor.on_preamble(b"RVOD\x00\x01\x02"), Err(HandshakeError::WrongPurpose)));
+        acceptor.on_preamble(b"RVOD\x00\x01\x01").unwrap();
         let mut header = [0u8; HELLO_HEADER_LEN];
-        assert!(matches!(acceptor.on_hello_header(&header), Err(HandshakeError::NotRvod)));
-        header[..7].copy_from_slice(&[b'R', b'V', b'O', b'D', 0, 9, Purpose::Store as u8]);
-        assert!(matches!(acceptor.on_hello_header(&header), Err(HandshakeError::Version(9))));
-        header[5] = 1;
-        header[6] = Purpose::Mesh as u8;
-        assert!(matches!(acceptor.on_hello_header(&header), Err(HandshakeError::WrongPurpose)));
-        header[6] = Purpose::Store as u8;
         header[HELLO_HEADER_LEN - 2..].copy_from_slice(&u16::MAX.to_be_bytes());
         assert!(matches!(acceptor.on_hello_header(&header), Err(HandshakeError::ClaimTooLong(65535))));
         assert!(matches!(

@@ -82,11 +82,7 @@ impl PieceSizes {
         self.state ^= self.state >> 7;
         self.state ^= self.state << 17;
         let draw = self.state >> 8;
-        let limit = if self.state % 3 == 0 {
-            1 + draw % MAX_TINY_PIECE_BYTES
-        } else {
-            1 + draw % MAX_PIECE_BYTES
-        };
+        let limit = if self.state % 3 == 0 { 1 + draw % MAX_TINY_PIECE_BYTES } else { 1 + draw % MAX_PIECE_BYTES };
         limit as usize
     }
 }
@@ -248,8 +244,8 @@ impl Transport for MemoryTransport {
                 return Ok(Activity::Local);
             }
             let state = inbox.lock();
-            let peer_active = state.pending.iter().any(|queue| !queue.is_empty())
-                || state.sender_closed.iter().any(|&closed| closed);
+            let peer_active =
+                state.pending.iter().any(|queue| !queue.is_empty()) || state.sender_closed.iter().any(|&closed| closed);
             if peer_active {
                 return Ok(Activity::Peer);
             }
@@ -290,10 +286,7 @@ impl Drop for MemoryTransport {
 pub fn run_ranks<R: Send>(mesh: Vec<MemoryTransport>, body: impl Fn(&mut MemoryTransport) -> R + Sync) -> Vec<R> {
     let body = &body;
     std::thread::scope(|scope| {
-        let handles: Vec<_> = mesh
-            .into_iter()
-            .map(|mut transport| scope.spawn(move || body(&mut transport)))
-            .collect();
+        let handles: Vec<_> = mesh.into_iter().map(|mut transport| scope.spawn(move || body(&mut transport))).collect();
         handles
             .into_iter()
             .map(|handle| handle.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)))

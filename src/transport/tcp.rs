@@ -96,10 +96,7 @@ enum Step {
 }
 
 fn is_disconnect(err: &io::Error) -> bool {
-    matches!(
-        err.kind(),
-        io::ErrorKind::ConnectionReset | io::ErrorKind::ConnectionAborted | io::ErrorKind::BrokenPipe
-    )
+    matches!(err.kind(), io::ErrorKind::ConnectionReset | io::ErrorKind::ConnectionAborted | io::ErrorKind::BrokenPipe)
 }
 
 fn read_step(mut stream: &TcpStream, buf: &mut [u8], peer: usize) -> Result<Step, TransportError> {
@@ -192,7 +189,8 @@ impl TcpTransport {
         }
         let deadline = handshake::deadline_after(timeout);
         let setup_error = |what: &str, err: io::Error| TransportError::Setup(format!("rank {rank}: {what}: {err}"));
-        let listener = TcpListener::bind((bind, 0)).map_err(|err| setup_error(&format!("cannot listen on {bind}"), err))?;
+        let listener =
+            TcpListener::bind((bind, 0)).map_err(|err| setup_error(&format!("cannot listen on {bind}"), err))?;
         let port = listener.local_addr().map_err(|err| setup_error("listener address", err))?.port();
         let host = if advertise_host.contains(':') && !advertise_host.starts_with('[') {
             format!("[{advertise_host}]")
@@ -549,7 +547,8 @@ fn connect_lower(
     let claim = mesh_claim(mesh.rank, mesh.scope);
     let mut streams = Vec::with_capacity(mesh.rank);
     for peer in 0..mesh.rank {
-        let fail = |detail: String| TransportError::Setup(format!("rank {} connecting to rank {peer}: {detail}", mesh.rank));
+        let fail =
+            |detail: String| TransportError::Setup(format!("rank {} connecting to rank {peer}: {detail}", mesh.rank));
         let left = deadline.saturating_duration_since(Instant::now());
         let address = store.get(&address_key(mesh.scope, peer), left)?;
         let address = String::from_utf8(address).map_err(|_| fail("its published address is not text".into()))?;

@@ -391,7 +391,7 @@ def test_command_that_cannot_start(run_job):
 
 @pytest.mark.timeout(30)
 def test_verbose_names_placement_and_exits(run_job):
-    result = run_job(["-np", "2", "-v", "true"])
+    result = run_job(["-np", "2", "--verbose", "true"])
     assert result.returncode == 0, result.stderr
     assert "rvodrun: rank 1 on localhost: local rank 1 of 2, cross rank 0 of 1" in result.stderr
     assert re.search(r"^rvodrun: rank 0 \(pid \d+\) exited with code 0$", result.stderr, re.MULTILINE)
@@ -480,3 +480,12 @@ def test_ranks_reach_the_real_store(run_rvodrun):
     """)], timeout=20, entry=RVODRUN)
     assert result.returncode == 0, result.stderr
     assert rank_lines(result.stdout, "stdout") == {0: ["connected"], 1: ["connected"]}
+
+
+@pytest.mark.timeout(30)
+def test_dash_v_prints_the_version_like_horovodrun(run_job):
+    import rvod
+
+    result = run_job(["-v"])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"rvod {rvod.__version__}"

@@ -1,8 +1,16 @@
-"""NumPy arrays across the DLPack boundary: zero copy for C-contiguous writable arrays."""
+"""NumPy arrays across the DLPack boundary: zero copy for C-contiguous writable arrays of native byte order.
+
+Other arrays cross as a private contiguous copy; dtypes the engine cannot reduce are refused with a
+``TypeError`` before anything is sent.
+"""
 
 import numpy as np
 
 from rvod.common.ops import TensorAdapter
+
+_SUPPORTED = tuple(np.dtype(t) for t in (np.uint8, np.int8, np.int16, np.int32, np.int64, np.float16, np.float32,
+                                         np.float64, np.bool_))
+_SUPPORTED_NAMES = ", ".join(d.name for d in _SUPPORTED)
 
 
 class _CapsuleHolder:
@@ -24,19 +32,28 @@ class NumpyAdapter(TensorAdapter):
     def export(self, tensor):
         array = tensor if isinstance(tensor, np.ndarray) else np.from_dlpack(tensor) if hasattr(
             tensor, "__dlpack__") else np.asarray(tensor)
+        if not array.dtype.isnative:
+            array = array.astype(array.dtype.newbyteorder("="))
+        if array.dtype not in _SUPPORTED and array.dtype.name != "bfloat16":
+            raise TypeError(f"rvod cannot exchange arrays of dtype {array.dtype}; supported: {_SUPPORTED_NAMES}")
         holder = array if array.flags.c_contiguous else np.ascontiguousarray(array)
-        try:
-            return holder.__dlpack__(), holder
-        except BufferError:
-            # Read-only arrays cannot be exported; the engine reads a private copy instead.
+        if not holder.flags.writeable:
+            # DLPack cannot export read-only arrays; the engine reads a private copy instead.
             holder = holder.copy()
-            return holder.__dlpack__(), holder
+        return holder.__dlpack__(), holder
 
     def from_dlpack(self, capsule):
         return np.from_dlpack(_CapsuleHolder(capsule))
 
     def copy_(self, dst, src):
         np.copyto(dst, src)
+
+    def check_writable(self, tensor):
+        """Refuse, before anything is sent, an in-place op on something its result cannot be written to."""
+        if not isinstance(tensor, np.ndarray):
+            raise TypeError(f"in-place ops need a NumPy array to write the result into, got {type(tensor).__name__}")
+        if not tensor.flags.writeable:
+            raise ValueError("in-place ops need a writable array; this one is read-only")
 
     def to_int_list(self, values):
         return [int(v) for v in np.asarray(values).reshape(-1)]

@@ -52,12 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Launch a distributed rvod job: one process per rank, output prefixed by rank.",
         usage="rvodrun [-h] [-np N] [-H HOSTS | --hostfile FILE] [options] command [args ...]",
     )
-    parser.add_argument("--version", action="store_true", help="print the rvod version and exit")
+    parser.add_argument("-v", "--version", action="store_true", help="print the rvod version and exit (as horovodrun -v)")
     parser.add_argument("-np", "--num-proc", dest="num_proc", type=_positive_int, metavar="N",
                         help="number of processes (ranks) to start")
     parser.add_argument("-cb", "--check-build", dest="check_build", action="store_true",
                         help="show which frameworks and tensor transports this rvod can use, then exit")
-    parser.add_argument("-v", "--verbose", action="store_true",
+    parser.add_argument("--verbose", action="store_true",
                         help="say what rvodrun does: placement, process ids, exits")
     parser.add_argument("--output-filename", dest="output_dir", metavar="DIR",
                         help="also write each rank's stdout and stderr to DIR/rank.<rank>/{stdout,stderr}")

@@ -47,9 +47,7 @@ impl StoreClient {
         };
         handshake::connect(&mut stream, secret, Purpose::Store, b"", deadline)
             .map_err(|err| TransportError::Setup(format!("rendezvous store at {addr}: {err}")))?;
-        stream
-            .set_nodelay(true)
-            .map_err(|err| TransportError::Setup(format!("rendezvous store at {addr}: {err}")))?;
+        stream.set_nodelay(true).map_err(|err| TransportError::Setup(format!("rendezvous store at {addr}: {err}")))?;
         Ok(StoreClient { stream, addr, io_timeout: timeout.max(Duration::from_millis(1)) })
     }
 
@@ -140,7 +138,9 @@ impl StoreClient {
                 Failure::Io(err) if matches!(err.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
                     "no answer in time".to_string()
                 }
-                Failure::Io(err) if err.kind() == io::ErrorKind::UnexpectedEof => "the store closed the connection".into(),
+                Failure::Io(err) if err.kind() == io::ErrorKind::UnexpectedEof => {
+                    "the store closed the connection".into()
+                }
                 Failure::Io(err) => err.to_string(),
                 Failure::Framing(what) => format!("malformed answer: {what}"),
                 Failure::Refused(message) => message,

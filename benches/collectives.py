@@ -1,0 +1,133 @@
+"""rvod's collective benchmark, side by side with torch.distributed (gloo) in the same run.
+
+    python benches/collectives.py --np 2 --out bench-out/          # full run (5 rounds, ~10 min on 2 cores)
+    python benches/collectives.py --quick --out bench-out-quick/   # ~1 minute smoke run
+
+Every round runs one rvod job (`rvodrun -np N python benches/collectives_worker.py ...`) and one gloo job
+(N ranks with MASTER_ADDR=127.0.0.1 and a free port), alternating A B A B ..., each rank with one compute
+thread. A job measures, after warm-up: allreduce latency (4 B .. 8 KiB, p50/p90), allreduce bus bandwidth
+(64 KiB .. --max-size, rotating buffers larger than the L3 cache), allgather and broadcast bus bandwidth at a
+few sizes, and a step of 1,024 small tensors (fused by rvod) against one allreduce of the same total size.
+
+Writes to --out: collectives.csv (raw per-rank samples and per-round metrics: impl, op, size_bytes, round,
+metric, value, rank), collectives.json (machine, versions, git commit, plan, summary), collectives.txt (the
+table printed on stdout) and collectives.png (bus bandwidth and latency against size). See
+docs/performance.md for the method and the latest results.
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import collectives_launch as launch  # noqa: E402
+import collectives_machine as machine  # noqa: E402
+import collectives_report as report  # noqa: E402
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def _powers(lo, hi, factor):
+    sizes, s = [], lo
+    while s <= hi:
+        sizes.append(s)
+        s *= factor
+    return sizes
+
+
+def build_plan(args):
+    if args.quick:
+        plan = dict(latency_sizes=[4, 64, 1024, 8 * KiB], latency_iters=200, latency_warmup=20,
+                    bw_sizes=_powers(64 * KiB, min(args.max_size, 16 * MiB), 16), allgather_sizes=[1 * MiB],
+                    broadcast_sizes=[1 * MiB], bw_budget_bytes=64 * MiB, bw_min_calls=3, bw_max_calls=50,
+                    fusion_steps=2, fusion_warmup=1, fusion_single_calls=5)
+    else:
+        plan = dict(latency_sizes=_powers(4, 8 * KiB, 2), latency_iters=1000, latency_warmup=100,
+                    bw_sizes=_powers(64 * KiB, args.max_size, 4),
+                    allgather_sizes=[s for s in (64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB) if s <= args.max_size],
+                    broadcast_sizes=[s for s in (64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB) if s <= args.max_size],
+                    bw_budget_bytes=512 * MiB, bw_min_calls=3, bw_max_calls=200,
+                    fusion_steps=5, fusion_warmup=1, fusion_single_calls=20)
+    plan.update(bw_warmup=2, working_set_bytes=64 * MiB, fusion_count=1024, fusion_tensor_bytes=4 * KiB,
+                rvod_torch_input_sizes=[4], phases=args.phases.split(","))
+    if args.latency_iters is not None:
+        plan["latency_iters"] = args.latency_iters
+    if args.latency_warmup is not None:
+        plan["latency_warmup"] = args.latency_warmup
+    if args.fusion_steps is not None:
+        plan["fusion_steps"] = args.fusion_steps
+    return plan
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--np", type=int, default=2, help="ranks per job (default 2)")
+    p.add_argument("--out", default="bench-out", help="output folder (default bench-out/)")
+    p.add_argument("--rounds", type=int, default=None, help="rounds of A B (default 5; --quick: 2)")
+    p.add_argument("--quick", action="store_true", help="a ~1 minute smoke run with fewer sizes and calls")
+    p.add_argument("--max-size", type=int, default=256 * MiB, help="largest bandwidth size in bytes (default 256 MiB)")
+    p.add_argument("--latency-iters", type=int, default=None, help="timed calls per latency size (default 1000)")
+    p.add_argument("--latency-warmup", type=int, default=None, help="untimed calls before them (default 100)")
+    p.add_argument("--fusion-steps", type=int, default=None, help="timed fused steps per round (default 5)")
+    p.add_argument("--phases", default="latency,bandwidth,fusion", help="comma list of latency,bandwidth,fusion")
+    p.add_argument("--impls", default="rvod,gloo", help="implementations, in the order each round runs them")
+    p.add_argument("--timeout", type=float, default=600, help="seconds one job may take before it is stopped")
+    p.add_argument("--rvodrun", default=None, help="rvodrun to use (default: the one beside this python)")
+    args = p.parse_args(argv)
+    if args.rounds is None:
+        args.rounds = 2 if args.quick else 5
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    out = Path(args.out)
+    raw_dir = out / "raw"
+    raw_dir.mkdir(parents=True, exist_ok=True)
+    for stale in raw_dir.glob("round*.json"):
+        stale.unlink()
+    plan = build_plan(args)
+    plan_path = out / "plan.json"
+    plan_path.write_text(json.dumps(plan, indent=1))
+    impls = args.impls.split(",")
+    meta = machine.describe(argv if argv is not None else sys.argv, launch.find_rvodrun(args.rvodrun))
+
+    started = time.monotonic()
+    for rnd in range(args.rounds):
+        for impl in impls:
+            t0 = time.monotonic()
+            launch.run_job(impl, args.np, plan_path, raw_dir, rnd, raw_dir / f"round{rnd}.{impl}.log",
+                           args.timeout, args.rvodrun)
+            print(f"round {rnd + 1}/{args.rounds} {impl}: {time.monotonic() - t0:.1f} s", file=sys.stderr,
+                  flush=True)
+    meta["wall_s"] = round(time.monotonic() - started, 1)
+
+    docs = [json.loads(p.read_text()) for p in sorted(raw_dir.glob("round*.json"))]
+    n, metrics, rows = report.aggregate(docs)
+    rounds = list(range(args.rounds))
+    summary = report.summarize(metrics, rounds)
+    lines = report.table_lines(summary, n, plan, rounds) + [""] + report.target_lines(summary)
+    lines.append("")
+    lines.append(f"commit: {meta['git']['describe']}; rvod engine: {meta['rvod'].get('extension')} "
+                 f"(sha256 {meta['rvod'].get('extension_sha256', '?')[:12]}); wall {meta['wall_s']} s")
+    text = "\n".join(lines)
+    print(text)
+
+    report.write_csv(out / "collectives.csv", rows)
+    (out / "collectives.txt").write_text(text + "\n")
+    (out / "collectives.json").write_text(json.dumps({
+        "meta": meta, "plan": plan, "ranks": n,
+        "job_timings": {f"round{d['round']}.{d['impl']}.rank{d['rank']}": d["timings"] for d in docs},
+        "summary": {f"{op}/{size}": value for (op, size), value in summary.items()},
+    }, indent=1, default=str))
+    report.plot(out / "collectives.png", summary, n)
+    print(f"\nwrote {out / 'collectives.csv'}, {out / 'collectives.json'}, {out / 'collectives.png'}",
+          file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

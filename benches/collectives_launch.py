@@ -1,0 +1,86 @@
+"""Starting one benchmark job (all ranks of one implementation for one round) and waiting for it.
+
+rvod ranks are started by `rvodrun -np N`, exactly as a user would; gloo ranks are N plain subprocesses
+with torch.distributed's env:// variables (MASTER_ADDR=127.0.0.1 and a free port). Every job runs in its own
+process group with a time limit, and its combined output goes to a log file that is shown if it fails.
+"""
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "collectives_worker.py"
+
+
+def find_rvodrun(explicit=None):
+    if explicit:
+        return explicit
+    beside = Path(sys.executable).parent / "rvodrun"
+    return str(beside) if beside.exists() else (shutil.which("rvodrun") or "rvodrun")
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _base_env():
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return env
+
+
+def _worker_args(impl, plan_path, raw_dir, round_index):
+    return [sys.executable, str(WORKER), "--impl", impl, "--plan", str(plan_path), "--out", str(raw_dir),
+            "--round", str(round_index)]
+
+
+def _wait_all(procs, timeout):
+    """Wait for every process; on timeout or the first failure, stop the rest. Returns the exit codes."""
+    deadline = time.monotonic() + timeout
+    codes = [None] * len(procs)
+    while any(c is None for c in codes):
+        for i, p in enumerate(procs):
+            if codes[i] is None:
+                codes[i] = p.poll()
+        failed = any(c not in (None, 0) for c in codes)
+        if failed or time.monotonic() > deadline:
+            for p, c in zip(procs, codes):
+                if c is None:
+                    os.killpg(p.pid, signal.SIGTERM)
+            for i, p in enumerate(procs):
+                if codes[i] is None:
+                    try:
+                        codes[i] = p.wait(10)
+                    except subprocess.TimeoutExpired:
+                        os.killpg(p.pid, signal.SIGKILL)
+                        codes[i] = p.wait()
+            break
+        time.sleep(0.05)
+    return codes
+
+
+def run_job(impl, np_, plan_path, raw_dir, round_index, log_path, timeout, rvodrun=None):
+    """Run one job to completion; raises RuntimeError (with the log's tail) if any rank fails."""
+    env = _base_env()
+    args = _worker_args(impl, plan_path, raw_dir, round_index)
+    with open(log_path, "w") as log:
+        if impl == "rvod":
+            procs = [subprocess.Popen([find_rvodrun(rvodrun), "-np", str(np_)] + args, env=env, stdout=log,
+                                      stderr=subprocess.STDOUT, start_new_session=True)]
+        else:
+            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(np_),
+                       GLOO_SOCKET_IFNAME="lo")
+            procs = [subprocess.Popen(args, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=log,
+                                      stderr=subprocess.STDOUT, start_new_session=True) for r in range(np_)]
+        codes = _wait_all(procs, timeout)
+    if any(codes):
+        tail = Path(log_path).read_text(errors="replace")[-4000:]
+        raise RuntimeError(f"{impl} job (round {round_index}) failed, exit codes {codes}; log {log_path}:\n{tail}")

@@ -1,0 +1,125 @@
+"""The measurement phases one rank runs, written against the backend interface of `collectives_backends`.
+
+Each phase returns raw records `(op, size_bytes, metric, value)` for this rank only; turning them into
+p50/p90, max-over-ranks times and bus bandwidths happens in `collectives_report`, so nothing is lost here.
+Invariants: every rank runs the same calls in the same order (counts come from the plan, never from local
+timings, or ranks would disagree and hang); warm-up calls and buffer first-touch are outside timed regions;
+a barrier precedes every timed region.
+"""
+
+import time
+
+F32 = 4
+
+
+def _calls_for(size, plan):
+    """Back-to-back calls in one timed batch: about `bw_budget_bytes` of payload, within [min, max]."""
+    return max(plan["bw_min_calls"], min(plan["bw_max_calls"], plan["bw_budget_bytes"] // size))
+
+
+def check_values(backend):
+    """One real allreduce of known values, so a broken build cannot post fast numbers."""
+    buf = backend.new_buffer(4)
+    buf[:] = backend.rank + 1
+    backend.allreduce_(buf, name="bench.check")
+    expected = backend.size * (backend.size + 1) / 2
+    if not all(float(v) == expected for v in buf):
+        raise SystemExit(f"{backend.name}: allreduce check failed: got {list(buf)}, expected {expected}")
+
+
+def latency(backend, plan):
+    records = []
+    ops = [("allreduce", backend.new_buffer)]
+    if backend.name == "rvod" and plan.get("rvod_torch_input_sizes"):
+        import torch
+
+        ops.append(("allreduce_torch_input", lambda count: torch.zeros(count, dtype=torch.float32)))
+    for op, make in ops:
+        sizes = plan["latency_sizes"] if op == "allreduce" else plan["rvod_torch_input_sizes"]
+        for size in sizes:
+            buf = make(size // F32)
+            name = f"bench.lat.{op}.{size}"
+            backend.barrier()
+            for _ in range(plan["latency_warmup"]):
+                backend.allreduce_latency(buf, name)
+            backend.barrier()
+            clock = time.perf_counter_ns
+            samples = []
+            for _ in range(plan["latency_iters"]):
+                t0 = clock()
+                backend.allreduce_latency(buf, name)
+                samples.append(clock() - t0)
+            records.extend((op, size, "call_us", ns / 1e3) for ns in samples)
+    return records
+
+
+def _arena_views(backend, arena, size, plan):
+    """`k` disjoint buffers of `size` bytes inside `arena`, with k * size >= the working set (>= 2 buffers)."""
+    count = size // F32
+    k = max(2, -(-plan["working_set_bytes"] // size))
+    k = min(k, len(arena) // count)
+    return backend.views(arena, count, k)
+
+
+def _timed_batch(backend, calls, one_call):
+    backend.barrier()
+    t0 = time.perf_counter()
+    for i in range(calls):
+        one_call(i)
+    return (time.perf_counter() - t0) / calls
+
+
+def bandwidth(backend, plan, arena):
+    """Allreduce (in place), allgather and broadcast, rotating through buffers larger than the L3 cache."""
+    records = []
+    gather_out = {}
+    for op, sizes in (("allreduce", plan["bw_sizes"]), ("allgather", plan["allgather_sizes"]),
+                      ("broadcast", plan["broadcast_sizes"])):
+        for size in sizes:
+            bufs = _arena_views(backend, arena, size, plan)
+            name = f"bench.bw.{op}.{size}"
+            if op == "allreduce":
+                def one_call(i, bufs=bufs, name=name):
+                    backend.allreduce_(bufs[i % len(bufs)], name)
+            elif op == "broadcast":
+                def one_call(i, bufs=bufs, name=name):
+                    backend.broadcast_(bufs[i % len(bufs)], name)
+            else:
+                out = gather_out.setdefault(size, backend.new_buffer(backend.size * size // F32))
+
+                def one_call(i, bufs=bufs, name=name, out=out):
+                    backend.allgather(bufs[i % len(bufs)], out, name)
+            for i in range(plan["bw_warmup"]):
+                one_call(i)
+            calls = _calls_for(size, plan)
+            mean_s = _timed_batch(backend, calls, one_call)
+            records.append((op, size, "batch_mean_s", mean_s))
+            records.append((op, size, "calls", calls))
+            records.append((op, size, "buffers", len(bufs)))
+        gather_out.clear()
+    return records
+
+
+def fusion(backend, plan):
+    """Many small tensors per step (fused by rvod's engine) vs one allreduce of the same total size."""
+    records = []
+    count, tensor_bytes = plan["fusion_count"], plan["fusion_tensor_bytes"]
+    tensors = [backend.new_buffer(tensor_bytes // F32) for _ in range(count)]
+    names = [f"bench.fusion.{i}" for i in range(count)]
+    for variant in backend.fused_variants:
+        for _ in range(plan["fusion_warmup"]):
+            backend.fused_step(tensors, names, variant)
+        backend.barrier()
+        for _ in range(plan["fusion_steps"]):
+            backend.barrier()
+            t0 = time.perf_counter()
+            backend.fused_step(tensors, names, variant)
+            records.append((f"fused_{variant}", count * tensor_bytes, "step_s", time.perf_counter() - t0))
+    # The comparison point: one tensor of the same total size, same (hot) memory conditions.
+    single = backend.new_buffer(count * tensor_bytes // F32)
+    name = "bench.fusion.single"
+    for _ in range(plan["fusion_warmup"]):
+        backend.allreduce_(single, name)
+    mean_s = _timed_batch(backend, plan["fusion_single_calls"], lambda i: backend.allreduce_(single, name))
+    records.append(("single_allreduce_hot", count * tensor_bytes, "batch_mean_s", mean_s))
+    return records

@@ -1,0 +1,73 @@
+"""One rank of one benchmark job: `python benches/collectives_worker.py --impl rvod|gloo --plan P --out DIR --round R`.
+
+Started by `benches/collectives.py` (under `rvodrun` for rvod, with torch.distributed's env:// variables for
+gloo). Runs the phases the plan names and writes this rank's raw records to
+`DIR/round<R>.<impl>.rank<k>.json`. One compute thread per rank, as the method requires.
+"""
+
+import os
+
+os.environ["OMP_NUM_THREADS"] = "1"
+os.environ["MKL_NUM_THREADS"] = "1"
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
+
+import collectives_phases as phases  # noqa: E402
+from collectives_backends import make_backend  # noqa: E402
+
+F32 = 4
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--impl", choices=("rvod", "gloo"), required=True)
+    parser.add_argument("--plan", required=True, help="JSON file with the measurement plan")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--round", type=int, required=True)
+    args = parser.parse_args()
+    with open(args.plan) as f:
+        plan = json.load(f)
+
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+    except ImportError:
+        if args.impl == "gloo" or plan.get("rvod_torch_input_sizes"):
+            raise
+
+    started = time.perf_counter()
+    backend = make_backend(args.impl)
+    phases.check_values(backend)
+    records = []
+    timings = {"init_s": time.perf_counter() - started}
+    for phase in plan["phases"]:
+        t0 = time.perf_counter()
+        if phase == "latency":
+            records += phases.latency(backend, plan)
+        elif phase == "bandwidth":
+            largest = max(plan["bw_sizes"] + plan["allgather_sizes"] + plan["broadcast_sizes"])
+            arena_bytes = max(2 * largest, plan["working_set_bytes"])
+            arena = backend.new_buffer(arena_bytes // F32)
+            records += phases.bandwidth(backend, plan, arena)
+            del arena
+        elif phase == "fusion":
+            records += phases.fusion(backend, plan)
+        else:
+            raise SystemExit(f"unknown phase {phase!r}")
+        timings[f"{phase}_s"] = time.perf_counter() - t0
+    backend.barrier()
+    rank, size = backend.rank, backend.size
+    backend.shutdown()
+
+    path = os.path.join(args.out, f"round{args.round}.{args.impl}.rank{rank}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump({"impl": args.impl, "round": args.round, "rank": rank, "size": size, "timings": timings,
+                   "records": records}, f)
+    os.replace(path + ".tmp", path)
+
+
+if __name__ == "__main__":
+    main()

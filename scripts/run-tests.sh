@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Everything CI runs: the Rust unit and in-process collective tests, then the Python tests against the
+# wheel users install (built once, installed in .venv). Run from a fresh clone: bash scripts/run-tests.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+WHEEL=$(bash scripts/setup-env.sh pytest pytest-timeout scikit-learn | tail -n 1)
+VENV=${RVOD_VENV:-.venv}
+
+echo "== cargo test"
+cargo test --quiet 2>&1 | grep -v '^$'
+
+echo "== pytest (wheel: $WHEEL)"
+# The tests import the installed wheel, never the source tree.
+cd tests
+PATH="$PWD/../$VENV/bin:$PATH" RVOD_TEST_WHEEL="$PWD/../$WHEEL" \
+    "../$VENV/bin/python" -m pytest python -q -p no:cacheprovider "$@"
