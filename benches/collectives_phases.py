@@ -113,8 +113,10 @@ def fusion(backend, plan):
         for _ in range(plan["fusion_steps"]):
             backend.barrier()
             t0 = time.perf_counter()
-            backend.fused_step(tensors, names, variant)
+            submit_s = backend.fused_step(tensors, names, variant)
             records.append((f"fused_{variant}", count * tensor_bytes, "step_s", time.perf_counter() - t0))
+            if submit_s is not None:
+                records.append((f"fused_{variant}", count * tensor_bytes, "submit_s", submit_s))
     # The comparison point: one tensor of the same total size, same (hot) memory conditions.
     single = backend.new_buffer(count * tensor_bytes // F32)
     name = "bench.fusion.single"

@@ -54,6 +54,8 @@ def aggregate(raw_files):
             payload = size * (n if op == "allgather" else 1)
             out["algbw_GBps"] = payload / t / GB
             out["busbw_GBps"] = size / t * bus_factor(op, n) / GB
+        elif metric == "submit_s":
+            out["submit_s"] = max(statistics.fmean(v) for v in by_rank.values())
         else:
             out[metric] = max(v[0] for v in by_rank.values())
     _add_best_gloo_fused(metrics)
@@ -210,6 +212,10 @@ def table_lines(summary, n, plan, rounds):
                              for op in ("fused_one_by_one", "fused_async_then_wait") if (op, size) in summary)
         lines.append(f"  gloo is given the faster of its two ways each round (picked: {s.get('gloo_variants') or '-'}); "
                      f"medians: {variants}")
+        submit = s["rvod"].get("submit_s")
+        if submit:
+            lines.append(f"  rvod: of which submitting the {count} allreduce_async_ calls: {_ms(submit)} ms "
+                         f"({submit['median'] / count * 1e6:.1f} us per call)")
         for impl in ("rvod", "gloo"):
             lines.append(f"  {impl}: fused busbw {_fmt(s[impl].get('busbw_GBps'), 3, False)} GB/s vs one "
                          f"{human_size(size)} allreduce (same hot buffer) {_fmt(single.get(impl, {}).get('busbw_GBps'), 3, False)}"
@@ -277,7 +283,8 @@ def plot(path, summary, n):
     for ax in (bw_ax, lat_ax):
         ax.set_xscale("log", base=2)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -40,6 +40,8 @@ pub struct Config {
     pub cache_capacity: usize,
     /// A peer that makes no progress for this long is declared dead.
     pub timeout: Duration,
+    /// How long `init()` waits for the rendezvous store and the other ranks to show up.
+    pub start_timeout: Duration,
     /// Warn about collectives some ranks never submitted after this long; `None` disables the check.
     pub stall_check: Option<Duration>,
     /// Fail collectives stalled longer than this (only if longer than `stall_check`).
@@ -212,13 +214,16 @@ impl Config {
             _ => None,
         };
         let timeout_seconds = env.seconds("TIMEOUT", DEFAULT_TIMEOUT_SECONDS)?;
+        let timeout_seconds = if timeout_seconds > 0.0 { timeout_seconds } else { DEFAULT_TIMEOUT_SECONDS };
+        let start_seconds = env.seconds("START_TIMEOUT", timeout_seconds)?;
         Ok(Config {
             topology,
             rendezvous,
             fusion_threshold: env.usize("FUSION_THRESHOLD", DEFAULT_FUSION_THRESHOLD)?,
             cycle_time: Duration::from_secs_f64(env.seconds("CYCLE_TIME", DEFAULT_CYCLE_TIME_MS)? / 1000.0),
             cache_capacity: env.usize("CACHE_CAPACITY", DEFAULT_CACHE_CAPACITY)?,
-            timeout: Duration::from_secs_f64(if timeout_seconds > 0.0 { timeout_seconds } else { DEFAULT_TIMEOUT_SECONDS }),
+            timeout: Duration::from_secs_f64(timeout_seconds),
+            start_timeout: Duration::from_secs_f64(if start_seconds > 0.0 { start_seconds } else { timeout_seconds }),
             stall_check,
             stall_shutdown,
             log_level: env.string("LOG_LEVEL").unwrap_or_else(|| "warning".to_string()),
@@ -246,6 +251,9 @@ mod tests {
         assert_eq!(c.cycle_time, Duration::from_millis(1));
         assert_eq!(c.cache_capacity, 1024);
         assert_eq!(c.timeout, Duration::from_secs(60));
+        assert_eq!(c.start_timeout, Duration::from_secs(60));
+        let c = config(&[("RVOD_TIMEOUT", "5"), ("HOROVOD_START_TIMEOUT", "30")]).unwrap();
+        assert_eq!((c.timeout, c.start_timeout), (Duration::from_secs(5), Duration::from_secs(30)));
         assert_eq!(c.stall_check, Some(Duration::from_secs(60)));
         assert_eq!(c.stall_shutdown, None);
     }

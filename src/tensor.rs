@@ -166,7 +166,6 @@ mod tests {
         let mut t = unsafe { RawTensor::new(v.as_mut_ptr(), v.len()) };
         t.as_mut_slice()[0] = 9;
         assert_eq!(t.as_slice(), &[9, 2, 3, 4]);
-        drop(t);
         assert_eq!(v[0], 9);
     }
 }

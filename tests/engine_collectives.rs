@@ -67,12 +67,10 @@ fn tensor(name: &str, data: &mut Vec<u8>, dtype: DataType, shape: Vec<i64>) -> T
 }
 
 fn wait(engine: &Engine, id: HandleId) -> Result<OpOutput, EngineError> {
-    loop {
-        match engine.wait(id, Duration::from_secs(30)) {
-            WaitOutcome::Done(result) => return result,
-            WaitOutcome::Pending => panic!("handle {id} did not complete within 30 s"),
-            WaitOutcome::Unknown => panic!("unknown handle {id}"),
-        }
+    match engine.wait(id, Duration::from_secs(30)) {
+        WaitOutcome::Done(result) => result,
+        WaitOutcome::Pending => panic!("handle {id} did not complete within 30 s"),
+        WaitOutcome::Unknown => panic!("unknown handle {id}"),
     }
 }
 

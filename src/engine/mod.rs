@@ -88,10 +88,10 @@ fn connect(config: &Config, generation: u64) -> Result<(Box<dyn Transport>, bool
         .bind_addr
         .parse()
         .map_err(|_| EngineError::Init(format!("RVOD_IFACE_ADDR={} is not an IP address", rdv.bind_addr)))?;
-    let mut store = StoreClient::connect(addr, &rdv.secret, config.timeout)
+    let mut store = StoreClient::connect(addr, &rdv.secret, config.start_timeout)
         .map_err(|e| EngineError::transport("connecting to the rendezvous store", &e))?;
     let scope = format!("init{generation}/global");
-    let homogeneous = all_hosts_equal(&mut store, &scope, topo, config.timeout)?;
+    let homogeneous = all_hosts_equal(&mut store, &scope, topo, config.start_timeout)?;
     let transport = TcpTransport::connect_mesh(
         topo.rank,
         topo.size,

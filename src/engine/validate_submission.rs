@@ -45,15 +45,11 @@ pub fn check(op: &OpSubmission, size: usize) -> Result<(), EngineError> {
                 return invalid("reducescatter needs a tensor with at least one dimension, got a scalar".into());
             }
         }
-        CollectiveKind::Allgather => {
-            if op.tensors.iter().any(|t| t.shape.is_empty()) {
-                return invalid("allgather needs a tensor with at least one dimension, got a scalar".into());
-            }
+        CollectiveKind::Allgather if op.tensors.iter().any(|t| t.shape.is_empty()) => {
+            return invalid("allgather needs a tensor with at least one dimension, got a scalar".into());
         }
-        CollectiveKind::Broadcast => {
-            if op.root_rank < 0 || op.root_rank as usize >= size {
-                return invalid(format!("broadcast root_rank {} is not a rank of this job (size {size})", op.root_rank));
-            }
+        CollectiveKind::Broadcast if op.root_rank < 0 || op.root_rank as usize >= size => {
+            return invalid(format!("broadcast root_rank {} is not a rank of this job (size {size})", op.root_rank));
         }
         CollectiveKind::Alltoall => {
             for t in &op.tensors {

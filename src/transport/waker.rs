@@ -43,9 +43,13 @@ impl Waker {
     /// Used by transports that have no file descriptors of their own to poll.
     pub fn wait(&self, timeout: Duration) -> bool {
         let mut pfd = libc::pollfd { fd: self.fd, events: libc::POLLIN, revents: 0 };
-        let ms = timeout.as_millis().min(i32::MAX as u128) as i32;
-        // SAFETY: one valid pollfd.
-        let n = unsafe { libc::poll(&mut pfd, 1, ms) };
+        // ppoll rather than poll: waits shorter than a millisecond matter here.
+        let ts = libc::timespec {
+            tv_sec: timeout.as_secs().min(i32::MAX as u64) as libc::time_t,
+            tv_nsec: timeout.subsec_nanos() as libc::c_long,
+        };
+        // SAFETY: one valid pollfd, a valid timespec and no signal mask.
+        let n = unsafe { libc::ppoll(&mut pfd, 1, &ts, std::ptr::null()) };
         n > 0 && (pfd.revents & libc::POLLIN) != 0
     }
 }

@@ -135,7 +135,7 @@ def main():
     with check("duplicate in-flight name"):
         x = np.full(1 << 16, R + 1, dtype=np.float32)
         if R != 0:
-            time.sleep(0.5)
+            time.sleep(1.0)
         handle = hvd.allreduce_async(x, op=hvd.Sum, name="dup")
         if R == 0:
             assert hvd.poll(handle) is False
