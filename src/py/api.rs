@@ -51,26 +51,50 @@ fn init_logging(level: &str) {
         .with_env_filter(tracing_subscriber::EnvFilter::new(format!("rvod={filter}")))
         .with_writer(std::io::stderr)
         .with_target(false)
+        .with_ansi(false)
         .try_init();
 }
 
-/// Start the engine (idempotent while running).
+/// Start the engine (idempotent while running). Waiting for the other ranks releases the GIL and can be
+/// interrupted with Ctrl-C.
 #[pyfunction]
 pub fn init(py: Python<'_>) -> PyResult<()> {
-    py.allow_threads(|| {
+    if state().engine.is_some() {
+        return Ok(());
+    }
+    let config = Config::from_env().map_err(|e| to_py_err(EngineError::Init(e.to_string())))?;
+    init_logging(&config.log_level);
+    let generation = {
         let mut state = state();
-        if state.engine.is_some() {
-            return Ok(());
-        }
-        let config = Config::from_env().map_err(|e| EngineError::Init(e.to_string()))?;
-        init_logging(&config.log_level);
-        let generation = state.generation;
         state.generation += 1;
-        let engine = Engine::start(config, generation)?;
-        state.engine = Some(Arc::new(engine));
-        Ok(())
-    })
-    .map_err(to_py_err)
+        state.generation - 1
+    };
+    let (done, mut started) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name("rvod-init".into())
+        .spawn(move || {
+            let _ = done.send(Engine::start(config, generation));
+        })
+        .map_err(|e| to_py_err(EngineError::Init(format!("cannot start the init thread: {e}"))))?;
+    loop {
+        // The receiver moves in and out because it may not be shared across threads.
+        let (receiver, outcome) = py.allow_threads(move || {
+            let outcome = started.recv_timeout(WAIT_SLICE);
+            (started, outcome)
+        });
+        started = receiver;
+        match outcome {
+            Ok(result) => {
+                let engine = result.map_err(to_py_err)?;
+                state().engine = Some(Arc::new(engine));
+                return Ok(());
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => py.check_signals()?,
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                return Err(to_py_err(EngineError::Internal("the init thread stopped without an answer".into())))
+            }
+        }
+    }
 }
 
 /// Stop the engine of this process; the other ranks stop too. Safe to call when not initialized.

@@ -25,3 +25,6 @@ def test_every_collective_dtype_and_variant(run_rvodrun, size):
     # would show up here).
     assert len({passed for passed, _ in found.values()}) == 1, report
     assert min(passed for passed, _ in found.values()) > 1300, report
+    # The last phase sets the cache capacity through its Horovod alias, HOROVOD_CACHE_CAPACITY=2; the
+    # engine's (Horovod-worded) eviction warning shows that the alias was read.
+    assert "raising the capacity above 2 " in result.stderr, result.stderr[-3000:]

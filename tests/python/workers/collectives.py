@@ -13,7 +13,6 @@ import os
 import time
 
 import numpy as np
-
 import rvod.numpy as hvd
 from _check import check, finish, wait_done
 
@@ -523,6 +522,30 @@ with check("join: an early rank contributes zeros; join returns the same last ra
 with check("collectives work after join"):
     out = hvd.allreduce(np.ones(3, dtype=np.int32), op=hvd.Sum, name="after.join")
     assert_result(out, np.full(3, N, dtype=np.int32), "after join")
+
+with check("response cache: one name whose shape, dtype, op, scale, root, rows and splits change"):
+    for step in range(4):
+        out = hvd.allreduce(np.full(step + 3, R + 1.0), op=hvd.Sum, name="cache.shape")
+        assert_result(out, np.full(step + 3, N * (N + 1) / 2), f"shape step {step}")
+    for dtype in (np.float32, np.float64, np.int32, np.float32):
+        out = hvd.allreduce(np.full(3, R + 1, dtype=dtype), op=hvd.Sum, name="cache.dtype")
+        assert_result(out, np.full(3, N * (N + 1) // 2, dtype=dtype), f"dtype {dtype}")
+    for op, value in ((hvd.Sum, N * (N + 1) / 2), (hvd.Max, N), (hvd.Sum, N * (N + 1) / 2), (hvd.Min, 1)):
+        assert_result(hvd.allreduce(np.full(3, R + 1.0), op=op, name="cache.op"), np.full(3, float(value)), "op")
+    for pre in (1.0, 2.0, 1.0):
+        out = hvd.allreduce(np.full(3, R + 1.0), op=hvd.Sum, prescale_factor=pre, name="cache.scale")
+        assert_result(out, np.full(3, pre * N * (N + 1) / 2), f"prescale {pre}")
+    for step in range(2 * N):
+        out = hvd.broadcast(np.full(2, float(R)), step % N, name="cache.root")
+        assert_result(out, np.full(2, float(step % N)), f"root {step % N}")
+    for step in range(3):
+        out = hvd.allgather(np.full((R + step, 2), R), name="cache.rows")
+        assert_result(out, np.concatenate([np.full((r + step, 2), r) for r in range(N)]), f"rows step {step}")
+    for step in range(3):
+        matrix = [[(s + d + step) % 3 for d in range(N)] for s in range(N)]
+        out, got = hvd.alltoall(np.full((sum(matrix[R]), 1), R), splits=matrix[R], name="cache.splits")
+        assert [int(v) for v in got] == [matrix[s][R] for s in range(N)], (step, got)
+        assert_result(out, np.concatenate([np.full((matrix[s][R], 1), s) for s in range(N)]), f"splits {step}")
 
 # ------------------------------------------------------------------- fusion and response cache, re-init
 

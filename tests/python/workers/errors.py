@@ -18,7 +18,6 @@ import threading
 import time
 
 import numpy as np
-
 import rvod.numpy as hvd
 from _check import check, finish, wait_done
 from rvod.exceptions import RvodError, RvodInternalError, RvodMismatchError
@@ -130,6 +129,17 @@ def main():
         np.ones(2, dtype=np.int16 if odd else np.uint8), name="mm.async")), ["uint8", "int16"], "mm.async")
     mismatch("in-place allreduce shape", lambda: hvd.allreduce_(np.ones(1 if odd else 5, dtype=np.float32),
                                                                 name="mm.inplace"), ["[1]", "[5]"], "shape")
+
+    with check("a cached name whose shape then differs on one rank"):
+        for step in range(3):
+            x = np.ones(4 if step == 2 and odd else 3, dtype=np.float32)
+            if step < 2:
+                assert np.array_equal(hvd.allreduce(x, op=hvd.Sum, name="cached"), np.full(3, float(N)))
+            else:
+                message = expect_error(RvodMismatchError, r"rank 1 sent \[4\]", hvd.allreduce, x, op=hvd.Sum,
+                                       name="cached")
+                assert "ranks 0, 2 sent [3]" in message, message
+        assert np.array_equal(hvd.allreduce(np.ones(3), op=hvd.Sum, name="cached"), np.full(3, float(N)))
 
     # ---- the same name twice while the first is in flight: ValueError at submission, the first completes.
     with check("duplicate in-flight name"):
