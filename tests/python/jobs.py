@@ -108,7 +108,7 @@ class LocalJob:
         with their output so far."""
         deadline = time.monotonic() + timeout
         waited = {r: self.processes[r] for r in (self.processes if ranks is None else ranks)}
-        for rank, process in waited.items():
+        for process in waited.values():
             try:
                 process.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -182,7 +182,8 @@ class StoreConnection:
         if len(challenge) != 39:
             raise HandshakeRefused(f"no challenge (got {len(challenge)} bytes)")
         assert challenge[:7] == MAGIC + struct.pack(">HB", VERSION, purpose), challenge[:7]
-        transcript = struct.pack(">HB", VERSION, purpose) + nonce + challenge[7:] + struct.pack(">H", len(claim)) + claim
+        transcript = (struct.pack(">HB", VERSION, purpose) + nonce + challenge[7:]
+                      + struct.pack(">H", len(claim)) + claim)
         self.sock.sendall(hmac.new(secret, CONNECTOR_LABEL + transcript, hashlib.sha256).digest())
         verdict = recv_exactly(self.sock, 33)
         if len(verdict) != 33:

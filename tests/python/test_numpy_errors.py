@@ -47,7 +47,7 @@ def test_error_cases_in_one_job(run_rvodrun, job_env):
 
     # The stall warning: logged by rank 0 (the coordinator), naming the tensor and the missing rank 1 only.
     coordinator = "\n".join(rank_lines(result.stderr, 0, "stderr"))
-    assert "waiting for remainder of ranks for more than 2 seconds" in coordinator, result.stderr
+    assert re.search(r"waiting for remainder of ranks for more than \d+ seconds", coordinator), result.stderr
     missing = re.findall(r"^(\d+)!?: \[(.*)\]$", coordinator, re.MULTILINE)
     assert missing and all(rank == "1" and "allreduce.stall" in names for rank, names in missing), coordinator
 

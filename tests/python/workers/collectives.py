@@ -442,8 +442,8 @@ with check("1M+3 elements through allgather, broadcast, alltoall and reducescatt
     rows = count // N
     x = (np.arange(rows * N) % 1000 + 1000 * R).astype(np.float32)
     out = hvd.alltoall(x, name="large.a2a")
-    assert_result(out, np.concatenate([(np.arange(rows * N) % 1000 + 1000 * s).astype(np.float32)[R * rows:(R + 1) * rows]
-                                       for s in range(N)]), "a2a")
+    sent = [(np.arange(rows * N) % 1000 + 1000 * s).astype(np.float32) for s in range(N)]
+    assert_result(out, np.concatenate([block[R * rows:(R + 1) * rows] for block in sent]), "a2a")
     x = (np.arange(count) % 1000 + R).astype(np.float32)
     out = hvd.reducescatter(x, op=hvd.Sum, name="large.rs")
     assert_result(out, (N * (np.arange(count) % 1000) + N * (N - 1) // 2).astype(np.float32)[my_rows(count)], "rs")

@@ -85,7 +85,7 @@ def mismatch(label, call, values, subject):
         assert subject in message, f"{subject!r} not in {message!r}"
         for value in values:
             assert str(value) in message, f"{value!r} not in {message!r}"
-        named = set(int(r) for group in re.findall(r"ranks? ((?:\d+(?:, )?)+)", message) for r in group.split(", "))
+        named = {int(r) for group in re.findall(r"ranks? ((?:\d+(?:, )?)+)", message) for r in group.split(", ")}
         assert named == set(range(N)), f"ranks named {sorted(named)} in {message!r}"
     allreduce_still_works(label)
 
@@ -200,7 +200,8 @@ def main():
         ("strings", TypeError, "dtype", lambda: hvd.allgather(np.array(["a", "b"]))),
         ("allreduce_ read-only", ValueError, "read-only", lambda: hvd.allreduce_(read_only)),
         ("allreduce_async_ read-only", ValueError, "read-only", lambda: hvd.allreduce_async_(read_only)),
-        ("grouped_allreduce_ read-only", ValueError, "read-only", lambda: hvd.grouped_allreduce_([x.copy(), read_only])),
+        ("grouped_allreduce_ read-only", ValueError, "read-only",
+         lambda: hvd.grouped_allreduce_([x.copy(), read_only])),
         ("broadcast_ read-only", ValueError, "read-only", lambda: hvd.broadcast_(read_only, 0)),
         ("allreduce_ of a list", TypeError, "array", lambda: hvd.allreduce_([1.0, 2.0])),
     ]
