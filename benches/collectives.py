@@ -77,38 +77,48 @@ def parse_args(argv=None):
     p.add_argument("--impls", default="rvod,gloo", help="implementations, in the order each round runs them")
     p.add_argument("--timeout", type=float, default=600, help="seconds one job may take before it is stopped")
     p.add_argument("--rvodrun", default=None, help="rvodrun to use (default: the one beside this python)")
+    p.add_argument("--report-only", action="store_true",
+                   help="run nothing: rebuild the table, CSV and plot from OUT/raw and OUT/collectives.json")
     args = p.parse_args(argv)
     if args.rounds is None:
         args.rounds = 2 if args.quick else 5
     return args
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    out = Path(args.out)
-    raw_dir = out / "raw"
+def run_rounds(args, out, raw_dir, plan_path, argv):
+    """Run every round (one job per implementation, in order); returns the run's metadata."""
     raw_dir.mkdir(parents=True, exist_ok=True)
-    for stale in raw_dir.glob("round*.json"):
+    for stale in list(raw_dir.glob("round*.json")) + list(raw_dir.glob("round*.log")):
         stale.unlink()
-    plan = build_plan(args)
-    plan_path = out / "plan.json"
-    plan_path.write_text(json.dumps(plan, indent=1))
-    impls = args.impls.split(",")
+    plan_path.write_text(json.dumps(build_plan(args), indent=1))
     meta = machine.describe(argv if argv is not None else sys.argv, launch.find_rvodrun(args.rvodrun))
-
     started = time.monotonic()
     for rnd in range(args.rounds):
-        for impl in impls:
+        for impl in args.impls.split(","):
             t0 = time.monotonic()
             launch.run_job(impl, args.np, plan_path, raw_dir, rnd, raw_dir / f"round{rnd}.{impl}.log",
                            args.timeout, args.rvodrun)
             print(f"round {rnd + 1}/{args.rounds} {impl}: {time.monotonic() - t0:.1f} s", file=sys.stderr,
                   flush=True)
     meta["wall_s"] = round(time.monotonic() - started, 1)
+    return meta
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    out = Path(args.out)
+    raw_dir = out / "raw"
+    plan_path = out / "plan.json"
+    if args.report_only:
+        plan = json.loads(plan_path.read_text())
+        meta = json.loads((out / "collectives.json").read_text())["meta"]
+    else:
+        meta = run_rounds(args, out, raw_dir, plan_path, argv)
+        plan = json.loads(plan_path.read_text())
 
     docs = [json.loads(p.read_text()) for p in sorted(raw_dir.glob("round*.json"))]
     n, metrics, rows = report.aggregate(docs)
-    rounds = list(range(args.rounds))
+    rounds = sorted({d["round"] for d in docs})
     summary = report.summarize(metrics, rounds)
     lines = report.table_lines(summary, n, plan, rounds) + [""] + report.target_lines(summary)
     lines.append("")

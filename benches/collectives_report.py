@@ -280,8 +280,11 @@ def plot(path, summary, n):
               title=f"allreduce bus bandwidth, {n} ranks (median, min-max over rounds)")
     lat_ax.set(xscale="log", yscale="log", xlabel="bytes per rank", ylabel="latency per call, us",
                title=f"allreduce latency, {n} ranks")
+    from matplotlib.ticker import FuncFormatter
+
     for ax in (bw_ax, lat_ax):
         ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: human_size(int(round(x))).replace(" ", "")))
         ax.grid(True, which="both", alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend()

@@ -30,8 +30,8 @@ const MAX_CONTROL_MESSAGE: usize = 256 * 1024 * 1024;
 pub struct RoundOutcome {
     /// Responses to run now, fused, identical on every rank.
     pub responses: Vec<Response>,
-    /// Some rank asked to shut down; every rank leaves after running `responses`.
-    pub shutdown: bool,
+    /// Ranks that asked to shut down; if any did, every rank leaves after running `responses`.
+    pub shutdown_by: Vec<usize>,
 }
 
 pub struct Negotiator {
@@ -103,7 +103,8 @@ impl Negotiator {
             }
         }
 
-        let any_shutdown = headers.iter().any(|h| h.shutdown);
+        let shutdown_by: Vec<usize> = (0..n).filter(|&r| headers[r].shutdown).collect();
+        let any_shutdown = !shutdown_by.is_empty();
         let any_uncached = headers.iter().any(|h| h.has_uncached);
         let mut invalid = BitSet::new();
         for h in &headers {
@@ -150,7 +151,7 @@ impl Negotiator {
             responses.extend(new_responses);
         }
 
-        Ok(RoundOutcome { responses: plan_fusion(responses, self.fusion_threshold), shutdown: any_shutdown })
+        Ok(RoundOutcome { responses: plan_fusion(responses, self.fusion_threshold), shutdown_by })
     }
 
     /// This rank's header: classify new requests against the cache and collect hits and invalid bits.

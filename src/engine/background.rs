@@ -104,11 +104,15 @@ impl Loop {
             for response in &outcome.responses {
                 self.execute(response)?;
             }
-            if outcome.shutdown {
+            if !outcome.shutdown_by.is_empty() {
                 return Ok(if shutdown {
                     "this rank called shutdown()".into()
                 } else {
-                    "another rank called shutdown() or finished; collectives cannot run after that".into()
+                    let ranks: Vec<String> = outcome.shutdown_by.iter().map(|r| r.to_string()).collect();
+                    format!(
+                        "rank {} called shutdown() or finished; collectives cannot run after that",
+                        ranks.join(", ")
+                    )
                 });
             }
         }
@@ -230,7 +234,19 @@ impl Loop {
             std::mem::take(&mut inbox.entries)
         };
         for entry in self.table.drain().into_iter().chain(queued) {
-            self.complete(entry, Err(err.clone()));
+            let own = naming_tensor(&err, &entry);
+            self.complete(entry, Err(own));
         }
+    }
+}
+
+/// The engine-wide failure `err` as seen by one pending tensor: a transport failure names the tensor too.
+fn naming_tensor(err: &EngineError, entry: &TensorEntry) -> EngineError {
+    match err {
+        EngineError::Transport { op, cause } => EngineError::Transport {
+            op: format!("{} of tensor '{}' ({op})", entry.request.kind, entry.request.name),
+            cause: cause.clone(),
+        },
+        other => other.clone(),
     }
 }
