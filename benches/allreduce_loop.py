@@ -1,6 +1,7 @@
 """A bare small-allreduce loop to run under a profiler (strace -c, perf): no phases, no bookkeeping.
 
     rvodrun -np 2 python benches/allreduce_loop.py --calls 2000             # rvod, 4 bytes, fixed name
+    rvodrun -np 2 python benches/allreduce_loop.py --tensors 1024 --bytes 4096 --calls 20 --warmup 2
     python benches/allreduce_loop.py --impl gloo --calls 2000               # with RANK/WORLD_SIZE/MASTER_* set
 
 Runs --warmup untimed calls, then --calls timed ones, and prints this rank's p50/p90 per call. Comparing two
@@ -23,6 +24,8 @@ def main():
     p.add_argument("--bytes", type=int, default=4)
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--tensors", type=int, default=1,
+                   help="tensors per call: >1 submits them all asynchronously, then waits for all (fusion)")
     args = p.parse_args()
     count = max(1, args.bytes // 4)
 
@@ -32,9 +35,16 @@ def main():
         hvd.init()
         rank = hvd.rank()
         x = np.zeros(count, dtype=np.float32)
+        xs = [np.zeros(count, dtype=np.float32) for _ in range(args.tensors)]
+        names = [f"loop.{i}" for i in range(args.tensors)]
 
         def call():
-            hvd.allreduce(x, name="loop", op=hvd.Sum)
+            if args.tensors == 1:
+                hvd.allreduce(x, name="loop", op=hvd.Sum)
+                return
+            handles = [hvd.allreduce_async_(t, name=n, op=hvd.Sum) for t, n in zip(xs, names)]
+            for h in handles:
+                hvd.synchronize(h)
 
         barrier, finish = hvd.barrier, hvd.shutdown
     else:
@@ -45,9 +55,14 @@ def main():
         dist.init_process_group("gloo")
         rank = dist.get_rank()
         x = torch.zeros(count, dtype=torch.float32)
+        xs = [torch.zeros(count, dtype=torch.float32) for _ in range(args.tensors)]
 
         def call():
-            dist.all_reduce(x)
+            if args.tensors == 1:
+                dist.all_reduce(x)
+                return
+            for w in [dist.all_reduce(t, async_op=True) for t in xs]:
+                w.wait()
 
         barrier, finish = dist.barrier, dist.destroy_process_group
 
@@ -63,7 +78,7 @@ def main():
     finish()
     if samples:
         samples.sort()
-        print(f"rank {rank}: {args.impl} {args.bytes} B x {args.calls}: p50 {samples[len(samples) // 2] / 1e3:.1f} us, "
+        print(f"rank {rank}: {args.impl} {args.tensors} x {args.bytes} B, {args.calls} calls: p50 {samples[len(samples) // 2] / 1e3:.1f} us, "
               f"p90 {samples[int(len(samples) * 0.9)] / 1e3:.1f} us", flush=True)
 
 

@@ -68,10 +68,12 @@ def _rvod_build():
 
 def describe(argv, rvodrun):
     head = _git("rev-parse", "HEAD")
-    dirty = bool(_git("status", "--porcelain"))
+    changed = sorted({line.split(maxsplit=1)[1].split("/")[0] for line in _git("status", "--porcelain").splitlines()
+                      if line.strip()})
+    dirty = bool(changed)
     today = datetime.date.today().isoformat()
     if head:
-        describe_text = head + (" + uncommitted changes" if dirty else "")
+        describe_text = head + (f" + uncommitted changes in {', '.join(changed)}" if dirty else "")
     else:
         describe_text = f"uncommitted working tree of {today}"
     return {
@@ -86,5 +88,5 @@ def describe(argv, rvodrun):
         "versions": {d: _version(d) for d in ("torch", "numpy", "matplotlib")},
         "rvod": _rvod_build(),
         "rvodrun": rvodrun,
-        "git": {"head": head or None, "dirty": dirty, "describe": describe_text},
+        "git": {"head": head or None, "dirty": dirty, "changed": changed, "describe": describe_text},
     }

@@ -2,95 +2,15 @@
 //! talking over TCP on loopback. They exercise negotiation, the response cache, fusion, join, mismatch
 //! errors and shutdown without Python.
 
-use std::collections::HashMap;
-use std::net::{IpAddr, Ipv4Addr};
+mod common;
+
 use std::time::Duration;
 
-use rvod::config::Config;
-use rvod::engine::handles::{HandleId, WaitOutcome};
-use rvod::engine::submission::{OpOutput, OpSubmission, TensorSubmission};
-use rvod::engine::Engine;
+use common::*;
+use rvod::engine::handles::HandleId;
+use rvod::engine::submission::OpSubmission;
 use rvod::error::EngineError;
-use rvod::tensor::RawTensor;
-use rvod::transport::rendezvous::RendezvousServer;
 use rvod::types::{CollectiveKind, DataType, ReduceOp};
-
-const SECRET: &[u8] = b"engine-test-secret";
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// Start `n` engines (one per rank) with extra settings; returns them in rank order and the server.
-fn start_job(n: usize, extra: &[(&str, &str)]) -> (Vec<Engine>, RendezvousServer) {
-    let server = RendezvousServer::start(IpAddr::V4(Ipv4Addr::LOCALHOST), 0, SECRET.to_vec()).unwrap();
-    let port = server.port().to_string();
-    let handles: Vec<_> = (0..n)
-        .map(|rank| {
-            let mut vars: HashMap<String, String> = HashMap::new();
-            for (k, v) in [
-                ("RVOD_RANK", rank.to_string()),
-                ("RVOD_SIZE", n.to_string()),
-                ("RVOD_LOCAL_RANK", rank.to_string()),
-                ("RVOD_LOCAL_SIZE", n.to_string()),
-                ("RVOD_RENDEZVOUS_ADDR", "127.0.0.1".to_string()),
-                ("RVOD_RENDEZVOUS_PORT", port.clone()),
-                ("RVOD_SECRET", hex(SECRET)),
-                ("RVOD_TIMEOUT", "20".to_string()),
-            ] {
-                vars.insert(k.to_string(), v);
-            }
-            for (k, v) in extra {
-                vars.insert(k.to_string(), v.to_string());
-            }
-            std::thread::spawn(move || {
-                let config = Config::from_lookup(|k| vars.get(k).cloned()).unwrap();
-                Engine::start(config, 0).unwrap()
-            })
-        })
-        .collect();
-    (handles.into_iter().map(|h| h.join().unwrap()).collect(), server)
-}
-
-fn f32_bytes(values: &[f32]) -> Vec<u8> {
-    values.iter().flat_map(|v| v.to_le_bytes()).collect()
-}
-
-fn as_f32(bytes: &[u8]) -> Vec<f32> {
-    bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
-}
-
-fn tensor(name: &str, data: &mut Vec<u8>, dtype: DataType, shape: Vec<i64>) -> TensorSubmission {
-    // SAFETY: every test keeps `data` alive and untouched until the handle completes.
-    let input = unsafe { RawTensor::new(data.as_mut_ptr(), data.len()) };
-    TensorSubmission { name: name.to_string(), dtype, shape, input, in_place: false }
-}
-
-fn wait(engine: &Engine, id: HandleId) -> Result<OpOutput, EngineError> {
-    match engine.wait(id, Duration::from_secs(30)) {
-        WaitOutcome::Done(result) => result,
-        WaitOutcome::Pending => panic!("handle {id} did not complete within 30 s"),
-        WaitOutcome::Unknown => panic!("unknown handle {id}"),
-    }
-}
-
-fn allreduce(name: &str, data: &mut Vec<u8>, len: i64, op: ReduceOp) -> OpSubmission {
-    let mut sub = OpSubmission::new(CollectiveKind::Allreduce);
-    sub.reduce_op = op;
-    sub.tensors.push(tensor(name, data, DataType::Float32, vec![len]));
-    sub
-}
-
-/// Run `per_rank(rank, engine)` on every engine at once.
-fn on_every_rank<T: Send>(engines: &[Engine], per_rank: impl Fn(usize, &Engine) -> T + Sync) -> Vec<T> {
-    std::thread::scope(|s| {
-        let handles: Vec<_> = engines.iter().enumerate().map(|(r, e)| s.spawn({
-            let per_rank = &per_rank;
-            move || per_rank(r, e)
-        })).collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    })
-}
 
 #[test]
 fn many_async_allreduces_fuse_and_repeat_through_the_cache() {
@@ -104,7 +24,7 @@ fn many_async_allreduces_fuse_and_repeat_through_the_cache() {
                 .enumerate()
                 .map(|(i, b)| {
                     let len = (b.len() / 4) as i64;
-                    engine.submit(allreduce(&format!("t{i}"), b, len, ReduceOp::Sum)).unwrap()
+                    engine.submit(allreduce(&format!("t{i}"), b, len, ReduceOp::Sum), 0).unwrap()
                 })
                 .collect();
             ids.into_iter().map(|id| wait(engine, id).unwrap()).collect::<Vec<_>>()
@@ -125,7 +45,7 @@ fn average_min_max_and_scaling() {
     for (op, expected) in [(ReduceOp::Average, 1.5f32), (ReduceOp::Min, 1.0), (ReduceOp::Max, 2.0), (ReduceOp::Product, 2.0)] {
         let outs = on_every_rank(&engines, |rank, engine| {
             let mut data = f32_bytes(&[(rank + 1) as f32; 5]);
-            let id = engine.submit(allreduce("op", &mut data, 5, op)).unwrap();
+            let id = engine.submit(allreduce("op", &mut data, 5, op), 0).unwrap();
             wait(engine, id).unwrap()
         });
         for out in outs {
@@ -137,7 +57,7 @@ fn average_min_max_and_scaling() {
         let mut sub = allreduce("scaled", &mut data, 3, ReduceOp::Sum);
         sub.prescale = 2.0;
         sub.postscale = 0.5;
-        let id = engine.submit(sub).unwrap();
+        let id = engine.submit(sub, 0).unwrap();
         wait(engine, id).unwrap()
     });
     for out in outs {
@@ -151,7 +71,7 @@ fn mismatched_shapes_fail_on_every_rank_and_the_job_goes_on() {
     let errors = on_every_rank(&engines, |rank, engine| {
         let len = 4 + rank as i64;
         let mut data = f32_bytes(&vec![1.0; len as usize]);
-        let id = engine.submit(allreduce("bad", &mut data, len, ReduceOp::Sum)).unwrap();
+        let id = engine.submit(allreduce("bad", &mut data, len, ReduceOp::Sum), 0).unwrap();
         wait(engine, id).unwrap_err()
     });
     for err in errors {
@@ -164,7 +84,7 @@ fn mismatched_shapes_fail_on_every_rank_and_the_job_goes_on() {
     }
     let outs = on_every_rank(&engines, |_, engine| {
         let mut data = f32_bytes(&[1.0; 2]);
-        let id = engine.submit(allreduce("good", &mut data, 2, ReduceOp::Sum)).unwrap();
+        let id = engine.submit(allreduce("good", &mut data, 2, ReduceOp::Sum), 0).unwrap();
         wait(engine, id).unwrap()
     });
     for out in outs {
@@ -181,14 +101,14 @@ fn a_joined_rank_contributes_zeros_and_join_returns_the_last_rank() {
             // Rank 1 joins at once; ranks 0 and 2 reduce twice first.
             for step in 0..2 {
                 let mut data = f32_bytes(&[(rank + 1) as f32; 4]);
-                let id = engine.submit(allreduce(&format!("j{step}"), &mut data, 4, ReduceOp::Sum)).unwrap();
+                let id = engine.submit(allreduce(&format!("j{step}"), &mut data, 4, ReduceOp::Sum), 0).unwrap();
                 sums.push(as_f32(wait(engine, id).unwrap().tensors[0].as_ref().unwrap().buffer.as_slice()));
             }
             if rank == 2 {
                 std::thread::sleep(Duration::from_millis(200));
             }
         }
-        let id = engine.submit(OpSubmission::new(CollectiveKind::Join)).unwrap();
+        let id = engine.submit(OpSubmission::new(CollectiveKind::Join), 0).unwrap();
         (sums, wait(engine, id).unwrap().last_joined_rank)
     });
     for (rank, (sums, last)) in results.into_iter().enumerate() {
@@ -204,11 +124,11 @@ fn duplicate_names_in_flight_are_refused() {
     let (engines, _server) = start_job(2, &[]);
     let mut first = f32_bytes(&[1.0; 2]);
     let mut second = f32_bytes(&[1.0; 2]);
-    let id = engines[0].submit(allreduce("same", &mut first, 2, ReduceOp::Sum)).unwrap();
-    let err = engines[0].submit(allreduce("same", &mut second, 2, ReduceOp::Sum)).unwrap_err();
+    let id = engines[0].submit(allreduce("same", &mut first, 2, ReduceOp::Sum), 0).unwrap();
+    let err = engines[0].submit(allreduce("same", &mut second, 2, ReduceOp::Sum), 0).unwrap_err();
     assert!(matches!(err, EngineError::DuplicateName { .. }), "{err:?}");
     let mut other = f32_bytes(&[2.0; 2]);
-    let peer = engines[1].submit(allreduce("same", &mut other, 2, ReduceOp::Sum)).unwrap();
+    let peer = engines[1].submit(allreduce("same", &mut other, 2, ReduceOp::Sum), 0).unwrap();
     assert_eq!(as_f32(wait(&engines[0], id).unwrap().tensors[0].as_ref().unwrap().buffer.as_slice()), vec![3.0; 2]);
     wait(&engines[1], peer).unwrap();
 }
@@ -217,14 +137,14 @@ fn duplicate_names_in_flight_are_refused() {
 fn shutdown_of_one_rank_fails_pending_ops_elsewhere() {
     let (engines, _server) = start_job(2, &[]);
     let mut data = f32_bytes(&[1.0; 2]);
-    let id = engines[1].submit(allreduce("never", &mut data, 2, ReduceOp::Sum)).unwrap();
+    let id = engines[1].submit(allreduce("never", &mut data, 2, ReduceOp::Sum), 0).unwrap();
     engines[0].shutdown();
     match wait(&engines[1], id) {
         Err(EngineError::ShutDown(reason)) => assert!(reason.contains("rank 0 called shutdown()"), "{reason}"),
         other => panic!("expected a shut-down error, got {other:?}"),
     }
     let mut more = f32_bytes(&[1.0; 2]);
-    assert!(matches!(engines[1].submit(allreduce("later", &mut more, 2, ReduceOp::Sum)), Err(EngineError::ShutDown(_))));
+    assert!(matches!(engines[1].submit(allreduce("later", &mut more, 2, ReduceOp::Sum), 0), Err(EngineError::ShutDown(_))));
 }
 
 #[test]
@@ -236,26 +156,26 @@ fn broadcast_allgather_alltoall_reducescatter_and_barrier() {
         let mut sub = OpSubmission::new(CollectiveKind::Broadcast);
         sub.root_rank = 2;
         sub.tensors.push(tensor("b", &mut b, DataType::Float32, vec![3]));
-        results.push(wait(engine, engine.submit(sub).unwrap()).unwrap());
+        results.push(wait(engine, engine.submit(sub, 0).unwrap()).unwrap());
 
         let rows = rank + 1;
         let mut g = f32_bytes(&vec![rank as f32; rows * 2]);
         let mut sub = OpSubmission::new(CollectiveKind::Allgather);
         sub.tensors.push(tensor("g", &mut g, DataType::Float32, vec![rows as i64, 2]));
-        results.push(wait(engine, engine.submit(sub).unwrap()).unwrap());
+        results.push(wait(engine, engine.submit(sub, 0).unwrap()).unwrap());
 
         let mut a = f32_bytes(&[rank as f32; 6]);
         let mut sub = OpSubmission::new(CollectiveKind::Alltoall);
         sub.splits = vec![1, 2, 3];
         sub.tensors.push(tensor("a", &mut a, DataType::Float32, vec![6]));
-        results.push(wait(engine, engine.submit(sub).unwrap()).unwrap());
+        results.push(wait(engine, engine.submit(sub, 0).unwrap()).unwrap());
 
         let mut rs = f32_bytes(&[1.0; 7]);
         let mut sub = OpSubmission::new(CollectiveKind::Reducescatter);
         sub.tensors.push(tensor("rs", &mut rs, DataType::Float32, vec![7]));
-        results.push(wait(engine, engine.submit(sub).unwrap()).unwrap());
+        results.push(wait(engine, engine.submit(sub, 0).unwrap()).unwrap());
 
-        wait(engine, engine.submit(OpSubmission::new(CollectiveKind::Barrier)).unwrap()).unwrap();
+        wait(engine, engine.submit(OpSubmission::new(CollectiveKind::Barrier), 0).unwrap()).unwrap();
         results
     });
     for (rank, results) in outs.iter().enumerate() {

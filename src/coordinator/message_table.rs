@@ -21,6 +21,8 @@ struct PendingTensor {
 
 pub struct MessageTable {
     size: usize,
+    /// Global rank of each communicator rank, for messages.
+    global_ranks: Vec<usize>,
     /// Tensors some ranks submitted, in order of first arrival.
     pending: BTreeMap<u64, String>,
     by_name: HashMap<String, (u64, PendingTensor)>,
@@ -32,9 +34,10 @@ pub struct MessageTable {
 }
 
 impl MessageTable {
-    pub fn new(size: usize) -> MessageTable {
+    pub fn new(global_ranks: Vec<usize>) -> MessageTable {
         MessageTable {
-            size,
+            size: global_ranks.len(),
+            global_ranks,
             pending: BTreeMap::new(),
             by_name: HashMap::new(),
             next_arrival: 0,
@@ -42,6 +45,10 @@ impl MessageTable {
             last_joined: -1,
             queued: Vec::new(),
         }
+    }
+
+    fn global(&self, rank: u32) -> u32 {
+        self.global_ranks.get(rank as usize).map_or(rank, |&g| g as u32)
     }
 
     /// Record a request from `request.rank`.
@@ -91,7 +98,7 @@ impl MessageTable {
             if let Some((_, tensor)) = self.by_name.remove(&name) {
                 let any_joined = tensor.requests.len() < self.size;
                 let requests: Vec<Request> = tensor.requests.into_values().collect();
-                out.push(construct_response(&requests, self.size, any_joined));
+                out.push(construct_response(&requests, &self.global_ranks, any_joined));
             }
         }
         if self.size > 0 && self.joined.len() == self.size {
@@ -119,9 +126,10 @@ impl MessageTable {
             let failing = fail_after.is_some_and(|limit| waited >= limit);
             for rank in 0..self.size as u32 {
                 if !tensor.requests.contains_key(&rank) && !self.joined.contains(&rank) {
-                    missing.entry(rank).or_default().push(name.clone());
+                    let global = self.global(rank);
+                    missing.entry(global).or_default().push(name.clone());
                     if failing {
-                        stalled_out.insert(rank);
+                        stalled_out.insert(global);
                     }
                 }
             }
@@ -139,7 +147,7 @@ impl MessageTable {
             if let Some((_, tensor)) = self.by_name.remove(&name) {
                 let waiting_for: Vec<String> = (0..self.size as u32)
                     .filter(|r| !tensor.requests.contains_key(r))
-                    .map(|r| r.to_string())
+                    .map(|r| self.global(r).to_string())
                     .collect();
                 if let Some(first) = tensor.requests.into_values().next() {
                     let message = format!(
@@ -206,7 +214,7 @@ mod tests {
 
     #[test]
     fn ready_only_when_every_rank_submitted_in_arrival_order() {
-        let mut c = MessageTable::new(2);
+        let mut c = MessageTable::new(vec![0, 1]);
         c.add(req(0, "b", CollectiveKind::Allreduce));
         c.add(req(0, "a", CollectiveKind::Allreduce));
         assert!(c.ready_responses().is_empty());
@@ -219,7 +227,7 @@ mod tests {
 
     #[test]
     fn joined_ranks_count_as_submitted_and_join_completes_with_last_rank() {
-        let mut c = MessageTable::new(3);
+        let mut c = MessageTable::new(vec![0, 1, 2]);
         c.add(req(1, JOIN_NAME, CollectiveKind::Join));
         c.add(req(0, "x", CollectiveKind::Allreduce));
         assert!(c.ready_responses().is_empty());
@@ -237,7 +245,7 @@ mod tests {
 
     #[test]
     fn stall_warning_and_failure() {
-        let mut c = MessageTable::new(3);
+        let mut c = MessageTable::new(vec![0, 1, 2]);
         c.add(req(0, "x", CollectiveKind::Allreduce));
         let later = Instant::now() + Duration::from_secs(100);
         let text = c.check_stalls(later, Duration::from_secs(60), None).unwrap();

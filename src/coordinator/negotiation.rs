@@ -66,12 +66,19 @@ fn recv_message<M: WireMessage>(t: &mut dyn Transport, peer: usize) -> Result<M,
 }
 
 impl Negotiator {
-    pub fn new(rank: usize, size: usize, cache_capacity: usize, fusion_threshold: usize, stall_check: Option<Duration>) -> Self {
+    /// `global_ranks[r]` is the global rank of communicator rank `r`; `rank` is this rank's position.
+    pub fn new(
+        rank: usize,
+        global_ranks: Vec<usize>,
+        cache_capacity: usize,
+        fusion_threshold: usize,
+        stall_check: Option<Duration>,
+    ) -> Self {
         Negotiator {
             cache: ResponseCache::new(cache_capacity),
             fusion_threshold,
             stall_check,
-            coordinator: (rank == 0).then(|| MessageTable::new(size)),
+            coordinator: (rank == 0).then(|| MessageTable::new(global_ranks)),
         }
     }
 

@@ -6,9 +6,10 @@ use std::fmt::Display;
 use crate::coordinator::message::{ErrorKind, Request, Response, ResponseEntry};
 use crate::types::{CollectiveKind, ReduceOp};
 
-/// "rank 0 sent X; ranks 1, 2 sent Y", grouping ranks that agree. Values are listed in rank order.
-fn describe<T: Display>(values: &[(u32, T)]) -> String {
-    let mut groups: Vec<(String, Vec<u32>)> = Vec::new();
+/// "rank 0 sent X; ranks 1, 2 sent Y", grouping ranks that agree. Values are listed in rank order; ranks
+/// are global rank numbers.
+fn describe<T: Display>(values: &[(usize, T)]) -> String {
+    let mut groups: Vec<(String, Vec<usize>)> = Vec::new();
     for (rank, value) in values {
         let text = value.to_string();
         match groups.iter_mut().find(|(v, _)| *v == text) {
@@ -37,6 +38,7 @@ fn shape_text(shape: &[i64]) -> String {
 /// Checks that `key` agrees on every rank; otherwise the mismatch message.
 fn agree<T: PartialEq + Display>(
     requests: &[Request],
+    global_ranks: &[usize],
     what: &str,
     name: &str,
     kind: CollectiveKind,
@@ -46,7 +48,8 @@ fn agree<T: PartialEq + Display>(
     if requests.iter().all(|r| key(r) == first) {
         return Ok(());
     }
-    let values: Vec<(u32, T)> = requests.iter().map(|r| (r.rank, key(r))).collect();
+    let global = |rank: u32| global_ranks.get(rank as usize).copied().unwrap_or(rank as usize);
+    let values: Vec<(usize, T)> = requests.iter().map(|r| (global(r.rank), key(r))).collect();
     Err(format!("Mismatched {what} for {kind} of tensor '{name}': {}.", describe(&values)))
 }
 
@@ -72,18 +75,20 @@ impl Display for ShapeText<'_> {
 }
 
 /// Build the response for one tensor from the requests of every rank that submitted it (sorted by rank,
-/// non-empty). `size` is the communicator size; `any_joined` tells whether some ranks joined instead of
-/// submitting (they contribute zeros to an allreduce; other collectives cannot run then).
-pub fn construct_response(requests: &[Request], size: usize, any_joined: bool) -> Response {
+/// non-empty). `global_ranks[r]` is the global rank of communicator rank `r` (its length is the
+/// communicator size); `any_joined` tells whether some ranks joined instead of submitting (they contribute
+/// zeros to an allreduce; other collectives cannot run then).
+pub fn construct_response(requests: &[Request], global_ranks: &[usize], any_joined: bool) -> Response {
+    let size = global_ranks.len();
     let first = &requests[0];
     let name = first.name.as_str();
     let kind = first.kind;
     let mismatch = |message: String| error_response(first, ErrorKind::Mismatch, message);
 
-    if let Err(m) = agree(requests, "operations", name, kind, |r| r.kind.name()) {
+    if let Err(m) = agree(requests, global_ranks, "operations", name, kind, |r| r.kind.name()) {
         return mismatch(m);
     }
-    if let Err(m) = agree(requests, "data types", name, kind, |r| r.dtype.name()) {
+    if let Err(m) = agree(requests, global_ranks, "data types", name, kind, |r| r.dtype.name()) {
         return mismatch(m);
     }
     if any_joined && kind != CollectiveKind::Allreduce && kind != CollectiveKind::Barrier {
@@ -95,20 +100,20 @@ pub fn construct_response(requests: &[Request], size: usize, any_joined: bool) -
     }
     let check = match kind {
         CollectiveKind::Allreduce | CollectiveKind::Reducescatter => {
-            let shapes = agree(requests, "tensor shapes", name, kind, |r| shape_text(&r.shape));
-            let ops = || agree(requests, "reduction operations", name, kind, |r| r.reduce_op.name());
+            let shapes = agree(requests, global_ranks, "tensor shapes", name, kind, |r| shape_text(&r.shape));
+            let ops = || agree(requests, global_ranks, "reduction operations", name, kind, |r| r.reduce_op.name());
             let scales = || {
-                agree(requests, "prescale and/or postscale factors", name, kind, |r| {
+                agree(requests, global_ranks, "prescale and/or postscale factors", name, kind, |r| {
                     format!("prescale={} postscale={}", r.prescale, r.postscale)
                 })
             };
             shapes.and_then(|_| ops()).and_then(|_| scales())
         }
-        CollectiveKind::Broadcast => agree(requests, "tensor shapes", name, kind, |r| shape_text(&r.shape))
-            .and_then(|_| agree(requests, "root ranks", name, kind, |r| r.root_rank)),
+        CollectiveKind::Broadcast => agree(requests, global_ranks, "tensor shapes", name, kind, |r| shape_text(&r.shape))
+            .and_then(|_| agree(requests, global_ranks, "root ranks", name, kind, |r| r.root_rank)),
         CollectiveKind::Allgather | CollectiveKind::Alltoall => {
-            agree(requests, "tensor ranks (number of dimensions)", name, kind, |r| r.shape.len()).and_then(|_| {
-                agree(requests, "tensor shapes beyond the first dimension", name, kind, |r| {
+            agree(requests, global_ranks, "tensor ranks (number of dimensions)", name, kind, |r| r.shape.len()).and_then(|_| {
+                agree(requests, global_ranks, "tensor shapes beyond the first dimension", name, kind, |r| {
                     ShapeText(r.shape.get(1..).unwrap_or(&[])).to_string()
                 })
             })
@@ -169,6 +174,10 @@ mod tests {
     use super::*;
     use crate::types::DataType;
 
+    fn ranks(n: usize) -> Vec<usize> {
+        (0..n).collect()
+    }
+
     fn req(rank: u32, kind: CollectiveKind, shape: &[i64]) -> Request {
         Request {
             rank,
@@ -186,7 +195,7 @@ mod tests {
 
     #[test]
     fn agreeing_allreduce_gives_a_response() {
-        let r = construct_response(&[req(0, CollectiveKind::Allreduce, &[2, 3]), req(1, CollectiveKind::Allreduce, &[2, 3])], 2, false);
+        let r = construct_response(&[req(0, CollectiveKind::Allreduce, &[2, 3]), req(1, CollectiveKind::Allreduce, &[2, 3])], &ranks(2), false);
         assert!(r.error.is_none());
         assert_eq!(r.entries[0].shape, vec![2, 3]);
     }
@@ -211,27 +220,27 @@ mod tests {
     fn dtype_op_root_and_scale_mismatches() {
         let mut b = req(1, CollectiveKind::Allreduce, &[2]);
         b.dtype = DataType::Float64;
-        let msg = construct_response(&[req(0, CollectiveKind::Allreduce, &[2]), b], 2, false).error.unwrap().1;
+        let msg = construct_response(&[req(0, CollectiveKind::Allreduce, &[2]), b], &ranks(2), false).error.unwrap().1;
         assert!(msg.contains("data types") && msg.contains("rank 1 sent float64"), "{msg}");
 
         let mut b = req(1, CollectiveKind::Allreduce, &[2]);
         b.reduce_op = ReduceOp::Max;
-        let msg = construct_response(&[req(0, CollectiveKind::Allreduce, &[2]), b], 2, false).error.unwrap().1;
+        let msg = construct_response(&[req(0, CollectiveKind::Allreduce, &[2]), b], &ranks(2), false).error.unwrap().1;
         assert!(msg.contains("reduction operations") && msg.contains("Max"), "{msg}");
 
         let mut a = req(0, CollectiveKind::Broadcast, &[2]);
         a.root_rank = 0;
         let mut b = req(1, CollectiveKind::Broadcast, &[2]);
         b.root_rank = 1;
-        let msg = construct_response(&[a, b], 2, false).error.unwrap().1;
+        let msg = construct_response(&[a, b], &ranks(2), false).error.unwrap().1;
         assert!(msg.contains("root ranks") && msg.contains("rank 1 sent 1"), "{msg}");
 
         let mut b = req(1, CollectiveKind::Allreduce, &[2]);
         b.prescale = 2.0;
-        let msg = construct_response(&[req(0, CollectiveKind::Allreduce, &[2]), b], 2, false).error.unwrap().1;
+        let msg = construct_response(&[req(0, CollectiveKind::Allreduce, &[2]), b], &ranks(2), false).error.unwrap().1;
         assert!(msg.contains("prescale"), "{msg}");
 
-        let msg = construct_response(&[req(0, CollectiveKind::Allreduce, &[2]), req(1, CollectiveKind::Broadcast, &[2])], 2, false)
+        let msg = construct_response(&[req(0, CollectiveKind::Allreduce, &[2]), req(1, CollectiveKind::Broadcast, &[2])], &ranks(2), false)
             .error
             .unwrap()
             .1;
@@ -240,12 +249,12 @@ mod tests {
 
     #[test]
     fn allgather_collects_first_dimensions() {
-        let r = construct_response(&[req(0, CollectiveKind::Allgather, &[2, 3]), req(1, CollectiveKind::Allgather, &[5, 3])], 2, false);
+        let r = construct_response(&[req(0, CollectiveKind::Allgather, &[2, 3]), req(1, CollectiveKind::Allgather, &[5, 3])], &ranks(2), false);
         assert!(r.error.is_none());
         assert_eq!(r.entries[0].per_rank, vec![2, 5]);
-        let r = construct_response(&[req(0, CollectiveKind::Allgather, &[2, 3]), req(1, CollectiveKind::Allgather, &[5, 4])], 2, false);
+        let r = construct_response(&[req(0, CollectiveKind::Allgather, &[2, 3]), req(1, CollectiveKind::Allgather, &[5, 4])], &ranks(2), false);
         assert!(r.error.unwrap().1.contains("beyond the first dimension"));
-        let r = construct_response(&[req(0, CollectiveKind::Allgather, &[]), req(1, CollectiveKind::Allgather, &[])], 2, false);
+        let r = construct_response(&[req(0, CollectiveKind::Allgather, &[]), req(1, CollectiveKind::Allgather, &[])], &ranks(2), false);
         assert_eq!(r.error.unwrap().0, ErrorKind::Invalid);
     }
 
@@ -254,15 +263,26 @@ mod tests {
         let mut a = req(0, CollectiveKind::Alltoall, &[3]);
         a.splits = vec![1, 2];
         let b = req(1, CollectiveKind::Alltoall, &[4]);
-        let r = construct_response(&[a, b], 2, false);
+        let r = construct_response(&[a, b], &ranks(2), false);
         assert_eq!(r.entries[0].per_rank, vec![1, 2, 2, 2]);
     }
 
     #[test]
+    fn messages_name_global_ranks() {
+        let r = construct_response(
+            &[req(0, CollectiveKind::Allreduce, &[2]), req(1, CollectiveKind::Allreduce, &[3])],
+            &[1, 3],
+            false,
+        );
+        let msg = r.error.unwrap().1;
+        assert!(msg.contains("rank 1 sent [2]; rank 3 sent [3]"), "{msg}");
+    }
+
+    #[test]
     fn join_allows_only_allreduce() {
-        let r = construct_response(&[req(0, CollectiveKind::Broadcast, &[2])], 2, true);
+        let r = construct_response(&[req(0, CollectiveKind::Broadcast, &[2])], &ranks(2), true);
         assert_eq!(r.error.unwrap().0, ErrorKind::Invalid);
-        let r = construct_response(&[req(0, CollectiveKind::Allreduce, &[2])], 2, true);
+        let r = construct_response(&[req(0, CollectiveKind::Allreduce, &[2])], &ranks(2), true);
         assert!(r.error.is_none());
     }
 
@@ -270,7 +290,7 @@ mod tests {
     fn reducescatter_rejects_min() {
         let mut a = req(0, CollectiveKind::Reducescatter, &[4]);
         a.reduce_op = ReduceOp::Min;
-        let r = construct_response(&[a], 1, false);
+        let r = construct_response(&[a], &ranks(1), false);
         assert!(r.error.unwrap().1.contains("only Average and Sum"));
     }
 }

@@ -11,7 +11,7 @@ use crate::coordinator::negotiation::Negotiator;
 use crate::coordinator::stall::StallClock;
 use crate::engine::execute::{Executor, TensorResult};
 use crate::engine::table::{TensorEntry, TensorTable};
-use crate::engine::Shared;
+use crate::engine::communicator::Shared;
 use crate::error::EngineError;
 use crate::transport::{Activity, Transport};
 
@@ -36,7 +36,7 @@ struct Loop {
 pub(crate) fn run(shared: Arc<Shared>, transport: Box<dyn Transport>, config: Config) {
     let negotiator = Negotiator::new(
         transport.rank(),
-        transport.size(),
+        shared.global_ranks.clone(),
         config.cache_capacity,
         config.fusion_threshold,
         config.stall_check,
@@ -183,7 +183,7 @@ impl Loop {
         let fail_after = self.config.stall_shutdown;
         if let Some(table) = self.negotiator.coordinator_mut() {
             if let Some(warning) = table.check_stalls(now, limit, fail_after) {
-                tracing::warn!("{warning}");
+                tracing::warn!("In {}: {warning}", self.shared.describe());
             }
         }
     }
@@ -211,9 +211,10 @@ impl Loop {
 
     fn complete(&self, entry: TensorEntry, result: Result<TensorResult, EngineError>) {
         let name = entry.request.name;
+        let set = self.shared.set_id;
         match result {
             Ok(TensorResult { output, received_splits, last_joined_rank }) => {
-                self.shared.handles.complete_part(entry.handle, Some(&name), entry.index, Ok(output), |out| {
+                self.shared.handles.complete_part(entry.handle, set, Some(&name), entry.index, Ok(output), |out| {
                     if received_splits.is_some() {
                         out.received_splits = received_splits;
                     }
@@ -222,7 +223,7 @@ impl Loop {
                     }
                 });
             }
-            Err(e) => self.shared.handles.complete_part(entry.handle, Some(&name), entry.index, Err(e), |_| {}),
+            Err(e) => self.shared.handles.complete_part(entry.handle, set, Some(&name), entry.index, Err(e), |_| {}),
         }
     }
 

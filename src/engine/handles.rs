@@ -24,7 +24,8 @@ struct HandleState {
 struct Table {
     next_id: HandleId,
     handles: HashMap<HandleId, HandleState>,
-    names_in_flight: HashSet<String>,
+    /// (process set id, tensor name) of every tensor in flight.
+    names_in_flight: HashSet<(u32, String)>,
 }
 
 #[derive(Default)]
@@ -48,18 +49,25 @@ impl HandleTable {
         self.table.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// Reserve `names` and create a handle expecting `parts` completions (`tensors` output slots).
-    /// Fails without side effects if a name is already in flight.
-    pub fn register(&self, op: &str, names: &[String], parts: usize, tensors: usize) -> Result<HandleId, EngineError> {
+    /// Reserve `names` in process set `set` and create a handle expecting `parts` completions (`tensors`
+    /// output slots). Fails without side effects if a name is already in flight in that set.
+    pub fn register(
+        &self,
+        op: &str,
+        set: u32,
+        names: &[String],
+        parts: usize,
+        tensors: usize,
+    ) -> Result<HandleId, EngineError> {
         let mut t = self.lock();
         let mut seen = HashSet::new();
         for name in names {
-            if t.names_in_flight.contains(name) || !seen.insert(name) {
+            if t.names_in_flight.contains(&(set, name.clone())) || !seen.insert(name) {
                 return Err(EngineError::DuplicateName { op: op.to_string(), name: name.clone() });
             }
         }
         for name in names {
-            t.names_in_flight.insert(name.clone());
+            t.names_in_flight.insert((set, name.clone()));
         }
         t.next_id += 1;
         let id = t.next_id;
@@ -69,18 +77,19 @@ impl HandleTable {
     }
 
     /// Undo a registration whose submission could not be queued.
-    pub fn unregister(&self, id: HandleId, names: &[String]) {
+    pub fn unregister(&self, id: HandleId, set: u32, names: &[String]) {
         let mut t = self.lock();
         t.handles.remove(&id);
         for name in names {
-            t.names_in_flight.remove(name);
+            t.names_in_flight.remove(&(set, name.clone()));
         }
     }
 
-    /// Record one completed part of `id` (the tensor `name`, output slot `index`).
+    /// Record one completed part of `id` (the tensor `name` of process set `set`, output slot `index`).
     pub fn complete_part(
         &self,
         id: HandleId,
+        set: u32,
         name: Option<&str>,
         index: usize,
         result: Result<Option<OutputTensor>, EngineError>,
@@ -88,7 +97,7 @@ impl HandleTable {
     ) {
         let mut t = self.lock();
         if let Some(name) = name {
-            t.names_in_flight.remove(name);
+            t.names_in_flight.remove(&(set, name.to_string()));
         }
         if let Some(state) = t.handles.get_mut(&id) {
             match result {
@@ -161,30 +170,32 @@ mod tests {
     #[test]
     fn duplicate_names_are_refused_until_completion() {
         let t = HandleTable::default();
-        let a = t.register("allreduce", &["x".into()], 1, 1).unwrap();
-        let err = t.register("allreduce", &["x".into()], 1, 1).unwrap_err();
+        let a = t.register("allreduce", 0, &["x".into()], 1, 1).unwrap();
+        let err = t.register("allreduce", 0, &["x".into()], 1, 1).unwrap_err();
         assert!(matches!(err, EngineError::DuplicateName { .. }));
+        let other_set = t.register("allreduce", 1, &["x".into()], 1, 1).unwrap();
         assert_eq!(t.is_done(a), Some(false));
-        t.complete_part(a, Some("x"), 0, Ok(None), |_| {});
+        t.complete_part(a, 0, Some("x"), 0, Ok(None), |_| {});
         assert_eq!(t.is_done(a), Some(true));
         assert!(matches!(t.wait(a, Duration::ZERO), WaitOutcome::Done(Ok(_))));
         assert!(matches!(t.wait(a, Duration::ZERO), WaitOutcome::Unknown));
-        t.register("allreduce", &["x".into()], 1, 1).unwrap();
+        t.register("allreduce", 0, &["x".into()], 1, 1).unwrap();
+        assert_eq!(t.is_done(other_set), Some(false));
     }
 
     #[test]
     fn duplicate_within_one_group_is_refused() {
         let t = HandleTable::default();
-        assert!(t.register("allreduce", &["a".into(), "a".into()], 2, 2).is_err());
-        t.register("allreduce", &["a".into()], 1, 1).unwrap();
+        assert!(t.register("allreduce", 0, &["a".into(), "a".into()], 2, 2).is_err());
+        t.register("allreduce", 0, &["a".into()], 1, 1).unwrap();
     }
 
     #[test]
     fn wait_times_out_then_completes() {
         let t = HandleTable::default();
-        let a = t.register("barrier", &[], 1, 0).unwrap();
+        let a = t.register("barrier", 0, &[], 1, 0).unwrap();
         assert!(matches!(t.wait(a, Duration::from_millis(5)), WaitOutcome::Pending));
-        t.complete_part(a, None, 0, Err(EngineError::Internal("boom".into())), |_| {});
+        t.complete_part(a, 0, None, 0, Err(EngineError::Internal("boom".into())), |_| {});
         match t.wait(a, Duration::ZERO) {
             WaitOutcome::Done(Err(EngineError::Internal(m))) => assert_eq!(m, "boom"),
             _ => panic!("expected the error"),

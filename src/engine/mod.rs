@@ -1,141 +1,198 @@
-//! The per-process engine: accepts submissions from any thread, runs negotiation and collectives on one
-//! background thread, and completes handles.
+//! The per-process engine: one [`Communicator`](communicator::Communicator) (transport, negotiation and
+//! background thread) per process set this rank belongs to, a handle table shared by all of them, and the
+//! registry of process sets.
 //!
 //! - [`submission`]: what callers hand in and get back.
 //! - [`handles`]: the handle table callers wait on.
-//! - [`table`]: the background thread's tensors in negotiation.
-//! - [`background`]: the loop (wait for work or a peer, negotiate, execute).
-//! - [`execute`]: running one agreed response.
+//! - [`communicator`]: one process set's background thread and inbox.
+//! - [`process_sets`]: which sets exist and how ids are assigned.
+//! - [`connect`]: rendezvous and transport set-up.
+//! - [`table`], [`background`], [`execute`]: the background loop and what it runs.
 //! - [`validate_submission`](mod@validate_submission): argument checks done before anything is sent.
 //!
 //! Invariant: a submission either fails at once (nothing queued) or its handle is completed exactly once,
 //! with a result or an error, including when the engine stops or fails.
 
 pub mod background;
+pub mod communicator;
+pub mod connect;
 pub mod execute;
 pub mod handles;
+pub mod process_sets;
 pub mod submission;
 pub mod table;
 pub mod validate_submission;
 
-use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::config::{Config, Topology};
 use crate::coordinator::message::Request;
 use crate::coordinator::message_table::{BARRIER_NAME, JOIN_NAME};
 use crate::error::EngineError;
-use crate::transport::memory::MemoryTransport;
+use crate::tensor::RawTensor;
 use crate::transport::rendezvous::StoreClient;
-use crate::transport::tcp::TcpTransport;
-use crate::transport::{Transport, Waker};
-use crate::types::CollectiveKind;
+use crate::types::{CollectiveKind, DataType};
 
+use communicator::Communicator;
 use handles::{HandleId, HandleTable, WaitOutcome};
+use process_sets::{ProcessSetEntry, ProcessSetRegistry};
 use submission::OpSubmission;
 use table::TensorEntry;
 
-/// Submissions waiting for the background thread, and whether it still takes them.
-#[derive(Default)]
-struct Inbox {
-    entries: Vec<TensorEntry>,
-    /// Set when the background thread stopped; later submissions fail with this error.
-    closed: Option<EngineError>,
-}
-
-/// State shared between callers and the background thread.
-pub(crate) struct Shared {
-    handles: HandleTable,
-    inbox: Mutex<Inbox>,
-    waker: Waker,
-    shutdown_requested: AtomicBool,
-}
-
-impl Shared {
-    fn inbox(&self) -> MutexGuard<'_, Inbox> {
-        self.inbox.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-}
+/// Id of the set of all ranks.
+pub const GLOBAL_PROCESS_SET: u32 = 0;
 
 pub struct Engine {
     config: Config,
-    shared: Arc<Shared>,
-    thread: Mutex<Option<JoinHandle<()>>>,
+    handles: Arc<HandleTable>,
+    registry: Mutex<ProcessSetRegistry>,
+    /// Kept open for registering process sets at run time (None in a job of size 1).
+    store: Mutex<Option<StoreClient>>,
+    generation: u64,
     homogeneous: bool,
 }
 
-fn resolve(host: &str, port: u16) -> Result<SocketAddr, EngineError> {
-    (host, port)
-        .to_socket_addrs()
-        .map_err(|e| EngineError::Init(format!("cannot resolve rendezvous address {host}:{port}: {e}")))?
-        .next()
-        .ok_or_else(|| EngineError::Init(format!("rendezvous address {host}:{port} resolves to nothing")))
-}
-
-/// Connect to the other ranks; also learns whether every host runs the same number of ranks.
-fn connect(config: &Config, generation: u64) -> Result<(Box<dyn Transport>, bool), EngineError> {
-    let topo = &config.topology;
-    let Some(rdv) = &config.rendezvous else {
-        let mut mesh = MemoryTransport::mesh(1);
-        let transport = mesh.pop().ok_or_else(|| EngineError::Internal("no transport".into()))?;
-        return Ok((Box::new(transport), true));
-    };
-    let addr = resolve(&rdv.addr, rdv.port)?;
-    let bind: IpAddr = rdv
-        .bind_addr
-        .parse()
-        .map_err(|_| EngineError::Init(format!("RVOD_IFACE_ADDR={} is not an IP address", rdv.bind_addr)))?;
-    let mut store = StoreClient::connect(addr, &rdv.secret, config.start_timeout)
-        .map_err(|e| EngineError::transport("connecting to the rendezvous store", &e))?;
-    let scope = format!("init{generation}/global");
-    let homogeneous = all_hosts_equal(&mut store, &scope, topo, config.start_timeout)?;
-    let transport = TcpTransport::connect_mesh(
-        topo.rank,
-        topo.size,
-        &mut store,
-        &scope,
-        &rdv.secret,
-        bind,
-        &rdv.bind_addr,
-        config.timeout,
-    )
-    .map_err(|e| EngineError::transport("connecting to the other ranks", &e))?;
-    Ok((Box::new(transport), homogeneous))
-}
-
-/// Every rank publishes its host's rank count; the job is homogeneous when all are equal.
-fn all_hosts_equal(store: &mut StoreClient, scope: &str, topo: &Topology, timeout: Duration) -> Result<bool, EngineError> {
-    let fail = |e: crate::transport::TransportError| EngineError::transport("exchanging host sizes", &e);
-    store.set(&format!("{scope}/local_size/{}", topo.rank), topo.local_size.to_string().as_bytes()).map_err(fail)?;
-    let mut equal = true;
-    for rank in 0..topo.size {
-        let value = store.get(&format!("{scope}/local_size/{rank}"), timeout).map_err(fail)?;
-        equal &= value == topo.local_size.to_string().as_bytes();
-    }
-    Ok(equal)
+fn sorted_unique(ranks: &[usize]) -> Vec<usize> {
+    let mut ranks = ranks.to_vec();
+    ranks.sort_unstable();
+    ranks.dedup();
+    ranks
 }
 
 impl Engine {
-    /// Connect to every other rank and start the background thread. `generation` counts the inits of this
-    /// process, so a re-init after shutdown meets its peers in a fresh rendezvous scope.
-    pub fn start(config: Config, generation: u64) -> Result<Engine, EngineError> {
-        let (transport, homogeneous) = connect(&config, generation)?;
-        let shared = Arc::new(Shared {
-            handles: HandleTable::default(),
-            inbox: Mutex::new(Inbox::default()),
-            waker: Waker::new().map_err(|e| EngineError::Init(format!("cannot create the wake-up event: {e}")))?,
-            shutdown_requested: AtomicBool::new(false),
-        });
-        let thread_shared = Arc::clone(&shared);
-        let thread_config = config.clone();
-        let thread = std::thread::Builder::new()
-            .name("rvod-engine".into())
-            .spawn(move || background::run(thread_shared, transport, thread_config))
-            .map_err(|e| EngineError::Init(format!("cannot start the engine thread: {e}")))?;
-        Ok(Engine { config, shared, thread: Mutex::new(Some(thread)), homogeneous })
+    /// Connect to every other rank, then register `static_sets` (the same list on every rank). `generation`
+    /// counts the inits of this process, so a re-init after shutdown meets its peers in a fresh scope.
+    pub fn start(config: Config, generation: u64, static_sets: &[Vec<usize>]) -> Result<Engine, EngineError> {
+        let topo = config.topology.clone();
+        let mut store = match &config.rendezvous {
+            Some(rdv) => Some(connect::connect_store(rdv, config.start_timeout)?),
+            None => None,
+        };
+        let homogeneous = match store.as_mut() {
+            Some(s) => connect::all_hosts_equal(s, &format!("init{generation}"), &topo, config.start_timeout)?,
+            None => true,
+        };
+        let engine = Engine {
+            handles: Arc::new(HandleTable::default()),
+            registry: Mutex::new(ProcessSetRegistry::default()),
+            store: Mutex::new(store),
+            generation,
+            homogeneous,
+            config,
+        };
+        engine.register((0..topo.size).collect())?;
+        for ranks in static_sets {
+            engine.add_process_set(ranks)?;
+        }
+        Ok(engine)
+    }
+
+    fn registry(&self) -> MutexGuard<'_, ProcessSetRegistry> {
+        self.registry.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Register a set with `ranks` (sorted, unique); members connect to each other.
+    fn register(&self, ranks: Vec<usize>) -> Result<u32, EngineError> {
+        let (id, sequence) = self.registry().next();
+        let me = self.config.topology.rank;
+        if id != GLOBAL_PROCESS_SET {
+            if let Err(err) = self.agree_on_registration(sequence, &ranks) {
+                self.registry().release(id);
+                return Err(err);
+            }
+        }
+        let communicator = if ranks.contains(&me) {
+            match self.start_communicator(id, sequence, &ranks) {
+                Ok(communicator) => Some(Arc::new(communicator)),
+                Err(err) => {
+                    self.registry().release(id);
+                    return Err(err);
+                }
+            }
+        } else {
+            None
+        };
+        self.registry().insert(id, ProcessSetEntry { ranks, communicator });
+        Ok(id)
+    }
+
+    /// Connect to the other members of set `id` and start its background thread.
+    fn start_communicator(&self, id: u32, sequence: u64, ranks: &[usize]) -> Result<Communicator, EngineError> {
+        let scope = format!("init{}/set{sequence}", self.generation);
+        let mut store = self.store.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let transport = connect::connect_members(&self.config, store.as_mut(), &scope, ranks)?;
+        drop(store);
+        Communicator::start(id, ranks.to_vec(), transport, &self.config, Arc::clone(&self.handles))
+    }
+
+    /// Every rank publishes the ranks it is registering as its `sequence`-th set and checks that all ranks
+    /// registered the same set; otherwise every rank fails with the same message.
+    fn agree_on_registration(&self, sequence: u64, ranks: &[usize]) -> Result<(), EngineError> {
+        let mut store = self.store.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let Some(store) = store.as_mut() else { return Ok(()) };
+        let topo = &self.config.topology;
+        let fail = |e: crate::transport::TransportError| EngineError::transport("agreeing on a process set", &e);
+        let key = |rank: usize| format!("init{}/register{sequence}/{rank}", self.generation);
+        store.set(&key(topo.rank), format!("{ranks:?}").as_bytes()).map_err(fail)?;
+        let mut proposals: Vec<(usize, String)> = Vec::with_capacity(topo.size);
+        for rank in 0..topo.size {
+            let value = store.get(&key(rank), self.config.start_timeout.max(self.config.timeout)).map_err(fail)?;
+            proposals.push((rank, String::from_utf8_lossy(&value).into_owned()));
+        }
+        if proposals.iter().all(|(_, p)| *p == proposals[0].1) {
+            return Ok(());
+        }
+        let listing: Vec<String> = proposals.iter().map(|(r, p)| format!("rank {r} registered {p}")).collect();
+        Err(EngineError::InvalidArgument(format!(
+            "Ranks registered different process sets at the same point: {}. Every rank must add the same \
+             process sets in the same order.",
+            listing.join("; ")
+        )))
+    }
+
+    /// Register a process set. Every rank must call this with the same sets in the same order; it returns
+    /// the set's id (the same on every rank). Members block until all members have connected.
+    pub fn add_process_set(&self, ranks: &[usize]) -> Result<u32, EngineError> {
+        let size = self.config.topology.size;
+        if ranks.is_empty() {
+            return Err(EngineError::InvalidArgument("a process set needs at least one rank".into()));
+        }
+        if let Some(bad) = ranks.iter().find(|&&r| r >= size) {
+            return Err(EngineError::InvalidArgument(format!(
+                "process set ranks must be in 0..{size}; got rank {bad}"
+            )));
+        }
+        let ranks = sorted_unique(ranks);
+        if let Some(id) = self.registry().find(&ranks) {
+            return Err(EngineError::InvalidArgument(format!(
+                "Attempted to add a duplicate process set: ranks {ranks:?} are already process set {id}"
+            )));
+        }
+        self.register(ranks)
+    }
+
+    /// Remove a process set (every rank calls this, in the same order). Its pending ops fail. Returns
+    /// false for the global set or an unknown id.
+    pub fn remove_process_set(&self, id: u32) -> bool {
+        if id == GLOBAL_PROCESS_SET {
+            return false;
+        }
+        let entry = self.registry().remove(id);
+        match entry {
+            Some(entry) => {
+                if let Some(communicator) = entry.communicator {
+                    communicator.stop();
+                }
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Every registered set: (id, global ranks).
+    pub fn process_sets(&self) -> Vec<(u32, Vec<usize>)> {
+        self.registry().list()
     }
 
     pub fn topology(&self) -> &Topology {
@@ -146,102 +203,125 @@ impl Engine {
         &self.config
     }
 
-    /// Queue a collective. Fails at once (and queues nothing) on bad arguments, a name already in flight,
-    /// or a stopped engine.
-    pub fn submit(&self, op: OpSubmission) -> Result<HandleId, EngineError> {
-        let size = self.config.topology.size;
-        let rank = self.config.topology.rank as u32;
-        validate_submission::check(&op, size)?;
+    /// Whether every host runs the same number of ranks.
+    pub fn is_homogeneous(&self) -> bool {
+        self.homogeneous
+    }
+
+    /// The communicator of set `set_id`, or why an op on it is refused.
+    fn communicator_for(&self, set_id: u32, kind: CollectiveKind) -> Result<Arc<Communicator>, EngineError> {
+        let registry = self.registry();
+        let entry = registry.get(set_id).ok_or_else(|| {
+            EngineError::InvalidArgument(format!(
+                "{kind}: Process set provided does not exist, or has not been registered (id {set_id})."
+            ))
+        })?;
+        entry.communicator.clone().ok_or_else(|| {
+            EngineError::InvalidArgument(format!(
+                "{kind}: Rank {} is not a member of the provided process set (id {set_id}, ranks {:?}).",
+                self.config.topology.rank, entry.ranks
+            ))
+        })
+    }
+
+    /// Queue a collective on process set `set_id`. Fails at once (and queues nothing) on bad arguments, a
+    /// name already in flight, or a stopped engine.
+    pub fn submit(&self, mut op: OpSubmission, set_id: u32) -> Result<HandleId, EngineError> {
+        if op.kind == CollectiveKind::Join && set_id != GLOBAL_PROCESS_SET {
+            return Err(EngineError::InvalidArgument("join() works on the global process set only".into()));
+        }
+        let communicator = self.communicator_for(set_id, op.kind)?;
+        let me = self.config.topology.rank;
+        let local_rank = communicator.local_rank_of(me).ok_or_else(|| EngineError::Internal("lost my rank".into()))?;
+        if op.kind == CollectiveKind::Broadcast {
+            // Callers give the root as a global rank; the set's communicator numbers its members from 0.
+            let root = usize::try_from(op.root_rank).ok().and_then(|root| communicator.local_rank_of(root));
+            op.root_rank = match root {
+                Some(local) => local as i32,
+                None => {
+                    return Err(EngineError::InvalidArgument(format!(
+                        "broadcast root_rank {} is not a rank of this process set (size {})",
+                        op.root_rank,
+                        communicator.size()
+                    )))
+                }
+            };
+        }
+        validate_submission::check(&op, communicator.size())?;
         let names: Vec<String> = match op.kind {
             CollectiveKind::Barrier => vec![BARRIER_NAME.to_string()],
             CollectiveKind::Join => vec![JOIN_NAME.to_string()],
             _ => op.tensors.iter().map(|t| t.name.clone()).collect(),
         };
-        let id = self.shared.handles.register(op.kind.name(), &names, names.len(), op.tensors.len())?;
-        let now = Instant::now();
-        let request = |name: String, dtype, shape| Request {
-            rank,
-            kind: op.kind,
-            name,
-            dtype,
-            shape,
-            reduce_op: op.reduce_op,
-            root_rank: op.root_rank,
-            prescale: op.prescale,
-            postscale: op.postscale,
-            splits: op.splits.clone(),
-        };
-        let entries: Vec<TensorEntry> = if op.tensors.is_empty() {
-            let name = names[0].clone();
-            // SAFETY: a zero-length view of no memory.
-            let input = unsafe { crate::tensor::RawTensor::new(std::ptr::null_mut(), 0) };
-            vec![TensorEntry {
-                handle: id,
-                index: 0,
-                request: request(name, crate::types::DataType::Uint8, Vec::new()),
-                input,
-                in_place: false,
-                submitted: now,
-            }]
-        } else {
-            op.tensors
-                .into_iter()
-                .enumerate()
-                .map(|(index, t)| TensorEntry {
-                    handle: id,
-                    index,
-                    request: request(t.name, t.dtype, t.shape),
-                    input: t.input,
-                    in_place: t.in_place,
-                    submitted: now,
-                })
-                .collect()
-        };
-        {
-            let mut inbox = self.shared.inbox();
-            if let Some(err) = &inbox.closed {
-                let err = err.clone();
-                drop(inbox);
-                self.shared.handles.unregister(id, &names);
-                return Err(err);
-            }
-            inbox.entries.extend(entries);
+        let id = self.handles.register(op.kind.name(), set_id, &names, names.len(), op.tensors.len())?;
+        let entries = entries_for(op, id, local_rank as u32, &names);
+        if let Err(err) = communicator.enqueue(entries) {
+            self.handles.unregister(id, set_id, &names);
+            return Err(err);
         }
-        self.shared.waker.wake();
         Ok(id)
     }
 
     /// `Some(true)` once the handle completed, `None` for an unknown handle.
     pub fn poll(&self, id: HandleId) -> Option<bool> {
-        self.shared.handles.is_done(id)
+        self.handles.is_done(id)
     }
 
     /// Wait up to `slice` for a handle (callers loop, checking for interrupts in between).
     pub fn wait(&self, id: HandleId, slice: Duration) -> WaitOutcome {
-        self.shared.handles.wait(id, slice)
+        self.handles.wait(id, slice)
     }
 
     /// Forget a completed handle whose result nobody will collect.
     pub fn release(&self, id: HandleId) {
-        self.shared.handles.release(id)
+        self.handles.release(id)
     }
 
-    /// Stop this rank's engine: tell the other ranks (they stop too), fail what is still pending, and join
-    /// the background thread.
+    /// Stop this rank's engine: every communicator tells its other ranks (they stop too), fails what is
+    /// still pending, and joins its thread. The global set stops last.
     pub fn shutdown(&self) {
-        self.shared.shutdown_requested.store(true, Ordering::SeqCst);
-        self.shared.waker.wake();
-        let thread = self.thread.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).take();
-        if let Some(thread) = thread {
-            // The loop never panics by design; if it did, its handles were already failed by the unwinding.
-            let _ = thread.join();
+        let mut communicators = self.registry().take_all();
+        communicators.reverse();
+        for communicator in communicators {
+            communicator.stop();
         }
     }
+}
 
-    /// Whether every host runs the same number of ranks.
-    pub fn is_homogeneous(&self) -> bool {
-        self.homogeneous
+/// The table entries of one submission, each with its request as this rank sends it.
+fn entries_for(op: OpSubmission, handle: HandleId, rank: u32, names: &[String]) -> Vec<TensorEntry> {
+    let now = Instant::now();
+    let request = |name: String, dtype, shape| Request {
+        rank,
+        kind: op.kind,
+        name,
+        dtype,
+        shape,
+        reduce_op: op.reduce_op,
+        root_rank: op.root_rank,
+        prescale: op.prescale,
+        postscale: op.postscale,
+        splits: op.splits.clone(),
+    };
+    if op.tensors.is_empty() {
+        // SAFETY: a zero-length view of no memory.
+        let input = unsafe { RawTensor::new(std::ptr::null_mut(), 0) };
+        return vec![TensorEntry {
+            handle,
+            index: 0,
+            request: request(names[0].clone(), DataType::Uint8, Vec::new()),
+            input,
+            in_place: false,
+            submitted: now,
+        }];
     }
+    let requests: Vec<Request> = op.tensors.iter().map(|t| request(t.name.clone(), t.dtype, t.shape.clone())).collect();
+    op.tensors
+        .into_iter()
+        .zip(requests)
+        .enumerate()
+        .map(|(index, (t, request))| TensorEntry { handle, index, request, input: t.input, in_place: t.in_place, submitted: now })
+        .collect()
 }
 
 impl Drop for Engine {

@@ -55,10 +55,11 @@ fn init_logging(level: &str) {
         .try_init();
 }
 
-/// Start the engine (idempotent while running). Waiting for the other ranks releases the GIL and can be
-/// interrupted with Ctrl-C.
+/// Start the engine (idempotent while running) and register `process_sets` (lists of global ranks, the
+/// same on every rank). Waiting for the other ranks releases the GIL and can be interrupted with Ctrl-C.
 #[pyfunction]
-pub fn init(py: Python<'_>) -> PyResult<()> {
+#[pyo3(signature = (process_sets=Vec::new()))]
+pub fn init(py: Python<'_>, process_sets: Vec<Vec<usize>>) -> PyResult<()> {
     if state().engine.is_some() {
         return Ok(());
     }
@@ -73,7 +74,7 @@ pub fn init(py: Python<'_>) -> PyResult<()> {
     std::thread::Builder::new()
         .name("rvod-init".into())
         .spawn(move || {
-            let _ = done.send(Engine::start(config, generation));
+            let _ = done.send(Engine::start(config, generation, &process_sets));
         })
         .map_err(|e| to_py_err(EngineError::Init(format!("cannot start the init thread: {e}"))))?;
     loop {
@@ -124,7 +125,7 @@ pub fn topology(py: Python<'_>) -> PyResult<Bound<'_, PyTuple>> {
 /// Queue a collective; returns its handle. `capsules` are DLPack capsules the caller keeps alive until
 /// the handle completes.
 #[pyfunction]
-#[pyo3(signature = (kind, names, capsules, in_place, reduce_op, prescale, postscale, root_rank, splits))]
+#[pyo3(signature = (kind, names, capsules, in_place, reduce_op, prescale, postscale, root_rank, splits, process_set_id))]
 #[allow(clippy::too_many_arguments)]
 pub fn submit(
     py: Python<'_>,
@@ -137,6 +138,7 @@ pub fn submit(
     postscale: f64,
     root_rank: i32,
     splits: Vec<i64>,
+    process_set_id: u32,
 ) -> PyResult<u64> {
     let kind = CollectiveKind::from_code(kind).ok_or_else(|| PyValueError::new_err(format!("unknown collective {kind}")))?;
     let reduce_op =
@@ -151,7 +153,27 @@ pub fn submit(
         tensors.push(TensorSubmission { name, dtype: imported.dtype, shape: imported.shape, input: imported.tensor, in_place });
     }
     let op = OpSubmission { kind, tensors, reduce_op, prescale, postscale, root_rank, splits };
-    py.allow_threads(|| engine.submit(op)).map_err(to_py_err)
+    py.allow_threads(|| engine.submit(op, process_set_id)).map_err(to_py_err)
+}
+
+/// Register a process set at run time (every rank calls this, in the same order); returns its id.
+#[pyfunction]
+pub fn add_process_set(py: Python<'_>, ranks: Vec<usize>) -> PyResult<u32> {
+    let engine = engine()?;
+    py.allow_threads(|| engine.add_process_set(&ranks)).map_err(to_py_err)
+}
+
+/// Remove a process set (every rank calls this); false for the global set or an unknown id.
+#[pyfunction]
+pub fn remove_process_set(py: Python<'_>, process_set_id: u32) -> PyResult<bool> {
+    let engine = engine()?;
+    Ok(py.allow_threads(|| engine.remove_process_set(process_set_id)))
+}
+
+/// Every registered process set as (id, ranks).
+#[pyfunction]
+pub fn process_sets() -> PyResult<Vec<(u32, Vec<usize>)>> {
+    Ok(engine()?.process_sets())
 }
 
 /// True once the handle completed (its result is then ready for `wait`).

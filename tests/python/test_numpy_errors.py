@@ -135,15 +135,16 @@ def test_strangers_are_dropped_and_the_job_is_unaffected(job_env, tmp_path):
         # address before the real rank 1 exists.
         store = StoreConnection(job.port, job.secret)
         assert store.get("no such key", wait_ms=10) is None
-        store.set("init0/global/local_size/1", b"2")
+        store.set("init0/local_size/1", b"2")
         job.start([0])
-        address = store.get("init0/global/addr/0", wait_ms=20_000)
+        # The global process set is the first registered communicator: scope init0/set1.
+        address = store.get("init0/set1/addr/0", wait_ms=20_000)
         assert address, f"rank 0 did not publish its address:\n{job.report()}"
         mesh_port = int(address.decode().rsplit(":", 1)[1])
         silent.append(socket.create_connection(("127.0.0.1", mesh_port)))
         with pytest.raises(HandshakeRefused):
             StoreConnection(mesh_port, b"not the job secret", purpose=PURPOSE_MESH,
-                            claim=(1).to_bytes(4, "big") + b"init0/global")
+                            claim=(1).to_bytes(4, "big") + b"init0/set1")
         mesh_garbage = socket.create_connection(("127.0.0.1", mesh_port))
         mesh_garbage.sendall(os.urandom(512))
         assert is_dropped(mesh_garbage), "rank 0 kept a mesh connection that sent garbage"

@@ -3,10 +3,9 @@
 import atexit
 
 from rvod import _rvod
-from rvod.common import naming
-from rvod.common.process_sets import ProcessSet, global_process_set
+from rvod.common import naming, process_sets as _process_sets
 
-_NOT_INITIALIZED = "rvod has not been initialized; use hvd.init()."
+NOT_INITIALIZED = "rvod has not been initialized; use hvd.init()."
 _topology = None
 _atexit_registered = False
 
@@ -14,22 +13,19 @@ _atexit_registered = False
 def init(comm=None, process_sets=None):
     """Start this rank's engine and connect to the other ranks (idempotent while running).
 
-    ``comm`` and ``process_sets`` follow Horovod; only ``None`` (all ranks) is supported for ``comm``.
+    ``comm`` follows Horovod; only ``None`` (all ranks) is supported. ``process_sets`` is a list of
+    ``ProcessSet`` to register now (every rank passes the same list), or ``"dynamic"`` to allow
+    ``add_process_set``/``remove_process_set`` later.
     """
     global _topology, _atexit_registered
     if comm is not None:
         raise ValueError("init(comm=...) needs an MPI build; rvod starts every rank with rvodrun instead")
-    if process_sets not in (None, []):
-        if process_sets == "dynamic":
-            raise ValueError("dynamic process sets are not supported by this version of rvod")
-        sets = list(process_sets)
-        for ps in sets:
-            if not isinstance(ps, ProcessSet):
-                raise TypeError(f"process_sets must contain ProcessSet objects, got {type(ps).__name__}")
-        raise ValueError("process sets other than the global one are not supported by this version of rvod")
-    _rvod.init()
+    if _rvod.is_initialized():
+        return
+    static_sets = _process_sets.static_sets_for_init(process_sets)
+    _rvod.init([ps.ranks for ps in static_sets])
     _topology = _rvod.topology()
-    global_process_set.ranks = list(range(_topology[1]))
+    _process_sets.after_init(_topology[1], static_sets)
     if not _atexit_registered:
         atexit.register(shutdown)
         _atexit_registered = True
@@ -40,6 +36,7 @@ def shutdown():
     global _topology
     _rvod.shutdown()
     _topology = None
+    _process_sets.after_shutdown()
     naming.reset()
 
 
@@ -49,7 +46,7 @@ def is_initialized():
 
 def _topo():
     if _topology is None or not _rvod.is_initialized():
-        raise ValueError(_NOT_INITIALIZED)
+        raise ValueError(NOT_INITIALIZED)
     return _topology
 
 

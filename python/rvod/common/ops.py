@@ -7,7 +7,7 @@ the engine is done with them, in-place write-back) happens here.
 
 from rvod import _rvod
 from rvod.common import naming
-from rvod.common.process_sets import check_process_set, global_process_set
+from rvod.common.process_sets import global_process_set, process_set_id_of
 from rvod.common.reduce_ops import Average, Sum, resolve_op
 
 # Collective kinds, as numbered by the engine.
@@ -34,6 +34,10 @@ class TensorAdapter:
         """A Python list of ints from a list or a 1-D integer tensor (alltoall splits)."""
         return [int(v) for v in values]
 
+    def received_splits(self, splits):
+        """What alltoall returns as the received splits, given them as a list of ints."""
+        return splits
+
 
 class _Pending:
     """An op in flight: what must stay alive until it completes, and how to build its result."""
@@ -52,7 +56,9 @@ def _prefixed(prefix, name):
     return naming.next_name(prefix) if name is None else f"{prefix}.{name}"
 
 
-def _submit(kind, names, adapter, tensors, in_place, finish, op=Sum, prescale=1.0, postscale=1.0, root=-1, splits=()):
+def _submit(kind, names, adapter, tensors, in_place, finish, op=Sum, prescale=1.0, postscale=1.0, root=-1, splits=(),
+            process_set=global_process_set):
+    set_id = process_set_id_of(process_set)
     capsules, holders = [], []
     for tensor in tensors:
         capsule, holder = adapter.export(tensor)
@@ -68,7 +74,7 @@ def _submit(kind, names, adapter, tensors, in_place, finish, op=Sum, prescale=1.
             return user_finish(outputs, received_splits, last_joined)
 
     handle = _rvod.submit(
-        kind, names, capsules, in_place, op, float(prescale), float(postscale), int(root), list(splits)
+        kind, names, capsules, in_place, op, float(prescale), float(postscale), int(root), list(splits), set_id
     )
     _pending[handle] = _Pending((tuple(tensors), capsules, holders), finish)
     return handle
@@ -117,16 +123,14 @@ def _list_output(adapter, originals, in_place):
 def allreduce_async(adapter, tensor, average=None, name=None, op=None, prescale_factor=1.0,
                     postscale_factor=1.0, process_set=global_process_set, in_place=False):
     op = resolve_op(op, average)
-    check_process_set(process_set)
     names = [_prefixed("allreduce", name)]
     return _submit(ALLREDUCE, names, adapter, [tensor], in_place, _single_output(adapter, tensor, in_place),
-                   op=op, prescale=prescale_factor, postscale=postscale_factor)
+                   op=op, prescale=prescale_factor, postscale=postscale_factor, process_set=process_set)
 
 
 def grouped_allreduce_async(adapter, tensors, average=None, name=None, op=None, prescale_factor=1.0,
                             postscale_factor=1.0, process_set=global_process_set, in_place=False):
     op = resolve_op(op, average)
-    check_process_set(process_set)
     tensors = list(tensors)
     if not tensors:
         raise ValueError("grouped_allreduce needs at least one tensor")
@@ -135,17 +139,15 @@ def grouped_allreduce_async(adapter, tensors, average=None, name=None, op=None, 
     else:
         names = [f"grouped_allreduce.{name}_{i}" for i in range(len(tensors))]
     return _submit(ALLREDUCE, names, adapter, tensors, in_place, _list_output(adapter, tensors, in_place),
-                   op=op, prescale=prescale_factor, postscale=postscale_factor)
+                   op=op, prescale=prescale_factor, postscale=postscale_factor, process_set=process_set)
 
 
 def allgather_async(adapter, tensor, name=None, process_set=global_process_set):
-    check_process_set(process_set)
     return _submit(ALLGATHER, [_prefixed("allgather", name)], adapter, [tensor], False,
-                   _single_output(adapter, tensor, False))
+                   _single_output(adapter, tensor, False), process_set=process_set)
 
 
 def grouped_allgather_async(adapter, tensors, name=None, process_set=global_process_set):
-    check_process_set(process_set)
     tensors = list(tensors)
     if not tensors:
         raise ValueError("grouped_allgather needs at least one tensor")
@@ -153,38 +155,36 @@ def grouped_allgather_async(adapter, tensors, name=None, process_set=global_proc
         names = [naming.next_name("grouped_allgather") for _ in tensors]
     else:
         names = [f"grouped_allgather.{name}_{i}" for i in range(len(tensors))]
-    return _submit(ALLGATHER, names, adapter, tensors, False, _list_output(adapter, tensors, False))
+    return _submit(ALLGATHER, names, adapter, tensors, False, _list_output(adapter, tensors, False),
+                   process_set=process_set)
 
 
 def broadcast_async(adapter, tensor, root_rank, name=None, process_set=global_process_set, in_place=False):
-    check_process_set(process_set)
     return _submit(BROADCAST, [_prefixed("broadcast", name)], adapter, [tensor], in_place,
-                   _single_output(adapter, tensor, in_place), root=root_rank)
+                   _single_output(adapter, tensor, in_place), root=root_rank, process_set=process_set)
 
 
 def alltoall_async(adapter, tensor, splits=None, name=None, process_set=global_process_set):
-    check_process_set(process_set)
     split_list = [] if splits is None else adapter.to_int_list(splits)
 
     def finish(outputs, received_splits, last_joined):
         output = adapter.from_dlpack(outputs[0])
-        return output if splits is None else (output, received_splits)
+        return output if splits is None else (output, adapter.received_splits(received_splits))
 
-    return _submit(ALLTOALL, [_prefixed("alltoall", name)], adapter, [tensor], False, finish, splits=split_list)
+    return _submit(ALLTOALL, [_prefixed("alltoall", name)], adapter, [tensor], False, finish, splits=split_list,
+                   process_set=process_set)
 
 
 def reducescatter_async(adapter, tensor, name=None, op=Average, process_set=global_process_set,
                         prescale_factor=1.0, postscale_factor=1.0):
-    check_process_set(process_set)
     op = resolve_op(op, None)
     return _submit(REDUCESCATTER, [_prefixed("reducescatter", name)], adapter, [tensor], False,
                    _single_output(adapter, tensor, False), op=op, prescale=prescale_factor,
-                   postscale=postscale_factor)
+                   postscale=postscale_factor, process_set=process_set)
 
 
 def grouped_reducescatter_async(adapter, tensors, name=None, op=Average, process_set=global_process_set,
                                 prescale_factor=1.0, postscale_factor=1.0):
-    check_process_set(process_set)
     op = resolve_op(op, None)
     tensors = list(tensors)
     if not tensors:
@@ -194,13 +194,12 @@ def grouped_reducescatter_async(adapter, tensors, name=None, op=Average, process
     else:
         names = [f"grouped_reducescatter.{name}_{i}" for i in range(len(tensors))]
     return _submit(REDUCESCATTER, names, adapter, tensors, False, _list_output(adapter, tensors, False),
-                   op=op, prescale=prescale_factor, postscale=postscale_factor)
+                   op=op, prescale=prescale_factor, postscale=postscale_factor, process_set=process_set)
 
 
 def barrier(process_set=global_process_set):
     """Block until every rank of the set reaches the barrier."""
-    check_process_set(process_set)
-    handle = _rvod.submit(BARRIER, [], [], False, Sum, 1.0, 1.0, -1, [])
+    handle = _rvod.submit(BARRIER, [], [], False, Sum, 1.0, 1.0, -1, [], process_set_id_of(process_set))
     _pending[handle] = _Pending(None, lambda outputs, splits, joined: None)
     synchronize(handle)
 
@@ -208,6 +207,6 @@ def barrier(process_set=global_process_set):
 def join():
     """Signal that this rank has no more data; blocks until every rank has joined. Meanwhile allreduces
     submitted by other ranks complete with this rank contributing zeros. Returns the last rank to join."""
-    handle = _rvod.submit(JOIN, [], [], False, Sum, 1.0, 1.0, -1, [])
+    handle = _rvod.submit(JOIN, [], [], False, Sum, 1.0, 1.0, -1, [], 0)
     _pending[handle] = _Pending(None, lambda outputs, splits, joined: joined)
     return synchronize(handle)

@@ -1,15 +1,26 @@
-"""Process sets: named groups of ranks that collectives can run on.
+"""Process sets: groups of ranks that collectives can run on, each negotiating on its own.
 
-Only the global set (id 0, every rank) exists in this version; ops check what they are given so that a
-script using other sets fails clearly instead of running on the wrong ranks.
+``global_process_set`` (id 0) holds every rank. Other sets are registered at ``init(process_sets=[...])``
+or, when dynamic process sets are enabled, with ``add_process_set`` at run time; both are collective over
+all ranks (every rank registers the same sets in the same order) and assign the same ids everywhere.
 """
+
+import os
+
+from rvod import _rvod
 
 
 class ProcessSet:
-    """A set of ranks. ``ranks`` is kept sorted; ``process_set_id`` is None until registered."""
+    """A set of ranks. ``ranks`` is kept sorted; ``process_set_id`` is None until registered. Two sets
+    with the same ranks compare equal."""
 
-    def __init__(self, ranks):
-        self.ranks = sorted(int(r) for r in ranks)
+    def __init__(self, ranks_or_comm):
+        if hasattr(ranks_or_comm, "Get_rank"):
+            raise NotImplementedError("process sets from MPI communicators need an MPI build; pass a list of ranks")
+        ranks = [int(r) for r in ranks_or_comm]
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"process set ranks must be distinct, got {ranks}")
+        self.ranks = sorted(ranks)
         self.process_set_id = None
         self.mpi_comm = None
 
@@ -17,6 +28,7 @@ class ProcessSet:
         return None if self.process_set_id is None else len(self.ranks)
 
     def rank(self):
+        """This process's rank within the set."""
         from rvod.common import basics
 
         me = basics.rank()
@@ -44,27 +56,104 @@ class ProcessSet:
 global_process_set = ProcessSet([])
 global_process_set.process_set_id = 0
 
+# Registered sets by id (the global set included once init() ran).
+_registered = {}
 
-def check_process_set(process_set):
-    """Raise ValueError unless ``process_set`` can be used by a collective on this rank."""
-    if process_set is global_process_set or (
-        isinstance(process_set, ProcessSet) and process_set.process_set_id == 0
-    ):
-        return
+
+def _dynamic_enabled():
+    for name in ("RVOD_DYNAMIC_PROCESS_SETS", "HOROVOD_DYNAMIC_PROCESS_SETS"):
+        value = os.environ.get(name, "").strip()
+        if value:
+            try:
+                return int(value) != 0
+            except ValueError:
+                return value.lower() in ("true", "yes", "on")
+    return False
+
+
+def static_sets_for_init(process_sets):
+    """Validate ``init(process_sets=...)`` and return the rank lists to register (duplicates refused)."""
+    if process_sets is None:
+        return []
+    if process_sets == "dynamic":
+        os.environ["RVOD_DYNAMIC_PROCESS_SETS"] = "1"
+        return []
+    sets = list(process_sets)
+    seen = {}
+    for ps in sets:
+        if not isinstance(ps, ProcessSet):
+            raise TypeError(f"process_sets must contain ProcessSet objects, got {type(ps).__name__}")
+        if ps.process_set_id is not None and ps.process_set_id != 0:
+            raise ValueError(f"{ps} is already registered")
+        key = tuple(ps.ranks)
+        if key in seen:
+            raise ValueError(f"{ps} is a duplicate of {seen[key]}")
+        seen[key] = ps
+    return sets
+
+
+def after_init(size, static_sets):
+    """Record the ids the engine gave the global set and the static sets."""
+    _registered.clear()
+    global_process_set.ranks = list(range(size))
+    _registered[0] = global_process_set
+    ids = {tuple(ranks): set_id for set_id, ranks in _rvod.process_sets()}
+    for ps in static_sets:
+        ps.process_set_id = ids[tuple(ps.ranks)]
+        _registered[ps.process_set_id] = ps
+
+
+def after_shutdown():
+    for set_id, ps in list(_registered.items()):
+        if set_id != 0:
+            ps.process_set_id = None
+    _registered.clear()
+
+
+def process_set_id_of(process_set):
+    """The engine id of a registered set this rank may run collectives on; raises otherwise."""
     if not isinstance(process_set, ProcessSet):
         raise TypeError(f"process_set must be a ProcessSet, got {type(process_set).__name__}")
-    raise ValueError(
-        f"{process_set} is not registered: only the global process set is supported by this version of rvod"
-    )
+    if not _rvod.is_initialized():
+        from rvod.common.basics import NOT_INITIALIZED
+
+        raise ValueError(NOT_INITIALIZED)
+    set_id = process_set.process_set_id
+    if set_id is None or _registered.get(set_id) is None:
+        raise ValueError(
+            f"{process_set}: Process set provided does not exist, or has not been registered; register the "
+            "process set with init(process_sets=[...]) or add_process_set()."
+        )
+    return set_id
 
 
 def add_process_set(process_set_or_ranks):
-    raise ValueError(
-        "Set RVOD_DYNAMIC_PROCESS_SETS=1 to allow adding process sets after initialization "
-        "(process sets other than the global one are not supported by this version of rvod)."
-    )
+    """Register a process set at run time (all ranks call this in the same order); returns it."""
+    if not _dynamic_enabled():
+        raise ValueError(
+            "Set RVOD_DYNAMIC_PROCESS_SETS=1 (or HOROVOD_DYNAMIC_PROCESS_SETS=1) to allow adding process sets "
+            "after initialization."
+        )
+    ps = process_set_or_ranks if isinstance(process_set_or_ranks, ProcessSet) else ProcessSet(process_set_or_ranks)
+    if ps.process_set_id is not None:
+        raise ValueError(f"{ps} is already registered")
+    for registered in _registered.values():
+        if registered.ranks == ps.ranks:
+            raise ValueError(f"Attempted to add a duplicate process set: {ps} has the same ranks as {registered}")
+    ps.process_set_id = _rvod.add_process_set(ps.ranks)
+    _registered[ps.process_set_id] = ps
+    return ps
 
 
 def remove_process_set(process_set):
-    """Remove a registered process set; the global set cannot be removed (returns False)."""
-    return False
+    """Remove a registered set (all ranks call this); returns False for the global set or an unknown set.
+    The object is invalidated (its ``process_set_id`` becomes None)."""
+    if not _dynamic_enabled():
+        raise ValueError("Set RVOD_DYNAMIC_PROCESS_SETS=1 to allow removing process sets after initialization.")
+    set_id = process_set.process_set_id
+    if set_id is None or set_id == 0 or _registered.get(set_id) is not process_set:
+        return False
+    removed = _rvod.remove_process_set(set_id)
+    del _registered[set_id]
+    process_set.process_set_id = None
+    return removed

@@ -1,0 +1,59 @@
+"""torch tensors across the DLPack boundary.
+
+A contiguous CPU tensor crosses without a copy (the engine reads, and for in-place ops writes, its memory);
+any other CPU tensor (transposed, strided, with the negative bit set) crosses as a private contiguous copy
+whose result is copied back. Tensors on other devices and dtypes the engine cannot exchange are refused
+with a ``ValueError`` before anything is sent.
+"""
+
+import torch
+from torch.utils import dlpack
+
+from rvod.common.ops import TensorAdapter
+
+SUPPORTED_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
+                    torch.float32, torch.float64, torch.bool)
+_SUPPORTED_NAMES = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
+
+
+def check_tensor(tensor, what="rvod"):
+    """Raise unless ``tensor`` is a dense CPU tensor of a dtype the engine exchanges."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what} expects a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type == "cuda":
+        raise ValueError(f"{what}: got a CUDA tensor ({tensor.device}); GPU support needs an rvod build with NCCL, "
+                         "and this build handles CPU tensors only. Move the tensor to the CPU with .cpu().")
+    if tensor.device.type != "cpu":
+        raise ValueError(f"{what}: tensors on device '{tensor.device.type}' are not supported; use CPU tensors")
+    if tensor.layout != torch.strided:
+        raise ValueError(f"{what}: {tensor.layout} tensors are not supported here; use sparse_allreduce_async "
+                         "for sparse tensors, or convert with .to_dense()")
+    if tensor.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"Tensor type {tensor.type()} is not supported (dtype {tensor.dtype}); "
+                         f"supported: {_SUPPORTED_NAMES}")
+
+
+class TorchAdapter(TensorAdapter):
+    def export(self, tensor):
+        check_tensor(tensor)
+        data = tensor.detach()
+        if data.is_contiguous() and not data.is_neg():
+            return dlpack.to_dlpack(data), tensor
+        copy = data.resolve_neg().contiguous()
+        return dlpack.to_dlpack(copy), copy
+
+    def from_dlpack(self, capsule):
+        return dlpack.from_dlpack(capsule)
+
+    def copy_(self, dst, src):
+        # In-place results bypass autograd, as Horovod's do: parameters that require grad can be written.
+        with torch.no_grad():
+            dst.copy_(src)
+
+    def to_int_list(self, values):
+        if isinstance(values, torch.Tensor):
+            return [int(v) for v in values.reshape(-1).tolist()]
+        return [int(v) for v in values]
+
+    def received_splits(self, splits):
+        return torch.tensor(list(splits), dtype=torch.int32)

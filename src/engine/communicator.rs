@@ -1,0 +1,119 @@
+//! One communicator: the ranks of one process set that this rank belongs to, with its own transport,
+//! negotiation, response cache, fusion and background thread. Collectives on disjoint sets therefore
+//! run concurrently, and a stall in one set never blocks another.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+
+use crate::config::Config;
+use crate::engine::background;
+use crate::engine::handles::HandleTable;
+use crate::engine::table::TensorEntry;
+use crate::error::EngineError;
+use crate::transport::{Transport, Waker};
+
+/// Submissions waiting for the background thread, and whether it still takes them.
+#[derive(Default)]
+pub(crate) struct Inbox {
+    pub(crate) entries: Vec<TensorEntry>,
+    /// Set when the background thread stopped; later submissions fail with this error.
+    pub(crate) closed: Option<EngineError>,
+}
+
+/// State shared between callers and one communicator's background thread.
+pub(crate) struct Shared {
+    pub(crate) handles: Arc<HandleTable>,
+    inbox: Mutex<Inbox>,
+    pub(crate) waker: Waker,
+    pub(crate) shutdown_requested: AtomicBool,
+    /// Process set id and its ranks (global rank numbers, sorted), for messages.
+    pub(crate) set_id: u32,
+    pub(crate) global_ranks: Vec<usize>,
+}
+
+impl Shared {
+    pub(crate) fn inbox(&self) -> MutexGuard<'_, Inbox> {
+        self.inbox.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// "process set 1 (ranks [0, 2])", or "the global process set".
+    pub(crate) fn describe(&self) -> String {
+        if self.set_id == 0 {
+            "the global process set".to_string()
+        } else {
+            format!("process set {} (ranks {:?})", self.set_id, self.global_ranks)
+        }
+    }
+}
+
+pub struct Communicator {
+    shared: Arc<Shared>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Communicator {
+    /// Start the background thread of a communicator whose transport is already connected.
+    pub fn start(
+        set_id: u32,
+        global_ranks: Vec<usize>,
+        transport: Box<dyn Transport>,
+        config: &Config,
+        handles: Arc<HandleTable>,
+    ) -> Result<Communicator, EngineError> {
+        let shared = Arc::new(Shared {
+            handles,
+            inbox: Mutex::new(Inbox::default()),
+            waker: Waker::new().map_err(|e| EngineError::Init(format!("cannot create the wake-up event: {e}")))?,
+            shutdown_requested: AtomicBool::new(false),
+            set_id,
+            global_ranks,
+        });
+        let thread_shared = Arc::clone(&shared);
+        let thread_config = config.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("rvod-set{set_id}"))
+            .spawn(move || background::run(thread_shared, transport, thread_config))
+            .map_err(|e| EngineError::Init(format!("cannot start the engine thread: {e}")))?;
+        Ok(Communicator { shared, thread: Mutex::new(Some(thread)) })
+    }
+
+    /// This rank's position in the communicator.
+    pub fn local_rank_of(&self, global_rank: usize) -> Option<usize> {
+        self.shared.global_ranks.iter().position(|&r| r == global_rank)
+    }
+
+    pub fn size(&self) -> usize {
+        self.shared.global_ranks.len()
+    }
+
+    /// Queue entries for the background thread, all or none (a group is negotiated in one round).
+    pub(crate) fn enqueue(&self, entries: Vec<TensorEntry>) -> Result<(), EngineError> {
+        {
+            let mut inbox = self.shared.inbox();
+            if let Some(err) = &inbox.closed {
+                return Err(err.clone());
+            }
+            inbox.entries.extend(entries);
+        }
+        self.shared.waker.wake();
+        Ok(())
+    }
+
+    /// Coordinated stop: the other ranks of the set stop too; pending ops fail; the thread is joined.
+    pub fn stop(&self) {
+        self.shared.shutdown_requested.store(true, Ordering::SeqCst);
+        self.shared.waker.wake();
+        let thread = self.thread.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).take();
+        if let Some(thread) = thread {
+            // The loop never panics by design; if it did, its handles were already failed by the unwinding.
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Drop for Communicator {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
