@@ -208,7 +208,7 @@ mod tests {
                 req(1, CollectiveKind::Allreduce, &[4]),
                 req(2, CollectiveKind::Allreduce, &[2, 3]),
             ],
-            3,
+            &ranks(3),
             false,
         );
         let (kind, msg) = r.error.unwrap();

@@ -94,7 +94,7 @@ impl Engine {
 
     /// Register a set with `ranks` (sorted, unique); members connect to each other.
     fn register(&self, ranks: Vec<usize>) -> Result<u32, EngineError> {
-        let (id, sequence) = self.registry().next();
+        let (id, sequence) = self.registry().reserve();
         let me = self.config.topology.rank;
         if id != GLOBAL_PROCESS_SET {
             if let Err(err) = self.agree_on_registration(sequence, &ranks) {

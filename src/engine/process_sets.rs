@@ -35,7 +35,7 @@ impl ProcessSetRegistry {
     }
 
     /// Reserve the id and scope sequence number for the next set.
-    pub fn next(&mut self) -> (u32, u64) {
+    pub fn reserve(&mut self) -> (u32, u64) {
         let id = match self.freed.pop_first() {
             Some(id) => id,
             None => {
@@ -88,16 +88,16 @@ mod tests {
     fn ids_are_sequential_and_freed_ids_are_reused() {
         let mut r = ProcessSetRegistry::default();
         for ranks in [vec![0, 1], vec![0], vec![1]] {
-            let (id, _) = r.next();
+            let (id, _) = r.reserve();
             r.insert(id, entry(&ranks));
         }
         assert_eq!(r.find(&[0]), Some(1));
         assert!(r.remove(1).is_some());
         assert!(r.remove(1).is_none());
-        let (id, seq) = r.next();
+        let (id, seq) = r.reserve();
         assert_eq!((id, seq), (1, 4));
         r.insert(id, entry(&[1, 0]));
-        let (id, _) = r.next();
+        let (id, _) = r.reserve();
         assert_eq!(id, 3);
         assert_eq!(r.list().iter().map(|(i, _)| *i).collect::<Vec<_>>(), vec![0, 1, 2]);
     }

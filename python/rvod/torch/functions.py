@@ -1,6 +1,5 @@
 """Making every rank start from the same state: parameters, optimizer state and arbitrary objects."""
 
-import numpy as np
 import torch
 
 from rvod.common import objects as _objects
@@ -85,7 +84,7 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set
     """Return ``root_rank``'s picklable object on every rank (sent as a byte tensor)."""
 
     def broadcast_bytes(array, root, object_name):
-        return broadcast(torch.from_numpy(array), root, object_name, process_set).numpy()
+        return broadcast(torch.tensor(array), root, object_name, process_set).numpy()
 
     return _objects.broadcast_object(broadcast_bytes, rank(), obj, root_rank, name)
 
@@ -94,6 +93,6 @@ def allgather_object(obj, name=None):
     """A list with every rank's picklable object, in rank order."""
 
     def allgather_bytes(array, object_name):
-        return allgather(torch.from_numpy(np.ascontiguousarray(array)), object_name).numpy()
+        return allgather(torch.tensor(array), object_name).numpy()
 
     return _objects.allgather_object(allgather_bytes, obj, name)
