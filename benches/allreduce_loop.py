@@ -12,10 +12,10 @@ import os
 
 os.environ["OMP_NUM_THREADS"] = "1"
 
-import argparse  # noqa: E402
-import time  # noqa: E402
+import argparse
+import time
 
-import numpy as np  # noqa: E402
+import numpy as np
 
 
 def main():

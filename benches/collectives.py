@@ -23,9 +23,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import collectives_launch as launch  # noqa: E402
-import collectives_machine as machine  # noqa: E402
-import collectives_report as report  # noqa: E402
+import collectives_launch as launch
+import collectives_machine as machine
+import collectives_report as report
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -40,17 +40,16 @@ def _powers(lo, hi, factor):
 
 def build_plan(args):
     if args.quick:
-        plan = dict(latency_sizes=[4, 64, 1024, 8 * KiB], latency_iters=200, latency_warmup=20,
-                    bw_sizes=_powers(64 * KiB, min(args.max_size, 16 * MiB), 16), allgather_sizes=[1 * MiB],
-                    broadcast_sizes=[1 * MiB], bw_budget_bytes=64 * MiB, bw_min_calls=3, bw_max_calls=50,
-                    fusion_steps=2, fusion_warmup=1, fusion_single_calls=5)
+        plan = {"latency_sizes": [4, 64, 1024, 8 * KiB], "latency_iters": 200, "latency_warmup": 20,
+                "bw_sizes": _powers(64 * KiB, min(args.max_size, 16 * MiB), 16), "allgather_sizes": [1 * MiB],
+                "broadcast_sizes": [1 * MiB], "bw_budget_bytes": 64 * MiB, "bw_min_calls": 3, "bw_max_calls": 50,
+                "fusion_steps": 2, "fusion_warmup": 1, "fusion_single_calls": 5}
     else:
-        plan = dict(latency_sizes=_powers(4, 8 * KiB, 2), latency_iters=1000, latency_warmup=100,
-                    bw_sizes=_powers(64 * KiB, args.max_size, 4),
-                    allgather_sizes=[s for s in (64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB) if s <= args.max_size],
-                    broadcast_sizes=[s for s in (64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB) if s <= args.max_size],
-                    bw_budget_bytes=512 * MiB, bw_min_calls=3, bw_max_calls=200,
-                    fusion_steps=5, fusion_warmup=1, fusion_single_calls=20)
+        few = [s for s in (64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB) if s <= args.max_size]
+        plan = {"latency_sizes": _powers(4, 8 * KiB, 2), "latency_iters": 1000, "latency_warmup": 100,
+                "bw_sizes": _powers(64 * KiB, args.max_size, 4), "allgather_sizes": few, "broadcast_sizes": few,
+                "bw_budget_bytes": 512 * MiB, "bw_min_calls": 3, "bw_max_calls": 200,
+                "fusion_steps": 5, "fusion_warmup": 1, "fusion_single_calls": 20}
     plan.update(bw_warmup=2, working_set_bytes=64 * MiB, fusion_count=1024, fusion_tensor_bytes=4 * KiB,
                 rvod_torch_input_sizes=[4], phases=args.phases.split(","))
     if args.latency_iters is not None:

@@ -19,7 +19,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 def _git(*args):
     try:
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10,
+                              check=False).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return ""
 

@@ -18,12 +18,12 @@ GB = 1e9
 
 def _percentile(sorted_values, q):
     """Nearest-rank percentile."""
-    index = max(0, min(len(sorted_values) - 1, int(round(q / 100 * len(sorted_values) + 0.5)) - 1))
+    index = max(0, min(len(sorted_values) - 1, round(q / 100 * len(sorted_values) + 0.5) - 1))
     return sorted_values[index]
 
 
 def bus_factor(op, n):
-    if op == "allreduce" or op.startswith("fused") or op.startswith("single_allreduce"):
+    if op == "allreduce" or op.startswith(("fused", "single_allreduce")):
         return 2 * (n - 1) / n
     if op == "allgather":
         return n - 1  # (n-1)/n of the n x S_in output
@@ -180,10 +180,10 @@ def table_lines(summary, n, plan, rounds):
         g = summary.get(("allreduce", size), {}).get("gloo", {})
         lines.append(f"rvod given a torch tensor ({human_size(size)}): p50 {_fmt(s['rvod'].get('p50_us'), 1, False)} us, "
                      f"p90 {_fmt(s['rvod'].get('p90_us'), 1, False)} us (gloo p50 {_fmt(g.get('p50_us'), 1, False)} us)")
-    for op, title in (("allreduce", "allreduce bus bandwidth, GB/s (in place; rotating buffers, >= "
-                                    f"{human_size(plan['working_set_bytes'])} working set, i.e. DRAM, not hot cache)"),
-                      ("allgather", "allgather bus bandwidth, GB/s (size = per-rank input; busbw = (n-1) x input / t; "
-                                    "rvod returns a new array, gloo all_gather_into_tensor into a preallocated one)"),
+    for op, title in (("allreduce", ("allreduce bus bandwidth, GB/s (in place; rotating buffers, >= "
+                                     f"{human_size(plan['working_set_bytes'])} working set, i.e. DRAM, not hot cache)")),
+                      ("allgather", ("allgather bus bandwidth, GB/s (size = per-rank input; busbw = (n-1) x input / t; "
+                                     "rvod returns a new array, gloo all_gather_into_tensor into a preallocated one)")),
                       ("broadcast", "broadcast bus bandwidth, GB/s (in place, root 0)")):
         sizes = [sz for sz in _sizes(summary, op) if "busbw_GBps" in summary[(op, sz)]["rvod"]
                  or "busbw_GBps" in summary[(op, sz)]["gloo"]]
@@ -284,7 +284,7 @@ def plot(path, summary, n):
 
     for ax in (bw_ax, lat_ax):
         ax.set_xscale("log", base=2)
-        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: human_size(int(round(x))).replace(" ", "")))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: human_size(round(x)).replace(" ", "")))
         ax.grid(True, which="both", alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend()

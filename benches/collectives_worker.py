@@ -10,12 +10,12 @@ import os
 os.environ["OMP_NUM_THREADS"] = "1"
 os.environ["MKL_NUM_THREADS"] = "1"
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import time  # noqa: E402
+import argparse
+import json
+import time
 
-import collectives_phases as phases  # noqa: E402
-from collectives_backends import make_backend  # noqa: E402
+import collectives_phases as phases
+from collectives_backends import make_backend
 
 F32 = 4
 

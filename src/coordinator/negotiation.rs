@@ -17,7 +17,7 @@ use crate::coordinator::cache::{CacheLookup, ResponseCache, TensorParams};
 use crate::coordinator::codec::WireMessage;
 use crate::coordinator::message_table::MessageTable;
 use crate::coordinator::message::Response;
-use crate::coordinator::round::{RequestList, ResponseList, RoundHeader};
+use crate::coordinator::round::{EagerPayload, RequestList, ResponseList, RoundHeader};
 use crate::engine::table::{Announcement, TensorTable};
 use crate::fusion::plan_fusion;
 use crate::transport::{Transport, TransportError};
@@ -26,8 +26,24 @@ use crate::types::CollectiveKind;
 /// Control messages larger than this are treated as corrupt.
 const MAX_CONTROL_MESSAGE: usize = 256 * 1024 * 1024;
 
+/// Cached allreduces up to this size travel inside the round header (see [`EagerAllreduce`]).
+const EAGER_TENSOR_BYTES: usize = 4096;
+/// At most this much eager data rides in one header, so headers stay small.
+const EAGER_HEADER_BYTES: usize = 64 * 1024;
+
+/// A small allreduce whose data every rank already received with the round headers: each rank reduces
+/// the contributions locally, in rank order, so all get identical bits and no data exchange is needed.
+pub struct EagerAllreduce {
+    /// The single-tensor cached response.
+    pub response: Response,
+    /// Each rank's contribution in rank order; `None` for a joined rank (it contributes zeros).
+    pub contributions: Vec<Option<Vec<u8>>>,
+}
+
 /// What a round decided.
 pub struct RoundOutcome {
+    /// Small allreduces already complete in data (run them locally, in any order).
+    pub eager: Vec<EagerAllreduce>,
     /// Responses to run now, fused, identical on every rank.
     pub responses: Vec<Response>,
     /// Ranks that asked to shut down; if any did, every rank leaves after running `responses`.
@@ -63,6 +79,23 @@ fn recv_message<M: WireMessage>(t: &mut dyn Transport, peer: usize) -> Result<M,
     let mut body = vec![0u8; len];
     t.recv(peer, &mut body)?;
     M::from_bytes(&body).map_err(|e| TransportError::Protocol { peer, detail: e.to_string() })
+}
+
+/// Every rank's contribution to the cached tensor at `bit` if all of them sent it in their headers (a
+/// joined rank contributes zeros); `None` when some rank did not, or sent the wrong size.
+fn eager_contributions(headers: &[RoundHeader], bit: usize, bytes: usize) -> Option<Vec<Option<Vec<u8>>>> {
+    if bytes > EAGER_TENSOR_BYTES {
+        return None;
+    }
+    headers
+        .iter()
+        .map(|h| match h.eager.iter().find(|p| p.bit == bit as u64) {
+            Some(p) if p.data.len() == bytes => Some(Some(p.data.clone())),
+            Some(_) => None,
+            None if h.joined => Some(None),
+            None => None,
+        })
+        .collect()
 }
 
 impl Negotiator {
@@ -143,9 +176,13 @@ impl Negotiator {
         }
 
         let mut responses = Vec::new();
+        let mut eager = Vec::new();
         for bit in common.iter_ones().filter(|b| !invalid.contains(*b)) {
             if let Some(cached) = self.cache.get(bit) {
-                responses.push(cached.clone());
+                match eager_contributions(&headers, bit, cached.tensor_bytes()) {
+                    Some(contributions) => eager.push(EagerAllreduce { response: cached.clone(), contributions }),
+                    None => responses.push(cached.clone()),
+                }
                 self.cache.touch(bit);
             }
         }
@@ -158,7 +195,7 @@ impl Negotiator {
             responses.extend(new_responses);
         }
 
-        Ok(RoundOutcome { responses: plan_fusion(responses, self.fusion_threshold), shutdown_by })
+        Ok(RoundOutcome { eager, responses: plan_fusion(responses, self.fusion_threshold), shutdown_by })
     }
 
     /// This rank's header: classify new requests against the cache and collect hits and invalid bits.
@@ -168,6 +205,7 @@ impl Negotiator {
         let use_cache = cache.capacity() > 0;
         let stall_deadline = self.stall_check.and_then(|d| Instant::now().checked_sub(d));
         let forced = self.wants_round();
+        let mut eager_bytes = 0;
         table.for_each(|entry, announcement| {
             if *announcement == Announcement::Unsent && use_cache && is_cacheable(entry.request.kind) {
                 match cache.lookup(&entry.request) {
@@ -183,6 +221,14 @@ impl Negotiator {
                         header.invalid.insert(bit);
                     } else {
                         header.cache_hits.insert(bit);
+                        let bytes = entry.input.as_slice();
+                        if entry.request.kind == CollectiveKind::Allreduce
+                            && bytes.len() <= EAGER_TENSOR_BYTES
+                            && eager_bytes + bytes.len() <= EAGER_HEADER_BYTES
+                        {
+                            eager_bytes += bytes.len();
+                            header.eager.push(EagerPayload { bit: bit as u64, data: bytes.to_vec() });
+                        }
                     }
                 }
                 Announcement::Unsent => header.has_uncached = true,

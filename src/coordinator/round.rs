@@ -31,6 +31,27 @@ pub struct RoundHeader {
     pub cache_hits: BitSet,
     /// Cache bits this rank found invalid (same name, different parameters); every rank erases them.
     pub invalid: BitSet,
+    /// The data of small cached allreduces, sent along with the header (ascending cache bit): when every
+    /// rank sent its data for a tensor that all ranks hit, each reduces locally and no data round is needed.
+    pub eager: Vec<EagerPayload>,
+}
+
+/// One tensor's data riding in a round header.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct EagerPayload {
+    pub bit: u64,
+    pub data: Vec<u8>,
+}
+
+impl Wire for EagerPayload {
+    fn encode(&self, w: &mut WireWriter) {
+        w.put_u64(self.bit);
+        w.put_bytes(&self.data);
+    }
+
+    fn decode(r: &mut WireReader<'_>) -> Result<Self, DecodeError> {
+        Ok(EagerPayload { bit: r.u64("eager payload bit")?, data: r.bytes("eager payload data")?.to_vec() })
+    }
 }
 
 impl RoundHeader {
@@ -68,6 +89,7 @@ impl Wire for RoundHeader {
         w.put_u8(flags);
         self.cache_hits.encode(w);
         self.invalid.encode(w);
+        w.put_seq(&self.eager);
     }
 
     fn decode(r: &mut WireReader<'_>) -> Result<Self, DecodeError> {
@@ -81,6 +103,7 @@ impl Wire for RoundHeader {
             joined: flags & FLAG_JOINED != 0,
             cache_hits: BitSet::decode(r)?,
             invalid: BitSet::decode(r)?,
+            eager: r.seq("eager payloads")?,
         })
     }
 }
@@ -130,13 +153,18 @@ mod tests {
     }
 
     fn arb_header() -> impl Strategy<Value = RoundHeader> {
-        (any::<bool>(), any::<bool>(), any::<bool>(), arb_bitset(), arb_bitset()).prop_map(
-            |(shutdown, has_uncached, joined, cache_hits, invalid)| RoundHeader {
+        let eager = prop::collection::vec(
+            (any::<u64>(), prop::collection::vec(any::<u8>(), 0..16)).prop_map(|(bit, data)| EagerPayload { bit, data }),
+            0..4,
+        );
+        (any::<bool>(), any::<bool>(), any::<bool>(), arb_bitset(), arb_bitset(), eager).prop_map(
+            |(shutdown, has_uncached, joined, cache_hits, invalid, eager)| RoundHeader {
                 shutdown,
                 has_uncached,
                 joined,
                 cache_hits,
                 invalid,
+                eager,
             },
         )
     }

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use crate::config::Config;
 use crate::coordinator::negotiation::Negotiator;
 use crate::coordinator::stall::StallClock;
-use crate::engine::execute::{Executor, TensorResult};
+use crate::engine::execute::{execute_eager, Executor, TensorResult};
 use crate::engine::table::{TensorEntry, TensorTable};
 use crate::engine::communicator::Shared;
 use crate::error::EngineError;
@@ -72,7 +72,8 @@ impl Loop {
 
             let mut start = first_new.is_some() || shutdown || self.negotiator.wants_round();
             if !start {
-                match self.transport.wait_for_activity(&self.shared.waker, self.idle_timeout()) {
+                let activity = self.sleep_until_activity(self.idle_timeout());
+                match activity {
                     Ok(Activity::Local) => {
                         self.shared.waker.drain();
                         continue;
@@ -101,6 +102,15 @@ impl Loop {
                 Err(_) if shutdown => return Ok("this rank called shutdown()".into()),
                 Err(e) => return Err(EngineError::transport("negotiation", &e)),
             };
+            for eager in &outcome.eager {
+                if let Some(name) = eager.response.entries.first().map(|e| e.name.clone()) {
+                    let mut entry = self.table.take(&name);
+                    let result = execute_eager(eager, entry.as_mut());
+                    if let Some(entry) = entry {
+                        self.complete(entry, Ok(result));
+                    }
+                }
+            }
             for response in &outcome.responses {
                 self.execute(response)?;
             }
@@ -149,9 +159,25 @@ impl Loop {
         }
     }
 
+    /// Sleep until local work, a peer's round, or `timeout`. Submitters wake the thread only while it sleeps
+    /// here; the inbox is checked again after announcing the sleep so no submission is missed.
+    fn sleep_until_activity(&mut self, timeout: Duration) -> Result<Activity, crate::transport::TransportError> {
+        self.shared.idle.store(true, Ordering::SeqCst);
+        let activity = if self.shared.inbox().entries.is_empty() {
+            self.transport.wait_for_activity(&self.shared.waker, timeout)
+        } else {
+            Ok(Activity::Local)
+        };
+        self.shared.idle.store(false, Ordering::SeqCst);
+        activity
+    }
+
     /// Wait up to `grace` for a local submission (a peer is already waiting for this rank's header).
     fn await_own_work(&mut self, grace: Duration) -> Result<(), EngineError> {
-        if self.shared.waker.wait(grace) {
+        self.shared.idle.store(true, Ordering::SeqCst);
+        let pending = !self.shared.inbox().entries.is_empty() || self.shared.waker.wait(grace);
+        self.shared.idle.store(false, Ordering::SeqCst);
+        if pending {
             self.shared.waker.drain();
             self.take_inbox();
         }

@@ -27,6 +27,9 @@ pub(crate) struct Shared {
     inbox: Mutex<Inbox>,
     pub(crate) waker: Waker,
     pub(crate) shutdown_requested: AtomicBool,
+    /// Set while the background thread sleeps waiting for work: only then does a submission need to wake
+    /// it (a busy or batching thread picks submissions up by itself, so waking it would only cost time).
+    pub(crate) idle: AtomicBool,
     /// Process set id and its ranks (global rank numbers, sorted), for messages.
     pub(crate) set_id: u32,
     pub(crate) global_ranks: Vec<usize>,
@@ -66,6 +69,7 @@ impl Communicator {
             inbox: Mutex::new(Inbox::default()),
             waker: Waker::new().map_err(|e| EngineError::Init(format!("cannot create the wake-up event: {e}")))?,
             shutdown_requested: AtomicBool::new(false),
+            idle: AtomicBool::new(false),
             set_id,
             global_ranks,
         });
@@ -96,7 +100,11 @@ impl Communicator {
             }
             inbox.entries.extend(entries);
         }
-        self.shared.waker.wake();
+        // Pairs with the background thread's store to `idle` before it re-checks the inbox (SeqCst on both
+        // sides), so a submission is either seen by that check or wakes the thread.
+        if self.shared.idle.load(Ordering::SeqCst) {
+            self.shared.waker.wake();
+        }
         Ok(())
     }
 

@@ -5,6 +5,7 @@
 //! per-tensor result.
 
 use crate::coordinator::message::{shape_elements, Response};
+use crate::coordinator::negotiation::EagerAllreduce;
 use crate::engine::submission::OutputTensor;
 use crate::engine::table::TensorEntry;
 use crate::error::EngineError;
@@ -154,6 +155,40 @@ impl Executor {
             results.push(Ok(TensorResult { output: out, ..TensorResult::default() }));
         }
         Ok(results)
+    }
+}
+
+/// Finish an allreduce whose every contribution arrived with the round headers: reduce them locally in
+/// rank order (identical bits on every rank), scale, and write the result.
+pub fn execute_eager(eager: &EagerAllreduce, entry: Option<&mut TensorEntry>) -> TensorResult {
+    let response = &eager.response;
+    let dtype = response.dtype;
+    let len = response.tensor_bytes();
+    let combine = combine_of(response.reduce_op);
+    let mut sum: Option<AlignedBuffer> = None;
+    for contribution in &eager.contributions {
+        let mut part = match contribution {
+            Some(data) => AlignedBuffer::from_slice(data),
+            None => AlignedBuffer::zeroed(len),
+        };
+        ring::scale_in_place(part.as_mut_slice(), dtype, response.prescale);
+        match sum.as_mut() {
+            None => sum = Some(part),
+            Some(acc) => ring::reduce_into(acc.as_mut_slice(), part.as_slice(), dtype, combine),
+        }
+    }
+    let mut result = sum.unwrap_or_else(|| AlignedBuffer::zeroed(len));
+    ring::scale_in_place(result.as_mut_slice(), dtype, postscale_of(response, eager.contributions.len()));
+    match entry {
+        Some(e) if e.in_place => {
+            e.input.as_mut_slice().copy_from_slice(result.as_slice());
+            TensorResult::default()
+        }
+        Some(_) => {
+            let shape = response.entries.first().map(|e| e.shape.clone()).unwrap_or_default();
+            TensorResult { output: output(result, shape, dtype), ..TensorResult::default() }
+        }
+        None => TensorResult::default(),
     }
 }
 

@@ -128,7 +128,6 @@ pub fn topology(py: Python<'_>) -> PyResult<Bound<'_, PyTuple>> {
 #[pyo3(signature = (kind, names, capsules, in_place, reduce_op, prescale, postscale, root_rank, splits, process_set_id))]
 #[allow(clippy::too_many_arguments)]
 pub fn submit(
-    py: Python<'_>,
     kind: u8,
     names: Vec<String>,
     capsules: Vec<Bound<'_, PyAny>>,
@@ -153,7 +152,9 @@ pub fn submit(
         tensors.push(TensorSubmission { name, dtype: imported.dtype, shape: imported.shape, input: imported.tensor, in_place });
     }
     let op = OpSubmission { kind, tensors, reduce_op, prescale, postscale, root_rank, splits };
-    py.allow_threads(|| engine.submit(op, process_set_id)).map_err(to_py_err)
+    // Submitting never blocks (it queues and maybe wakes the engine), so the GIL is kept: releasing and
+    // re-taking it would cost more than the call.
+    engine.submit(op, process_set_id).map_err(to_py_err)
 }
 
 /// Register a process set at run time (every rank calls this, in the same order); returns its id.

@@ -181,7 +181,7 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
         indices = synchronize(indices_handle)
         if op == Average:
             values = values / process_set.size()
-        return torch.sparse_coo_tensor(indices.t(), values, tensor.shape)
+        return torch.sparse_coo_tensor(indices.t(), values, tensor.shape, check_invariants=False)
 
     return wait
 

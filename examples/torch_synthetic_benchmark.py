@@ -1,0 +1,124 @@
+"""Training throughput on synthetic data, measured the way Horovod's pytorch_synthetic_benchmark.py does.
+
+Every rank trains a small residual CNN (defined below, so nothing is downloaded) on one fixed random
+batch: a few warm-up batches, then ``--num-iters`` timed iterations of ``--num-batches-per-iter``
+batches each. Rank 0 prints images per second per rank for each iteration, their mean +- 1.96 standard
+deviations, and the total over all ranks. Run it with:
+
+    rvodrun -np 2 python examples/torch_synthetic_benchmark.py
+"""
+
+import argparse
+import timeit
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import rvod.torch as hvd
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch-size", type=int, default=32, help="per-rank batch size")
+    parser.add_argument("--image-size", type=int, default=32)
+    parser.add_argument("--width", type=int, default=32, help="channels of the first stage")
+    parser.add_argument("--num-warmup-batches", type=int, default=5)
+    parser.add_argument("--num-batches-per-iter", type=int, default=5)
+    parser.add_argument("--num-iters", type=int, default=5)
+    parser.add_argument("--fp16-allreduce", action="store_true", help="send gradients as float16")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    return parser.parse_args(argv)
+
+
+class ResidualBlock(nn.Module):
+    """Two 3x3 convolutions with batch norm and a shortcut (strided 1x1 when the shape changes)."""
+
+    def __init__(self, channels_in, channels_out, stride):
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels_in, channels_out, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels_out)
+        self.conv2 = nn.Conv2d(channels_out, channels_out, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels_out)
+        self.shortcut = nn.Identity()
+        if stride != 1 or channels_in != channels_out:
+            self.shortcut = nn.Sequential(nn.Conv2d(channels_in, channels_out, 1, stride, bias=False),
+                                          nn.BatchNorm2d(channels_out))
+
+    def forward(self, x):
+        y = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(y)) + self.shortcut(x))
+
+
+class SmallResNet(nn.Module):
+    """A stem, three stages of two residual blocks (width, 2 x width, 4 x width channels) and a classifier."""
+
+    def __init__(self, width=32, num_classes=100):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU())
+        stages, channels = [], width
+        for i, out in enumerate((width, 2 * width, 4 * width)):
+            stride = 1 if i == 0 else 2
+            stages += [ResidualBlock(channels, out, stride), ResidualBlock(out, out, 1)]
+            channels = out
+        self.stages = nn.Sequential(*stages)
+        self.head = nn.Linear(channels, num_classes)
+
+    def forward(self, x):
+        x = self.stages(self.stem(x))
+        return self.head(F.adaptive_avg_pool2d(x, 1).flatten(1))
+
+
+def synthetic_batch(batch_size, image_size, num_classes=100, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    images = torch.randn(batch_size, 3, image_size, image_size, generator=generator)
+    labels = torch.randint(0, num_classes, (batch_size,), generator=generator)
+    return images, labels
+
+
+def main():
+    args = parse_args()
+    hvd.init()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+
+    model = SmallResNet(args.width)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size(), momentum=0.9)
+    compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                         compression=compression)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    images, labels = synthetic_batch(args.batch_size, args.image_size, seed=hvd.rank())
+
+    def benchmark_step():
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(images), labels)
+        loss.backward()
+        optimizer.step()
+
+    def log(text):
+        if hvd.rank() == 0:
+            print(text, flush=True)
+
+    params = sum(p.numel() for p in model.parameters())
+    log(f"Model: SmallResNet(width={args.width}), {params / 1e6:.2f} M parameters; batch size {args.batch_size}, "
+        f"images {args.image_size}x{args.image_size}; ranks: {hvd.size()}")
+    log("Running warmup...")
+    timeit.timeit(benchmark_step, number=args.num_warmup_batches)
+    log("Running benchmark...")
+    img_secs = []
+    for i in range(args.num_iters):
+        seconds = timeit.timeit(benchmark_step, number=args.num_batches_per_iter)
+        img_sec = args.batch_size * args.num_batches_per_iter / seconds
+        log(f"Iter #{i}: {img_sec:.1f} img/sec per rank")
+        img_secs.append(img_sec)
+    mean, conf = np.mean(img_secs), 1.96 * np.std(img_secs)
+    log(f"Img/sec per rank: {mean:.1f} +-{conf:.1f}")
+    log(f"Total img/sec on {hvd.size()} rank(s): {hvd.size() * mean:.1f} +-{hvd.size() * conf:.1f}")
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,276 @@
+"""DistributedOptimizer: averages gradients across ranks while backward is still running.
+
+Each parameter gets a post-accumulate-grad hook; as soon as its gradient is complete (on the last of
+``backward_passes_per_step`` backward passes) the hook starts an in-place allreduce of it, named after the
+parameter so that the engine's response cache serves every later step. ``step()`` waits for those
+allreduces, reduces whatever no hook reduced (parameters that got no gradient on this rank are reduced as
+zeros, so ranks whose graphs differ never wait on each other), then runs the wrapped optimizer's step.
+
+The object returned is an instance of a subclass of the wrapped optimizer's class with the same name,
+sharing its parameter groups and state, so ``isinstance`` checks, ``state_dict()`` and learning-rate
+schedulers keep working.
+"""
+
+import contextlib
+import warnings
+
+import torch
+
+from rvod.common.process_sets import global_process_set
+from rvod.common.reduce_ops import Adasum, Average, resolve_op
+from rvod.torch.compression import Compression
+from rvod.torch.functions import broadcast_object
+from rvod.torch.mpi_ops import allreduce_async_, grouped_allreduce_async_, sparse_allreduce_async, synchronize
+
+_STEP_AFTER_SYNCHRONIZE = (
+    "optimizer.step() called without optimizer.skip_synchronize() context after optimizer.synchronize(). "
+    "The gradients were already reduced and are used as they are; wrap step() in "
+    "`with optimizer.skip_synchronize():` when you call optimizer.synchronize() yourself."
+)
+
+
+def _split(items, count):
+    """``items`` in ``count`` consecutive chunks whose lengths differ by at most one (empty ones dropped)."""
+    base, extra = divmod(len(items), count)
+    chunks, start = [], 0
+    for i in range(count):
+        end = start + base + (1 if i < extra else 0)
+        if end > start:
+            chunks.append(tuple(items[start:end]))
+        start = end
+    return chunks
+
+
+class _DistributedOptimizer:
+    """Mixed in before the wrapped optimizer's class; see the module docstring."""
+
+    def _setup(self, named_parameters, compression, backward_passes_per_step, op, gradient_predivide_factor,
+               groups, sparse_as_dense, process_set):
+        self._compression = compression
+        self._op = op
+        self._process_set = process_set
+        self._sparse_as_dense = sparse_as_dense
+        if op == Average:
+            self._scale = (1.0 / gradient_predivide_factor, gradient_predivide_factor)
+        else:
+            self._scale = (1.0, 1.0)
+        self._parameter_names = self._name_parameters(named_parameters)
+        self._requires_update = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        self._group_of = self._form_groups(groups)
+        self._group_ready = {}
+        self._pending = {}
+        self._synchronized = False
+        self._should_synchronize = True
+        self.set_backward_passes_per_step(backward_passes_per_step)
+        self._hook_handles = []
+        if process_set.included():
+            self._hook_handles = [p.register_post_accumulate_grad_hook(self._gradient_ready)
+                                  for p in self._requires_update]
+
+    # ---------------------------------------------------------------------------------------------- set-up
+
+    def _name_parameters(self, named_parameters):
+        if named_parameters is None:
+            return {p: f"allreduce.noname.{g}.{i}"
+                    for g, group in enumerate(self.param_groups) for i, p in enumerate(group["params"])}
+        named_parameters = list(named_parameters)
+        if any(not isinstance(pair, tuple) or len(pair) != 2 for pair in named_parameters):
+            raise ValueError("named_parameters should be a sequence of tuples (name, parameter), usually produced "
+                             "by model.named_parameters().")
+        seen, duplicates = set(), set()
+        for name, _ in named_parameters:
+            (duplicates if name in seen else seen).add(name)
+        if duplicates:
+            raise ValueError("Parameter names in named_parameters must be unique. Found duplicates: "
+                             + ", ".join(sorted(duplicates)))
+        names = {p: name for name, p in named_parameters}
+        unnamed = [id(p) for group in self.param_groups for p in group["params"] if p not in names]
+        if unnamed:
+            raise ValueError("named_parameters was specified, but one or more model parameters were not named. "
+                             "Python object ids: " + ", ".join(str(i) for i in unnamed))
+        return names
+
+    def _form_groups(self, groups):
+        """parameter -> the tuple of parameters reduced together with it (absent: reduced on its own)."""
+        if groups is None or groups == 0:
+            return {}
+        if isinstance(groups, int) and not isinstance(groups, bool):
+            if groups < 0:
+                raise ValueError(f"groups must be an int > 0 or a list of lists of torch.Tensor, got {groups}")
+            # Every rank must form the same groups: use rank 0's parameter order.
+            order = broadcast_object([self._parameter_names[p] for p in self._requires_update], root_rank=0,
+                                     name="DistributedOptimizer.groups", process_set=self._process_set)
+            position = {name: i for i, name in enumerate(order)}
+            missing = [self._parameter_names[p] for p in self._requires_update
+                       if self._parameter_names[p] not in position]
+            if missing:
+                raise ValueError(f"parameters {missing} do not exist on rank 0; groups=int needs the same model "
+                                 "on every rank")
+            ordered = sorted(self._requires_update, key=lambda p: position[self._parameter_names[p]])
+            chunks = _split(ordered, groups)
+        elif isinstance(groups, (list, tuple)):
+            if not all(isinstance(g, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in g) for g in groups):
+                raise ValueError("groups must be an int > 0 or a list of lists of torch.Tensor")
+            trained = set(self._requires_update)
+            chunks = [tuple(p for p in g if p in trained) for g in groups]
+        else:
+            raise ValueError(f"groups must be an int > 0 or a list of lists of torch.Tensor, got {type(groups)}")
+        group_of = {}
+        for chunk in chunks:
+            for p in chunk:
+                if p in group_of:
+                    raise ValueError(f"parameter {self._parameter_names[p]} is in more than one group")
+                group_of[p] = chunk
+        return group_of
+
+    # ------------------------------------------------------------------------------------- reduce gradients
+
+    def _gradient_ready(self, p):
+        """Post-accumulate-grad hook: start reducing ``p``'s gradient (or its group) on the last pass."""
+        if self._delay[p] <= 0:
+            raise AssertionError("Gradients were computed more than backward_passes_per_step times before call "
+                                 "to step(). Increase backward_passes_per_step to accumulate gradients locally.")
+        self._delay[p] -= 1
+        if self._delay[p] > 0:
+            return
+        group = self._group_of.get(p)
+        if group is None:
+            self._start(p)
+            return
+        ready = self._group_ready.setdefault(group, set())
+        ready.add(p)
+        if len(ready) == len(group):
+            self._start(group)
+
+    def _gradient(self, p, dense):
+        """``p.grad``, created as zeros when this rank computed none; densified when ``dense``."""
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        if dense and p.grad.is_sparse:
+            p.grad = p.grad.to_dense()
+        return p.grad
+
+    def _start(self, key):
+        """Start reducing the gradient of a parameter, or of a group (a tuple of parameters)."""
+        if isinstance(key, tuple):
+            self._pending[key] = self._start_group(key)
+            return
+        grad = self._gradient(key, self._sparse_as_dense)
+        name = self._parameter_names[key]
+        if grad.is_sparse:
+            wait = sparse_allreduce_async(grad, f"sparse.{name}", self._op, self._process_set)
+
+            def finish():
+                key.grad = wait()
+
+            self._pending[key] = finish
+            return
+        compressed, context = self._compression.compress(grad)
+        handle = allreduce_async_(compressed, name=name, op=self._op, prescale_factor=self._scale[0],
+                                  postscale_factor=self._scale[1], process_set=self._process_set)
+
+        def finish():
+            synchronize(handle)
+            self._write_back(grad, compressed, context)
+
+        self._pending[key] = finish
+
+    def _start_group(self, group):
+        grads = [self._gradient(p, dense=True) for p in group]
+        compressed = [self._compression.compress(g) for g in grads]
+        handle = grouped_allreduce_async_([c for c, _ in compressed], name=self._parameter_names[group[0]],
+                                          op=self._op, prescale_factor=self._scale[0],
+                                          postscale_factor=self._scale[1], process_set=self._process_set)
+
+        def finish():
+            synchronize(handle)
+            for grad, (reduced, context) in zip(grads, compressed):
+                self._write_back(grad, reduced, context)
+
+        return finish
+
+    def _write_back(self, grad, reduced, context):
+        result = self._compression.decompress(reduced, context)
+        if result is not grad:
+            with torch.no_grad():
+                grad.copy_(result)
+
+    # ------------------------------------------------------------------------------------------ public API
+
+    def set_backward_passes_per_step(self, passes):
+        """Reduce gradients every ``passes`` backward passes (accumulating locally in between)."""
+        if passes <= 0:
+            raise ValueError(f"backward_passes_per_step must be > 0, got {passes}")
+        self.backward_passes_per_step = passes
+        self._delay = {p: passes for p in self._requires_update}
+
+    def synchronize(self):
+        """Finish reducing every gradient: wait for those in flight and reduce the ones no hook started."""
+        if self._process_set.included():
+            for p in self._requires_update:
+                key = self._group_of.get(p, p)
+                if key not in self._pending:
+                    self._start(key)
+            for finish in self._pending.values():
+                finish()
+        self._pending.clear()
+        self._group_ready.clear()
+        for p in self._delay:
+            self._delay[p] = self.backward_passes_per_step
+        self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """Inside this block ``step()`` does not synchronize (call ``synchronize()`` yourself first)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        if self._should_synchronize:
+            if self._synchronized and not self._pending:
+                warnings.warn(_STEP_AFTER_SYNCHRONIZE, stacklevel=2)
+            else:
+                self.synchronize()
+        self._synchronized = False
+        return super().step(closure)
+
+    def _local_step(self, closure=None):
+        """The wrapped optimizer's step alone, without reducing anything."""
+        return super().step(closure)
+
+    def zero_grad(self, *args, **kwargs):
+        if self._pending:
+            raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
+                                 "optimizer.step() or optimizer.synchronize(). This is prohibited as it can "
+                                 "cause a race condition.")
+        return super().zero_grad(*args, **kwargs)
+
+
+def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none, backward_passes_per_step=1,
+                         op=Average, gradient_predivide_factor=1.0, num_groups=0, groups=None,
+                         sparse_as_dense=False, process_set=global_process_set):
+    """Wrap ``optimizer`` so that ``step()`` applies gradients averaged (``op``) across the ranks of
+    ``process_set``. See the module docstring; arguments are Horovod's."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    op = resolve_op(op, None)
+    if op == Adasum:
+        raise ValueError("Adasum is not supported by this rvod build; use Average or Sum.")
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if num_groups != 0:
+        warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed.", DeprecationWarning,
+                      stacklevel=2)
+        if groups is None:
+            groups = num_groups
+    cls = type(type(optimizer).__name__, (_DistributedOptimizer, type(optimizer)), {})
+    distributed = cls.__new__(cls)
+    # Share the wrapped optimizer's groups, state and hooks; instance-level wrappers of methods (an LR
+    # scheduler wraps `step`) would bypass the reduction, so those stay behind.
+    distributed.__dict__.update({k: v for k, v in vars(optimizer).items() if not hasattr(cls, k)})
+    distributed._setup(named_parameters, compression, backward_passes_per_step, op, gradient_predivide_factor,
+                       groups, sparse_as_dense, process_set)
+    return distributed
