@@ -98,10 +98,12 @@ fn a_joined_rank_contributes_zeros_and_join_returns_the_last_rank() {
     let results = on_every_rank(&engines, |rank, engine| {
         let mut sums = Vec::new();
         if rank != 1 {
-            // Rank 1 joins at once; ranks 0 and 2 reduce twice first.
-            for step in 0..2 {
+            // Rank 1 joins at once; ranks 0 and 2 reduce first: two fresh names, then one name three times
+            // (cache hits, small enough to travel in the round headers, with rank 1 contributing zeros).
+            for step in 0..5 {
+                let name = if step < 2 { format!("j{step}") } else { "j-repeated".to_string() };
                 let mut data = f32_bytes(&[(rank + 1) as f32; 4]);
-                let id = engine.submit(allreduce(&format!("j{step}"), &mut data, 4, ReduceOp::Sum), 0).unwrap();
+                let id = engine.submit(allreduce(&name, &mut data, 4, ReduceOp::Sum), 0).unwrap();
                 sums.push(as_f32(wait(engine, id).unwrap().tensors[0].as_ref().unwrap().buffer.as_slice()));
             }
             if rank == 2 {

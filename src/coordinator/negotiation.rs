@@ -281,3 +281,27 @@ impl Negotiator {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn header(joined: bool, eager: &[(u64, &[u8])]) -> RoundHeader {
+        RoundHeader {
+            joined,
+            eager: eager.iter().map(|(bit, data)| EagerPayload { bit: *bit, data: data.to_vec() }).collect(),
+            ..RoundHeader::default()
+        }
+    }
+
+    #[test]
+    fn eager_only_when_every_active_rank_sent_the_right_size() {
+        let all = [header(false, &[(3, &[1, 2])]), header(false, &[(1, &[9]), (3, &[3, 4])])];
+        assert_eq!(eager_contributions(&all, 3, 2), Some(vec![Some(vec![1, 2]), Some(vec![3, 4])]));
+        assert_eq!(eager_contributions(&all, 1, 1), None, "rank 0 did not send bit 1");
+        assert_eq!(eager_contributions(&all, 3, 4), None, "wrong size");
+        let with_joined = [header(false, &[(3, &[1, 2])]), header(true, &[])];
+        assert_eq!(eager_contributions(&with_joined, 3, 2), Some(vec![Some(vec![1, 2]), None]));
+        assert_eq!(eager_contributions(&with_joined, 3, EAGER_TENSOR_BYTES + 1), None);
+    }
+}
