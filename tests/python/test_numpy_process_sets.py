@@ -41,7 +41,7 @@ def test_static_sets_every_op_concurrency_and_stall(run_rvodrun, job_env):
     the missing global rank 3."""
     result, found = run_mode(run_rvodrun, job_env, "static", 4, RVOD_STALL_CHECK_TIME_SECONDS="2")
     # Members run more checks than non-members, but every rank ran a full suite on each of its sets.
-    assert min(passed for passed, _ in found.values()) > 60, found
+    assert min(passed for passed, _ in found.values()) > 90, found
 
     warnings = rank_stderr(result.stderr, 1)
     match = re.search(r"In process set 2 \(ranks \[1, 3\]\): One or more tensors were submitted .* waiting for "
@@ -59,11 +59,11 @@ def test_static_sets_every_op_concurrency_and_stall(run_rvodrun, job_env):
 @pytest.mark.timeout(60)
 def test_dynamic_sets_add_remove_readd_and_mismatched_registration(run_rvodrun, job_env):
     """3 ranks: mismatched static sets at init; add refused without dynamic mode, allowed with
-    HOROVOD_DYNAMIC_PROCESS_SETS=1 or init(process_sets="dynamic"); every op on the added sets [0, 2], [1]
+    RVOD_/HOROVOD_DYNAMIC_PROCESS_SETS=1 or init(process_sets="dynamic"); every op on the added sets [0, 2], [1]
     and [1, 2]; duplicates; mismatched add_process_set (every rank raises, the job goes on); remove;
     re-add with freed ids reused in the order they were freed."""
     _, found = run_mode(run_rvodrun, job_env, "dynamic", 3)
-    assert min(passed for passed, _ in found.values()) > 60, found
+    assert min(passed for passed, _ in found.values()) > 90, found
 
 
 @pytest.mark.timeout(60)

@@ -9,7 +9,7 @@
   disjoint sets at the same time while rank 3 sleeps ~4 s: the even set finishes its work while rank 1
   waits, and the odd set's coordinator (rank 1) warns about the stall naming set 2 and rank 3.
 - ``dynamic`` (3 ranks): mismatched static sets at init; add refused without dynamic mode, allowed with
-  HOROVOD_DYNAMIC_PROCESS_SETS=1 and with init(process_sets="dynamic"); add (list or ProcessSet), every op
+  RVOD_DYNAMIC_PROCESS_SETS=1, HOROVOD_DYNAMIC_PROCESS_SETS=1 and init(process_sets="dynamic"); add (list or ProcessSet), every op
   on the added sets [0, 2], [1] and [1, 2]; duplicates; mismatched registration (every rank raises, the
   job goes on); remove (global set and unknown sets give False, ops on removed sets are refused); re-add,
   with freed ids handed out again in the order they were freed, as Horovod's ProcessSetTable does.
@@ -412,17 +412,18 @@ def dynamic():
         expect_error(ValueError, "RVOD_DYNAMIC_PROCESS_SETS", hvd.add_process_set, [0, 1])
     hvd.shutdown()
 
-    os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
-    hvd.init()
-    with check("HOROVOD_DYNAMIC_PROCESS_SETS=1 allows adding and removing"):
-        ps = hvd.add_process_set([1, 0])
-        assert ps.process_set_id == 1 and ps.ranks == [0, 1]
-        if ps.included():
-            out = hvd.allreduce(np.full(2, R + 1), op=hvd.Sum, name="alias.sum", process_set=ps)
-            assert_equal(out, np.full(2, 3), "allreduce")
-        assert hvd.remove_process_set(ps) is True and ps.process_set_id is None
-    hvd.shutdown()
-    del os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"]
+    for variable in ("RVOD_DYNAMIC_PROCESS_SETS", "HOROVOD_DYNAMIC_PROCESS_SETS"):
+        os.environ[variable] = "1"  # set before init, as Horovod scripts do
+        hvd.init()
+        with check(f"{variable}=1 allows adding and removing"):
+            ps = hvd.add_process_set([1, 0])
+            assert ps.process_set_id == 1 and ps.ranks == [0, 1]
+            if ps.included():
+                out = hvd.allreduce(np.full(2, R + 1), op=hvd.Sum, name="alias.sum", process_set=ps)
+                assert_equal(out, np.full(2, 3), "allreduce")
+            assert hvd.remove_process_set(ps) is True and ps.process_set_id is None
+        hvd.shutdown()
+        del os.environ[variable]
 
     hvd.init(process_sets="dynamic")
     with check("add_process_set (list and ProcessSet) assigns ids 1, 2, 3 in call order"):
