@@ -1,9 +1,9 @@
 //! The process-set registry: which sets exist, their ranks, and this rank's communicator for each set it
 //! belongs to. Ids are assigned identically on every rank because every rank registers and removes sets
-//! in the same order: static sets get 1..=k in list order, later sets the smallest freed id first (Horovod
-//! reuses freed ids), else the next new one.
+//! in the same order: static sets get 1..=k in list order; later sets reuse freed ids in the order they
+//! were freed (as Horovod does), else take the next new one.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 
 use crate::engine::communicator::Communicator;
@@ -18,7 +18,7 @@ pub struct ProcessSetEntry {
 #[derive(Default)]
 pub struct ProcessSetRegistry {
     sets: BTreeMap<u32, ProcessSetEntry>,
-    freed: BTreeSet<u32>,
+    freed: VecDeque<u32>,
     next_id: u32,
     /// Registrations so far; names the rendezvous scope of the next one, so a re-added set meets afresh.
     registrations: u64,
@@ -36,7 +36,7 @@ impl ProcessSetRegistry {
 
     /// Reserve the id and scope sequence number for the next set.
     pub fn reserve(&mut self) -> (u32, u64) {
-        let id = match self.freed.pop_first() {
+        let id = match self.freed.pop_front() {
             Some(id) => id,
             None => {
                 let id = self.next_id;
@@ -48,10 +48,10 @@ impl ProcessSetRegistry {
         (id, self.registrations)
     }
 
-    /// Give back an id reserved by `next` whose registration failed.
+    /// Give back an id reserved by `reserve` whose registration failed: it is the next one handed out.
     pub fn release(&mut self, id: u32) {
         if !self.sets.contains_key(&id) {
-            self.freed.insert(id);
+            self.freed.push_front(id);
         }
     }
 
@@ -61,7 +61,7 @@ impl ProcessSetRegistry {
 
     pub fn remove(&mut self, id: u32) -> Option<ProcessSetEntry> {
         let entry = self.sets.remove(&id)?;
-        self.freed.insert(id);
+        self.freed.push_back(id);
         Some(entry)
     }
 
@@ -100,5 +100,22 @@ mod tests {
         let (id, _) = r.reserve();
         assert_eq!(id, 3);
         assert_eq!(r.list().iter().map(|(i, _)| *i).collect::<Vec<_>>(), vec![0, 1, 2]);
+    }
+
+    #[test]
+    fn freed_ids_are_reused_in_the_order_they_were_freed() {
+        let mut r = ProcessSetRegistry::default();
+        for _ in 0..4 {
+            let (id, _) = r.reserve();
+            r.insert(id, entry(&[id as usize]));
+        }
+        r.remove(2);
+        r.remove(1);
+        assert_eq!(r.reserve().0, 2);
+        let (id, _) = r.reserve();
+        assert_eq!(id, 1);
+        r.release(id);
+        assert_eq!(r.reserve().0, 1, "a failed registration's id is handed out next");
+        assert_eq!(r.reserve().0, 4);
     }
 }

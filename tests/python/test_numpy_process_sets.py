@@ -21,7 +21,8 @@ def run_mode(run_rvodrun, job_env, mode, size, timeout=60, **settings):
         job_env.pop(name, None)
     job_env.update(settings)
     result = run_rvodrun(["-np", str(size), PYTHON, WORKER, mode], timeout=timeout)
-    report = f"exit {result.returncode}\nstdout:\n{result.stdout[-6000:]}\nstderr:\n{failures(result.stderr)[-20000:]}"
+    report = (f"exit {result.returncode}\nstdout:\n{result.stdout[-6000:]}\n"
+              f"stderr:\n{failures(result.stderr)[-20000:]}")
     found = verdicts(result.stdout)
     assert set(found) == set(range(size)), report
     assert all(failed == 0 for _, failed in found.values()), report
@@ -36,7 +37,7 @@ def rank_stderr(text: str, rank: int) -> str:
 @pytest.mark.timeout(60)
 def test_static_sets_every_op_concurrency_and_stall(run_rvodrun, job_env):
     """4 ranks, sets [0, 2], [1, 3], [0, 1, 2] registered at init: the API, every op on every set with exact
-    values, refusals, a mismatch inside a set; then the two disjoint sets at once while rank 3 sleeps ~4 s:
+    values, refusals, a mismatch inside a set; then the two disjoint sets at once while rank 3 sleeps ~4.5 s:
     the even set finishes while rank 1 waits, and rank 1 (the odd set's coordinator) warns naming set 2 and
     the missing global rank 3."""
     result, found = run_mode(run_rvodrun, job_env, "static", 4, RVOD_STALL_CHECK_TIME_SECONDS="2")

@@ -1,15 +1,16 @@
-"""Deterministic names for unnamed collectives: ``<op>.noname.<n>`` with one counter per process, so
-ranks that issue unnamed ops in the same order match them. The counter restarts at shutdown."""
+"""Deterministic names for unnamed collectives: ``<op>.noname.<n>``, counted per process set, so ranks
+that issue unnamed ops on a set in the same order match them, whatever they do on other sets. The
+counters restart at shutdown."""
 
+import collections
 import itertools
 
-_counter = itertools.count(1)
+_counters = collections.defaultdict(lambda: itertools.count(1))
 
 
-def next_name(prefix):
-    return f"{prefix}.noname.{next(_counter)}"
+def next_name(prefix, process_set_id=0):
+    return f"{prefix}.noname.{next(_counters[process_set_id])}"
 
 
 def reset():
-    global _counter
-    _counter = itertools.count(1)
+    _counters.clear()

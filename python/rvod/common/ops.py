@@ -52,8 +52,18 @@ class _Pending:
 _pending = {}
 
 
-def _prefixed(prefix, name):
-    return naming.next_name(prefix) if name is None else f"{prefix}.{name}"
+def _prefixed(prefix, name, process_set):
+    """The op's name; an unnamed op takes the next number of its process set, once the set is accepted."""
+    if name is not None:
+        return f"{prefix}.{name}"
+    return naming.next_name(prefix, process_set_id_of(process_set))
+
+
+def _group_names(prefix, name, count, process_set):
+    if name is not None:
+        return [f"{prefix}.{name}_{i}" for i in range(count)]
+    set_id = process_set_id_of(process_set)
+    return [naming.next_name(prefix, set_id) for _ in range(count)]
 
 
 def _submit(kind, names, adapter, tensors, in_place, finish, op=Sum, prescale=1.0, postscale=1.0, root=-1, splits=(),
@@ -123,7 +133,7 @@ def _list_output(adapter, originals, in_place):
 def allreduce_async(adapter, tensor, average=None, name=None, op=None, prescale_factor=1.0,
                     postscale_factor=1.0, process_set=global_process_set, in_place=False):
     op = resolve_op(op, average)
-    names = [_prefixed("allreduce", name)]
+    names = [_prefixed("allreduce", name, process_set)]
     return _submit(ALLREDUCE, names, adapter, [tensor], in_place, _single_output(adapter, tensor, in_place),
                    op=op, prescale=prescale_factor, postscale=postscale_factor, process_set=process_set)
 
@@ -134,16 +144,13 @@ def grouped_allreduce_async(adapter, tensors, average=None, name=None, op=None, 
     tensors = list(tensors)
     if not tensors:
         raise ValueError("grouped_allreduce needs at least one tensor")
-    if name is None:
-        names = [naming.next_name("grouped_allreduce") for _ in tensors]
-    else:
-        names = [f"grouped_allreduce.{name}_{i}" for i in range(len(tensors))]
+    names = _group_names("grouped_allreduce", name, len(tensors), process_set)
     return _submit(ALLREDUCE, names, adapter, tensors, in_place, _list_output(adapter, tensors, in_place),
                    op=op, prescale=prescale_factor, postscale=postscale_factor, process_set=process_set)
 
 
 def allgather_async(adapter, tensor, name=None, process_set=global_process_set):
-    return _submit(ALLGATHER, [_prefixed("allgather", name)], adapter, [tensor], False,
+    return _submit(ALLGATHER, [_prefixed("allgather", name, process_set)], adapter, [tensor], False,
                    _single_output(adapter, tensor, False), process_set=process_set)
 
 
@@ -151,16 +158,13 @@ def grouped_allgather_async(adapter, tensors, name=None, process_set=global_proc
     tensors = list(tensors)
     if not tensors:
         raise ValueError("grouped_allgather needs at least one tensor")
-    if name is None:
-        names = [naming.next_name("grouped_allgather") for _ in tensors]
-    else:
-        names = [f"grouped_allgather.{name}_{i}" for i in range(len(tensors))]
+    names = _group_names("grouped_allgather", name, len(tensors), process_set)
     return _submit(ALLGATHER, names, adapter, tensors, False, _list_output(adapter, tensors, False),
                    process_set=process_set)
 
 
 def broadcast_async(adapter, tensor, root_rank, name=None, process_set=global_process_set, in_place=False):
-    return _submit(BROADCAST, [_prefixed("broadcast", name)], adapter, [tensor], in_place,
+    return _submit(BROADCAST, [_prefixed("broadcast", name, process_set)], adapter, [tensor], in_place,
                    _single_output(adapter, tensor, in_place), root=root_rank, process_set=process_set)
 
 
@@ -171,14 +175,15 @@ def alltoall_async(adapter, tensor, splits=None, name=None, process_set=global_p
         output = adapter.from_dlpack(outputs[0])
         return output if splits is None else (output, adapter.received_splits(received_splits))
 
-    return _submit(ALLTOALL, [_prefixed("alltoall", name)], adapter, [tensor], False, finish, splits=split_list,
+    return _submit(ALLTOALL, [_prefixed("alltoall", name, process_set)], adapter, [tensor], False, finish,
+                   splits=split_list,
                    process_set=process_set)
 
 
 def reducescatter_async(adapter, tensor, name=None, op=Average, process_set=global_process_set,
                         prescale_factor=1.0, postscale_factor=1.0):
     op = resolve_op(op, None)
-    return _submit(REDUCESCATTER, [_prefixed("reducescatter", name)], adapter, [tensor], False,
+    return _submit(REDUCESCATTER, [_prefixed("reducescatter", name, process_set)], adapter, [tensor], False,
                    _single_output(adapter, tensor, False), op=op, prescale=prescale_factor,
                    postscale=postscale_factor, process_set=process_set)
 
@@ -189,10 +194,7 @@ def grouped_reducescatter_async(adapter, tensors, name=None, op=Average, process
     tensors = list(tensors)
     if not tensors:
         raise ValueError("grouped_reducescatter needs at least one tensor")
-    if name is None:
-        names = [naming.next_name("grouped_reducescatter") for _ in tensors]
-    else:
-        names = [f"grouped_reducescatter.{name}_{i}" for i in range(len(tensors))]
+    names = _group_names("grouped_reducescatter", name, len(tensors), process_set)
     return _submit(REDUCESCATTER, names, adapter, tensors, False, _list_output(adapter, tensors, False),
                    op=op, prescale=prescale_factor, postscale=postscale_factor, process_set=process_set)
 

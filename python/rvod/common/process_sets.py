@@ -124,6 +124,9 @@ def process_set_id_of(process_set):
             f"{process_set}: Process set provided does not exist, or has not been registered; register the "
             "process set with init(process_sets=[...]) or add_process_set()."
         )
+    me = _rvod.topology()[0]
+    if me not in process_set.ranks:
+        raise ValueError(f"Rank {me} is not a member of the provided process set {process_set}.")
     return set_id
 
 

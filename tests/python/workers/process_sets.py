@@ -6,13 +6,14 @@
   reducescatter, barrier, broadcast_object) on the even set [0, 2], the odd set [1, 3] and the odd-sized
   set [0, 1, 2], against exact values; ranks outside a set refused at once; the same name in flight in
   two sets; a mismatch inside a set; add_process_set refused without dynamic mode; and last, the two
-  disjoint sets at the same time while rank 3 sleeps ~4 s: the even set finishes its work while rank 1
+  disjoint sets at the same time while rank 3 sleeps ~4.5 s: the even set finishes its work while rank 1
   waits, and the odd set's coordinator (rank 1) warns about the stall naming set 2 and rank 3.
 - ``dynamic`` (3 ranks): mismatched static sets at init; add refused without dynamic mode, allowed with
-  RVOD_DYNAMIC_PROCESS_SETS=1, HOROVOD_DYNAMIC_PROCESS_SETS=1 and init(process_sets="dynamic"); add (list or ProcessSet), every op
-  on the added sets [0, 2], [1] and [1, 2]; duplicates; mismatched registration (every rank raises, the
-  job goes on); remove (global set and unknown sets give False, ops on removed sets are refused); re-add,
-  with freed ids handed out again in the order they were freed, as Horovod's ProcessSetTable does.
+  RVOD_DYNAMIC_PROCESS_SETS=1, HOROVOD_DYNAMIC_PROCESS_SETS=1 and init(process_sets="dynamic"); add (a
+  list or a ProcessSet); every op on the added sets [0, 2], [1] and [1, 2]; duplicates; mismatched
+  registration (every rank raises, the job goes on); remove (global set and unknown sets give False, ops
+  on removed sets are refused); re-add, with freed ids handed out again in the order they were freed, as
+  Horovod's ProcessSetTable does.
 - ``naming`` (3 ranks): unnamed ops stay matched across ranks after a rank outside a set was refused an
   unnamed op, and after a subset ran unnamed ops on its own set.
 
@@ -177,8 +178,10 @@ def every_op(ps, tag):
         assert_equal(outs[0], expected_gather, "group 0")
         assert_equal(outs[1], np.concatenate([gather_part(r, 1, np.int64) for r in members]), "group 1")
 
+    def value(rank):
+        return np.full((2, 2), 100 * rank + 7, dtype=np.int64)
+
     for root in members:
-        value = lambda rank: np.full((2, 2), 100 * rank + 7, dtype=np.int64)  # noqa: E731
         with check(f"{label}: broadcast from global rank {root}"):
             assert_equal(hvd.broadcast(value(R), root, name=f"{tag}.bc.{root}", process_set=ps), value(root),
                          "broadcast")
@@ -310,7 +313,8 @@ def static():
     api_before_init()
     with check("init with duplicate sets (one a permutation of the other) raises ValueError, starts nothing"):
         start = time.monotonic()
-        expect_error(ValueError, r"duplicate", hvd.init, process_sets=[hvd.ProcessSet([0, 2]), hvd.ProcessSet([2, 0])])
+        duplicates = [hvd.ProcessSet([0, 2]), hvd.ProcessSet([2, 0])]
+        expect_error(ValueError, r"duplicate", hvd.init, process_sets=duplicates)
         assert time.monotonic() - start < 1.0, f"took {time.monotonic() - start:.2f} s"
         assert hvd.is_initialized() is False
 
@@ -363,7 +367,7 @@ def static():
     # Two disjoint sets at once. Rank 3 sleeps; the even set works meanwhile and finishes long before
     # rank 1's allreduce in the odd set can complete. The odd set's coordinator (rank 1) warns about the
     # stall after RVOD_STALL_CHECK_TIME_SECONDS=2, naming set 2 and rank 3.
-    sleep = 4.0
+    sleep = 4.5  # a stall check (every 2 s) is sure to fall between 2 s and 4 s of waiting
     hvd.barrier()
     start = time.monotonic()
     with check("concurrent sets: each set's work completes with the right values"):
