@@ -13,6 +13,9 @@ use crate::error::EngineError;
 
 pub type HandleId = u64;
 
+/// How long a waiter checks for completion without sleeping.
+const SPIN: Duration = Duration::from_micros(30);
+
 struct HandleState {
     /// Tensors (or barrier/join events) still to complete.
     remaining: usize,
@@ -124,8 +127,14 @@ impl HandleTable {
         self.lock().handles.get(&id).map(|s| s.remaining == 0)
     }
 
-    /// Wait up to `slice` for `id`; a finished handle is removed and its result returned.
+    /// Wait up to `slice` for `id`; a finished handle is removed and its result returned. Small ops often
+    /// finish within microseconds, so the caller first checks for [`SPIN`] (yielding the CPU between
+    /// checks) before sleeping: being woken from a sleep costs more than that on a VM.
     pub fn wait(&self, id: HandleId, slice: Duration) -> WaitOutcome {
+        let spin_until = std::time::Instant::now() + SPIN.min(slice);
+        while std::time::Instant::now() < spin_until && self.is_done(id) == Some(false) {
+            std::thread::yield_now();
+        }
         let mut t = self.lock();
         let deadline = std::time::Instant::now() + slice;
         loop {
