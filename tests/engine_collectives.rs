@@ -191,3 +191,38 @@ fn broadcast_allgather_alltoall_reducescatter_and_barrier() {
         assert_eq!(data(3), vec![3.0; rows]);
     }
 }
+
+#[test]
+fn evictions_do_not_strand_pending_cache_hits() {
+    // The cache holds exactly the 4 tensors of a step; one extra name per step (alternating) evicts the
+    // least recently used, so the next step mixes a miss with hits. Rank 1 submits with small gaps, so hits
+    // of rank 0 are still pending while the miss's response is put into the cache. Each step must complete
+    // promptly (not after the stall check) with correct sums.
+    let (engines, _server) =
+        start_job(2, &[("RVOD_CACHE_CAPACITY", "4"), ("RVOD_STALL_CHECK_TIME_SECONDS", "20")]);
+    for step in 0..8 {
+        let started = std::time::Instant::now();
+        let results = on_every_rank(&engines, |rank, engine| {
+            let mut buffers: Vec<Vec<u8>> = (0..4).map(|i| f32_bytes(&[(rank + i) as f32; 8])).collect();
+            let mut ids = Vec::new();
+            for (i, b) in buffers.iter_mut().enumerate() {
+                if rank == 1 {
+                    std::thread::sleep(Duration::from_micros(300));
+                }
+                ids.push(engine.submit(allreduce(&format!("t.{i}"), b, 8, ReduceOp::Sum), 0).unwrap());
+            }
+            let outputs: Vec<_> = ids.into_iter().map(|id| wait(engine, id).unwrap()).collect();
+            let mut extra = f32_bytes(&[1.0]);
+            let id = engine.submit(allreduce(&format!("extra.{}", step % 2), &mut extra, 1, ReduceOp::Sum), 0).unwrap();
+            wait(engine, id).unwrap();
+            outputs
+        });
+        assert!(started.elapsed() < Duration::from_secs(5), "step {step} took {:?}", started.elapsed());
+        for outputs in results {
+            for (i, out) in outputs.iter().enumerate() {
+                let got = as_f32(out.tensors[0].as_ref().unwrap().buffer.as_slice());
+                assert_eq!(got, vec![(2 * i + 1) as f32; 8], "step {step} tensor {i}");
+            }
+        }
+    }
+}

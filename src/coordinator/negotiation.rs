@@ -192,6 +192,17 @@ impl Negotiator {
             for response in &new_responses {
                 self.cache.put(response, |name| table.request(name).map(TensorParams::from));
             }
+            // A put may have evicted an entry whose bit a pending hit of ours still announces (and may even
+            // have given that bit to another tensor): such hits go back to being looked up afresh.
+            let cache = &self.cache;
+            table.for_each(|entry, announcement| {
+                if let Announcement::CacheHit(bit) = *announcement {
+                    let cached_name = cache.get(bit).and_then(|r| r.entries.first()).map(|e| e.name.as_str());
+                    if cached_name != Some(entry.request.name.as_str()) {
+                        *announcement = Announcement::Unsent;
+                    }
+                }
+            });
             responses.extend(new_responses);
         }
 
