@@ -1,9 +1,15 @@
-"""Broadcasting and gathering arbitrary picklable objects, written once over a shim's byte-tensor ops."""
+"""Broadcasting and gathering arbitrary picklable objects, written once over a shim's byte-tensor ops.
+
+Unnamed calls are matched across ranks by call order (per process set). Horovod names them by the
+object's type instead, which differs between ``obj`` on the root and ``None`` elsewhere and then never
+matches."""
 
 import io
 
 import cloudpickle
 import numpy as np
+
+from rvod.common import naming
 
 
 def _to_bytes(obj):
@@ -12,9 +18,9 @@ def _to_bytes(obj):
     return np.frombuffer(buffer.getvalue(), dtype=np.uint8)
 
 
-def broadcast_object(broadcast, rank, obj, root_rank=0, name=None):
+def broadcast_object(broadcast, rank, obj, root_rank=0, name=None, process_set_id=0):
     """``broadcast(array, root_rank, name)`` broadcasts a NumPy array; returns root's object everywhere."""
-    name = name or type(obj).__name__
+    name = naming.next_name("broadcast_object", process_set_id) if name is None else name
     if rank == root_rank:
         payload = _to_bytes(obj)
         broadcast(np.array([payload.size], dtype=np.int64), root_rank, f"{name}.sz")
@@ -27,7 +33,7 @@ def broadcast_object(broadcast, rank, obj, root_rank=0, name=None):
 
 def allgather_object(allgather, obj, name=None):
     """``allgather(array, name)`` allgathers NumPy arrays; returns every rank's object, in rank order."""
-    name = name or type(obj).__name__
+    name = naming.next_name("allgather_object") if name is None else name
     payload = _to_bytes(obj)
     sizes = np.asarray(allgather(np.array([payload.size], dtype=np.int64), f"{name}.sz"))
     data = np.asarray(allgather(payload, f"{name}.t")).tobytes()

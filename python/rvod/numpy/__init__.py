@@ -38,6 +38,7 @@ from rvod.common.process_sets import (
     global_process_set,
     remove_process_set,
 )
+from rvod.common.process_sets import process_set_id_of as _process_set_id_of
 from rvod.common.reduce_ops import Adasum, Average, Max, Min, Product, Sum
 from rvod.exceptions import HorovodInternalError, RvodInternalError, RvodMismatchError
 from rvod.numpy.adapter import NumpyAdapter
@@ -171,7 +172,7 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=gps):
     """Return ``root_rank``'s picklable object on every rank."""
     return _objects.broadcast_object(
         lambda array, root, object_name: broadcast(array, root, object_name, process_set),
-        rank(), obj, root_rank, name)
+        rank(), obj, root_rank, name, _process_set_id_of(process_set))
 
 
 def allgather_object(obj, name=None):

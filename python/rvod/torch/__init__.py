@@ -17,7 +17,7 @@ from rvod.torch.mpi_ops import (
     Product,
     ProcessSet,
     Sum,
-    _check_has_gpu,
+    _check_has_gpu,  # noqa: F401  (private, but Horovod scripts and tests call it)
     add_process_set,
     allgather,
     allgather_async,

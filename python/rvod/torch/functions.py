@@ -3,7 +3,7 @@
 import torch
 
 from rvod.common import objects as _objects
-from rvod.common.process_sets import global_process_set
+from rvod.common.process_sets import global_process_set, process_set_id_of
 from rvod.torch.mpi_ops import allgather, broadcast, broadcast_async_, rank, synchronize
 
 
@@ -49,49 +49,72 @@ def _initialize_state(optimizer):
             p.grad = grad
 
 
-def broadcast_optimizer_state(optimizer, root_rank, model=None):
-    """Give every rank ``root_rank``'s optimizer state: the per-parameter state tensors (broadcast in
-    place) and the hyper-parameters of each parameter group and any non-tensor state (as objects, so
-    tuples such as Adam's ``betas``, booleans and ``None`` keep their types).
+def _layout(optimizer):
+    """The root's description of an optimizer: each group's hyper-parameters, and each parameter's state
+    entries as ("tensor", shape, dtype) or ("value", value), keyed by (group index, parameter index)."""
+    state = {}
+    for g, group in enumerate(optimizer.param_groups):
+        for i, p in enumerate(group["params"]):
+            if p in optimizer.state:
+                state[(g, i)] = {key: ("tensor", tuple(value.shape), value.dtype) if torch.is_tensor(value)
+                                 else ("value", value) for key, value in optimizer.state[p].items()}
+    options = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    return options, state
 
-    A fresh optimizer first gets its state from one step on zero gradients. ``model`` is accepted for
-    Horovod compatibility; state is matched by position in the parameter groups, so it is not needed.
+
+def broadcast_optimizer_state(optimizer, root_rank, model=None):
+    """Give every rank ``root_rank``'s optimizer state.
+
+    The root's hyper-parameters (types kept: Adam's ``betas`` stay a tuple), non-tensor state and the
+    layout of its state tensors travel as one object; then every state tensor is broadcast in place. Ranks
+    whose state is laid out differently (another ``amsgrad``, a missing momentum buffer) take the root's
+    layout. A fresh optimizer on the root first gets its state from one step on zero gradients.
+    ``model`` is accepted for Horovod compatibility; state is matched by position in the parameter
+    groups, so it is not needed.
     """
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
-    if not optimizer.state:
+    if rank() == root_rank and not optimizer.state:
         _initialize_state(optimizer)
-
-    tensors, others = [], {}
-    for g, group in enumerate(optimizer.param_groups):
-        for i, p in enumerate(group["params"]):
-            for key, value in sorted(optimizer.state.get(p, {}).items()):
-                if isinstance(value, torch.Tensor):
-                    tensors.append((f"optimizer.{g}.{i}.{key}", value))
-                else:
-                    others[(g, i, key)] = value
-    options = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-    options, others = broadcast_object((options, others), root_rank, name="optimizer.options")
-    broadcast_parameters(dict(tensors), root_rank)
+    layout = _layout(optimizer) if rank() == root_rank else None
+    options, layout = broadcast_object(layout, root_rank, name="optimizer.layout")
 
     for group, group_options in zip(optimizer.param_groups, options):
         group.update(group_options)
-    for (g, i, key), value in others.items():
-        optimizer.state[optimizer.param_groups[g]["params"][i]][key] = value
+    params = {(g, i): p for g, group in enumerate(optimizer.param_groups) for i, p in enumerate(group["params"])}
+    for position, p in params.items():
+        if position not in layout:
+            optimizer.state.pop(p, None)
+    tensors = {}
+    for (g, i), entries in layout.items():
+        p = params[(g, i)]
+        state = optimizer.state[p]
+        for key in [k for k in state if k not in entries]:
+            del state[key]
+        for key, entry in entries.items():
+            if entry[0] == "value":
+                state[key] = entry[1]
+                continue
+            current = state.get(key)
+            shape, dtype = entry[1], entry[2]
+            if not (torch.is_tensor(current) and tuple(current.shape) == shape and current.dtype == dtype):
+                state[key] = current = torch.zeros(shape, dtype=dtype)
+            tensors[f"optimizer.{g}.{i}.{key}"] = current
+    broadcast_parameters(tensors, root_rank)
 
 
 def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
-    """Return ``root_rank``'s picklable object on every rank (sent as a byte tensor)."""
+    """Return ``root_rank``'s picklable object on every rank (sent as a byte tensor); unnamed calls match
+    across ranks by call order."""
 
     def broadcast_bytes(array, root, object_name):
         return broadcast(torch.tensor(array), root, object_name, process_set).numpy()
 
-    return _objects.broadcast_object(broadcast_bytes, rank(), obj, root_rank, name)
+    return _objects.broadcast_object(broadcast_bytes, rank(), obj, root_rank, name, process_set_id_of(process_set))
 
 
 def allgather_object(obj, name=None):
-    """A list with every rank's picklable object, in rank order."""
-
+    """A list with every rank's picklable object, in rank order (unnamed calls match by call order)."""
     def allgather_bytes(array, object_name):
         return allgather(torch.tensor(array), object_name).numpy()
 

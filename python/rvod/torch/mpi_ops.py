@@ -45,6 +45,7 @@ from rvod.common.process_sets import (  # noqa: F401
     ProcessSet,
     add_process_set,
     global_process_set,
+    process_set_id_of,
     remove_process_set,
 )
 from rvod.common.reduce_ops import Adasum, Average, Max, Min, Product, Sum, resolve_op  # noqa: F401
@@ -172,7 +173,7 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
         raise ValueError("sparse_allreduce_async supports only Sum and Average")
     if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.sparse_coo:
         raise ValueError("sparse_allreduce_async expects a sparse COO tensor")
-    base = naming.next_name("sparse_allreduce") if name is None else name
+    base = naming.next_name("sparse_allreduce", process_set_id_of(process_set)) if name is None else name
     indices_handle = allgather_async(tensor._indices().t(), f"{base}.indices", process_set)
     values_handle = allgather_async(tensor._values(), f"{base}.values", process_set)
 
@@ -297,6 +298,7 @@ def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
 def _alltoall_splits(tensor, splits, process_set):
     """The rows to send to each rank, as a list: ``splits`` checked as Horovod does, or an even split."""
     if splits is None:
+        process_set_id_of(process_set)  # an unusable set is refused here, before its size is needed
         count = process_set.size()
         rows = tensor.shape[0] if isinstance(tensor, torch.Tensor) and tensor.dim() else 0
         if rows % count:

@@ -97,15 +97,16 @@ class _DistributedOptimizer:
         if isinstance(groups, int) and not isinstance(groups, bool):
             if groups < 0:
                 raise ValueError(f"groups must be an int > 0 or a list of lists of torch.Tensor, got {groups}")
-            # Every rank must form the same groups: use rank 0's parameter order.
-            order = broadcast_object([self._parameter_names[p] for p in self._requires_update], root_rank=0,
-                                     name="DistributedOptimizer.groups", process_set=self._process_set)
+            # Every rank must form the same groups: use the parameter order of the set's first rank.
+            order = broadcast_object([self._parameter_names[p] for p in self._requires_update],
+                                     root_rank=self._process_set.ranks[0], name="DistributedOptimizer.groups",
+                                     process_set=self._process_set)
             position = {name: i for i, name in enumerate(order)}
             missing = [self._parameter_names[p] for p in self._requires_update
                        if self._parameter_names[p] not in position]
             if missing:
-                raise ValueError(f"parameters {missing} do not exist on rank 0; groups=int needs the same model "
-                                 "on every rank")
+                raise ValueError(f"parameters {missing} do not exist on rank {self._process_set.ranks[0]}; "
+                                 "groups=int needs the same model on every rank")
             ordered = sorted(self._requires_update, key=lambda p: position[self._parameter_names[p]])
             chunks = _split(ordered, groups)
         elif isinstance(groups, (list, tuple)):
@@ -151,20 +152,21 @@ class _DistributedOptimizer:
         return p.grad
 
     def _start(self, key):
-        """Start reducing the gradient of a parameter, or of a group (a tuple of parameters)."""
-        if isinstance(key, tuple):
-            self._pending[key] = self._start_group(key)
-            return
-        grad = self._gradient(key, self._sparse_as_dense)
-        name = self._parameter_names[key]
+        """Start reducing the gradient of a parameter, or of a group (a tuple of parameters), and remember
+        how to finish: wait, then write the result into the gradients."""
+        start = self._start_group if isinstance(key, tuple) else self._start_parameter
+        self._pending[key] = start(key)
+
+    def _start_parameter(self, p):
+        grad = self._gradient(p, self._sparse_as_dense)
+        name = self._parameter_names[p]
         if grad.is_sparse:
             wait = sparse_allreduce_async(grad, f"sparse.{name}", self._op, self._process_set)
 
-            def finish():
-                key.grad = wait()
+            def finish_sparse():
+                p.grad = wait()
 
-            self._pending[key] = finish
-            return
+            return finish_sparse
         compressed, context = self._compression.compress(grad)
         handle = allreduce_async_(compressed, name=name, op=self._op, prescale_factor=self._scale[0],
                                   postscale_factor=self._scale[1], process_set=self._process_set)
@@ -173,7 +175,7 @@ class _DistributedOptimizer:
             synchronize(handle)
             self._write_back(grad, compressed, context)
 
-        self._pending[key] = finish
+        return finish
 
     def _start_group(self, group):
         grads = [self._gradient(p, dense=True) for p in group]
@@ -256,6 +258,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     ``process_set``. See the module docstring; arguments are Horovod's."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if isinstance(optimizer, _DistributedOptimizer):
+        raise ValueError("this optimizer is already a DistributedOptimizer; wrap the plain optimizer once")
     op = resolve_op(op, None)
     if op == Adasum:
         raise ValueError("Adasum is not supported by this rvod build; use Average or Sum.")

@@ -440,7 +440,8 @@ for dtype in (torch.float32, torch.float64):
             """Rows of dest_rank's output gradient, in dest_rank's receive order, that came from this rank."""
             rows_from = [SPLITS[s][dest_rank] for s in range(N)]
             start = sum(rows_from[:R])
-            return (contribution(dtype, (sum(rows_from), 2), dest_rank, 36) + 100 * dest_rank)[start:start + rows_from[R]]
+            sent_there = contribution(dtype, (sum(rows_from), 2), dest_rank, 36) + 100 * dest_rank
+            return sent_there[start:start + rows_from[R]]
 
         expected = torch.cat([back(d) for d in range(N)])
         t = mine.clone().requires_grad_()
