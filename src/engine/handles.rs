@@ -131,10 +131,7 @@ impl HandleTable {
     /// finish within microseconds, so the caller first checks for [`SPIN`] (yielding the CPU between
     /// checks) before sleeping: being woken from a sleep costs more than that on a VM.
     pub fn wait(&self, id: HandleId, slice: Duration) -> WaitOutcome {
-        let spin_until = std::time::Instant::now() + SPIN.min(slice);
-        while std::time::Instant::now() < spin_until && self.is_done(id) == Some(false) {
-            std::thread::yield_now();
-        }
+        crate::transport::spin::spin_until(SPIN.min(slice), || self.is_done(id) != Some(false));
         let mut t = self.lock();
         let deadline = std::time::Instant::now() + slice;
         loop {

@@ -12,6 +12,7 @@ pub mod memory;
 pub mod tcp;
 pub mod handshake;
 pub mod rendezvous;
+pub mod spin;
 pub mod waker;
 
 use std::time::Duration;

@@ -24,6 +24,7 @@ use std::time::{Duration, Instant};
 
 use crate::transport::handshake::{self, Purpose, MAX_CLAIM_LEN};
 use crate::transport::rendezvous::StoreClient;
+use crate::transport::spin;
 use crate::transport::{Activity, Transport, TransportError, Waker};
 
 /// Size of the buffer `exchange` reads into before handing pieces to its sink: small enough to stay in
@@ -147,25 +148,28 @@ fn poll_once(fds: &mut [libc::pollfd], timeout: Duration) -> io::Result<Option<u
 
 const ALERT: libc::c_short = libc::POLLHUP | libc::POLLERR;
 
-/// How long a wait checks for readiness without sleeping before it blocks in `poll`. Small messages
-/// usually arrive within this window, and waking a sleeping thread costs tens of microseconds on a VM.
-/// Each check yields the CPU, so a rank that shares a core with others does not starve them.
+/// How long a wait checks for readiness without sleeping before it blocks in `poll` (see
+/// [`spin`](crate::transport::spin)).
 const SPIN: Duration = Duration::from_micros(50);
 
-/// `poll` that first checks readiness without blocking for up to [`SPIN`], then blocks for the rest of
-/// `timeout`.
+/// `poll` that first checks readiness without blocking for up to [`SPIN`] (when spinning has been paying
+/// off for this thread), then blocks for the rest of `timeout`.
 fn poll_spin_then_block(fds: &mut [libc::pollfd], timeout: Duration) -> io::Result<Option<usize>> {
     let start = Instant::now();
-    let spin = SPIN.min(timeout);
-    loop {
-        match poll_once(fds, Duration::ZERO)? {
-            Some(ready) if ready > 0 => return Ok(Some(ready)),
-            _ if start.elapsed() >= spin => break,
-            _ => {
-                // SAFETY: sched_yield has no preconditions.
-                unsafe { libc::sched_yield() };
-            }
+    let mut failure = None;
+    let became_ready = spin::spin_until(SPIN.min(timeout), || match poll_once(fds, Duration::ZERO) {
+        Ok(Some(ready)) => ready > 0,
+        Ok(None) => false,
+        Err(e) => {
+            failure = Some(e);
+            true
         }
+    });
+    if let Some(e) = failure {
+        return Err(e);
+    }
+    if became_ready {
+        return Ok(Some(1));
     }
     poll_once(fds, timeout.saturating_sub(start.elapsed()))
 }
