@@ -7,6 +7,7 @@ collectives in the same order, so a failing check never leaves a peer waiting.
 """
 
 import contextlib
+import re
 import sys
 import time
 import traceback
@@ -42,3 +43,16 @@ def finish(rank):
     sys.stdout.flush()
     sys.stderr.flush()
     sys.exit(1 if _failures else 0)
+
+
+def expect_error(error_type, pattern, call, *args, **kwargs):
+    """Runs ``call``; it must raise ``error_type`` with a message matching ``pattern``. Returns the message."""
+    try:
+        call(*args, **kwargs)
+    except error_type as error:
+        message = str(error)
+        assert re.search(pattern, message), f"{type(error).__name__} message {message!r} does not match {pattern!r}"
+        return message
+    except Exception as error:
+        raise AssertionError(f"expected {error_type.__name__}, got {type(error).__name__}: {error}") from error
+    raise AssertionError(f"expected {error_type.__name__} matching {pattern!r}, nothing was raised")

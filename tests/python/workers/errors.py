@@ -19,23 +19,12 @@ import time
 
 import numpy as np
 import rvod.numpy as hvd
-from _check import check, finish, wait_done
+from _check import check, expect_error, finish, wait_done
 from rvod.exceptions import RvodError, RvodInternalError, RvodMismatchError
 
 MODE = sys.argv[1]
 
 
-def expect_error(error_type, pattern, call, *args, **kwargs):
-    """Runs ``call``; it must raise ``error_type`` with a message matching ``pattern``. Returns the message."""
-    try:
-        call(*args, **kwargs)
-    except error_type as error:
-        message = str(error)
-        assert re.search(pattern, message), f"{type(error).__name__} message {message!r} does not match {pattern!r}"
-        return message
-    except Exception as error:
-        raise AssertionError(f"expected {error_type.__name__}, got {type(error).__name__}: {error}") from error
-    raise AssertionError(f"expected {error_type.__name__} matching {pattern!r}, nothing was raised")
 
 
 def not_initialized_checks(when):

@@ -10,7 +10,7 @@ import re
 import time
 
 import torch
-from _check import check, finish, wait_done
+from _check import check, expect_error, finish, wait_done
 
 import rvod.torch as hvd
 from rvod.exceptions import RvodInternalError, RvodMismatchError
@@ -85,17 +85,6 @@ def assert_close(out, expected, label="", tol=1e-6):
     assert torch.allclose(out, expected, rtol=tol, atol=tol), f"{label}: {out} != {expected}"
 
 
-def expect_error(error_type, pattern, call, *args, **kwargs):
-    """Runs ``call``; it must raise ``error_type`` with a message matching ``pattern``. Returns the message."""
-    try:
-        call(*args, **kwargs)
-    except error_type as error:
-        message = str(error)
-        assert re.search(pattern, message), f"{type(error).__name__} message {message!r} does not match {pattern!r}"
-        return message
-    except Exception as error:
-        raise AssertionError(f"expected {error_type.__name__}, got {type(error).__name__}: {error}") from error
-    raise AssertionError(f"expected {error_type.__name__} matching {pattern!r}, nothing was raised")
 
 
 def ops_for(dtype):
