@@ -48,6 +48,10 @@ pub struct Config {
     pub stall_shutdown: Option<Duration>,
     /// `tracing` filter for the engine's log (`warning` by default).
     pub log_level: String,
+    /// Ranks on one host talk through shared memory (`RVOD_SHM`, on unless 0).
+    pub shm: bool,
+    /// Where shared-memory segments are created (`RVOD_SHM_DIR`, default /dev/shm).
+    pub shm_dir: std::path::PathBuf,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -108,8 +112,12 @@ impl<F: Fn(&str) -> Option<String>> EnvReader<F> {
 
     /// Horovod's convention: a flag is on when its integer value is > 0.
     fn flag(&self, key: &str) -> Result<bool, ConfigError> {
+        self.flag_or(key, false)
+    }
+
+    fn flag_or(&self, key: &str, default: bool) -> Result<bool, ConfigError> {
         match self.raw(key) {
-            None => Ok(false),
+            None => Ok(default),
             Some((name, value)) => match value.to_ascii_lowercase().as_str() {
                 "true" | "yes" | "on" => Ok(true),
                 "false" | "no" | "off" => Ok(false),
@@ -227,6 +235,8 @@ impl Config {
             stall_check,
             stall_shutdown,
             log_level: env.string("LOG_LEVEL").unwrap_or_else(|| "warning".to_string()),
+            shm: env.flag_or("SHM", true)?,
+            shm_dir: env.string("SHM_DIR").unwrap_or_else(|| "/dev/shm".to_string()).into(),
         })
     }
 }
@@ -290,6 +300,15 @@ mod tests {
         let r = c.rendezvous.unwrap();
         assert_eq!(r.port, 4000);
         assert_eq!(r.secret, vec![0, 255, 16]);
+    }
+
+    #[test]
+    fn shared_memory_is_on_unless_disabled() {
+        assert!(config(&[]).unwrap().shm);
+        assert!(!config(&[("RVOD_SHM", "0")]).unwrap().shm);
+        assert_eq!(config(&[("RVOD_SHM", "maybe")]).unwrap_err().name, "RVOD_SHM");
+        assert_eq!(config(&[]).unwrap().shm_dir, std::path::PathBuf::from("/dev/shm"));
+        assert_eq!(config(&[("RVOD_SHM_DIR", "/tmp/x")]).unwrap().shm_dir, std::path::PathBuf::from("/tmp/x"));
     }
 
     #[test]

@@ -14,215 +14,231 @@ use rvod::types::{CollectiveKind, DataType, ReduceOp};
 
 #[test]
 fn many_async_allreduces_fuse_and_repeat_through_the_cache() {
-    let (engines, _server) = start_job(3, &[]);
-    for step in 0..3 {
-        let results = on_every_rank(&engines, |rank, engine| {
-            let mut buffers: Vec<Vec<u8>> =
-                (0..40).map(|i| f32_bytes(&vec![(rank + i + step) as f32; 1 + i * 37])).collect();
-            let ids: Vec<HandleId> = buffers
-                .iter_mut()
-                .enumerate()
-                .map(|(i, b)| {
-                    let len = (b.len() / 4) as i64;
-                    engine.submit(allreduce(&format!("t{i}"), b, len, ReduceOp::Sum), 0).unwrap()
-                })
-                .collect();
-            ids.into_iter().map(|id| wait(engine, id).unwrap()).collect::<Vec<_>>()
-        });
-        for outputs in results {
-            for (i, out) in outputs.iter().enumerate() {
-                let t = out.tensors[0].as_ref().unwrap();
-                let expected = (0..3).map(|r| (r + i + step) as f32).sum::<f32>();
-                assert_eq!(as_f32(t.buffer.as_slice()), vec![expected; 1 + i * 37], "tensor {i} step {step}");
+    over_every_transport(|| {
+        let (engines, _server) = start_job(3, &[]);
+        for step in 0..3 {
+            let results = on_every_rank(&engines, |rank, engine| {
+                let mut buffers: Vec<Vec<u8>> =
+                    (0..40).map(|i| f32_bytes(&vec![(rank + i + step) as f32; 1 + i * 37])).collect();
+                let ids: Vec<HandleId> = buffers
+                    .iter_mut()
+                    .enumerate()
+                    .map(|(i, b)| {
+                        let len = (b.len() / 4) as i64;
+                        engine.submit(allreduce(&format!("t{i}"), b, len, ReduceOp::Sum), 0).unwrap()
+                    })
+                    .collect();
+                ids.into_iter().map(|id| wait(engine, id).unwrap()).collect::<Vec<_>>()
+            });
+            for outputs in results {
+                for (i, out) in outputs.iter().enumerate() {
+                    let t = out.tensors[0].as_ref().unwrap();
+                    let expected = (0..3).map(|r| (r + i + step) as f32).sum::<f32>();
+                    assert_eq!(as_f32(t.buffer.as_slice()), vec![expected; 1 + i * 37], "tensor {i} step {step}");
+                }
             }
         }
-    }
+    });
 }
 
 #[test]
 fn average_min_max_and_scaling() {
-    let (engines, _server) = start_job(2, &[]);
-    for (op, expected) in [(ReduceOp::Average, 1.5f32), (ReduceOp::Min, 1.0), (ReduceOp::Max, 2.0), (ReduceOp::Product, 2.0)] {
+    over_every_transport(|| {
+        let (engines, _server) = start_job(2, &[]);
+        for (op, expected) in [(ReduceOp::Average, 1.5f32), (ReduceOp::Min, 1.0), (ReduceOp::Max, 2.0), (ReduceOp::Product, 2.0)] {
+            let outs = on_every_rank(&engines, |rank, engine| {
+                let mut data = f32_bytes(&[(rank + 1) as f32; 5]);
+                let id = engine.submit(allreduce("op", &mut data, 5, op), 0).unwrap();
+                wait(engine, id).unwrap()
+            });
+            for out in outs {
+                assert_eq!(as_f32(out.tensors[0].as_ref().unwrap().buffer.as_slice()), vec![expected; 5], "{op}");
+            }
+        }
         let outs = on_every_rank(&engines, |rank, engine| {
-            let mut data = f32_bytes(&[(rank + 1) as f32; 5]);
-            let id = engine.submit(allreduce("op", &mut data, 5, op), 0).unwrap();
+            let mut data = f32_bytes(&[(rank + 1) as f32; 3]);
+            let mut sub = allreduce("scaled", &mut data, 3, ReduceOp::Sum);
+            sub.prescale = 2.0;
+            sub.postscale = 0.5;
+            let id = engine.submit(sub, 0).unwrap();
             wait(engine, id).unwrap()
         });
         for out in outs {
-            assert_eq!(as_f32(out.tensors[0].as_ref().unwrap().buffer.as_slice()), vec![expected; 5], "{op}");
+            assert_eq!(as_f32(out.tensors[0].as_ref().unwrap().buffer.as_slice()), vec![3.0; 3]);
         }
-    }
-    let outs = on_every_rank(&engines, |rank, engine| {
-        let mut data = f32_bytes(&[(rank + 1) as f32; 3]);
-        let mut sub = allreduce("scaled", &mut data, 3, ReduceOp::Sum);
-        sub.prescale = 2.0;
-        sub.postscale = 0.5;
-        let id = engine.submit(sub, 0).unwrap();
-        wait(engine, id).unwrap()
     });
-    for out in outs {
-        assert_eq!(as_f32(out.tensors[0].as_ref().unwrap().buffer.as_slice()), vec![3.0; 3]);
-    }
 }
 
 #[test]
 fn mismatched_shapes_fail_on_every_rank_and_the_job_goes_on() {
-    let (engines, _server) = start_job(2, &[]);
-    let errors = on_every_rank(&engines, |rank, engine| {
-        let len = 4 + rank as i64;
-        let mut data = f32_bytes(&vec![1.0; len as usize]);
-        let id = engine.submit(allreduce("bad", &mut data, len, ReduceOp::Sum), 0).unwrap();
-        wait(engine, id).unwrap_err()
-    });
-    for err in errors {
-        match err {
-            EngineError::Mismatch(m) => {
-                assert!(m.contains("rank 0 sent [4]") && m.contains("rank 1 sent [5]"), "{m}")
+    over_every_transport(|| {
+        let (engines, _server) = start_job(2, &[]);
+        let errors = on_every_rank(&engines, |rank, engine| {
+            let len = 4 + rank as i64;
+            let mut data = f32_bytes(&vec![1.0; len as usize]);
+            let id = engine.submit(allreduce("bad", &mut data, len, ReduceOp::Sum), 0).unwrap();
+            wait(engine, id).unwrap_err()
+        });
+        for err in errors {
+            match err {
+                EngineError::Mismatch(m) => {
+                    assert!(m.contains("rank 0 sent [4]") && m.contains("rank 1 sent [5]"), "{m}")
+                }
+                other => panic!("expected a mismatch, got {other:?}"),
             }
-            other => panic!("expected a mismatch, got {other:?}"),
         }
-    }
-    let outs = on_every_rank(&engines, |_, engine| {
-        let mut data = f32_bytes(&[1.0; 2]);
-        let id = engine.submit(allreduce("good", &mut data, 2, ReduceOp::Sum), 0).unwrap();
-        wait(engine, id).unwrap()
+        let outs = on_every_rank(&engines, |_, engine| {
+            let mut data = f32_bytes(&[1.0; 2]);
+            let id = engine.submit(allreduce("good", &mut data, 2, ReduceOp::Sum), 0).unwrap();
+            wait(engine, id).unwrap()
+        });
+        for out in outs {
+            assert_eq!(as_f32(out.tensors[0].as_ref().unwrap().buffer.as_slice()), vec![2.0; 2]);
+        }
     });
-    for out in outs {
-        assert_eq!(as_f32(out.tensors[0].as_ref().unwrap().buffer.as_slice()), vec![2.0; 2]);
-    }
 }
 
 #[test]
 fn a_joined_rank_contributes_zeros_and_join_returns_the_last_rank() {
-    let (engines, _server) = start_job(3, &[]);
-    let results = on_every_rank(&engines, |rank, engine| {
-        let mut sums = Vec::new();
-        if rank != 1 {
-            // Rank 1 joins at once; ranks 0 and 2 reduce first: two fresh names, then one name three times
-            // (cache hits, small enough to travel in the round headers, with rank 1 contributing zeros).
-            for step in 0..5 {
-                let name = if step < 2 { format!("j{step}") } else { "j-repeated".to_string() };
-                let mut data = f32_bytes(&[(rank + 1) as f32; 4]);
-                let id = engine.submit(allreduce(&name, &mut data, 4, ReduceOp::Sum), 0).unwrap();
-                sums.push(as_f32(wait(engine, id).unwrap().tensors[0].as_ref().unwrap().buffer.as_slice()));
+    over_every_transport(|| {
+        let (engines, _server) = start_job(3, &[]);
+        let results = on_every_rank(&engines, |rank, engine| {
+            let mut sums = Vec::new();
+            if rank != 1 {
+                // Rank 1 joins at once; ranks 0 and 2 reduce first: two fresh names, then one name three times
+                // (cache hits, small enough to travel in the round headers, with rank 1 contributing zeros).
+                for step in 0..5 {
+                    let name = if step < 2 { format!("j{step}") } else { "j-repeated".to_string() };
+                    let mut data = f32_bytes(&[(rank + 1) as f32; 4]);
+                    let id = engine.submit(allreduce(&name, &mut data, 4, ReduceOp::Sum), 0).unwrap();
+                    sums.push(as_f32(wait(engine, id).unwrap().tensors[0].as_ref().unwrap().buffer.as_slice()));
+                }
+                if rank == 2 {
+                    std::thread::sleep(Duration::from_millis(200));
+                }
             }
-            if rank == 2 {
-                std::thread::sleep(Duration::from_millis(200));
+            let id = engine.submit(OpSubmission::new(CollectiveKind::Join), 0).unwrap();
+            (sums, wait(engine, id).unwrap().last_joined_rank)
+        });
+        for (rank, (sums, last)) in results.into_iter().enumerate() {
+            assert_eq!(last, Some(2), "rank {rank}");
+            for sum in sums {
+                assert_eq!(sum, vec![4.0; 4]);
             }
         }
-        let id = engine.submit(OpSubmission::new(CollectiveKind::Join), 0).unwrap();
-        (sums, wait(engine, id).unwrap().last_joined_rank)
     });
-    for (rank, (sums, last)) in results.into_iter().enumerate() {
-        assert_eq!(last, Some(2), "rank {rank}");
-        for sum in sums {
-            assert_eq!(sum, vec![4.0; 4]);
-        }
-    }
 }
 
 #[test]
 fn duplicate_names_in_flight_are_refused() {
-    let (engines, _server) = start_job(2, &[]);
-    let mut first = f32_bytes(&[1.0; 2]);
-    let mut second = f32_bytes(&[1.0; 2]);
-    let id = engines[0].submit(allreduce("same", &mut first, 2, ReduceOp::Sum), 0).unwrap();
-    let err = engines[0].submit(allreduce("same", &mut second, 2, ReduceOp::Sum), 0).unwrap_err();
-    assert!(matches!(err, EngineError::DuplicateName { .. }), "{err:?}");
-    let mut other = f32_bytes(&[2.0; 2]);
-    let peer = engines[1].submit(allreduce("same", &mut other, 2, ReduceOp::Sum), 0).unwrap();
-    assert_eq!(as_f32(wait(&engines[0], id).unwrap().tensors[0].as_ref().unwrap().buffer.as_slice()), vec![3.0; 2]);
-    wait(&engines[1], peer).unwrap();
+    over_every_transport(|| {
+        let (engines, _server) = start_job(2, &[]);
+        let mut first = f32_bytes(&[1.0; 2]);
+        let mut second = f32_bytes(&[1.0; 2]);
+        let id = engines[0].submit(allreduce("same", &mut first, 2, ReduceOp::Sum), 0).unwrap();
+        let err = engines[0].submit(allreduce("same", &mut second, 2, ReduceOp::Sum), 0).unwrap_err();
+        assert!(matches!(err, EngineError::DuplicateName { .. }), "{err:?}");
+        let mut other = f32_bytes(&[2.0; 2]);
+        let peer = engines[1].submit(allreduce("same", &mut other, 2, ReduceOp::Sum), 0).unwrap();
+        assert_eq!(as_f32(wait(&engines[0], id).unwrap().tensors[0].as_ref().unwrap().buffer.as_slice()), vec![3.0; 2]);
+        wait(&engines[1], peer).unwrap();
+    });
 }
 
 #[test]
 fn shutdown_of_one_rank_fails_pending_ops_elsewhere() {
-    let (engines, _server) = start_job(2, &[]);
-    let mut data = f32_bytes(&[1.0; 2]);
-    let id = engines[1].submit(allreduce("never", &mut data, 2, ReduceOp::Sum), 0).unwrap();
-    engines[0].shutdown();
-    match wait(&engines[1], id) {
-        Err(EngineError::ShutDown(reason)) => assert!(reason.contains("rank 0 called shutdown()"), "{reason}"),
-        other => panic!("expected a shut-down error, got {other:?}"),
-    }
-    let mut more = f32_bytes(&[1.0; 2]);
-    assert!(matches!(engines[1].submit(allreduce("later", &mut more, 2, ReduceOp::Sum), 0), Err(EngineError::ShutDown(_))));
+    over_every_transport(|| {
+        let (engines, _server) = start_job(2, &[]);
+        let mut data = f32_bytes(&[1.0; 2]);
+        let id = engines[1].submit(allreduce("never", &mut data, 2, ReduceOp::Sum), 0).unwrap();
+        engines[0].shutdown();
+        match wait(&engines[1], id) {
+            Err(EngineError::ShutDown(reason)) => assert!(reason.contains("rank 0 called shutdown()"), "{reason}"),
+            other => panic!("expected a shut-down error, got {other:?}"),
+        }
+        let mut more = f32_bytes(&[1.0; 2]);
+        assert!(matches!(engines[1].submit(allreduce("later", &mut more, 2, ReduceOp::Sum), 0), Err(EngineError::ShutDown(_))));
+    });
 }
 
 #[test]
 fn broadcast_allgather_alltoall_reducescatter_and_barrier() {
-    let (engines, _server) = start_job(3, &[]);
-    let outs = on_every_rank(&engines, |rank, engine| {
-        let mut results = Vec::new();
-        let mut b = f32_bytes(&[rank as f32; 3]);
-        let mut sub = OpSubmission::new(CollectiveKind::Broadcast);
-        sub.root_rank = 2;
-        sub.tensors.push(tensor("b", &mut b, DataType::Float32, vec![3]));
-        results.push(wait(engine, engine.submit(sub, 0).unwrap()).unwrap());
+    over_every_transport(|| {
+        let (engines, _server) = start_job(3, &[]);
+        let outs = on_every_rank(&engines, |rank, engine| {
+            let mut results = Vec::new();
+            let mut b = f32_bytes(&[rank as f32; 3]);
+            let mut sub = OpSubmission::new(CollectiveKind::Broadcast);
+            sub.root_rank = 2;
+            sub.tensors.push(tensor("b", &mut b, DataType::Float32, vec![3]));
+            results.push(wait(engine, engine.submit(sub, 0).unwrap()).unwrap());
 
-        let rows = rank + 1;
-        let mut g = f32_bytes(&vec![rank as f32; rows * 2]);
-        let mut sub = OpSubmission::new(CollectiveKind::Allgather);
-        sub.tensors.push(tensor("g", &mut g, DataType::Float32, vec![rows as i64, 2]));
-        results.push(wait(engine, engine.submit(sub, 0).unwrap()).unwrap());
+            let rows = rank + 1;
+            let mut g = f32_bytes(&vec![rank as f32; rows * 2]);
+            let mut sub = OpSubmission::new(CollectiveKind::Allgather);
+            sub.tensors.push(tensor("g", &mut g, DataType::Float32, vec![rows as i64, 2]));
+            results.push(wait(engine, engine.submit(sub, 0).unwrap()).unwrap());
 
-        let mut a = f32_bytes(&[rank as f32; 6]);
-        let mut sub = OpSubmission::new(CollectiveKind::Alltoall);
-        sub.splits = vec![1, 2, 3];
-        sub.tensors.push(tensor("a", &mut a, DataType::Float32, vec![6]));
-        results.push(wait(engine, engine.submit(sub, 0).unwrap()).unwrap());
+            let mut a = f32_bytes(&[rank as f32; 6]);
+            let mut sub = OpSubmission::new(CollectiveKind::Alltoall);
+            sub.splits = vec![1, 2, 3];
+            sub.tensors.push(tensor("a", &mut a, DataType::Float32, vec![6]));
+            results.push(wait(engine, engine.submit(sub, 0).unwrap()).unwrap());
 
-        let mut rs = f32_bytes(&[1.0; 7]);
-        let mut sub = OpSubmission::new(CollectiveKind::Reducescatter);
-        sub.tensors.push(tensor("rs", &mut rs, DataType::Float32, vec![7]));
-        results.push(wait(engine, engine.submit(sub, 0).unwrap()).unwrap());
+            let mut rs = f32_bytes(&[1.0; 7]);
+            let mut sub = OpSubmission::new(CollectiveKind::Reducescatter);
+            sub.tensors.push(tensor("rs", &mut rs, DataType::Float32, vec![7]));
+            results.push(wait(engine, engine.submit(sub, 0).unwrap()).unwrap());
 
-        wait(engine, engine.submit(OpSubmission::new(CollectiveKind::Barrier), 0).unwrap()).unwrap();
-        results
+            wait(engine, engine.submit(OpSubmission::new(CollectiveKind::Barrier), 0).unwrap()).unwrap();
+            results
+        });
+        for (rank, results) in outs.iter().enumerate() {
+            let data = |i: usize| as_f32(results[i].tensors[0].as_ref().unwrap().buffer.as_slice());
+            assert_eq!(data(0), vec![2.0; 3]);
+            assert_eq!(data(1), vec![0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0]);
+            assert_eq!(results[1].tensors[0].as_ref().unwrap().shape, vec![6, 2]);
+            assert_eq!(data(2), vec![0.0; rank + 1].into_iter().chain(vec![1.0; rank + 1]).chain(vec![2.0; rank + 1]).collect::<Vec<_>>());
+            assert_eq!(results[2].received_splits, Some(vec![(rank + 1) as i64; 3]));
+            let rows = if rank == 0 { 3 } else { 2 };
+            assert_eq!(data(3), vec![3.0; rows]);
+        }
     });
-    for (rank, results) in outs.iter().enumerate() {
-        let data = |i: usize| as_f32(results[i].tensors[0].as_ref().unwrap().buffer.as_slice());
-        assert_eq!(data(0), vec![2.0; 3]);
-        assert_eq!(data(1), vec![0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0]);
-        assert_eq!(results[1].tensors[0].as_ref().unwrap().shape, vec![6, 2]);
-        assert_eq!(data(2), vec![0.0; rank + 1].into_iter().chain(vec![1.0; rank + 1]).chain(vec![2.0; rank + 1]).collect::<Vec<_>>());
-        assert_eq!(results[2].received_splits, Some(vec![(rank + 1) as i64; 3]));
-        let rows = if rank == 0 { 3 } else { 2 };
-        assert_eq!(data(3), vec![3.0; rows]);
-    }
 }
 
 #[test]
 fn evictions_do_not_strand_pending_cache_hits() {
-    // The cache holds exactly the 4 tensors of a step; one extra name per step (alternating) evicts the
-    // least recently used, so the next step mixes a miss with hits. Rank 1 submits with small gaps, so hits
-    // of rank 0 are still pending while the miss's response is put into the cache. Each step must complete
-    // promptly (not after the stall check) with correct sums.
-    let (engines, _server) =
-        start_job(2, &[("RVOD_CACHE_CAPACITY", "4"), ("RVOD_STALL_CHECK_TIME_SECONDS", "20")]);
-    for step in 0..8 {
-        let started = std::time::Instant::now();
-        let results = on_every_rank(&engines, |rank, engine| {
-            let mut buffers: Vec<Vec<u8>> = (0..4).map(|i| f32_bytes(&[(rank + i) as f32; 8])).collect();
-            let mut ids = Vec::new();
-            for (i, b) in buffers.iter_mut().enumerate() {
-                if rank == 1 {
-                    std::thread::sleep(Duration::from_micros(300));
+    over_every_transport(|| {
+        // The cache holds exactly the 4 tensors of a step; one extra name per step (alternating) evicts the
+        // least recently used, so the next step mixes a miss with hits. Rank 1 submits with small gaps, so hits
+        // of rank 0 are still pending while the miss's response is put into the cache. Each step must complete
+        // promptly (not after the stall check) with correct sums.
+        let (engines, _server) =
+            start_job(2, &[("RVOD_CACHE_CAPACITY", "4"), ("RVOD_STALL_CHECK_TIME_SECONDS", "20")]);
+        for step in 0..8 {
+            let started = std::time::Instant::now();
+            let results = on_every_rank(&engines, |rank, engine| {
+                let mut buffers: Vec<Vec<u8>> = (0..4).map(|i| f32_bytes(&[(rank + i) as f32; 8])).collect();
+                let mut ids = Vec::new();
+                for (i, b) in buffers.iter_mut().enumerate() {
+                    if rank == 1 {
+                        std::thread::sleep(Duration::from_micros(300));
+                    }
+                    ids.push(engine.submit(allreduce(&format!("t.{i}"), b, 8, ReduceOp::Sum), 0).unwrap());
                 }
-                ids.push(engine.submit(allreduce(&format!("t.{i}"), b, 8, ReduceOp::Sum), 0).unwrap());
-            }
-            let outputs: Vec<_> = ids.into_iter().map(|id| wait(engine, id).unwrap()).collect();
-            let mut extra = f32_bytes(&[1.0]);
-            let id = engine.submit(allreduce(&format!("extra.{}", step % 2), &mut extra, 1, ReduceOp::Sum), 0).unwrap();
-            wait(engine, id).unwrap();
-            outputs
-        });
-        assert!(started.elapsed() < Duration::from_secs(5), "step {step} took {:?}", started.elapsed());
-        for outputs in results {
-            for (i, out) in outputs.iter().enumerate() {
-                let got = as_f32(out.tensors[0].as_ref().unwrap().buffer.as_slice());
-                assert_eq!(got, vec![(2 * i + 1) as f32; 8], "step {step} tensor {i}");
+                let outputs: Vec<_> = ids.into_iter().map(|id| wait(engine, id).unwrap()).collect();
+                let mut extra = f32_bytes(&[1.0]);
+                let id = engine.submit(allreduce(&format!("extra.{}", step % 2), &mut extra, 1, ReduceOp::Sum), 0).unwrap();
+                wait(engine, id).unwrap();
+                outputs
+            });
+            assert!(started.elapsed() < Duration::from_secs(5), "step {step} took {:?}", started.elapsed());
+            for outputs in results {
+                for (i, out) in outputs.iter().enumerate() {
+                    let got = as_f32(out.tensors[0].as_ref().unwrap().buffer.as_slice());
+                    assert_eq!(got, vec![(2 * i + 1) as f32; 8], "step {step} tensor {i}");
+                }
             }
         }
-    }
+    });
 }

@@ -1,14 +1,17 @@
-//! Every collective of `rvod::ring`, run with 1..=5 ranks as threads over the in-memory transport, for
+//! Every collective of `rvod::ring`, run with 1..=5 ranks as threads over the in-memory transport and over
+//! the shared-memory transport, for
 //! every dtype and combine, sizes that are multiples of nothing, uneven and empty per-rank blocks, and
 //! failures (a peer that closes, a peer that never answers). Inputs are small integers, exact in every
 //! dtype, so the reference result does not depend on the order in which the algorithm combines them.
 
+use std::cell::Cell;
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
 use half::{bf16, f16};
 use rvod::ring::*;
-use rvod::transport::memory::{run_ranks, MemoryTransport};
+use rvod::transport::memory::{run_ranks, MemoryTransport, DEFAULT_TIMEOUT};
+use rvod::transport::shm::ShmTransport;
 use rvod::transport::{Transport, TransportError};
 use rvod::types::*;
 
@@ -18,8 +21,37 @@ const SIZES: [usize; 4] = [0, 1, 7, 4097];
 const RING_SIZE: usize = 70_001;
 const BIG_SIZE: usize = 1_000_003;
 
-fn on_ranks<R: Send>(n: usize, body: impl Fn(&mut MemoryTransport) -> R + Sync) -> Vec<R> {
-    run_ranks(MemoryTransport::mesh(n), body)
+#[derive(Clone, Copy, Debug)]
+enum Kind {
+    Memory,
+    SharedMemory,
+}
+
+thread_local! {
+    static KIND: Cell<Kind> = const { Cell::new(Kind::Memory) };
+}
+
+/// Run `test` once over each transport (`on_ranks` builds meshes of the current kind).
+fn over_every_transport(test: impl Fn()) {
+    for kind in [Kind::Memory, Kind::SharedMemory] {
+        KIND.with(|k| k.set(kind));
+        test();
+    }
+}
+
+fn mesh(n: usize, timeout: Duration) -> Vec<Box<dyn Transport>> {
+    match KIND.with(Cell::get) {
+        Kind::Memory => MemoryTransport::mesh_with_timeout(n, timeout).into_iter().map(|t| Box::new(t) as _).collect(),
+        Kind::SharedMemory => ShmTransport::local_mesh(n, &std::env::temp_dir(), timeout)
+            .unwrap()
+            .into_iter()
+            .map(|t| Box::new(t) as _)
+            .collect(),
+    }
+}
+
+fn on_ranks<R: Send>(n: usize, body: impl Fn(&mut dyn Transport) -> R + Sync) -> Vec<R> {
+    run_ranks(mesh(n, DEFAULT_TIMEOUT), |t| body(t.as_mut()))
 }
 
 /// Inputs and results repeat with this period in the element index, so buffers are built by tiling.
@@ -102,25 +134,29 @@ fn check_allreduce(n: usize, dtype: DataType, combine: Combine, count: usize) {
 
 #[test]
 fn allreduce_every_dtype_and_combine() {
-    for n in 1..=5 {
-        for dtype in DataType::ALL {
-            for combine in COMBINES {
-                for count in SIZES.into_iter().chain([RING_SIZE]) {
-                    check_allreduce(n, dtype, combine, count);
+    over_every_transport(|| {
+        for n in 1..=5 {
+            for dtype in DataType::ALL {
+                for combine in COMBINES {
+                    for count in SIZES.into_iter().chain([RING_SIZE]) {
+                        check_allreduce(n, dtype, combine, count);
+                    }
                 }
             }
         }
-    }
+    });
 }
 
 #[test]
 fn allreduce_large_buffers() {
-    for n in 1..=5 {
-        check_allreduce(n, DataType::Float32, Combine::Sum, BIG_SIZE);
-    }
-    for n in [2, 5] {
-        check_allreduce(n, DataType::Bfloat16, Combine::Max, BIG_SIZE);
-    }
+    over_every_transport(|| {
+        for n in 1..=5 {
+            check_allreduce(n, DataType::Float32, Combine::Sum, BIG_SIZE);
+        }
+        for n in [2, 5] {
+            check_allreduce(n, DataType::Bfloat16, Combine::Max, BIG_SIZE);
+        }
+    });
 }
 
 /// Pseudo-random floats of many magnitudes (and, with `nans`, NaNs with rank-specific payloads), where
@@ -145,22 +181,24 @@ fn random_f32(rank: usize, count: usize, nans: bool) -> Vec<u8> {
 
 #[test]
 fn allreduce_results_are_bitwise_identical_on_every_rank() {
-    for n in 2..=5 {
-        for count in [7, 4097, 100_003] {
-            for (combine, nans) in
-                [(Combine::Sum, false), (Combine::Sum, true), (Combine::Min, true), (Combine::Max, true)]
-            {
-                let results = on_ranks(n, |t| {
-                    let mut buf = random_f32(t.rank(), count, nans);
-                    allreduce(t, &mut buf, DataType::Float32, combine).unwrap();
-                    buf
-                });
-                for (rank, got) in results.iter().enumerate().skip(1) {
-                    assert!(got == &results[0], "n={n} count={count} {combine:?}: rank {rank} differs from rank 0");
+    over_every_transport(|| {
+        for n in 2..=5 {
+            for count in [7, 4097, 100_003] {
+                for (combine, nans) in
+                    [(Combine::Sum, false), (Combine::Sum, true), (Combine::Min, true), (Combine::Max, true)]
+                {
+                    let results = on_ranks(n, |t| {
+                        let mut buf = random_f32(t.rank(), count, nans);
+                        allreduce(t, &mut buf, DataType::Float32, combine).unwrap();
+                        buf
+                    });
+                    for (rank, got) in results.iter().enumerate().skip(1) {
+                        assert!(got == &results[0], "n={n} count={count} {combine:?}: rank {rank} differs from rank 0");
+                    }
                 }
             }
         }
-    }
+    });
 }
 
 /// Per-rank element counts: even splits, and uneven ones with empty blocks.
@@ -173,54 +211,58 @@ fn split_patterns(n: usize, total: usize) -> Vec<Vec<usize>> {
 
 #[test]
 fn reducescatter_even_and_uneven_blocks() {
-    for n in 1..=5 {
-        for dtype in DataType::ALL {
-            for combine in COMBINES {
-                for total in SIZES.into_iter().chain([RING_SIZE]) {
-                    for elems_per_rank in split_patterns(n, total) {
-                        let count: usize = elems_per_rank.iter().sum();
-                        let results = on_ranks(n, |t| {
-                            let rank = t.rank();
-                            let mut buf = input(dtype, rank, count);
-                            let mut out = vec![0xAA; elems_per_rank[rank] * dtype.size()];
-                            reducescatter(t, &mut buf, &elems_per_rank, dtype, combine, &mut out).unwrap();
-                            out
-                        });
-                        let mut start = 0;
-                        for (rank, got) in results.iter().enumerate() {
-                            let end = start + elems_per_rank[rank];
-                            let want = expected(dtype, combine, n, start..end);
-                            assert!(
-                                got == &want,
-                                "reducescatter n={n} {dtype} {combine:?} {elems_per_rank:?}: rank {rank} differs"
-                            );
-                            start = end;
+    over_every_transport(|| {
+        for n in 1..=5 {
+            for dtype in DataType::ALL {
+                for combine in COMBINES {
+                    for total in SIZES.into_iter().chain([RING_SIZE]) {
+                        for elems_per_rank in split_patterns(n, total) {
+                            let count: usize = elems_per_rank.iter().sum();
+                            let results = on_ranks(n, |t| {
+                                let rank = t.rank();
+                                let mut buf = input(dtype, rank, count);
+                                let mut out = vec![0xAA; elems_per_rank[rank] * dtype.size()];
+                                reducescatter(t, &mut buf, &elems_per_rank, dtype, combine, &mut out).unwrap();
+                                out
+                            });
+                            let mut start = 0;
+                            for (rank, got) in results.iter().enumerate() {
+                                let end = start + elems_per_rank[rank];
+                                let want = expected(dtype, combine, n, start..end);
+                                assert!(
+                                    got == &want,
+                                    "reducescatter n={n} {dtype} {combine:?} {elems_per_rank:?}: rank {rank} differs"
+                                );
+                                start = end;
+                            }
                         }
                     }
                 }
             }
         }
-    }
+    });
 }
 
 #[test]
 fn reducescatter_large_buffer() {
-    for n in [2, 3, 5] {
-        let elems_per_rank: Vec<usize> = (0..n).map(|r| segment_bounds(BIG_SIZE, n, r).1).collect();
-        let results = on_ranks(n, |t| {
-            let rank = t.rank();
-            let mut buf = input(DataType::Float32, rank, BIG_SIZE);
-            let mut out = vec![0; elems_per_rank[rank] * 4];
-            reducescatter(t, &mut buf, &elems_per_rank, DataType::Float32, Combine::Sum, &mut out).unwrap();
-            out
-        });
-        let mut start = 0;
-        for (rank, got) in results.iter().enumerate() {
-            let end = start + elems_per_rank[rank];
-            assert!(got == &expected(DataType::Float32, Combine::Sum, n, start..end), "rank {rank}");
-            start = end;
+    over_every_transport(|| {
+        for n in [2, 3, 5] {
+            let elems_per_rank: Vec<usize> = (0..n).map(|r| segment_bounds(BIG_SIZE, n, r).1).collect();
+            let results = on_ranks(n, |t| {
+                let rank = t.rank();
+                let mut buf = input(DataType::Float32, rank, BIG_SIZE);
+                let mut out = vec![0; elems_per_rank[rank] * 4];
+                reducescatter(t, &mut buf, &elems_per_rank, DataType::Float32, Combine::Sum, &mut out).unwrap();
+                out
+            });
+            let mut start = 0;
+            for (rank, got) in results.iter().enumerate() {
+                let end = start + elems_per_rank[rank];
+                assert!(got == &expected(DataType::Float32, Combine::Sum, n, start..end), "rank {rank}");
+                start = end;
+            }
         }
-    }
+    });
 }
 
 fn rank_bytes(rank: usize, salt: usize, len: usize) -> Vec<u8> {
@@ -229,132 +271,145 @@ fn rank_bytes(rank: usize, salt: usize, len: usize) -> Vec<u8> {
 
 #[test]
 fn allgatherv_with_uneven_and_empty_contributions() {
-    for n in 1..=5 {
-        for total in SIZES.into_iter().chain([RING_SIZE, BIG_SIZE]) {
-            for bytes_per_rank in split_patterns(n, total) {
-                let want: Vec<u8> = (0..n).flat_map(|r| rank_bytes(r, 0, bytes_per_rank[r])).collect();
-                let results = on_ranks(n, |t| {
-                    let send = rank_bytes(t.rank(), 0, bytes_per_rank[t.rank()]);
-                    let mut recv = vec![0; want.len()];
-                    allgatherv(t, &send, &mut recv, &bytes_per_rank).unwrap();
-                    recv
-                });
-                for (rank, got) in results.iter().enumerate() {
-                    assert!(got == &want, "allgatherv n={n} {bytes_per_rank:?}: rank {rank} differs");
+    over_every_transport(|| {
+        for n in 1..=5 {
+            for total in SIZES.into_iter().chain([RING_SIZE, BIG_SIZE]) {
+                for bytes_per_rank in split_patterns(n, total) {
+                    let want: Vec<u8> = (0..n).flat_map(|r| rank_bytes(r, 0, bytes_per_rank[r])).collect();
+                    let results = on_ranks(n, |t| {
+                        let send = rank_bytes(t.rank(), 0, bytes_per_rank[t.rank()]);
+                        let mut recv = vec![0; want.len()];
+                        allgatherv(t, &send, &mut recv, &bytes_per_rank).unwrap();
+                        recv
+                    });
+                    for (rank, got) in results.iter().enumerate() {
+                        assert!(got == &want, "allgatherv n={n} {bytes_per_rank:?}: rank {rank} differs");
+                    }
                 }
             }
         }
-    }
+    });
 }
 
 #[test]
 fn alltoallv_with_uneven_and_zero_splits() {
-    for n in 1..=5 {
-        for unit in [1, 7, 4097, 300_007] {
-            // Bytes rank `from` sends to rank `to`; some pairs send nothing.
-            let size = |from: usize, to: usize| ((from * 7 + to * 3) % 5) * unit / 2;
-            let results = on_ranks(n, |t| {
-                let rank = t.rank();
-                let send_bytes: Vec<usize> = (0..n).map(|to| size(rank, to)).collect();
-                let recv_bytes: Vec<usize> = (0..n).map(|from| size(from, rank)).collect();
-                let send: Vec<u8> = (0..n).flat_map(|to| rank_bytes(rank, to, send_bytes[to])).collect();
-                let mut recv = vec![0; recv_bytes.iter().sum()];
-                alltoallv(t, &send, &send_bytes, &mut recv, &recv_bytes).unwrap();
-                recv
-            });
-            for (rank, got) in results.iter().enumerate() {
-                let want: Vec<u8> = (0..n).flat_map(|from| rank_bytes(from, rank, size(from, rank))).collect();
-                assert!(got == &want, "alltoallv n={n} unit={unit}: rank {rank} differs");
+    over_every_transport(|| {
+        for n in 1..=5 {
+            for unit in [1, 7, 4097, 300_007] {
+                // Bytes rank `from` sends to rank `to`; some pairs send nothing.
+                let size = |from: usize, to: usize| ((from * 7 + to * 3) % 5) * unit / 2;
+                let results = on_ranks(n, |t| {
+                    let rank = t.rank();
+                    let send_bytes: Vec<usize> = (0..n).map(|to| size(rank, to)).collect();
+                    let recv_bytes: Vec<usize> = (0..n).map(|from| size(from, rank)).collect();
+                    let send: Vec<u8> = (0..n).flat_map(|to| rank_bytes(rank, to, send_bytes[to])).collect();
+                    let mut recv = vec![0; recv_bytes.iter().sum()];
+                    alltoallv(t, &send, &send_bytes, &mut recv, &recv_bytes).unwrap();
+                    recv
+                });
+                for (rank, got) in results.iter().enumerate() {
+                    let want: Vec<u8> = (0..n).flat_map(|from| rank_bytes(from, rank, size(from, rank))).collect();
+                    assert!(got == &want, "alltoallv n={n} unit={unit}: rank {rank} differs");
+                }
             }
         }
-    }
+    });
 }
 
 #[test]
 fn broadcast_from_every_root() {
-    let chain_size = 3 * BROADCAST_CHAIN_THRESHOLD_BYTES + 17;
-    for n in 1..=5 {
-        for root in 0..n {
-            for len in SIZES.into_iter().chain([BIG_SIZE, chain_size]) {
-                let want = rank_bytes(root, 9, len);
-                let results = on_ranks(n, |t| {
-                    let mut buf = if t.rank() == root { want.clone() } else { vec![0; len] };
-                    broadcast(t, &mut buf, root).unwrap();
-                    buf
-                });
-                for (rank, got) in results.iter().enumerate() {
-                    assert!(got == &want, "broadcast n={n} root={root} len={len}: rank {rank} differs");
+    over_every_transport(|| {
+        let chain_size = 3 * BROADCAST_CHAIN_THRESHOLD_BYTES + 17;
+        for n in 1..=5 {
+            for root in 0..n {
+                for len in SIZES.into_iter().chain([BIG_SIZE, chain_size]) {
+                    let want = rank_bytes(root, 9, len);
+                    let results = on_ranks(n, |t| {
+                        let mut buf = if t.rank() == root { want.clone() } else { vec![0; len] };
+                        broadcast(t, &mut buf, root).unwrap();
+                        buf
+                    });
+                    for (rank, got) in results.iter().enumerate() {
+                        assert!(got == &want, "broadcast n={n} root={root} len={len}: rank {rank} differs");
+                    }
                 }
             }
         }
-    }
+    });
 }
 
 #[test]
 fn inconsistent_arguments_are_errors_not_panics() {
-    let results = on_ranks(2, |t| {
-        let mut odd = vec![0u8; 6];
-        let allreduce_error = allreduce(t, &mut odd, DataType::Float32, Combine::Sum);
-        let broadcast_error = broadcast(t, &mut odd, 2);
-        let mut out = vec![0u8; 4];
-        let reducescatter_error = reducescatter(t, &mut odd, &[1, 1], DataType::Float32, Combine::Sum, &mut out);
-        let allgather_error = allgatherv(t, &[1, 2, 3], &mut out, &[2, 2]);
-        let alltoall_error = alltoallv(t, &[1], &[1], &mut out, &[1, 1]);
-        [allreduce_error, broadcast_error, reducescatter_error, allgather_error, alltoall_error]
-    });
-    for errors in results {
-        for error in errors {
-            match error {
-                Err(TransportError::Io { source, .. }) => {
-                    assert_eq!(source.kind(), std::io::ErrorKind::InvalidInput, "{source}")
+    over_every_transport(|| {
+        let results = on_ranks(2, |t| {
+            let mut odd = vec![0u8; 6];
+            let allreduce_error = allreduce(t, &mut odd, DataType::Float32, Combine::Sum);
+            let broadcast_error = broadcast(t, &mut odd, 2);
+            let mut out = vec![0u8; 4];
+            let reducescatter_error = reducescatter(t, &mut odd, &[1, 1], DataType::Float32, Combine::Sum, &mut out);
+            let allgather_error = allgatherv(t, &[1, 2, 3], &mut out, &[2, 2]);
+            let alltoall_error = alltoallv(t, &[1], &[1], &mut out, &[1, 1]);
+            [allreduce_error, broadcast_error, reducescatter_error, allgather_error, alltoall_error]
+        });
+        for errors in results {
+            for error in errors {
+                match error {
+                    Err(TransportError::Io { source, .. }) => {
+                        assert_eq!(source.kind(), std::io::ErrorKind::InvalidInput, "{source}")
+                    }
+                    other => panic!("expected an invalid-argument error, got {other:?}"),
                 }
-                other => panic!("expected an invalid-argument error, got {other:?}"),
             }
         }
-    }
+    });
 }
 
 #[test]
 fn closed_peer_fails_the_collective_on_every_other_rank() {
-    for count in [7, 100_003] {
-        let started = Instant::now();
-        let results = on_ranks(3, |t| {
-            if t.rank() == 2 {
-                t.close();
-                return None;
+    over_every_transport(|| {
+        for count in [7, 100_003] {
+            let started = Instant::now();
+            let results = on_ranks(3, |t| {
+                if t.rank() == 2 {
+                    t.close();
+                    return None;
+                }
+                let mut buf = input(DataType::Float32, t.rank(), count);
+                Some(allreduce(t, &mut buf, DataType::Float32, Combine::Sum))
+            });
+            for (rank, result) in results.iter().enumerate().take(2) {
+                assert!(
+                    matches!(result, Some(Err(TransportError::PeerClosed { .. }))),
+                    "count={count}: rank {rank} got {result:?}"
+                );
             }
-            let mut buf = input(DataType::Float32, t.rank(), count);
-            Some(allreduce(t, &mut buf, DataType::Float32, Combine::Sum))
-        });
-        for (rank, result) in results.iter().enumerate().take(2) {
-            assert!(
-                matches!(result, Some(Err(TransportError::PeerClosed { .. }))),
-                "count={count}: rank {rank} got {result:?}"
-            );
+            assert!(started.elapsed() < Duration::from_secs(10));
         }
-        assert!(started.elapsed() < Duration::from_secs(10));
-    }
+    });
 }
 
 #[test]
 fn silent_peer_times_out_instead_of_hanging() {
-    let timeout = Duration::from_millis(200);
-    let finished = Barrier::new(2);
-    let started = Instant::now();
-    let results = run_ranks(MemoryTransport::mesh_with_timeout(2, timeout), |t| {
-        let result = if t.rank() == 0 {
-            let mut buf = input(DataType::Int32, 0, 4097);
-            Some(allreduce(t, &mut buf, DataType::Int32, Combine::Sum))
-        } else {
-            None
-        };
-        // Rank 1 keeps its transport open, without taking part, until rank 0 has given up.
-        finished.wait();
-        result
+    over_every_transport(|| {
+        let timeout = Duration::from_millis(200);
+        let finished = Barrier::new(2);
+        let started = Instant::now();
+        let results = run_ranks(mesh(2, timeout), |t| {
+            let t = t.as_mut();
+            let result = if t.rank() == 0 {
+                let mut buf = input(DataType::Int32, 0, 4097);
+                Some(allreduce(t, &mut buf, DataType::Int32, Combine::Sum))
+            } else {
+                None
+            };
+            // Rank 1 keeps its transport open, without taking part, until rank 0 has given up.
+            finished.wait();
+            result
+        });
+        match &results[0] {
+            Some(Err(TransportError::Timeout { peer: 1, seconds })) => assert!((seconds - 0.2).abs() < 1e-9),
+            other => panic!("expected a timeout naming rank 1, got {other:?}"),
+        }
+        assert!(started.elapsed() < Duration::from_secs(10));
     });
-    match &results[0] {
-        Some(Err(TransportError::Timeout { peer: 1, seconds })) => assert!((seconds - 0.2).abs() < 1e-9),
-        other => panic!("expected a timeout naming rank 1, got {other:?}"),
-    }
-    assert!(started.elapsed() < Duration::from_secs(10));
 }

@@ -33,6 +33,8 @@ pub(crate) struct Shared {
     /// Process set id and its ranks (global rank numbers, sorted), for messages.
     pub(crate) set_id: u32,
     pub(crate) global_ranks: Vec<usize>,
+    /// What the transport is ("shm", "tcp", ...), for diagnostics.
+    pub(crate) transport_kind: &'static str,
 }
 
 impl Shared {
@@ -72,7 +74,9 @@ impl Communicator {
             idle: AtomicBool::new(false),
             set_id,
             global_ranks,
+            transport_kind: transport.kind(),
         });
+        shared.waker.set_doorbell(transport.doorbell());
         let thread_shared = Arc::clone(&shared);
         let thread_config = config.clone();
         let thread = std::thread::Builder::new()
@@ -85,6 +89,11 @@ impl Communicator {
     /// This rank's position in the communicator.
     pub fn local_rank_of(&self, global_rank: usize) -> Option<usize> {
         self.shared.global_ranks.iter().position(|&r| r == global_rank)
+    }
+
+    /// What carries this communicator's bytes: "shm", "tcp" or "memory".
+    pub fn transport_kind(&self) -> &'static str {
+        self.shared.transport_kind
     }
 
     pub fn size(&self) -> usize {

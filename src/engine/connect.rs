@@ -1,4 +1,6 @@
-//! Connecting communicators: the rendezvous store, and a transport among the members of a process set.
+//! Connecting communicators: the rendezvous store, and a transport among the members of a process set:
+//! shared memory when every member runs on this host (and `RVOD_SHM` is not 0), TCP otherwise or when the
+//! shared-memory segment cannot be set up.
 
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 use std::time::Duration;
@@ -7,6 +9,7 @@ use crate::config::{Config, Rendezvous, Topology};
 use crate::error::EngineError;
 use crate::transport::memory::MemoryTransport;
 use crate::transport::rendezvous::StoreClient;
+use crate::transport::shm::ShmTransport;
 use crate::transport::tcp::TcpTransport;
 use crate::transport::Transport;
 
@@ -43,6 +46,13 @@ pub fn connect_members(
     let (Some(rdv), Some(store)) = (&config.rendezvous, store) else {
         return Err(EngineError::Internal("a multi-rank communicator needs the rendezvous store".into()));
     };
+    if config.shm && all_on_this_host(store, scope, local_rank, members.len(), &config.topology.hostname, config.timeout)? {
+        let shm = ShmTransport::connect_mesh(local_rank, members.len(), store, scope, &config.shm_dir, config.timeout)
+            .map_err(|e| EngineError::transport("setting up shared memory with the other ranks", &e))?;
+        if let Some(transport) = shm {
+            return Ok(Box::new(transport));
+        }
+    }
     let bind: IpAddr = rdv
         .bind_addr
         .parse()
@@ -59,6 +69,33 @@ pub fn connect_members(
     )
     .map_err(|e| EngineError::transport("connecting to the other ranks", &e))?;
     Ok(Box::new(transport))
+}
+
+/// What identifies this machine: the launcher's host name plus the kernel's boot id, so that two machines
+/// given the same name are still told apart.
+fn host_identity(hostname: &str) -> String {
+    let boot_id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    format!("{hostname}/{}", boot_id.trim())
+}
+
+/// Whether all `size` members of the communicator in `scope` run on the same host (every member learns the
+/// same answer).
+fn all_on_this_host(
+    store: &mut StoreClient,
+    scope: &str,
+    local_rank: usize,
+    size: usize,
+    hostname: &str,
+    timeout: Duration,
+) -> Result<bool, EngineError> {
+    let fail = |e: crate::transport::TransportError| EngineError::transport("exchanging host names", &e);
+    let mine = host_identity(hostname);
+    store.set(&format!("{scope}/host/{local_rank}"), mine.as_bytes()).map_err(fail)?;
+    let mut same = true;
+    for rank in 0..size {
+        same &= store.get(&format!("{scope}/host/{rank}"), timeout).map_err(fail)? == mine.as_bytes();
+    }
+    Ok(same)
 }
 
 /// Every rank publishes its host's rank count; the job is homogeneous when all are equal.

@@ -195,6 +195,12 @@ impl Engine {
         self.registry().list()
     }
 
+    /// What carries the bytes of set `set_id` on this rank ("shm", "tcp" or "memory"), if this rank is a member.
+    pub fn transport_kind(&self, set_id: u32) -> Option<&'static str> {
+        let registry = self.registry();
+        registry.get(set_id)?.communicator.as_ref().map(|c| c.transport_kind())
+    }
+
     pub fn topology(&self) -> &Topology {
         &self.config.topology
     }

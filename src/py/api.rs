@@ -172,6 +172,14 @@ pub fn remove_process_set(py: Python<'_>, process_set_id: u32) -> PyResult<bool>
 }
 
 /// Every registered process set as (id, ranks).
+/// What carries the bytes of a process set on this rank: "shm", "tcp" or "memory" (one-rank sets), or
+/// None when this rank is not a member.
+#[pyfunction]
+#[pyo3(signature = (process_set_id=0))]
+pub fn transport_kind(process_set_id: u32) -> PyResult<Option<&'static str>> {
+    Ok(engine()?.transport_kind(process_set_id))
+}
+
 #[pyfunction]
 pub fn process_sets() -> PyResult<Vec<(u32, Vec<usize>)>> {
     Ok(engine()?.process_sets())

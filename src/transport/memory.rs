@@ -187,6 +187,10 @@ impl MemoryTransport {
 }
 
 impl Transport for MemoryTransport {
+    fn kind(&self) -> &'static str {
+        "memory"
+    }
+
     fn rank(&self) -> usize {
         self.rank
     }
@@ -283,7 +287,7 @@ impl Drop for MemoryTransport {
 
 /// Run `body` on every rank of `mesh`, each on its own thread, and return the results in rank order.
 /// Each transport is dropped (closed) when its rank's body returns. Panics if a body panics (test use).
-pub fn run_ranks<R: Send>(mesh: Vec<MemoryTransport>, body: impl Fn(&mut MemoryTransport) -> R + Sync) -> Vec<R> {
+pub fn run_ranks<T: Send, R: Send>(mesh: Vec<T>, body: impl Fn(&mut T) -> R + Sync) -> Vec<R> {
     let body = &body;
     std::thread::scope(|scope| {
         let handles: Vec<_> = mesh.into_iter().map(|mut transport| scope.spawn(move || body(&mut transport))).collect();

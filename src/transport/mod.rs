@@ -12,12 +12,13 @@ pub mod memory;
 pub mod tcp;
 pub mod handshake;
 pub mod rendezvous;
+pub mod shm;
 pub mod spin;
 pub mod waker;
 
 use std::time::Duration;
 
-pub use waker::Waker;
+pub use waker::{Doorbell, Waker};
 
 /// Why a transport operation failed. Each variant names the peer (communicator rank) involved.
 #[derive(Debug, thiserror::Error)]
@@ -55,6 +56,8 @@ pub trait Transport: Send {
     fn rank(&self) -> usize;
     /// Number of ranks in the communicator.
     fn size(&self) -> usize;
+    /// What carries the bytes: "tcp", "shm" or "memory".
+    fn kind(&self) -> &'static str;
 
     /// Send all of `data` to `peer`. Returns once the bytes are handed off (the peer may not have read them).
     /// Safe to call for any size: implementations must not deadlock when `peer` is simultaneously sending to us
@@ -89,6 +92,12 @@ pub trait Transport: Send {
     /// Block until `waker` fires, any peer has unread incoming bytes or a peer's connection closed
     /// (reported as [`Activity::Peer`]; the following `recv` then returns the error), or `timeout` passes.
     fn wait_for_activity(&mut self, waker: &Waker, timeout: Duration) -> Result<Activity, TransportError>;
+
+    /// What a [`Waker`] should ring so that this transport's `wait_for_activity` notices it, for transports
+    /// that do not sleep in `poll(2)` on the waker's fd.
+    fn doorbell(&self) -> Option<Doorbell> {
+        None
+    }
 
     /// Close every connection now, so peers blocked on this rank fail fast instead of waiting for a timeout.
     fn close(&mut self);

@@ -387,6 +387,10 @@ impl TcpTransport {
 }
 
 impl Transport for TcpTransport {
+    fn kind(&self) -> &'static str {
+        "tcp"
+    }
+
     fn rank(&self) -> usize {
         self.rank
     }

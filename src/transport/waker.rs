@@ -1,14 +1,23 @@
 //! A cross-thread wake-up signal that can be waited on together with sockets.
 //!
 //! Backed by a Linux `eventfd`: `wake()` is one `write(2)`, and the fd becomes readable, so a transport
-//! can `poll(2)` it alongside its sockets. Many wakes before a wait collapse into one.
+//! can `poll(2)` it alongside its sockets. Many wakes before a wait collapse into one. A transport that
+//! sleeps on something else (the shared-memory transport sleeps on a futex) attaches a doorbell, which
+//! `wake()` rings too, and reads the signal with [`Waker::is_signalled`] without a syscall.
 
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+/// Something a transport wants done on every wake (ring its own wake-up word).
+pub type Doorbell = Arc<dyn Fn() + Send + Sync>;
 
 pub struct Waker {
     fd: RawFd,
+    signalled: AtomicBool,
+    doorbell: Mutex<Option<Doorbell>>,
 }
 
 impl Waker {
@@ -18,11 +27,15 @@ impl Waker {
         if fd < 0 {
             return Err(io::Error::last_os_error());
         }
-        Ok(Waker { fd })
+        Ok(Waker { fd, signalled: AtomicBool::new(false), doorbell: Mutex::new(None) })
     }
 
     /// Make the next (or the current) wait return.
     pub fn wake(&self) {
+        self.signalled.store(true, Ordering::SeqCst);
+        if let Some(doorbell) = self.doorbell.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+            doorbell();
+        }
         let one: u64 = 1;
         // SAFETY: writes 8 bytes from a valid u64 to our own eventfd. A full counter (EAGAIN) means it is
         // already signalled, which is all we need.
@@ -33,10 +46,21 @@ impl Waker {
 
     /// Clear the signal. Returns whether it was set.
     pub fn drain(&self) -> bool {
+        self.signalled.store(false, Ordering::SeqCst);
         let mut value: u64 = 0;
         // SAFETY: reads 8 bytes into a valid u64 from our own non-blocking eventfd.
         let n = unsafe { libc::read(self.fd, &mut value as *mut u64 as *mut libc::c_void, 8) };
         n == 8 && value > 0
+    }
+
+    /// Whether a wake is pending (set by `wake`, cleared by `drain`), without a syscall.
+    pub fn is_signalled(&self) -> bool {
+        self.signalled.load(Ordering::SeqCst)
+    }
+
+    /// Also ring `doorbell` on every future wake (replaces an earlier one).
+    pub fn set_doorbell(&self, doorbell: Option<Doorbell>) {
+        *self.doorbell.lock().unwrap_or_else(|p| p.into_inner()) = doorbell;
     }
 
     /// Block until woken or `timeout` passes, without consuming the signal. Returns whether it is set.

@@ -1,7 +1,8 @@
 //! Helpers for whole-engine tests: N engines as threads of one process, meeting through a real
-//! rendezvous server and talking over TCP on loopback.
+//! rendezvous server and talking over shared memory or TCP on loopback ([`over_every_transport`]).
 #![allow(dead_code)]
 
+use std::cell::Cell;
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::Duration;
@@ -19,6 +20,19 @@ pub const SECRET: &[u8] = b"engine-test-secret";
 
 pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+thread_local! {
+    /// The transport jobs started by this thread use: "shm" or "tcp".
+    static TRANSPORT: Cell<&'static str> = const { Cell::new("shm") };
+}
+
+/// Run `test` once with jobs over shared memory and once over TCP (`RVOD_SHM=0`).
+pub fn over_every_transport(test: impl Fn()) {
+    for kind in ["shm", "tcp"] {
+        TRANSPORT.with(|t| t.set(kind));
+        test();
+    }
 }
 
 /// Start `n` engines (one per rank) with extra settings; returns them in rank order and the server.
@@ -42,6 +56,7 @@ pub fn start_job_with_sets(n: usize, extra: &[(&str, &str)], sets: &[Vec<usize>]
                 ("RVOD_RENDEZVOUS_PORT", port.clone()),
                 ("RVOD_SECRET", hex(SECRET)),
                 ("RVOD_TIMEOUT", "20".to_string()),
+                ("RVOD_SHM", if TRANSPORT.with(Cell::get) == "shm" { "1" } else { "0" }.to_string()),
             ] {
                 vars.insert(k.to_string(), v);
             }
@@ -55,7 +70,14 @@ pub fn start_job_with_sets(n: usize, extra: &[(&str, &str)], sets: &[Vec<usize>]
             })
         })
         .collect();
-    (handles.into_iter().map(|h| h.join().unwrap()).collect(), server)
+    let engines: Vec<Engine> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    if n > 1 && !extra.iter().any(|(k, _)| *k == "RVOD_SHM") {
+        let want = TRANSPORT.with(Cell::get);
+        for engine in &engines {
+            assert_eq!(engine.transport_kind(0), Some(want), "the job should run over {want}");
+        }
+    }
+    (engines, server)
 }
 
 pub fn f32_bytes(values: &[f32]) -> Vec<u8> {

@@ -118,7 +118,8 @@ def test_rvodrun_names_the_killed_rank(run_rvodrun):
 def test_strangers_are_dropped_and_the_job_is_unaffected(job_env, tmp_path):
     """Connections to the store and to a rank's mesh listener that send garbage, stay silent, or prove
     the wrong secret are dropped; the job started alongside them completes with the right results."""
-    with LocalJob(job_env, 2, [PYTHON, ERRORS, "steps"], tmp_path) as job:
+    # The ranks must talk through a TCP mesh listener, which this test probes.
+    with LocalJob(job_env, 2, [PYTHON, ERRORS, "steps"], tmp_path, settings={"RVOD_SHM": "0"}) as job:
         opened = time.monotonic()
         silent = [socket.create_connection(("127.0.0.1", job.port))]
         garbage = socket.create_connection(("127.0.0.1", job.port))

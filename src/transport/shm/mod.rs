@@ -1,0 +1,385 @@
+//! [`ShmTransport`]: ranks on one host exchange bytes through a shared-memory segment instead of TCP.
+//!
+//! The segment ([`segment`]) holds one single-producer single-consumer byte ring per ordered pair of
+//! ranks ([`layout`]). A send copies into the ring in pieces and publishes each piece at once, so the
+//! receiver consumes (reduces, for a reduce-scatter) the bytes straight out of shared memory while the
+//! rest is still being written: one copy in, none out.
+//!
+//! Waiting: an operation that cannot progress first spins briefly (the adaptive spin of [`spin`]), then
+//! sleeps on its rank's doorbell futex, which peers ring after publishing bytes or freeing space; a
+//! sleeping rank costs no CPU, so more ranks than cores still run at full speed. Sleeps are sliced so that
+//! a peer that died (its pidfd turns readable) or closed is reported as [`TransportError::PeerClosed`] at
+//! once, and a peer that makes no progress for the timeout as [`TransportError::Timeout`].
+//!
+//! Like the TCP transport, an operation blocked on a full ring moves whatever other peers sent into a
+//! private stash (read later, before the ring), so ranks sending each other large messages never deadlock.
+
+pub mod futex;
+pub mod layout;
+pub mod liveness;
+pub mod segment;
+
+use std::collections::VecDeque;
+use std::path::Path;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::transport::rendezvous::StoreClient;
+use crate::transport::spin;
+use crate::transport::{Activity, Doorbell, Transport, TransportError, Waker};
+use layout::Layout;
+use liveness::Liveness;
+use segment::Segment;
+
+/// Most bytes written before they are published: small enough that the receiver starts early and the
+/// piece is still in cache when it reads it.
+const PIECE_BYTES: usize = 64 * 1024;
+/// How long a blocked operation checks for readiness before it sleeps.
+const SPIN: Duration = Duration::from_micros(50);
+/// Longest single sleep: how often a sleeping rank checks whether its peer died.
+const SLEEP_SLICE: Duration = Duration::from_millis(20);
+
+pub struct ShmTransport {
+    rank: usize,
+    layout: Layout,
+    liveness: Liveness,
+    /// Peers seen dead (their process exited).
+    dead: Vec<bool>,
+    /// Bytes taken out of a peer's ring while a send waited for space; they precede the ring's bytes.
+    stash: Vec<VecDeque<u8>>,
+    timeout: Duration,
+    closed: bool,
+}
+
+impl ShmTransport {
+    fn new(rank: usize, layout: Layout, pids: Vec<u32>, timeout: Duration) -> ShmTransport {
+        let size = layout.size();
+        ShmTransport {
+            rank,
+            layout,
+            liveness: Liveness::watch(pids),
+            dead: vec![false; size],
+            stash: vec![VecDeque::new(); size],
+            timeout,
+            closed: false,
+        }
+    }
+
+    /// All `size` ranks of a communicator as transports in this process (for tests and benchmarks).
+    pub fn local_mesh(size: usize, dir: &Path, timeout: Duration) -> std::io::Result<Vec<ShmTransport>> {
+        let capacity = layout::channel_capacity(size);
+        let segment = Arc::new(Segment::create(dir, layout::segment_len(size, capacity))?);
+        segment.unlink();
+        let layout = Layout::initialise(segment, size, capacity);
+        let pids = vec![std::process::id(); size];
+        Ok((0..size).map(|rank| ShmTransport::new(rank, layout.clone(), pids.clone(), timeout)).collect())
+    }
+
+    /// Build the shared-memory mesh of a communicator whose `size` members all run on this host, meeting
+    /// in `scope` of the rendezvous store. Returns `Ok(None)`, on every rank alike, when some rank cannot
+    /// create or map the segment (for example a too small `dir`): the caller then falls back to TCP.
+    pub fn connect_mesh(
+        rank: usize,
+        size: usize,
+        store: &mut StoreClient,
+        scope: &str,
+        dir: &Path,
+        timeout: Duration,
+    ) -> Result<Option<ShmTransport>, TransportError> {
+        let capacity = layout::channel_capacity(size);
+        let len = layout::segment_len(size, capacity);
+        let segment_key = format!("{scope}/shm/segment");
+        let attached_key = |r: usize| format!("{scope}/shm/attached/{r}");
+        let mapped = if rank == 0 {
+            let created = Segment::create(dir, len).map(|s| Layout::initialise(Arc::new(s), size, capacity));
+            let announcement = match &created {
+                Ok(l) => format!("ok:{}", l.segment().path().display()),
+                Err(e) => format!("no:{e}"),
+            };
+            store.set(&segment_key, announcement.as_bytes())?;
+            created.map_err(|e| e.to_string())
+        } else {
+            let announcement = String::from_utf8_lossy(&store.get(&segment_key, timeout)?).into_owned();
+            match announcement.split_once(':') {
+                Some(("ok", path)) => Segment::open(Path::new(path), len)
+                    .map_err(|e| e.to_string())
+                    .and_then(|s| Layout::attach(Arc::new(s), size, capacity)),
+                Some((_, reason)) => Err(format!("rank 0 could not create it: {reason}")),
+                None => Err(format!("malformed announcement {announcement:?}")),
+            }
+        };
+        if let Ok(layout) = &mapped {
+            layout.slot(rank).pid.store(std::process::id(), Ordering::Release);
+        }
+        let verdict = match &mapped {
+            Ok(_) => "ok".to_string(),
+            Err(e) => format!("no:{e}"),
+        };
+        store.set(&attached_key(rank), verdict.as_bytes())?;
+        let mut failures = Vec::new();
+        for r in 0..size {
+            let v = String::from_utf8_lossy(&store.get(&attached_key(r), timeout)?).into_owned();
+            if let Some(reason) = v.strip_prefix("no:") {
+                failures.push(format!("rank {r}: {reason}"));
+            }
+        }
+        // Everyone has mapped it (or given up): the name can go. Every rank unlinks, so a rank killed
+        // right now cannot leave it behind.
+        if let Ok(layout) = &mapped {
+            layout.segment().unlink();
+        }
+        if !failures.is_empty() {
+            if rank == 0 {
+                tracing::warn!(
+                    "shared memory in {} is not usable ({}); ranks on this host use TCP instead",
+                    dir.display(),
+                    failures.join("; ")
+                );
+            }
+            return Ok(None);
+        }
+        let layout = mapped.map_err(TransportError::Setup)?;
+        let pids = (0..size).map(|r| layout.slot(r).pid.load(Ordering::Acquire)).collect();
+        Ok(Some(ShmTransport::new(rank, layout, pids, timeout)))
+    }
+
+    fn peer_closed(&self, peer: usize) -> bool {
+        self.dead[peer] || self.layout.slot(peer).closed.load(Ordering::Acquire) != 0
+    }
+
+    /// Copy what fits of `data` into `to`'s ring (one piece at most).
+    fn push(&mut self, to: usize, data: &[u8]) -> Result<usize, TransportError> {
+        if self.peer_closed(to) {
+            return Err(TransportError::PeerClosed { peer: to });
+        }
+        let n = self.layout.channel(self.rank, to).write(data, PIECE_BYTES);
+        if n > 0 {
+            self.layout.ring(to);
+        }
+        Ok(n)
+    }
+
+    /// Hand up to `limit` bytes from `from` (stash first, then its ring) to `consume`.
+    fn pop(&mut self, from: usize, limit: usize, consume: &mut dyn FnMut(&[u8])) -> Result<usize, TransportError> {
+        let stash = &mut self.stash[from];
+        if !stash.is_empty() {
+            let n = limit.min(stash.len());
+            let (a, b) = stash.as_slices();
+            let first = n.min(a.len());
+            consume(&a[..first]);
+            if n > first {
+                consume(&b[..n - first]);
+            }
+            stash.drain(..n);
+            return Ok(n);
+        }
+        let channel = self.layout.channel(from, self.rank);
+        let n = channel.read(limit, consume);
+        if n > 0 {
+            self.layout.ring(from);
+        } else if self.peer_closed(from) && channel.readable() == 0 {
+            return Err(TransportError::PeerClosed { peer: from });
+        }
+        Ok(n)
+    }
+
+    /// While our own send is stuck: move everything other peers (but `except`) sent into their stashes, so a
+    /// peer stuck sending to us can go on. Returns whether anything moved.
+    fn relieve(&mut self, except: Option<usize>) -> bool {
+        let mut moved = false;
+        for peer in (0..self.layout.size()).filter(|&p| p != self.rank && Some(p) != except) {
+            let stash = &mut self.stash[peer];
+            let n = self.layout.channel(peer, self.rank).read(usize::MAX, &mut |piece| stash.extend(piece));
+            if n > 0 {
+                self.layout.ring(peer);
+                moved = true;
+            }
+        }
+        moved
+    }
+
+    fn any_incoming(layout: &Layout, me: usize) -> bool {
+        (0..layout.size()).any(|p| p != me && layout.channel(p, me).readable() > 0)
+    }
+
+    /// Wait until `ready`, `blame` closes or dies, or `blame` makes no progress for the timeout (an error).
+    fn block(&mut self, blame: usize, ready: impl Fn(&Layout) -> bool) -> Result<(), TransportError> {
+        let me = self.rank;
+        let stop = |l: &Layout| ready(l) || l.slot(blame).closed.load(Ordering::Acquire) != 0;
+        if spin::spin_until(SPIN, || stop(&self.layout)) {
+            return Ok(());
+        }
+        let start = Instant::now();
+        let mut last_check = start;
+        loop {
+            let slot = self.layout.slot(me);
+            let seq = slot.doorbell.load(Ordering::SeqCst);
+            if stop(&self.layout) {
+                return Ok(());
+            }
+            slot.sleepers.fetch_add(1, Ordering::SeqCst);
+            futex::wait(&slot.doorbell, seq, SLEEP_SLICE);
+            slot.sleepers.fetch_sub(1, Ordering::SeqCst);
+            if last_check.elapsed() >= SLEEP_SLICE {
+                last_check = Instant::now();
+                if self.liveness.is_dead(blame) {
+                    self.dead[blame] = true;
+                    return Ok(());
+                }
+                if start.elapsed() >= self.timeout {
+                    return Err(TransportError::Timeout { peer: blame, seconds: self.timeout.as_secs_f64() });
+                }
+            }
+        }
+    }
+}
+
+impl Transport for ShmTransport {
+    fn kind(&self) -> &'static str {
+        "shm"
+    }
+
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.layout.size()
+    }
+
+    fn send(&mut self, peer: usize, data: &[u8]) -> Result<(), TransportError> {
+        let me = self.rank;
+        let mut sent = 0;
+        while sent < data.len() {
+            let n = self.push(peer, &data[sent..])?;
+            sent += n;
+            if n == 0 && !self.relieve(None) {
+                self.block(peer, |l| l.channel(me, peer).writable() > 0 || Self::any_incoming(l, me))?;
+            }
+        }
+        Ok(())
+    }
+
+    fn recv(&mut self, peer: usize, buf: &mut [u8]) -> Result<(), TransportError> {
+        let len = buf.len();
+        self.exchange(peer, &[], peer, len, &mut |off, bytes| buf[off..off + bytes.len()].copy_from_slice(bytes))
+    }
+
+    fn exchange(
+        &mut self,
+        to: usize,
+        send: &[u8],
+        from: usize,
+        recv_len: usize,
+        sink: &mut dyn FnMut(usize, &[u8]),
+    ) -> Result<(), TransportError> {
+        let me = self.rank;
+        let (mut sent, mut got) = (0, 0);
+        loop {
+            let mut progressed = false;
+            if sent < send.len() {
+                let n = self.push(to, &send[sent..])?;
+                sent += n;
+                progressed |= n > 0;
+            }
+            while got < recv_len {
+                let mut offset = got;
+                let n = self.pop(from, recv_len - got, &mut |piece| {
+                    sink(offset, piece);
+                    offset += piece.len();
+                })?;
+                if n == 0 {
+                    break;
+                }
+                got += n;
+                progressed = true;
+            }
+            if sent == send.len() && got == recv_len {
+                return Ok(());
+            }
+            if !progressed && !(sent < send.len() && self.relieve(Some(from))) {
+                let (sending, receiving) = (sent < send.len(), got < recv_len);
+                let blame = if receiving { from } else { to };
+                self.block(blame, |l| {
+                    (sending && l.channel(me, to).writable() > 0) || (receiving && l.channel(from, me).readable() > 0)
+                })?;
+                if sending && blame != to && self.peer_closed(to) {
+                    return Err(TransportError::PeerClosed { peer: to });
+                }
+            }
+        }
+    }
+
+    fn wait_for_activity(&mut self, waker: &Waker, timeout: Duration) -> Result<Activity, TransportError> {
+        let me = self.rank;
+        let size = self.layout.size();
+        let peer_activity = |l: &Layout, dead: &[bool]| {
+            (0..size).any(|p| {
+                p != me && (dead[p] || l.channel(p, me).readable() > 0 || l.slot(p).closed.load(Ordering::Acquire) != 0)
+            })
+        };
+        let verdict = |t: &ShmTransport| {
+            if waker.is_signalled() {
+                Some(Activity::Local)
+            } else if t.stash.iter().any(|s| !s.is_empty()) || peer_activity(&t.layout, &t.dead) {
+                Some(Activity::Peer)
+            } else {
+                None
+            }
+        };
+        if let Some(activity) = verdict(self) {
+            return Ok(activity);
+        }
+        let deadline = Instant::now() + timeout;
+        if spin::spin_until(SPIN.min(timeout), || verdict(self).is_some()) {
+            return Ok(verdict(self).unwrap_or(Activity::Idle));
+        }
+        let mut last_check = Instant::now();
+        loop {
+            let slot = self.layout.slot(me);
+            let seq = slot.doorbell.load(Ordering::SeqCst);
+            if let Some(activity) = verdict(self) {
+                return Ok(activity);
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Ok(Activity::Idle);
+            }
+            slot.sleepers.fetch_add(1, Ordering::SeqCst);
+            futex::wait(&slot.doorbell, seq, left.min(SLEEP_SLICE));
+            slot.sleepers.fetch_sub(1, Ordering::SeqCst);
+            if last_check.elapsed() >= SLEEP_SLICE {
+                last_check = Instant::now();
+                for peer in (0..size).filter(|&p| p != me) {
+                    if !self.dead[peer] && self.liveness.is_dead(peer) {
+                        self.dead[peer] = true;
+                    }
+                }
+            }
+        }
+    }
+
+    fn close(&mut self) {
+        if self.closed {
+            return;
+        }
+        self.closed = true;
+        self.layout.slot(self.rank).closed.store(1, Ordering::Release);
+        for peer in (0..self.layout.size()).filter(|&p| p != self.rank) {
+            self.layout.ring(peer);
+        }
+    }
+
+    fn doorbell(&self) -> Option<Doorbell> {
+        let layout = self.layout.clone();
+        let me = self.rank;
+        Some(Arc::new(move || layout.ring(me)))
+    }
+}
+
+impl Drop for ShmTransport {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
