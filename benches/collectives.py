@@ -1,18 +1,26 @@
-"""rvod's collective benchmark, side by side with torch.distributed (gloo) in the same run.
+"""rvod's collective benchmark: rvod over shared memory, rvod over TCP, torch.distributed (gloo) and, where it
+is importable, Horovod, side by side in the same run.
 
-    python benches/collectives.py --np 2 --out bench-out/          # full run (5 rounds, ~10 min on 2 cores)
-    python benches/collectives.py --quick --out bench-out-quick/   # ~1 minute smoke run
+    python benches/collectives.py --out bench-out/                 # full run (5 rounds, ~10 min on 2 cores)
+    python benches/collectives.py --quick --out bench-out-quick/   # ~1-2 minute smoke run
 
-Every round runs one rvod job (`rvodrun -np N python benches/collectives_worker.py ...`) and one gloo job
-(N ranks with MASTER_ADDR=127.0.0.1 and a free port), alternating A B A B ..., each rank with one compute
-thread. A job measures, after warm-up: allreduce latency (4 B .. 8 KiB, p50/p90), allreduce bus bandwidth
-(64 KiB .. --max-size, rotating buffers larger than the L3 cache), allgather and broadcast bus bandwidth at a
-few sizes, and a step of 1,024 small tensors (fused by rvod) against one allreduce of the same total size.
+Every round runs one job per implementation, in the order --impls gives (default rvod-shm, rvod-tcp, gloo,
+plus horovod when `import horovod` would work), so rounds alternate A B C A B C ...; every rank has one compute
+thread. rvod jobs are `rvodrun -np N python benches/collectives_worker.py ...` with RVOD_SHM=1 (rvod-shm) or
+RVOD_SHM=0 (rvod-tcp), and each rank checks that rvod really runs over that transport; Horovod jobs are
+`horovodrun -np N -H localhost:N ...` driving horovod.torch; gloo jobs are N ranks with MASTER_ADDR=127.0.0.1
+and a free port. A job measures, after warm-up: allreduce latency (4 B .. 8 KiB, p50/p90; for rvod also a
+torch tensor through rvod.torch), allreduce bus bandwidth (64 KiB .. --max-size, rotating buffers larger
+than the L3 cache), allgather and broadcast bus bandwidth at a few sizes, and a step of 1,024 x 4 KiB tensors
+(rvod and Horovod: allreduce_async_ each then synchronize, and one grouped_allreduce_; gloo: one by one, and
+async_op=True then wait) against one in-place allreduce of the same total size in the same job.
 
-Writes to --out: collectives.csv (raw per-rank samples and per-round metrics: impl, op, size_bytes, round,
-metric, value, rank), collectives.json (machine, versions, git commit, plan, summary), collectives.txt (the
-table printed on stdout) and collectives.png (bus bandwidth and latency against size). See
-docs/performance.md for the method and the latest results.
+The report gives each implementation's median [min-max] over rounds and "a vs b" speedups (every
+implementation vs gloo, rvod-shm vs rvod-tcp, rvod vs horovod) as the median [min-max] of per-round ratios,
+then the targets of issue 5. Writes to --out: collectives.csv (raw per-rank samples and per-round metrics:
+impl, op, size_bytes, round, metric, value, rank), collectives.json (machine, versions, git commit, plan,
+transports, summary), collectives.txt (the table printed on stdout) and collectives.png (bus bandwidth and
+latency against size, one line per implementation). See docs/performance.md for the method and results.
 """
 
 import argparse
@@ -40,9 +48,10 @@ def _powers(lo, hi, factor):
 
 def build_plan(args):
     if args.quick:
+        bw = [s for s in (64 * KiB, 1 * MiB, 4 * MiB, 64 * MiB) if s <= args.max_size]
         plan = {"latency_sizes": [4, 64, 1024, 8 * KiB], "latency_iters": 200, "latency_warmup": 20,
-                "bw_sizes": _powers(64 * KiB, min(args.max_size, 16 * MiB), 16), "allgather_sizes": [1 * MiB],
-                "broadcast_sizes": [1 * MiB], "bw_budget_bytes": 64 * MiB, "bw_min_calls": 3, "bw_max_calls": 50,
+                "bw_sizes": bw, "allgather_sizes": [1 * MiB], "broadcast_sizes": [1 * MiB],
+                "bw_budget_bytes": 64 * MiB, "bw_min_calls": 3, "bw_max_calls": 50,
                 "fusion_steps": 2, "fusion_warmup": 1, "fusion_single_calls": 5}
     else:
         few = [s for s in (64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB) if s <= args.max_size]
@@ -51,7 +60,7 @@ def build_plan(args):
                 "bw_budget_bytes": 512 * MiB, "bw_min_calls": 3, "bw_max_calls": 200,
                 "fusion_steps": 5, "fusion_warmup": 1, "fusion_single_calls": 20}
     plan.update(bw_warmup=2, working_set_bytes=64 * MiB, fusion_count=1024, fusion_tensor_bytes=4 * KiB,
-                rvod_torch_input_sizes=[4], phases=args.phases.split(","))
+                rvod_torch_input_sizes=[4], phases=args.phases.split(","), impls=args.impls)
     if args.latency_iters is not None:
         plan["latency_iters"] = args.latency_iters
     if args.latency_warmup is not None:
@@ -66,14 +75,16 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--np", type=int, default=2, help="ranks per job (default 2)")
     p.add_argument("--out", default="bench-out", help="output folder (default bench-out/)")
-    p.add_argument("--rounds", type=int, default=None, help="rounds of A B (default 5; --quick: 2)")
-    p.add_argument("--quick", action="store_true", help="a ~1 minute smoke run with fewer sizes and calls")
+    p.add_argument("--rounds", type=int, default=None, help="rounds of A B C ... (default 5; --quick: 2)")
+    p.add_argument("--quick", action="store_true", help="a ~1-2 minute smoke run: fewer sizes, calls and rounds")
     p.add_argument("--max-size", type=int, default=256 * MiB, help="largest bandwidth size in bytes (default 256 MiB)")
     p.add_argument("--latency-iters", type=int, default=None, help="timed calls per latency size (default 1000)")
     p.add_argument("--latency-warmup", type=int, default=None, help="untimed calls before them (default 100)")
     p.add_argument("--fusion-steps", type=int, default=None, help="timed fused steps per round (default 5)")
     p.add_argument("--phases", default="latency,bandwidth,fusion", help="comma list of latency,bandwidth,fusion")
-    p.add_argument("--impls", default="rvod,gloo", help="implementations, in the order each round runs them")
+    p.add_argument("--impls", default=None,
+                   help="comma list of rvod-shm, rvod-tcp, gloo, horovod, in the order each round runs them "
+                        "(default rvod-shm,rvod-tcp,gloo, and horovod when it is importable)")
     p.add_argument("--timeout", type=float, default=600, help="seconds one job may take before it is stopped")
     p.add_argument("--rvodrun", default=None, help="rvodrun to use (default: the one beside this python)")
     p.add_argument("--report-only", action="store_true",
@@ -81,7 +92,22 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.rounds is None:
         args.rounds = 2 if args.quick else 5
+    if not args.report_only:
+        args.impls = _pick_impls(p, args.impls)
     return args
+
+
+def _pick_impls(parser, text):
+    """The --impls list, checked; horovod is dropped, with a note, where it cannot be imported."""
+    impls = text.split(",") if text else launch.default_impls()
+    unknown = [i for i in impls if i not in launch.IMPLS]
+    if unknown or len(set(impls)) != len(impls):
+        parser.error(f"--impls: give each of {', '.join(launch.IMPLS)} at most once, not {text!r}")
+    if not launch.horovod_available():
+        print("note: horovod is not importable in this Python, so it is not measured", file=sys.stderr)
+        if "horovod" in impls:
+            impls.remove("horovod")
+    return impls
 
 
 def run_rounds(args, out, raw_dir, plan_path, argv):
@@ -93,7 +119,7 @@ def run_rounds(args, out, raw_dir, plan_path, argv):
     meta = machine.describe(argv if argv is not None else sys.argv, launch.find_rvodrun(args.rvodrun))
     started = time.monotonic()
     for rnd in range(args.rounds):
-        for impl in args.impls.split(","):
+        for impl in args.impls:
             t0 = time.monotonic()
             launch.run_job(impl, args.np, plan_path, raw_dir, rnd, raw_dir / f"round{rnd}.{impl}.log",
                            args.timeout, args.rvodrun)
@@ -118,9 +144,11 @@ def main(argv=None):
     docs = [json.loads(p.read_text()) for p in sorted(raw_dir.glob("round*.json"))]
     n, metrics, rows = report.aggregate(docs)
     rounds = sorted({d["round"] for d in docs})
-    summary = report.summarize(metrics, rounds)
-    lines = report.table_lines(summary, n, plan, rounds) + [""] + report.target_lines(summary)
-    lines.append("")
+    impls = report.impl_order(docs, plan)
+    seen_transports = report.transports(docs)
+    summary = report.summarize(metrics, rounds, impls)
+    lines = report.table_lines(summary, n, plan, rounds, impls, seen_transports)
+    lines += [""] + report.target_lines(summary, plan) + [""]
     lines.append(f"commit: {meta['git']['describe']}; rvod engine: {meta['rvod'].get('extension')} "
                  f"(sha256 {meta['rvod'].get('extension_sha256', '?')[:12]}); wall {meta['wall_s']} s")
     text = "\n".join(lines)
@@ -129,11 +157,11 @@ def main(argv=None):
     report.write_csv(out / "collectives.csv", rows)
     (out / "collectives.txt").write_text(text + "\n")
     (out / "collectives.json").write_text(json.dumps({
-        "meta": meta, "plan": plan, "ranks": n,
+        "meta": meta, "plan": plan, "ranks": n, "impls": impls, "transports": seen_transports,
         "job_timings": {f"round{d['round']}.{d['impl']}.rank{d['rank']}": d["timings"] for d in docs},
         "summary": {f"{op}/{size}": value for (op, size), value in summary.items()},
     }, indent=1, default=str))
-    report.plot(out / "collectives.png", summary, n)
+    report.plot(out / "collectives.png", summary, n, impls)
     print(f"\nwrote {out / 'collectives.csv'}, {out / 'collectives.json'}, {out / 'collectives.png'}",
           file=sys.stderr)
 

@@ -1,36 +1,48 @@
-"""The two implementations under test behind one small interface, so every measurement phase is written once.
+"""The implementations under test behind one small interface, so every measurement phase is written once.
 
-`RvodBackend` drives rvod through its public NumPy API (`rvod.numpy`); `GlooBackend` drives
-`torch.distributed` with the gloo backend. Buffers are float32 and come from `new_buffer` / `views`, so each
-backend works on its own natural tensor type (NumPy arrays for rvod, torch CPU tensors for gloo) while the
-memory behind them is allocated and touched the same way. Every rvod op carries a fixed name, so from the
-second call on the engine's response cache serves it (unnamed ops would get a fresh name per call).
+- `rvod-shm`, `rvod-tcp`: rvod through its public NumPy API (`rvod.numpy`), started by `rvodrun` with
+  RVOD_SHM=1 / RVOD_SHM=0; the backend checks that `rvod._rvod.transport_kind()` is the transport the
+  implementation claims, so a fallback cannot pass TCP numbers off as shared memory. The small-latency phase
+  also times `rvod.torch.allreduce` on a torch tensor (`torch_allreduce`), the call a PyTorch user makes.
+- `gloo`: `torch.distributed` with the gloo backend.
+- `horovod`: `horovod.torch` on torch CPU tensors, started by `horovodrun` (only where Horovod is importable).
+
+rvod and Horovod share one class (`HorovodApiBackend`): the same calls, on NumPy arrays or torch tensors.
+Buffers are float32 and come from `new_buffer` (NumPy for rvod, torch for the others), allocated and touched
+the same way for everyone.
+Every Horovod-API op carries a fixed name, so from the second call on the response cache serves it.
 """
 
 import os
 import time
 
-import numpy as np
+# The implementations a job can run: which backend class, and for rvod the transport it must end up on.
+IMPLS = {
+    "rvod-shm": ("rvod", "shm"),
+    "rvod-tcp": ("rvod", "tcp"),
+    "gloo": ("gloo", None),
+    "horovod": ("horovod", None),
+}
 
 
-class RvodBackend:
-    name = "rvod"
+def _torch_buffer(torch, count):
+    buf = torch.empty(count, dtype=torch.float32)
+    buf.fill_(0.0)  # fault every page in now, outside any timed region
+    return buf
 
-    def __init__(self):
-        import rvod.numpy as hvd
 
+class HorovodApiBackend:
+    """The Horovod API (`allreduce_`, `allreduce_async_` + `synchronize`, `grouped_allreduce_`, ...)."""
+
+    tensors = None  # "numpy" or "torch": what this implementation's buffers are
+    fused_variants = ("async_then_synchronize", "grouped")
+
+    def __init__(self, name, hvd):
+        self.name = name
         self.hvd = hvd
         hvd.init()
         self.rank = hvd.rank()
         self.size = hvd.size()
-
-    def new_buffer(self, count):
-        buf = np.empty(count, dtype=np.float32)
-        buf.fill(0.0)  # fault every page in now, outside any timed region
-        return buf
-
-    def views(self, arena, count, k):
-        return [arena[i * count:(i + 1) * count] for i in range(k)]
 
     def barrier(self):
         self.hvd.barrier()
@@ -43,37 +55,93 @@ class RvodBackend:
         self.hvd.allreduce_(buf, name=name, op=self.hvd.Sum)
 
     def allgather(self, buf, out, name):
-        # rvod (like Horovod) has no allgather into a caller's buffer: the result is a new array.
+        # The Horovod API has no allgather into a caller's buffer: the result is a new tensor.
         return self.hvd.allgather(buf, name=name)
 
     def broadcast_(self, buf, name):
         self.hvd.broadcast_(buf, root_rank=0, name=name)
 
     def fused_step(self, tensors, names, variant):
-        """Submit every tensor, then synchronize them all; returns the seconds spent submitting."""
+        """One step of many small in-place sums; returns the seconds spent submitting them.
+
+        async_then_synchronize: `allreduce_async_` per tensor, then `synchronize` each handle.
+        grouped: one `grouped_allreduce_async_(tensors)` then `synchronize`, which is exactly what
+        `grouped_allreduce_(tensors)` does, split so the submit time can be reported.
+        """
         hvd = self.hvd
         t0 = time.perf_counter()
-        handles = [hvd.allreduce_async_(t, name=n, op=hvd.Sum) for t, n in zip(tensors, names)]
+        if variant == "grouped":
+            handles = [hvd.grouped_allreduce_async_(tensors, name=names[0] + ".grouped", op=hvd.Sum)]
+        else:
+            handles = [hvd.allreduce_async_(t, name=n, op=hvd.Sum) for t, n in zip(tensors, names)]
         submitted = time.perf_counter() - t0
         for h in handles:
             hvd.synchronize(h)
         return submitted
 
-    fused_variants = ("async_then_synchronize",)
-
     def shutdown(self):
         self.hvd.shutdown()
 
 
-class GlooBackend:
-    name = "gloo"
+class RvodBackend(HorovodApiBackend):
+    tensors = "numpy"
 
-    def __init__(self):
+    def __init__(self, name, expected_transport):
+        import rvod._rvod
+        import rvod.numpy as hvd
+
+        super().__init__(name, hvd)
+        self.transport = rvod._rvod.transport_kind(0)
+        if self.size > 1 and self.transport != expected_transport:
+            raise SystemExit(f"{name}: the job runs over {self.transport!r}, not {expected_transport!r} "
+                             f"(RVOD_SHM={os.environ.get('RVOD_SHM')!r})")
+        self._torch_hvd = None
+
+    def new_buffer(self, count):
+        import numpy as np
+
+        buf = np.empty(count, dtype=np.float32)
+        buf.fill(0.0)  # fault every page in now, outside any timed region
+        return buf
+
+    def torch_allreduce(self, buf, name):
+        """`rvod.torch.allreduce` on a torch tensor: the small-allreduce call of a PyTorch training script."""
+        if self._torch_hvd is None:
+            import rvod.torch
+
+            self._torch_hvd = rvod.torch  # shares the engine rvod.numpy started
+        return self._torch_hvd.allreduce(buf, name=name, op=self._torch_hvd.Sum)
+
+
+class HorovodBackend(HorovodApiBackend):
+    tensors = "torch"
+
+    def __init__(self, name, expected_transport=None):
+        import horovod.torch as hvd
+        import torch
+
+        self.torch = torch
+        super().__init__(name, hvd)
+        self.transport = "horovod-gloo" if hvd.gloo_enabled() else "horovod-mpi" if hvd.mpi_enabled() else "horovod"
+        if not hasattr(hvd, "grouped_allreduce_async_"):  # Horovod < 0.21
+            self.fused_variants = ("async_then_synchronize",)
+
+    def new_buffer(self, count):
+        return _torch_buffer(self.torch, count)
+
+
+class GlooBackend:
+    tensors = "torch"
+    transport = "gloo-tcp"
+    fused_variants = ("one_by_one", "async_then_wait")
+
+    def __init__(self, name="gloo", expected_transport=None):
         import datetime
 
         import torch
         import torch.distributed as dist
 
+        self.name = name
         self.torch = torch
         self.dist = dist
         dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
@@ -82,12 +150,7 @@ class GlooBackend:
         self.size = dist.get_world_size()
 
     def new_buffer(self, count):
-        buf = self.torch.empty(count, dtype=self.torch.float32)
-        buf.fill_(0.0)
-        return buf
-
-    def views(self, arena, count, k):
-        return [arena[i * count:(i + 1) * count] for i in range(k)]
+        return _torch_buffer(self.torch, count)
 
     def barrier(self):
         self.dist.barrier()
@@ -109,20 +172,19 @@ class GlooBackend:
         if variant == "one_by_one":
             for t in tensors:
                 dist.all_reduce(t)
-        else:
-            t0 = time.perf_counter()
-            works = [dist.all_reduce(t, async_op=True) for t in tensors]
-            submitted = time.perf_counter() - t0
-            for w in works:
-                w.wait()
-            return submitted
-        return None
-
-    fused_variants = ("one_by_one", "async_then_wait")
+            return None
+        t0 = time.perf_counter()
+        works = [dist.all_reduce(t, async_op=True) for t in tensors]
+        submitted = time.perf_counter() - t0
+        for w in works:
+            w.wait()
+        return submitted
 
     def shutdown(self):
         self.dist.destroy_process_group()
 
 
 def make_backend(impl):
-    return {"rvod": RvodBackend, "gloo": GlooBackend}[impl]()
+    family, transport = IMPLS[impl]
+    cls = {"rvod": RvodBackend, "gloo": GlooBackend, "horovod": HorovodBackend}[family]
+    return cls(impl, transport)

@@ -1,10 +1,13 @@
 """Starting one benchmark job (all ranks of one implementation for one round) and waiting for it.
 
-rvod ranks are started by `rvodrun -np N`, exactly as a user would; gloo ranks are N plain subprocesses
-with torch.distributed's env:// variables (MASTER_ADDR=127.0.0.1 and a free port). Every job runs in its own
-process group with a time limit, and its combined output goes to a log file that is shown if it fails.
+rvod ranks are started by `rvodrun -np N`, exactly as a user would, with RVOD_SHM=1 (rvod-shm) or RVOD_SHM=0
+(rvod-tcp) in the job's environment; Horovod ranks by `horovodrun -np N -H localhost:N`; gloo ranks are N
+plain subprocesses with torch.distributed's env:// variables (MASTER_ADDR=127.0.0.1 and a free port). Every
+job runs in its own process group with a time limit, and its combined output goes to a log file that is
+shown if it fails.
 """
 
+import importlib.util
 import os
 import shutil
 import signal
@@ -14,15 +17,34 @@ import sys
 import time
 from pathlib import Path
 
+from collectives_backends import IMPLS
+
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "collectives_worker.py"
 
+# What RVOD_SHM each rvod implementation's job gets.
+RVOD_SHM = {impl: "1" if transport == "shm" else "0" for impl, (family, transport) in IMPLS.items()
+            if family == "rvod"}
 
-def find_rvodrun(explicit=None):
+
+def horovod_available():
+    return importlib.util.find_spec("horovod") is not None
+
+
+def default_impls():
+    return ["rvod-shm", "rvod-tcp", "gloo"] + (["horovod"] if horovod_available() else [])
+
+
+def find_launcher(name, explicit=None):
+    """`rvodrun` / `horovodrun`: the one given, else the one beside this Python, else the one on PATH."""
     if explicit:
         return explicit
-    beside = Path(sys.executable).parent / "rvodrun"
-    return str(beside) if beside.exists() else (shutil.which("rvodrun") or "rvodrun")
+    beside = Path(sys.executable).parent / name
+    return str(beside) if beside.exists() else (shutil.which(name) or name)
+
+
+def find_rvodrun(explicit=None):
+    return find_launcher("rvodrun", explicit)
 
 
 def _free_port():
@@ -33,7 +55,7 @@ def _free_port():
 
 def _base_env():
     env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     return env
 
 
@@ -67,19 +89,26 @@ def _wait_all(procs, timeout):
     return codes
 
 
+def _start(impl, np_, args, env, log, rvodrun):
+    """The processes of one job: one launcher (rvodrun, horovodrun) or one process per gloo rank."""
+    popen = dict(stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    if impl in RVOD_SHM:
+        env["RVOD_SHM"] = RVOD_SHM[impl]
+        return [subprocess.Popen([find_rvodrun(rvodrun), "-np", str(np_)] + args, env=env, **popen)]
+    if impl == "horovod":
+        cmd = [find_launcher("horovodrun"), "-np", str(np_), "-H", f"localhost:{np_}"]
+        return [subprocess.Popen(cmd + args, env=env, **popen)]
+    if impl == "gloo":
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(np_),
+                   GLOO_SOCKET_IFNAME="lo")
+        return [subprocess.Popen(args, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), **popen) for r in range(np_)]
+    raise ValueError(f"unknown implementation {impl!r} (known: {', '.join(IMPLS)})")
+
+
 def run_job(impl, np_, plan_path, raw_dir, round_index, log_path, timeout, rvodrun=None):
     """Run one job to completion; raises RuntimeError (with the log's tail) if any rank fails."""
-    env = _base_env()
-    args = _worker_args(impl, plan_path, raw_dir, round_index)
     with open(log_path, "w") as log:
-        if impl == "rvod":
-            procs = [subprocess.Popen([find_rvodrun(rvodrun), "-np", str(np_)] + args, env=env, stdout=log,
-                                      stderr=subprocess.STDOUT, start_new_session=True)]
-        else:
-            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(np_),
-                       GLOO_SOCKET_IFNAME="lo")
-            procs = [subprocess.Popen(args, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=log,
-                                      stderr=subprocess.STDOUT, start_new_session=True) for r in range(np_)]
+        procs = _start(impl, np_, _worker_args(impl, plan_path, raw_dir, round_index), _base_env(), log, rvodrun)
         codes = _wait_all(procs, timeout)
     if any(codes):
         tail = Path(log_path).read_text(errors="replace")[-4000:]

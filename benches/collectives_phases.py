@@ -28,37 +28,38 @@ def check_values(backend):
 
 
 def latency(backend, plan):
+    """p50/p90 material: one record per timed call. rvod also times `rvod.torch.allreduce` on torch tensors."""
     records = []
-    ops = [("allreduce", backend.new_buffer)]
-    if backend.name == "rvod" and plan.get("rvod_torch_input_sizes"):
+    ops = [("allreduce", plan["latency_sizes"], backend.new_buffer, backend.allreduce_latency)]
+    if hasattr(backend, "torch_allreduce") and plan.get("rvod_torch_input_sizes"):
         import torch
 
-        ops.append(("allreduce_torch_input", lambda count: torch.zeros(count, dtype=torch.float32)))
-    for op, make in ops:
-        sizes = plan["latency_sizes"] if op == "allreduce" else plan["rvod_torch_input_sizes"]
+        ops.append(("allreduce_torch_input", plan["rvod_torch_input_sizes"],
+                    lambda count: torch.zeros(count, dtype=torch.float32), backend.torch_allreduce))
+    for op, sizes, make, call in ops:
         for size in sizes:
             buf = make(size // F32)
             name = f"bench.lat.{op}.{size}"
             backend.barrier()
             for _ in range(plan["latency_warmup"]):
-                backend.allreduce_latency(buf, name)
+                call(buf, name)
             backend.barrier()
             clock = time.perf_counter_ns
             samples = []
             for _ in range(plan["latency_iters"]):
                 t0 = clock()
-                backend.allreduce_latency(buf, name)
+                call(buf, name)
                 samples.append(clock() - t0)
             records.extend((op, size, "call_us", ns / 1e3) for ns in samples)
     return records
 
 
-def _arena_views(backend, arena, size, plan):
+def _arena_views(arena, size, plan):
     """`k` disjoint buffers of `size` bytes inside `arena`, with k * size >= the working set (>= 2 buffers)."""
     count = size // F32
     k = max(2, -(-plan["working_set_bytes"] // size))
     k = min(k, len(arena) // count)
-    return backend.views(arena, count, k)
+    return [arena[i * count:(i + 1) * count] for i in range(k)]
 
 
 def _timed_batch(backend, calls, one_call):
@@ -76,7 +77,7 @@ def bandwidth(backend, plan, arena):
     for op, sizes in (("allreduce", plan["bw_sizes"]), ("allgather", plan["allgather_sizes"]),
                       ("broadcast", plan["broadcast_sizes"])):
         for size in sizes:
-            bufs = _arena_views(backend, arena, size, plan)
+            bufs = _arena_views(arena, size, plan)
             name = f"bench.bw.{op}.{size}"
             if op == "allreduce":
                 def one_call(i, bufs=bufs, name=name):
@@ -100,16 +101,30 @@ def bandwidth(backend, plan, arena):
     return records
 
 
+def _check_fused(backend, tensors, names, variant):
+    """One fused step on known values (then back to zeros), so a way that drops tensors cannot post numbers."""
+    for t in tensors:
+        t[:] = backend.rank + 1
+    backend.fused_step(tensors, names, variant)
+    expected = backend.size * (backend.size + 1) / 2
+    bad = [i for i, t in enumerate(tensors) if not (float(t.min()) == float(t.max()) == expected)]
+    if bad:
+        raise SystemExit(f"{backend.name}: fused {variant} check failed for {len(bad)} tensor(s), first {bad[0]}: "
+                         f"got {float(tensors[bad[0]][0])}, expected {expected}")
+    for t in tensors:
+        t[:] = 0.0
+
+
 def fusion(backend, plan):
-    """Many small tensors per step (fused by rvod's engine) vs one allreduce of the same total size."""
+    """Many small tensors per step (each of the backend's ways) vs one allreduce of the same total size."""
     records = []
     count, tensor_bytes = plan["fusion_count"], plan["fusion_tensor_bytes"]
     tensors = [backend.new_buffer(tensor_bytes // F32) for _ in range(count)]
     names = [f"bench.fusion.{i}" for i in range(count)]
     for variant in backend.fused_variants:
+        _check_fused(backend, tensors, names, variant)
         for _ in range(plan["fusion_warmup"]):
             backend.fused_step(tensors, names, variant)
-        backend.barrier()
         for _ in range(plan["fusion_steps"]):
             backend.barrier()
             t0 = time.perf_counter()
@@ -117,7 +132,7 @@ def fusion(backend, plan):
             records.append((f"fused_{variant}", count * tensor_bytes, "step_s", time.perf_counter() - t0))
             if submit_s is not None:
                 records.append((f"fused_{variant}", count * tensor_bytes, "submit_s", submit_s))
-    # The comparison point: one tensor of the same total size, same (hot) memory conditions.
+    # The comparison point: one in-place allreduce of the same total size, same (hot) memory conditions.
     single = backend.new_buffer(count * tensor_bytes // F32)
     name = "bench.fusion.single"
     for _ in range(plan["fusion_warmup"]):

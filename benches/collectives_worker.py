@@ -1,28 +1,30 @@
-"""One rank of one benchmark job: `python benches/collectives_worker.py --impl rvod|gloo --plan P --out DIR --round R`.
+"""One rank of one benchmark job: `python benches/collectives_worker.py --impl IMPL --plan P --out DIR --round R`.
 
-Started by `benches/collectives.py` (under `rvodrun` for rvod, with torch.distributed's env:// variables for
-gloo). Runs the phases the plan names and writes this rank's raw records to
-`DIR/round<R>.<impl>.rank<k>.json`. One compute thread per rank, as the method requires.
+IMPL is one of `collectives_backends.IMPLS` (rvod-shm, rvod-tcp, gloo, horovod). Started by
+`benches/collectives.py` (under `rvodrun` for rvod, `horovodrun` for Horovod, with torch.distributed's
+env:// variables for gloo). Runs the phases the plan names and writes this rank's raw records, with the
+transport the job really used, to `DIR/round<R>.<impl>.rank<k>.json`. One compute thread per rank.
 """
 
 import os
 
 os.environ["OMP_NUM_THREADS"] = "1"
 os.environ["MKL_NUM_THREADS"] = "1"
+os.environ["OPENBLAS_NUM_THREADS"] = "1"
 
 import argparse
 import json
 import time
 
 import collectives_phases as phases
-from collectives_backends import make_backend
+from collectives_backends import IMPLS, make_backend
 
 F32 = 4
 
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--impl", choices=("rvod", "gloo"), required=True)
+    parser.add_argument("--impl", choices=sorted(IMPLS), required=True)
     parser.add_argument("--plan", required=True, help="JSON file with the measurement plan")
     parser.add_argument("--out", required=True)
     parser.add_argument("--round", type=int, required=True)
@@ -35,7 +37,7 @@ def main():
 
         torch.set_num_threads(1)
     except ImportError:
-        if args.impl == "gloo" or plan.get("rvod_torch_input_sizes"):
+        if IMPLS[args.impl][0] != "rvod" or plan.get("rvod_torch_input_sizes"):
             raise
 
     started = time.perf_counter()
@@ -65,7 +67,7 @@ def main():
     path = os.path.join(args.out, f"round{args.round}.{args.impl}.rank{rank}.json")
     with open(path + ".tmp", "w") as f:
         json.dump({"impl": args.impl, "round": args.round, "rank": rank, "size": size, "timings": timings,
-                   "records": records}, f)
+                   "transport": backend.transport, "tensors": backend.tensors, "records": records}, f)
     os.replace(path + ".tmp", path)
 
 

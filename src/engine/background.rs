@@ -23,6 +23,10 @@ const IDLE_WAIT: Duration = Duration::from_secs(1);
 /// empty one, then the real one) into one, which halves small-op latency in lockstep loops.
 const JOIN_GRACE: Duration = Duration::from_micros(200);
 
+/// While batching a burst (see `RVOD_CYCLE_TIME`), a pause this long between two submissions ends the burst:
+/// the round starts then instead of waiting out the whole cycle.
+const BURST_GAP: Duration = Duration::from_micros(100);
+
 struct Loop {
     shared: Arc<Shared>,
     transport: Box<dyn Transport>,
@@ -138,22 +142,28 @@ impl Loop {
         first
     }
 
-    /// Wait for more local work until `deadline`, but start at once if a peer starts the round.
+    /// Wait for more local work while a burst of submissions goes on: until `deadline`, but only as long as
+    /// each submission follows the previous one within [`BURST_GAP`]; start at once if a peer starts the round.
     fn batch_until(&mut self, deadline: Instant) -> Result<(), EngineError> {
+        let mut quiet_from = Instant::now() + BURST_GAP;
         loop {
             let now = Instant::now();
-            if now >= deadline {
+            let until = deadline.min(quiet_from);
+            if now >= until {
                 return Ok(());
             }
-            match self.transport.wait_for_activity(&self.shared.waker, deadline - now) {
+            match self.transport.wait_for_activity(&self.shared.waker, until - now) {
                 Ok(Activity::Local) => {
                     self.shared.waker.drain();
-                    self.take_inbox();
+                    if self.take_inbox().is_some() {
+                        quiet_from = Instant::now() + BURST_GAP;
+                    }
                     if self.shared.shutdown_requested.load(Ordering::SeqCst) {
                         return Ok(());
                     }
                 }
-                Ok(Activity::Peer) | Ok(Activity::Idle) => return Ok(()),
+                Ok(Activity::Idle) => {}
+                Ok(Activity::Peer) => return Ok(()),
                 Err(e) => return Err(EngineError::transport("waiting for the other ranks", &e)),
             }
         }

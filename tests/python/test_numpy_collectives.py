@@ -1,4 +1,5 @@
-"""Multi-process tests of every rvod.numpy collective, run through rvodrun with 2 and 3 ranks.
+"""Multi-process tests of every rvod.numpy collective, run through rvodrun with 2 and 3 ranks, over shared
+memory (the default on one host) and over TCP (RVOD_SHM=0).
 
 One job per job size runs workers/collectives.py, which checks every op x dtype x variant against exact
 expected values and reports each failing case by name; see that script for what is covered.
@@ -13,8 +14,10 @@ from jobs import WORKERS, failures, verdicts
 
 
 @pytest.mark.timeout(150)
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
 @pytest.mark.parametrize("size", [2, 3])
-def test_every_collective_dtype_and_variant(run_rvodrun, size):
+def test_every_collective_dtype_and_variant(run_rvodrun, job_env, size, transport):
+    job_env.update(RVOD_SHM="1" if transport == "shm" else "0", RVOD_TEST_TRANSPORT=transport)
     result = run_rvodrun(["-np", str(size), sys.executable, str(WORKERS / "collectives.py")], timeout=120)
     found = verdicts(result.stdout)
     report = f"exit {result.returncode}\nstdout:\n{result.stdout[-5000:]}\nstderr:\n{failures(result.stderr)[-20000:]}"

@@ -1,5 +1,5 @@
 """Multi-process tests of rvod.numpy's error behaviour: mismatches, duplicate names, ops before init,
-re-init, bad arguments, stalls, a rank killed or frozen mid-allreduce, strangers on the job's sockets, and
+re-init, bad arguments, stalls, a rank killed or frozen mid-allreduce (over shared memory and TCP), strangers on the job's sockets, and
 a job of size 1 without rvodrun. The worker side is workers/errors.py.
 """
 
@@ -8,10 +8,14 @@ from __future__ import annotations
 import ast
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from jobs import (
@@ -75,35 +79,67 @@ def survivor_reports(job: LocalJob, results) -> dict[int, tuple[str, float, str]
     return reports
 
 
+def transport_settings(transport: str, shm_dir: Path) -> dict[str, str]:
+    """Job settings that select `transport`; shared-memory segments go to `shm_dir` so the test can see them."""
+    if transport == "tcp":
+        return {"RVOD_SHM": "0"}
+    return {"RVOD_SHM": "1", "RVOD_SHM_DIR": str(shm_dir)}
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[Path]:
+    """A private folder on /dev/shm (the tmpfs segments normally live in), removed afterwards."""
+    base = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else Path(tempfile.gettempdir())
+    path = Path(tempfile.mkdtemp(prefix="rvod-test-", dir=base))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def assert_transport(job: LocalJob, results, transport: str) -> None:
+    for rank, res in results.items():
+        assert f"TRANSPORT {transport}" in res.stdout, f"rank {rank} did not run over {transport}:\n{job.report()}"
+
+
 @pytest.mark.timeout(60)
-def test_killed_rank_fails_the_others_quickly(job_env, tmp_path):
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_killed_rank_fails_the_others_quickly(job_env, tmp_path, shm_dir, transport):
     """Rank 2 is SIGKILLed while a 128 MiB allreduce is in flight: ranks 0 and 1 raise RvodInternalError
-    naming rank 2 well within RVOD_TIMEOUT, and can still shut down."""
+    naming rank 2 well within RVOD_TIMEOUT, and can still shut down. Over shared memory, nothing of the
+    job is left in the segment folder afterwards (nor while it ran: segments are unlinked once mapped)."""
     command = [PYTHON, ERRORS, "kill", "SIGKILL"]
-    with LocalJob(job_env, 3, command, tmp_path, settings={"RVOD_TIMEOUT": "10"}) as job:
+    settings = {"RVOD_TIMEOUT": "10", **transport_settings(transport, shm_dir)}
+    with LocalJob(job_env, 3, command, tmp_path, settings=settings) as job:
         job.start()
         victim = job.wait(40, ranks=[2])[2]
         assert victim.returncode == -9, job.report()
-        reports = survivor_reports(job, job.wait(30, ranks=[0, 1]))
+        survivors = job.wait(30, ranks=[0, 1])
+        assert_transport(job, survivors, transport)
+        reports = survivor_reports(job, survivors)
     for rank, (kind, seconds, message) in reports.items():
         assert kind in ("RvodInternalError", "RvodTimeoutError"), (rank, kind, message)
         assert seconds < 5.0, f"rank {rank} took {seconds} s to notice (RVOD_TIMEOUT=10): {message}"
         assert re.search(r"\brank 2\b", message), message
         assert "allreduce.fatal" in message, message
+    assert list(shm_dir.iterdir()) == [], "the job left shared memory behind"
 
 
 @pytest.mark.timeout(60)
-def test_frozen_rank_times_out(job_env, tmp_path):
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_frozen_rank_times_out(job_env, tmp_path, shm_dir, transport):
     """Rank 2 stops (SIGSTOP) mid-allreduce with its connections open: the others raise RvodTimeoutError
     naming rank 2 after RVOD_TIMEOUT (3 s), not before and not much later."""
     command = [PYTHON, ERRORS, "kill", "SIGSTOP"]
-    with LocalJob(job_env, 3, command, tmp_path, settings={"RVOD_TIMEOUT": "3"}) as job:
+    settings = {"RVOD_TIMEOUT": "3", **transport_settings(transport, shm_dir)}
+    with LocalJob(job_env, 3, command, tmp_path, settings=settings) as job:
         job.start()
-        reports = survivor_reports(job, job.wait(40, ranks=[0, 1]))
+        survivors = job.wait(40, ranks=[0, 1])
+        assert_transport(job, survivors, transport)
+        reports = survivor_reports(job, survivors)
     for rank, (kind, seconds, message) in reports.items():
         assert kind == "RvodTimeoutError", (rank, kind, message)
         assert 2.5 <= seconds < 8.0, f"rank {rank} failed after {seconds} s with RVOD_TIMEOUT=3: {message}"
         assert re.search(r"\brank 2\b", message), message
+    assert list(shm_dir.iterdir()) == [], "the job left shared memory behind"
 
 
 @pytest.mark.timeout(60)

@@ -148,10 +148,31 @@ impl ShmTransport {
         self.dead[peer] || self.layout.slot(peer).closed.load(Ordering::Acquire) != 0
     }
 
+    /// Look at every peer's process; returns whether any is (now known to be) dead.
+    fn refresh_dead(&mut self) -> bool {
+        for peer in (0..self.layout.size()).filter(|&p| p != self.rank) {
+            if !self.dead[peer] && self.liveness.is_dead(peer) {
+                self.dead[peer] = true;
+            }
+        }
+        self.dead.iter().any(|&d| d)
+    }
+
+    /// The error for `peer` having closed. A peer usually closes because it saw another rank die; the
+    /// dead rank is the one worth naming, so it is named when known.
+    fn closed_error(&mut self, peer: usize) -> TransportError {
+        if !self.dead[peer] && self.refresh_dead() {
+            if let Some(dead) = self.dead.iter().position(|&d| d) {
+                return TransportError::PeerClosed { peer: dead };
+            }
+        }
+        TransportError::PeerClosed { peer }
+    }
+
     /// Copy what fits of `data` into `to`'s ring (one piece at most).
     fn push(&mut self, to: usize, data: &[u8]) -> Result<usize, TransportError> {
         if self.peer_closed(to) {
-            return Err(TransportError::PeerClosed { peer: to });
+            return Err(self.closed_error(to));
         }
         let n = self.layout.channel(self.rank, to).write(data, PIECE_BYTES);
         if n > 0 {
@@ -179,7 +200,7 @@ impl ShmTransport {
         if n > 0 {
             self.layout.ring(from);
         } else if self.peer_closed(from) && channel.readable() == 0 {
-            return Err(TransportError::PeerClosed { peer: from });
+            return Err(self.closed_error(from));
         }
         Ok(n)
     }
@@ -223,9 +244,10 @@ impl ShmTransport {
             slot.sleepers.fetch_sub(1, Ordering::SeqCst);
             if last_check.elapsed() >= SLEEP_SLICE {
                 last_check = Instant::now();
-                if self.liveness.is_dead(blame) {
-                    self.dead[blame] = true;
-                    return Ok(());
+                // Any dead peer dooms the collective (and the one we wait on may be waiting for it).
+                if self.refresh_dead() {
+                    let dead = self.dead.iter().position(|&d| d).unwrap_or(blame);
+                    return Err(TransportError::PeerClosed { peer: dead });
                 }
                 if start.elapsed() >= self.timeout {
                     return Err(TransportError::Timeout { peer: blame, seconds: self.timeout.as_secs_f64() });
@@ -305,7 +327,7 @@ impl Transport for ShmTransport {
                     (sending && l.channel(me, to).writable() > 0) || (receiving && l.channel(from, me).readable() > 0)
                 })?;
                 if sending && blame != to && self.peer_closed(to) {
-                    return Err(TransportError::PeerClosed { peer: to });
+                    return Err(self.closed_error(to));
                 }
             }
         }
@@ -351,11 +373,7 @@ impl Transport for ShmTransport {
             slot.sleepers.fetch_sub(1, Ordering::SeqCst);
             if last_check.elapsed() >= SLEEP_SLICE {
                 last_check = Instant::now();
-                for peer in (0..size).filter(|&p| p != me) {
-                    if !self.dead[peer] && self.liveness.is_dead(peer) {
-                        self.dead[peer] = true;
-                    }
-                }
+                self.refresh_dead();
             }
         }
     }

@@ -15,9 +15,14 @@ import time
 import numpy as np
 import rvod.numpy as hvd
 from _check import check, finish, wait_done
+from rvod import _rvod
 
 hvd.init()
 R, N = hvd.rank(), hvd.size()
+
+with check("the job runs over the transport the test asked for"):
+    wanted = os.environ.get("RVOD_TEST_TRANSPORT")
+    assert wanted in (None, _rvod.transport_kind()), (wanted, _rvod.transport_kind())
 
 INTS = [np.uint8, np.int8, np.int16, np.int32, np.int64]
 FLOATS = [np.float16, np.float32, np.float64]

@@ -238,6 +238,9 @@ def main():
 def kill():
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
+    from rvod import _rvod
+
+    print(f"TRANSPORT {_rvod.transport_kind()}", flush=True)
     victim = size - 1
     big = np.ones(32 << 20, dtype=np.float32)  # 128 MiB: takes far longer than the 50 ms before the kill
     for step in range(2):

@@ -1,0 +1,53 @@
+"""The shared-memory transport in real multi-process jobs: more ranks than cores, and the fallback to TCP
+when the segment folder is too small. (The collective matrix and the killed/frozen-rank tests run over both
+transports in test_numpy_collectives.py and test_numpy_errors.py.)
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+from jobs import WORKERS, failures, verdicts
+
+
+@pytest.mark.timeout(120)
+def test_four_ranks_on_two_cores(run_rvodrun, job_env):
+    job_env.update(RVOD_SHM="1", RVOD_TEST_TRANSPORT="shm")
+    result = run_rvodrun(["-np", "4", sys.executable, str(WORKERS / "four_ranks.py")], timeout=100)
+    report = f"exit {result.returncode}\nstdout:\n{result.stdout[-4000:]}\nstderr:\n{failures(result.stderr)[-8000:]}"
+    found = verdicts(result.stdout)
+    assert set(found) == {0, 1, 2, 3}, report
+    assert all(failed == 0 and passed == 7 for passed, failed in found.values()), report
+    assert result.returncode == 0, report
+
+
+@pytest.fixture
+def tiny_tmpfs():
+    """A 64 KiB tmpfs, far too small for any segment (needs root to mount; skipped otherwise)."""
+    path = Path(tempfile.mkdtemp(prefix="rvod-tiny-shm-"))
+    mounted = os.geteuid() == 0 and subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k,mode=1777", "tmpfs", str(path)], capture_output=True
+    ).returncode == 0
+    if not mounted:
+        path.rmdir()
+        pytest.skip("mounting a small tmpfs needs root")
+    yield path
+    subprocess.run(["umount", str(path)], check=False)
+    path.rmdir()
+
+
+@pytest.mark.timeout(120)
+def test_too_small_shm_folder_warns_and_falls_back_to_tcp(run_rvodrun, job_env, tiny_tmpfs):
+    job_env.update(RVOD_SHM="1", RVOD_SHM_DIR=str(tiny_tmpfs), RVOD_TEST_TRANSPORT="tcp")
+    result = run_rvodrun(["-np", "4", sys.executable, str(WORKERS / "four_ranks.py")], timeout=100)
+    report = f"exit {result.returncode}\nstdout:\n{result.stdout[-4000:]}\nstderr:\n{failures(result.stderr)[-8000:]}"
+    assert result.returncode == 0, report
+    assert all(failed == 0 for _, failed in verdicts(result.stdout).values()), report
+    assert f"shared memory in {tiny_tmpfs} is not usable" in result.stderr, report
+    assert "use TCP instead" in result.stderr, report
+    assert list(tiny_tmpfs.iterdir()) == [], "a failed segment was left behind"
