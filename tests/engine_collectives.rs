@@ -1,5 +1,5 @@
 //! Whole-engine tests: N engines as threads of one process, meeting through a real rendezvous server and
-//! talking over TCP on loopback. They exercise negotiation, the response cache, fusion, join, mismatch
+//! talking over shared memory and over TCP on loopback. They exercise negotiation, the response cache, fusion, join, mismatch
 //! errors and shutdown without Python.
 
 mod common;

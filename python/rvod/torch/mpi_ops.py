@@ -94,7 +94,12 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
               postscale_factor=1.0, process_set=global_process_set):
     """Reduce ``tensor`` across ranks (default: Average) into a new tensor; differentiable."""
     compressed, context = compression.compress(tensor)
-    reduced = HorovodAllreduce.apply(compressed, average, name, op, prescale_factor, postscale_factor, process_set)
+    if compressed.requires_grad and torch.is_grad_enabled():
+        reduced = HorovodAllreduce.apply(compressed, average, name, op, prescale_factor, postscale_factor,
+                                         process_set)
+    else:  # nothing to differentiate: skip autograd's bookkeeping (a few microseconds per call)
+        reduced = synchronize(allreduce_async(compressed, average, name, op, prescale_factor, postscale_factor,
+                                              process_set))
     return compression.decompress(reduced, context)
 
 
