@@ -83,7 +83,7 @@ def _run(eager_fn, inputs, dtypes, shapes):
     to the graph being traced as one py_function node whose outputs get the given static shapes."""
     if tf.executing_eagerly():
         return eager_fn(*inputs)
-    outputs = tf.py_function(eager_fn, list(inputs), list(dtypes))
+    outputs = tf.py_function(tf.autograph.experimental.do_not_convert(eager_fn), list(inputs), list(dtypes))
     for output, shape in zip(outputs, shapes):
         output.set_shape(shape)
     return outputs
