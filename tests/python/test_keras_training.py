@@ -1,0 +1,26 @@
+"""Multi-process tests of rvod.keras (Keras 3, TensorFlow backend), run through rvodrun with 2 ranks:
+workers/keras_training.py trains with model.fit, DistributedOptimizer and the callbacks and, in the same
+process, a reference on the full batch; it checks that the weights are identical on every rank and equal
+to the reference after every epoch, the averaged metrics, the warm-up and schedule values, gradient
+aggregation, run_eagerly, load_model, the value helpers and the argument errors."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from jobs import WORKERS, failures, verdicts
+
+pytest.importorskip("tensorflow", reason="rvod.keras needs TensorFlow (pip install .[tensorflow]) to be tested")
+pytest.importorskip("keras", reason="rvod.keras needs Keras 3 (pip install .[tensorflow]) to be tested")
+
+
+@pytest.mark.timeout(240)
+def test_fit_matches_one_process_and_callbacks_work(run_rvodrun):
+    result = run_rvodrun(["-np", "2", sys.executable, str(WORKERS / "keras_training.py")], timeout=220)
+    found = verdicts(result.stdout)
+    report = f"exit {result.returncode}\nstdout:\n{result.stdout[-5000:]}\nstderr:\n{failures(result.stderr)[-20000:]}"
+    assert set(found) == {0, 1}, report
+    assert all(failed == 0 for _, failed in found.values()), report
+    assert result.returncode == 0, report
+    assert {passed for passed, _ in found.values()} == {10}, report
