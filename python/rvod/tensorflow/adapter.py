@@ -15,6 +15,7 @@ from rvod.exceptions import RvodMismatchError
 
 SUPPORTED_DTYPES = (tf.uint8, tf.int8, tf.int16, tf.int32, tf.int64, tf.float16, tf.bfloat16, tf.float32,
                     tf.float64, tf.bool)
+_SUPPORTED = frozenset(SUPPORTED_DTYPES)
 _SUPPORTED_NAMES = ", ".join(d.name for d in SUPPORTED_DTYPES)
 
 
@@ -29,16 +30,19 @@ class MismatchError(RvodMismatchError, tf.errors.FailedPreconditionError):
 
 def check_dtype(dtype, what="rvod"):
     """Raise unless the engine exchanges tensors of ``dtype``."""
-    if tf.as_dtype(dtype) not in SUPPORTED_DTYPES:
+    if dtype not in _SUPPORTED and tf.as_dtype(dtype) not in _SUPPORTED:
         raise ValueError(f"{what}: tensors of dtype {tf.as_dtype(dtype).name} are not supported; "
                          f"supported: {_SUPPORTED_NAMES}")
 
 
 def as_tensor(value, what="rvod"):
     """``value`` (tensor, variable, NumPy array, Python number or list) as a tensor of a supported dtype."""
-    if isinstance(value, (tf.IndexedSlices, tf.SparseTensor, tf.RaggedTensor)):
+    if isinstance(value, tf.Tensor):
+        tensor = value
+    elif isinstance(value, (tf.IndexedSlices, tf.SparseTensor, tf.RaggedTensor)):
         raise ValueError(f"{what}: {type(value).__name__} is not supported here; convert it to a dense tensor")
-    tensor = tf.convert_to_tensor(value)
+    else:
+        tensor = tf.convert_to_tensor(value)
     check_dtype(tensor.dtype, what)
     return tensor
 

@@ -23,6 +23,7 @@ import itertools
 import weakref
 
 import tensorflow as tf
+from tensorflow.python.eager import record
 
 from rvod.common import ops as _ops
 from rvod.common.basics import *  # noqa: F401,F403  (the basics, re-exported)
@@ -89,6 +90,19 @@ def _run(eager_fn, inputs, dtypes, shapes):
     return outputs
 
 
+def _differentiable(forward, backward, *inputs):
+    """``forward(*inputs)`` with ``backward(*output_gradients)`` as its gradient (tf.custom_gradient),
+    skipping the gradient machinery when executing eagerly with no tape recording."""
+    if tf.executing_eagerly() and not record.could_possibly_record():
+        return forward(*inputs)
+
+    @tf.custom_gradient
+    def op(*xs):
+        return forward(*xs), backward
+
+    return op(*inputs)
+
+
 def _check_reduction(op, what):
     if op == Adasum:
         raise ValueError(f"{what}: Adasum is not supported by this rvod build; use Average or Sum.")
@@ -103,21 +117,15 @@ def _set_size(process_set):
 
 
 def _allreduce_dense(tensor, name, op, prescale_factor, postscale_factor, process_set):
-    @tf.custom_gradient
-    def reduce(x):
-        def eager(t):
-            return [_wait(_ops.allreduce_async(_adapter, t, None, name, op, prescale_factor, postscale_factor,
-                                               process_set))]
+    def eager(t):
+        return [_wait(_ops.allreduce_async(_adapter, t, None, name, op, prescale_factor, postscale_factor,
+                                           process_set))]
 
-        (y,) = _run(eager, [x], [x.dtype], [x.shape])
+    def grad(dy):
+        return _allreduce_dense(tf.convert_to_tensor(dy), _op_name(None), op, prescale_factor, postscale_factor,
+                                process_set)
 
-        def grad(dy):
-            return _allreduce_dense(tf.convert_to_tensor(dy), _op_name(None), op, prescale_factor, postscale_factor,
-                                    process_set)
-
-        return y, grad
-
-    return reduce(tensor)
+    return _differentiable(lambda x: _run(eager, [x], [x.dtype], [x.shape])[0], grad, tensor)
 
 
 def _allreduce_sparse(slices, op, prescale_factor, postscale_factor, name, process_set):
@@ -155,21 +163,16 @@ def allreduce(tensor, average=None, device_dense='', device_sparse='', compressi
 
 
 def _grouped_allreduce_dense(tensors, name, op, prescale_factor, postscale_factor, process_set):
-    @tf.custom_gradient
-    def reduce(*xs):
-        def eager(*ts):
-            return _wait(_ops.grouped_allreduce_async(_adapter, list(ts), None, name, op, prescale_factor,
-                                                      postscale_factor, process_set))
+    def eager(*ts):
+        return _wait(_ops.grouped_allreduce_async(_adapter, list(ts), None, name, op, prescale_factor,
+                                                  postscale_factor, process_set))
 
-        ys = _run(eager, xs, [x.dtype for x in xs], [x.shape for x in xs])
+    def grad(*dys):
+        return _grouped_allreduce_dense([tf.convert_to_tensor(d) for d in dys], _op_name(None), op, prescale_factor,
+                                        postscale_factor, process_set)
 
-        def grad(*dys):
-            return _grouped_allreduce_dense([tf.convert_to_tensor(d) for d in dys], _op_name(None), op,
-                                            prescale_factor, postscale_factor, process_set)
-
-        return ys, grad
-
-    return list(reduce(*tensors))
+    forward = lambda *xs: _run(eager, xs, [x.dtype for x in xs], [x.shape for x in xs])  # noqa: E731
+    return list(_differentiable(forward, grad, *tensors))
 
 
 def grouped_allreduce(tensors, average=None, device_dense='', device_sparse='', compression=Compression.none,
@@ -221,20 +224,14 @@ def _rows(x):
 
 
 def _allgather(tensor, name, process_set):
-    @tf.custom_gradient
-    def gather(x):
-        def eager(t):
-            return [_wait(_ops.allgather_async(_adapter, t, name, process_set))]
+    def eager(t):
+        return [_wait(_ops.allgather_async(_adapter, t, name, process_set))]
 
-        (y,) = _run(eager, [x], [x.dtype], [_gathered_shape(x.shape)])
+    def grad(dy):
+        reduced = _allreduce_dense(tf.convert_to_tensor(dy), _op_name(None), Average, 1.0, 1.0, process_set)
+        return _own_rows([reduced], [_rows(tensor)], process_set)[0]
 
-        def grad(dy):
-            reduced = _allreduce_dense(tf.convert_to_tensor(dy), _op_name(None), Average, 1.0, 1.0, process_set)
-            return _own_rows([reduced], [_rows(x)], process_set)[0]
-
-        return y, grad
-
-    return gather(tensor)
+    return _differentiable(lambda x: _run(eager, [x], [x.dtype], [_gathered_shape(x.shape)])[0], grad, tensor)
 
 
 def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_process_set):
@@ -244,21 +241,16 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
 
 
 def _grouped_allgather(tensors, name, process_set):
-    @tf.custom_gradient
-    def gather(*xs):
-        def eager(*ts):
-            return _wait(_ops.grouped_allgather_async(_adapter, list(ts), name, process_set))
+    def eager(*ts):
+        return _wait(_ops.grouped_allgather_async(_adapter, list(ts), name, process_set))
 
-        ys = _run(eager, xs, [x.dtype for x in xs], [_gathered_shape(x.shape) for x in xs])
+    def grad(*dys):
+        reduced = _grouped_allreduce_dense([tf.convert_to_tensor(d) for d in dys], _op_name(None), Average, 1.0, 1.0,
+                                           process_set)
+        return _own_rows(reduced, [_rows(x) for x in tensors], process_set)
 
-        def grad(*dys):
-            reduced = _grouped_allreduce_dense([tf.convert_to_tensor(d) for d in dys], _op_name(None), Average, 1.0,
-                                               1.0, process_set)
-            return _own_rows(reduced, [_rows(x) for x in xs], process_set)
-
-        return ys, grad
-
-    return list(gather(*tensors))
+    forward = lambda *xs: _run(eager, xs, [x.dtype for x in xs], [_gathered_shape(x.shape) for x in xs])  # noqa: E731
+    return list(_differentiable(forward, grad, *tensors))
 
 
 def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=global_process_set):
@@ -274,20 +266,14 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=g
 
 
 def _broadcast(tensor, root_rank, name, process_set):
-    @tf.custom_gradient
-    def bcast(x):
-        def eager(t):
-            return [_wait(_ops.broadcast_async(_adapter, t, root_rank, name, process_set))]
+    def eager(t):
+        return [_wait(_ops.broadcast_async(_adapter, t, root_rank, name, process_set))]
 
-        (y,) = _run(eager, [x], [x.dtype], [x.shape])
+    def grad(dy):
+        reduced = _allreduce_dense(tf.convert_to_tensor(dy), _op_name(None), Average, 1.0, 1.0, process_set)
+        return reduced if rank() == root_rank else tf.zeros_like(reduced)
 
-        def grad(dy):
-            reduced = _allreduce_dense(tf.convert_to_tensor(dy), _op_name(None), Average, 1.0, 1.0, process_set)
-            return reduced if rank() == root_rank else tf.zeros_like(reduced)
-
-        return y, grad
-
-    return bcast(tensor)
+    return _differentiable(lambda x: _run(eager, [x], [x.dtype], [x.shape])[0], grad, tensor)
 
 
 def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set=global_process_set):
@@ -326,22 +312,22 @@ def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
 
 
 def _alltoall(tensor, splits, name, process_set):
-    @tf.custom_gradient
-    def exchange(x, s):
-        def eager(t, split_tensor):
-            split_list = None if splits is None else [int(v) for v in split_tensor.numpy().reshape(-1)]
-            return list(_wait(_ops.alltoall_async(_adapter, t, split_list, name, process_set, with_splits=True)))
+    outputs = []
 
-        y, received = _run(eager, [x, s], [x.dtype, tf.int32], [_gathered_shape(x.shape), [_set_size(process_set)]])
+    def eager(t, split_tensor):
+        split_list = None if splits is None else [int(v) for v in split_tensor.numpy().reshape(-1)]
+        return list(_wait(_ops.alltoall_async(_adapter, t, split_list, name, process_set, with_splits=True)))
 
-        def grad(dy, _):
-            back, _ = _alltoall(tf.convert_to_tensor(dy), received, _op_name(None), process_set)
-            return back, None
+    def forward(x, s):
+        outputs[:] = _run(eager, [x, s], [x.dtype, tf.int32], [_gathered_shape(x.shape), [_set_size(process_set)]])
+        return outputs
 
-        return (y, received), grad
+    def grad(dy, _):
+        back, _ = _alltoall(tf.convert_to_tensor(dy), outputs[1], _op_name(None), process_set)
+        return back, None
 
     split_input = tf.zeros([0], tf.int32) if splits is None else tf.reshape(tf.cast(splits, tf.int32), [-1])
-    return exchange(tensor, split_input)
+    return _differentiable(forward, grad, tensor, split_input)
 
 
 def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_set=global_process_set):
@@ -379,21 +365,15 @@ def _reducescatter_grad(gathered, op, prescale_factor, postscale_factor, process
 
 
 def _reducescatter(tensor, name, op, prescale_factor, postscale_factor, process_set):
-    @tf.custom_gradient
-    def scatter(x):
-        def eager(t):
-            return [_wait(_ops.reducescatter_async(_adapter, t, name, op, process_set, prescale_factor,
-                                                   postscale_factor))]
+    def eager(t):
+        return [_wait(_ops.reducescatter_async(_adapter, t, name, op, process_set, prescale_factor, postscale_factor))]
 
-        (y,) = _run(eager, [x], [x.dtype], [_scattered_shape(x.shape, process_set)])
+    def grad(dy):
+        gathered = _allgather(tf.convert_to_tensor(dy), _op_name(None), process_set)
+        return _reducescatter_grad(gathered, op, prescale_factor, postscale_factor, process_set)
 
-        def grad(dy):
-            gathered = _allgather(tf.convert_to_tensor(dy), _op_name(None), process_set)
-            return _reducescatter_grad(gathered, op, prescale_factor, postscale_factor, process_set)
-
-        return y, grad
-
-    return scatter(tensor)
+    forward = lambda x: _run(eager, [x], [x.dtype], [_scattered_shape(x.shape, process_set)])[0]  # noqa: E731
+    return _differentiable(forward, grad, tensor)
 
 
 def reducescatter(tensor, device_dense='', compression=Compression.none, op=Average, name=None,
@@ -411,21 +391,17 @@ def reducescatter(tensor, device_dense='', compression=Compression.none, op=Aver
 
 
 def _grouped_reducescatter(tensors, name, op, prescale_factor, postscale_factor, process_set):
-    @tf.custom_gradient
-    def scatter(*xs):
-        def eager(*ts):
-            return _wait(_ops.grouped_reducescatter_async(_adapter, list(ts), name, op, process_set, prescale_factor,
-                                                          postscale_factor))
+    def eager(*ts):
+        return _wait(_ops.grouped_reducescatter_async(_adapter, list(ts), name, op, process_set, prescale_factor,
+                                                      postscale_factor))
 
-        ys = _run(eager, xs, [x.dtype for x in xs], [_scattered_shape(x.shape, process_set) for x in xs])
+    def grad(*dys):
+        gathered = _grouped_allgather([tf.convert_to_tensor(d) for d in dys], _op_name(None), process_set)
+        return [_reducescatter_grad(g, op, prescale_factor, postscale_factor, process_set) for g in gathered]
 
-        def grad(*dys):
-            gathered = _grouped_allgather([tf.convert_to_tensor(d) for d in dys], _op_name(None), process_set)
-            return [_reducescatter_grad(g, op, prescale_factor, postscale_factor, process_set) for g in gathered]
-
-        return ys, grad
-
-    return list(scatter(*tensors))
+    shapes = [_scattered_shape(x.shape, process_set) for x in tensors]
+    forward = lambda *xs: _run(eager, xs, [x.dtype for x in xs], shapes)  # noqa: E731
+    return list(_differentiable(forward, grad, *tensors))
 
 
 def grouped_reducescatter(tensors, device_dense='', compression=Compression.none, op=Average,
