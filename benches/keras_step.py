@@ -1,15 +1,17 @@
 """What rvod.keras adds to a Keras 3 training step, against allreducing the same gradient bytes with rvod.numpy.
 
-    rvodrun -np 2 python benches/keras_step.py [--rounds 5]
+    rvodrun -np 2 python benches/keras_step.py [--rounds 15] [--steps 60]
     rvodrun -np 1 python benches/keras_step.py          # steps/s of one rank (nothing is exchanged)
 
-Every round, with one thread per rank, in the same processes, model.fit of a small MLP three ways:
+With one thread per rank, in the same processes, model.fit of a small MLP three ways, taking turns in
+short fits (a round is one short fit of each, so machine noise hits all three alike):
 (1) plain: the plain optimizer (the ranks exchange nothing);
 (2) numpy: the plain optimizer, and after every batch rvod.numpy.grouped_allreduce of NumPy arrays shaped
     like the model's gradients (the bare collective, in the same step context: the ranks wait for each
     other every step, as a distributed step does);
 (3) rvod: rvod.keras.DistributedOptimizer (the gradients are reduced inside the traced train step).
-A step's time is the median of the times between the ends of consecutive batches, the slower rank's.
+A step's time is the median, over a round's fit, of the times between the ends of consecutive batches,
+the slower rank's.
 Printed: each round, then the medians (with min-max) of
 
     added = t(rvod) - t(plain)           the time rvod.keras adds to a step
@@ -36,8 +38,8 @@ import rvod.numpy as hnp  # noqa: E402
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=150, help="timed steps per fit")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=60, help="timed steps per fit")
     parser.add_argument("--batch-size", type=int, default=32, help="per-rank batch size")
     parser.add_argument("--width", type=int, default=256, help="hidden width of the MLP")
     return parser.parse_args()
@@ -69,7 +71,6 @@ def slowest(seconds):
 
 
 def fit_step_time(model, x, y, batch_size, arrays=None):
-    model.fit(x[:batch_size * 5], y[:batch_size * 5], batch_size=batch_size, epochs=1, verbose=0)  # trace, warm up
     timer = StepTimer(arrays)
     hnp.barrier()
     model.fit(x, y, batch_size=batch_size, epochs=1, verbose=0, shuffle=False, callbacks=[timer])
@@ -100,6 +101,8 @@ def main():
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     models["plain"].compile(optimizer=keras.optimizers.SGD(0.01), loss=loss)
     models["rvod"].compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.01)), loss=loss)
+    for model in models.values():  # trace and warm up
+        model.fit(x[:args.batch_size * 5], y[:args.batch_size * 5], batch_size=args.batch_size, epochs=1, verbose=0)
     rounds = []
     for number in range(args.rounds):
         times = {"plain": fit_step_time(models["plain"], x, y, args.batch_size),
