@@ -1,8 +1,9 @@
-"""Multi-process tests of rvod.keras (Keras 3, TensorFlow backend), run through rvodrun with 2 ranks:
+"""Multi-process tests of rvod.keras (Keras 3), run through rvodrun with 2 ranks:
 workers/keras_training.py trains with model.fit, DistributedOptimizer and the callbacks and, in the same
 process, a reference on the full batch; it checks that the weights are identical on every rank and equal
 to the reference after every epoch, the averaged metrics, the warm-up and schedule values, gradient
-aggregation, run_eagerly, load_model, the value helpers and the argument errors."""
+aggregation, run_eagerly, load_model, the value helpers and the argument errors (TensorFlow backend);
+workers/keras_torch_backend.py checks the same equivalence under Keras' torch backend."""
 
 from __future__ import annotations
 
@@ -24,3 +25,13 @@ def test_fit_matches_one_process_and_callbacks_work(run_rvodrun):
     assert all(failed == 0 for _, failed in found.values()), report
     assert result.returncode == 0, report
     assert {passed for passed, _ in found.values()} == {10}, report
+
+
+@pytest.mark.timeout(200)
+def test_fit_under_the_torch_backend_matches_one_process(run_rvodrun):
+    pytest.importorskip("torch", reason="Keras' torch backend needs PyTorch")
+    result = run_rvodrun(["-np", "2", sys.executable, str(WORKERS / "keras_torch_backend.py")], timeout=180)
+    found = verdicts(result.stdout)
+    report = f"exit {result.returncode}\nstdout:\n{result.stdout[-5000:]}\nstderr:\n{failures(result.stderr)[-20000:]}"
+    assert found == {0: (1, 0), 1: (1, 0)}, report
+    assert result.returncode == 0, report
