@@ -28,7 +28,7 @@ from tensorflow.python.eager import record
 from rvod.common import ops as _ops
 from rvod.common.basics import *  # noqa: F401,F403  (the basics, re-exported)
 from rvod.common.basics import __all__ as _basics
-from rvod.common.basics import local_rank, local_size, rank, size
+from rvod.common.basics import local_rank, local_size, rank
 from rvod.common.process_sets import (  # noqa: F401
     ProcessSet,
     add_process_set,
