@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 
 import pytest
-from jobs import WORKERS, failures, verdicts
+from jobs import WORKERS, assert_worker_job
 
 pytest.importorskip("tensorflow", reason="rvod.tensorflow needs TensorFlow (pip install .[tensorflow]) to be tested")
 
@@ -16,10 +16,4 @@ pytest.importorskip("tensorflow", reason="rvod.tensorflow needs TensorFlow (pip 
 @pytest.mark.timeout(240)
 def test_every_op_eager_and_traced_gradients_tape_and_errors(run_rvodrun):
     result = run_rvodrun(["-np", "2", sys.executable, str(WORKERS / "tensorflow_ops.py")], timeout=220)
-    found = verdicts(result.stdout)
-    report = f"exit {result.returncode}\nstdout:\n{result.stdout[-5000:]}\nstderr:\n{failures(result.stderr)[-20000:]}"
-    assert set(found) == {0, 1}, report
-    assert all(failed == 0 for _, failed in found.values()), report
-    assert result.returncode == 0, report
-    # Every rank ran the same checks, and all of them (a section skipped by mistake would show here).
-    assert {passed for passed, _ in found.values()} == {43}, report
+    assert_worker_job(result, {0: 43, 1: 43})
