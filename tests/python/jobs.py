@@ -221,3 +221,12 @@ def is_dropped(sock: socket.socket, timeout: float = 10.0) -> bool:
         return True
     except socket.timeout:
         return False
+
+
+def assert_worker_job(result, passed: dict[int, int]) -> None:
+    """An rvodrun job of a worker script (see workers/_check.py) exited 0 and every rank reported the given
+    number of passed checks and no failure (a section skipped by mistake shows as a wrong count)."""
+    found = verdicts(result.stdout)
+    report = f"exit {result.returncode}\nstdout:\n{result.stdout[-5000:]}\nstderr:\n{failures(result.stderr)[-20000:]}"
+    assert found == {rank: (count, 0) for rank, count in passed.items()}, report
+    assert result.returncode == 0, report

@@ -5,6 +5,13 @@ import atexit
 from rvod import _rvod
 from rvod.common import naming, process_sets as _process_sets
 
+# What every shim re-exports (``from rvod.common.basics import *``).
+__all__ = [
+    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size",
+    "is_homogeneous", "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built",
+    "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "start_timeline", "stop_timeline",
+]
+
 NOT_INITIALIZED = "rvod has not been initialized; use hvd.init()."
 _topology = None
 _atexit_registered = False

@@ -31,9 +31,9 @@ def broadcast_object(broadcast, rank, obj, root_rank=0, name=None, process_set_i
     return cloudpickle.loads(np.asarray(payload).tobytes())
 
 
-def allgather_object(allgather, obj, name=None):
+def allgather_object(allgather, obj, name=None, process_set_id=0):
     """``allgather(array, name)`` allgathers NumPy arrays; returns every rank's object, in rank order."""
-    name = naming.next_name("allgather_object") if name is None else name
+    name = naming.next_name("allgather_object", process_set_id) if name is None else name
     payload = _to_bytes(obj)
     sizes = np.asarray(allgather(np.array([payload.size], dtype=np.int64), f"{name}.sz"))
     data = np.asarray(allgather(payload, f"{name}.t")).tobytes()

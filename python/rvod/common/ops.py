@@ -168,12 +168,15 @@ def broadcast_async(adapter, tensor, root_rank, name=None, process_set=global_pr
                    _single_output(adapter, tensor, in_place), root=root_rank, process_set=process_set)
 
 
-def alltoall_async(adapter, tensor, splits=None, name=None, process_set=global_process_set):
+def alltoall_async(adapter, tensor, splits=None, name=None, process_set=global_process_set, with_splits=None):
+    """The result is ``(output, received_splits)`` when ``splits`` is given (or ``with_splits`` is true),
+    else the output alone."""
     split_list = [] if splits is None else adapter.to_int_list(splits)
+    with_splits = splits is not None if with_splits is None else with_splits
 
     def finish(outputs, received_splits, last_joined):
         output = adapter.from_dlpack(outputs[0])
-        return output if splits is None else (output, adapter.received_splits(received_splits))
+        return (output, adapter.received_splits(received_splits)) if with_splits else output
 
     return _submit(ALLTOALL, [_prefixed("alltoall", name, process_set)], adapter, [tensor], False, finish,
                    splits=split_list,

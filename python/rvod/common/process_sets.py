@@ -110,6 +110,11 @@ def after_shutdown():
     _registered.clear()
 
 
+def registered_process_set(process_set_id):
+    """The registered set with this id, or None."""
+    return _registered.get(process_set_id)
+
+
 def process_set_id_of(process_set):
     """The engine id of a registered set this rank may run collectives on; raises otherwise."""
     if not isinstance(process_set, ProcessSet):

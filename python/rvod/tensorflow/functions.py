@@ -1,0 +1,58 @@
+"""Making every rank start from the same state: variables and arbitrary picklable objects."""
+
+import numpy as np
+import tensorflow as tf
+
+from rvod.common import objects as _objects
+from rvod.common.process_sets import global_process_set, process_set_id_of
+from rvod.tensorflow.mpi_ops import _executing_eagerly, allgather, broadcast, broadcast_values, rank
+
+
+def broadcast_variables(variables, root_rank, process_set=global_process_set, inplace=False):
+    """Assign ``root_rank``'s values to ``variables`` (all broadcast at once, so the engine fuses them).
+    Eagerly returns None; inside a ``tf.function`` returns an op grouping the assignments. ``inplace`` is
+    Horovod's and makes no difference here."""
+    variables = list(variables)
+    values = broadcast_values(variables, root_rank, process_set=process_set)
+    assignments = [variable.assign(value) for variable, value in zip(variables, values)]
+    return None if _executing_eagerly() else tf.group(*[a for a in assignments if a is not None])
+
+
+def broadcast_global_variables(root_rank):
+    """TensorFlow 1 graphs only (as in Horovod): in TensorFlow 2, broadcast the variables you have."""
+    raise RuntimeError("hvd.broadcast_global_variables() does not support eager execution. Please use "
+                       "`hvd.broadcast_variables(<model/optimizer variables>)` instead.")
+
+
+def _eager_only(what):
+    if not _executing_eagerly():
+        raise RuntimeError(f"{what} runs eagerly; call it outside tf.function")
+
+
+def broadcast_object(obj, root_rank=0, session=None, name=None, process_set=global_process_set):
+    """Return ``root_rank``'s picklable object on every rank (sent as a byte tensor); unnamed calls match
+    across ranks by call order. ``session`` is for TensorFlow 1 and must be None."""
+    _eager_only("broadcast_object")
+
+    def broadcast_bytes(array, root, object_name):
+        return broadcast(tf.constant(array), root, object_name, ignore_name_scope=True,
+                         process_set=process_set).numpy()
+
+    return _objects.broadcast_object(broadcast_bytes, rank(), obj, root_rank, name, process_set_id_of(process_set))
+
+
+def broadcast_object_fn(root_rank=0, session=None, name=None, process_set=global_process_set):
+    """A function that broadcasts its argument from ``root_rank`` (Horovod's TF1 helper; each call is a
+    new broadcast)."""
+    return lambda obj: broadcast_object(obj, root_rank, session, name, process_set)
+
+
+def allgather_object(obj, session=None, name=None, process_set=global_process_set):
+    """A list with every rank's picklable object, in rank order (unnamed calls match by call order)."""
+    _eager_only("allgather_object")
+
+    def allgather_bytes(array, object_name):
+        return np.asarray(allgather(tf.constant(array), object_name, ignore_name_scope=True,
+                                    process_set=process_set))
+
+    return _objects.allgather_object(allgather_bytes, obj, name, process_set_id_of(process_set))
