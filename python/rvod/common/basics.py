@@ -5,6 +5,13 @@ import atexit
 from rvod import _rvod
 from rvod.common import naming, process_sets as _process_sets
 
+# What every framework module re-exports, as Horovod's do (is_homogeneous only from their mpi_ops).
+__all__ = [
+    "init", "shutdown", "is_initialized", "start_timeline", "stop_timeline", "size", "local_size", "cross_size",
+    "rank", "local_rank", "cross_rank", "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled",
+    "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built",
+]
+
 NOT_INITIALIZED = "rvod has not been initialized; use hvd.init()."
 _topology = None
 _atexit_registered = False

@@ -18,6 +18,7 @@ import torch
 
 from rvod.common.process_sets import global_process_set
 from rvod.common.reduce_ops import Adasum, Average, resolve_op
+from rvod.common.util import split_list
 from rvod.torch.compression import Compression
 from rvod.torch.functions import broadcast_object
 from rvod.torch.mpi_ops import allreduce_async_, grouped_allreduce_async_, sparse_allreduce_async, synchronize
@@ -27,18 +28,6 @@ _STEP_AFTER_SYNCHRONIZE = (
     "The gradients were already reduced and are used as they are; wrap step() in "
     "`with optimizer.skip_synchronize():` when you call optimizer.synchronize() yourself."
 )
-
-
-def _split(items, count):
-    """``items`` in ``count`` consecutive chunks whose lengths differ by at most one (empty ones dropped)."""
-    base, extra = divmod(len(items), count)
-    chunks, start = [], 0
-    for i in range(count):
-        end = start + base + (1 if i < extra else 0)
-        if end > start:
-            chunks.append(tuple(items[start:end]))
-        start = end
-    return chunks
 
 
 class _DistributedOptimizer:
@@ -108,7 +97,7 @@ class _DistributedOptimizer:
                 raise ValueError(f"parameters {missing} do not exist on rank {self._process_set.ranks[0]}; "
                                  "groups=int needs the same model on every rank")
             ordered = sorted(self._requires_update, key=lambda p: position[self._parameter_names[p]])
-            chunks = _split(ordered, groups)
+            chunks = split_list(ordered, groups)
         elif isinstance(groups, (list, tuple)):
             if not all(isinstance(g, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in g) for g in groups):
                 raise ValueError("groups must be an int > 0 or a list of lists of torch.Tensor")

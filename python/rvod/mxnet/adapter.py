@@ -1,0 +1,85 @@
+"""MXNet NDArrays across the DLPack boundary, without a copy either way.
+
+MXNet runs its ops asynchronously: an input is exported with ``to_dlpack_for_read`` (which waits until
+every write MXNet has queued on it is done), and an array an in-place op writes into with
+``to_dlpack_for_write`` (which also waits for the queued reads), so the engine never races MXNet's own
+threads. Results come back as NDArrays viewing the engine's buffer (``mx.nd.from_dlpack``); inputs of the
+``mx.np`` flavour get ``mx.np`` results.
+
+MXNet 1.9 NDArrays are always dense and C-contiguous. What the engine cannot take is refused with a
+``ValueError`` before anything is sent: arrays on a GPU (this build is CPU-only), sparse storage, and
+``bool`` (MXNet 1.9 cannot import a bool DLPack tensor, so no result could come back).
+"""
+
+import mxnet as mx
+import numpy as np
+
+from rvod.common.ops import TensorAdapter
+
+BFLOAT16 = np.dtype([("bfloat16", np.uint16)])  # how MXNet 1.9 spells its bfloat16 dtype
+SUPPORTED_DTYPES = tuple(np.dtype(t) for t in (np.uint8, np.int8, np.int32, np.int64, np.float16, np.float32,
+                                                np.float64)) + (BFLOAT16,)
+_SUPPORTED_NAMES = "uint8, int8, int32, int64, float16, bfloat16, float32, float64"
+
+
+def dtype_name(dtype):
+    dtype = np.dtype(dtype)
+    return "bfloat16" if dtype == BFLOAT16 else dtype.name
+
+
+def check_ndarray(tensor, what="rvod.mxnet"):
+    """Raise unless ``tensor`` is a dense CPU NDArray of a dtype that can make the round trip."""
+    if not isinstance(tensor, mx.nd.NDArray):
+        raise TypeError(f"{what} expects an mxnet NDArray, got {type(tensor).__name__}")
+    if tensor.context.device_type == "gpu":
+        raise ValueError(f"{what}: got an NDArray on {tensor.context}; GPU support needs an rvod build with NCCL, "
+                         "and this build handles CPU NDArrays only. Move it with .as_in_context(mx.cpu()).")
+    if tensor.stype != "default":
+        raise ValueError(f"{what}: {tensor.stype} NDArrays are not supported; convert with .tostype('default')")
+    dtype = np.dtype(tensor.dtype)
+    if dtype not in SUPPORTED_DTYPES:
+        hint = " (MXNet 1.9 cannot import bool DLPack tensors; cast with .astype('uint8'))" if dtype == np.bool_ else ""
+        raise ValueError(f"Tensor type {dtype_name(dtype)} is not supported{hint}; supported: {_SUPPORTED_NAMES}")
+
+
+class MXNetAdapter(TensorAdapter):
+    """Every input is exported as it is, so in-place results are already in place (no copy back)."""
+
+    def export(self, tensor):
+        check_ndarray(tensor)
+        return tensor.to_dlpack_for_read(), tensor
+
+    def export_for_write(self, tensor):
+        check_ndarray(tensor)
+        return tensor.to_dlpack_for_write(), tensor
+
+    def from_dlpack(self, capsule):
+        return mx.nd.from_dlpack(capsule)
+
+    def to_int_list(self, values):
+        if isinstance(values, mx.nd.NDArray):
+            return [int(v) for v in values.asnumpy().reshape(-1)]
+        return [int(v) for v in values]
+
+    def received_splits(self, splits):
+        return mx.nd.array(list(splits), dtype=np.int32)
+
+
+class NumpyFlavourAdapter(MXNetAdapter):
+    """For ``mx.np`` inputs: results are ``mx.np.ndarray`` too."""
+
+    def from_dlpack(self, capsule):
+        return mx.nd.from_dlpack(capsule).as_np_ndarray()
+
+    def received_splits(self, splits):
+        return super().received_splits(splits).as_np_ndarray()
+
+
+_LEGACY = MXNetAdapter()
+_NUMPY = NumpyFlavourAdapter()
+
+
+def adapter_for(tensors):
+    """The adapter whose results have the flavour (``mx.nd`` or ``mx.np``) of the first input."""
+    first = tensors[0] if isinstance(tensors, (list, tuple)) and tensors else tensors
+    return _NUMPY if isinstance(first, mx.np.ndarray) else _LEGACY
