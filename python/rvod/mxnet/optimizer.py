@@ -67,7 +67,7 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
     ``gradient_predivide_factor / size`` here, once: Module never changes it afterwards.
     """
 
-    _OWN = frozenset(("_optimizer", "_gradient_predivide_factor", "_num_groups", "_process_set"))
+    _OWN = frozenset(("_optimizer", "_gradient_predivide_factor", "_num_groups", "_process_set", "_rescale"))
 
     def __init__(self, optimizer, gradient_predivide_factor=1.0, num_groups=0, process_set=global_process_set):
         if isinstance(optimizer, DistributedOptimizer):
@@ -80,8 +80,8 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         object.__setattr__(self, "_gradient_predivide_factor", factor)
         object.__setattr__(self, "_num_groups", int(num_groups))
         object.__setattr__(self, "_process_set", process_set)
-        if set_size > 1:
-            optimizer.rescale_grad *= factor / set_size
+        object.__setattr__(self, "_rescale", factor / set_size if set_size > 1 else 1.0)
+        optimizer.rescale_grad *= self._rescale
 
     def __getattr__(self, item):
         if item in DistributedOptimizer._OWN:  # not set yet (e.g. while unpickling): no recursion
@@ -142,15 +142,17 @@ class DistributedTrainer(mx.gluon.Trainer):
     ``f / size`` after; ``prefix`` names this trainer's gradients (give each trainer of a script its own);
     ``num_groups > 0`` reduces the gradients in that many fused groups. The gradients of parameters with
     ``grad_req='null'`` are not reduced. A list of parameters is sorted by name, so that every rank
-    reduces them under the same names whatever order it listed them in.
+    reduces them under the same names whatever order it listed them in. A ``DistributedOptimizer`` passed
+    as the optimizer is unwrapped (with a warning), its averaging factor taken back out of ``rescale_grad``.
     """
 
     def __init__(self, params, optimizer, optimizer_params=None, compression=Compression.none,
                  gradient_predivide_factor=1.0, prefix=None, num_groups=0, process_set=global_process_set):
         if isinstance(optimizer, DistributedOptimizer):
-            optimizer = optimizer._optimizer
             warnings.warn("DistributedTrainer does not take DistributedOptimizer as its optimizer. We have "
                           "unwrapped it for you.", stacklevel=2)
+            optimizer.rescale_grad /= optimizer._rescale  # this trainer applies its own averaging factor
+            optimizer = optimizer._optimizer
         if prefix is not None and not isinstance(prefix, str):
             raise TypeError(f"prefix must be a str or None, got {type(prefix).__name__}")
         factor = _factor(gradient_predivide_factor)
