@@ -35,4 +35,4 @@ def test_size_one_without_rvodrun(job_env):
                             text=True, timeout=50)
     report = f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr[-20000:]}"
     assert result.returncode == 0, report
-    assert result.stdout.strip().splitlines()[-1] == "rank 0: 4 checks passed, 0 failed", report
+    assert result.stdout.strip().splitlines()[-1] == "rank 0: 5 checks passed, 0 failed", report

@@ -6,13 +6,18 @@ every write MXNet has queued on it is done), and an array an in-place op writes 
 threads. Results come back as NDArrays viewing the engine's buffer (``mx.nd.from_dlpack``); inputs of the
 ``mx.np`` flavour get ``mx.np`` results.
 
-MXNet 1.9 NDArrays are always dense and C-contiguous. What the engine cannot take is refused with a
-``ValueError`` before anything is sent: arrays on a GPU (this build is CPU-only), sparse storage, and
-``bool`` (MXNet 1.9 cannot import a bool DLPack tensor, so no result could come back).
+MXNet 1.9 NDArrays are dense and C-contiguous, except that after inference its MKL-DNN backend may keep
+an array (typically a convolution weight) in a blocked layout DLPack cannot describe: such an array is put
+back into the plain layout first, as reading it with ``asnumpy()`` would. What the engine cannot take is
+refused with a ``ValueError`` before anything is sent: arrays on a GPU (this build is CPU-only), sparse
+storage, and ``bool`` (MXNet 1.9 cannot import a bool DLPack tensor, so no result could come back).
 """
+
+import ctypes
 
 import mxnet as mx
 import numpy as np
+from mxnet.base import _LIB, check_call
 
 from rvod.common.ops import TensorAdapter
 
@@ -42,16 +47,33 @@ def check_ndarray(tensor, what="rvod.mxnet"):
         raise ValueError(f"Tensor type {dtype_name(dtype)} is not supported{hint}; supported: {_SUPPORTED_NAMES}")
 
 
+def _to_default_layout(tensor):
+    """Convert an array MKL-DNN keeps in its blocked layout back to the plain layout, in place (what
+    ``MXNDArrayGetData`` does). Nothing may read the array meanwhile: wait for its pending reads too."""
+    check_call(_LIB.MXNDArrayWaitToWrite(tensor.handle))
+    check_call(_LIB.MXNDArrayGetData(tensor.handle, ctypes.byref(ctypes.c_void_p())))
+
+
+def _capsule(tensor, for_write):
+    check_ndarray(tensor)
+    export = tensor.to_dlpack_for_write if for_write else tensor.to_dlpack_for_read
+    try:
+        return export()
+    except mx.base.MXNetError as error:
+        if "MKLDNN" not in str(error):
+            raise
+    _to_default_layout(tensor)
+    return export()
+
+
 class MXNetAdapter(TensorAdapter):
     """Every input is exported as it is, so in-place results are already in place (no copy back)."""
 
     def export(self, tensor):
-        check_ndarray(tensor)
-        return tensor.to_dlpack_for_read(), tensor
+        return _capsule(tensor, for_write=False), tensor
 
     def export_for_write(self, tensor):
-        check_ndarray(tensor)
-        return tensor.to_dlpack_for_write(), tensor
+        return _capsule(tensor, for_write=True), tensor
 
     def from_dlpack(self, capsule):
         return mx.nd.from_dlpack(capsule)

@@ -50,6 +50,24 @@ with check("results are ordinary NDArrays: autograd, in-place MXNet ops, alive a
     assert out.asnumpy().tolist() == [3.0] * 4 and gathered.sum().asscalar() == 6.0
     hvd.init()
 
+with check("an array MKL-DNN keeps in its blocked layout after inference crosses in the plain layout"):
+    net = gluon.nn.HybridSequential()
+    net.add(gluon.nn.Conv2D(16, 3, padding=1, activation="relu"), gluon.nn.Conv2D(32, 3, padding=1))
+    net.hybridize()
+    net.initialize(mx.init.Xavier())
+    for rows in (4, 4, 256):  # inference leaves the second convolution's weight in MKL-DNN's layout
+        net(mx.nd.ones((rows, 1, 8, 8)))
+    weight = net[1].weight.data()
+    try:
+        weight.to_dlpack_for_read()
+        raise AssertionError("the weight is not in MKL-DNN's layout: this check tests nothing")
+    except mx.base.MXNetError as error:
+        assert "MKLDNN" in str(error), error
+    reduced = hvd.allreduce(weight, op=hvd.Sum)  # straight after the check: nothing else touched the weight
+    expected = weight.asnumpy()
+    assert np.array_equal(reduced.asnumpy(), expected) and np.array_equal(hvd.broadcast_(weight, 0).asnumpy(), expected)
+    assert net(mx.nd.ones((2, 1, 8, 8))).shape == (2, 32, 8, 8)
+
 with check("size 1: broadcast_parameters does nothing (no hook on deferred parameters); the trainer and the "
            "optimizer wrapper neither reduce nor rescale"):
     net = gluon.nn.Dense(2)
