@@ -1,10 +1,12 @@
 """MXNet NDArrays across the DLPack boundary, without a copy either way.
 
-MXNet runs its ops asynchronously: an input is exported with ``to_dlpack_for_read`` (which waits until
-every write MXNet has queued on it is done), and an array an in-place op writes into with
-``to_dlpack_for_write`` (which also waits for the queued reads), so the engine never races MXNet's own
-threads. Results come back as NDArrays viewing the engine's buffer (``mx.nd.from_dlpack``); inputs of the
-``mx.np`` flavour get ``mx.np`` results.
+MXNet runs its ops asynchronously, on its own threads. Before an NDArray crosses, every op MXNet has
+queued is finished (``mx.nd.waitall()``), not only those on that array: an op that only reads an array can
+queue a change of its layout (MKL-DNN does so with weights during inference), which a per-array wait can
+miss, and the engine reads and writes the array's memory outside MXNet's knowledge. Inputs are exported
+with ``to_dlpack_for_read`` and arrays in-place ops write into with ``to_dlpack_for_write``; results come
+back as NDArrays viewing the engine's buffer (``mx.nd.from_dlpack``), and inputs of the ``mx.np`` flavour
+get ``mx.np`` results. Ops are synchronous, so MXNet sees an in-place result as soon as the op returns.
 
 MXNet 1.9 NDArrays are dense and C-contiguous, except that after inference its MKL-DNN backend may keep
 an array (typically a convolution weight) in a blocked layout DLPack cannot describe: such an array is put
@@ -49,13 +51,13 @@ def check_ndarray(tensor, what="rvod.mxnet"):
 
 def _to_default_layout(tensor):
     """Convert an array MKL-DNN keeps in its blocked layout back to the plain layout, in place (what
-    ``MXNDArrayGetData`` does). Nothing may read the array meanwhile: wait for its pending reads too."""
-    check_call(_LIB.MXNDArrayWaitToWrite(tensor.handle))
+    ``MXNDArrayGetData`` does; nothing is queued on the array any more)."""
     check_call(_LIB.MXNDArrayGetData(tensor.handle, ctypes.byref(ctypes.c_void_p())))
 
 
 def _capsule(tensor, for_write):
     check_ndarray(tensor)
+    mx.nd.waitall()
     export = tensor.to_dlpack_for_write if for_write else tensor.to_dlpack_for_read
     try:
         return export()

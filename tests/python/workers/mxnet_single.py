@@ -57,6 +57,7 @@ with check("an array MKL-DNN keeps in its blocked layout after inference crosses
     net.initialize(mx.init.Xavier())
     for rows in (4, 4, 256):  # inference leaves the second convolution's weight in MKL-DNN's layout
         net(mx.nd.ones((rows, 1, 8, 8)))
+    mx.nd.waitall()  # the layout changes once the queued inference has run
     weight = net[1].weight.data()
     try:
         weight.to_dlpack_for_read()
