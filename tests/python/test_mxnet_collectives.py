@@ -25,7 +25,7 @@ def test_every_op_dtype_variant_and_error(run_rvodrun):
     assert all(failed == 0 for _, failed in found.values()), report
     assert result.returncode == 0, report
     # Every rank ran the same checks, and all of them (a section skipped by mistake would show here).
-    assert {passed for passed, _ in found.values()} == {89}, report
+    assert {passed for passed, _ in found.values()} == {90}, report
 
 
 @pytest.mark.timeout(60)

@@ -346,5 +346,22 @@ with check("shutdown, then init again: ops work; ops after shutdown raise ValueE
     hvd.init()
     assert_nd(hvd.allreduce(mx.nd.ones((2,)), op=hvd.Sum), np.full((2,), float(N)), "float32", "after re-init")
 
+with check("process sets: ops on a set without rank 0; the training helpers accept process_set"):
+    hvd.shutdown()
+    others = hvd.ProcessSet(range(1, N))
+    hvd.init(process_sets=[others])
+    if others.included():
+        out = hvd.allreduce(mx.nd.full((2,), float(R)), op=hvd.Sum, process_set=others, name="others")
+        assert_nd(out, np.full((2,), float(sum(range(1, N)))), "float32", "set without rank 0")
+        assert_nd(hvd.broadcast(mx.nd.array([R]), N - 1, process_set=others), np.array([N - 1.0]), "float32", "root")
+        optimizer = hvd.DistributedOptimizer(mx.optimizer.SGD(rescale_grad=1.0), process_set=others)
+        assert optimizer.rescale_grad == (1.0 / (N - 1) if N > 2 else 1.0)
+        grad = mx.nd.full((3,), float(R))
+        optimizer.update(0, mx.nd.zeros((3,)), grad, None)
+        assert_nd(grad, np.full((3,), float(sum(range(1, N)))), "float32", "optimizer on a set")
+    else:
+        expect_error(ValueError, "not a member of the provided process set", hvd.allreduce, mx.nd.ones((2,)),
+                     process_set=others)
+
 hvd.shutdown()
 finish(R)
