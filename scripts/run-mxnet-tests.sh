@@ -5,13 +5,13 @@
 # WHEEL (or $RVOD_WHEEL) is a wheel already built, e.g. by scripts/run-tests.sh; without one, the wheel in
 # dist/ is used, or one is built.
 set -euo pipefail
-WHEEL_ARG=${RVOD_WHEEL:-}
+SETUP_ARGS=()
 if [ $# -gt 0 ] && [[ "$1" == *.whl ]]; then
-    WHEEL_ARG=$(realpath "$1")
+    SETUP_ARGS=("$1")
     shift
 fi
+WHEEL=$(bash "$(dirname "$0")/setup-mxnet-env.sh" "${SETUP_ARGS[@]}" | tail -n 1)
 cd "$(dirname "$0")/.."
-WHEEL=$(bash scripts/setup-mxnet-env.sh ${WHEEL_ARG:+"$WHEEL_ARG"} | tail -n 1)
 VENV=${RVOD_MXNET_VENV:-.venv-mxnet}
 
 echo "== pytest, MXNet environment (wheel: $WHEEL)"

@@ -6,11 +6,19 @@
 # extension once), else one built here with maturin (needs cargo). Debian packages: libmxnet.so needs
 # libquadmath0 and libgomp1; they are installed with apt-get when missing (as root, or with sudo).
 set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
 WHEEL=${1:-${RVOD_WHEEL:-}}
-if [ -n "$WHEEL" ]; then
-    WHEEL=$(realpath "$WHEEL")  # given relative to where the caller is
+if [ -n "$WHEEL" ]; then  # relative to the caller's directory, or else to the repository's
+    if [ -f "$WHEEL" ]; then
+        WHEEL=$(realpath "$WHEEL")
+    elif [ -f "$ROOT/$WHEEL" ]; then
+        WHEEL="$ROOT/$WHEEL"
+    else
+        echo "setup-mxnet-env: no wheel at $WHEEL" >&2
+        exit 1
+    fi
 fi
-cd "$(dirname "$0")/.."
+cd "$ROOT"
 VENV=${RVOD_MXNET_VENV:-.venv-mxnet}
 
 if [ "$(uname -s)-$(uname -m)" != "Linux-x86_64" ]; then
