@@ -14,3 +14,7 @@ echo "== pytest (wheel: $WHEEL)"
 cd tests
 PATH="$PWD/../$VENV/bin:$PATH" RVOD_TEST_WHEEL="$PWD/../$WHEEL" \
     "../$VENV/bin/python" -m pytest python -q -p no:cacheprovider "$@"
+
+echo "== MXNet (its own environment: MXNet 1.9.1 needs numpy<1.24)"
+cd ..
+bash scripts/run-mxnet-tests.sh "$WHEEL"

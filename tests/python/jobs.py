@@ -46,6 +46,24 @@ def failures(stderr: str) -> str:
     return "\n".join(line for line in stderr.splitlines() if "WARN" not in line)
 
 
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+FINAL_ACCURACY = re.compile(r"^\[0\]<stdout>:trained on 2 ranks in [\d.]+ s; test accuracy (\d\.\d+)$", re.MULTILINE)
+
+
+def example_report(result: subprocess.CompletedProcess[str]) -> str:
+    """What a failed example test shows: the exit code and the ends of the job's output."""
+    return f"exit {result.returncode}\nstdout:\n{result.stdout[-5000:]}\nstderr:\n{result.stderr[-5000:]}"
+
+
+def assert_digits_example_succeeded(result: subprocess.CompletedProcess[str]) -> None:
+    """A 2-rank digits example exited 0, only rank 0 printed, and its final test accuracy is above 0.9."""
+    report = example_report(result)
+    assert result.returncode == 0, report
+    final = FINAL_ACCURACY.search(result.stdout)
+    assert final and float(final.group(1)) > 0.9, report
+    assert "[1]<stdout>:" not in result.stdout, "only rank 0 prints"
+
+
 @dataclass
 class RankResult:
     rank: int

@@ -22,6 +22,11 @@ class TensorAdapter:
         ``tensor`` and the object owning that memory (``tensor`` itself when no copy was needed)."""
         raise NotImplementedError
 
+    def export_for_write(self, tensor):
+        """Like ``export``, for a tensor an in-place op writes its result into. Frameworks that run ops
+        asynchronously wait here for every pending read of ``tensor`` as well as every pending write."""
+        return self.export(tensor)
+
     def from_dlpack(self, capsule):
         """A framework tensor viewing the engine-owned memory of ``capsule`` (no copy)."""
         raise NotImplementedError
@@ -70,8 +75,9 @@ def _submit(kind, names, adapter, tensors, in_place, finish, op=Sum, prescale=1.
             process_set=global_process_set):
     set_id = process_set_id_of(process_set)
     capsules, holders = [], []
+    export = adapter.export_for_write if in_place else adapter.export
     for tensor in tensors:
-        capsule, holder = adapter.export(tensor)
+        capsule, holder = export(tensor)
         capsules.append(capsule)
         holders.append(holder)
     if in_place:
