@@ -37,9 +37,34 @@ pub fn spin_until(window: Duration, mut ready: impl FnMut() -> bool) -> bool {
     }
 }
 
+/// Check `ready` repeatedly for up to `window`, yielding in between, whatever earlier spins did.
+pub fn spin_for(window: Duration, mut ready: impl FnMut() -> bool) -> bool {
+    let start = Instant::now();
+    loop {
+        if ready() {
+            return true;
+        }
+        if start.elapsed() >= window {
+            return false;
+        }
+        std::thread::yield_now();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn spin_for_ignores_the_credit() {
+        while spin_until(Duration::from_micros(10), || false) || CREDIT.with(Cell::get) > 0 {}
+        let mut calls = 0;
+        assert!(spin_for(Duration::from_millis(50), || {
+            calls += 1;
+            calls == 3
+        }));
+        assert!(!spin_for(Duration::from_micros(100), || false));
+    }
 
     #[test]
     fn spinning_stops_after_failures_and_resumes_later() {

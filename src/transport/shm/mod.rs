@@ -35,7 +35,9 @@ use segment::Segment;
 /// Most bytes written before they are published: small enough that the receiver starts early and the
 /// piece is still in cache when it reads it.
 const PIECE_BYTES: usize = 64 * 1024;
-/// How long a blocked operation checks for readiness before it sleeps.
+/// How long a blocked operation checks for readiness before it sleeps. Waits inside a collective always
+/// spin this long (their peer is mid-collective too, so the wait is short); waits for the next round use the
+/// adaptive spin, which stops spinning on a rank that keeps computing between collectives.
 const SPIN: Duration = Duration::from_micros(50);
 /// Longest single sleep: how often a sleeping rank checks whether its peer died.
 const SLEEP_SLICE: Duration = Duration::from_millis(20);
@@ -228,7 +230,7 @@ impl ShmTransport {
     fn block(&mut self, blame: usize, ready: impl Fn(&Layout) -> bool) -> Result<(), TransportError> {
         let me = self.rank;
         let stop = |l: &Layout| ready(l) || l.slot(blame).closed.load(Ordering::Acquire) != 0;
-        if spin::spin_until(SPIN, || stop(&self.layout)) {
+        if spin::spin_for(SPIN, || stop(&self.layout)) {
             return Ok(());
         }
         let start = Instant::now();
