@@ -16,10 +16,15 @@ SUPPORTED_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int
 _SUPPORTED_NAMES = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
 
 
+_SUPPORTED_SET = frozenset(SUPPORTED_DTYPES)
+
+
 def check_tensor(tensor, what="rvod"):
     """Raise unless ``tensor`` is a dense CPU tensor of a dtype the engine exchanges."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what} expects a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.is_cpu and tensor.layout is torch.strided and tensor.dtype in _SUPPORTED_SET:
+        return  # the common case, checked with cheap attributes only (this runs on every collective)
     if tensor.device.type == "cuda":
         raise ValueError(f"{what}: got a CUDA tensor ({tensor.device}); GPU support needs an rvod build with NCCL, "
                          "and this build handles CPU tensors only. Move the tensor to the CPU with .cpu().")
@@ -28,15 +33,14 @@ def check_tensor(tensor, what="rvod"):
     if tensor.layout != torch.strided:
         raise ValueError(f"{what}: {tensor.layout} tensors are not supported here; use sparse_allreduce_async "
                          "for sparse tensors, or convert with .to_dense()")
-    if tensor.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"Tensor type {tensor.type()} is not supported (dtype {tensor.dtype}); "
-                         f"supported: {_SUPPORTED_NAMES}")
+    raise ValueError(f"Tensor type {tensor.type()} is not supported (dtype {tensor.dtype}); "
+                     f"supported: {_SUPPORTED_NAMES}")
 
 
 class TorchAdapter(TensorAdapter):
     def export(self, tensor):
         check_tensor(tensor)
-        data = tensor.detach()
+        data = tensor.detach() if tensor.requires_grad else tensor
         if data.is_contiguous() and not data.is_neg():
             return dlpack.to_dlpack(data), tensor
         copy = data.resolve_neg().contiguous()
