@@ -11,6 +11,9 @@ from rvod.common.ops import TensorAdapter
 _SUPPORTED = tuple(np.dtype(t) for t in (np.uint8, np.int8, np.int16, np.int32, np.int64, np.float16, np.float32,
                                          np.float64, np.bool_))
 _SUPPORTED_NAMES = ", ".join(d.name for d in _SUPPORTED)
+# (kind, itemsize) of the supported dtypes: a set lookup is far cheaper than comparing dtype objects (export
+# runs for every tensor of every collective), and it also accepts aliases such as longlong for int64.
+_SUPPORTED_KINDS = frozenset((d.kind, d.itemsize) for d in _SUPPORTED)
 
 
 class _CapsuleHolder:
@@ -32,9 +35,10 @@ class NumpyAdapter(TensorAdapter):
     def export(self, tensor):
         array = tensor if isinstance(tensor, np.ndarray) else np.from_dlpack(tensor) if hasattr(
             tensor, "__dlpack__") else np.asarray(tensor)
-        if not array.dtype.isnative:
-            array = array.astype(array.dtype.newbyteorder("="))
-        if array.dtype not in _SUPPORTED and array.dtype.name != "bfloat16":
+        dtype = array.dtype
+        if not dtype.isnative:
+            array = array.astype(dtype.newbyteorder("="))
+        if (dtype.kind, dtype.itemsize) not in _SUPPORTED_KINDS and dtype.name != "bfloat16":
             raise TypeError(f"rvod cannot exchange arrays of dtype {array.dtype}; supported: {_SUPPORTED_NAMES}")
         holder = array if array.flags.c_contiguous else np.ascontiguousarray(array)
         if not holder.flags.writeable:
