@@ -183,7 +183,7 @@ fn random_f32(rank: usize, count: usize, nans: bool) -> Vec<u8> {
 fn allreduce_results_are_bitwise_identical_on_every_rank() {
     over_every_transport(|| {
         for n in 2..=5 {
-            for count in [7, 4097, 100_003] {
+            for count in [7, 4097, 100_003, 300_007] {
                 for (combine, nans) in
                     [(Combine::Sum, false), (Combine::Sum, true), (Combine::Min, true), (Combine::Max, true)]
                 {
