@@ -16,8 +16,9 @@ from rvod.common.process_sets import ProcessSet, add_process_set, global_process
 from rvod.common.reduce_ops import Adasum, Average, Max, Min, Product, Sum
 from rvod.mxnet.adapter import adapter_for
 
+# horovod.mxnet offers is_homogeneous only as hvd.mpi_ops.is_homogeneous, not at the top level.
 __all__ = [
-    *_basics.__all__, "ProcessSet", "add_process_set", "global_process_set", "remove_process_set", "Adasum",
+    *(name for name in _basics.__all__ if name != "is_homogeneous"), "ProcessSet", "add_process_set", "global_process_set", "remove_process_set", "Adasum",
     "Average", "Max", "Min", "Product", "Sum", "allreduce", "allreduce_", "grouped_allreduce", "grouped_allreduce_",
     "allgather", "grouped_allgather", "broadcast", "broadcast_", "alltoall", "reducescatter", "grouped_reducescatter",
     "join", "barrier",
