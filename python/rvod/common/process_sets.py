@@ -117,6 +117,8 @@ def registered_process_set(process_set_id):
 
 def process_set_id_of(process_set):
     """The engine id of a registered set this rank may run collectives on; raises otherwise."""
+    if process_set is global_process_set and _rvod.is_initialized():
+        return 0  # every rank belongs to the global set: the common case, decided without the topology
     if not isinstance(process_set, ProcessSet):
         raise TypeError(f"process_set must be a ProcessSet, got {type(process_set).__name__}")
     if not _rvod.is_initialized():
