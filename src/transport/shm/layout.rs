@@ -162,49 +162,69 @@ impl Layout {
     }
 }
 
+/// A channel whose cursors another process left inconsistent (tail past head, or more than `capacity`
+/// bytes between them). The memory is shared with peers, so their cursor values are checked before any
+/// byte range is derived from them.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Corrupt {
+    pub head: u64,
+    pub tail: u64,
+}
+
 impl Channel<'_> {
-    /// Unread bytes (receiver's view).
-    pub fn readable(&self) -> usize {
-        (self.head.load(Ordering::Acquire) - self.tail.load(Ordering::Relaxed)) as usize
+    /// Bytes between `tail` and `head`, if the cursors are consistent.
+    fn used(&self, head: u64, tail: u64) -> Result<usize, Corrupt> {
+        head.checked_sub(tail)
+            .filter(|&n| n <= self.capacity as u64)
+            .map(|n| n as usize)
+            .ok_or(Corrupt { head, tail })
     }
 
-    /// Free bytes (sender's view).
+    /// Unread bytes (receiver's view). Inconsistent cursors count as readable, so that the caller goes on
+    /// to `read`, which reports them.
+    pub fn readable(&self) -> usize {
+        self.used(self.head.load(Ordering::Acquire), self.tail.load(Ordering::Relaxed)).unwrap_or(1)
+    }
+
+    /// Free bytes (sender's view); inconsistent cursors count as writable, for `write` to report.
     pub fn writable(&self) -> usize {
-        self.capacity - (self.head.load(Ordering::Relaxed) - self.tail.load(Ordering::Acquire)) as usize
+        self.used(self.head.load(Ordering::Relaxed), self.tail.load(Ordering::Acquire))
+            .map_or(1, |used| self.capacity - used)
     }
 
     /// Sender: copy as much of `data` as fits (at most `limit` bytes) and publish it. Returns the count.
-    pub fn write(&self, data: &[u8], limit: usize) -> usize {
+    pub fn write(&self, data: &[u8], limit: usize) -> Result<usize, Corrupt> {
         let head = self.head.load(Ordering::Relaxed);
-        let free = self.capacity - (head - self.tail.load(Ordering::Acquire)) as usize;
+        let free = self.capacity - self.used(head, self.tail.load(Ordering::Acquire))?;
         let n = free.min(data.len()).min(limit);
         if n == 0 {
-            return 0;
+            return Ok(0);
         }
         let start = (head % self.capacity as u64) as usize;
         let first = n.min(self.capacity - start);
         // SAFETY: `[head, head + n)` is free space owned by the sender (the receiver only reads below
-        // `head`), and both pieces lie inside the data area.
+        // `head`; `n <= free` was derived from checked cursors), and both pieces lie inside the data area
+        // (`first <= capacity - start`, `n - first <= capacity`).
         unsafe {
             std::ptr::copy_nonoverlapping(data.as_ptr(), self.data.add(start), first);
             std::ptr::copy_nonoverlapping(data.as_ptr().add(first), self.data, n - first);
         }
         self.head.store(head + n as u64, Ordering::Release);
-        n
+        Ok(n)
     }
 
     /// Receiver: hand up to `limit` unread bytes to `consume` (in one or two pieces, straight out of shared
     /// memory), then release them to the sender. Returns the count.
-    pub fn read(&self, limit: usize, consume: &mut dyn FnMut(&[u8])) -> usize {
+    pub fn read(&self, limit: usize, consume: &mut dyn FnMut(&[u8])) -> Result<usize, Corrupt> {
         let tail = self.tail.load(Ordering::Relaxed);
-        let n = ((self.head.load(Ordering::Acquire) - tail) as usize).min(limit);
+        let n = self.used(self.head.load(Ordering::Acquire), tail)?.min(limit);
         if n == 0 {
-            return 0;
+            return Ok(0);
         }
         let start = (tail % self.capacity as u64) as usize;
         let first = n.min(self.capacity - start);
-        // SAFETY: `[tail, tail + n)` was published by the sender (Acquire above) and is not written again
-        // until we advance `tail`; both pieces lie inside the data area.
+        // SAFETY: `[tail, tail + n)` was published by the sender (Acquire above; `n <= capacity` checked) and
+        // is not written again until we advance `tail`; both pieces lie inside the data area.
         unsafe {
             consume(std::slice::from_raw_parts(self.data.add(start), first));
             if n > first {
@@ -212,7 +232,7 @@ impl Channel<'_> {
             }
         }
         self.tail.store(tail + n as u64, Ordering::Release);
-        n
+        Ok(n)
     }
 }
 
@@ -252,10 +272,26 @@ mod tests {
         let data: Vec<u8> = (0..20_000u32).map(|i| (i % 251) as u8).collect();
         let mut sent = 0;
         while received.len() < data.len() {
-            sent += ch.write(&data[sent..], 3000);
-            ch.read(1700, &mut |piece| received.extend_from_slice(piece));
+            sent += ch.write(&data[sent..], 3000).unwrap();
+            ch.read(1700, &mut |piece| received.extend_from_slice(piece)).unwrap();
             assert!(ch.writable() + ch.readable() == PAGE);
         }
         assert_eq!(received, data);
+    }
+
+    #[test]
+    fn inconsistent_cursors_are_reported_not_followed() {
+        let segment = Arc::new(Segment::create(&std::env::temp_dir(), segment_len(2, PAGE)).unwrap());
+        segment.unlink();
+        let layout = Layout::initialise(segment, 2, PAGE);
+        let ch = layout.channel(0, 1);
+        // A peer claiming more unread bytes than the ring holds, or a tail past the head.
+        for (head, tail) in [(PAGE as u64 * 3, 0), (5, 9)] {
+            ch.head.store(head, Ordering::Relaxed);
+            ch.tail.store(tail, Ordering::Relaxed);
+            assert!(ch.readable() > 0 && ch.writable() > 0, "a corrupt channel must wake its waiter");
+            assert_eq!(ch.read(usize::MAX, &mut |_| panic!("read from a corrupt ring")), Err(Corrupt { head, tail }));
+            assert_eq!(ch.write(&[1, 2, 3], 3), Err(Corrupt { head, tail }));
+        }
     }
 }

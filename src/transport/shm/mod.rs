@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 use crate::transport::rendezvous::StoreClient;
 use crate::transport::spin;
 use crate::transport::{Activity, Doorbell, Transport, TransportError, Waker};
-use layout::Layout;
+use layout::{Corrupt, Layout};
 use liveness::Liveness;
 use segment::Segment;
 
@@ -176,7 +176,7 @@ impl ShmTransport {
         if self.peer_closed(to) {
             return Err(self.closed_error(to));
         }
-        let n = self.layout.channel(self.rank, to).write(data, PIECE_BYTES);
+        let n = self.layout.channel(self.rank, to).write(data, PIECE_BYTES).map_err(|c| corrupt(to, &c))?;
         if n > 0 {
             self.layout.ring(to);
         }
@@ -198,7 +198,7 @@ impl ShmTransport {
             return Ok(n);
         }
         let channel = self.layout.channel(from, self.rank);
-        let n = channel.read(limit, consume);
+        let n = channel.read(limit, consume).map_err(|c| corrupt(from, &c))?;
         if n > 0 {
             self.layout.ring(from);
         } else if self.peer_closed(from) && channel.readable() == 0 {
@@ -209,17 +209,21 @@ impl ShmTransport {
 
     /// While our own send is stuck: move everything other peers (but `except`) sent into their stashes, so a
     /// peer stuck sending to us can go on. Returns whether anything moved.
-    fn relieve(&mut self, except: Option<usize>) -> bool {
+    fn relieve(&mut self, except: Option<usize>) -> Result<bool, TransportError> {
         let mut moved = false;
         for peer in (0..self.layout.size()).filter(|&p| p != self.rank && Some(p) != except) {
             let stash = &mut self.stash[peer];
-            let n = self.layout.channel(peer, self.rank).read(usize::MAX, &mut |piece| stash.extend(piece));
+            let n = self
+                .layout
+                .channel(peer, self.rank)
+                .read(usize::MAX, &mut |piece| stash.extend(piece))
+                .map_err(|c| corrupt(peer, &c))?;
             if n > 0 {
                 self.layout.ring(peer);
                 moved = true;
             }
         }
-        moved
+        Ok(moved)
     }
 
     fn any_incoming(layout: &Layout, me: usize) -> bool {
@@ -259,6 +263,14 @@ impl ShmTransport {
     }
 }
 
+/// The error for a channel whose cursors `peer`'s side left inconsistent.
+fn corrupt(peer: usize, c: &Corrupt) -> TransportError {
+    TransportError::Protocol {
+        peer,
+        detail: format!("shared-memory channel cursors are inconsistent (head {}, tail {})", c.head, c.tail),
+    }
+}
+
 impl Transport for ShmTransport {
     fn kind(&self) -> &'static str {
         "shm"
@@ -278,7 +290,7 @@ impl Transport for ShmTransport {
         while sent < data.len() {
             let n = self.push(peer, &data[sent..])?;
             sent += n;
-            if n == 0 && !self.relieve(None) {
+            if n == 0 && !self.relieve(None)? {
                 self.block(peer, |l| l.channel(me, peer).writable() > 0 || Self::any_incoming(l, me))?;
             }
         }
@@ -322,7 +334,7 @@ impl Transport for ShmTransport {
             if sent == send.len() && got == recv_len {
                 return Ok(());
             }
-            if !progressed && !(sent < send.len() && self.relieve(Some(from))) {
+            if !progressed && !(sent < send.len() && self.relieve(Some(from))?) {
                 let (sending, receiving) = (sent < send.len(), got < recv_len);
                 let blame = if receiving { from } else { to };
                 self.block(blame, |l| {
