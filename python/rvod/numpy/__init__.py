@@ -7,30 +7,7 @@ data with ``import rvod.numpy as hvd``. Results are NumPy arrays; async ops retu
 
 from rvod.common import ops as _ops
 from rvod.common import objects as _objects
-from rvod.common.basics import (
-    ccl_built,
-    cross_rank,
-    cross_size,
-    cuda_built,
-    ddl_built,
-    gloo_built,
-    gloo_enabled,
-    init,
-    is_homogeneous,
-    is_initialized,
-    local_rank,
-    local_size,
-    mpi_built,
-    mpi_enabled,
-    mpi_threads_supported,
-    nccl_built,
-    rank,
-    rocm_built,
-    shutdown,
-    size,
-    start_timeline,
-    stop_timeline,
-)
+from rvod.common.basics import *  # noqa: F401,F403  (the basics: init, rank, size, ...)
 from rvod.common.ops import barrier, join, poll, synchronize
 from rvod.common.process_sets import (
     ProcessSet,

@@ -17,30 +17,7 @@ import torch
 
 from rvod.common import naming
 from rvod.common import ops as _ops
-from rvod.common.basics import (  # noqa: F401  (re-exported by rvod.torch)
-    ccl_built,
-    cross_rank,
-    cross_size,
-    cuda_built,
-    ddl_built,
-    gloo_built,
-    gloo_enabled,
-    init,
-    is_homogeneous,
-    is_initialized,
-    local_rank,
-    local_size,
-    mpi_built,
-    mpi_enabled,
-    mpi_threads_supported,
-    nccl_built,
-    rank,
-    rocm_built,
-    shutdown,
-    size,
-    start_timeline,
-    stop_timeline,
-)
+from rvod.common.basics import *  # noqa: F401,F403  (the basics, re-exported by rvod.torch)
 from rvod.common.process_sets import (  # noqa: F401
     ProcessSet,
     add_process_set,

@@ -15,6 +15,7 @@ import time
 import numpy as np
 import rvod.numpy as hvd
 from _check import check, finish, wait_done
+from _expected import alltoall_blocks
 from rvod import _rvod
 
 hvd.init()
@@ -357,12 +358,7 @@ def alltoall_input(dtype, rank, splits, trailing, seed):
 
 
 def alltoall_expected(dtype, splits_matrix, trailing, seed):
-    blocks = []
-    for s in range(N):
-        x = alltoall_input(dtype, s, splits_matrix[s], trailing, seed)
-        offset = sum(splits_matrix[s][:R])
-        blocks.append(x[offset:offset + splits_matrix[s][R]])
-    return np.concatenate(blocks)
+    return np.concatenate(alltoall_blocks(lambda s: alltoall_input(dtype, s, splits_matrix[s], trailing, seed), splits_matrix, R))
 
 
 for dtype in ALL:

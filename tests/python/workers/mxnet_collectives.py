@@ -11,6 +11,7 @@ import warnings
 import mxnet as mx
 import numpy as np
 from _check import check, expect_error, finish
+from _expected import alltoall_blocks
 
 import rvod.mxnet as hvd
 from rvod.exceptions import RvodInternalError, RvodMismatchError
@@ -235,12 +236,7 @@ SPLITS = [[0, 3], [2, 1]] if N == 2 else [[(r + s) % 3 for s in range(N)] for r 
 
 
 def alltoall_expected(dtype, splits_matrix, trailing, seed):
-    blocks = []
-    for s in range(N):
-        x = contribution(dtype, (sum(splits_matrix[s]), *trailing), s, seed)
-        offset = sum(splits_matrix[s][:R])
-        blocks.append(x[offset:offset + splits_matrix[s][R]])
-    return np.concatenate(blocks)
+    return np.concatenate(alltoall_blocks(lambda s: contribution(dtype, (sum(splits_matrix[s]), *trailing), s, seed), splits_matrix, R))
 
 
 for dtype in DTYPES:

@@ -11,6 +11,7 @@ import time
 
 import torch
 from _check import check, expect_error, finish, wait_done
+from _expected import alltoall_blocks
 
 import rvod.torch as hvd
 from rvod.exceptions import RvodInternalError, RvodMismatchError
@@ -307,12 +308,7 @@ SPLITS = [[1, 0, 2], [2, 3, 0], [0, 1, 1]] if N == 3 else [[0, 3], [2, 1]]
 
 
 def alltoall_expected(dtype, splits_matrix, trailing, seed):
-    blocks = []
-    for s in range(N):
-        x = contribution(dtype, (sum(splits_matrix[s]), *trailing), s, seed)
-        offset = sum(splits_matrix[s][:R])
-        blocks.append(x[offset:offset + splits_matrix[s][R]])
-    return torch.cat(blocks)
+    return torch.cat(alltoall_blocks(lambda s: contribution(dtype, (sum(splits_matrix[s]), *trailing), s, seed), splits_matrix, R))
 
 
 for dtype in ALL:
