@@ -36,6 +36,7 @@ pub struct TensorParams {
     pub prescale: f64,
     pub postscale: f64,
     pub splits: Vec<i64>,
+    pub parts: Vec<i64>,
 }
 
 impl TensorParams {
@@ -51,6 +52,7 @@ impl TensorParams {
             prescale: response.prescale,
             postscale: response.postscale,
             splits: Vec::new(),
+            parts: Vec::new(),
         }
     }
 
@@ -63,6 +65,7 @@ impl TensorParams {
             && self.prescale == req.prescale
             && self.postscale == req.postscale
             && self.splits == req.splits
+            && self.parts == req.parts
     }
 }
 
@@ -77,6 +80,7 @@ impl From<&Request> for TensorParams {
             prescale: req.prescale,
             postscale: req.postscale,
             splits: req.splits.clone(),
+            parts: req.parts.clone(),
         }
     }
 }
@@ -286,6 +290,7 @@ mod tests {
             prescale: 1.0,
             postscale: 1.0,
             splits: vec![],
+            parts: vec![],
         }
     }
 

@@ -22,7 +22,7 @@ use crate::types::{CollectiveKind, DataType, ReduceOp};
 pub const WIRE_MAGIC: u32 = u32::from_le_bytes(*b"RVOD");
 
 /// Version of this format; ranks speaking different versions refuse each other's messages.
-pub const PROTOCOL_VERSION: u16 = 1;
+pub const PROTOCOL_VERSION: u16 = 2;
 
 /// Why a peer's bytes could not be decoded.
 #[derive(Clone, Debug, Error, PartialEq, Eq)]
@@ -381,6 +381,7 @@ impl Wire for Request {
         w.put_f64(self.prescale);
         w.put_f64(self.postscale);
         w.put_i64s(&self.splits);
+        w.put_i64s(&self.parts);
     }
 
     fn decode(r: &mut WireReader<'_>) -> Result<Self, DecodeError> {
@@ -395,6 +396,7 @@ impl Wire for Request {
             prescale: r.f64("request prescale")?,
             postscale: r.f64("request postscale")?,
             splits: r.i64s("request splits")?,
+            parts: r.i64s("request group parts")?,
         })
     }
 }
@@ -470,8 +472,9 @@ pub(crate) mod tests {
             any::<f64>(),
             any::<f64>(),
             prop::collection::vec(any::<i64>(), 0..4),
+            prop::collection::vec(any::<i64>(), 0..6),
         )
-            .prop_map(|(rank, kind, name, dtype, shape, op, root_rank, prescale, postscale, splits)| Request {
+            .prop_map(|(rank, kind, name, dtype, shape, op, root_rank, prescale, postscale, splits, parts)| Request {
                 rank,
                 kind: CollectiveKind::from_code(kind).unwrap(),
                 name,
@@ -482,6 +485,7 @@ pub(crate) mod tests {
                 prescale,
                 postscale,
                 splits,
+                parts,
             })
     }
 
@@ -549,6 +553,7 @@ pub(crate) mod tests {
             prescale: 1.0,
             postscale: 0.5,
             splits: vec![],
+            parts: vec![],
         }
     }
 

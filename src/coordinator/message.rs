@@ -21,6 +21,9 @@ pub struct Request {
     pub postscale: f64,
     /// Alltoall: rows of dim 0 sent to each rank (empty: split evenly).
     pub splits: Vec<i64>,
+    /// A grouped allreduce packed into one tensor (see `engine::packed`): the shapes of its tensors in
+    /// order, encoded by [`encode_part_shapes`]; `shape` is then the total element count. Empty otherwise.
+    pub parts: Vec<i64>,
 }
 
 /// What kind of error a failed negotiation reports; decides the Python exception.
@@ -61,6 +64,29 @@ impl ResponseEntry {
     }
 }
 
+/// The shapes of a packed group's tensors as one list: each shape's dimension count, then its dimensions.
+pub fn encode_part_shapes<'a>(shapes: impl IntoIterator<Item = &'a [i64]>) -> Vec<i64> {
+    let mut encoded = Vec::new();
+    for shape in shapes {
+        encoded.push(shape.len() as i64);
+        encoded.extend_from_slice(shape);
+    }
+    encoded
+}
+
+/// The shapes [`encode_part_shapes`] encoded, or `None` if `encoded` is not such a list (it can come
+/// from a peer's bytes).
+pub fn decode_part_shapes(encoded: &[i64]) -> Option<Vec<&[i64]>> {
+    let mut shapes = Vec::new();
+    let mut rest = encoded;
+    while let Some((&ndim, tail)) = rest.split_first() {
+        let ndim = usize::try_from(ndim).ok().filter(|&n| n <= tail.len())?;
+        shapes.push(&tail[..ndim]);
+        rest = &tail[ndim..];
+    }
+    Some(shapes)
+}
+
 /// Elements in a tensor of this shape (1 for a scalar); negative dims count as 0. Saturates instead of
 /// overflowing, since shapes can come from a peer's bytes.
 pub fn shape_elements(shape: &[i64]) -> usize {
@@ -89,5 +115,21 @@ impl Response {
         self.entries
             .iter()
             .fold(0usize, |acc, e| acc.saturating_add(e.num_elements().saturating_mul(self.dtype.size())))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn part_shapes_round_trip_and_malformed_lists_are_refused() {
+        let shapes: [&[i64]; 4] = [&[2, 3], &[], &[7], &[1, 1, 1]];
+        let encoded = encode_part_shapes(shapes);
+        assert_eq!(encoded, vec![2, 2, 3, 0, 1, 7, 3, 1, 1, 1]);
+        assert_eq!(decode_part_shapes(&encoded).unwrap(), shapes.to_vec());
+        assert_eq!(decode_part_shapes(&[]).unwrap(), Vec::<&[i64]>::new());
+        assert!(decode_part_shapes(&[3, 1, 2]).is_none(), "too few dimensions");
+        assert!(decode_part_shapes(&[-1]).is_none(), "negative count");
     }
 }

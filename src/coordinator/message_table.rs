@@ -209,6 +209,7 @@ mod tests {
             prescale: 1.0,
             postscale: 1.0,
             splits: Vec::new(),
+            parts: Vec::new(),
         }
     }
 

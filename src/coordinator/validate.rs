@@ -3,7 +3,7 @@
 
 use std::fmt::Display;
 
-use crate::coordinator::message::{ErrorKind, Request, Response, ResponseEntry};
+use crate::coordinator::message::{decode_part_shapes, ErrorKind, Request, Response, ResponseEntry};
 use crate::types::{CollectiveKind, ReduceOp};
 
 /// "rank 0 sent X; ranks 1, 2 sent Y", grouping ranks that agree. Values are listed in rank order; ranks
@@ -53,6 +53,32 @@ fn agree<T: PartialEq + Display>(
     Err(format!("Mismatched {what} for {kind} of tensor '{name}': {}.", describe(&values)))
 }
 
+/// A packed group (see `Request::parts`) agrees when every rank has as many tensors, of the same shapes
+/// in the same order. The message names the first tensor that differs as `<group>_<index>`, the name it
+/// would have had as a separate tensor.
+fn agree_on_group(requests: &[Request], global_ranks: &[usize], name: &str, kind: CollectiveKind) -> Result<(), String> {
+    const MALFORMED: &str = "malformed";
+    let parts: Vec<Option<Vec<&[i64]>>> = requests.iter().map(|r| decode_part_shapes(&r.parts)).collect();
+    let count = |i: usize| parts[i].as_ref().map_or(MALFORMED.to_string(), |p| format!("{} tensors", p.len()));
+    let indexed: Vec<usize> = (0..requests.len()).collect();
+    let by_index = |key: &dyn Fn(usize) -> String, what: &str, tensor: &str| -> Result<(), String> {
+        let first = key(0);
+        if indexed.iter().all(|&i| key(i) == first) {
+            return Ok(());
+        }
+        let global = |rank: u32| global_ranks.get(rank as usize).copied().unwrap_or(rank as usize);
+        let values: Vec<(usize, String)> = indexed.iter().map(|&i| (global(requests[i].rank), key(i))).collect();
+        Err(format!("Mismatched {what} for {kind} of tensor '{tensor}': {}.", describe(&values)))
+    };
+    by_index(&count, "numbers of tensors in the group", name)?;
+    let Some(first) = parts[0].as_ref() else { return Ok(()) };
+    for index in 0..first.len() {
+        let shape = |i: usize| parts[i].as_ref().map_or(MALFORMED.to_string(), |p| shape_text(p[index]));
+        by_index(&shape, "tensor shapes", &format!("{name}_{index}"))?;
+    }
+    Ok(())
+}
+
 fn error_response(first: &Request, kind: ErrorKind, message: String) -> Response {
     Response {
         kind: first.kind,
@@ -100,7 +126,11 @@ pub fn construct_response(requests: &[Request], global_ranks: &[usize], any_join
     }
     let check = match kind {
         CollectiveKind::Allreduce | CollectiveKind::Reducescatter => {
-            let shapes = agree(requests, global_ranks, "tensor shapes", name, kind, |r| shape_text(&r.shape));
+            let shapes = if requests.iter().any(|r| !r.parts.is_empty()) {
+                agree_on_group(requests, global_ranks, name, kind)
+            } else {
+                agree(requests, global_ranks, "tensor shapes", name, kind, |r| shape_text(&r.shape))
+            };
             let ops = || agree(requests, global_ranks, "reduction operations", name, kind, |r| r.reduce_op.name());
             let scales = || {
                 agree(requests, global_ranks, "prescale and/or postscale factors", name, kind, |r| {
@@ -190,6 +220,7 @@ mod tests {
             prescale: 1.0,
             postscale: 1.0,
             splits: Vec::new(),
+            parts: Vec::new(),
         }
     }
 
@@ -198,6 +229,46 @@ mod tests {
         let r = construct_response(&[req(0, CollectiveKind::Allreduce, &[2, 3]), req(1, CollectiveKind::Allreduce, &[2, 3])], &ranks(2), false);
         assert!(r.error.is_none());
         assert_eq!(r.entries[0].shape, vec![2, 3]);
+    }
+
+    fn group(rank: u32, shapes: &[&[i64]]) -> Request {
+        let total = shapes.iter().map(|s| s.iter().product::<i64>()).sum::<i64>();
+        Request {
+            name: "grouped_allreduce.g".into(),
+            parts: crate::coordinator::message::encode_part_shapes(shapes.iter().copied()),
+            ..req(rank, CollectiveKind::Allreduce, &[total])
+        }
+    }
+
+    #[test]
+    fn packed_groups_agree_member_by_member() {
+        let ok = construct_response(&[group(0, &[&[2, 3], &[4]]), group(1, &[&[2, 3], &[4]])], &ranks(2), false);
+        assert!(ok.error.is_none());
+        assert_eq!(ok.entries[0].shape, vec![10]);
+
+        // Same total, different members: the first member that differs is named.
+        let r = construct_response(&[group(0, &[&[2, 3], &[4]]), group(1, &[&[2, 3], &[2, 2]]), group(2, &[&[2, 3], &[4]])], &ranks(3), false);
+        assert_eq!(
+            r.error.unwrap(),
+            (
+                ErrorKind::Mismatch,
+                "Mismatched tensor shapes for allreduce of tensor 'grouped_allreduce.g_1': ranks 0, 2 sent [4]; rank 1 sent [2, 2].".into()
+            )
+        );
+
+        let r = construct_response(&[group(0, &[&[2], &[4]]), group(1, &[&[2]])], &ranks(2), false);
+        assert_eq!(
+            r.error.unwrap().1,
+            "Mismatched numbers of tensors in the group for allreduce of tensor 'grouped_allreduce.g': rank 0 sent 2 tensors; rank 1 sent 1 tensors."
+        );
+
+        // A plain tensor against a group of the same size, and a malformed encoding from a peer.
+        let plain = Request { name: "grouped_allreduce.g".into(), ..req(1, CollectiveKind::Allreduce, &[6]) };
+        let r = construct_response(&[group(0, &[&[6]]), plain], &ranks(2), false);
+        assert_eq!(r.error.unwrap().0, ErrorKind::Mismatch);
+        let bad = Request { parts: vec![5, 1], ..group(1, &[&[6]]) };
+        let r = construct_response(&[group(0, &[&[6]]), bad], &ranks(2), false);
+        assert!(r.error.unwrap().1.contains("rank 1 sent malformed"));
     }
 
     #[test]

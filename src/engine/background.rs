@@ -249,8 +249,18 @@ impl Loop {
         let name = entry.request.name;
         let set = self.shared.set_id;
         match result {
+            Ok(_) if entry.packed.is_some() => {
+                let members = entry.packed.map(|group| group.unpack()).unwrap_or_default();
+                self.shared.handles.complete_part(entry.handle, set, Some(&name), None, Ok(None), |out| {
+                    for (index, output) in members {
+                        if let Some(slot) = out.tensors.get_mut(index) {
+                            *slot = output;
+                        }
+                    }
+                });
+            }
             Ok(TensorResult { output, received_splits, last_joined_rank }) => {
-                self.shared.handles.complete_part(entry.handle, set, Some(&name), entry.index, Ok(output), |out| {
+                self.shared.handles.complete_part(entry.handle, set, Some(&name), Some(entry.index), Ok(output), |out| {
                     if received_splits.is_some() {
                         out.received_splits = received_splits;
                     }
@@ -259,7 +269,7 @@ impl Loop {
                     }
                 });
             }
-            Err(e) => self.shared.handles.complete_part(entry.handle, set, Some(&name), entry.index, Err(e), |_| {}),
+            Err(e) => self.shared.handles.complete_part(entry.handle, set, Some(&name), Some(entry.index), Err(e), |_| {}),
         }
     }
 

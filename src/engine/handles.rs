@@ -88,13 +88,14 @@ impl HandleTable {
         }
     }
 
-    /// Record one completed part of `id` (the tensor `name` of process set `set`, output slot `index`).
+    /// Record one completed part of `id` (the tensor `name` of process set `set`, output slot `index`; a
+    /// part that fills no single slot passes `None` and fills slots in `apply`).
     pub fn complete_part(
         &self,
         id: HandleId,
         set: u32,
         name: Option<&str>,
-        index: usize,
+        index: Option<usize>,
         result: Result<Option<OutputTensor>, EngineError>,
         apply: impl FnOnce(&mut OpOutput),
     ) {
@@ -105,7 +106,7 @@ impl HandleTable {
         if let Some(state) = t.handles.get_mut(&id) {
             match result {
                 Ok(out) => {
-                    if let Some(slot) = state.output.tensors.get_mut(index) {
+                    if let Some(slot) = index.and_then(|i| state.output.tensors.get_mut(i)) {
                         *slot = out;
                     }
                     apply(&mut state.output);
@@ -181,7 +182,7 @@ mod tests {
         assert!(matches!(err, EngineError::DuplicateName { .. }));
         let other_set = t.register("allreduce", 1, &["x".into()], 1, 1).unwrap();
         assert_eq!(t.is_done(a), Some(false));
-        t.complete_part(a, 0, Some("x"), 0, Ok(None), |_| {});
+        t.complete_part(a, 0, Some("x"), Some(0), Ok(None), |_| {});
         assert_eq!(t.is_done(a), Some(true));
         assert!(matches!(t.wait(a, Duration::ZERO), WaitOutcome::Done(Ok(_))));
         assert!(matches!(t.wait(a, Duration::ZERO), WaitOutcome::Unknown));
@@ -201,7 +202,7 @@ mod tests {
         let t = HandleTable::default();
         let a = t.register("barrier", 0, &[], 1, 0).unwrap();
         assert!(matches!(t.wait(a, Duration::from_millis(5)), WaitOutcome::Pending));
-        t.complete_part(a, 0, None, 0, Err(EngineError::Internal("boom".into())), |_| {});
+        t.complete_part(a, 0, None, Some(0), Err(EngineError::Internal("boom".into())), |_| {});
         match t.wait(a, Duration::ZERO) {
             WaitOutcome::Done(Err(EngineError::Internal(m))) => assert_eq!(m, "boom"),
             _ => panic!("expected the error"),

@@ -18,6 +18,7 @@ pub mod communicator;
 pub mod connect;
 pub mod execute;
 pub mod handles;
+pub mod packed;
 pub mod process_sets;
 pub mod submission;
 pub mod table;
@@ -259,7 +260,8 @@ impl Engine {
             CollectiveKind::Join => vec![JOIN_NAME.to_string()],
             _ => op.tensors.iter().map(|t| t.name.clone()).collect(),
         };
-        let id = self.handles.register(op.kind.name(), set_id, &names, names.len(), op.tensors.len())?;
+        let slots = op.tensors.iter().map(|t| t.output_slots()).sum();
+        let id = self.handles.register(op.kind.name(), set_id, &names, names.len(), slots)?;
         let entries = entries_for(op, id, local_rank as u32, &names);
         if let Err(err) = communicator.enqueue(entries) {
             self.handles.unregister(id, set_id, &names);
@@ -308,6 +310,7 @@ fn entries_for(op: OpSubmission, handle: HandleId, rank: u32, names: &[String]) 
         prescale: op.prescale,
         postscale: op.postscale,
         splits: op.splits.clone(),
+        parts: Vec::new(),
     };
     if op.tensors.is_empty() {
         // SAFETY: a zero-length view of no memory.
@@ -319,14 +322,30 @@ fn entries_for(op: OpSubmission, handle: HandleId, rank: u32, names: &[String]) 
             input,
             in_place: false,
             submitted: now,
+            packed: None,
         }];
     }
-    let requests: Vec<Request> = op.tensors.iter().map(|t| request(t.name.clone(), t.dtype, t.shape.clone())).collect();
+    let requests: Vec<Request> = op
+        .tensors
+        .iter()
+        .map(|t| Request {
+            parts: t.packed.as_ref().map(|g| g.encoded_shapes()).unwrap_or_default(),
+            ..request(t.name.clone(), t.dtype, t.shape.clone())
+        })
+        .collect();
     op.tensors
         .into_iter()
         .zip(requests)
         .enumerate()
-        .map(|(index, (t, request))| TensorEntry { handle, index, request, input: t.input, in_place: t.in_place, submitted: now })
+        .map(|(index, (t, request))| TensorEntry {
+            handle,
+            index,
+            request,
+            input: t.input,
+            in_place: t.in_place,
+            submitted: now,
+            packed: t.packed,
+        })
         .collect()
 }
 

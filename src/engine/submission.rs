@@ -1,5 +1,6 @@
 //! What a caller hands the engine (an [`OpSubmission`]) and what it gets back ([`OpOutput`]).
 
+use crate::engine::packed::PackedGroup;
 use crate::tensor::{AlignedBuffer, RawTensor};
 use crate::types::{CollectiveKind, DataType, ReduceOp};
 
@@ -14,6 +15,15 @@ pub struct TensorSubmission {
     pub input: RawTensor,
     /// Write the result into `input` instead of a new buffer (`allreduce_`, `broadcast_`).
     pub in_place: bool,
+    /// Set when this tensor is a packed grouped allreduce (`input` views its buffer): see [`PackedGroup`].
+    pub packed: Option<PackedGroup>,
+}
+
+impl TensorSubmission {
+    /// Output slots this tensor fills: one, or one per member of a packed group.
+    pub fn output_slots(&self) -> usize {
+        self.packed.as_ref().map_or(1, PackedGroup::len)
+    }
 }
 
 /// A collective as submitted by one rank: one tensor, a group of tensors negotiated together, or none

@@ -7,6 +7,7 @@ use std::time::Instant;
 
 use crate::coordinator::message::Request;
 use crate::engine::handles::HandleId;
+use crate::engine::packed::PackedGroup;
 use crate::tensor::RawTensor;
 use crate::types::CollectiveKind;
 
@@ -20,6 +21,8 @@ pub struct TensorEntry {
     pub input: RawTensor,
     pub in_place: bool,
     pub submitted: Instant,
+    /// A packed grouped allreduce: `input` views its buffer, and completion unpacks it.
+    pub packed: Option<PackedGroup>,
 }
 
 /// Where an entry stands in negotiation.

@@ -12,6 +12,7 @@ use pyo3::types::{PyDict, PyList, PyTuple};
 
 use crate::config::Config;
 use crate::engine::handles::WaitOutcome;
+use crate::engine::packed::{pack_group, GroupMember};
 use crate::engine::submission::{OpSubmission, TensorSubmission};
 use crate::engine::Engine;
 use crate::error::EngineError;
@@ -123,9 +124,10 @@ pub fn topology(py: Python<'_>) -> PyResult<Bound<'_, PyTuple>> {
 }
 
 /// Queue a collective; returns its handle. `capsules` are DLPack capsules the caller keeps alive until
-/// the handle completes.
+/// the handle completes. With `packed` (a grouped allreduce), `names` holds the group's one name and the
+/// tensors are packed into one per dtype (see `engine::packed`).
 #[pyfunction]
-#[pyo3(signature = (kind, names, capsules, in_place, reduce_op, prescale, postscale, root_rank, splits, process_set_id))]
+#[pyo3(signature = (kind, names, capsules, in_place, reduce_op, prescale, postscale, root_rank, splits, process_set_id, packed=false))]
 #[allow(clippy::too_many_arguments)]
 pub fn submit(
     kind: u8,
@@ -138,18 +140,39 @@ pub fn submit(
     root_rank: i32,
     splits: Vec<i64>,
     process_set_id: u32,
+    packed: bool,
 ) -> PyResult<u64> {
     let kind = CollectiveKind::from_code(kind).ok_or_else(|| PyValueError::new_err(format!("unknown collective {kind}")))?;
     let reduce_op =
         ReduceOp::from_code(reduce_op).ok_or_else(|| PyValueError::new_err(format!("unknown reduce op {reduce_op}")))?;
+    if packed {
+        let (Some(name), true) = (names.first(), names.len() == 1 && kind == CollectiveKind::Allreduce) else {
+            return Err(PyValueError::new_err("a packed submission is one allreduce group with one name"));
+        };
+        let mut members = Vec::with_capacity(capsules.len());
+        for (i, capsule) in capsules.iter().enumerate() {
+            let imported = import_capsule(capsule, || format!("{kind} '{name}_{i}'"))?;
+            members.push(GroupMember { input: imported.tensor, dtype: imported.dtype, shape: imported.shape });
+        }
+        let tensors = pack_group(name, members, in_place);
+        let op = OpSubmission { kind, tensors, reduce_op, prescale, postscale, root_rank, splits };
+        return engine()?.submit(op, process_set_id).map_err(to_py_err);
+    }
     if names.len() != capsules.len() {
         return Err(PyValueError::new_err("one name per tensor is required"));
     }
     let engine = engine()?;
     let mut tensors = Vec::with_capacity(capsules.len());
     for (name, capsule) in names.into_iter().zip(&capsules) {
-        let imported = import_capsule(capsule, &format!("{kind} '{name}'"))?;
-        tensors.push(TensorSubmission { name, dtype: imported.dtype, shape: imported.shape, input: imported.tensor, in_place });
+        let imported = import_capsule(capsule, || format!("{kind} '{name}'"))?;
+        tensors.push(TensorSubmission {
+            name,
+            dtype: imported.dtype,
+            shape: imported.shape,
+            input: imported.tensor,
+            in_place,
+            packed: None,
+        });
     }
     let op = OpSubmission { kind, tensors, reduce_op, prescale, postscale, root_rank, splits };
     // Submitting never blocks (it queues and maybe wakes the engine), so the GIL is kept: releasing and

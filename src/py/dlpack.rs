@@ -95,15 +95,16 @@ fn dtype_to_dlpack(dtype: DataType) -> DLDataType {
 }
 
 /// Read the tensor a `dltensor` capsule describes. The capsule must stay alive while the view is used.
-pub fn import_capsule(capsule: &Bound<'_, PyAny>, what: &str) -> PyResult<ImportedTensor> {
+/// `what` names the tensor in error messages (built only when there is an error).
+pub fn import_capsule(capsule: &Bound<'_, PyAny>, what: impl Fn() -> String) -> PyResult<ImportedTensor> {
     // SAFETY: PyCapsule_IsValid accepts any object pointer.
     if unsafe { ffi::PyCapsule_IsValid(capsule.as_ptr(), CAPSULE_NAME.as_ptr()) } == 0 {
-        return Err(PyTypeError::new_err(format!("{what}: expected an unconsumed DLPack capsule")));
+        return Err(PyTypeError::new_err(format!("{}: expected an unconsumed DLPack capsule", what())));
     }
     // SAFETY: validated above that this is a capsule named "dltensor", whose pointer is a DLManagedTensor.
     let managed = unsafe { ffi::PyCapsule_GetPointer(capsule.as_ptr(), CAPSULE_NAME.as_ptr()) } as *const DLManagedTensor;
     if managed.is_null() {
-        return Err(PyTypeError::new_err(format!("{what}: the DLPack capsule holds no tensor")));
+        return Err(PyTypeError::new_err(format!("{}: the DLPack capsule holds no tensor", what())));
     }
     // SAFETY: the producer guarantees the DLManagedTensor is valid while the capsule is alive.
     let t = unsafe { &(*managed).dl_tensor };
@@ -111,25 +112,27 @@ pub fn import_capsule(capsule: &Bound<'_, PyAny>, what: &str) -> PyResult<Import
         DEVICE_CPU | DEVICE_CUDA_HOST => {}
         DEVICE_CUDA => {
             return Err(PyValueError::new_err(format!(
-                "{what}: GPU tensors need an rvod build with NCCL support; this build handles CPU tensors only"
+                "{}: GPU tensors need an rvod build with NCCL support; this build handles CPU tensors only",
+                what()
             )))
         }
-        other => return Err(PyValueError::new_err(format!("{what}: unsupported device type {other} (only CPU)"))),
+        other => return Err(PyValueError::new_err(format!("{}: unsupported device type {other} (only CPU)", what()))),
     }
     let dtype = dtype_from_dlpack(t.dtype).ok_or_else(|| {
         PyValueError::new_err(format!(
-            "{what}: tensor type (code {}, {} bits, {} lanes) is not supported",
+            "{}: tensor type (code {}, {} bits, {} lanes) is not supported",
+            what(),
             t.dtype.code, t.dtype.bits, t.dtype.lanes
         ))
     })?;
     if t.ndim < 0 || (t.ndim > 0 && t.shape.is_null()) {
-        return Err(PyValueError::new_err(format!("{what}: malformed DLPack shape")));
+        return Err(PyValueError::new_err(format!("{}: malformed DLPack shape", what())));
     }
     let ndim = t.ndim as usize;
     // SAFETY: shape points at ndim i64 values (checked non-null above when ndim > 0).
     let shape: Vec<i64> = if ndim == 0 { Vec::new() } else { unsafe { std::slice::from_raw_parts(t.shape, ndim) }.to_vec() };
     if shape.iter().any(|&d| d < 0) {
-        return Err(PyValueError::new_err(format!("{what}: negative dimension in shape {shape:?}")));
+        return Err(PyValueError::new_err(format!("{}: negative dimension in shape {shape:?}", what())));
     }
     let elements: usize = shape.iter().map(|&d| d as usize).product();
     if !t.strides.is_null() && elements > 1 {
@@ -138,7 +141,7 @@ pub fn import_capsule(capsule: &Bound<'_, PyAny>, what: &str) -> PyResult<Import
         let mut expected = 1i64;
         for (dim, stride) in shape.iter().zip(strides).rev() {
             if *dim != 1 && *stride != expected {
-                return Err(PyValueError::new_err(format!("{what}: Tensor is required to be contiguous.")));
+                return Err(PyValueError::new_err(format!("{}: Tensor is required to be contiguous.", what())));
             }
             expected *= dim;
         }
@@ -148,7 +151,7 @@ pub fn import_capsule(capsule: &Bound<'_, PyAny>, what: &str) -> PyResult<Import
         std::ptr::null_mut()
     } else {
         if t.data.is_null() {
-            return Err(PyValueError::new_err(format!("{what}: the tensor has no data pointer")));
+            return Err(PyValueError::new_err(format!("{}: the tensor has no data pointer", what())));
         }
         // SAFETY: byte_offset lies inside the producer's allocation by the DLPack contract.
         unsafe { (t.data as *mut u8).add(t.byte_offset as usize) }

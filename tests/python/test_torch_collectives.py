@@ -25,7 +25,7 @@ def test_every_op_dtype_variant_gradient_and_error(run_rvodrun, size):
     assert all(failed == 0 for _, failed in found.values()), report
     assert result.returncode == 0, report
     # Every rank ran the same checks, and all of them (a section skipped by mistake would show here).
-    assert {passed for passed, _ in found.values()} == {320}, report
+    assert {passed for passed, _ in found.values()} == {321}, report
 
 
 @pytest.mark.timeout(60)

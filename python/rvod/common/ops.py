@@ -27,6 +27,14 @@ class TensorAdapter:
         asynchronously wait here for every pending read of ``tensor`` as well as every pending write."""
         return self.export(tensor)
 
+    def export_unchecked(self, tensors, for_write):
+        """Capsules of ``tensors`` exported without ``export``'s per-tensor checks, or ``None`` where the
+        framework has no such shortcut (or a tensor plainly needs the careful path). The engine refuses what it
+        cannot take as it is (other devices, dtypes, non-contiguous memory), and the op is then exported again
+        tensor by tensor with ``export``, which copies or explains. Only for tensors whose memory DLPack
+        describes exactly (no lazy negation or conjugation bits)."""
+        return None
+
     def from_dlpack(self, capsule):
         """A framework tensor viewing the engine-owned memory of ``capsule`` (no copy)."""
         raise NotImplementedError
@@ -72,8 +80,18 @@ def _group_names(prefix, name, count, process_set):
 
 
 def _submit(kind, names, adapter, tensors, in_place, finish, op=Sum, prescale=1.0, postscale=1.0, root=-1, splits=(),
-            process_set=global_process_set):
+            process_set=global_process_set, packed=False):
     set_id = process_set_id_of(process_set)
+    submit_args = (in_place, op, float(prescale), float(postscale), int(root), list(splits), set_id, packed)
+    capsules = adapter.export_unchecked(tensors, in_place)
+    if capsules is not None:
+        try:
+            handle = _rvod.submit(kind, names, capsules, *submit_args)
+        except (TypeError, ValueError):
+            pass  # exported again below, tensor by tensor: that path copies what it can and explains the rest
+        else:
+            _pending[handle] = _Pending((tuple(tensors), capsules), finish)
+            return handle
     capsules, holders = [], []
     export = adapter.export_for_write if in_place else adapter.export
     for tensor in tensors:
@@ -89,9 +107,7 @@ def _submit(kind, names, adapter, tensors, in_place, finish, op=Sum, prescale=1.
                     adapter.copy_(original, holder)
             return user_finish(outputs, received_splits, last_joined)
 
-    handle = _rvod.submit(
-        kind, names, capsules, in_place, op, float(prescale), float(postscale), int(root), list(splits), set_id
-    )
+    handle = _rvod.submit(kind, names, capsules, *submit_args)
     _pending[handle] = _Pending((tuple(tensors), capsules, holders), finish)
     return handle
 
@@ -150,9 +166,11 @@ def grouped_allreduce_async(adapter, tensors, average=None, name=None, op=None, 
     tensors = list(tensors)
     if not tensors:
         raise ValueError("grouped_allreduce needs at least one tensor")
-    names = _group_names("grouped_allreduce", name, len(tensors), process_set)
+    # One name for the whole group: the engine packs it into one tensor per dtype (members that differ
+    # across ranks are reported as '<name>_<index>').
+    names = [_prefixed("grouped_allreduce", name, process_set)]
     return _submit(ALLREDUCE, names, adapter, tensors, in_place, _list_output(adapter, tensors, in_place),
-                   op=op, prescale=prescale_factor, postscale=postscale_factor, process_set=process_set)
+                   op=op, prescale=prescale_factor, postscale=postscale_factor, process_set=process_set, packed=True)
 
 
 def allgather_async(adapter, tensor, name=None, process_set=global_process_set):

@@ -46,6 +46,14 @@ class TorchAdapter(TensorAdapter):
         copy = data.resolve_neg().contiguous()
         return dlpack.to_dlpack(copy), copy
 
+    def export_unchecked(self, tensors, for_write):
+        try:
+            if any(map(torch.Tensor.is_neg, tensors)):
+                return None  # DLPack cannot carry the negative bit
+            return [dlpack.to_dlpack(t) for t in tensors]
+        except Exception:  # noqa: BLE001 - not a tensor, or one DLPack cannot describe (sparse, meta, ...)
+            return None  # export() explains
+
     def from_dlpack(self, capsule):
         return dlpack.from_dlpack(capsule)
 

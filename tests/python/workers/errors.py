@@ -116,6 +116,14 @@ def main():
                                                              name="mm.a2a"), ["[1]", "[2]"], "alltoall")
     mismatch("async allreduce dtype", lambda: hvd.synchronize(hvd.allreduce_async(
         np.ones(2, dtype=np.int16 if odd else np.uint8), name="mm.async")), ["uint8", "int16"], "mm.async")
+    # A grouped allreduce is packed into one tensor; members that differ are still named one by one, even
+    # when the group's total size agrees.
+    mismatch("grouped allreduce member shape", lambda: hvd.grouped_allreduce(
+        [np.ones(3, dtype=np.float32), np.ones((2, 2) if odd else (4,), dtype=np.float32)], name="mm.grp"),
+        ["[4]", "[2, 2]"], "'grouped_allreduce.mm.grp_1'")
+    mismatch("grouped allreduce member count", lambda: hvd.grouped_allreduce(
+        [np.ones(3, dtype=np.float32)] * (3 if odd else 2), name="mm.grpn"),
+        ["2 tensors", "3 tensors"], "numbers of tensors in the group")
     mismatch("in-place allreduce shape", lambda: hvd.allreduce_(np.ones(1 if odd else 5, dtype=np.float32),
                                                                 name="mm.inplace"), ["[1]", "[5]"], "shape")
 

@@ -180,6 +180,33 @@ for dtype in ALL:
                     hvd.allreduce_(x, op=op, prescale_factor=pre, postscale_factor=post)
                     assert_tensor(x, expected, label + " in-place")
 
+with check("grouped allreduce: mixed dtypes, non-contiguous and negative-view members, inputs that need grad"):
+    # The engine packs a group into one tensor per dtype; members it cannot read as they are (transposed,
+    # negative view) make the whole group take the careful export path, which copies and writes back.
+    dtypes = [torch.float32, torch.int64, torch.float32, torch.float64, torch.int64]
+    shapes = [(3,), (2, 2), (), (5, 1), (0,)]
+    group = [contribution(d, s, R, 40 + k) for k, (d, s) in enumerate(zip(dtypes, shapes))]
+    expected = [expected_reduce(d, s, hvd.Sum, 40 + k) for k, (d, s) in enumerate(zip(dtypes, shapes))]
+    outs = hvd.grouped_allreduce(group, op=hvd.Sum, name="mixed")
+    for out, exp in zip(outs, expected):
+        assert_tensor(out, exp, "mixed dtypes")
+    copies = [g.clone() for g in group]
+    hvd.grouped_allreduce_(copies, op=hvd.Sum, name="mixed")
+    for out, exp in zip(copies, expected):
+        assert_tensor(out, exp, "mixed dtypes in place")
+
+    base = contribution(torch.float32, (3, 4), R, 50)
+    transposed = base.clone().t()
+    negative = torch.zeros(6)._neg_view()
+    negative_values = contribution(torch.float32, (6,), R, 51)
+    negative.copy_(negative_values)
+    wants_grad = contribution(torch.float32, (4,), R, 52).requires_grad_()
+    returned = hvd.grouped_allreduce_([transposed, negative, wants_grad], op=hvd.Sum, name="careful")
+    assert returned[0] is transposed and returned[1] is negative
+    assert_tensor(transposed, expected_reduce(torch.float32, (3, 4), hvd.Sum, 50).t(), "transposed member")
+    assert_tensor(negative.resolve_neg(), expected_reduce(torch.float32, (6,), hvd.Sum, 51), "negative-view member")
+    assert torch.equal(wants_grad.detach(), expected_reduce(torch.float32, (4,), hvd.Sum, 52)), wants_grad
+
 with check("allreduce: default op is Average; average= is deprecated but works; 0-d tensors"):
     x = torch.full((4,), 2.0 * N * (R + 1))
     assert_tensor(hvd.allreduce(x), torch.full((4,), float((N + 1) * N)), "default")
