@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from jobs import WORKERS, failures, verdicts
+from jobs import WORKERS, assert_worker_job
 
 pytest.importorskip("mxnet", reason="rvod.mxnet needs MXNet 1.9 (make its environment with scripts/setup-mxnet-env.sh)")
 
@@ -19,13 +19,7 @@ pytest.importorskip("mxnet", reason="rvod.mxnet needs MXNet 1.9 (make its enviro
 @pytest.mark.timeout(150)
 def test_every_op_dtype_variant_and_error(run_rvodrun):
     result = run_rvodrun(["-np", "2", sys.executable, str(WORKERS / "mxnet_collectives.py")], timeout=120)
-    found = verdicts(result.stdout)
-    report = f"exit {result.returncode}\nstdout:\n{result.stdout[-5000:]}\nstderr:\n{failures(result.stderr)[-20000:]}"
-    assert set(found) == {0, 1}, report
-    assert all(failed == 0 for _, failed in found.values()), report
-    assert result.returncode == 0, report
-    # Every rank ran the same checks, and all of them (a section skipped by mistake would show here).
-    assert {passed for passed, _ in found.values()} == {90}, report
+    assert_worker_job(result, {0: 90, 1: 90})
 
 
 @pytest.mark.timeout(60)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 
 import pytest
-from jobs import WORKERS, failures, verdicts
+from jobs import WORKERS, assert_worker_job
 
 pytest.importorskip("mxnet", reason="rvod.mxnet needs MXNet 1.9 (make its environment with scripts/setup-mxnet-env.sh)")
 
@@ -19,9 +19,4 @@ pytest.importorskip("mxnet", reason="rvod.mxnet needs MXNet 1.9 (make its enviro
 @pytest.mark.timeout(150)
 def test_distributed_training_matches_one_process(run_rvodrun):
     result = run_rvodrun(["-np", "2", sys.executable, str(WORKERS / "mxnet_training.py")], timeout=120)
-    found = verdicts(result.stdout)
-    report = f"exit {result.returncode}\nstdout:\n{result.stdout[-5000:]}\nstderr:\n{failures(result.stderr)[-20000:]}"
-    assert set(found) == {0, 1}, report
-    assert all(failed == 0 for _, failed in found.values()), report
-    assert result.returncode == 0, report
-    assert {passed for passed, _ in found.values()} == {13}, report
+    assert_worker_job(result, {0: 13, 1: 13})

@@ -25,6 +25,7 @@ from jobs import (
     HandshakeRefused,
     LocalJob,
     StoreConnection,
+    assert_worker_job,
     failures,
     is_dropped,
     verdicts,
@@ -61,10 +62,7 @@ def test_interrupt_and_peer_shutdown(run_rvodrun):
     """Ctrl-C during a wait raises KeyboardInterrupt and the engine keeps working; a peer's shutdown()
     fails a collective waiting for it with RvodInternalError instead of hanging."""
     result = run_rvodrun(["-np", "2", PYTHON, ERRORS, "lifecycle"], timeout=45)
-    report = f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{failures(result.stderr)}"
-    found = verdicts(result.stdout)
-    assert found == {0: (4, 0), 1: (1, 0)}, report
-    assert result.returncode == 0, report
+    assert_worker_job(result, {0: 4, 1: 1})
 
 
 def survivor_reports(job: LocalJob, results) -> dict[int, tuple[str, float, str]]:

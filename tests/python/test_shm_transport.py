@@ -12,18 +12,14 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from jobs import WORKERS, failures, verdicts
+from jobs import WORKERS, assert_worker_job, failures, verdicts
 
 
 @pytest.mark.timeout(120)
 def test_four_ranks_on_two_cores(run_rvodrun, job_env):
     job_env.update(RVOD_SHM="1", RVOD_TEST_TRANSPORT="shm")
     result = run_rvodrun(["-np", "4", sys.executable, str(WORKERS / "four_ranks.py")], timeout=100)
-    report = f"exit {result.returncode}\nstdout:\n{result.stdout[-4000:]}\nstderr:\n{failures(result.stderr)[-8000:]}"
-    found = verdicts(result.stdout)
-    assert set(found) == {0, 1, 2, 3}, report
-    assert all(failed == 0 and passed == 7 for passed, failed in found.values()), report
-    assert result.returncode == 0, report
+    assert_worker_job(result, {rank: 7 for rank in range(4)})
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from jobs import WORKERS, failures, verdicts
+from jobs import WORKERS, assert_worker_job
 
 pytest.importorskip("torch", reason="rvod.torch needs PyTorch (pip install torch) to be tested")
 
@@ -19,13 +19,7 @@ pytest.importorskip("torch", reason="rvod.torch needs PyTorch (pip install torch
 @pytest.mark.parametrize("size", [2, 3])
 def test_every_op_dtype_variant_gradient_and_error(run_rvodrun, size):
     result = run_rvodrun(["-np", str(size), sys.executable, str(WORKERS / "torch_collectives.py")], timeout=100)
-    found = verdicts(result.stdout)
-    report = f"exit {result.returncode}\nstdout:\n{result.stdout[-5000:]}\nstderr:\n{failures(result.stderr)[-20000:]}"
-    assert set(found) == set(range(size)), report
-    assert all(failed == 0 for _, failed in found.values()), report
-    assert result.returncode == 0, report
-    # Every rank ran the same checks, and all of them (a section skipped by mistake would show here).
-    assert {passed for passed, _ in found.values()} == {321}, report
+    assert_worker_job(result, {rank: 321 for rank in range(size)})
 
 
 @pytest.mark.timeout(60)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 
 import pytest
-from jobs import WORKERS, failures, verdicts
+from jobs import WORKERS, assert_worker_job
 
 pytest.importorskip("torch", reason="rvod.torch needs PyTorch (pip install torch) to be tested")
 
@@ -20,11 +20,5 @@ pytest.importorskip("torch", reason="rvod.torch needs PyTorch (pip install torch
 @pytest.mark.parametrize("size", [2, 3])
 def test_distributed_training_matches_one_process(run_rvodrun, size):
     result = run_rvodrun(["-np", str(size), sys.executable, str(WORKERS / "torch_training.py")], timeout=100)
-    found = verdicts(result.stdout)
-    report = f"exit {result.returncode}\nstdout:\n{result.stdout[-5000:]}\nstderr:\n{failures(result.stderr)[-20000:]}"
-    assert set(found) == set(range(size)), report
-    assert all(failed == 0 for _, failed in found.values()), report
-    assert result.returncode == 0, report
     # Rank 0 is outside the process set of the last section, which has two checks.
-    expected = {rank: 57 if rank == 0 else 59 for rank in range(size)}
-    assert {rank: passed for rank, (passed, _) in found.items()} == expected, report
+    assert_worker_job(result, {rank: 57 if rank == 0 else 59 for rank in range(size)})

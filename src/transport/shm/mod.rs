@@ -298,8 +298,7 @@ impl Transport for ShmTransport {
     }
 
     fn recv(&mut self, peer: usize, buf: &mut [u8]) -> Result<(), TransportError> {
-        let len = buf.len();
-        self.exchange(peer, &[], peer, len, &mut |off, bytes| buf[off..off + bytes.len()].copy_from_slice(bytes))
+        self.sendrecv(peer, &[], peer, buf)
     }
 
     fn exchange(
