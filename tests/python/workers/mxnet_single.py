@@ -14,6 +14,9 @@ hvd.init()
 
 
 def data_pointer(array):
+    # MXNet allocates an array's memory when the op that fills it runs (asynchronously); asking for the
+    # pointer before that races with the allocation and can give the array a second buffer.
+    array.wait_to_read()
     pointer = ctypes.c_void_p()
     mx.base.check_call(mx.base._LIB.MXNDArrayGetData(array.handle, ctypes.byref(pointer)))
     return pointer.value
