@@ -42,7 +42,7 @@ fn over_every_transport(test: impl Fn()) {
 fn mesh(n: usize, timeout: Duration) -> Vec<Box<dyn Transport>> {
     match KIND.with(Cell::get) {
         Kind::Memory => MemoryTransport::mesh_with_timeout(n, timeout).into_iter().map(|t| Box::new(t) as _).collect(),
-        Kind::SharedMemory => ShmTransport::local_mesh(n, &std::env::temp_dir(), timeout)
+        Kind::SharedMemory => ShmTransport::local_mesh(n, 1 << 20, &std::env::temp_dir(), timeout)
             .unwrap()
             .into_iter()
             .map(|t| Box::new(t) as _)

@@ -232,13 +232,15 @@ impl Negotiator {
                         header.invalid.insert(bit);
                     } else {
                         header.cache_hits.insert(bit);
-                        let bytes = entry.input.as_slice();
+                        let len = entry.contribution_len();
                         if entry.request.kind == CollectiveKind::Allreduce
-                            && bytes.len() <= EAGER_TENSOR_BYTES
-                            && eager_bytes + bytes.len() <= EAGER_HEADER_BYTES
+                            && len <= EAGER_TENSOR_BYTES
+                            && eager_bytes + len <= EAGER_HEADER_BYTES
                         {
-                            eager_bytes += bytes.len();
-                            header.eager.push(EagerPayload { bit: bit as u64, data: bytes.to_vec() });
+                            eager_bytes += len;
+                            let mut data = vec![0u8; len];
+                            entry.copy_contribution(&mut data);
+                            header.eager.push(EagerPayload { bit: bit as u64, data });
                         }
                     }
                 }

@@ -249,8 +249,7 @@ impl Loop {
         let name = entry.request.name;
         let set = self.shared.set_id;
         match result {
-            Ok(_) if entry.packed.is_some() => {
-                let members = entry.packed.map(|group| group.unpack()).unwrap_or_default();
+            Ok(TensorResult { members, .. }) if entry.packed.is_some() => {
                 self.shared.handles.complete_part(entry.handle, set, Some(&name), None, Ok(None), |out| {
                     for (index, output) in members {
                         if let Some(slot) = out.tensors.get_mut(index) {
@@ -259,7 +258,7 @@ impl Loop {
                     }
                 });
             }
-            Ok(TensorResult { output, received_splits, last_joined_rank }) => {
+            Ok(TensorResult { output, received_splits, last_joined_rank, .. }) => {
                 self.shared.handles.complete_part(entry.handle, set, Some(&name), Some(entry.index), Ok(output), |out| {
                     if received_splits.is_some() {
                         out.received_splits = received_splits;

@@ -47,7 +47,15 @@ pub fn connect_members(
         return Err(EngineError::Internal("a multi-rank communicator needs the rendezvous store".into()));
     };
     if config.shm && all_on_this_host(store, scope, local_rank, members.len(), &config.topology.hostname, config.timeout)? {
-        let shm = ShmTransport::connect_mesh(local_rank, members.len(), store, scope, &config.shm_dir, config.timeout)
+        let shm = ShmTransport::connect_mesh(
+            local_rank,
+            members.len(),
+            store,
+            scope,
+            &config.shm_dir,
+            config.fusion_threshold,
+            config.timeout,
+        )
             .map_err(|e| EngineError::transport("setting up shared memory with the other ranks", &e))?;
         if let Some(transport) = shm {
             return Ok(Box::new(transport));

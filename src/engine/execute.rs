@@ -1,16 +1,20 @@
 //! Running one agreed response on this rank: gathering its tensors (zeros for a joined rank), packing
-//! fused tensors, calling the collective algorithm, scaling, and producing each tensor's result.
+//! fused tensors and packed groups (into the shared-memory staging area where the transport has one, else
+//! into a private fusion buffer), calling the collective algorithm, scaling, and producing each tensor's
+//! result.
 //!
 //! A transport failure is returned as `Err` (the engine treats it as fatal); everything else becomes a
 //! per-tensor result.
 
 use crate::coordinator::message::{shape_elements, Response};
 use crate::coordinator::negotiation::EagerAllreduce;
+use crate::engine::sink::ResultSink;
 use crate::engine::submission::OutputTensor;
 use crate::engine::table::TensorEntry;
 use crate::error::EngineError;
-use crate::fusion::layout::FusionLayout;
+use crate::fusion::layout::{FusionLayout, FusionSlot};
 use crate::ring;
+use crate::ring::staged::StagedAllreduce;
 use crate::tensor::AlignedBuffer;
 use crate::transport::{Transport, TransportError};
 use crate::types::{CollectiveKind, Combine, DataType, ReduceOp};
@@ -21,6 +25,8 @@ pub struct TensorResult {
     pub output: Option<OutputTensor>,
     pub received_splits: Option<Vec<i64>>,
     pub last_joined_rank: Option<i32>,
+    /// A packed group: each member's (output slot, result), `None` where written in place.
+    pub members: Vec<(usize, Option<OutputTensor>)>,
 }
 
 /// Reusable memory for fused and scratch work; grows to the largest need and stays.
@@ -101,7 +107,14 @@ impl Executor {
         let dtype = response.dtype;
         let combine = combine_of(response.reduce_op);
         let postscale = postscale_of(response, t.size());
-        if let ([entry], [spec]) = (&mut *entries, response.entries.as_slice()) {
+        let Some(layout) = FusionLayout::for_response(response) else {
+            let err = EngineError::Internal("fused tensors are too large to address".into());
+            return Ok(entries.iter().map(|_| Err(err.clone())).collect());
+        };
+        let total = layout.total_bytes();
+        let plain_single = matches!(&*entries, [entry] if !entry.as_ref().is_some_and(|e| e.packed.is_some()));
+        let staged = staging_pays(t, total, plain_single);
+        if let ([entry], [spec], true, false) = (&mut *entries, response.entries.as_slice(), plain_single, staged) {
             // One tensor: reduce straight in its output, no fusion buffer.
             let len = spec.num_elements() * dtype.size();
             let mut owned = None;
@@ -120,41 +133,74 @@ impl Executor {
             return Ok(vec![Ok(TensorResult { output: out, ..TensorResult::default() })]);
         }
 
-        let Some(layout) = FusionLayout::for_response(response) else {
-            let err = EngineError::Internal("fused tensors are too large to address".into());
-            return Ok(entries.iter().map(|_| Err(err.clone())).collect());
-        };
         let slots = layout.slots();
-        let buffer = self.fusion_buffer(layout.total_bytes());
-        let mut packed_end = 0;
-        for (slot, entry) in slots.iter().zip(entries.iter()) {
-            // Zero the alignment gap too: gaps are reduced along with the data.
-            buffer[packed_end..slot.offset].fill(0);
-            let region = &mut buffer[slot.offset..slot.offset + slot.bytes];
-            match entry {
-                Some(e) => region.copy_from_slice(e.input.as_slice()),
-                None => region.fill(0),
+        if staged {
+            // Fusion buffer in shared memory: pack straight into this rank's staging area, reduce out of
+            // everyone's, unpack straight out of the owners' areas.
+            let mut op = StagedAllreduce::begin(t, total, dtype)?;
+            let area = op.own_area();
+            pack(area, slots, entries);
+            ring::scale_in_place(area, dtype, response.prescale);
+            op.reduce(combine, postscale)?;
+            let mut sinks = sinks_for(entries, slots, dtype);
+            for (offset, bytes) in op.result() {
+                scatter(&mut sinks, slots, offset, bytes);
             }
-            packed_end = slot.offset + slot.bytes;
+            return Ok(sinks.into_iter().map(|sink| Ok(sink.finish())).collect());
         }
-        buffer[packed_end..].fill(0);
+        let buffer = self.fusion_buffer(total);
+        pack(buffer, slots, entries);
         ring::scale_in_place(buffer, dtype, response.prescale);
         ring::allreduce(t, buffer, dtype, combine)?;
         ring::scale_in_place(buffer, dtype, postscale);
-        let mut results = Vec::with_capacity(entries.len());
-        for (i, (slot, entry)) in slots.iter().zip(entries.iter_mut()).enumerate() {
-            let region = &buffer[slot.offset..slot.offset + slot.bytes];
-            let out = match entry {
-                Some(e) if e.in_place => {
-                    e.input.as_mut_slice().copy_from_slice(region);
-                    None
-                }
-                Some(_) => output(AlignedBuffer::from_slice(region), response.entries[i].shape.clone(), dtype),
-                None => None,
-            };
-            results.push(Ok(TensorResult { output: out, ..TensorResult::default() }));
+        let mut sinks = sinks_for(entries, slots, dtype);
+        scatter(&mut sinks, slots, 0, buffer);
+        Ok(sinks.into_iter().map(|sink| Ok(sink.finish())).collect())
+    }
+}
+
+/// Whether an allreduce of `len` bytes runs through the transport's staging areas (shared memory): fused
+/// tensors and packed groups do where they fit, since packing into the area replaces packing into a private
+/// buffer and saves every copy through the channels (measured, 2 cores: 8 x 512 KiB fused 1.5-2.5x faster
+/// on 2 ranks, 1.6-1.8x on 4; 1,024 x 4 KiB grouped ~1.25x). A single tensor is reduced in its own memory
+/// over the channels, which needs no packing at all (staging it measured slower at 128 KiB on 2 ranks and
+/// at 16 MiB on 4).
+fn staging_pays(t: &mut dyn Transport, len: usize, plain_single: bool) -> bool {
+    !plain_single && ring::staged::fits(t, len)
+}
+
+/// Copy every entry's contribution (zeros for a joined rank) to its slot, zeroing the gaps: they are
+/// reduced along with the data.
+fn pack(buffer: &mut [u8], slots: &[FusionSlot], entries: &[Option<TensorEntry>]) {
+    let mut packed_end = 0;
+    for (slot, entry) in slots.iter().zip(entries) {
+        buffer[packed_end..slot.offset].fill(0);
+        let region = &mut buffer[slot.offset..slot.offset + slot.bytes];
+        match entry {
+            Some(e) => e.copy_contribution(region),
+            None => region.fill(0),
         }
-        Ok(results)
+        packed_end = slot.offset + slot.bytes;
+    }
+    buffer[packed_end..].fill(0);
+}
+
+fn sinks_for<'a>(entries: &'a mut [Option<TensorEntry>], slots: &[FusionSlot], dtype: DataType) -> Vec<ResultSink<'a>> {
+    entries.iter_mut().zip(slots).map(|(entry, slot)| ResultSink::for_entry(entry.as_mut(), slot.bytes, dtype)).collect()
+}
+
+/// Hand `bytes`, the result at `offset` of the fused buffer, to the entries whose slots it covers.
+fn scatter(sinks: &mut [ResultSink<'_>], slots: &[FusionSlot], offset: usize, bytes: &[u8]) {
+    let end = offset + bytes.len();
+    let first = slots.partition_point(|s| s.offset + s.bytes <= offset);
+    for (slot, sink) in slots[first..].iter().zip(&mut sinks[first..]) {
+        if slot.offset >= end {
+            break;
+        }
+        let (lo, hi) = (offset.max(slot.offset), end.min(slot.offset + slot.bytes));
+        if lo < hi {
+            sink.write(lo - slot.offset, &bytes[lo - offset..hi - offset]);
+        }
     }
 }
 
@@ -180,15 +226,15 @@ pub fn execute_eager(eager: &EagerAllreduce, entry: Option<&mut TensorEntry>) ->
     let mut result = sum.unwrap_or_else(|| AlignedBuffer::zeroed(len));
     ring::scale_in_place(result.as_mut_slice(), dtype, postscale_of(response, eager.contributions.len()));
     match entry {
-        Some(e) if e.in_place => {
-            e.input.as_mut_slice().copy_from_slice(result.as_slice());
-            TensorResult::default()
-        }
-        Some(_) => {
+        Some(e) if e.packed.is_none() && !e.in_place => {
             let shape = response.entries.first().map(|e| e.shape.clone()).unwrap_or_default();
             TensorResult { output: output(result, shape, dtype), ..TensorResult::default() }
         }
-        None => TensorResult::default(),
+        entry => {
+            let mut sink = ResultSink::for_entry(entry, len, dtype);
+            sink.write(0, result.as_slice());
+            sink.finish()
+        }
     }
 }
 
@@ -278,7 +324,7 @@ fn alltoall(
     if let Some(first) = shape.first_mut() {
         *first = recv_rows.iter().sum();
     }
-    Ok(Ok(TensorResult { output: output(out, shape, dtype), received_splits: Some(recv_rows), last_joined_rank: None }))
+    Ok(Ok(TensorResult { output: output(out, shape, dtype), received_splits: Some(recv_rows), ..TensorResult::default() }))
 }
 
 fn reducescatter(

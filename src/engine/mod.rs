@@ -19,6 +19,7 @@ pub mod connect;
 pub mod execute;
 pub mod handles;
 pub mod packed;
+mod sink;
 pub mod process_sets;
 pub mod submission;
 pub mod table;

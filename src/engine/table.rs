@@ -21,8 +21,23 @@ pub struct TensorEntry {
     pub input: RawTensor,
     pub in_place: bool,
     pub submitted: Instant,
-    /// A packed grouped allreduce: `input` views its buffer, and completion unpacks it.
+    /// A packed grouped allreduce: `input` is empty, and the group's tensors are reached through it.
     pub packed: Option<PackedGroup>,
+}
+
+impl TensorEntry {
+    /// Bytes this rank contributes: its input, or a packed group's tensors back to back.
+    pub fn contribution_len(&self) -> usize {
+        self.packed.as_ref().map_or(self.input.len(), PackedGroup::len_bytes)
+    }
+
+    /// Copy this rank's contribution into `dst` (`contribution_len()` long).
+    pub fn copy_contribution(&self, dst: &mut [u8]) {
+        match &self.packed {
+            Some(group) => group.gather_into(dst),
+            None => dst.copy_from_slice(self.input.as_slice()),
+        }
+    }
 }
 
 /// Where an entry stands in negotiation.

@@ -2,6 +2,7 @@
 //! mistake and leave the engine untouched.
 
 use crate::coordinator::message::shape_elements;
+use crate::engine::packed::PackedGroup;
 use crate::engine::submission::OpSubmission;
 use crate::error::EngineError;
 use crate::types::{CollectiveKind, ReduceOp};
@@ -20,11 +21,11 @@ pub fn check(op: &OpSubmission, size: usize) -> Result<(), EngineError> {
             return invalid(format!("{}: tensor names must not be empty", op.kind));
         }
         let expected = shape_elements(&t.shape) * t.dtype.size();
-        if t.input.len() != expected {
+        let have = t.packed.as_ref().map_or(t.input.len(), PackedGroup::len_bytes);
+        if have != expected {
             return Err(EngineError::Internal(format!(
-                "tensor '{}' has {} bytes but shape {:?} of {} needs {expected}",
+                "tensor '{}' has {have} bytes but shape {:?} of {} needs {expected}",
                 t.name,
-                t.input.len(),
                 t.shape,
                 t.dtype
             )));

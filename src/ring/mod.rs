@@ -1,5 +1,6 @@
 //! Collective algorithms and the reduction kernels they use, written against the [`Transport`] trait
-//! only: they move bytes with `send`/`recv`/`exchange` and never know what carries them.
+//! only: they move bytes with `send`/`recv`/`exchange` and never know what carries them (the staged
+//! allreduce uses the trait's staging areas where the transport has them).
 //!
 //! Buffers are raw native-endian bytes of one [`DataType`]. Every collective is deterministic: the
 //! combination order of each element is fixed by the algorithm, never by timing, so repeated runs and
@@ -20,6 +21,7 @@ pub mod chunks;
 mod disjoint;
 pub mod reduce;
 pub mod reducescatter;
+pub mod staged;
 mod streaming;
 
 pub use allgather::allgatherv;

@@ -101,4 +101,30 @@ pub trait Transport: Send {
 
     /// Close every connection now, so peers blocked on this rank fail fast instead of waiting for a timeout.
     fn close(&mut self);
+
+    /// Memory every rank of the communicator can read, where the ranks share it (see [`Staging`]).
+    fn staging(&mut self) -> Option<&mut dyn Staging> {
+        None
+    }
+}
+
+/// Staging areas: one region of memory per rank that every rank of the communicator can read (the
+/// shared-memory transport's fusion buffers), and a step counter per rank that orders access to them.
+///
+/// A rank writes only its own area, and only while no other rank reads it; which is when is the business
+/// of the protocol built on top (`ring::staged`), which tells the others how far it got with
+/// [`Staging::arrive`] and waits for them with [`Staging::wait_for`]. All ranks run the same sequence of
+/// steps, so step numbers agree.
+pub trait Staging {
+    /// Bytes of each rank's area.
+    fn area_len(&self) -> usize;
+    /// Start of `rank`'s area: `area_len()` bytes, page aligned, valid while the transport lives.
+    fn area(&self, rank: usize) -> *mut u8;
+    /// Steps this rank has completed.
+    fn completed(&self) -> u64;
+    /// Complete the next step: publish it to the other ranks and return its number.
+    fn arrive(&mut self) -> u64;
+    /// Wait until every other rank has completed `step`; fails like a receive if one dies, closes or
+    /// makes no progress for the timeout.
+    fn wait_for(&mut self, step: u64) -> Result<(), TransportError>;
 }

@@ -16,10 +16,13 @@ from jobs import WORKERS, assert_worker_job, failures, verdicts
 
 
 @pytest.mark.timeout(120)
-def test_four_ranks_on_two_cores(run_rvodrun, job_env):
+@pytest.mark.parametrize("fusion_threshold", [None, 1 << 20], ids=["default-staging", "small-staging"])
+def test_four_ranks_on_two_cores(run_rvodrun, job_env, fusion_threshold):
     job_env.update(RVOD_SHM="1", RVOD_TEST_TRANSPORT="shm")
+    if fusion_threshold is not None:
+        job_env["RVOD_FUSION_THRESHOLD"] = str(fusion_threshold)
     result = run_rvodrun(["-np", "4", sys.executable, str(WORKERS / "four_ranks.py")], timeout=100)
-    assert_worker_job(result, {rank: 7 for rank in range(4)})
+    assert_worker_job(result, {rank: 8 for rank in range(4)})
 
 
 @pytest.fixture

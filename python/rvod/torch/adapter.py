@@ -50,7 +50,7 @@ class TorchAdapter(TensorAdapter):
         try:
             if any(map(torch.Tensor.is_neg, tensors)):
                 return None  # DLPack cannot carry the negative bit
-            return [dlpack.to_dlpack(t) for t in tensors]
+            return list(map(dlpack.to_dlpack, tensors))
         except Exception:  # noqa: BLE001 - not a tensor, or one DLPack cannot describe (sparse, meta, ...)
             return None  # export() explains
 

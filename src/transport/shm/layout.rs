@@ -5,6 +5,7 @@
 //! [rank slot 0] .. [rank slot n-1]                   one cache line each: doorbell, sleepers, pid, closed
 //! (page aligned)
 //! [channel 0->1] [channel 0->2] .. [channel n-1->n-2]   one per ordered pair of ranks
+//! [staging 0] .. [staging n-1]                        one per rank, page aligned (see below)
 //! ```
 //! A channel is a single-producer single-consumer byte ring: `head` (bytes ever written, advanced only by
 //! the sender) and `tail` (bytes ever consumed, advanced only by the receiver) on separate cache lines,
@@ -13,6 +14,10 @@
 //! Every rank has a doorbell: a futex word bumped after anything another party may be waiting for
 //! (bytes arrived, space freed, a peer closed, local work submitted). A rank about to sleep registers in
 //! `sleepers`, so a ringer issues the wake-up syscall only when somebody actually sleeps.
+//!
+//! Staging areas are the fusion buffers: each rank writes its contribution to a collective into its own
+//! area, and every rank reads the others' areas directly (see `ring::staged`). A rank's `step` counter says
+//! how far it has got through that protocol; it only ever grows.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -31,6 +36,7 @@ struct Header {
     magic: AtomicU64,
     size: AtomicU64,
     capacity: AtomicU64,
+    staging: AtomicU64,
 }
 
 #[repr(C, align(64))]
@@ -39,6 +45,8 @@ pub struct RankSlot {
     pub sleepers: AtomicU32,
     pub pid: AtomicU32,
     pub closed: AtomicU32,
+    /// Steps of the staging protocol this rank has completed.
+    pub step: AtomicU64,
 }
 
 #[repr(C, align(64))]
@@ -54,6 +62,31 @@ pub fn channel_capacity(size: usize) -> usize {
     (budget.clamp(64 << 10, 1 << 20) / PAGE) * PAGE
 }
 
+/// Bytes of each rank's staging area for `size` ranks and a fusion threshold of `fusion_threshold` bytes:
+/// the threshold within 4..64 MiB, and at most 512 MiB for all ranks together. The segment is allocated up
+/// front (tmpfs pages are memory), so it is bounded even where the threshold is not.
+pub fn staging_capacity(size: usize, fusion_threshold: usize) -> usize {
+    const MIB: usize = 1 << 20;
+    let share = (512 * MIB / size.max(1)).max(4 * MIB);
+    (fusion_threshold.clamp(4 * MIB, 64 * MIB).min(share) / PAGE) * PAGE
+}
+
+/// The shape of a segment: ranks, bytes per channel, bytes per staging area.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Geometry {
+    pub size: usize,
+    pub capacity: usize,
+    pub staging: usize,
+}
+
+impl Geometry {
+    /// The segment for `size` ranks with the default channel capacity and staging areas for
+    /// `fusion_threshold` (see [`channel_capacity`], [`staging_capacity`]).
+    pub fn for_ranks(size: usize, fusion_threshold: usize) -> Geometry {
+        Geometry { size, capacity: channel_capacity(size), staging: staging_capacity(size, fusion_threshold) }
+    }
+}
+
 fn slots_offset() -> usize {
     LINE
 }
@@ -66,17 +99,25 @@ fn channel_stride(capacity: usize) -> usize {
     (CHANNEL_HEADER + capacity).next_multiple_of(PAGE)
 }
 
-/// Bytes of a segment for `size` ranks with channels of `capacity` bytes.
-pub fn segment_len(size: usize, capacity: usize) -> usize {
-    channels_offset(size) + size * size.saturating_sub(1) * channel_stride(capacity)
+fn staging_offset(g: &Geometry) -> usize {
+    channels_offset(g.size) + g.size * g.size.saturating_sub(1) * channel_stride(g.capacity)
+}
+
+fn staging_stride(staging: usize) -> usize {
+    staging.next_multiple_of(PAGE)
+}
+
+/// Bytes of a segment of this geometry.
+pub fn segment_len(g: &Geometry) -> usize {
+    staging_offset(g) + g.size * staging_stride(g.staging)
 }
 
 /// One rank's typed view of a mapped segment.
 #[derive(Clone)]
 pub struct Layout {
     segment: Arc<Segment>,
+    geometry: Geometry,
     size: usize,
-    capacity: usize,
 }
 
 /// A channel's cursors and data, borrowed from the segment.
@@ -89,29 +130,36 @@ pub struct Channel<'a> {
 
 impl Layout {
     /// Write the header of a freshly created (zero-filled) segment.
-    pub fn initialise(segment: Arc<Segment>, size: usize, capacity: usize) -> Layout {
-        let layout = Layout { segment, size, capacity };
+    pub fn initialise(segment: Arc<Segment>, geometry: Geometry) -> Layout {
+        let layout = Layout { segment, geometry, size: geometry.size };
         let header = layout.header();
-        header.size.store(size as u64, Ordering::Relaxed);
-        header.capacity.store(capacity as u64, Ordering::Relaxed);
+        header.size.store(geometry.size as u64, Ordering::Relaxed);
+        header.capacity.store(geometry.capacity as u64, Ordering::Relaxed);
+        header.staging.store(geometry.staging as u64, Ordering::Relaxed);
         header.magic.store(MAGIC, Ordering::Release);
         layout
     }
 
-    /// View a segment another rank initialised; checks that it is laid out for `size` ranks.
-    pub fn attach(segment: Arc<Segment>, size: usize, capacity: usize) -> Result<Layout, String> {
-        if segment.len() != segment_len(size, capacity) {
-            return Err(format!("segment is {} bytes, expected {}", segment.len(), segment_len(size, capacity)));
+    /// View a segment another rank initialised; checks that it has the expected geometry.
+    pub fn attach(segment: Arc<Segment>, geometry: Geometry) -> Result<Layout, String> {
+        let expected = segment_len(&geometry);
+        if segment.len() != expected {
+            return Err(format!("segment is {} bytes, expected {expected}", segment.len()));
         }
-        let layout = Layout { segment, size, capacity };
+        let layout = Layout { segment, geometry, size: geometry.size };
         let header = layout.header();
         let found = (
             header.magic.load(Ordering::Acquire),
             header.size.load(Ordering::Relaxed),
             header.capacity.load(Ordering::Relaxed),
+            header.staging.load(Ordering::Relaxed),
         );
-        if found != (MAGIC, size as u64, capacity as u64) {
-            return Err(format!("segment header {found:x?} does not describe {size} ranks with {capacity}-byte channels"));
+        let Geometry { size, capacity, staging } = geometry;
+        if found != (MAGIC, size as u64, capacity as u64, staging as u64) {
+            return Err(format!(
+                "segment header {found:x?} does not describe {size} ranks with {capacity}-byte channels and \
+                 {staging}-byte staging areas"
+            ));
         }
         Ok(layout)
     }
@@ -142,14 +190,28 @@ impl Layout {
         // SAFETY: the channel area holds size*(size-1) strides (checked indices); the cursors are page/line
         // aligned atomics and the data area follows them inside the same stride.
         unsafe {
-            let base = self.segment.base().add(channels_offset(self.size) + index * channel_stride(self.capacity));
+            let capacity = self.geometry.capacity;
+            let base = self.segment.base().add(channels_offset(self.size) + index * channel_stride(capacity));
             Channel {
                 head: &(*(base as *const Cursor)).value,
                 tail: &(*(base.add(LINE) as *const Cursor)).value,
                 data: base.add(CHANNEL_HEADER),
-                capacity: self.capacity,
+                capacity,
             }
         }
+    }
+
+    /// Bytes of each rank's staging area.
+    pub fn staging_len(&self) -> usize {
+        self.geometry.staging
+    }
+
+    /// Start of `rank`'s staging area (`staging_len()` bytes, page aligned), valid while `self` lives.
+    pub fn staging(&self, rank: usize) -> *mut u8 {
+        assert!(rank < self.size);
+        // SAFETY: the staging areas follow the channels, one stride per rank (checked rank), inside the
+        // segment (`segment_len` counts them).
+        unsafe { self.segment.base().add(staging_offset(&self.geometry) + rank * staging_stride(self.geometry.staging)) }
     }
 
     /// Tell `rank` that something it may be waiting for happened.
@@ -247,9 +309,10 @@ mod tests {
         assert_eq!(channel_capacity(64) % PAGE, 0);
         let n = 3;
         let cap = 8192;
-        let segment = Arc::new(Segment::create(&std::env::temp_dir(), segment_len(n, cap)).unwrap());
+        let geometry = Geometry { size: n, capacity: cap, staging: 5000 };
+        let segment = Arc::new(Segment::create(&std::env::temp_dir(), segment_len(&geometry)).unwrap());
         segment.unlink();
-        let layout = Layout::initialise(segment, n, cap);
+        let layout = Layout::initialise(segment, geometry);
         let mut starts = Vec::new();
         for from in 0..n {
             for to in (0..n).filter(|&t| t != from) {
@@ -260,13 +323,43 @@ mod tests {
         starts.dedup();
         assert_eq!(starts.len(), n * (n - 1));
         assert!(starts.windows(2).all(|w| w[1] - w[0] >= CHANNEL_HEADER + cap));
+        // The staging areas come after the last channel, page aligned, one per rank, inside the segment.
+        let last_channel_end = starts[starts.len() - 1] + CHANNEL_HEADER + cap;
+        let areas: Vec<usize> = (0..n).map(|r| layout.staging(r) as usize).collect();
+        assert!(areas[0] >= last_channel_end && areas.iter().all(|a| a % PAGE == 0));
+        assert!(areas.windows(2).all(|w| w[1] - w[0] >= 5000));
+        assert!(areas[n - 1] + 5000 <= layout.segment().base() as usize + layout.segment().len());
+    }
+
+    #[test]
+    fn staging_areas_follow_the_fusion_threshold_within_bounds() {
+        const MIB: usize = 1 << 20;
+        assert_eq!(staging_capacity(2, 128 * MIB), 64 * MIB);
+        assert_eq!(staging_capacity(2, 8 * MIB), 8 * MIB);
+        assert_eq!(staging_capacity(2, 0), 4 * MIB, "fusion off still stages single tensors");
+        assert_eq!(staging_capacity(16, 128 * MIB), 32 * MIB);
+        assert_eq!(staging_capacity(1000, 128 * MIB), 4 * MIB);
+        assert_eq!(staging_capacity(2, 5 * MIB + 1) % PAGE, 0);
+    }
+
+    #[test]
+    fn attach_rejects_another_geometry() {
+        let geometry = Geometry { size: 2, capacity: PAGE, staging: PAGE };
+        let segment = Arc::new(Segment::create(&std::env::temp_dir(), segment_len(&geometry)).unwrap());
+        segment.unlink();
+        Layout::initialise(segment.clone(), geometry);
+        assert!(Layout::attach(segment.clone(), geometry).is_ok());
+        // Same length, other staging size: only the header tells them apart.
+        let err = Layout::attach(segment, Geometry { staging: PAGE - 64, ..geometry }).err().unwrap();
+        assert!(err.contains("does not describe 2 ranks"), "{err}");
     }
 
     #[test]
     fn ring_wraps_around() {
-        let segment = Arc::new(Segment::create(&std::env::temp_dir(), segment_len(2, PAGE)).unwrap());
+        let geometry = Geometry { size: 2, capacity: PAGE, staging: 0 };
+        let segment = Arc::new(Segment::create(&std::env::temp_dir(), segment_len(&geometry)).unwrap());
         segment.unlink();
-        let layout = Layout::initialise(segment, 2, PAGE);
+        let layout = Layout::initialise(segment, geometry);
         let ch = layout.channel(0, 1);
         let mut received = Vec::new();
         let data: Vec<u8> = (0..20_000u32).map(|i| (i % 251) as u8).collect();
@@ -281,9 +374,10 @@ mod tests {
 
     #[test]
     fn inconsistent_cursors_are_reported_not_followed() {
-        let segment = Arc::new(Segment::create(&std::env::temp_dir(), segment_len(2, PAGE)).unwrap());
+        let geometry = Geometry { size: 2, capacity: PAGE, staging: 0 };
+        let segment = Arc::new(Segment::create(&std::env::temp_dir(), segment_len(&geometry)).unwrap());
         segment.unlink();
-        let layout = Layout::initialise(segment, 2, PAGE);
+        let layout = Layout::initialise(segment, geometry);
         let ch = layout.channel(0, 1);
         // A peer claiming more unread bytes than the ring holds, or a tail past the head.
         for (head, tail) in [(PAGE as u64 * 3, 0), (5, 9)] {

@@ -27,8 +27,8 @@ use std::time::{Duration, Instant};
 
 use crate::transport::rendezvous::StoreClient;
 use crate::transport::spin;
-use crate::transport::{Activity, Doorbell, Transport, TransportError, Waker};
-use layout::{Corrupt, Layout};
+use crate::transport::{Activity, Doorbell, Staging, Transport, TransportError, Waker};
+use layout::{Corrupt, Geometry, Layout};
 use liveness::Liveness;
 use segment::Segment;
 
@@ -52,6 +52,8 @@ pub struct ShmTransport {
     stash: Vec<VecDeque<u8>>,
     timeout: Duration,
     closed: bool,
+    /// Steps of the staging protocol completed (mirrors this rank's `step` in the segment).
+    step: u64,
 }
 
 impl ShmTransport {
@@ -65,36 +67,40 @@ impl ShmTransport {
             stash: vec![VecDeque::new(); size],
             timeout,
             closed: false,
+            step: 0,
         }
     }
 
-    /// All `size` ranks of a communicator as transports in this process (for tests and benchmarks).
-    pub fn local_mesh(size: usize, dir: &Path, timeout: Duration) -> std::io::Result<Vec<ShmTransport>> {
-        let capacity = layout::channel_capacity(size);
-        let segment = Arc::new(Segment::create(dir, layout::segment_len(size, capacity))?);
+    /// All `size` ranks of a communicator as transports in this process, with staging areas of
+    /// `staging` bytes (for tests and benchmarks).
+    pub fn local_mesh(size: usize, staging: usize, dir: &Path, timeout: Duration) -> std::io::Result<Vec<ShmTransport>> {
+        let geometry = Geometry { size, capacity: layout::channel_capacity(size), staging };
+        let segment = Arc::new(Segment::create(dir, layout::segment_len(&geometry))?);
         segment.unlink();
-        let layout = Layout::initialise(segment, size, capacity);
+        let layout = Layout::initialise(segment, geometry);
         let pids = vec![std::process::id(); size];
         Ok((0..size).map(|rank| ShmTransport::new(rank, layout.clone(), pids.clone(), timeout)).collect())
     }
 
     /// Build the shared-memory mesh of a communicator whose `size` members all run on this host, meeting
-    /// in `scope` of the rendezvous store. Returns `Ok(None)`, on every rank alike, when some rank cannot
-    /// create or map the segment (for example a too small `dir`): the caller then falls back to TCP.
+    /// in `scope` of the rendezvous store, with staging areas sized for `fusion_threshold`. Returns
+    /// `Ok(None)`, on every rank alike, when some rank cannot create or map the segment (for example a too
+    /// small `dir`): the caller then falls back to TCP.
     pub fn connect_mesh(
         rank: usize,
         size: usize,
         store: &mut StoreClient,
         scope: &str,
         dir: &Path,
+        fusion_threshold: usize,
         timeout: Duration,
     ) -> Result<Option<ShmTransport>, TransportError> {
-        let capacity = layout::channel_capacity(size);
-        let len = layout::segment_len(size, capacity);
+        let geometry = Geometry::for_ranks(size, fusion_threshold);
+        let len = layout::segment_len(&geometry);
         let segment_key = format!("{scope}/shm/segment");
         let attached_key = |r: usize| format!("{scope}/shm/attached/{r}");
         let mapped = if rank == 0 {
-            let created = Segment::create(dir, len).map(|s| Layout::initialise(Arc::new(s), size, capacity));
+            let created = Segment::create(dir, len).map(|s| Layout::initialise(Arc::new(s), geometry));
             let announcement = match &created {
                 Ok(l) => format!("ok:{}", l.segment().path().display()),
                 Err(e) => format!("no:{e}"),
@@ -106,7 +112,7 @@ impl ShmTransport {
             match announcement.split_once(':') {
                 Some(("ok", path)) => Segment::open(Path::new(path), len)
                     .map_err(|e| e.to_string())
-                    .and_then(|s| Layout::attach(Arc::new(s), size, capacity)),
+                    .and_then(|s| Layout::attach(Arc::new(s), geometry)),
                 Some((_, reason)) => Err(format!("rank 0 could not create it: {reason}")),
                 None => Err(format!("malformed announcement {announcement:?}")),
             }
@@ -406,6 +412,51 @@ impl Transport for ShmTransport {
         let layout = self.layout.clone();
         let me = self.rank;
         Some(Arc::new(move || layout.ring(me)))
+    }
+
+    fn staging(&mut self) -> Option<&mut dyn Staging> {
+        if self.layout.staging_len() == 0 {
+            return None;
+        }
+        Some(self)
+    }
+}
+
+impl Staging for ShmTransport {
+    fn area_len(&self) -> usize {
+        self.layout.staging_len()
+    }
+
+    fn area(&self, rank: usize) -> *mut u8 {
+        self.layout.staging(rank)
+    }
+
+    fn completed(&self) -> u64 {
+        self.step
+    }
+
+    fn arrive(&mut self) -> u64 {
+        self.step += 1;
+        self.layout.slot(self.rank).step.store(self.step, Ordering::Release);
+        for peer in (0..self.layout.size()).filter(|&p| p != self.rank) {
+            self.layout.ring(peer);
+        }
+        self.step
+    }
+
+    fn wait_for(&mut self, step: u64) -> Result<(), TransportError> {
+        let me = self.rank;
+        for peer in (0..self.layout.size()).filter(|&p| p != me) {
+            let reached = move |l: &Layout| l.slot(peer).step.load(Ordering::Acquire) >= step;
+            if reached(&self.layout) {
+                continue;
+            }
+            self.block(peer, reached)?;
+            if !reached(&self.layout) {
+                return Err(self.closed_error(peer));
+            }
+        }
+        Ok(())
     }
 }
 

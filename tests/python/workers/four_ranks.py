@@ -50,6 +50,23 @@ with check("a burst of 200 async allreduces, fused"):
         hvd.synchronize(h)
         assert np.array_equal(x, np.full(100 + k, 6 * k, dtype=np.float64)), k
 
+with check("grouped allreduces of 1 and 6 MiB, mixed dtypes, in and out of place (staged or not by size)"):
+    # With RVOD_FUSION_THRESHOLD=1 MiB the staging areas hold 4 MiB: the 6 MiB group packs into a private
+    # buffer and goes over the channels instead; with the default they hold it too.
+    for total in (1 << 20, 6 << 20):
+        count = total // 4 // 3
+        group = [np.full(count, R + 1, np.float32), np.arange(count, dtype=np.int32) * (R + 1),
+                 np.full((count // 2, 2), R - 1.5, np.float64)]
+        outs = hvd.grouped_allreduce(group, op=hvd.Sum, name=f"group{total}")
+        hvd.grouped_allreduce_(group, op=hvd.Average, name=f"group{total}_")
+        want = [np.full(count, 10, np.float32), np.arange(count, dtype=np.int32) * 10,
+                np.full((count // 2, 2), 0.0, np.float64)]
+        for got, averaged, expected in zip(outs, group, want):
+            assert got.dtype == expected.dtype and got.shape == expected.shape, (got.dtype, got.shape)
+            assert np.array_equal(got, expected), (total, got[:4], expected[:4])
+            average = expected / 4 if expected.dtype != np.int32 else expected // 4
+            assert np.array_equal(averaged, average.astype(expected.dtype)), (total, averaged[:4])
+
 with check("300 lockstep small allreduces finish promptly with more ranks than cores"):
     tiny = np.ones(1, dtype=np.float32)
     start = time.perf_counter()
