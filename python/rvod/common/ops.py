@@ -52,17 +52,49 @@ class TensorAdapter:
         return splits
 
 
-class _Pending:
-    """An op in flight: what must stay alive until it completes, and how to build its result."""
-
-    __slots__ = ("keepalive", "finish")
-
-    def __init__(self, keepalive, finish):
-        self.keepalive = keepalive
-        self.finish = finish
-
-
+# An op in flight: handle -> (finish, adapter, context, *keepalive). ``finish(adapter, context, outputs,
+# received_splits, last_joined)`` builds its result; the rest (inputs, capsules, copies) must stay alive
+# until the engine is done with it. One tuple per op and module-level finishers (no closures): a burst of a thousand
+# pending ops then creates few objects for the garbage collector to trace again and again.
 _pending = {}
+
+
+def _original(adapter, context, outputs, received_splits, last_joined):
+    return context  # an in-place op: its input
+
+
+def _originals(adapter, context, outputs, received_splits, last_joined):
+    return list(context)
+
+
+def _new_tensor(adapter, context, outputs, received_splits, last_joined):
+    return adapter.from_dlpack(outputs[0])
+
+
+def _new_tensors(adapter, context, outputs, received_splits, last_joined):
+    return [adapter.from_dlpack(c) for c in outputs]
+
+
+def _alltoall_result(adapter, with_splits, outputs, received_splits, last_joined):
+    output = adapter.from_dlpack(outputs[0])
+    return (output, adapter.received_splits(received_splits)) if with_splits else output
+
+
+def _nothing(adapter, context, outputs, received_splits, last_joined):
+    return None
+
+
+def _last_joined(adapter, context, outputs, received_splits, last_joined):
+    return last_joined
+
+
+def _copied_back(adapter, context, outputs, received_splits, last_joined):
+    """An in-place op whose inputs were exported as copies: write the results back, then finish."""
+    finish, inner_context, tensors, holders = context
+    for original, holder in zip(tensors, holders):
+        if holder is not original:
+            adapter.copy_(original, holder)
+    return finish(adapter, inner_context, outputs, received_splits, last_joined)
 
 
 def _prefixed(prefix, name, process_set):
@@ -79,8 +111,8 @@ def _group_names(prefix, name, count, process_set):
     return [naming.next_name(prefix, set_id) for _ in range(count)]
 
 
-def _submit(kind, names, adapter, tensors, in_place, finish, op=Sum, prescale=1.0, postscale=1.0, root=-1, splits=(),
-            process_set=global_process_set, packed=False):
+def _submit(kind, names, adapter, tensors, in_place, finish, context, op=Sum, prescale=1.0, postscale=1.0,
+            root=-1, splits=(), process_set=global_process_set, packed=False):
     set_id = process_set_id_of(process_set)
     submit_args = (in_place, op, float(prescale), float(postscale), int(root), list(splits), set_id, packed)
     capsules = adapter.export_unchecked(tensors, in_place)
@@ -90,7 +122,7 @@ def _submit(kind, names, adapter, tensors, in_place, finish, op=Sum, prescale=1.
         except (TypeError, ValueError):
             pass  # exported again below, tensor by tensor: that path copies what it can and explains the rest
         else:
-            _pending[handle] = _Pending((tuple(tensors), capsules), finish)
+            _pending[handle] = (finish, adapter, context, tensors, capsules)
             return handle
     capsules, holders = [], []
     export = adapter.export_for_write if in_place else adapter.export
@@ -98,17 +130,10 @@ def _submit(kind, names, adapter, tensors, in_place, finish, op=Sum, prescale=1.
         capsule, holder = export(tensor)
         capsules.append(capsule)
         holders.append(holder)
-    if in_place:
-        user_finish = finish
-
-        def finish(outputs, received_splits, last_joined):
-            for original, holder in zip(tensors, holders):
-                if holder is not original:
-                    adapter.copy_(original, holder)
-            return user_finish(outputs, received_splits, last_joined)
-
+    if in_place and any(holder is not original for original, holder in zip(tensors, holders)):
+        finish, context = _copied_back, (finish, context, tensors, holders)
     handle = _rvod.submit(kind, names, capsules, *submit_args)
-    _pending[handle] = _Pending((tuple(tensors), capsules, holders), finish)
+    _pending[handle] = (finish, adapter, context, tensors, capsules, holders)
     return handle
 
 
@@ -125,7 +150,7 @@ def synchronize(handle):
     if pending is None:
         return None
     try:
-        outputs = _rvod.wait(handle)
+        outputs, received_splits, last_joined = _rvod.wait(handle)
     except KeyboardInterrupt:
         # The op is still running and may write into its tensors: keep them alive.
         raise
@@ -133,30 +158,16 @@ def synchronize(handle):
         del _pending[handle]
         raise
     del _pending[handle]
-    return pending.finish(*outputs)
-
-
-def _single_output(adapter, original, in_place):
-    def finish(outputs, received_splits, last_joined):
-        return original if in_place else adapter.from_dlpack(outputs[0])
-
-    return finish
-
-
-def _list_output(adapter, originals, in_place):
-    def finish(outputs, received_splits, last_joined):
-        if in_place:
-            return list(originals)
-        return [adapter.from_dlpack(c) for c in outputs]
-
-    return finish
+    finish, adapter, context = pending[:3]
+    return finish(adapter, context, outputs, received_splits, last_joined)
 
 
 def allreduce_async(adapter, tensor, average=None, name=None, op=None, prescale_factor=1.0,
                     postscale_factor=1.0, process_set=global_process_set, in_place=False):
     op = resolve_op(op, average)
     names = [_prefixed("allreduce", name, process_set)]
-    return _submit(ALLREDUCE, names, adapter, [tensor], in_place, _single_output(adapter, tensor, in_place),
+    finish = _original if in_place else _new_tensor
+    return _submit(ALLREDUCE, names, adapter, [tensor], in_place, finish, tensor,
                    op=op, prescale=prescale_factor, postscale=postscale_factor, process_set=process_set)
 
 
@@ -169,13 +180,14 @@ def grouped_allreduce_async(adapter, tensors, average=None, name=None, op=None, 
     # One name for the whole group: the engine packs it into one tensor per dtype (members that differ
     # across ranks are reported as '<name>_<index>').
     names = [_prefixed("grouped_allreduce", name, process_set)]
-    return _submit(ALLREDUCE, names, adapter, tensors, in_place, _list_output(adapter, tensors, in_place),
+    finish = _originals if in_place else _new_tensors
+    return _submit(ALLREDUCE, names, adapter, tensors, in_place, finish, tensors,
                    op=op, prescale=prescale_factor, postscale=postscale_factor, process_set=process_set, packed=True)
 
 
 def allgather_async(adapter, tensor, name=None, process_set=global_process_set):
     return _submit(ALLGATHER, [_prefixed("allgather", name, process_set)], adapter, [tensor], False,
-                   _single_output(adapter, tensor, False), process_set=process_set)
+                   _new_tensor, None, process_set=process_set)
 
 
 def grouped_allgather_async(adapter, tensors, name=None, process_set=global_process_set):
@@ -183,13 +195,12 @@ def grouped_allgather_async(adapter, tensors, name=None, process_set=global_proc
     if not tensors:
         raise ValueError("grouped_allgather needs at least one tensor")
     names = _group_names("grouped_allgather", name, len(tensors), process_set)
-    return _submit(ALLGATHER, names, adapter, tensors, False, _list_output(adapter, tensors, False),
-                   process_set=process_set)
+    return _submit(ALLGATHER, names, adapter, tensors, False, _new_tensors, None, process_set=process_set)
 
 
 def broadcast_async(adapter, tensor, root_rank, name=None, process_set=global_process_set, in_place=False):
     return _submit(BROADCAST, [_prefixed("broadcast", name, process_set)], adapter, [tensor], in_place,
-                   _single_output(adapter, tensor, in_place), root=root_rank, process_set=process_set)
+                   _original if in_place else _new_tensor, tensor, root=root_rank, process_set=process_set)
 
 
 def alltoall_async(adapter, tensor, splits=None, name=None, process_set=global_process_set, with_splits=None):
@@ -197,22 +208,16 @@ def alltoall_async(adapter, tensor, splits=None, name=None, process_set=global_p
     else the output alone."""
     split_list = [] if splits is None else adapter.to_int_list(splits)
     with_splits = splits is not None if with_splits is None else with_splits
-
-    def finish(outputs, received_splits, last_joined):
-        output = adapter.from_dlpack(outputs[0])
-        return (output, adapter.received_splits(received_splits)) if with_splits else output
-
-    return _submit(ALLTOALL, [_prefixed("alltoall", name, process_set)], adapter, [tensor], False, finish,
-                   splits=split_list,
-                   process_set=process_set)
+    return _submit(ALLTOALL, [_prefixed("alltoall", name, process_set)], adapter, [tensor], False,
+                   _alltoall_result, with_splits, splits=split_list, process_set=process_set)
 
 
 def reducescatter_async(adapter, tensor, name=None, op=Average, process_set=global_process_set,
                         prescale_factor=1.0, postscale_factor=1.0):
     op = resolve_op(op, None)
     return _submit(REDUCESCATTER, [_prefixed("reducescatter", name, process_set)], adapter, [tensor], False,
-                   _single_output(adapter, tensor, False), op=op, prescale=prescale_factor,
-                   postscale=postscale_factor, process_set=process_set)
+                   _new_tensor, None, op=op, prescale=prescale_factor, postscale=postscale_factor,
+                   process_set=process_set)
 
 
 def grouped_reducescatter_async(adapter, tensors, name=None, op=Average, process_set=global_process_set,
@@ -222,14 +227,14 @@ def grouped_reducescatter_async(adapter, tensors, name=None, op=Average, process
     if not tensors:
         raise ValueError("grouped_reducescatter needs at least one tensor")
     names = _group_names("grouped_reducescatter", name, len(tensors), process_set)
-    return _submit(REDUCESCATTER, names, adapter, tensors, False, _list_output(adapter, tensors, False),
+    return _submit(REDUCESCATTER, names, adapter, tensors, False, _new_tensors, None,
                    op=op, prescale=prescale_factor, postscale=postscale_factor, process_set=process_set)
 
 
 def barrier(process_set=global_process_set):
     """Block until every rank of the set reaches the barrier."""
     handle = _rvod.submit(BARRIER, [], [], False, Sum, 1.0, 1.0, -1, [], process_set_id_of(process_set))
-    _pending[handle] = _Pending(None, lambda outputs, splits, joined: None)
+    _pending[handle] = (_nothing, None, None)
     synchronize(handle)
 
 
@@ -237,5 +242,5 @@ def join():
     """Signal that this rank has no more data; blocks until every rank has joined. Meanwhile allreduces
     submitted by other ranks complete with this rank contributing zeros. Returns the last rank to join."""
     handle = _rvod.submit(JOIN, [], [], False, Sum, 1.0, 1.0, -1, [], 0)
-    _pending[handle] = _Pending(None, lambda outputs, splits, joined: joined)
+    _pending[handle] = (_last_joined, None, None)
     return synchronize(handle)
