@@ -27,8 +27,10 @@ struct HandleState {
 struct Table {
     next_id: HandleId,
     handles: HashMap<HandleId, HandleState>,
-    /// (process set id, tensor name) of every tensor in flight.
-    names_in_flight: HashSet<(u32, String)>,
+    /// Names of the tensors in flight, per process set id.
+    names_in_flight: HashMap<u32, HashSet<String>>,
+    /// Threads sleeping in `wait`: completions signal the condition variable only when there are some.
+    sleepers: usize,
 }
 
 #[derive(Default)]
@@ -63,15 +65,18 @@ impl HandleTable {
         tensors: usize,
     ) -> Result<HandleId, EngineError> {
         let mut t = self.lock();
-        let mut seen = HashSet::new();
-        for name in names {
-            if t.names_in_flight.contains(&(set, name.clone())) || !seen.insert(name) {
-                return Err(EngineError::DuplicateName { op: op.to_string(), name: name.clone() });
+        let in_flight = t.names_in_flight.entry(set).or_default();
+        let duplicate = match names {
+            [name] => in_flight.contains(name.as_str()).then_some(name),
+            _ => {
+                let mut seen = HashSet::new();
+                names.iter().find(|&name| in_flight.contains(name.as_str()) || !seen.insert(name))
             }
+        };
+        if let Some(name) = duplicate {
+            return Err(EngineError::DuplicateName { op: op.to_string(), name: name.clone() });
         }
-        for name in names {
-            t.names_in_flight.insert((set, name.clone()));
-        }
+        in_flight.extend(names.iter().cloned());
         t.next_id += 1;
         let id = t.next_id;
         let output = OpOutput { tensors: (0..tensors).map(|_| None).collect(), ..OpOutput::default() };
@@ -83,8 +88,10 @@ impl HandleTable {
     pub fn unregister(&self, id: HandleId, set: u32, names: &[String]) {
         let mut t = self.lock();
         t.handles.remove(&id);
-        for name in names {
-            t.names_in_flight.remove(&(set, name.clone()));
+        if let Some(in_flight) = t.names_in_flight.get_mut(&set) {
+            for name in names {
+                in_flight.remove(name.as_str());
+            }
         }
     }
 
@@ -100,9 +107,10 @@ impl HandleTable {
         apply: impl FnOnce(&mut OpOutput),
     ) {
         let mut t = self.lock();
-        if let Some(name) = name {
-            t.names_in_flight.remove(&(set, name.to_string()));
+        if let (Some(name), Some(in_flight)) = (name, t.names_in_flight.get_mut(&set)) {
+            in_flight.remove(name);
         }
+        let sleepers = t.sleepers;
         if let Some(state) = t.handles.get_mut(&id) {
             match result {
                 Ok(out) => {
@@ -118,7 +126,7 @@ impl HandleTable {
                 }
             }
             state.remaining = state.remaining.saturating_sub(1);
-            if state.remaining == 0 {
+            if state.remaining == 0 && sleepers > 0 {
                 self.completed.notify_all();
             }
         }
@@ -154,10 +162,12 @@ impl HandleTable {
             if now >= deadline {
                 return WaitOutcome::Pending;
             }
+            t.sleepers += 1;
             t = match self.completed.wait_timeout(t, deadline - now) {
                 Ok((guard, _)) => guard,
                 Err(poisoned) => poisoned.into_inner().0,
             };
+            t.sleepers -= 1;
         }
     }
 
