@@ -99,12 +99,13 @@ def assert_transport(job: LocalJob, results, transport: str) -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
-def test_killed_rank_fails_the_others_quickly(job_env, tmp_path, shm_dir, transport):
-    """Rank 2 is SIGKILLed while a 128 MiB allreduce is in flight: ranks 0 and 1 raise RvodInternalError
-    naming rank 2 well within RVOD_TIMEOUT, and can still shut down. Over shared memory, nothing of the
-    job is left in the segment folder afterwards (nor while it ran: segments are unlinked once mapped)."""
-    command = [PYTHON, ERRORS, "kill", "SIGKILL"]
+@pytest.mark.parametrize("transport, op", [("shm", "single"), ("shm", "grouped"), ("tcp", "single")])
+def test_killed_rank_fails_the_others_quickly(job_env, tmp_path, shm_dir, transport, op):
+    """Rank 2 is SIGKILLed while a 128 MiB allreduce (or a 64 MiB grouped one, which shared memory runs
+    through the staging areas) is in flight: ranks 0 and 1 raise RvodInternalError naming rank 2 well within
+    RVOD_TIMEOUT, and can still shut down. Over shared memory, nothing of the job is left in the segment
+    folder afterwards (nor while it ran: segments are unlinked once mapped)."""
+    command = [PYTHON, ERRORS, "kill", "SIGKILL"] + (["grouped"] if op == "grouped" else [])
     settings = {"RVOD_TIMEOUT": "10", **transport_settings(transport, shm_dir)}
     with LocalJob(job_env, 3, command, tmp_path, settings=settings) as job:
         job.start()

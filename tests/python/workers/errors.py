@@ -3,7 +3,8 @@
 - ``main`` (rvodrun, 3 ranks, RVOD_STALL_CHECK_TIME_SECONDS=2): ops before init; mismatches of shape, dtype,
   reduce op, root rank and scale factors; a duplicate in-flight name; arguments refused at submission;
   a stalled allreduce; init -> shutdown -> init with the unnamed-op counter reset.
-- ``kill SIGKILL|SIGSTOP``: the last rank kills (or freezes) itself in the middle of a large allreduce; the
+- ``kill SIGKILL|SIGSTOP [grouped]``: the last rank kills (or freezes) itself in the middle of a large allreduce
+  (a grouped one with ``grouped``); the
   others report the error they got (``SURVIVOR <class> <seconds> <message>``).
 - ``lifecycle`` (2 ranks): Ctrl-C while waiting; a peer that shuts down while this rank waits for it.
 - ``steps``: a few plain collectives with known results (used while strangers poke at the job).
@@ -255,10 +256,17 @@ def kill():
         out = hvd.allreduce(big, op=hvd.Sum, name=f"step{step}")
         assert out[0] == size and out[-1] == size
         print(f"step {step} ok", flush=True)
-    handle = hvd.allreduce_async(big, op=hvd.Sum, name="fatal")
+    if sys.argv[3:] == ["grouped"]:
+        # 64 MiB in 16 tensors: over shared memory a grouped allreduce runs through the staging areas, fast
+        # enough (tens of ms) that the victim dies 5 ms in, while packing or reducing.
+        handle = hvd.grouped_allreduce_async(np.split(big[: 16 << 20], 16), op=hvd.Sum, name="fatal")
+        delay = 0.005
+    else:
+        handle = hvd.allreduce_async(big, op=hvd.Sum, name="fatal")
+        delay = 0.05
     start = time.monotonic()
     if rank == victim:
-        time.sleep(0.05)
+        time.sleep(delay)
         # SIGKILL: the connections close at once. SIGSTOP: the rank goes silent with its connections open
         # (the test kills it later), so only the RVOD_TIMEOUT deadline can notice.
         os.kill(os.getpid(), getattr(signal, sys.argv[2]))
