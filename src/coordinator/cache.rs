@@ -299,7 +299,7 @@ mod tests {
             kind,
             entries: names
                 .iter()
-                .map(|name| ResponseEntry { name: (*name).into(), shape: vec![4], per_rank: vec![] })
+                .map(|name| ResponseEntry { name: (*name).into(), shape: vec![4], per_rank: vec![], packed: false })
                 .collect(),
             dtype: DataType::Float32,
             reduce_op: ReduceOp::Sum,

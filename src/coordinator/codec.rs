@@ -22,7 +22,7 @@ use crate::types::{CollectiveKind, DataType, ReduceOp};
 pub const WIRE_MAGIC: u32 = u32::from_le_bytes(*b"RVOD");
 
 /// Version of this format; ranks speaking different versions refuse each other's messages.
-pub const PROTOCOL_VERSION: u16 = 2;
+pub const PROTOCOL_VERSION: u16 = 3;
 
 /// Why a peer's bytes could not be decoded.
 #[derive(Clone, Debug, Error, PartialEq, Eq)]
@@ -406,6 +406,7 @@ impl Wire for ResponseEntry {
         w.put_str(&self.name);
         w.put_i64s(&self.shape);
         w.put_i64s(&self.per_rank);
+        w.put_bool(self.packed);
     }
 
     fn decode(r: &mut WireReader<'_>) -> Result<Self, DecodeError> {
@@ -413,6 +414,7 @@ impl Wire for ResponseEntry {
             name: r.str("response tensor name")?,
             shape: r.i64s("response shape")?,
             per_rank: r.i64s("response per-rank sizes")?,
+            packed: r.bool("response packed flag")?,
         })
     }
 }
@@ -490,8 +492,8 @@ pub(crate) mod tests {
     }
 
     fn arb_entry() -> impl Strategy<Value = ResponseEntry> {
-        (".{0,12}", prop::collection::vec(any::<i64>(), 0..4), prop::collection::vec(any::<i64>(), 0..5))
-            .prop_map(|(name, shape, per_rank)| ResponseEntry { name, shape, per_rank })
+        (".{0,12}", prop::collection::vec(any::<i64>(), 0..4), prop::collection::vec(any::<i64>(), 0..5), any::<bool>())
+            .prop_map(|(name, shape, per_rank, packed)| ResponseEntry { name, shape, per_rank, packed })
     }
 
     pub(crate) fn arb_response() -> impl Strategy<Value = Response> {

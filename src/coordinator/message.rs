@@ -55,6 +55,9 @@ pub struct ResponseEntry {
     /// Allgather: dim 0 of every rank (len n). Alltoall: the n x n splits matrix, row = sender (len n*n).
     /// Empty otherwise.
     pub per_rank: Vec<i64>,
+    /// A packed grouped allreduce (its requests carried the members' shapes). Every rank, a joined one
+    /// too, runs the same algorithm for it, so this travels with the response.
+    pub packed: bool,
 }
 
 impl ResponseEntry {

@@ -168,7 +168,7 @@ impl MessageTable {
 fn join_response(last_joined: i32) -> Response {
     Response {
         kind: CollectiveKind::Join,
-        entries: vec![ResponseEntry { name: JOIN_NAME.to_string(), shape: Vec::new(), per_rank: Vec::new() }],
+        entries: vec![ResponseEntry { name: JOIN_NAME.to_string(), shape: Vec::new(), per_rank: Vec::new(), packed: false }],
         dtype: DataType::Int32,
         reduce_op: ReduceOp::Sum,
         root_rank: -1,
@@ -182,7 +182,12 @@ fn join_response(last_joined: i32) -> Response {
 fn stall_error(request: Request, message: String) -> Response {
     Response {
         kind: request.kind,
-        entries: vec![ResponseEntry { name: request.name, shape: request.shape, per_rank: Vec::new() }],
+        entries: vec![ResponseEntry {
+            packed: !request.parts.is_empty(),
+            name: request.name,
+            shape: request.shape,
+            per_rank: Vec::new(),
+        }],
         dtype: request.dtype,
         reduce_op: request.reduce_op,
         root_rank: request.root_rank,

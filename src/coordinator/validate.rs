@@ -82,7 +82,12 @@ fn agree_on_group(requests: &[Request], global_ranks: &[usize], name: &str, kind
 fn error_response(first: &Request, kind: ErrorKind, message: String) -> Response {
     Response {
         kind: first.kind,
-        entries: vec![ResponseEntry { name: first.name.clone(), shape: first.shape.clone(), per_rank: Vec::new() }],
+        entries: vec![ResponseEntry {
+            name: first.name.clone(),
+            shape: first.shape.clone(),
+            per_rank: Vec::new(),
+            packed: !first.parts.is_empty(),
+        }],
         dtype: first.dtype,
         reduce_op: first.reduce_op,
         root_rank: first.root_rank,
@@ -180,7 +185,12 @@ pub fn construct_response(requests: &[Request], global_ranks: &[usize], any_join
     };
     Response {
         kind,
-        entries: vec![ResponseEntry { name: name.to_string(), shape: first.shape.clone(), per_rank }],
+        entries: vec![ResponseEntry {
+            name: name.to_string(),
+            shape: first.shape.clone(),
+            per_rank,
+            packed: !first.parts.is_empty(),
+        }],
         dtype: first.dtype,
         reduce_op: first.reduce_op,
         root_rank: first.root_rank,
@@ -245,6 +255,9 @@ mod tests {
         let ok = construct_response(&[group(0, &[&[2, 3], &[4]]), group(1, &[&[2, 3], &[4]])], &ranks(2), false);
         assert!(ok.error.is_none());
         assert_eq!(ok.entries[0].shape, vec![10]);
+        assert!(ok.entries[0].packed, "a joined rank learns from the response that it runs a packed group");
+        let plain = construct_response(&[req(0, CollectiveKind::Allreduce, &[10]), req(1, CollectiveKind::Allreduce, &[10])], &ranks(2), false);
+        assert!(!plain.entries[0].packed);
 
         // Same total, different members: the first member that differs is named.
         let r = construct_response(&[group(0, &[&[2, 3], &[4]]), group(1, &[&[2, 3], &[2, 2]]), group(2, &[&[2, 3], &[4]])], &ranks(3), false);

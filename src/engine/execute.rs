@@ -8,13 +8,13 @@
 
 use crate::coordinator::message::{shape_elements, Response};
 use crate::coordinator::negotiation::EagerAllreduce;
-use crate::engine::sink::ResultSink;
+use crate::engine::sink::TensorIo;
 use crate::engine::submission::OutputTensor;
 use crate::engine::table::TensorEntry;
 use crate::error::EngineError;
 use crate::fusion::layout::{FusionLayout, FusionSlot};
 use crate::ring;
-use crate::ring::staged::StagedAllreduce;
+use crate::ring::staged::{OwnPiece, StagedAllreduce};
 use crate::tensor::AlignedBuffer;
 use crate::transport::{Transport, TransportError};
 use crate::types::{CollectiveKind, Combine, DataType, ReduceOp};
@@ -112,7 +112,8 @@ impl Executor {
             return Ok(entries.iter().map(|_| Err(err.clone())).collect());
         };
         let total = layout.total_bytes();
-        let plain_single = matches!(&*entries, [entry] if !entry.as_ref().is_some_and(|e| e.packed.is_some()));
+        // Decided from the response alone: every rank, a joined one too, must take the same path.
+        let plain_single = matches!(response.entries.as_slice(), [spec] if !spec.packed);
         let staged = staging_pays(t, total, plain_single);
         if let ([entry], [spec], true, false) = (&mut *entries, response.entries.as_slice(), plain_single, staged) {
             // One tensor: reduce straight in its output, no fusion buffer.
@@ -134,28 +135,40 @@ impl Executor {
         }
 
         let slots = layout.slots();
+        let prescale = response.prescale;
+        let mut tensors: Vec<TensorIo<'_>> =
+            entries.iter_mut().zip(slots).map(|(entry, slot)| TensorIo::new(entry.as_mut(), slot.bytes, dtype)).collect();
         if staged {
             // Fusion buffer in shared memory: pack straight into this rank's staging area, reduce out of
-            // everyone's, unpack straight out of the owners' areas.
+            // everyone's (this rank's own block is gathered and unpacked piece by piece, in cache), unpack the
+            // rest straight out of the owners' areas.
             let mut op = StagedAllreduce::begin(t, total, dtype)?;
+            let own = op.own_block();
             let area = op.own_area();
-            pack(area, slots, entries);
-            ring::scale_in_place(area, dtype, response.prescale);
-            op.reduce(combine, postscale)?;
-            let mut sinks = sinks_for(entries, slots, dtype);
-            for (offset, bytes) in op.result() {
-                scatter(&mut sinks, slots, offset, bytes);
+            for range in [0..own.start, own.end..total] {
+                let piece = &mut area[range.clone()];
+                gather(&tensors, slots, range.start, piece);
+                ring::scale_in_place(piece, dtype, prescale);
             }
-            return Ok(sinks.into_iter().map(|sink| Ok(sink.finish())).collect());
+            op.reduce(combine, postscale, &mut |phase, offset, piece| match phase {
+                OwnPiece::Contribute => {
+                    gather(&tensors, slots, offset, piece);
+                    ring::scale_in_place(piece, dtype, prescale);
+                }
+                OwnPiece::Result => scatter(&mut tensors, slots, offset, piece),
+            })?;
+            for (offset, bytes) in op.others_results() {
+                scatter(&mut tensors, slots, offset, bytes);
+            }
+            return Ok(tensors.into_iter().map(|io| Ok(io.finish())).collect());
         }
         let buffer = self.fusion_buffer(total);
-        pack(buffer, slots, entries);
-        ring::scale_in_place(buffer, dtype, response.prescale);
+        gather(&tensors, slots, 0, buffer);
+        ring::scale_in_place(buffer, dtype, prescale);
         ring::allreduce(t, buffer, dtype, combine)?;
         ring::scale_in_place(buffer, dtype, postscale);
-        let mut sinks = sinks_for(entries, slots, dtype);
-        scatter(&mut sinks, slots, 0, buffer);
-        Ok(sinks.into_iter().map(|sink| Ok(sink.finish())).collect())
+        scatter(&mut tensors, slots, 0, buffer);
+        Ok(tensors.into_iter().map(|io| Ok(io.finish())).collect())
     }
 }
 
@@ -169,37 +182,37 @@ fn staging_pays(t: &mut dyn Transport, len: usize, plain_single: bool) -> bool {
     !plain_single && ring::staged::fits(t, len)
 }
 
-/// Copy every entry's contribution (zeros for a joined rank) to its slot, zeroing the gaps: they are
-/// reduced along with the data.
-fn pack(buffer: &mut [u8], slots: &[FusionSlot], entries: &[Option<TensorEntry>]) {
-    let mut packed_end = 0;
-    for (slot, entry) in slots.iter().zip(entries) {
-        buffer[packed_end..slot.offset].fill(0);
-        let region = &mut buffer[slot.offset..slot.offset + slot.bytes];
-        match entry {
-            Some(e) => e.copy_contribution(region),
-            None => region.fill(0),
-        }
-        packed_end = slot.offset + slot.bytes;
-    }
-    buffer[packed_end..].fill(0);
-}
-
-fn sinks_for<'a>(entries: &'a mut [Option<TensorEntry>], slots: &[FusionSlot], dtype: DataType) -> Vec<ResultSink<'a>> {
-    entries.iter_mut().zip(slots).map(|(entry, slot)| ResultSink::for_entry(entry.as_mut(), slot.bytes, dtype)).collect()
-}
-
-/// Hand `bytes`, the result at `offset` of the fused buffer, to the entries whose slots it covers.
-fn scatter(sinks: &mut [ResultSink<'_>], slots: &[FusionSlot], offset: usize, bytes: &[u8]) {
-    let end = offset + bytes.len();
+/// Fill `dst` with the fused buffer's bytes at `offset`: each entry's contribution in its slot (zeros for a
+/// joined rank) and zeros in the gaps between slots, which are reduced along with the data.
+fn gather(tensors: &[TensorIo<'_>], slots: &[FusionSlot], offset: usize, dst: &mut [u8]) {
+    let end = offset + dst.len();
+    let mut filled = offset;
     let first = slots.partition_point(|s| s.offset + s.bytes <= offset);
-    for (slot, sink) in slots[first..].iter().zip(&mut sinks[first..]) {
+    for (slot, io) in slots[first..].iter().zip(&tensors[first..]) {
         if slot.offset >= end {
             break;
         }
         let (lo, hi) = (offset.max(slot.offset), end.min(slot.offset + slot.bytes));
         if lo < hi {
-            sink.write(lo - slot.offset, &bytes[lo - offset..hi - offset]);
+            dst[filled - offset..lo - offset].fill(0);
+            io.read(lo - slot.offset, &mut dst[lo - offset..hi - offset]);
+            filled = hi;
+        }
+    }
+    dst[filled - offset..].fill(0);
+}
+
+/// Hand `bytes`, the result at `offset` of the fused buffer, to the entries whose slots it covers.
+fn scatter(tensors: &mut [TensorIo<'_>], slots: &[FusionSlot], offset: usize, bytes: &[u8]) {
+    let end = offset + bytes.len();
+    let first = slots.partition_point(|s| s.offset + s.bytes <= offset);
+    for (slot, io) in slots[first..].iter().zip(&mut tensors[first..]) {
+        if slot.offset >= end {
+            break;
+        }
+        let (lo, hi) = (offset.max(slot.offset), end.min(slot.offset + slot.bytes));
+        if lo < hi {
+            io.write(lo - slot.offset, &bytes[lo - offset..hi - offset]);
         }
     }
 }
@@ -231,9 +244,9 @@ pub fn execute_eager(eager: &EagerAllreduce, entry: Option<&mut TensorEntry>) ->
             TensorResult { output: output(result, shape, dtype), ..TensorResult::default() }
         }
         entry => {
-            let mut sink = ResultSink::for_entry(entry, len, dtype);
-            sink.write(0, result.as_slice());
-            sink.finish()
+            let mut io = TensorIo::new(entry, len, dtype);
+            io.write(0, result.as_slice());
+            io.finish()
         }
     }
 }

@@ -68,9 +68,16 @@ impl PackedGroup {
 
     /// Copy the tensors back to back into `dst` (`len_bytes()` long).
     pub fn gather_into(&self, dst: &mut [u8]) {
-        for part in &self.parts {
+        self.gather(0, dst);
+    }
+
+    /// Fill `dst` with the packed tensor's bytes at `offset`.
+    pub fn gather(&self, offset: usize, dst: &mut [u8]) {
+        let end = offset + dst.len();
+        for part in self.parts_within(offset, end) {
             let bytes = part.target.as_slice();
-            dst[part.offset..part.offset + bytes.len()].copy_from_slice(bytes);
+            let (lo, hi) = (offset.max(part.offset), end.min(part.offset + bytes.len()));
+            dst[lo - offset..hi - offset].copy_from_slice(&bytes[lo - part.offset..hi - part.offset]);
         }
     }
 
@@ -78,14 +85,11 @@ impl PackedGroup {
     /// callers' tensors for an in-place op, else into each tensor's new result.
     pub fn scatter(&mut self, offset: usize, bytes: &[u8]) {
         let end = offset + bytes.len();
-        let first = self.parts.partition_point(|p| p.offset + p.target.len() <= offset);
+        let (first, count) = self.parts_range(offset, end);
         let in_place = self.in_place;
-        for part in self.parts[first..].iter_mut().take_while(|p| p.offset < end) {
+        for part in self.parts[first..first + count].iter_mut() {
             let len = part.target.len();
             let (lo, hi) = (offset.max(part.offset), end.min(part.offset + len));
-            if lo >= hi {
-                continue;
-            }
             let src = &bytes[lo - offset..hi - offset];
             let dst = if in_place {
                 part.target.as_mut_slice()
@@ -94,6 +98,18 @@ impl PackedGroup {
             };
             dst[lo - part.offset..hi - part.offset].copy_from_slice(src);
         }
+    }
+
+    /// Index of the first part overlapping `offset..end` and how many do (empty parts never count).
+    fn parts_range(&self, offset: usize, end: usize) -> (usize, usize) {
+        let first = self.parts.partition_point(|p| p.offset + p.target.len() <= offset);
+        let count = self.parts[first..].iter().take_while(|p| p.offset < end).count();
+        (first, count)
+    }
+
+    fn parts_within(&self, offset: usize, end: usize) -> impl Iterator<Item = &Part> {
+        let (first, count) = self.parts_range(offset, end);
+        self.parts[first..first + count].iter()
     }
 
     /// Each tensor's (output slot, result) once everything was scattered: `None` for in-place ops.

@@ -1,6 +1,8 @@
-//! Where the reduced bytes of one allreduce tensor go, written piece by piece at offsets within the
-//! tensor: into the caller's memory (in-place ops), into a new buffer, into a packed group's tensors, or
-//! nowhere (a joined rank). Pieces may come in any order and need not follow element or member bounds.
+//! One allreduce tensor seen from the executor: where its contribution comes from and where its result
+//! goes, both piece by piece at offsets within the tensor. The contribution is the caller's input, a packed
+//! group's tensors, or zeros (a joined rank); the result goes into the caller's memory (in-place ops), a new
+//! buffer, a packed group's tensors, or nowhere. Pieces may come in any order and need not follow element
+//! or member bounds; an in-place tensor's piece is read before its result is written.
 
 use crate::engine::execute::TensorResult;
 use crate::engine::submission::OutputTensor;
@@ -8,53 +10,53 @@ use crate::engine::table::TensorEntry;
 use crate::tensor::AlignedBuffer;
 use crate::types::DataType;
 
-pub(crate) enum ResultSink<'a> {
-    /// A joined rank: its zeros were reduced, nobody wants the result.
-    Discard,
-    /// An in-place op: the caller's tensor.
-    Caller(&'a mut [u8]),
-    /// A new tensor of this shape.
-    Fresh(AlignedBuffer, Vec<i64>, DataType),
-    /// A packed group: its tensors, or their new results.
-    Group(&'a mut TensorEntry),
+pub(crate) struct TensorIo<'a> {
+    /// `None`: a joined rank, which contributes zeros and wants no result.
+    entry: Option<&'a mut TensorEntry>,
+    /// The new result of an out-of-place plain tensor, allocated at the first write.
+    fresh: Option<AlignedBuffer>,
+    len: usize,
+    dtype: DataType,
 }
 
-impl<'a> ResultSink<'a> {
-    /// The sink for `entry`'s result of `len` bytes (`None`: a joined rank).
-    pub(crate) fn for_entry(entry: Option<&'a mut TensorEntry>, len: usize, dtype: DataType) -> ResultSink<'a> {
-        match entry {
-            None => ResultSink::Discard,
-            Some(e) if e.packed.is_some() => ResultSink::Group(e),
-            Some(e) if e.in_place => ResultSink::Caller(e.input.as_mut_slice()),
-            Some(e) => ResultSink::Fresh(AlignedBuffer::zeroed(len), e.request.shape.clone(), dtype),
+impl<'a> TensorIo<'a> {
+    /// `entry`'s tensor of `len` bytes.
+    pub(crate) fn new(entry: Option<&'a mut TensorEntry>, len: usize, dtype: DataType) -> TensorIo<'a> {
+        TensorIo { entry, fresh: None, len, dtype }
+    }
+
+    /// Fill `dst` with this rank's contribution at `offset`.
+    pub(crate) fn read(&self, offset: usize, dst: &mut [u8]) {
+        match self.entry.as_deref() {
+            None => dst.fill(0),
+            Some(TensorEntry { packed: Some(group), .. }) => group.gather(offset, dst),
+            Some(e) => dst.copy_from_slice(&e.input.as_slice()[offset..offset + dst.len()]),
         }
     }
 
-    /// Write `bytes`, the result at `offset` of the tensor.
+    /// Write `bytes`, the result at `offset`.
     pub(crate) fn write(&mut self, offset: usize, bytes: &[u8]) {
-        match self {
-            ResultSink::Discard => {}
-            ResultSink::Caller(dst) => dst[offset..offset + bytes.len()].copy_from_slice(bytes),
-            ResultSink::Fresh(buffer, ..) => buffer.as_mut_slice()[offset..offset + bytes.len()].copy_from_slice(bytes),
-            ResultSink::Group(entry) => {
-                if let Some(group) = entry.packed.as_mut() {
-                    group.scatter(offset, bytes);
-                }
-            }
-        }
+        let len = self.len;
+        let Some(entry) = self.entry.as_deref_mut() else { return };
+        let dst = match entry {
+            TensorEntry { packed: Some(group), .. } => return group.scatter(offset, bytes),
+            TensorEntry { in_place: true, input, .. } => input.as_mut_slice(),
+            _ => self.fresh.get_or_insert_with(|| AlignedBuffer::zeroed(len)).as_mut_slice(),
+        };
+        dst[offset..offset + bytes.len()].copy_from_slice(bytes);
     }
 
-    /// What the tensor produced, once every byte was written.
+    /// What the tensor produced, once every byte of the result was written.
     pub(crate) fn finish(self) -> TensorResult {
-        match self {
-            ResultSink::Discard | ResultSink::Caller(_) => TensorResult::default(),
-            ResultSink::Fresh(buffer, shape, dtype) => {
-                TensorResult { output: Some(OutputTensor { buffer, shape, dtype }), ..TensorResult::default() }
-            }
-            ResultSink::Group(entry) => TensorResult {
-                members: entry.packed.as_mut().map(|group| group.take_results()).unwrap_or_default(),
-                ..TensorResult::default()
-            },
+        let Some(entry) = self.entry else { return TensorResult::default() };
+        if let Some(group) = entry.packed.as_mut() {
+            return TensorResult { members: group.take_results(), ..TensorResult::default() };
         }
+        if entry.in_place {
+            return TensorResult::default();
+        }
+        let buffer = self.fresh.unwrap_or_else(|| AlignedBuffer::zeroed(self.len));
+        let output = OutputTensor { buffer, shape: entry.request.shape.clone(), dtype: self.dtype };
+        TensorResult { output: Some(output), ..TensorResult::default() }
     }
 }

@@ -109,7 +109,7 @@ mod tests {
     fn response(kind: CollectiveKind, name: &str, dtype: DataType, elements: i64) -> Response {
         Response {
             kind,
-            entries: vec![ResponseEntry { name: name.into(), shape: vec![elements], per_rank: vec![] }],
+            entries: vec![ResponseEntry { name: name.into(), shape: vec![elements], per_rank: vec![], packed: false }],
             dtype,
             reduce_op: ReduceOp::Sum,
             root_rank: -1,

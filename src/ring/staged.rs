@@ -2,17 +2,23 @@
 //! buffers): no bytes travel through channels at all. The engine uses it for fused tensors and packed
 //! groups, which must be packed somewhere anyway.
 //!
-//! 1. Each rank packs its contribution straight into its own area and announces it.
-//! 2. Each rank reduces its block of the elements straight out of every rank's area into its own area,
-//!    in pieces small enough to stay in cache across the sources, scales it, and announces it. Every block
-//!    is reduced once, by its owner, so all ranks read the same bits.
-//! 3. Each rank unpacks the finished blocks straight out of their owners' areas and announces that it is
+//! 1. Each rank packs its contribution to the other ranks' blocks straight into its own area and
+//!    announces it.
+//! 2. Each rank reduces its own block piece by piece: it writes its own contribution for the piece into
+//!    its area, combines every other rank's piece straight out of their areas into it, scales it, and hands
+//!    it over while it is still in cache (the caller unpacks it then). The pieces are small enough to stay
+//!    in cache across the sources. Every block is reduced once, by its owner, so all ranks read the same
+//!    bits. Then it announces the block.
+//! 3. Each rank unpacks the other blocks straight out of their owners' areas and announces that it is
 //!    done reading.
 //!
-//! Per rank that is one pass to pack, one over all sources of one block, and one to unpack: against
-//! packing into a private buffer and running the ring over channels it saves the copies into and out of
-//! the channels, and it takes three waits instead of `2(n-1)` hand-offs. Before packing, a rank waits
-//! until every rank has finished reading the areas of the previous staged allreduce.
+//! Per rank that is one pass to pack the others' blocks, one over all sources of its own block, and one to
+//! unpack the others' results: against packing into a private buffer and running the ring over channels it
+//! saves the copies into and out of the channels, and it takes three waits instead of `2(n-1)` hand-offs.
+//! Before packing, a rank waits until every rank has finished reading the areas of the previous staged
+//! allreduce.
+
+use std::ops::Range;
 
 use crate::ring::args::invalid_argument;
 use crate::ring::chunks::Blocks;
@@ -28,9 +34,20 @@ pub fn fits(t: &mut dyn Transport, len: usize) -> bool {
     t.size() > 1 && t.staging().is_some_and(|s| s.area_len() >= len)
 }
 
+/// What [`StagedAllreduce::reduce`] asks of its caller for each piece of this rank's block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OwnPiece {
+    /// Write this rank's contribution for the piece (prescaled) into the slice.
+    Contribute,
+    /// The slice holds the piece's final result.
+    Result,
+}
+
 /// One staged allreduce in progress, driven by its caller phase by phase: [`StagedAllreduce::begin`],
-/// write the contribution into [`StagedAllreduce::own_area`], [`StagedAllreduce::reduce`], read the
-/// [`StagedAllreduce::result`] pieces. Dropping it tells the other ranks this rank is done reading.
+/// write the contribution outside [`StagedAllreduce::own_block`] into [`StagedAllreduce::own_area`],
+/// [`StagedAllreduce::reduce`] (which asks for the own block's contribution and hands its result over piece
+/// by piece), read the other blocks' [`StagedAllreduce::others_results`]. Dropping it tells the other ranks
+/// this rank is done reading.
 pub struct StagedAllreduce<'t> {
     staging: &'t mut dyn Staging,
     areas: Vec<*mut u8>,
@@ -60,7 +77,13 @@ impl<'t> StagedAllreduce<'t> {
         Ok(StagedAllreduce { staging, areas, blocks, me, len, dtype, reduced: false })
     }
 
-    /// The `len` bytes of this rank's area, for its contribution (before [`Self::reduce`]).
+    /// The bytes of the block this rank reduces: [`Self::reduce`] asks for the contribution to it.
+    pub fn own_block(&self) -> Range<usize> {
+        self.blocks.range(self.me)
+    }
+
+    /// The `len` bytes of this rank's area, for its contribution outside [`Self::own_block`] (before
+    /// [`Self::reduce`]).
     pub fn own_area(&mut self) -> &mut [u8] {
         assert!(!self.reduced, "the contribution is written before the reduction");
         // SAFETY: this rank's area holds at least `len` bytes (checked in `begin`), and until this rank
@@ -68,9 +91,16 @@ impl<'t> StagedAllreduce<'t> {
         unsafe { std::slice::from_raw_parts_mut(self.areas[self.me], self.len) }
     }
 
-    /// Announce the contribution, wait for everyone's, and reduce (then scale by `postscale`) this rank's
-    /// block straight out of all the areas; then wait until every block is done.
-    pub fn reduce(&mut self, combine: Combine, postscale: f64) -> Result<(), TransportError> {
+    /// Announce the contribution, wait for everyone's, and reduce this rank's block straight out of all
+    /// the areas: for each piece, `own(OwnPiece::Contribute, offset, piece)` writes this rank's contribution
+    /// into it, the other ranks' pieces are combined in, the piece is scaled by `postscale`, and
+    /// `own(OwnPiece::Result, offset, piece)` reads the result. Then waits until every block is done.
+    pub fn reduce(
+        &mut self,
+        combine: Combine,
+        postscale: f64,
+        own: &mut dyn FnMut(OwnPiece, usize, &mut [u8]),
+    ) -> Result<(), TransportError> {
         let packed = self.staging.arrive();
         self.staging.wait_for(packed)?;
         let (me, dtype) = (self.me, self.dtype);
@@ -79,15 +109,17 @@ impl<'t> StagedAllreduce<'t> {
         let mut start = block.start;
         while start < block.end {
             let end = block.end.min(start + step);
-            // SAFETY: `start..end` lies in this rank's block of its own area, which only this rank writes in
+            // SAFETY: `start..end` lies in this rank's block of its own area, which only this rank touches in
             // this step; the other areas are not written until everyone announces the next step, and they
             // are distinct mappings, so the slices do not overlap.
             let dst = unsafe { std::slice::from_raw_parts_mut(self.areas[me].add(start), end - start) };
+            own(OwnPiece::Contribute, start, dst);
             for &area in self.areas.iter().enumerate().filter(|&(r, _)| r != me).map(|(_, a)| a) {
                 let src = unsafe { std::slice::from_raw_parts(area.add(start), end - start) };
                 reduce_into(dst, src, dtype, combine);
             }
             scale_in_place(dst, dtype, postscale);
+            own(OwnPiece::Result, start, dst);
             start = end;
         }
         self.reduced = true;
@@ -95,9 +127,9 @@ impl<'t> StagedAllreduce<'t> {
         self.staging.wait_for(done)
     }
 
-    /// The reduced bytes as (offset, bytes) pieces in order of offset, covering `0..len` once, read straight
-    /// out of their owners' areas (after [`Self::reduce`]).
-    pub fn result(&self) -> Vec<(usize, &[u8])> {
+    /// The other blocks' results as (offset, bytes), in order of offset, read straight out of their owners'
+    /// areas (after [`Self::reduce`], which handed over this rank's own block).
+    pub fn others_results(&self) -> Vec<(usize, &[u8])> {
         assert!(self.reduced, "the result is read after the reduction");
         let piece = |(owner, &area): (usize, &*mut u8)| {
             let block = self.blocks.range(owner);
@@ -105,7 +137,7 @@ impl<'t> StagedAllreduce<'t> {
             // only after this rank is dropped and announces it is done reading.
             (block.start, unsafe { std::slice::from_raw_parts(area.add(block.start) as *const u8, block.len()) })
         };
-        self.areas.iter().enumerate().map(piece).collect()
+        self.areas.iter().enumerate().filter(|&(owner, _)| owner != self.me).map(piece).collect()
     }
 }
 
@@ -143,13 +175,29 @@ mod tests {
                     let mine = f64_bytes((0..count).map(|i| (i * (t.rank() + 1) + op) as f64));
                     assert!(fits(t, mine.len()));
                     let mut staged = StagedAllreduce::begin(t, mine.len(), DataType::Float64).unwrap();
-                    staged.own_area().copy_from_slice(&mine);
-                    staged.reduce(combine, postscale).unwrap();
-                    let mut out = Vec::new();
-                    for (offset, bytes) in staged.result() {
-                        assert_eq!(offset, out.len(), "pieces come in order and cover everything once");
-                        out.extend_from_slice(bytes);
+                    let own = staged.own_block();
+                    let area = staged.own_area();
+                    area[..own.start].copy_from_slice(&mine[..own.start]);
+                    area[own.end..].copy_from_slice(&mine[own.end..]);
+                    let mut out = vec![0u8; mine.len()];
+                    let mut covered = vec![false; mine.len()];
+                    let mut record = |offset: usize, bytes: &[u8]| {
+                        out[offset..offset + bytes.len()].copy_from_slice(bytes);
+                        covered[offset..offset + bytes.len()].iter_mut().for_each(|c| {
+                            assert!(!*c, "every byte of the result comes once");
+                            *c = true;
+                        });
+                    };
+                    staged
+                        .reduce(combine, postscale, &mut |phase, offset, piece| match phase {
+                            OwnPiece::Contribute => piece.copy_from_slice(&mine[offset..offset + piece.len()]),
+                            OwnPiece::Result => record(offset, piece),
+                        })
+                        .unwrap();
+                    for (offset, bytes) in staged.others_results() {
+                        record(offset, bytes);
                     }
+                    assert!(covered.iter().all(|&c| c));
                     assert_eq!(out.len(), mine.len());
                     out
                 })
@@ -201,7 +249,7 @@ mod tests {
                 return None;
             }
             let staged = StagedAllreduce::begin(t, 64, DataType::Int32);
-            Some(staged.and_then(|mut s| s.reduce(Combine::Sum, 1.0)))
+            Some(staged.and_then(|mut s| s.reduce(Combine::Sum, 1.0, &mut |_, _, _| {})))
         });
         for result in results.into_iter().flatten() {
             assert!(matches!(result, Err(TransportError::PeerClosed { peer: 2 })), "{result:?}");

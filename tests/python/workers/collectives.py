@@ -509,6 +509,16 @@ with check("join: an early rank contributes zeros; join returns the same last ra
         xi = contribution(np.int32, (4097,), R, 40)
         out = hvd.allreduce(xi, op=hvd.Sum, name="join.int")
         assert_result(out, expected_reduce(np.int32, (4097,), hvd.Sum, 40, ranks=active), "join int32")
+        # A grouped allreduce, and a burst that fuses, with the joined rank's zeros in the packed or fused
+        # buffer (over shared memory: in its staging area).
+        shapes = [(300, 7), (5,), (1000,)]
+        group = [contribution(np.float32, shape, R, 42 + k) for k, shape in enumerate(shapes)]
+        for k, (out, shape) in enumerate(zip(hvd.grouped_allreduce(group, op=hvd.Sum, name="join.group"), shapes)):
+            assert_result(out, expected_reduce(np.float32, shape, hvd.Sum, 42 + k, ranks=active), "join group")
+        handles = [hvd.allreduce_async_(x, op=hvd.Sum, name=f"join.burst{k}") for k, x in enumerate(group)]
+        for k, (handle, x, shape) in enumerate(zip(handles, group, shapes)):
+            hvd.synchronize(handle)
+            assert_result(x, expected_reduce(np.float32, shape, hvd.Sum, 42 + k, ranks=active), "join burst")
         if R != 0:
             last = hvd.join()
         else:
