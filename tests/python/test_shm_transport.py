@@ -25,12 +25,11 @@ def test_four_ranks_on_two_cores(run_rvodrun, job_env, fusion_threshold):
     assert_worker_job(result, {rank: 8 for rank in range(4)})
 
 
-@pytest.fixture
-def tiny_tmpfs():
-    """A 64 KiB tmpfs, far too small for any segment (needs root to mount; skipped otherwise)."""
-    path = Path(tempfile.mkdtemp(prefix="rvod-tiny-shm-"))
+def _mounted_tmpfs(size):
+    """A tmpfs of `size` (needs root to mount; the test is skipped otherwise)."""
+    path = Path(tempfile.mkdtemp(prefix="rvod-small-shm-"))
     mounted = os.geteuid() == 0 and subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=64k,mode=1777", "tmpfs", str(path)], capture_output=True
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=1777", "tmpfs", str(path)], capture_output=True
     ).returncode == 0
     if not mounted:
         path.rmdir()
@@ -38,6 +37,28 @@ def tiny_tmpfs():
     yield path
     subprocess.run(["umount", str(path)], check=False)
     path.rmdir()
+
+
+@pytest.fixture
+def tiny_tmpfs():
+    """A 64 KiB tmpfs, far too small for any segment."""
+    yield from _mounted_tmpfs("64k")
+
+
+@pytest.fixture
+def tmpfs_without_room_for_staging():
+    """A 32 MiB tmpfs: room for the channels of 4 ranks (12 MiB), not for their staging areas (4 x 64 MiB)."""
+    yield from _mounted_tmpfs("32m")
+
+
+@pytest.mark.timeout(120)
+def test_no_room_for_staging_areas_keeps_shared_memory(run_rvodrun, job_env, tmpfs_without_room_for_staging):
+    folder = tmpfs_without_room_for_staging
+    job_env.update(RVOD_SHM="1", RVOD_SHM_DIR=str(folder), RVOD_TEST_TRANSPORT="shm")
+    result = run_rvodrun(["-np", "4", sys.executable, str(WORKERS / "four_ranks.py")], timeout=100)
+    assert_worker_job(result, {rank: 8 for rank in range(4)})
+    assert f"shared memory in {folder} has no room for 4 staging areas of 64 MiB" in result.stderr, result.stderr
+    assert list(folder.iterdir()) == [], "a segment was left behind"
 
 
 @pytest.mark.timeout(120)

@@ -83,9 +83,10 @@ impl ShmTransport {
     }
 
     /// Build the shared-memory mesh of a communicator whose `size` members all run on this host, meeting
-    /// in `scope` of the rendezvous store, with staging areas sized for `fusion_threshold`. Returns
-    /// `Ok(None)`, on every rank alike, when some rank cannot create or map the segment (for example a too
-    /// small `dir`): the caller then falls back to TCP.
+    /// in `scope` of the rendezvous store, with staging areas sized for `fusion_threshold`. When `dir` has
+    /// no room for the staging areas, the segment is made without them (channels only; fusion then packs
+    /// into private buffers), with a warning. Returns `Ok(None)`, on every rank alike, when some rank cannot
+    /// create or map even that (for example a far too small `dir`): the caller then falls back to TCP.
     pub fn connect_mesh(
         rank: usize,
         size: usize,
@@ -95,26 +96,32 @@ impl ShmTransport {
         fusion_threshold: usize,
         timeout: Duration,
     ) -> Result<Option<ShmTransport>, TransportError> {
-        let geometry = Geometry::for_ranks(size, fusion_threshold);
-        let len = layout::segment_len(&geometry);
+        let full = Geometry::for_ranks(size, fusion_threshold);
         let segment_key = format!("{scope}/shm/segment");
         let attached_key = |r: usize| format!("{scope}/shm/attached/{r}");
         let mapped = if rank == 0 {
-            let created = Segment::create(dir, len).map(|s| Layout::initialise(Arc::new(s), geometry));
+            let created = Self::create_segment(dir, full);
             let announcement = match &created {
-                Ok(l) => format!("ok:{}", l.segment().path().display()),
+                Ok(l) => format!("ok:{}:{}", l.staging_len(), l.segment().path().display()),
                 Err(e) => format!("no:{e}"),
             };
             store.set(&segment_key, announcement.as_bytes())?;
-            created.map_err(|e| e.to_string())
+            created
         } else {
             let announcement = String::from_utf8_lossy(&store.get(&segment_key, timeout)?).into_owned();
-            match announcement.split_once(':') {
-                Some(("ok", path)) => Segment::open(Path::new(path), len)
-                    .map_err(|e| e.to_string())
-                    .and_then(|s| Layout::attach(Arc::new(s), geometry)),
-                Some((_, reason)) => Err(format!("rank 0 could not create it: {reason}")),
-                None => Err(format!("malformed announcement {announcement:?}")),
+            let parts: Vec<&str> = announcement.splitn(3, ':').collect();
+            match parts.as_slice() {
+                ["ok", staging, path] => match staging.parse() {
+                    Ok(staging) => {
+                        let geometry = Geometry { staging, ..full };
+                        Segment::open(Path::new(path), layout::segment_len(&geometry))
+                            .map_err(|e| e.to_string())
+                            .and_then(|s| Layout::attach(Arc::new(s), geometry))
+                    }
+                    Err(_) => Err(format!("malformed announcement {announcement:?}")),
+                },
+                ["no", ..] => Err(format!("rank 0 could not create it: {}", &announcement[3..])),
+                _ => Err(format!("malformed announcement {announcement:?}")),
             }
         };
         if let Ok(layout) = &mapped {
@@ -150,6 +157,27 @@ impl ShmTransport {
         let layout = mapped.map_err(TransportError::Setup)?;
         let pids = (0..size).map(|r| layout.slot(r).pid.load(Ordering::Acquire)).collect();
         Ok(Some(ShmTransport::new(rank, layout, pids, timeout)))
+    }
+
+    /// Rank 0: create and lay out the segment, without staging areas if there is no room for them.
+    fn create_segment(dir: &Path, full: Geometry) -> Result<Layout, String> {
+        let create = |g: Geometry| Segment::create(dir, layout::segment_len(&g)).map(|s| Layout::initialise(Arc::new(s), g));
+        match create(full) {
+            Ok(layout) => Ok(layout),
+            Err(e) if full.staging > 0 => {
+                let layout = create(Geometry { staging: 0, ..full }).map_err(|e| e.to_string())?;
+                tracing::warn!(
+                    "shared memory in {} has no room for {} staging areas of {} MiB ({e}); ranks on this host \
+                     share memory without them (fused tensors are packed in private buffers). Make it larger \
+                     (docker: --shm-size) or lower RVOD_FUSION_THRESHOLD.",
+                    dir.display(),
+                    full.size,
+                    full.staging >> 20
+                );
+                Ok(layout)
+            }
+            Err(e) => Err(e.to_string()),
+        }
     }
 
     fn peer_closed(&self, peer: usize) -> bool {
