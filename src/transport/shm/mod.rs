@@ -39,6 +39,9 @@ const PIECE_BYTES: usize = 64 * 1024;
 /// spin this long (their peer is mid-collective too, so the wait is short); waits for the next round use the
 /// adaptive spin, which stops spinning on a rank that keeps computing between collectives.
 const SPIN: Duration = Duration::from_micros(50);
+/// Smallest staging area worth having when the full ones do not fit.
+const MIN_STAGING: usize = 4 << 20;
+const PAGE: usize = 4096;
 /// Longest single sleep: how often a sleeping rank checks whether its peer died.
 const SLEEP_SLICE: Duration = Duration::from_millis(20);
 
@@ -159,25 +162,33 @@ impl ShmTransport {
         Ok(Some(ShmTransport::new(rank, layout, pids, timeout)))
     }
 
-    /// Rank 0: create and lay out the segment, without staging areas if there is no room for them.
+    /// Rank 0: create and lay out the segment, with smaller staging areas (halving down to 4 MiB) or none
+    /// if there is no room for the full ones.
     fn create_segment(dir: &Path, full: Geometry) -> Result<Layout, String> {
         let create = |g: Geometry| Segment::create(dir, layout::segment_len(&g)).map(|s| Layout::initialise(Arc::new(s), g));
-        match create(full) {
-            Ok(layout) => Ok(layout),
-            Err(e) if full.staging > 0 => {
-                let layout = create(Geometry { staging: 0, ..full }).map_err(|e| e.to_string())?;
-                tracing::warn!(
-                    "shared memory in {} has no room for {} staging areas of {} MiB ({e}); ranks on this host \
-                     share memory without them (fused tensors are packed in private buffers). Make it larger \
-                     (docker: --shm-size) or lower RVOD_FUSION_THRESHOLD.",
-                    dir.display(),
-                    full.size,
-                    full.staging >> 20
-                );
-                Ok(layout)
-            }
-            Err(e) => Err(e.to_string()),
+        let first_error = match create(full) {
+            Ok(layout) => return Ok(layout),
+            Err(e) if full.staging > 0 => e,
+            Err(e) => return Err(e.to_string()),
+        };
+        let smaller = std::iter::successors(Some(full.staging / 2), |s| Some(s / 2)).take_while(|&s| s >= MIN_STAGING);
+        for staging in smaller.chain([0]) {
+            let Ok(layout) = create(Geometry { staging: staging / PAGE * PAGE, ..full }) else { continue };
+            let instead = if staging == 0 {
+                "without them (fused tensors are packed in private buffers)".to_string()
+            } else {
+                format!("with {} MiB ones", staging >> 20)
+            };
+            tracing::warn!(
+                "shared memory in {} has no room for {} staging areas of {} MiB ({first_error}); ranks on this \
+                 host share memory {instead}. Make it larger (docker: --shm-size) or lower RVOD_FUSION_THRESHOLD.",
+                dir.display(),
+                full.size,
+                full.staging >> 20
+            );
+            return Ok(layout);
         }
+        Err(first_error.to_string())
     }
 
     fn peer_closed(&self, peer: usize) -> bool {
