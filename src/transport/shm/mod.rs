@@ -39,6 +39,8 @@ const PIECE_BYTES: usize = 64 * 1024;
 /// spin this long (their peer is mid-collective too, so the wait is short); waits for the next round use the
 /// adaptive spin, which stops spinning on a rank that keeps computing between collectives.
 const SPIN: Duration = Duration::from_micros(50);
+/// How long a rank that finds a peer closed looks for a dead rank to name instead (see `closed_error`).
+const DEATH_GRACE: Duration = Duration::from_millis(200);
 /// Smallest staging area worth having when the full ones do not fit.
 const MIN_STAGING: usize = 4 << 20;
 const PAGE: usize = 4096;
@@ -206,14 +208,25 @@ impl ShmTransport {
     }
 
     /// The error for `peer` having closed. A peer usually closes because it saw another rank die; the
-    /// dead rank is the one worth naming, so it is named when known.
+    /// dead rank is the one worth naming, so it is named when known. Another rank's death can reach this
+    /// process a moment after the closing peer saw it, so a closed (not dead) peer is given a short grace
+    /// to let that show.
     fn closed_error(&mut self, peer: usize) -> TransportError {
-        if !self.dead[peer] && self.refresh_dead() {
-            if let Some(dead) = self.dead.iter().position(|&d| d) {
-                return TransportError::PeerClosed { peer: dead };
-            }
+        if self.dead[peer] {
+            return TransportError::PeerClosed { peer };
         }
-        TransportError::PeerClosed { peer }
+        let deadline = Instant::now() + DEATH_GRACE;
+        loop {
+            if self.refresh_dead() {
+                if let Some(dead) = self.dead.iter().position(|&d| d) {
+                    return TransportError::PeerClosed { peer: dead };
+                }
+            }
+            if Instant::now() >= deadline {
+                return TransportError::PeerClosed { peer };
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
     }
 
     /// Copy what fits of `data` into `to`'s ring (one piece at most).
