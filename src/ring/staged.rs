@@ -85,7 +85,7 @@ impl<'t> StagedAllreduce<'t> {
     /// The `len` bytes of this rank's area, for its contribution outside [`Self::own_block`] (before
     /// [`Self::reduce`]).
     pub fn own_area(&mut self) -> &mut [u8] {
-        assert!(!self.reduced, "the contribution is written before the reduction");
+        debug_assert!(!self.reduced, "the contribution is written before the reduction");
         // SAFETY: this rank's area holds at least `len` bytes (checked in `begin`), and until this rank
         // announces its contribution nobody else reads it; `&mut self` keeps this the only view.
         unsafe { std::slice::from_raw_parts_mut(self.areas[self.me], self.len) }
@@ -130,7 +130,7 @@ impl<'t> StagedAllreduce<'t> {
     /// The other blocks' results as (offset, bytes), in order of offset, read straight out of their owners'
     /// areas (after [`Self::reduce`], which handed over this rank's own block).
     pub fn others_results(&self) -> Vec<(usize, &[u8])> {
-        assert!(self.reduced, "the result is read after the reduction");
+        debug_assert!(self.reduced, "the result is read after the reduction");
         let piece = |(owner, &area): (usize, &*mut u8)| {
             let block = self.blocks.range(owner);
             // SAFETY: every owner finished its block (`reduce` waited for that) and writes its area again
