@@ -45,6 +45,30 @@ impl DataType {
         }
     }
 
+    /// The type of a buffer-protocol view: its struct-module `format` (native byte order only) and
+    /// `itemsize` in bytes. `None` for anything else.
+    pub fn from_struct_format(format: &[u8], itemsize: usize) -> Option<DataType> {
+        let code = match format {
+            [code] => *code,
+            [b'@' | b'=', code] => *code,
+            [b'<', code] if cfg!(target_endian = "little") => *code,
+            [b'>' | b'!', code] if cfg!(target_endian = "big") => *code,
+            _ => return None,
+        };
+        Some(match (code, itemsize) {
+            (b'b' | b'h' | b'i' | b'l' | b'q' | b'n', 1) => DataType::Int8,
+            (b'b' | b'h' | b'i' | b'l' | b'q' | b'n', 2) => DataType::Int16,
+            (b'b' | b'h' | b'i' | b'l' | b'q' | b'n', 4) => DataType::Int32,
+            (b'b' | b'h' | b'i' | b'l' | b'q' | b'n', 8) => DataType::Int64,
+            (b'B', 1) => DataType::Uint8,
+            (b'e', 2) => DataType::Float16,
+            (b'f', 4) => DataType::Float32,
+            (b'd', 8) => DataType::Float64,
+            (b'?', 1) => DataType::Bool,
+            _ => return None,
+        })
+    }
+
     pub fn from_code(code: u8) -> Option<DataType> {
         DataType::ALL.get(code as usize).copied()
     }
@@ -184,5 +208,35 @@ impl CollectiveKind {
 impl fmt::Display for CollectiveKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn struct_formats_map_by_kind_and_size() {
+        assert_eq!(DataType::from_struct_format(b"f", 4), Some(DataType::Float32));
+        assert_eq!(DataType::from_struct_format(b"<d", 8), Some(DataType::Float64));
+        assert_eq!(DataType::from_struct_format(b"l", 8), Some(DataType::Int64));
+        assert_eq!(DataType::from_struct_format(b"=q", 8), Some(DataType::Int64));
+        assert_eq!(DataType::from_struct_format(b"i", 4), Some(DataType::Int32));
+        assert_eq!(DataType::from_struct_format(b"@h", 2), Some(DataType::Int16));
+        assert_eq!(DataType::from_struct_format(b"b", 1), Some(DataType::Int8));
+        assert_eq!(DataType::from_struct_format(b"B", 1), Some(DataType::Uint8));
+        assert_eq!(DataType::from_struct_format(b"e", 2), Some(DataType::Float16));
+        assert_eq!(DataType::from_struct_format(b"?", 1), Some(DataType::Bool));
+    }
+
+    #[test]
+    fn struct_formats_of_foreign_byte_order_or_unsupported_types_are_refused() {
+        assert_eq!(DataType::from_struct_format(b">f", 4), None);
+        assert_eq!(DataType::from_struct_format(b"H", 2), None);
+        assert_eq!(DataType::from_struct_format(b"Q", 8), None);
+        assert_eq!(DataType::from_struct_format(b"Zf", 8), None);
+        assert_eq!(DataType::from_struct_format(b"f", 8), None);
+        assert_eq!(DataType::from_struct_format(b"T{f:x:}", 4), None);
+        assert_eq!(DataType::from_struct_format(b"", 1), None);
     }
 }

@@ -16,7 +16,8 @@ use crate::engine::packed::{pack_group, GroupMember};
 use crate::engine::submission::{OpSubmission, TensorSubmission};
 use crate::engine::Engine;
 use crate::error::EngineError;
-use crate::py::dlpack::{export_capsule, import_capsule};
+use crate::py::ndarray::import_array;
+use crate::py::dlpack::{export_capsule, import_capsule, is_capsule, ImportedTensor};
 use crate::py::error::to_py_err;
 use crate::types::{CollectiveKind, ReduceOp};
 
@@ -123,8 +124,17 @@ pub fn topology(py: Python<'_>) -> PyResult<Bound<'_, PyTuple>> {
     (t.rank, t.size, t.local_rank, t.local_size, t.cross_rank, t.cross_size, engine.is_homogeneous()).into_pyobject(py)
 }
 
-/// Queue a collective; returns its handle. `capsules` are DLPack capsules the caller keeps alive until
-/// the handle completes. With `packed` (a grouped allreduce), `names` holds the group's one name and the
+/// One input: a DLPack capsule, or an array (see `ndarray::import_array`).
+fn import_input(object: &Bound<'_, PyAny>, in_place: bool, what: impl Fn() -> String) -> PyResult<ImportedTensor> {
+    if is_capsule(object) {
+        import_capsule(object, what)
+    } else {
+        import_array(object, in_place, what)
+    }
+}
+
+/// Queue a collective; returns its handle. `capsules` are DLPack capsules, or C-contiguous arrays of
+/// native byte order (exact `numpy.ndarray`s), which the caller keeps alive until the handle completes. With `packed` (a grouped allreduce), `names` holds the group's one name and the
 /// tensors are packed into one per dtype (see `engine::packed`).
 #[pyfunction]
 #[pyo3(signature = (kind, names, capsules, in_place, reduce_op, prescale, postscale, root_rank, splits, process_set_id, packed=false))]
@@ -151,7 +161,7 @@ pub fn submit(
         };
         let mut members = Vec::with_capacity(capsules.len());
         for (i, capsule) in capsules.iter().enumerate() {
-            let imported = import_capsule(capsule, || format!("{kind} '{name}_{i}'"))?;
+            let imported = import_input(capsule, in_place, || format!("{kind} '{name}_{i}'"))?;
             members.push(GroupMember { input: imported.tensor, dtype: imported.dtype, shape: imported.shape });
         }
         let tensors = pack_group(name, members, in_place);
@@ -164,7 +174,7 @@ pub fn submit(
     let engine = engine()?;
     let mut tensors = Vec::with_capacity(capsules.len());
     for (name, capsule) in names.into_iter().zip(&capsules) {
-        let imported = import_capsule(capsule, || format!("{kind} '{name}'"))?;
+        let imported = import_input(capsule, in_place, || format!("{kind} '{name}'"))?;
         tensors.push(TensorSubmission {
             name,
             dtype: imported.dtype,

@@ -94,11 +94,16 @@ fn dtype_to_dlpack(dtype: DataType) -> DLDataType {
     DLDataType { code, bits, lanes: 1 }
 }
 
+/// True for an unconsumed `dltensor` capsule.
+pub fn is_capsule(object: &Bound<'_, PyAny>) -> bool {
+    // SAFETY: PyCapsule_IsValid accepts any object pointer.
+    unsafe { ffi::PyCapsule_IsValid(object.as_ptr(), CAPSULE_NAME.as_ptr()) != 0 }
+}
+
 /// Read the tensor a `dltensor` capsule describes. The capsule must stay alive while the view is used.
 /// `what` names the tensor in error messages (built only when there is an error).
 pub fn import_capsule(capsule: &Bound<'_, PyAny>, what: impl Fn() -> String) -> PyResult<ImportedTensor> {
-    // SAFETY: PyCapsule_IsValid accepts any object pointer.
-    if unsafe { ffi::PyCapsule_IsValid(capsule.as_ptr(), CAPSULE_NAME.as_ptr()) } == 0 {
+    if !is_capsule(capsule) {
         return Err(PyTypeError::new_err(format!("{}: expected an unconsumed DLPack capsule", what())));
     }
     // SAFETY: validated above that this is a capsule named "dltensor", whose pointer is a DLManagedTensor.

@@ -2,12 +2,16 @@
 //!
 //! - [`api`]: engine life cycle and ops, called by `rvod.common`.
 //! - [`dlpack`]: tensors in and out as DLPack capsules.
+//! - [`ndarray`], [`buffer`]: NumPy arrays in without a capsule per array (NumPy's struct, the buffer
+//!   protocol).
 //! - [`error`]: engine errors as Python exceptions.
 //! - [`rendezvous`]: the rendezvous server class used by `rvodrun`.
 
 pub mod api;
+pub mod buffer;
 pub mod dlpack;
 pub mod error;
+pub mod ndarray;
 pub mod rendezvous;
 
 use pyo3::prelude::*;

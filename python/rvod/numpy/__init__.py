@@ -38,7 +38,6 @@ def allreduce(tensor, average=None, name=None, op=None, prescale_factor=1.0, pos
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                      process_set=gps):
-    _adapter.check_writable(tensor)
     return _ops.allreduce_async(_adapter, tensor, average, name, op, prescale_factor, postscale_factor,
                                 process_set, in_place=True)
 
@@ -64,9 +63,6 @@ def grouped_allreduce(tensors, average=None, name=None, op=None, prescale_factor
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                              postscale_factor=1.0, process_set=gps):
-    tensors = list(tensors)
-    for tensor in tensors:
-        _adapter.check_writable(tensor)
     return _ops.grouped_allreduce_async(_adapter, tensors, average, name, op, prescale_factor,
                                         postscale_factor, process_set, in_place=True)
 
@@ -104,7 +100,6 @@ def broadcast(tensor, root_rank, name=None, process_set=gps):
 
 
 def broadcast_async_(tensor, root_rank, name=None, process_set=gps):
-    _adapter.check_writable(tensor)
     return _ops.broadcast_async(_adapter, tensor, root_rank, name, process_set, in_place=True)
 
 

@@ -260,6 +260,33 @@ with check("allreduce of a non-native byte order array"):
     hvd.allreduce_(x, op=hvd.Sum)
     assert x.dtype == np.dtype(">f4") and np.array_equal(x, expected_reduce(np.float32, (6,), hvd.Sum, 24))
 
+class _Tagged(np.ndarray):
+    """An ndarray subclass: crosses by DLPack, not through the buffer protocol plain arrays use."""
+
+
+with check("grouped allreduce_ of arrays that cross each way (plain, strided, foreign byte order, subclass)"):
+    plain = contribution(np.float32, (3, 5), R, 25)
+    parent = contribution(np.float64, (12,), R, 26)
+    strided = parent[::3]
+    foreign = contribution(np.int32, (4,), R, 27).astype(">i4")
+    tagged = contribution(np.int64, (2, 2), R, 28).view(_Tagged)
+    scalar = contribution(np.float16, (), R, 29)
+    empty = np.zeros((0, 3), dtype=np.uint8)
+    plain_address = plain.ctypes.data
+    group = [plain, strided, foreign, tagged, scalar, empty]
+    result = hvd.grouped_allreduce_(group, op=hvd.Sum)
+    assert [r is g for r, g in zip(result, group)] == [True] * len(group)
+    assert plain.ctypes.data == plain_address
+    assert_result(plain, expected_reduce(np.float32, (3, 5), hvd.Sum, 25), "plain")
+    assert_result(parent[::3].copy(), expected_reduce(np.float64, (12,), hvd.Sum, 26)[::3].copy(), "strided")
+    assert foreign.dtype == np.dtype(">i4") and np.array_equal(foreign, expected_reduce(np.int32, (4,), hvd.Sum, 27))
+    assert type(tagged) is _Tagged and np.array_equal(tagged, expected_reduce(np.int64, (2, 2), hvd.Sum, 28))
+    assert_result(scalar, expected_reduce(np.float16, (), hvd.Sum, 29), "0-d")
+    assert empty.shape == (0, 3)
+    outs = hvd.grouped_allreduce([contribution(np.float32, (3, 5), R, 25).view(_Tagged), parent.copy()[::3]],
+                                 op=hvd.Max)
+    assert_result(outs[0], expected_reduce(np.float32, (3, 5), hvd.Max, 25), "subclass, out of place")
+
 with check("NaN and infinities propagate like NumPy's add/minimum/maximum/multiply"):
     x = np.array([np.nan if R == 0 else 1.0, np.inf, -np.inf if R == N - 1 else 2.0, 1.0], dtype=np.float32)
     for op, ufunc in ((hvd.Sum, np.add), (hvd.Min, np.minimum), (hvd.Max, np.maximum), (hvd.Product, np.multiply)):
