@@ -28,11 +28,12 @@ class TensorAdapter:
         return self.export(tensor)
 
     def export_unchecked(self, tensors, for_write):
-        """Capsules of ``tensors`` exported without ``export``'s per-tensor checks, or ``None`` where the
-        framework has no such shortcut (or a tensor plainly needs the careful path). The engine refuses what it
-        cannot take as it is (other devices, dtypes, non-contiguous memory), and the op is then exported again
-        tensor by tensor with ``export``, which copies or explains. Only for tensors whose memory DLPack
-        describes exactly (no lazy negation or conjugation bits)."""
+        """What the engine takes for ``tensors`` without ``export``'s per-tensor checks (DLPack capsules, or
+        exact ``numpy.ndarray``s as they are), or ``None`` where the framework has no such shortcut (or a
+        tensor plainly needs the careful path). The engine refuses what it cannot take as it is (other
+        devices, dtypes, non-contiguous or read-only memory, other objects), and the op is then exported again
+        tensor by tensor with ``export``, which copies or explains. Only for tensors whose memory the engine
+        sees exactly (no lazy negation or conjugation bits)."""
         return None
 
     def from_dlpack(self, capsule):

@@ -1,7 +1,7 @@
 """NumPy arrays across to the engine: zero copy for C-contiguous arrays of native byte order.
 
-Plain ``ndarray``s go as they are: the engine reads them through the buffer protocol, which costs far less
-than a DLPack capsule per array (it matters for a grouped allreduce of a thousand gradients). Anything else
+Plain ``ndarray``s go as they are: the engine reads them straight from NumPy's array struct, which costs far
+less than a DLPack capsule per array (it matters for a grouped allreduce of a thousand gradients). Anything else
 (subclasses, array-likes, non-contiguous or foreign-byte-order arrays, read-only arrays for in-place ops)
 crosses by DLPack, as a private contiguous copy where needed; dtypes the engine cannot reduce are refused
 with a ``TypeError`` before anything is sent.
@@ -17,7 +17,6 @@ _SUPPORTED_NAMES = ", ".join(d.name for d in _SUPPORTED)
 # (kind, itemsize) of the supported dtypes: a set lookup is far cheaper than comparing dtype objects (export
 # runs for every tensor of every collective), and it also accepts aliases such as longlong for int64.
 _SUPPORTED_KINDS = frozenset((d.kind, d.itemsize) for d in _SUPPORTED)
-_PLAIN_ARRAYS = {np.ndarray}
 
 
 class _CapsuleHolder:
@@ -51,10 +50,9 @@ class NumpyAdapter(TensorAdapter):
         return holder.__dlpack__(), holder
 
     def export_unchecked(self, tensors, for_write):
-        # Exact ndarrays only: a subclass (a masked array, a matrix) may mean more than its buffer says.
-        if set(map(type, tensors)) == _PLAIN_ARRAYS:
-            return tensors
-        return None
+        # The engine takes exact ndarrays as they are and refuses anything else (a subclass such as a masked
+        # array may mean more than its memory says; lists, scalars), which then comes back through export().
+        return tensors
 
     def from_dlpack(self, capsule):
         return np.from_dlpack(_CapsuleHolder(capsule))

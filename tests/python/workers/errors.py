@@ -357,6 +357,15 @@ def single():
         y = x.copy()
         assert hvd.allreduce_(y, op=hvd.Sum) is y and np.array_equal(y, x)
         assert [o.tolist() for o in hvd.grouped_allreduce([x, x[0]])] == [x.tolist(), x[0].tolist()]
+        group = [x.copy(), np.arange(5, dtype=np.int64), x[0].copy()]
+        assert hvd.grouped_allreduce_(group, op=hvd.Max) == group  # in place, unscaled: left as it is
+        assert [g.tolist() for g in group] == [x.tolist(), list(range(5)), x[0].tolist()]
+        hvd.grouped_allreduce_(group, op=hvd.Sum, prescale_factor=4.0, postscale_factor=0.5)
+        assert [g.tolist() for g in group] == [(x * 2).tolist(), [0, 2, 4, 6, 8], (x[0] * 2).tolist()]
+        burst = [np.full(3, i, dtype=np.float32) for i in range(8)]
+        handles = [hvd.allreduce_async_(b, op=hvd.Average, name=f"burst.{i}") for i, b in enumerate(burst)]
+        assert [hvd.synchronize(h) is b for h, b in zip(handles, burst)] == [True] * 8
+        assert [b.tolist() for b in burst] == [[float(i)] * 3 for i in range(8)]
         assert np.array_equal(hvd.allgather(x), x)
         assert np.array_equal(hvd.broadcast(x, 0), x)
         assert np.array_equal(hvd.alltoall(x), x)
