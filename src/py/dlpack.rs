@@ -167,6 +167,24 @@ pub fn import_capsule(capsule: &Bound<'_, PyAny>, what: impl Fn() -> String) -> 
     Ok(ImportedTensor { tensor, dtype, shape })
 }
 
+/// If `capsule` is one of the engine's unconsumed bool capsules, label it uint8 and return true. The
+/// caller imports it and views it as bool: NumPy before 1.25 imports no DLPack bool.
+#[pyfunction]
+pub fn relabel_bool_as_uint8(capsule: &Bound<'_, PyAny>) -> bool {
+    if !is_capsule(capsule) {
+        return false;
+    }
+    // SAFETY: an unconsumed `dltensor` capsule (checked above) holds a DLManagedTensor.
+    let managed = unsafe { ffi::PyCapsule_GetPointer(capsule.as_ptr(), CAPSULE_NAME.as_ptr()) } as *mut DLManagedTensor;
+    // SAFETY: the capsule is alive and unconsumed, so nobody else reads or writes its tensor now.
+    let Some(tensor) = (unsafe { managed.as_mut() }).map(|m| &mut m.dl_tensor) else { return false };
+    if (tensor.dtype.code, tensor.dtype.bits, tensor.dtype.lanes) != (6, 8, 1) {
+        return false;
+    }
+    tensor.dtype = DLDataType { code: 1, bits: 8, lanes: 1 };
+    true
+}
+
 struct ExportContext {
     buffer: AlignedBuffer,
     shape: Vec<i64>,

@@ -9,6 +9,7 @@ with a ``TypeError`` before anything is sent.
 
 import numpy as np
 
+from rvod import _rvod
 from rvod.common.ops import TensorAdapter
 
 _SUPPORTED = tuple(np.dtype(t) for t in (np.uint8, np.int8, np.int16, np.int32, np.int64, np.float16, np.float32,
@@ -55,6 +56,8 @@ class NumpyAdapter(TensorAdapter):
         return tensors
 
     def from_dlpack(self, capsule):
+        if _rvod.relabel_bool_as_uint8(capsule):  # NumPy < 1.25 imports no DLPack bool: uint8, viewed as bool
+            return np.from_dlpack(_CapsuleHolder(capsule)).view(np.bool_)
         return np.from_dlpack(_CapsuleHolder(capsule))
 
     def copy_(self, dst, src):
