@@ -135,7 +135,7 @@ impl Executor {
         }
 
         let unscaled = response.prescale == 1.0 && postscale == 1.0;
-        if t.size() == 1 && unscaled && entries.iter().all(|e| e.as_ref().is_none_or(|e| e.in_place)) {
+        if t.size() == 1 && unscaled && entries.iter().all(|e| e.as_ref().map_or(true, |e| e.in_place)) {
             // One rank, in place, nothing to scale: every tensor already holds its result.
             return Ok(entries.iter_mut().map(|e| Ok(TensorIo::new(e.as_mut(), 0, dtype).finish())).collect());
         }
