@@ -52,13 +52,13 @@ def build_plan(args):
         plan = {"latency_sizes": [4, 64, 1024, 8 * KiB], "latency_iters": 200, "latency_warmup": 20,
                 "bw_sizes": bw, "allgather_sizes": [1 * MiB], "broadcast_sizes": [1 * MiB],
                 "bw_budget_bytes": 64 * MiB, "bw_min_calls": 3, "bw_max_calls": 50,
-                "fusion_steps": 2, "fusion_warmup": 1, "fusion_single_calls": 5}
+                "fusion_steps": 2, "fusion_warmup": 1, "fusion_warmup_s": 0.05, "fusion_single_calls": 5}
     else:
         few = [s for s in (64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB) if s <= args.max_size]
         plan = {"latency_sizes": _powers(4, 8 * KiB, 2), "latency_iters": 1000, "latency_warmup": 100,
                 "bw_sizes": _powers(64 * KiB, args.max_size, 4), "allgather_sizes": few, "broadcast_sizes": few,
                 "bw_budget_bytes": 512 * MiB, "bw_min_calls": 3, "bw_max_calls": 200,
-                "fusion_steps": 5, "fusion_warmup": 1, "fusion_single_calls": 20}
+                "fusion_steps": 5, "fusion_warmup": 1, "fusion_warmup_s": 0.25, "fusion_single_calls": 20}
     plan.update(bw_warmup=2, working_set_bytes=64 * MiB, fusion_count=1024, fusion_tensor_bytes=4 * KiB,
                 rvod_torch_input_sizes=[4], phases=args.phases.split(","), impls=args.impls)
     if args.latency_iters is not None:

@@ -7,9 +7,12 @@ timings, or ranks would disagree and hang); warm-up calls and buffer first-touch
 a barrier precedes every timed region.
 """
 
+import math
 import time
 
 F32 = 4
+# Upper bound on time-based warm-up steps (a fast step and a long warm-up time must not run forever).
+MAX_WARMUP_STEPS = 1000
 
 
 def _calls_for(size, plan):
@@ -115,6 +118,23 @@ def _check_fused(backend, tensors, names, variant):
         t[:] = 0.0
 
 
+def _warm_up(backend, plan, name, step):
+    """Run `step` for about `fusion_warmup_s` seconds (at least `fusion_warmup` times), so each way is timed in
+    steady state: right after a phase change, rvod's grouped step was seen to run 1.5-2x slower for 10-40
+    steps (~20-60 ms) while the scheduler settled the ranks' threads on the cores, which one warm-up step of
+    gloo's (~0.5 s) always covers and one of rvod's (~1 ms) does not. Rank 0's step count is broadcast, so
+    every rank runs the same number of steps."""
+    t0 = time.perf_counter()
+    step()
+    first_s = time.perf_counter() - t0
+    wanted = max(plan["fusion_warmup"], math.ceil(plan["fusion_warmup_s"] / max(first_s, 1e-6)))
+    count = backend.new_buffer(1)
+    count[0] = min(wanted, MAX_WARMUP_STEPS) - 1
+    backend.broadcast_(count, name)
+    for _ in range(int(count[0])):
+        step()
+
+
 def fusion(backend, plan):
     """Many small tensors per step (each of the backend's ways) vs one allreduce of the same total size."""
     records = []
@@ -123,8 +143,8 @@ def fusion(backend, plan):
     names = [f"bench.fusion.{i}" for i in range(count)]
     for variant in backend.fused_variants:
         _check_fused(backend, tensors, names, variant)
-        for _ in range(plan["fusion_warmup"]):
-            backend.fused_step(tensors, names, variant)
+        _warm_up(backend, plan, f"bench.fusion.warmup.{variant}",
+                 lambda variant=variant: backend.fused_step(tensors, names, variant))
         for _ in range(plan["fusion_steps"]):
             backend.barrier()
             t0 = time.perf_counter()
@@ -135,8 +155,7 @@ def fusion(backend, plan):
     # The comparison point: one in-place allreduce of the same total size, same (hot) memory conditions.
     single = backend.new_buffer(count * tensor_bytes // F32)
     name = "bench.fusion.single"
-    for _ in range(plan["fusion_warmup"]):
-        backend.allreduce_(single, name)
+    _warm_up(backend, plan, "bench.fusion.warmup.single", lambda: backend.allreduce_(single, name))
     mean_s = _timed_batch(backend, plan["fusion_single_calls"], lambda i: backend.allreduce_(single, name))
     records.append(("single_allreduce_hot", count * tensor_bytes, "batch_mean_s", mean_s))
     return records

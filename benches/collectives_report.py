@@ -107,6 +107,12 @@ def aggregate(raw_files):
     return n, metrics, rows
 
 
+def _warmup_words(plan):
+    if "fusion_warmup_s" in plan:  # runs before the warm-up became time-based have only a step count
+        return f"warming up for {plan['fusion_warmup_s']:g} s, at least {plan['fusion_warmup']} step"
+    return f"{plan['fusion_warmup']} warm-up"
+
+
 def _add_fusion_metrics(metrics):
     """Per round: each fused way's busbw as a fraction of one allreduce of the same total size (same job), and
     "fused", the faster of the implementation's ways (`variant` says which)."""
@@ -284,7 +290,7 @@ def table_lines(summary, n, plan, rounds, impls, seen_transports=None):
 def _fusion_lines(summary, plan, size, impls):
     count = plan["fusion_count"]
     lines = [f"fused small tensors: {count} x {human_size(plan['fusion_tensor_bytes'])} float32 per step "
-             f"({plan['fusion_steps']} steps per round after {plan['fusion_warmup']} warm-up); fraction = the step's "
+             f"({plan['fusion_steps']} steps per round after {_warmup_words(plan)}); fraction = the step's "
              f"busbw / the busbw of one {human_size(size)} in-place allreduce of a hot buffer in the same job",
              f"{'impl':<8} | {'way':<42} | {'ms per step':>22} | {'busbw GB/s':>22} | {'fraction':>22} | submit ms"]
     ways = sorted({op for (op, sz) in summary if sz == size and op.startswith("fused_")},

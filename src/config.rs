@@ -52,6 +52,9 @@ pub struct Config {
     pub shm: bool,
     /// Where shared-memory segments are created (`RVOD_SHM_DIR`, default /dev/shm).
     pub shm_dir: std::path::PathBuf,
+    /// The core this rank's engine threads are pinned to (`RVOD_THREAD_AFFINITY`: one core id per local
+    /// rank, this rank's by its local rank); `None`: not pinned.
+    pub thread_affinity: Option<usize>,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -221,6 +224,7 @@ impl Config {
             }
             _ => None,
         };
+        let thread_affinity = thread_affinity(&env, topology.local_rank, topology.local_size)?;
         let timeout_seconds = env.seconds("TIMEOUT", DEFAULT_TIMEOUT_SECONDS)?;
         let timeout_seconds = if timeout_seconds > 0.0 { timeout_seconds } else { DEFAULT_TIMEOUT_SECONDS };
         let start_seconds = env.seconds("START_TIMEOUT", timeout_seconds)?;
@@ -234,11 +238,47 @@ impl Config {
             start_timeout: Duration::from_secs_f64(if start_seconds > 0.0 { start_seconds } else { timeout_seconds }),
             stall_check,
             stall_shutdown,
-            log_level: env.string("LOG_LEVEL").unwrap_or_else(|| "warning".to_string()),
+            log_level: log_level(&env),
             shm: env.flag_or("SHM", true)?,
             shm_dir: env.string("SHM_DIR").unwrap_or_else(|| "/dev/shm".to_string()).into(),
+            thread_affinity,
         })
     }
+}
+
+fn log_level<F: Fn(&str) -> Option<String>>(env: &EnvReader<F>) -> String {
+    env.string("LOG_LEVEL").unwrap_or_else(|| "warning".to_string())
+}
+
+/// The log level alone (`RVOD_LOG_LEVEL` / `HOROVOD_LOG_LEVEL`), so logging can start before the rest of the
+/// configuration is read and what reading it logs is seen.
+pub fn log_level_from_env() -> String {
+    log_level(&EnvReader { lookup: |name: &str| std::env::var(name).ok() })
+}
+
+/// `THREAD_AFFINITY`: comma-separated core ids, entry `local_rank` for this rank. As in Horovod, fewer
+/// entries than local ranks is logged as an error and pins nothing; an entry that is not a core id is an
+/// error naming the variable.
+fn thread_affinity<F: Fn(&str) -> Option<String>>(
+    env: &EnvReader<F>,
+    local_rank: usize,
+    local_size: usize,
+) -> Result<Option<usize>, ConfigError> {
+    let Some((name, value)) = env.raw("THREAD_AFFINITY") else { return Ok(None) };
+    let cores = value
+        .split(',')
+        .map(|entry| entry.trim().parse::<usize>())
+        .collect::<Result<Vec<usize>, _>>()
+        .map_err(|_| EnvReader::<F>::error(name.clone(), value.clone(), "expected comma-separated core ids"))?;
+    if cores.len() < local_size {
+        tracing::error!(
+            "{name}={value:?} names {} core(s) for {local_size} local ranks (one per local rank is needed); \
+             engine threads are not pinned",
+            cores.len()
+        );
+        return Ok(None);
+    }
+    Ok(cores.get(local_rank).copied())
 }
 
 #[cfg(test)]
@@ -249,6 +289,18 @@ mod tests {
     fn config(vars: &[(&str, &str)]) -> Result<Config, ConfigError> {
         let map: HashMap<String, String> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
         Config::from_lookup(move |name| map.get(name).cloned())
+    }
+
+    #[test]
+    fn thread_affinity_takes_this_local_ranks_entry() {
+        assert_eq!(config(&[]).unwrap().thread_affinity, None);
+        let two = [("RVOD_LOCAL_SIZE", "2"), ("RVOD_LOCAL_RANK", "1"), ("HOROVOD_THREAD_AFFINITY", "3, 5")];
+        assert_eq!(config(&two).unwrap().thread_affinity, Some(5));
+        let three = [("RVOD_LOCAL_SIZE", "3"), ("RVOD_LOCAL_RANK", "0"), ("RVOD_THREAD_AFFINITY", "3,5")];
+        assert_eq!(config(&three).unwrap().thread_affinity, None, "too few entries pin nothing");
+        let bad = config(&[("RVOD_THREAD_AFFINITY", "0,x")]).unwrap_err();
+        assert_eq!((bad.name.as_str(), bad.value.as_str()), ("RVOD_THREAD_AFFINITY", "0,x"));
+        assert!(bad.reason.contains("core ids"), "{bad}");
     }
 
     #[test]

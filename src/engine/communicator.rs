@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
 use crate::config::Config;
-use crate::engine::background;
+use crate::engine::{affinity, background};
 use crate::engine::handles::HandleTable;
 use crate::engine::table::TensorEntry;
 use crate::error::EngineError;
@@ -79,9 +79,13 @@ impl Communicator {
         shared.waker.set_doorbell(transport.doorbell());
         let thread_shared = Arc::clone(&shared);
         let thread_config = config.clone();
+        let name = format!("rvod-set{set_id}");
         let thread = std::thread::Builder::new()
-            .name(format!("rvod-set{set_id}"))
-            .spawn(move || background::run(thread_shared, transport, thread_config))
+            .name(name.clone())
+            .spawn(move || {
+                affinity::apply(thread_config.thread_affinity, &name);
+                background::run(thread_shared, transport, thread_config)
+            })
             .map_err(|e| EngineError::Init(format!("cannot start the engine thread: {e}")))?;
         Ok(Communicator { shared, thread: Mutex::new(Some(thread)) })
     }

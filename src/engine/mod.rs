@@ -4,7 +4,7 @@
 //!
 //! - [`submission`]: what callers hand in and get back.
 //! - [`handles`]: the handle table callers wait on.
-//! - [`communicator`]: one process set's background thread and inbox.
+//! - [`communicator`]: one process set's background thread and inbox; [`affinity`]: pinning it to a core.
 //! - [`process_sets`]: which sets exist and how ids are assigned.
 //! - [`connect`]: rendezvous and transport set-up.
 //! - [`table`], [`background`], [`execute`]: the background loop and what it runs.
@@ -13,6 +13,7 @@
 //! Invariant: a submission either fails at once (nothing queued) or its handle is completed exactly once,
 //! with a result or an error, including when the engine stops or fails.
 
+pub mod affinity;
 pub mod background;
 pub mod communicator;
 pub mod connect;

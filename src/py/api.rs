@@ -65,8 +65,8 @@ pub fn init(py: Python<'_>, process_sets: Vec<Vec<usize>>) -> PyResult<()> {
     if state().engine.is_some() {
         return Ok(());
     }
+    init_logging(&crate::config::log_level_from_env());
     let config = Config::from_env().map_err(|e| to_py_err(EngineError::Init(e.to_string())))?;
-    init_logging(&config.log_level);
     let generation = {
         let mut state = state();
         state.generation += 1;

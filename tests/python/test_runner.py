@@ -168,7 +168,8 @@ def test_engine_env_from_flags():
         "-np", "2", "--fusion-threshold-mb", "32", "--cycle-time-ms", "2.5", "--cache-capacity", "0",
         "--timeline-filename", "/tmp/t.json", "--timeline-mark-cycles", "--log-level", "debug",
         "--stall-check-warning-time-seconds", "30", "--stall-check-shutdown-time-seconds", "90",
-        "--no-stall-check", "--timeout", "45", "--start-timeout", "10", "--disable-cache", "python", "x.py",
+        "--no-stall-check", "--timeout", "45", "--start-timeout", "10", "--disable-cache",
+        "--thread-affinity", "3, 01", "python", "x.py",
     ])
     assert options.command == ["python", "x.py"]
     assert engine_env(options) == {
@@ -183,7 +184,16 @@ def test_engine_env_from_flags():
         "RVOD_STALL_CHECK_DISABLE": "1",
         "RVOD_TIMEOUT": "45",
         "RVOD_START_TIMEOUT": "10",
+        "RVOD_THREAD_AFFINITY": "3,1",
     }
+
+
+def test_thread_affinity_flag_refuses_what_is_not_core_ids(capsys):
+    for bad in ("1,x", "-1", "", "1,,2"):
+        with pytest.raises(SystemExit) as exit_info:
+            parse_args(build_parser(), ["-np", "2", "--thread-affinity", bad, "python", "x.py"])
+        assert exit_info.value.code == 2
+        assert "not a comma-separated list of core ids" in capsys.readouterr().err
 
 
 def test_engine_env_empty_without_flags():

@@ -16,6 +16,14 @@ _BYTES_PER_MB = 1024 * 1024
 Number = TypeVar("Number", int, float)
 
 
+def _core_list(text: str) -> str:
+    """An argparse type for comma-separated core ids (Horovod's `--thread-affinity N` is the one-id case)."""
+    entries = [entry.strip() for entry in text.split(",")]
+    if not all(entry.isdigit() for entry in entries):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of core ids")
+    return ",".join(str(int(entry)) for entry in entries)
+
+
 def _non_negative(parse: Callable[[str], Number]) -> Callable[[str], Number]:
     """An argparse type that parses with `parse` (int or float) and refuses values below zero."""
 
@@ -81,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="response cache entries; 0 disables the cache")
     tuning.add_argument("--timeout", dest="timeout", type=_non_negative(float), metavar="SECONDS",
                         help="seconds before a rank gives up on a dead or silent peer")
+    tuning.add_argument("--thread-affinity", dest="thread_affinity", type=_core_list, metavar="CORES",
+                        help="pin the engine thread of local rank i to the i-th of these comma-separated core ids "
+                             "(RVOD_THREAD_AFFINITY; one id per local rank)")
 
     timeline = parser.add_argument_group("timeline")
     timeline.add_argument("--timeline-filename", dest="timeline_filename", metavar="FILE",
@@ -145,4 +156,6 @@ def engine_env(options: argparse.Namespace) -> dict[str, str]:
         env["RVOD_STALL_SHUTDOWN_TIME_SECONDS"] = str(options.stall_shutdown_seconds)
     if options.log_level is not None:
         env["RVOD_LOG_LEVEL"] = options.log_level
+    if options.thread_affinity is not None:
+        env["RVOD_THREAD_AFFINITY"] = options.thread_affinity
     return env

@@ -1,0 +1,18 @@
+"""Prints which cores this rank's engine thread and main thread may run on (RVOD_THREAD_AFFINITY checks)."""
+
+import os
+import threading
+
+import numpy as np
+
+import rvod.numpy as hvd
+
+hvd.init()
+assert float(hvd.allreduce(np.ones(1), op=hvd.Sum)[0]) == hvd.size()
+engine = [int(tid) for tid in os.listdir("/proc/self/task")
+          if open(f"/proc/self/task/{tid}/comm").read().strip() == "rvod-set0"]
+assert len(engine) == 1, engine
+print(f"rank {hvd.rank()}: engine {sorted(os.sched_getaffinity(engine[0]))} "
+      f"main {sorted(os.sched_getaffinity(threading.get_native_id()))}",
+      flush=True)
+hvd.shutdown()
