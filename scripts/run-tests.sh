@@ -3,6 +3,7 @@
 # wheel users install (built once, installed in .venv). Run from a fresh clone: bash scripts/run-tests.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
+bash scripts/setup-system.sh
 WHEEL=$(bash scripts/setup-env.sh pytest pytest-timeout scikit-learn torch "tensorflow-cpu==2.21.*" "keras>=3.3" | tail -n 1)
 VENV=${RVOD_VENV:-.venv}
 
