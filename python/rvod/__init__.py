@@ -2,6 +2,7 @@
 
 Change ``import horovod.torch as hvd`` to ``import rvod.torch as hvd`` (or ``rvod.numpy``,
 ``rvod.tensorflow``, ``rvod.keras``, ``rvod.mxnet``) and launch with ``rvodrun -np N python train.py``.
+``rvod.run(fn, np=N, hosts=...)`` runs a function on every rank, as ``horovod.run`` does.
 Importing ``rvod`` itself imports no deep-learning framework.
 """
 
@@ -13,6 +14,7 @@ from rvod.exceptions import (
     RvodMismatchError,
     RvodTimeoutError,
 )
+from rvod.runner.run_func import run
 
 __version__ = "0.1.0"
 
@@ -24,4 +26,5 @@ __all__ = [
     "RvodTimeoutError",
     "HorovodInternalError",
     "HostsUpdatedInterrupt",
+    "run",
 ]

@@ -255,7 +255,7 @@ pub fn wait(py: Python<'_>, handle: u64) -> PyResult<Bound<'_, PyTuple>> {
 pub fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let info = PyDict::new(py);
     info.set_item("version", env!("CARGO_PKG_VERSION"))?;
-    info.set_item("transports", vec!["tcp"])?;
+    info.set_item("transports", vec!["tcp", "shm"])?;
     info.set_item("nccl", false)?;
     Ok(info)
 }

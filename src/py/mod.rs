@@ -5,7 +5,7 @@
 //! - [`ndarray`], [`buffer`]: NumPy arrays in without a capsule per array (NumPy's struct, the buffer
 //!   protocol).
 //! - [`error`]: engine errors as Python exceptions.
-//! - [`rendezvous`]: the rendezvous server class used by `rvodrun`.
+//! - [`rendezvous`]: the rendezvous server class used by `rvodrun`, and a client of it for `rvod.run`.
 
 pub mod api;
 pub mod buffer;
@@ -33,5 +33,6 @@ fn _rvod(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(api::build_info, m)?)?;
     m.add_function(wrap_pyfunction!(dlpack::relabel_bool_as_uint8, m)?)?;
     m.add_class::<rendezvous::RendezvousServer>()?;
+    m.add_class::<rendezvous::StoreClient>()?;
     Ok(())
 }

@@ -1,12 +1,15 @@
-//! `RendezvousServer`: the job's authenticated key-value store, started by `rvodrun`.
+//! `RendezvousServer`: the job's authenticated key-value store, started by `rvodrun`; `StoreClient`: a
+//! connection to it from Python (`rvod.run` ships the function and collects the results through it).
 
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use crate::py::error::runtime_error;
 use crate::transport::rendezvous;
+use crate::transport::rendezvous::StoreClient as NativeStoreClient;
 
 #[pyclass(name = "RendezvousServer", module = "rvod._rvod")]
 pub struct RendezvousServer {
@@ -40,5 +43,52 @@ impl RendezvousServer {
         if let Some(server) = self.server.take() {
             py.allow_threads(|| server.stop());
         }
+    }
+}
+
+fn timeout_from_seconds(seconds: f64) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(seconds)
+        .map_err(|_| PyValueError::new_err(format!("timeout must be a number of seconds >= 0, got {seconds}")))
+}
+
+#[pyclass(name = "StoreClient", module = "rvod._rvod")]
+pub struct StoreClient {
+    client: Option<NativeStoreClient>,
+}
+
+impl StoreClient {
+    fn connected(&mut self) -> PyResult<&mut NativeStoreClient> {
+        self.client.as_mut().ok_or_else(|| runtime_error("the store client is closed".to_string()))
+    }
+}
+
+#[pymethods]
+impl StoreClient {
+    /// Connects to the store at `host:port` and proves knowledge of `secret`, retrying for `timeout` seconds.
+    #[new]
+    #[pyo3(signature = (host, port, secret, timeout))]
+    fn new(py: Python<'_>, host: &str, port: u16, secret: Vec<u8>, timeout: f64) -> PyResult<Self> {
+        let ip: IpAddr = host.parse().map_err(|_| PyValueError::new_err(format!("'{host}' is not an IP address")))?;
+        let timeout = timeout_from_seconds(timeout)?;
+        let client = py
+            .allow_threads(|| NativeStoreClient::connect(SocketAddr::new(ip, port), &secret, timeout))
+            .map_err(|e| runtime_error(e.to_string()))?;
+        Ok(StoreClient { client: Some(client) })
+    }
+
+    fn set(&mut self, py: Python<'_>, key: &str, value: Vec<u8>) -> PyResult<()> {
+        let client = self.connected()?;
+        py.allow_threads(|| client.set(key, &value)).map_err(|e| runtime_error(e.to_string()))
+    }
+
+    /// The value of `key`, waiting up to `timeout` seconds for some client to set it (RuntimeError after that).
+    fn get(&mut self, py: Python<'_>, key: &str, timeout: f64) -> PyResult<Vec<u8>> {
+        let timeout = timeout_from_seconds(timeout)?;
+        let client = self.connected()?;
+        py.allow_threads(|| client.get(key, timeout)).map_err(|e| runtime_error(e.to_string()))
+    }
+
+    fn close(&mut self) {
+        self.client = None;
     }
 }

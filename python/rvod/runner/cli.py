@@ -1,7 +1,8 @@
 """The rvodrun command line: its flags, their checks, and the engine settings they become.
 
-Flag names follow horovodrun so existing launch scripts keep working. A tuning flag that is not given
-sets nothing, so the engine's default (or a value the user exported) applies.
+Every horovodrun flag is accepted by name, so existing launch scripts keep working: each is honoured, or
+refused with a sentence saying why (`REFUSED`, `MPI_ONLY`). A tuning flag that is not given sets nothing
+(its value stays None), so a --config-file value, the engine's default, or a value the user exported applies.
 """
 
 from __future__ import annotations
@@ -54,10 +55,53 @@ def _format_number(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else repr(float(value))
 
 
+def _network_interfaces(text: str) -> list[str]:
+    """--network-interface(s): NIC names, commas splitting a list (both flags accumulate, as horovodrun's)."""
+    names = [name.strip() for name in text.split(",")]
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of network interface names")
+    return names
+
+
+class _ExtendAction(argparse.Action):
+    """Appends the items of each value to one list shared by several flags."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        items = list(getattr(namespace, self.dest, None) or [])
+        items += [value for value in values if value not in items]
+        setattr(namespace, self.dest, items)
+
+
+# horovodrun flags that rvodrun accepts but refuses, each with the sentence that says why.
+REFUSED = {
+    "torus_allreduce": "--torus-allreduce is NCCL's torus allreduce for GPU clusters, which rvod does not have; "
+                       "rvod picks its own algorithm (see --hierarchical-allreduce)",
+    "autotune": "--autotune: rvod has no autotuner yet; set --fusion-threshold-mb and --cycle-time-ms yourself",
+    "min_num_proc": "--min-np selects elastic training, which rvodrun does not support yet",
+    "max_num_proc": "--max-np is an elastic-training flag, and rvodrun does not support elastic training yet",
+    "slots_per_host": "--slots-per-host is an elastic-training flag, and rvodrun does not support elastic "
+                      "training yet; give slots with -H host:slots or a hostfile",
+    "elastic_timeout": "--elastic-timeout is an elastic-training flag, and rvodrun does not support elastic "
+                       "training yet",
+    "reset_limit": "--reset-limit is an elastic-training flag, and rvodrun does not support elastic training yet",
+    "cooldown_range": "--blacklist-cooldown-range is an elastic-training flag, and rvodrun does not support "
+                      "elastic training yet",
+    "host_discovery_script": "--host-discovery-script selects elastic training, which rvodrun does not support "
+                             "yet; list the hosts with -H or --hostfile",
+    "num_nccl_streams": "--num-nccl-streams: rvod does not run NCCL operations yet, so there are no NCCL "
+                        "streams to set",
+    "use_jsrun": "--jsrun launches through LSF's jsrun, which rvodrun does not support; use -H/--hostfile "
+                 "(ssh) or --mpi (mpirun)",
+}
+# Flags that only mean something to mpirun.
+MPI_ONLY = {"mpi_args": "--mpi-args", "binding_args": "--binding-args"}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rvodrun",
-        description="Launch a distributed rvod job: one process per rank, output prefixed by rank.",
+        description="Launch a distributed rvod job: one process per rank, on this machine or on the hosts "
+                    "given (reached with ssh), output prefixed by rank. Takes horovodrun's flags.",
         usage="rvodrun [-h] [-np N] [-H HOSTS | --hostfile FILE] [options] command [args ...]",
     )
     parser.add_argument("-v", "--version", action="store_true", help="print the rvod version and exit (as horovodrun -v)")
@@ -66,19 +110,46 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-cb", "--check-build", dest="check_build", action="store_true",
                         help="show which frameworks and tensor transports this rvod can use, then exit")
     parser.add_argument("--verbose", action="store_true",
-                        help="say what rvodrun does: placement, process ids, exits")
+                        help="say what rvodrun does: placement, addresses, process ids, exits")
     parser.add_argument("--output-filename", dest="output_dir", metavar="DIR",
                         help="also write each rank's stdout and stderr to DIR/rank.<rank>/{stdout,stderr}")
     parser.add_argument("--start-timeout", dest="start_timeout", type=_non_negative(float), metavar="SECONDS",
-                        help="how long ranks may take to start and meet at the rendezvous (RVOD_START_TIMEOUT)")
+                        help="how long the ssh checks of the hosts may take, and how long ranks may take to meet "
+                             "at the rendezvous (default 30 s for the checks; RVOD_START_TIMEOUT)")
     parser.add_argument("--disable-cache", dest="disable_cache", action="store_true",
-                        help="accepted for horovodrun compatibility; local jobs cache nothing")
+                        help="accepted for horovodrun compatibility: rvodrun caches nothing, it checks every host "
+                             "on every start")
+    parser.add_argument("--network-interfaces", "--network-interface", dest="nics", action=_ExtendAction,
+                        type=_network_interfaces, metavar="NIC[,NIC...]",
+                        help="network interfaces the job's connections use (repeatable, or comma-separated); "
+                             "default: the interface that routes to the other hosts")
+    parser.add_argument("--config-file", dest="config_file", metavar="FILE.yaml",
+                        help="horovodrun's YAML configuration file; flags given on the command line win")
+
+    ssh = parser.add_argument_group("ssh")
+    ssh.add_argument("-p", "--ssh-port", dest="ssh_port", type=_positive_int, metavar="PORT",
+                     help="ssh port on every host")
+    ssh.add_argument("-i", "--ssh-identity-file", dest="ssh_identity_file", metavar="FILE",
+                     help="private key ssh authenticates with")
+    ssh.add_argument("--ssh-config-file", dest="ssh_config_file", metavar="FILE",
+                     help="ssh client configuration file (ssh -F) for reaching the hosts "
+                          "(default: $RVOD_SSH_CONFIG_FILE, else ssh's own)")
 
     hosts = parser.add_argument_group("hosts").add_mutually_exclusive_group()
     hosts.add_argument("-H", "--hosts", metavar="HOST:SLOTS,...",
-                       help='hosts and their slots, e.g. "localhost:4" (default: localhost:<np>)')
+                       help='hosts and their slots, e.g. "server1:4,server2:4" (default: localhost:<np>); '
+                            "ranks fill the hosts in order")
     hosts.add_argument("-hostfile", "--hostfile", metavar="FILE",
-                       help='file with one "<host> slots=<n>" per line')
+                       help='file with one "<host> slots=<n>" per line; "#" starts a comment')
+    hosts.add_argument("--host-discovery-script", dest="host_discovery_script", metavar="SCRIPT",
+                       help="(elastic training: not supported by rvodrun yet)")
+
+    controller = parser.add_argument_group("controller").add_mutually_exclusive_group()
+    controller.add_argument("--gloo", dest="use_gloo", action="store_true",
+                            help="accepted: rvod's own TCP and shared-memory transports play Gloo's part")
+    controller.add_argument("--mpi", dest="use_mpi", action="store_true",
+                            help="start the ranks with Open MPI's mpirun (must be installed) instead of ssh")
+    controller.add_argument("--jsrun", dest="use_jsrun", action="store_true", help="(LSF's jsrun: not supported)")
 
     tuning = parser.add_argument_group("tuning")
     tuning.add_argument("--fusion-threshold-mb", dest="fusion_threshold_mb", type=_non_negative(int), metavar="MB",
@@ -92,16 +163,58 @@ def build_parser() -> argparse.ArgumentParser:
     tuning.add_argument("--thread-affinity", dest="thread_affinity", type=_core_list, metavar="CORES",
                         help="pin the engine thread of local rank i to the i-th of these comma-separated core ids "
                              "(RVOD_THREAD_AFFINITY; one id per local rank)")
+    for name, what in (("allreduce", "allreduce"), ("allgather", "allgather")):
+        choice = tuning.add_mutually_exclusive_group()
+        choice.add_argument(f"--hierarchical-{name}", dest=f"hierarchical_{name}", action="store_const", const=True,
+                            help=f"force hierarchical {what} (inside each host, then across hosts)")
+        choice.add_argument(f"--no-hierarchical-{name}", dest=f"hierarchical_{name}", action="store_const",
+                            const=False, help=f"force flat {what}")
+    torus = tuning.add_mutually_exclusive_group()
+    torus.add_argument("--torus-allreduce", dest="torus_allreduce", action="store_const", const=True,
+                       help="(NCCL torus allreduce: not supported)")
+    torus.add_argument("--no-torus-allreduce", dest="torus_allreduce", action="store_const", const=False,
+                       help="accepted: rvod never uses a torus allreduce")
+
+    autotune = parser.add_argument_group("autotune (rvod has no autotuner: --autotune is refused; the other "
+                                         "flags only apply with it, as in horovodrun)")
+    autotune_choice = autotune.add_mutually_exclusive_group()
+    autotune_choice.add_argument("--autotune", dest="autotune", action="store_const", const=True,
+                                 help="(not supported)")
+    autotune_choice.add_argument("--no-autotune", dest="autotune", action="store_const", const=False,
+                                 help=argparse.SUPPRESS)
+    autotune.add_argument("--autotune-log-file", dest="autotune_log_file", metavar="FILE")
+    autotune.add_argument("--autotune-warmup-samples", dest="autotune_warmup_samples", type=_non_negative(int),
+                          metavar="N")
+    autotune.add_argument("--autotune-steps-per-sample", dest="autotune_steps_per_sample", type=_non_negative(int),
+                          metavar="N")
+    autotune.add_argument("--autotune-bayes-opt-max-samples", dest="autotune_bayes_opt_max_samples",
+                          type=_non_negative(int), metavar="N")
+    autotune.add_argument("--autotune-gaussian-process-noise", dest="autotune_gaussian_process_noise",
+                          type=_unit_interval, metavar="F")
+
+    elastic = parser.add_argument_group("elastic (not supported by rvodrun yet: each of these is refused)")
+    elastic.add_argument("--min-np", "--min-num-proc", dest="min_num_proc", type=int, metavar="N")
+    elastic.add_argument("--max-np", "--max-num-proc", dest="max_num_proc", type=int, metavar="N")
+    elastic.add_argument("--slots-per-host", dest="slots_per_host", type=int, metavar="N")
+    elastic.add_argument("--elastic-timeout", dest="elastic_timeout", type=int, metavar="SECONDS")
+    elastic.add_argument("--reset-limit", dest="reset_limit", type=int, metavar="N")
+    elastic.add_argument("--blacklist-cooldown-range", dest="cooldown_range", type=int, nargs=2, metavar=("MIN", "MAX"))
 
     timeline = parser.add_argument_group("timeline")
     timeline.add_argument("--timeline-filename", dest="timeline_filename", metavar="FILE",
                           help="write a Chrome-trace timeline of the job to FILE")
-    timeline.add_argument("--timeline-mark-cycles", dest="timeline_mark_cycles", action="store_true",
-                          help="mark every engine cycle in the timeline")
+    cycles = timeline.add_mutually_exclusive_group()
+    cycles.add_argument("--timeline-mark-cycles", dest="timeline_mark_cycles", action="store_const", const=True,
+                        help="mark every engine cycle in the timeline")
+    cycles.add_argument("--no-timeline-mark-cycles", dest="timeline_mark_cycles", action="store_const", const=False,
+                        help=argparse.SUPPRESS)
 
     stall = parser.add_argument_group("stall check")
-    stall.add_argument("--no-stall-check", dest="no_stall_check", action="store_true",
-                       help="disable the stall inspector")
+    stall_choice = stall.add_mutually_exclusive_group()
+    stall_choice.add_argument("--no-stall-check", dest="no_stall_check", action="store_const", const=True,
+                              help="disable the stall inspector")
+    stall_choice.add_argument("--stall-check", dest="no_stall_check", action="store_const", const=False,
+                              help=argparse.SUPPRESS)
     stall.add_argument("--stall-check-warning-time-seconds", dest="stall_warning_seconds",
                        type=_non_negative(int), metavar="SECONDS",
                        help="warn about ranks missing from a collective after this long")
@@ -109,21 +222,67 @@ def build_parser() -> argparse.ArgumentParser:
                        type=_non_negative(int), metavar="SECONDS",
                        help="fail the job when a collective stalls this long; 0 never")
 
+    library = parser.add_argument_group("library")
+    threads = library.add_mutually_exclusive_group()
+    threads.add_argument("--mpi-threads-disable", dest="mpi_threads_disable", action="store_const", const=True,
+                         help="accepted: rvod never starts MPI's threads, so there is nothing to disable")
+    threads.add_argument("--no-mpi-threads-disable", dest="mpi_threads_disable", action="store_const", const=False,
+                         help=argparse.SUPPRESS)
+    library.add_argument("--mpi-args", dest="mpi_args", metavar='"ARGS"',
+                         help='extra arguments for mpirun (with --mpi), e.g. --mpi-args="--map-by ppr:2:node"')
+    library.add_argument("--binding-args", dest="binding_args", metavar='"ARGS"',
+                         help="process binding arguments for mpirun (with --mpi)")
+    library.add_argument("--tcp", dest="tcp", action="store_true",
+                         help="TCP only: sets NCCL_IB_DISABLE=1 (rvod's own connections between hosts are TCP)")
+    library.add_argument("--num-nccl-streams", dest="num_nccl_streams", type=_non_negative(int), metavar="N",
+                         help="(not supported: rvod runs no NCCL operations yet)")
+    library.add_argument("--gloo-timeout-seconds", dest="gloo_timeout_seconds", type=_non_negative(float),
+                         metavar="SECONDS", help="as --timeout (when --timeout is not given)")
+
     logging = parser.add_argument_group("logging")
     logging.add_argument("--log-level", dest="log_level", type=str.upper, choices=LOG_LEVELS,
                          help="engine log level")
+    stamps = logging.add_mutually_exclusive_group()
+    stamps.add_argument("--log-with-timestamp", "--no-log-hide-timestamp", dest="log_with_timestamp",
+                        action="store_const", const=True, help=argparse.SUPPRESS)
+    stamps.add_argument("--log-without-timestamp", "--log-hide-timestamp", dest="log_with_timestamp",
+                        action="store_const", const=False, help="leave the time out of the engine's log lines")
+    logging.add_argument("-prefix-timestamp", "--prefix-output-with-timestamp", dest="prefix_timestamp",
+                         action="store_true", help="put the local time in front of every line of the ranks' output")
 
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the program each rank runs, and its arguments")
     return parser
 
 
+def _unit_interval(text: str) -> float:
+    value = _non_negative(float)(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"{text} must be in [0, 1]")
+    return value
+
+
 def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
-    """Parses and checks the command line; usage errors exit with status 2 through `parser.error`."""
+    """Parses and checks the command line (and --config-file); usage errors and refused flags exit with
+    status 2 through `parser.error`."""
+    from rvod.runner.config_file import apply_config_file
+
     options = parser.parse_args(argv)
     if options.command[:1] == ["--"]:
         options.command = options.command[1:]
+    if options.config_file is not None:
+        try:
+            apply_config_file(options, options.config_file)
+        except ValueError as error:
+            parser.error(str(error))
     if options.version or options.check_build:
         return options
+    for dest, sentence in REFUSED.items():
+        if getattr(options, dest, None) not in (None, False):
+            parser.error(sentence)
+    for dest, flag in MPI_ONLY.items():
+        if getattr(options, dest) is not None and not options.use_mpi:
+            parser.error(f"{flag} is for mpirun, which rvodrun only uses with --mpi; add --mpi to launch "
+                         "through mpirun")
     if options.num_proc is None:
         parser.error("-np/--num-proc is required")
     if not options.command:
@@ -142,20 +301,32 @@ def engine_env(options: argparse.Namespace) -> dict[str, str]:
         env["RVOD_CACHE_CAPACITY"] = str(options.cache_capacity)
     if options.timeout is not None:
         env["RVOD_TIMEOUT"] = _format_number(options.timeout)
+    elif options.gloo_timeout_seconds is not None:
+        env["RVOD_TIMEOUT"] = _format_number(options.gloo_timeout_seconds)
     if options.start_timeout is not None:
         env["RVOD_START_TIMEOUT"] = _format_number(options.start_timeout)
+    for dest, name in (("hierarchical_allreduce", "RVOD_HIERARCHICAL_ALLREDUCE"),
+                       ("hierarchical_allgather", "RVOD_HIERARCHICAL_ALLGATHER")):
+        if getattr(options, dest) is not None:
+            env[name] = "1" if getattr(options, dest) else "0"
     if options.timeline_filename is not None:
         env["RVOD_TIMELINE"] = options.timeline_filename
-    if options.timeline_mark_cycles:
-        env["RVOD_TIMELINE_MARK_CYCLES"] = "1"
-    if options.no_stall_check:
-        env["RVOD_STALL_CHECK_DISABLE"] = "1"
+        if options.timeline_mark_cycles is not None:
+            env["RVOD_TIMELINE_MARK_CYCLES"] = "1" if options.timeline_mark_cycles else "0"
+    if options.no_stall_check is not None:
+        env["RVOD_STALL_CHECK_DISABLE"] = "1" if options.no_stall_check else "0"
     if options.stall_warning_seconds is not None:
         env["RVOD_STALL_CHECK_TIME_SECONDS"] = str(options.stall_warning_seconds)
     if options.stall_shutdown_seconds is not None:
         env["RVOD_STALL_SHUTDOWN_TIME_SECONDS"] = str(options.stall_shutdown_seconds)
     if options.log_level is not None:
         env["RVOD_LOG_LEVEL"] = options.log_level
+    if options.log_with_timestamp is not None:
+        env["RVOD_LOG_HIDE_TIME"] = "0" if options.log_with_timestamp else "1"
     if options.thread_affinity is not None:
         env["RVOD_THREAD_AFFINITY"] = options.thread_affinity
+    if options.tcp:
+        env["NCCL_IB_DISABLE"] = "1"
+    if options.nics:
+        env["RVOD_NETWORK_INTERFACE"] = ",".join(options.nics)
     return env

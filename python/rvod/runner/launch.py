@@ -1,6 +1,12 @@
-"""`rvodrun`: reads the command line, places the ranks, starts the rendezvous store, and supervises the job.
+"""`rvodrun`: reads the command line, places the ranks, checks the hosts, starts the rendezvous store, and
+supervises the job.
 
-Only this machine can host ranks for now; naming another host is a usage error (exit status 2).
+Ranks on this machine (localhost, 127.0.0.1, or its own name) start directly; ranks on other hosts start
+through ssh (see `rvod.runner.ssh` and `rvod.runner.remote`). A one-host job keeps the store on loopback; a
+job with other hosts serves it on the address of the first --network-interface, or else on the local address
+that routes to the first remote host. Before any rank starts, every remote host is probed in parallel; the
+first problem found (unreachable, no rvod, another Python or rvod version, a missing NIC) ends rvodrun with
+a line naming the host, and nothing is left running.
 """
 
 from __future__ import annotations
@@ -8,18 +14,21 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
-import socket
+import shutil
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from rvod.runner import store
+from rvod.runner import network, store
 from rvod.runner.check_build import build_report, package_version
 from rvod.runner.cli import build_parser, engine_env, parse_args
-from rvod.runner.hosts import Host, Slot, assign_slots, parse_hostfile, parse_hosts, remote_hosts
+from rvod.runner.hosts import Host, Slot, assign_slots, local_names, parse_hostfile, parse_hosts
+from rvod.runner.ssh import HostProblem, SshSettings, forwarded_environment, probe_hosts, remote_python_command
 from rvod.runner.supervisor import Supervisor, WorkerSpec
 from rvod.runner.worker_env import worker_env
 
 _SECRET_BYTES = 32
+DEFAULT_START_TIMEOUT = 30.0
 
 
 def _hosts(options: argparse.Namespace) -> list[Host]:
@@ -30,21 +39,148 @@ def _hosts(options: argparse.Namespace) -> list[Host]:
     return [Host("localhost", options.num_proc)]
 
 
-def plan_slots(options: argparse.Namespace) -> list[Slot]:
-    """Where each rank runs; raises ValueError for hosts or counts that cannot work."""
+def start_timeout(options: argparse.Namespace) -> float:
+    """--start-timeout, else RVOD_START_TIMEOUT / HOROVOD_START_TIMEOUT, else 30 s (horovodrun's default)."""
+    if options.start_timeout is not None:
+        return float(options.start_timeout)
+    for name in ("RVOD_START_TIMEOUT", "HOROVOD_START_TIMEOUT"):
+        value = os.environ.get(name)
+        if value:
+            try:
+                return float(value)
+            except ValueError:
+                raise ValueError(f"{name}={value!r} is not a number of seconds") from None
+    return DEFAULT_START_TIMEOUT
+
+
+def resolve_command(command: list[str]) -> list[str]:
+    """The command as the ranks run it: a Python script named without an interpreter runs with this Python;
+    another file that exists but cannot be executed is refused with a sentence saying so."""
+    program = command[0]
+    if shutil.which(program) is not None:
+        return command
+    path = Path(program)
+    if not path.is_file():
+        return command  # not found: the rank's start reports it
+    if path.suffix == ".py":
+        return [sys.executable, *command]
+    if os.access(path, os.X_OK):
+        return [str(path if "/" in program else Path(".") / path), *command[1:]]
+    raise ValueError(f"{program!r} is not executable: make it executable (chmod +x) or name its interpreter, "
+                     f"e.g. rvodrun -np N python {program}")
+
+
+@dataclass
+class JobPlan:
+    """Where every rank runs and how the hosts are reached; made before anything starts."""
+
+    slots: list[Slot]
+    remote_hosts: list[str]
+    ssh: SshSettings
+    rendezvous_addr: str
+    start_timeout: float
+    nics: list[str] = field(default_factory=list)
+
+    @property
+    def multi_host(self) -> bool:
+        return len({slot.hostname for slot in self.slots}) > 1 or bool(self.remote_hosts)
+
+
+def plan_job(options: argparse.Namespace) -> JobPlan:
+    """Places the ranks and picks the rendezvous address; ValueError (naming the host, line or NIC) for what
+    cannot work."""
     hosts = _hosts(options)
-    remote = remote_hosts(hosts)
-    if remote:
-        raise ValueError(
-            f"{', '.join(repr(name) for name in remote)}: not this machine. rvodrun only runs jobs on this machine "
-            f"for now (multi-host support comes later); use localhost, 127.0.0.1 or {socket.gethostname()}"
-        )
-    return assign_slots(hosts, options.num_proc)
+    slots = assign_slots(hosts, options.num_proc)
+    local = local_names()
+    used = list(dict.fromkeys(slot.hostname for slot in slots))
+    remote = [name for name in used if name.lower() not in local]
+    timeout = start_timeout(options)
+    ssh = SshSettings(port=options.ssh_port, identity_file=options.ssh_identity_file,
+                      config_file=options.ssh_config_file or os.environ.get("RVOD_SSH_CONFIG_FILE") or None,
+                      connect_timeout=timeout)
+    nics = list(options.nics or [])
+    nic_addresses = [network.interface_address(nic) for nic in nics]  # a NIC this machine lacks: ValueError
+    # An unknown host is named here, before anything starts.
+    peers = [network.resolve(ssh.resolved_hostname(name)) for name in remote]
+    if not remote:
+        rendezvous_addr = network.LOOPBACK
+    elif nic_addresses:
+        rendezvous_addr = nic_addresses[0]
+    else:
+        rendezvous_addr = network.route_source(peers[0])
+    return JobPlan(slots=slots, remote_hosts=remote, ssh=ssh, rendezvous_addr=rendezvous_addr,
+                   start_timeout=timeout, nics=nics)
 
 
 def _rank_output_dir(root: str, rank: int, size: int) -> Path:
     """`root/rank.<rank>`, zero-padded to the width of the largest rank, as horovodrun names them."""
     return Path(root) / f"rank.{str(rank).zfill(len(str(size - 1)))}"
+
+
+class Job:
+    """One job: check the hosts, then (as a context manager) serve the rendezvous store while `run` runs
+    the ranks. `rvod.run` uses it too, to reach the store before and after the ranks run."""
+
+    def __init__(self, options: argparse.Namespace, plan: JobPlan):
+        self.options = options
+        self.plan = plan
+        self.secret = secrets.token_bytes(_SECRET_BYTES)
+        self.failure: str | None = None
+        self._store: store.RendezvousStore | None = None
+
+    def check_hosts(self) -> None:
+        """Probes every remote host (HostProblem naming the first bad one)."""
+        if self.plan.remote_hosts:
+            if self.options.verbose:
+                print(f"rvodrun: checking {', '.join(self.plan.remote_hosts)} over ssh", file=sys.stderr)
+            probe_hosts(self.plan.ssh, self.plan.remote_hosts, os.environ, self.plan.start_timeout, self.plan.nics)
+
+    @property
+    def port(self) -> int:
+        assert self._store is not None
+        return self._store.port
+
+    def __enter__(self) -> Job:
+        self._store = store.start_store(self.plan.rendezvous_addr, self.secret)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+
+    def _spec(self, slot: Slot, command: list[str], settings: dict[str, str]) -> WorkerSpec:
+        remote = slot.hostname in self.plan.remote_hosts
+        base = forwarded_environment(os.environ) if remote else os.environ
+        env = worker_env(base, slot, rendezvous_addr=self.plan.rendezvous_addr, rendezvous_port=self.port,
+                         secret=self.secret, settings=settings)
+        if self.plan.multi_host and not remote and "RVOD_IFACE_ADDR" not in env and "HOROVOD_IFACE_ADDR" not in env:
+            # Until the engine picks its listening address itself, local ranks of a multi-host job listen on
+            # the address the other hosts reach this machine by (the engine's default is loopback).
+            env["RVOD_IFACE_ADDR"] = self.plan.rendezvous_addr
+        output_dir = self.options.output_dir
+        ssh_command = None
+        if remote:
+            ssh_command = self.plan.ssh.command(slot.hostname,
+                                                remote_python_command(env, ["-m", "rvod.runner.remote"]))
+        return WorkerSpec(rank=slot.rank, command=command, env=env, hostname=slot.hostname, ssh_command=ssh_command,
+                          output_dir=_rank_output_dir(output_dir, slot.rank, slot.size) if output_dir else None)
+
+    def run(self, command: list[str]) -> int:
+        """Runs `command` as every rank and returns the job's exit status (`failure` says what failed)."""
+        options = self.options
+        if options.verbose:
+            print(f"rvodrun: rendezvous store listening on {self.plan.rendezvous_addr}:{self.port}", file=sys.stderr)
+            for slot in self.plan.slots:
+                print(f"rvodrun: rank {slot.rank} on {slot.hostname}: local rank {slot.local_rank} of "
+                      f"{slot.local_size}, cross rank {slot.cross_rank} of {slot.cross_size}", file=sys.stderr)
+        settings = engine_env(options)
+        specs = [self._spec(slot, command, settings) for slot in self.plan.slots]
+        supervisor = Supervisor(verbose=options.verbose, name_hosts=self.plan.multi_host,
+                                timestamp=options.prefix_timestamp)
+        status = supervisor.run(specs)
+        self.failure = supervisor.failure
+        return status
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,36 +194,26 @@ def main(argv: list[str] | None = None) -> int:
         print(build_report())
         return 0
     try:
-        slots = plan_slots(options)
+        plan = plan_job(options)
+        command = resolve_command(options.command)
     except ValueError as error:
         parser.error(str(error))
+    if options.use_mpi:
+        from rvod.runner.mpi import run_with_mpirun
 
-    secret = secrets.token_bytes(_SECRET_BYTES)
+        return run_with_mpirun(options, plan, command)
+    job = Job(options, plan)
     try:
-        rendezvous = store.start_store(store.LOOPBACK, secret)
-    except store.StoreUnavailable as error:
+        job.check_hosts()
+    except HostProblem as error:
         print(f"rvodrun: {error}", file=sys.stderr)
         return 1
     try:
-        if options.verbose:
-            print(f"rvodrun: rendezvous store listening on {store.LOOPBACK}:{rendezvous.port}", file=sys.stderr)
-            for slot in slots:
-                print(f"rvodrun: rank {slot.rank} on {slot.hostname}: local rank {slot.local_rank} of "
-                      f"{slot.local_size}, cross rank {slot.cross_rank} of {slot.cross_size}", file=sys.stderr)
-        settings = engine_env(options)
-        specs = [
-            WorkerSpec(
-                rank=slot.rank,
-                command=options.command,
-                env=worker_env(os.environ, slot, rendezvous_addr=store.LOOPBACK, rendezvous_port=rendezvous.port,
-                               secret=secret, settings=settings),
-                output_dir=_rank_output_dir(options.output_dir, slot.rank, slot.size) if options.output_dir else None,
-            )
-            for slot in slots
-        ]
-        return Supervisor(verbose=options.verbose).run(specs)
-    finally:
-        rendezvous.close()
+        with job:
+            return job.run(command)
+    except store.StoreUnavailable as error:
+        print(f"rvodrun: {error}", file=sys.stderr)
+        return 1
 
 
 def run_commandline() -> None:

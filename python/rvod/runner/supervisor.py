@@ -2,6 +2,9 @@
 
 Each worker starts in a new session, hence its own process group: stopping a worker's group also stops
 the processes it started, and a Ctrl-C in the terminal reaches rvodrun alone, which passes it on.
+A worker on another host is an ssh client running `rvod.runner.remote` there: it gets its request (command,
+directory, environment with the secret) on ssh's stdin, signals as `signal N` lines, and when the ssh
+client ends, the remote side stops the rank's group. Its exit comes back as a status line on stderr.
 The first worker to fail (non-zero exit, or killed by a signal) is named on stderr and the others get
 SIGTERM; a SIGINT, SIGTERM or SIGHUP sent to rvodrun is forwarded to every worker. Workers still running
 a grace period later get SIGKILL, and so does anything left in a worker's group once the job is over.
@@ -9,6 +12,7 @@ a grace period later get SIGKILL, and so does anything left in a worker's group 
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import signal
@@ -21,6 +25,8 @@ from pathlib import Path
 from typing import IO
 
 from rvod.runner.output import start_forwarding, write_line
+from rvod.runner.remote import STATUS_MARKER
+from rvod.runner.ssh import SSH_FAILED
 
 STOP_GRACE_SECONDS = 5.0
 _POLL_SECONDS = 0.05
@@ -37,6 +43,9 @@ class WorkerSpec:
     command: list[str]
     env: dict[str, str]
     output_dir: Path | None = None
+    hostname: str = "localhost"
+    # For a rank on another host: the ssh command line that runs rvod.runner.remote there.
+    ssh_command: list[str] | None = None
 
 
 def signal_name(signum: int) -> str:
@@ -66,43 +75,87 @@ def _say(text: str) -> None:
 
 
 class _Worker:
-    def __init__(self, rank: int, process: subprocess.Popen[bytes], forwarders: list[threading.Thread]):
-        self.rank = rank
+    def __init__(self, spec: WorkerSpec, process: subprocess.Popen[bytes]):
+        self.rank = spec.rank
+        self.hostname = spec.hostname
+        self.remote = spec.ssh_command is not None
         self.process = process
-        self.forwarders = forwarders
+        self.forwarders: list[threading.Thread] = []
+        self.remote_pid: int | None = None
+        self.remote_returncode: int | None = None
         self._exited_at: float | None = None
 
     @classmethod
-    def start(cls, spec: WorkerSpec) -> _Worker:
+    def start(cls, spec: WorkerSpec, *, timestamp: bool = False) -> _Worker:
         copies: tuple[IO[bytes] | None, IO[bytes] | None] = (None, None)
         if spec.output_dir is not None:
             spec.output_dir.mkdir(parents=True, exist_ok=True)
             copies = (open(spec.output_dir / "stdout", "wb"), open(spec.output_dir / "stderr", "wb"))
         try:
-            process = subprocess.Popen(
-                spec.command,
-                env=spec.env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                start_new_session=True,
-            )
+            if spec.ssh_command is None:
+                process = subprocess.Popen(spec.command, env=spec.env, stdin=subprocess.DEVNULL,
+                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+            else:
+                process = subprocess.Popen(spec.ssh_command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                           stderr=subprocess.PIPE, start_new_session=True)
         except OSError:
             for copy in copies:
                 if copy is not None:
                     copy.close()
             raise
+        worker = cls(spec, process)
         assert process.stdout is not None and process.stderr is not None
-        forwarders = [
-            start_forwarding(process.stdout, f"[{spec.rank}]<stdout>:", sys.stdout, copies[0]),
-            start_forwarding(process.stderr, f"[{spec.rank}]<stderr>:", sys.stderr, copies[1]),
+        worker.forwarders = [
+            start_forwarding(process.stdout, f"[{spec.rank}]<stdout>:", sys.stdout, copies[0], timestamp=timestamp),
+            start_forwarding(process.stderr, f"[{spec.rank}]<stderr>:", sys.stderr, copies[1], timestamp=timestamp,
+                             status_marker=STATUS_MARKER if worker.remote else None, on_status=worker._on_status),
         ]
-        return cls(spec.rank, process, forwarders)
+        if worker.remote:
+            request = {"command": spec.command, "cwd": os.getcwd(), "env": spec.env}
+            worker._send((json.dumps(request) + "\n").encode())
+        return worker
 
-    def name(self) -> str:
-        return f"rank {self.rank} (pid {self.process.pid})"
+    def _on_status(self, status: dict) -> None:
+        if isinstance(status.get("pid"), int):
+            self.remote_pid = status["pid"]
+        if isinstance(status.get("returncode"), int):
+            self.remote_returncode = status["returncode"]
+
+    def _send(self, data: bytes) -> None:
+        """Writes to a remote worker's ssh stdin; a connection that is gone is noticed by its exit."""
+        assert self.process.stdin is not None
+        try:
+            self.process.stdin.write(data)
+            self.process.stdin.flush()
+        except (BrokenPipeError, ValueError, OSError):
+            pass
+
+    def name(self, with_host: bool) -> str:
+        pid = self.remote_pid if self.remote else self.process.pid
+        where = f" on {self.hostname}" if with_host else ""
+        return f"rank {self.rank}{where} (pid {pid})" if pid is not None else f"rank {self.rank}{where}"
+
+    @property
+    def returncode(self) -> int | None:
+        """How the rank ended: its own status for a remote rank, as reported by the remote side."""
+        if self.remote and self.remote_returncode is not None:
+            return self.remote_returncode
+        return self.process.returncode
+
+    def describe_exit(self) -> str:
+        returncode = self.returncode
+        assert returncode is not None
+        if self.remote and self.remote_returncode is None:
+            if returncode == SSH_FAILED:
+                return "lost its ssh connection (ssh exited with status 255)"
+            return f"ended without a report from {self.hostname} (ssh exited with status {returncode})"
+        return describe_exit(returncode)
 
     def signal_group(self, signum: int) -> None:
+        if self.remote:
+            self._send(f"signal {signum}\n".encode())
+            if signum != signal.SIGKILL:
+                return
         try:
             os.killpg(self.process.pid, signum)
         except (ProcessLookupError, PermissionError):
@@ -129,12 +182,24 @@ class _Worker:
         deadline = time.monotonic() + timeout
         for thread in self.forwarders:
             thread.join(max(0.0, deadline - time.monotonic()))
+        if self.process.stdin is not None:
+            try:
+                self.process.stdin.close()
+            except OSError:
+                pass
 
 
 class Supervisor:
-    def __init__(self, *, grace_seconds: float = STOP_GRACE_SECONDS, verbose: bool = False):
+    """Runs workers to the end. With `name_hosts`, messages name each rank's host too (multi-host jobs);
+    `failure` is the first failure's description once `run` returns."""
+
+    def __init__(self, *, grace_seconds: float = STOP_GRACE_SECONDS, verbose: bool = False,
+                 name_hosts: bool = False, timestamp: bool = False):
         self._grace_seconds = grace_seconds
         self._verbose = verbose
+        self._name_hosts = name_hosts
+        self._timestamp = timestamp
+        self.failure: str | None = None
 
     def run(self, specs: list[WorkerSpec]) -> int:
         """Starts every worker, waits for all of them, and returns the job's exit status."""
@@ -148,14 +213,15 @@ class Supervisor:
             exit_code = 0
             for spec in specs:
                 try:
-                    worker = _Worker.start(spec)
+                    worker = _Worker.start(spec, timestamp=self._timestamp)
                 except OSError as error:
-                    _say(f"cannot start rank {spec.rank} ({shlex.join(spec.command)}): {error}")
+                    self.failure = f"cannot start rank {spec.rank} ({shlex.join(spec.command)}): {error}"
+                    _say(self.failure)
                     exit_code = 1
                     break
                 workers.append(worker)
                 if self._verbose:
-                    _say(f"started {worker.name()}: {shlex.join(spec.command)}")
+                    _say(f"started {worker.name(self._name_hosts)}: {shlex.join(spec.command)}")
             return self._watch(workers, received, exit_code)
         finally:
             self._clear_groups(workers)
@@ -180,20 +246,24 @@ class Supervisor:
                 if stopping:
                     kill_at = time.monotonic()  # asked again: no more grace
                     continue
+                self.failure = f"rvodrun received {signal_name(signum)}"
                 _say(f"received {signal_name(signum)}, stopping {_ranks(len(running))}")
                 exit_code, stopping = 128 + signum, True
                 kill_at = self._stop(running, signum)
             for worker in [worker for worker in running if worker.finished()]:
                 running.remove(worker)
-                returncode = worker.process.returncode
+                returncode = worker.returncode
+                assert returncode is not None
+                description = f"{worker.name(self._name_hosts)} {worker.describe_exit()}"
                 if returncode != 0 and not stopping:
-                    _say(f"{worker.name()} {describe_exit(returncode)}")
+                    self.failure = description
+                    _say(description)
                     if running:
                         _say(f"stopping the other {_ranks(len(running))}")
                     exit_code, stopping = exit_status(returncode), True
                     kill_at = self._stop(running, signal.SIGTERM)
                 elif self._verbose:
-                    _say(f"{worker.name()} {describe_exit(returncode)}")
+                    _say(description)
             if kill_at is not None and time.monotonic() >= kill_at:
                 if running:
                     _say(f"killing {_ranks(len(running))} that did not stop")

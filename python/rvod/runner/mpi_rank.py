@@ -1,0 +1,51 @@
+"""`python -m rvod.runner.mpi_rank COMMAND...`: one rank of an `rvodrun --mpi` job, started by mpirun.
+
+Open MPI says which rank this is (OMPI_COMM_WORLD_RANK, or PMI_RANK for MPICH-style launchers); rvodrun's
+layout (RVOD_MPI_LAYOUT, `host:count,...` in placement order) says where every rank runs, so this rank's
+local and cross ranks are the ones rvodrun would give it. The RVOD_* identity is set and COMMAND replaces
+this process.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from rvod.runner.hosts import Host, assign_slots
+from rvod.runner.mpi import LAYOUT_VARIABLE
+from rvod.runner.network import route_source
+
+
+def main(command: list[str]) -> None:
+    if not command:
+        sys.exit("rvod.runner.mpi_rank: no command given")
+    rank_text = os.environ.get("OMPI_COMM_WORLD_RANK") or os.environ.get("PMI_RANK")
+    if rank_text is None:
+        sys.exit("rvod.runner.mpi_rank: not started by mpirun (no OMPI_COMM_WORLD_RANK or PMI_RANK)")
+    hosts = []
+    for entry in os.environ[LAYOUT_VARIABLE].split(","):
+        name, _, count = entry.rpartition(":")
+        hosts.append(Host(name, int(count)))
+    slots = assign_slots(hosts, sum(host.slots for host in hosts))
+    slot = slots[int(rank_text)]
+    env = dict(os.environ)
+    env.update({
+        "RVOD_RANK": str(slot.rank),
+        "RVOD_SIZE": str(slot.size),
+        "RVOD_LOCAL_RANK": str(slot.local_rank),
+        "RVOD_LOCAL_SIZE": str(slot.local_size),
+        "RVOD_CROSS_RANK": str(slot.cross_rank),
+        "RVOD_CROSS_SIZE": str(slot.cross_size),
+        "RVOD_HOSTNAME": slot.hostname,
+    })
+    if len(hosts) > 1 and "RVOD_IFACE_ADDR" not in env:
+        # Until the engine picks its listening address itself: the address that routes to the store.
+        env["RVOD_IFACE_ADDR"] = route_source(env["RVOD_RENDEZVOUS_ADDR"])
+    try:
+        os.execvpe(command[0], command, env)
+    except OSError as error:
+        sys.exit(f"rvodrun: cannot start rank {slot.rank} ({command[0]}): {error}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,131 @@
+"""`rvod.run(fn, ...)`: horovod.run's API: runs `fn(*args, **kwargs)` on every rank of a job and returns the
+results in rank order.
+
+The job is an rvodrun job (the same placement, ssh launch, checks and supervision) whose ranks run
+`python -m rvod.runner.run_task`. The function travels cloudpickled through the job's authenticated
+rendezvous store, and each rank puts back its result, or the traceback of what it raised. If any rank
+fails, `run` raises RuntimeError naming the rank, with its traceback (or how its process ended).
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+FUNCTION_KEY = "rvod.run/function"
+RESULT_KEY = "rvod.run/result/{rank}"
+# How long the driver waits for the store to answer when it puts the function and reads the results.
+_STORE_TIMEOUT_SECONDS = 30.0
+
+
+def _deprecated_alias(old: str, new: str, old_value: Any, new_value: Any) -> Any:
+    if old_value is None:
+        return new_value
+    if new_value is not None:
+        raise ValueError(f"give {new} or {old}, not both")
+    warnings.warn(f"{old} is deprecated, use {new}", DeprecationWarning, stacklevel=3)
+    return old_value
+
+
+def run(
+    func: Callable[..., Any],
+    args: Sequence[Any] = (),
+    kwargs: dict[str, Any] | None = None,
+    num_proc: int | None = None,
+    min_num_proc: int | None = None,
+    max_num_proc: int | None = None,
+    slots: int | None = None,
+    reset_limit: int | None = None,
+    cooldown_range: tuple[int, int] | None = None,
+    hosts: str | None = None,
+    hostfile: str | None = None,
+    host_discovery_script: str | None = None,
+    start_timeout: float | None = None,
+    ssh_port: int | None = None,
+    ssh_identity_file: str | None = None,
+    disable_cache: bool | None = None,
+    output_filename: str | None = None,
+    verbose: int | bool | None = None,
+    use_gloo: bool | None = None,
+    use_mpi: bool | None = None,
+    mpi_args: str | None = None,
+    network_interface: str | None = None,
+    network_interfaces: Sequence[str] | str | None = None,
+    executable: str | None = None,
+    np: int | None = None,
+    min_np: int | None = None,
+    max_np: int | None = None,
+) -> list[Any]:
+    """Runs `func(*args, **kwargs)` on `num_proc` ranks placed on `hosts` (or `hostfile`; default this
+    machine) and returns the list of their return values, rank 0 first. Arguments mean what horovod.run's
+    do; elastic ones (`min_num_proc`, `max_num_proc`, `slots`, `reset_limit`, `cooldown_range`,
+    `host_discovery_script`) and `use_mpi` are refused with a ValueError, as rvodrun refuses their flags."""
+    import cloudpickle
+
+    from rvod.runner import launch
+    from rvod.runner.cli import REFUSED, build_parser
+
+    num_proc = _deprecated_alias("np", "num_proc", np, num_proc)
+    min_num_proc = _deprecated_alias("min_np", "min_num_proc", min_np, min_num_proc)
+    max_num_proc = _deprecated_alias("max_np", "max_num_proc", max_np, max_num_proc)
+    if hosts is not None and hostfile is not None:
+        raise ValueError("give hosts or hostfile, not both")
+    if use_gloo and use_mpi:
+        raise ValueError("give use_gloo or use_mpi, not both")
+    if use_mpi:
+        raise ValueError("rvod.run starts its ranks itself (over ssh on other hosts); use_mpi is not supported")
+    if mpi_args is not None:
+        raise ValueError("mpi_args is for mpirun, which rvod.run does not use")
+    nics: list[str] = []
+    for given in (network_interface, network_interfaces):
+        if given:
+            nics += [name.strip() for name in (given.split(",") if isinstance(given, str) else given)]
+
+    options = build_parser().parse_args(["-np", "1", "true"])
+    options.num_proc = num_proc if num_proc is not None else 1
+    options.command = []
+    values = {"min_num_proc": min_num_proc, "max_num_proc": max_num_proc, "slots_per_host": slots,
+              "reset_limit": reset_limit, "cooldown_range": cooldown_range,
+              "host_discovery_script": host_discovery_script}
+    for dest, value in values.items():
+        if value is not None:
+            raise ValueError(REFUSED[dest].replace("rvodrun", "rvod.run"))
+    options.hosts, options.hostfile = hosts, hostfile
+    options.start_timeout = start_timeout
+    options.ssh_port, options.ssh_identity_file = ssh_port, ssh_identity_file
+    options.disable_cache = bool(disable_cache)
+    options.output_dir = output_filename
+    options.verbose = bool(verbose and verbose >= 2) if not isinstance(verbose, bool) else verbose
+    options.nics = nics
+    if options.num_proc < 1:
+        raise ValueError(f"num_proc must be at least 1, got {options.num_proc}")
+
+    plan = launch.plan_job(options)
+    payload = cloudpickle.dumps((func, tuple(args), dict(kwargs or {})))
+    job = launch.Job(options, plan)
+    job.check_hosts()
+    with job:
+        from rvod._rvod import StoreClient
+
+        client = StoreClient(plan.rendezvous_addr, job.port, job.secret, _STORE_TIMEOUT_SECONDS)
+        try:
+            client.set(FUNCTION_KEY, payload)
+            status = job.run([executable or sys.executable, "-m", "rvod.runner.run_task"])
+            outcomes = {}
+            for slot in plan.slots:
+                try:
+                    outcomes[slot.rank] = pickle.loads(client.get(RESULT_KEY.format(rank=slot.rank), 0.0))
+                except RuntimeError:
+                    pass  # this rank put nothing back: it died, or was stopped
+        finally:
+            client.close()
+    for rank in sorted(outcomes):
+        succeeded, value = outcomes[rank]
+        if not succeeded:
+            raise RuntimeError(f"rvod.run: rank {rank} raised an exception:\n{value}")
+    if status != 0 or len(outcomes) != len(plan.slots):
+        raise RuntimeError(f"rvod.run: the job failed ({job.failure or f'exit status {status}'})")
+    return [outcomes[rank][1] for rank in range(len(plan.slots))]
