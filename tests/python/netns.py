@@ -68,7 +68,10 @@ def _used_networks() -> list[ipaddress.IPv4Network]:
 class Cluster:
     """Namespaced hosts named `names`, reachable as those names over ssh (see the module doc)."""
 
-    def __init__(self, names: list[str]):
+    def __init__(self, names: list[str], mounts: dict[str, list[tuple[Path, Path]]] | None = None):
+        """`mounts`: per host, (source, target) bind mounts that only its sshd's sessions see (a directory
+        hidden under an empty one, a program replaced), to simulate a host set up differently."""
+        self.mounts = mounts or {}
         self.tag = f"rv{os.getpid() % 100000}"
         self.bridge = f"{self.tag}br"
         self.names = list(names)
@@ -136,8 +139,12 @@ class Cluster:
                 "PasswordAuthentication no\nKbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\n"
                 "PrintMotd no\nLogLevel ERROR\nMaxStartups 100\n"
             )
+            sshd = [SSHD, "-D", "-e", "-f", str(config)]
+            if self.mounts.get(name):
+                binds = " && ".join(f"mount --bind {source} {target}" for source, target in self.mounts[name])
+                sshd = ["unshare", "-m", "--propagation", "private", "sh", "-c", f"{binds} && exec {' '.join(sshd)}"]
             self.sshds[name] = subprocess.Popen(
-                ["ip", "netns", "exec", namespace, SSHD, "-D", "-e", "-f", str(config)],
+                ["ip", "netns", "exec", namespace, *sshd],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=open(self.workdir / f"sshd_{name}.log", "wb"),
             )
         (self.workdir / "known_hosts").write_text("\n".join(known_hosts) + "\n")

@@ -41,7 +41,7 @@ def resolve(name: str) -> str:
     try:
         infos = socket.getaddrinfo(name, None, socket.AF_INET, socket.SOCK_STREAM)
     except socket.gaierror as error:
-        raise ValueError(f"unknown host {name!r}: {error.strerror}") from None
+        raise ValueError(f"cannot resolve host {name!r}: {error.strerror}") from None
     return str(infos[0][4][0])
 
 

@@ -27,7 +27,7 @@ _PROBE_CODE = (
     "import json, platform, socket, sys\n"
     "reply = {'python': platform.python_version(), 'nics': [name for _, name in socket.if_nameindex()]}\n"
     "try:\n"
-    "    import rvod\n"
+    "    import rvod.runner.remote\n"
     "    reply['rvod'] = rvod.__version__\n"
     "except Exception as error:\n"
     "    reply['error'] = f'{type(error).__name__}: {error}'\n"

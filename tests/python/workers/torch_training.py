@@ -22,7 +22,7 @@ import rvod.torch as hvd
 hvd.init()
 torch.set_num_threads(1)
 R, N = hvd.rank(), hvd.size()
-BATCH = 12  # divisible by 2 and 3: every rank takes BATCH // N consecutive rows
+BATCH = 24  # every rank takes BATCH // N consecutive rows, an even number for N = 2, 3 and 4 (two micro-batches)
 SHARD = slice(R * BATCH // N, (R + 1) * BATCH // N)
 
 

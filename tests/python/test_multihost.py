@@ -1,0 +1,321 @@
+"""rvodrun and rvod.run across hosts: network namespaces on this machine, each with its own sshd
+(tests/python/netns.py), and rvodrun in the test's own namespace reaching them over ssh.
+
+Hosts a and b run jobs; host c plays a stranger, and host d is set up without rvod (its sshd's sessions see
+an empty directory where rvod is installed). Checks every op with a few dtypes and process sets spanning
+hosts on 2x2 and uneven 1+3 layouts, the topology each rank sees, a remote rank that is killed, Ctrl-C,
+a stranger with the wrong secret, an unreachable host, bad input, rvod.run, and torch training.
+Skipped, with the reason, where network namespaces cannot be made (not root, no sshd).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import JOB_TAG_VARIABLE, RVOD_IMPORT_ROOT, RVODRUN, tagged_pids
+from jobs import WORKERS, assert_worker_job, failures, verdicts
+
+import netns
+
+PYTHON = sys.executable
+_REASON = netns.skip_reason()
+pytestmark = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    empty = tmp_path_factory.mktemp("empty")
+    installed = {Path(entry) / "rvod" for entry in [str(RVOD_IMPORT_ROOT), *sys.path] if (Path(entry or ".") / "rvod").is_dir()}
+    cluster = netns.Cluster(["a", "b", "c", "d"], mounts={"d": [(empty, path) for path in sorted(installed)]})
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
+@pytest.fixture
+def env(cluster, job_env):
+    """The job's environment: rvodrun reaches the hosts through the cluster's ssh configuration."""
+    return cluster.env(job_env)
+
+
+def rvodrun(env, args, timeout=60):
+    command = [PYTHON, *RVODRUN, *args]
+    try:
+        return subprocess.run(command, env=env, capture_output=True, text=True, errors="replace", timeout=timeout)
+    except subprocess.TimeoutExpired as expired:
+        pytest.fail(f"rvodrun did not finish within {timeout} s\nstdout:\n{expired.stdout}\nstderr:\n{expired.stderr}")
+
+
+def python_code(code: str) -> list[str]:
+    return [PYTHON, "-c", textwrap.dedent(code)]
+
+
+def report(result) -> str:
+    return f"exit {result.returncode}\nstdout:\n{result.stdout[-4000:]}\nstderr:\n{failures(result.stderr)[-8000:]}"
+
+
+def expected_checks(layout: list[int]) -> dict[int, int]:
+    """How many checks each rank of workers/multihost.py runs: 62 for the global set of 4 (two products
+    overflow there), 64 for each 2-rank set it belongs to, plus the topology and allgather_object checks."""
+    starts = [sum(layout[:i]) for i in range(len(layout))]
+    size = sum(layout)
+    return {rank: 62 + 64 * ((rank in (0, size - 1)) + (rank in starts)) + 2 for rank in range(size)}
+
+
+# --- collectives across hosts ------------------------------------------------------------------------
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("hosts, layout", [("a:2,b:2", [2, 2]), ("a:1,b:3", [1, 3])])
+def test_every_op_across_hosts(env, cluster, hosts, layout):
+    env["RVOD_TEST_HOSTS"] = "a,b"
+    result = rvodrun(env, ["-np", "4", "-H", hosts, PYTHON, str(WORKERS / "multihost.py"),
+                           ",".join(map(str, layout))], timeout=80)
+    assert_worker_job(result, expected_checks(layout))
+    assert cluster.wait_until_empty() == {}
+
+
+@pytest.mark.timeout(90)
+def test_hostfile_and_network_interface(env, cluster, tmp_path):
+    """A hostfile with comments, -np filling hosts in order, and --network-interface: the store listens on
+    that NIC's address and every rank gets the NIC's name."""
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# two namespaced hosts\na slots=1\n\nb slots=4  # more than needed\n")
+    result = rvodrun(env, ["-np", "3", "--hostfile", str(hostfile), "--network-interface", cluster.bridge,
+                           "--verbose", *python_code("""
+        import os
+        import numpy as np
+        import rvod.numpy as hvd
+        hvd.init()
+        total = hvd.allreduce(np.array([hvd.rank() + 1.0]), op=hvd.Sum)[0]
+        print(os.environ["RVOD_HOSTNAME"], hvd.local_rank(), hvd.local_size(), os.environ["RVOD_NETWORK_INTERFACE"],
+              os.environ["RVOD_RENDEZVOUS_ADDR"], total)
+    """)], timeout=60)
+    assert result.returncode == 0, report(result)
+    lines = {int(m.group(1)): m.group(2) for m in re.finditer(r"^\[(\d)\]<stdout>:(.*)$", result.stdout, re.M)}
+    nic, addr = cluster.bridge, cluster.local_address
+    assert lines == {0: f"a 0 1 {nic} {addr} 6.0", 1: f"b 0 2 {nic} {addr} 6.0", 2: f"b 1 2 {nic} {addr} 6.0"}
+    assert f"rvodrun: rendezvous store listening on {addr}:" in result.stderr
+
+
+# --- failures -----------------------------------------------------------------------------------------
+
+@pytest.mark.timeout(60)
+def test_killed_remote_rank_ends_the_job_naming_host_and_rank(env, cluster):
+    started = time.monotonic()
+    result = rvodrun(env, ["-np", "4", "-H", "a:2,b:2", *python_code("""
+        import os, signal, time
+        import rvod.numpy as hvd
+        hvd.init()
+        if hvd.rank() == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)
+    """)], timeout=50)
+    assert result.returncode == 128 + signal.SIGKILL, report(result)
+    assert re.search(r"^rvodrun: rank 3 on b \(pid \d+\) was killed by signal SIGKILL$", result.stderr, re.M), \
+        report(result)
+    assert "rvodrun: stopping the other 3 ranks" in result.stderr
+    assert time.monotonic() - started < 30
+    assert cluster.wait_until_empty() == {}
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_leaves_no_process_on_any_host(env, cluster):
+    process = subprocess.Popen([PYTHON, *RVODRUN, "-np", "4", "-H", "a:2,b:2", *python_code("""
+        import time
+        import rvod.numpy as hvd
+        hvd.init()
+        print("ready", flush=True)
+        time.sleep(120)
+    """)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        ready = 0
+        while ready < 4:
+            line = process.stdout.readline()
+            assert line, f"rvodrun ended before its ranks were ready: {process.stderr.read()}"
+            ready += line.endswith("<stdout>:ready\n")
+        assert cluster.stray_processes().keys() == {"a", "b"}
+        process.send_signal(signal.SIGINT)
+        stdout, stderr = process.communicate(timeout=30)
+    finally:
+        process.kill()
+    assert process.returncode == 128 + signal.SIGINT, stderr
+    assert "rvodrun: received SIGINT, stopping 4 ranks" in stderr
+    assert cluster.wait_until_empty() == {}
+    assert tagged_pids(env[JOB_TAG_VARIABLE]) == []
+
+
+@pytest.mark.timeout(60)
+def test_rvodrun_killed_outright_leaves_no_remote_process(env, cluster):
+    """SIGKILL to rvodrun: nothing can be forwarded, but every remote bootstrap sees its stdin end."""
+    process = subprocess.Popen([PYTHON, *RVODRUN, "-np", "2", "-H", "a:1,b:1", *python_code("""
+        import time
+        print("ready", flush=True)
+        time.sleep(120)
+    """)], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        for _ in range(2):
+            assert process.stdout.readline().endswith("<stdout>:ready\n")
+        process.kill()
+        process.wait()
+        # rvodrun held the only writer of each ssh client's stdin: the clients pass the end of input on,
+        # each remote bootstrap stops its rank, and the clients exit.
+        assert cluster.wait_until_empty() == {}
+        deadline = time.monotonic() + 10
+        while tagged_pids(env[JOB_TAG_VARIABLE]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert tagged_pids(env[JOB_TAG_VARIABLE]) == []
+    finally:
+        process.kill()
+
+
+@pytest.mark.timeout(60)
+def test_stranger_with_the_wrong_secret_is_dropped(env, cluster, tmp_path):
+    go = tmp_path / "go"
+    process = subprocess.Popen([PYTHON, *RVODRUN, "--verbose", "-np", "2", "-H", "a:1,b:1", *python_code(f"""
+        import os, time
+        import numpy as np
+        import rvod.numpy as hvd
+        hvd.init()
+        print("ready", flush=True)
+        deadline = time.monotonic() + 30
+        while not os.path.exists({str(go)!r}) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        print("sum", hvd.allreduce(np.array([hvd.rank() + 1]), op=hvd.Sum)[0], flush=True)
+    """)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stderr_lines: list[str] = []
+    reader = threading.Thread(target=lambda: stderr_lines.extend(iter(process.stderr.readline, "")), daemon=True)
+    reader.start()
+    try:
+        ready = 0
+        while ready < 2:
+            line = process.stdout.readline()
+            assert line, "".join(stderr_lines)
+            ready += line.endswith("<stdout>:ready\n")
+        match = next(re.search(r"store listening on ([\d.]+):(\d+)", line) for line in list(stderr_lines)
+                     if "store listening" in line)
+        stranger = subprocess.run(cluster.exec_args("c", [PYTHON, "-c", textwrap.dedent(f"""
+            import socket, sys
+            sys.path.insert(0, {str(Path(__file__).parent)!r})
+            import jobs
+            real = socket.create_connection
+            jobs.socket.create_connection = lambda address, timeout: real(({match.group(1)!r}, address[1]), timeout)
+            try:
+                jobs.StoreConnection({match.group(2)}, b"not the job's secret")
+            except jobs.HandshakeRefused as refused:
+                print("dropped:", refused)
+            else:
+                print("accepted")
+        """)]), capture_output=True, text=True, timeout=30, env=env)
+        assert stranger.stdout.startswith("dropped:"), stranger.stdout + stranger.stderr
+        go.write_text("")
+        stdout, _ = process.communicate(timeout=30)
+    finally:
+        process.kill()
+    reader.join(5)
+    assert process.returncode == 0, "".join(stderr_lines)
+    assert stdout.count("<stdout>:sum 3") == 2, stdout
+
+
+@pytest.mark.timeout(30)
+def test_unreachable_host_is_named_within_the_start_timeout(env, cluster):
+    started = time.monotonic()
+    result = rvodrun(env, ["-np", "2", "-H", "a:1,unreachable:1", "--start-timeout", "3", "true"], timeout=20)
+    elapsed = time.monotonic() - started
+    assert result.returncode == 1, report(result)
+    assert re.search(r"^rvodrun: host 'unreachable' (did not answer over ssh within 3 s|is not reachable over ssh)",
+                     result.stderr, re.M), report(result)
+    assert elapsed < 10, elapsed
+    assert cluster.wait_until_empty() == {}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args, message", [
+    (["-np", "2", "-H", "a:1,d:1", "true"],
+     r"^rvodrun: host 'd': rvod cannot be imported by .* there \(ModuleNotFoundError: No module named 'rvod[.']"),
+    (["-np", "5", "-H", "a:2,b:2", "true"], r"-np 5 is more than the 4 slots on the hosts given \(a:2, b:2\)$"),
+    (["-np", "2", "-H", "a:1,b:1", "--network-interface", "nosuch0", "true"],
+     r"network interface 'nosuch0' does not exist on this machine"),
+    (["-np", "2", "-H", "a:1,b:1", "--network-interface", "eth0", "true"],
+     r"^rvodrun: host 'a' has no network interface 'eth0' \(it has lo, rv\w+\)"),
+])
+def test_bad_input_is_one_line_naming_the_problem(env, cluster, args, message):
+    if "eth0" in args and "eth0" not in os.listdir("/sys/class/net"):
+        pytest.skip("this machine has no eth0 to name")
+    result = rvodrun(env, args, timeout=40)
+    assert result.returncode in (1, 2), report(result)
+    assert re.search(message, result.stderr, re.M), report(result)
+    assert not re.search(r"^\[\d+\]<", result.stdout + result.stderr, re.M), "no rank may start"
+    assert cluster.wait_until_empty() == {}
+
+
+@pytest.mark.timeout(30)
+def test_unknown_host_is_named(cluster, env, tmp_path):
+    """Run from inside host c, whose namespace cannot reach any name server, so nothing leaves the machine."""
+    result = subprocess.run(cluster.exec_args("c", [PYTHON, *RVODRUN, "-np", "2", "-H", "a:1,no-such-host:1",
+                                                    "true"]), env=env, capture_output=True, text=True, timeout=25)
+    assert result.returncode == 2, report(result)
+    assert re.search(r"rvodrun: error: cannot resolve host 'no-such-host'", result.stderr), report(result)
+
+
+@pytest.mark.timeout(30)
+def test_hostfile_with_a_bad_line_is_named(env, tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("a slots=2\nb slots=two\n")
+    result = rvodrun(env, ["-np", "2", "--hostfile", str(hostfile), "true"])
+    assert result.returncode == 2
+    assert "host 'b': slots must be a whole number of at least 1, got 'two'" in result.stderr
+
+
+# --- rvod.run -------------------------------------------------------------------------------------------
+
+@pytest.mark.timeout(60)
+def test_rvod_run_returns_results_and_raises_with_the_failing_ranks_traceback(env, cluster):
+    result = subprocess.run([PYTHON, "-c", textwrap.dedent("""
+        import rvod
+
+        def work(scale, offset=0):
+            import numpy as np
+            import rvod.numpy as hvd
+            hvd.init()
+            total = hvd.allreduce(np.array([hvd.rank() * scale]), op=hvd.Sum)[0]
+            return hvd.rank(), hvd.local_rank(), hvd.cross_rank(), int(total) + offset
+
+        print(rvod.run(work, args=(10,), kwargs={"offset": 1}, num_proc=4, hosts="a:2,b:2"))
+
+        def fails():
+            import os
+            if os.environ["RVOD_RANK"] == "2":
+                raise ValueError("rank two refuses")
+            return "ok"
+
+        try:
+            rvod.run(fails, num_proc=3, hosts="a:1,b:2")
+        except RuntimeError as error:
+            print("raised:", error)
+    """)], env=env, capture_output=True, text=True, timeout=50)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "[(0, 0, 0, 61), (1, 1, 0, 61), (2, 0, 1, 61), (3, 1, 1, 61)]", result.stdout
+    assert "raised: rvod.run: rank 2 raised an exception:" in result.stdout, result.stdout
+    assert "ValueError: rank two refuses" in result.stdout
+    assert cluster.wait_until_empty() == {}
+
+
+# --- training ----------------------------------------------------------------------------------------------
+
+@pytest.mark.timeout(150)
+def test_torch_training_on_two_hosts_of_two(env, cluster):
+    pytest.importorskip("torch", reason="rvod.torch needs PyTorch")
+    result = rvodrun(env, ["-np", "4", "-H", "a:2,b:2", PYTHON, str(WORKERS / "torch_training.py")], timeout=140)
+    assert_worker_job(result, {rank: 57 if rank == 0 else 59 for rank in range(4)})
+    assert set(verdicts(result.stdout)) == {0, 1, 2, 3}
