@@ -22,7 +22,7 @@ from pathlib import Path
 from rvod.runner import network, store
 from rvod.runner.check_build import build_report, package_version
 from rvod.runner.cli import build_parser, engine_env, parse_args
-from rvod.runner.hosts import Host, Slot, assign_slots, local_names, parse_hostfile, parse_hosts
+from rvod.runner.hosts import Host, Slot, assign_slots, parse_hostfile, parse_hosts, remote_hosts
 from rvod.runner.ssh import HostProblem, SshSettings, forwarded_environment, probe_hosts, remote_python_command
 from rvod.runner.supervisor import Supervisor, WorkerSpec
 from rvod.runner.worker_env import worker_env
@@ -91,9 +91,8 @@ def plan_job(options: argparse.Namespace) -> JobPlan:
     cannot work."""
     hosts = _hosts(options)
     slots = assign_slots(hosts, options.num_proc)
-    local = local_names()
-    used = list(dict.fromkeys(slot.hostname for slot in slots))
-    remote = [name for name in used if name.lower() not in local]
+    used = {slot.hostname for slot in slots}
+    remote = [name for name in remote_hosts(hosts) if name in used]
     timeout = start_timeout(options)
     ssh = SshSettings(port=options.ssh_port, identity_file=options.ssh_identity_file,
                       config_file=options.ssh_config_file or os.environ.get("RVOD_SSH_CONFIG_FILE") or None,
