@@ -256,6 +256,13 @@ pub fn log_level_from_env() -> String {
     log_level(&EnvReader { lookup: |name: &str| std::env::var(name).ok() })
 }
 
+/// Whether log lines leave out the time (`RVOD_LOG_HIDE_TIME` / `HOROVOD_LOG_HIDE_TIME`, rvodrun's
+/// --log-without-timestamp); read with the log level, before the rest of the configuration. A value that is
+/// not a flag shows the time.
+pub fn log_hide_time_from_env() -> bool {
+    EnvReader { lookup: |name: &str| std::env::var(name).ok() }.flag("LOG_HIDE_TIME").unwrap_or(false)
+}
+
 /// `THREAD_AFFINITY`: comma-separated core ids, entry `local_rank` for this rank. As in Horovod, fewer
 /// entries than local ranks is logged as an error and pins nothing; an entry that is not a core id is an
 /// error naming the variable.

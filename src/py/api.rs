@@ -41,7 +41,7 @@ fn engine() -> PyResult<Arc<Engine>> {
     state().engine.clone().ok_or_else(|| to_py_err(EngineError::NotInitialized))
 }
 
-fn init_logging(level: &str) {
+fn init_logging(level: &str, hide_time: bool) {
     let filter = match level.to_ascii_lowercase().as_str() {
         "trace" => "trace",
         "debug" => "debug",
@@ -49,12 +49,12 @@ fn init_logging(level: &str) {
         "error" | "fatal" => "error",
         _ => "warn",
     };
-    let _ = tracing_subscriber::fmt()
+    let builder = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::new(format!("rvod={filter}")))
         .with_writer(std::io::stderr)
         .with_target(false)
-        .with_ansi(false)
-        .try_init();
+        .with_ansi(false);
+    let _ = if hide_time { builder.without_time().try_init() } else { builder.try_init() };
 }
 
 /// Start the engine (idempotent while running) and register `process_sets` (lists of global ranks, the
@@ -65,7 +65,7 @@ pub fn init(py: Python<'_>, process_sets: Vec<Vec<usize>>) -> PyResult<()> {
     if state().engine.is_some() {
         return Ok(());
     }
-    init_logging(&crate::config::log_level_from_env());
+    init_logging(&crate::config::log_level_from_env(), crate::config::log_hide_time_from_env());
     let config = Config::from_env().map_err(|e| to_py_err(EngineError::Init(e.to_string())))?;
     let generation = {
         let mut state = state();

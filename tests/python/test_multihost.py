@@ -131,19 +131,28 @@ def test_killed_remote_rank_ends_the_job_naming_host_and_rank(env, cluster):
 @pytest.mark.timeout(60)
 def test_ctrl_c_leaves_no_process_on_any_host(env, cluster):
     process = subprocess.Popen([PYTHON, *RVODRUN, "-np", "4", "-H", "a:2,b:2", *python_code("""
-        import time
+        import os, time
         import rvod.numpy as hvd
         hvd.init()
-        print("ready", flush=True)
+        print("ready", os.environ["RVOD_SECRET"], flush=True)
         time.sleep(120)
     """)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        ready = 0
-        while ready < 4:
+        secrets = set()
+        while len(secrets) < 4:
             line = process.stdout.readline()
             assert line, f"rvodrun ended before its ranks were ready: {process.stderr.read()}"
-            ready += line.endswith("<stdout>:ready\n")
+            found = re.search(r"^\[(\d)\]<stdout>:ready (\w+)$", line)
+            if found:
+                secrets.add(found.groups())
         assert cluster.stray_processes().keys() == {"a", "b"}
+        # Every rank has the job's secret, and no process on any host has it on its command line.
+        (secret,) = {secret for _, secret in secrets}
+        for entry in Path("/proc").iterdir():
+            try:
+                assert secret.encode() not in (entry / "cmdline").read_bytes(), (entry / "cmdline").read_bytes()
+            except OSError:
+                pass
         process.send_signal(signal.SIGINT)
         stdout, stderr = process.communicate(timeout=30)
     finally:

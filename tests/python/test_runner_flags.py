@@ -212,3 +212,46 @@ def test_rvod_run_on_this_machine(job_env):
         "[(1, 3), (4, 3), (9, 3)]",
         "refused: --min-np selects elastic training, which rvod.run does not support yet",
     ]
+
+
+def test_probe_names_a_host_with_another_python(tmp_path, monkeypatch):
+    """The probe's verdicts, with an `ssh` on PATH that answers as a host with Python 3.9 would (b), one
+    that cannot be reached (c), and one that lacks the NIC asked for (d)."""
+    from rvod import __version__
+    from rvod.runner.ssh import HostProblem, probe_hosts
+
+    fake_ssh = tmp_path / "ssh"
+    fake_ssh.write_text(textwrap.dedent(f"""\
+        #!/bin/sh
+        for host; do :; done  # the remote command is the last argument, the host the one before
+        case "$*" in
+          *" -- b "*) echo 'rvod-probe:{{"python": "3.9.18", "rvod": "{__version__}", "nics": ["eth0"]}}' ;;
+          *" -- c "*) echo "ssh: connect to host c port 22: Connection refused" >&2; exit 255 ;;
+          *) echo 'rvod-probe:{{"python": "{sys.version.split()[0]}", "rvod": "{__version__}", "nics": ["lo"]}}' ;;
+        esac
+    """))
+    fake_ssh.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    probe_hosts(SshSettings(), ["a", "d"], {}, timeout=10)
+    with pytest.raises(HostProblem) as problem:
+        probe_hosts(SshSettings(), ["a", "b", "c", "d"], {}, timeout=10, nics=["lo"])
+    message = str(problem.value)
+    assert f"host 'b' runs Python 3.9.18 with rvod {__version__}, this machine Python {sys.version.split()[0]}" \
+        in message
+    assert "host 'c' is not reachable over ssh: ssh: connect to host c port 22: Connection refused" in message
+    assert "host 'a'" not in message and "host 'd'" not in message
+    with pytest.raises(HostProblem, match=r"host 'a' has no network interface 'eth0' \(it has lo\)"):
+        probe_hosts(SshSettings(), ["a"], {}, timeout=10, nics=["eth0"])
+
+
+@pytest.mark.timeout(60)
+def test_log_without_timestamp(job_env):
+    """The engine's log lines (here: the error about too few --thread-affinity ids) with and without time."""
+    code = "import rvod.numpy as hvd; hvd.init(); hvd.shutdown()"
+    lines = {}
+    for flag in ("--log-with-timestamp", "--log-without-timestamp"):
+        result = rvodrun(["-np", "2", flag, "--thread-affinity", "0", PYTHON, "-c", code], env=job_env)
+        assert result.returncode == 0, result.stderr
+        lines[flag] = re.findall(r"^\[0\]<stderr>:(.*RVOD_THREAD_AFFINITY.*)$", result.stderr, re.M)
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\S+ ERROR RVOD_THREAD_AFFINITY=.*", lines["--log-with-timestamp"][0])
+    assert re.fullmatch(r"ERROR RVOD_THREAD_AFFINITY=.*", lines["--log-without-timestamp"][0])
