@@ -21,6 +21,15 @@ fn resolve(host: &str, port: u16) -> Result<SocketAddr, EngineError> {
         .ok_or_else(|| EngineError::Init(format!("rendezvous address {host}:{port} resolves to nothing")))
 }
 
+/// The address this rank's data listeners bind to and advertise (see [`crate::transport::net`]), logged
+/// with the reason it was chosen.
+pub fn data_address(rdv: &Rendezvous, rank: usize) -> Result<IpAddr, EngineError> {
+    let rendezvous = resolve(&rdv.addr, rdv.port)?;
+    let (addr, why) = crate::transport::net::choose_bind_address(&rdv.bind, rendezvous).map_err(EngineError::Init)?;
+    tracing::info!("rank {rank}: data connections listen on {why}");
+    Ok(addr)
+}
+
 /// Connect to the job's rendezvous store.
 pub fn connect_store(rdv: &Rendezvous, timeout: Duration) -> Result<StoreClient, EngineError> {
     let addr = resolve(&rdv.addr, rdv.port)?;
@@ -30,6 +39,7 @@ pub fn connect_store(rdv: &Rendezvous, timeout: Duration) -> Result<StoreClient,
 /// A transport among `members` (global ranks, sorted, containing this rank), meeting in `scope`.
 pub fn connect_members(
     config: &Config,
+    data_addr: Option<IpAddr>,
     store: Option<&mut StoreClient>,
     scope: &str,
     members: &[usize],
@@ -43,7 +53,7 @@ pub fn connect_members(
         let transport = MemoryTransport::mesh(1).pop().ok_or_else(|| EngineError::Internal("no transport".into()))?;
         return Ok(Box::new(transport));
     }
-    let (Some(rdv), Some(store)) = (&config.rendezvous, store) else {
+    let (Some(rdv), Some(store), Some(bind)) = (&config.rendezvous, store, data_addr) else {
         return Err(EngineError::Internal("a multi-rank communicator needs the rendezvous store".into()));
     };
     if config.shm && all_on_this_host(store, scope, local_rank, members.len(), &config.topology.hostname, config.timeout)? {
@@ -61,10 +71,6 @@ pub fn connect_members(
             return Ok(Box::new(transport));
         }
     }
-    let bind: IpAddr = rdv
-        .bind_addr
-        .parse()
-        .map_err(|_| EngineError::Init(format!("RVOD_IFACE_ADDR={} is not an IP address", rdv.bind_addr)))?;
     let transport = TcpTransport::connect_mesh(
         local_rank,
         members.len(),
@@ -72,7 +78,7 @@ pub fn connect_members(
         scope,
         &rdv.secret,
         bind,
-        &rdv.bind_addr,
+        &bind.to_string(),
         config.timeout,
     )
     .map_err(|e| EngineError::transport("connecting to the other ranks", &e))?;

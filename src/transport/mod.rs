@@ -9,6 +9,7 @@
 //! [`TransportError::PeerClosed`] when a peer's connection ends.
 
 pub mod memory;
+pub mod net;
 pub mod tcp;
 pub mod handshake;
 pub mod rendezvous;
