@@ -67,6 +67,10 @@ pub struct Config {
     /// The core this rank's engine threads are pinned to (`RVOD_THREAD_AFFINITY`: one core id per local
     /// rank, this rank's by its local rank); `None`: not pinned.
     pub thread_affinity: Option<usize>,
+    /// `RVOD_HIERARCHICAL_ALLREDUCE` / `RVOD_HIERARCHICAL_ALLGATHER`: `Some` forces the hierarchical
+    /// algorithm on or off where a communicator spans hosts; `None` lets the executor choose.
+    pub hierarchical_allreduce: Option<bool>,
+    pub hierarchical_allgather: Option<bool>,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -141,6 +145,14 @@ impl<F: Fn(&str) -> Option<String>> EnvReader<F> {
                     .map(|v| v > 0)
                     .map_err(|_| Self::error(name, value, "expected 0/1 or true/false")),
             },
+        }
+    }
+
+    /// A flag that is either set (on or off) or left to the engine.
+    fn optional_flag(&self, key: &str) -> Result<Option<bool>, ConfigError> {
+        match self.raw(key) {
+            None => Ok(None),
+            Some(_) => self.flag(key).map(Some),
         }
     }
 
@@ -253,6 +265,8 @@ impl Config {
             shm: env.flag_or("SHM", true)?,
             shm_dir: env.string("SHM_DIR").unwrap_or_else(|| "/dev/shm".to_string()).into(),
             thread_affinity,
+            hierarchical_allreduce: env.optional_flag("HIERARCHICAL_ALLREDUCE")?,
+            hierarchical_allgather: env.optional_flag("HIERARCHICAL_ALLGATHER")?,
         })
     }
 }
@@ -415,6 +429,16 @@ mod tests {
         );
         assert_eq!(with(&[("RVOD_IFACE_ADDR", "eth0")]).unwrap_err().name, "RVOD_IFACE_ADDR");
         assert_eq!(with(&[("RVOD_NETWORK_INTERFACE", " , ")]).unwrap_err().name, "RVOD_NETWORK_INTERFACE");
+    }
+
+    #[test]
+    fn hierarchical_knobs_force_or_leave_the_choice() {
+        let c = config(&[]).unwrap();
+        assert_eq!((c.hierarchical_allreduce, c.hierarchical_allgather), (None, None));
+        let c = config(&[("HOROVOD_HIERARCHICAL_ALLREDUCE", "1"), ("RVOD_HIERARCHICAL_ALLGATHER", "0")]).unwrap();
+        assert_eq!((c.hierarchical_allreduce, c.hierarchical_allgather), (Some(true), Some(false)));
+        let err = config(&[("RVOD_HIERARCHICAL_ALLGATHER", "sometimes")]).unwrap_err();
+        assert_eq!(err.name, "RVOD_HIERARCHICAL_ALLGATHER");
     }
 
     #[test]
