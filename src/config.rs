@@ -24,8 +24,20 @@ pub struct Rendezvous {
     pub addr: String,
     pub port: u16,
     pub secret: Vec<u8>,
-    /// Address this rank's data listener binds to and advertises.
-    pub bind_addr: String,
+    /// How this rank picks the address its data listeners bind to and advertise.
+    pub bind: BindAddress,
+}
+
+/// Where this rank's data listeners bind (resolved to an address by `transport::net`).
+#[derive(Clone, Debug, PartialEq)]
+pub enum BindAddress {
+    /// `RVOD_IFACE_ADDR`: this address.
+    Explicit(std::net::IpAddr),
+    /// `RVOD_NETWORK_INTERFACE` (`HOROVOD_GLOO_IFACE`): the first IPv4 address of the first of these NICs
+    /// that exists.
+    Interfaces(Vec<String>),
+    /// Neither: loopback for a loopback rendezvous address, else the local address that routes to it.
+    Auto,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -55,6 +67,10 @@ pub struct Config {
     /// The core this rank's engine threads are pinned to (`RVOD_THREAD_AFFINITY`: one core id per local
     /// rank, this rank's by its local rank); `None`: not pinned.
     pub thread_affinity: Option<usize>,
+    /// `RVOD_HIERARCHICAL_ALLREDUCE` / `RVOD_HIERARCHICAL_ALLGATHER`: `Some` forces the hierarchical
+    /// algorithm on or off where a communicator spans hosts; `None` lets the executor choose.
+    pub hierarchical_allreduce: Option<bool>,
+    pub hierarchical_allgather: Option<bool>,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -132,6 +148,14 @@ impl<F: Fn(&str) -> Option<String>> EnvReader<F> {
         }
     }
 
+    /// A flag that is either set (on or off) or left to the engine.
+    fn optional_flag(&self, key: &str) -> Result<Option<bool>, ConfigError> {
+        match self.raw(key) {
+            None => Ok(None),
+            Some(_) => self.flag(key).map(Some),
+        }
+    }
+
     fn string(&self, key: &str) -> Option<String> {
         self.raw(key).map(|(_, v)| v)
     }
@@ -203,8 +227,7 @@ impl Config {
                     reason: "a multi-rank job needs the job secret; start the job with rvodrun".into(),
                 });
             }
-            let bind_addr = env.string("IFACE_ADDR").unwrap_or_else(|| "127.0.0.1".to_string());
-            Some(Rendezvous { addr, port, secret, bind_addr })
+            Some(Rendezvous { addr, port, secret, bind: bind_address(&env)? })
         } else {
             None
         };
@@ -242,7 +265,34 @@ impl Config {
             shm: env.flag_or("SHM", true)?,
             shm_dir: env.string("SHM_DIR").unwrap_or_else(|| "/dev/shm".to_string()).into(),
             thread_affinity,
+            hierarchical_allreduce: env.optional_flag("HIERARCHICAL_ALLREDUCE")?,
+            hierarchical_allgather: env.optional_flag("HIERARCHICAL_ALLGATHER")?,
         })
+    }
+}
+
+/// `IFACE_ADDR` (an IP address), else `NETWORK_INTERFACE` or Horovod's `HOROVOD_GLOO_IFACE` (comma-separated
+/// NIC names), else automatic.
+fn bind_address<F: Fn(&str) -> Option<String>>(env: &EnvReader<F>) -> Result<BindAddress, ConfigError> {
+    if let Some((name, value)) = env.raw("IFACE_ADDR") {
+        return value
+            .parse()
+            .map(BindAddress::Explicit)
+            .map_err(|_| EnvReader::<F>::error(name, value, "expected an IP address"));
+    }
+    let nics = env.raw("NETWORK_INTERFACE").or_else(|| {
+        (env.lookup)("HOROVOD_GLOO_IFACE").filter(|v| !v.trim().is_empty()).map(|v| ("HOROVOD_GLOO_IFACE".into(), v))
+    });
+    match nics {
+        Some((name, value)) => {
+            let names: Vec<String> =
+                value.split(',').map(|n| n.trim().to_string()).filter(|n| !n.is_empty()).collect();
+            if names.is_empty() {
+                return Err(EnvReader::<F>::error(name, value, "expected comma-separated network interface names"));
+            }
+            Ok(BindAddress::Interfaces(names))
+        }
+        None => Ok(BindAddress::Auto),
     }
 }
 
@@ -359,6 +409,43 @@ mod tests {
         let r = c.rendezvous.unwrap();
         assert_eq!(r.port, 4000);
         assert_eq!(r.secret, vec![0, 255, 16]);
+        assert_eq!(r.bind, BindAddress::Auto);
+    }
+
+    #[test]
+    fn bind_address_is_explicit_then_interfaces_then_automatic() {
+        let job = [
+            ("RVOD_SIZE", "2"),
+            ("RVOD_RENDEZVOUS_ADDR", "192.0.2.1"),
+            ("RVOD_RENDEZVOUS_PORT", "4000"),
+            ("RVOD_SECRET", "00ff10"),
+        ];
+        let with = |extra: &[(&'static str, &'static str)]| {
+            let vars: Vec<(&str, &str)> = job.iter().chain(extra).copied().collect();
+            config(&vars)
+        };
+        let bind = |extra: &[(&'static str, &'static str)]| with(extra).unwrap().rendezvous.unwrap().bind;
+        assert_eq!(bind(&[("HOROVOD_GLOO_IFACE", "eth1")]), BindAddress::Interfaces(vec!["eth1".into()]));
+        assert_eq!(
+            bind(&[("RVOD_NETWORK_INTERFACE", "eth0, ib0"), ("HOROVOD_GLOO_IFACE", "eth1")]),
+            BindAddress::Interfaces(vec!["eth0".into(), "ib0".into()])
+        );
+        assert_eq!(
+            bind(&[("RVOD_IFACE_ADDR", "192.0.2.7"), ("RVOD_NETWORK_INTERFACE", "eth0")]),
+            BindAddress::Explicit("192.0.2.7".parse().unwrap())
+        );
+        assert_eq!(with(&[("RVOD_IFACE_ADDR", "eth0")]).unwrap_err().name, "RVOD_IFACE_ADDR");
+        assert_eq!(with(&[("RVOD_NETWORK_INTERFACE", " , ")]).unwrap_err().name, "RVOD_NETWORK_INTERFACE");
+    }
+
+    #[test]
+    fn hierarchical_knobs_force_or_leave_the_choice() {
+        let c = config(&[]).unwrap();
+        assert_eq!((c.hierarchical_allreduce, c.hierarchical_allgather), (None, None));
+        let c = config(&[("HOROVOD_HIERARCHICAL_ALLREDUCE", "1"), ("RVOD_HIERARCHICAL_ALLGATHER", "0")]).unwrap();
+        assert_eq!((c.hierarchical_allreduce, c.hierarchical_allgather), (Some(true), Some(false)));
+        let err = config(&[("RVOD_HIERARCHICAL_ALLGATHER", "sometimes")]).unwrap_err();
+        assert_eq!(err.name, "RVOD_HIERARCHICAL_ALLGATHER");
     }
 
     #[test]

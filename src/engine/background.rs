@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use crate::config::Config;
 use crate::coordinator::negotiation::Negotiator;
 use crate::coordinator::stall::StallClock;
-use crate::engine::execute::{execute_eager, Executor, TensorResult};
+use crate::engine::execute::{execute_eager, Executor, HierarchyChoice, TensorResult};
 use crate::engine::table::{TensorEntry, TensorTable};
 use crate::engine::communicator::Shared;
 use crate::error::EngineError;
@@ -45,6 +45,10 @@ pub(crate) fn run(shared: Arc<Shared>, transport: Box<dyn Transport>, config: Co
         config.fusion_threshold,
         config.stall_check,
     );
+    let executor = Executor::new(HierarchyChoice {
+        allreduce: config.hierarchical_allreduce,
+        allgather: config.hierarchical_allgather,
+    });
     let mut state = Loop {
         stall_clock: config.stall_check.map(StallClock::new),
         shared,
@@ -52,7 +56,7 @@ pub(crate) fn run(shared: Arc<Shared>, transport: Box<dyn Transport>, config: Co
         config,
         table: TensorTable::default(),
         negotiator,
-        executor: Executor::default(),
+        executor,
     };
     let stopped_because = match state.run() {
         Ok(reason) => EngineError::ShutDown(reason),

@@ -1,12 +1,14 @@
-//! Connecting communicators: the rendezvous store, and a transport among the members of a process set:
-//! shared memory when every member runs on this host (and `RVOD_SHM` is not 0), TCP otherwise or when the
-//! shared-memory segment cannot be set up.
+//! Connecting communicators: the rendezvous store, the address data connections listen on, and a transport
+//! among the members of a process set: shared memory when every member runs on this host (and `RVOD_SHM`
+//! is not 0); across hosts a [`CompositeTransport`] (shared memory among this host's members, TCP to the
+//! others); TCP for everyone where shared memory is off, cannot be set up, or no host has two members.
 
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 use std::time::Duration;
 
 use crate::config::{Config, Rendezvous, Topology};
 use crate::error::EngineError;
+use crate::transport::composite::{CompositeTransport, HostLayout};
 use crate::transport::memory::MemoryTransport;
 use crate::transport::rendezvous::StoreClient;
 use crate::transport::shm::ShmTransport;
@@ -21,6 +23,15 @@ fn resolve(host: &str, port: u16) -> Result<SocketAddr, EngineError> {
         .ok_or_else(|| EngineError::Init(format!("rendezvous address {host}:{port} resolves to nothing")))
 }
 
+/// The address this rank's data listeners bind to and advertise (see [`crate::transport::net`]), logged
+/// with the reason it was chosen.
+pub fn data_address(rdv: &Rendezvous, rank: usize) -> Result<IpAddr, EngineError> {
+    let rendezvous = resolve(&rdv.addr, rdv.port)?;
+    let (addr, why) = crate::transport::net::choose_bind_address(&rdv.bind, rendezvous).map_err(EngineError::Init)?;
+    tracing::info!("rank {rank}: data connections listen on {why}");
+    Ok(addr)
+}
+
 /// Connect to the job's rendezvous store.
 pub fn connect_store(rdv: &Rendezvous, timeout: Duration) -> Result<StoreClient, EngineError> {
     let addr = resolve(&rdv.addr, rdv.port)?;
@@ -30,6 +41,7 @@ pub fn connect_store(rdv: &Rendezvous, timeout: Duration) -> Result<StoreClient,
 /// A transport among `members` (global ranks, sorted, containing this rank), meeting in `scope`.
 pub fn connect_members(
     config: &Config,
+    data_addr: Option<IpAddr>,
     store: Option<&mut StoreClient>,
     scope: &str,
     members: &[usize],
@@ -43,40 +55,66 @@ pub fn connect_members(
         let transport = MemoryTransport::mesh(1).pop().ok_or_else(|| EngineError::Internal("no transport".into()))?;
         return Ok(Box::new(transport));
     }
-    let (Some(rdv), Some(store)) = (&config.rendezvous, store) else {
+    let (Some(rdv), Some(store), Some(bind)) = (&config.rendezvous, store, data_addr) else {
         return Err(EngineError::Internal("a multi-rank communicator needs the rendezvous store".into()));
     };
-    if config.shm && all_on_this_host(store, scope, local_rank, members.len(), &config.topology.hostname, config.timeout)? {
-        let shm = ShmTransport::connect_mesh(
-            local_rank,
-            members.len(),
-            store,
-            scope,
-            &config.shm_dir,
-            config.fusion_threshold,
-            config.timeout,
-        )
-            .map_err(|e| EngineError::transport("setting up shared memory with the other ranks", &e))?;
-        if let Some(transport) = shm {
-            return Ok(Box::new(transport));
+    let layout = host_layout(store, scope, local_rank, members.len(), &config.topology.hostname, config.timeout)?;
+    let secret = &rdv.secret;
+    let tcp_mesh = |store: &mut StoreClient, scope: &str, rank: usize, size: usize, linked: &[bool]| {
+        TcpTransport::connect_mesh_linked(rank, size, store, scope, secret, bind, &bind.to_string(), config.timeout, linked)
+            .map_err(|e| EngineError::transport("connecting to the other ranks", &e))
+    };
+    let everyone = vec![true; members.len()];
+    if layout.hosts() == 1 {
+        if let Some(shm) = shared_memory(config, store, scope, local_rank, members.len())? {
+            return Ok(Box::new(shm));
         }
+        return Ok(Box::new(tcp_mesh(store, scope, local_rank, members.len(), &everyone)?));
     }
-    let bind: IpAddr = rdv
-        .bind_addr
-        .parse()
-        .map_err(|_| EngineError::Init(format!("RVOD_IFACE_ADDR={} is not an IP address", rdv.bind_addr)))?;
-    let transport = TcpTransport::connect_mesh(
-        local_rank,
+    let host = layout.host_of(local_rank);
+    let host_members = layout.members(host).len();
+    if !config.shm || (0..layout.hosts()).all(|h| layout.members(h).len() == 1) {
+        return Ok(Box::new(tcp_mesh(store, scope, local_rank, members.len(), &everyone)?));
+    }
+    // Spanning hosts: shared memory among this host's members, TCP to the members on other hosts.
+    let local_scope = format!("{scope}/host{host}");
+    let index = layout.local_index(local_rank);
+    let local: Box<dyn Transport> = if host_members == 1 {
+        Box::new(MemoryTransport::mesh(1).pop().ok_or_else(|| EngineError::Internal("no transport".into()))?)
+    } else {
+        match shared_memory(config, store, &local_scope, index, host_members)? {
+            Some(shm) => Box::new(shm),
+            None => Box::new(tcp_mesh(store, &format!("{local_scope}/tcp"), index, host_members, &vec![true; host_members])?),
+        }
+    };
+    let linked: Vec<bool> = (0..members.len()).map(|r| layout.host_of(r) != host).collect();
+    let remote = tcp_mesh(store, &format!("{scope}/cross"), local_rank, members.len(), &linked)?;
+    tracing::info!(
+        "rank {me}: a communicator of {} ranks on {} hosts: {} here through {}, the others through TCP",
         members.len(),
-        store,
-        scope,
-        &rdv.secret,
-        bind,
-        &rdv.bind_addr,
-        config.timeout,
-    )
-    .map_err(|e| EngineError::transport("connecting to the other ranks", &e))?;
-    Ok(Box::new(transport))
+        layout.hosts(),
+        host_members,
+        local.kind()
+    );
+    let composite = CompositeTransport::new(local_rank, layout, local, Box::new(remote))
+        .map_err(|e| EngineError::transport("connecting to the other ranks", &e))?;
+    Ok(Box::new(composite))
+}
+
+/// The shared-memory mesh of `size` ranks on this host meeting in `scope`, or `None` where shared memory is
+/// off or unusable (every rank learns the same).
+fn shared_memory(
+    config: &Config,
+    store: &mut StoreClient,
+    scope: &str,
+    rank: usize,
+    size: usize,
+) -> Result<Option<ShmTransport>, EngineError> {
+    if !config.shm {
+        return Ok(None);
+    }
+    ShmTransport::connect_mesh(rank, size, store, scope, &config.shm_dir, config.fusion_threshold, config.timeout)
+        .map_err(|e| EngineError::transport("setting up shared memory with the other ranks", &e))
 }
 
 /// What identifies this machine: the launcher's host name plus the kernel's boot id, so that two machines
@@ -86,24 +124,23 @@ fn host_identity(hostname: &str) -> String {
     format!("{hostname}/{}", boot_id.trim())
 }
 
-/// Whether all `size` members of the communicator in `scope` run on the same host (every member learns the
-/// same answer).
-fn all_on_this_host(
+/// Which host each of the `size` members of the communicator in `scope` runs on (every member learns the
+/// same layout).
+fn host_layout(
     store: &mut StoreClient,
     scope: &str,
     local_rank: usize,
     size: usize,
     hostname: &str,
     timeout: Duration,
-) -> Result<bool, EngineError> {
+) -> Result<HostLayout, EngineError> {
     let fail = |e: crate::transport::TransportError| EngineError::transport("exchanging host names", &e);
-    let mine = host_identity(hostname);
-    store.set(&format!("{scope}/host/{local_rank}"), mine.as_bytes()).map_err(fail)?;
-    let mut same = true;
+    store.set(&format!("{scope}/host/{local_rank}"), host_identity(hostname).as_bytes()).map_err(fail)?;
+    let mut keys = Vec::with_capacity(size);
     for rank in 0..size {
-        same &= store.get(&format!("{scope}/host/{rank}"), timeout).map_err(fail)? == mine.as_bytes();
+        keys.push(store.get(&format!("{scope}/host/{rank}"), timeout).map_err(fail)?);
     }
-    Ok(same)
+    Ok(HostLayout::from_keys(&keys))
 }
 
 /// Every rank publishes its host's rank count; the job is homogeneous when all are equal.

@@ -16,6 +16,7 @@ use crate::fusion::layout::{FusionLayout, FusionSlot};
 use crate::ring;
 use crate::ring::staged::{OwnPiece, StagedAllreduce};
 use crate::tensor::AlignedBuffer;
+use crate::transport::composite::HostLayout;
 use crate::transport::{Transport, TransportError};
 use crate::types::{CollectiveKind, Combine, DataType, ReduceOp};
 
@@ -33,6 +34,41 @@ pub struct TensorResult {
 #[derive(Default)]
 pub struct Executor {
     fusion_buffer: Option<AlignedBuffer>,
+    hierarchy: HierarchyChoice,
+}
+
+/// Whether allreduce and allgather take the hierarchical algorithms on communicators that span hosts:
+/// forced on or off by the configuration, or chosen by [`hierarchical_pays`].
+#[derive(Clone, Copy, Debug, Default)]
+pub struct HierarchyChoice {
+    pub allreduce: Option<bool>,
+    pub allgather: Option<bool>,
+}
+
+/// Whether a hierarchical collective of `bytes` runs on a communicator laid out as `layout`. It applies
+/// where there are several hosts, all with the same number of ranks, more than one each; then it runs
+/// when forced, or by default above the size where the flat allreduce leaves recursive doubling (small
+/// buffers are latency-bound, and recursive doubling crosses hosts in as few steps). Depends only on the
+/// response and on what every rank agreed, so every rank takes the same path.
+fn hierarchical_pays(forced: Option<bool>, layout: &HostLayout, bytes: usize) -> bool {
+    let applies = layout.hosts() > 1 && layout.is_homogeneous() && layout.members(0).len() > 1;
+    applies && forced.unwrap_or(bytes > ring::RING_THRESHOLD_BYTES)
+}
+
+/// Allreduce `buf` with the algorithm `forced` and the communicator's layout call for.
+fn allreduce_buffer(
+    t: &mut dyn Transport,
+    forced: Option<bool>,
+    buf: &mut [u8],
+    dtype: DataType,
+    combine: Combine,
+) -> Result<(), TransportError> {
+    if let Some(parts) = t.hosts() {
+        if hierarchical_pays(forced, parts.layout, buf.len()) {
+            return ring::hierarchical::allreduce(parts, buf, dtype, combine);
+        }
+    }
+    ring::allreduce(t, buf, dtype, combine)
 }
 
 fn combine_of(op: ReduceOp) -> Combine {
@@ -62,6 +98,10 @@ fn row_bytes(shape: &[i64], dtype: DataType) -> usize {
 }
 
 impl Executor {
+    pub fn new(hierarchy: HierarchyChoice) -> Executor {
+        Executor { fusion_buffer: None, hierarchy }
+    }
+
     fn fusion_buffer(&mut self, len: usize) -> &mut [u8] {
         let buffer = self.fusion_buffer.get_or_insert_with(|| AlignedBuffer::zeroed(len));
         buffer.ensure_len(len);
@@ -82,7 +122,10 @@ impl Executor {
         }
         match response.kind {
             CollectiveKind::Allreduce => self.allreduce(t, response, entries),
-            CollectiveKind::Allgather => each(entries, |e| allgather(t, response, e)),
+            CollectiveKind::Allgather => {
+                let forced = self.hierarchy.allgather;
+                each(entries, |e| allgather(t, forced, response, e))
+            }
             CollectiveKind::Broadcast => each(entries, |e| broadcast(t, response, e)),
             CollectiveKind::Alltoall => each(entries, |e| alltoall(t, response, e)),
             CollectiveKind::Reducescatter => {
@@ -107,6 +150,7 @@ impl Executor {
         let dtype = response.dtype;
         let combine = combine_of(response.reduce_op);
         let postscale = postscale_of(response, t.size());
+        let forced = self.hierarchy.allreduce;
         let Some(layout) = FusionLayout::for_response(response) else {
             let err = EngineError::Internal("fused tensors are too large to address".into());
             return Ok(entries.iter().map(|_| Err(err.clone())).collect());
@@ -125,7 +169,7 @@ impl Executor {
                 None => owned.insert(AlignedBuffer::zeroed(len)).as_mut_slice(),
             };
             ring::scale_in_place(buf, dtype, response.prescale);
-            ring::allreduce(t, buf, dtype, combine)?;
+            allreduce_buffer(t, forced, buf, dtype, combine)?;
             ring::scale_in_place(buf, dtype, postscale);
             let out = match (entry, owned) {
                 (Some(e), Some(b)) if !e.in_place => output(b, spec.shape.clone(), dtype),
@@ -170,7 +214,7 @@ impl Executor {
         let buffer = self.fusion_buffer(total);
         gather(&tensors, slots, 0, buffer);
         ring::scale_in_place(buffer, dtype, prescale);
-        ring::allreduce(t, buffer, dtype, combine)?;
+        allreduce_buffer(t, forced, buffer, dtype, combine)?;
         ring::scale_in_place(buffer, dtype, postscale);
         scatter(&mut tensors, slots, 0, buffer);
         Ok(tensors.into_iter().map(|io| Ok(io.finish())).collect())
@@ -273,6 +317,7 @@ fn each(
 
 fn allgather(
     t: &mut dyn Transport,
+    forced: Option<bool>,
     response: &Response,
     entry: &mut TensorEntry,
 ) -> Result<Result<TensorResult, EngineError>, TransportError> {
@@ -282,7 +327,13 @@ fn allgather(
     let bytes_per_rank: Vec<usize> = spec.per_rank.iter().map(|&rows| rows.max(0) as usize * row).collect();
     let total_rows: i64 = spec.per_rank.iter().sum();
     let mut out = AlignedBuffer::zeroed(bytes_per_rank.iter().sum());
-    ring::allgatherv(t, entry.input.as_slice(), out.as_mut_slice(), &bytes_per_rank)?;
+    let hierarchical = t.hosts().map(|parts| hierarchical_pays(forced, parts.layout, out.len()));
+    match (hierarchical, t.hosts()) {
+        (Some(true), Some(parts)) => {
+            ring::hierarchical::allgatherv(parts, entry.input.as_slice(), out.as_mut_slice(), &bytes_per_rank)?
+        }
+        _ => ring::allgatherv(t, entry.input.as_slice(), out.as_mut_slice(), &bytes_per_rank)?,
+    }
     let mut shape = spec.shape.clone();
     if let Some(first) = shape.first_mut() {
         *first = total_rows;

@@ -54,6 +54,8 @@ pub struct Engine {
     store: Mutex<Option<StoreClient>>,
     generation: u64,
     homogeneous: bool,
+    /// Where this rank's data listeners bind (None in a job of size 1).
+    data_addr: Option<std::net::IpAddr>,
 }
 
 fn sorted_unique(ranks: &[usize]) -> Vec<usize> {
@@ -72,6 +74,10 @@ impl Engine {
             Some(rdv) => Some(connect::connect_store(rdv, config.start_timeout)?),
             None => None,
         };
+        let data_addr = match &config.rendezvous {
+            Some(rdv) => Some(connect::data_address(rdv, topo.rank)?),
+            None => None,
+        };
         let homogeneous = match store.as_mut() {
             Some(s) => connect::all_hosts_equal(s, &format!("init{generation}"), &topo, config.start_timeout)?,
             None => true,
@@ -82,6 +88,7 @@ impl Engine {
             store: Mutex::new(store),
             generation,
             homogeneous,
+            data_addr,
             config,
         };
         engine.register((0..topo.size).collect())?;
@@ -124,7 +131,7 @@ impl Engine {
     fn start_communicator(&self, id: u32, sequence: u64, ranks: &[usize]) -> Result<Communicator, EngineError> {
         let scope = format!("init{}/set{sequence}", self.generation);
         let mut store = self.store.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        let transport = connect::connect_members(&self.config, store.as_mut(), &scope, ranks)?;
+        let transport = connect::connect_members(&self.config, self.data_addr, store.as_mut(), &scope, ranks)?;
         drop(store);
         Communicator::start(id, ranks.to_vec(), transport, &self.config, Arc::clone(&self.handles))
     }

@@ -18,6 +18,7 @@ mod args;
 mod bfloat16;
 pub mod broadcast;
 pub mod chunks;
+pub mod hierarchical;
 mod disjoint;
 pub mod reduce;
 pub mod reducescatter;

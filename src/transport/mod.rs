@@ -8,7 +8,9 @@
 //! [`TransportError::Timeout`] when a peer makes no progress for the configured timeout, and with
 //! [`TransportError::PeerClosed`] when a peer's connection ends.
 
+pub mod composite;
 pub mod memory;
+pub mod net;
 pub mod tcp;
 pub mod handshake;
 pub mod rendezvous;
@@ -18,6 +20,7 @@ pub mod waker;
 
 use std::time::Duration;
 
+pub use composite::HostParts;
 pub use waker::{Doorbell, Waker};
 
 /// Why a transport operation failed. Each variant names the peer (communicator rank) involved.
@@ -101,6 +104,12 @@ pub trait Transport: Send {
 
     /// Close every connection now, so peers blocked on this rank fail fast instead of waiting for a timeout.
     fn close(&mut self);
+
+    /// The local and cross parts of a communicator whose members span hosts (see [`composite`]); `None`
+    /// where all members are reached the same way.
+    fn hosts(&mut self) -> Option<HostParts<'_>> {
+        None
+    }
 
     /// Memory every rank of the communicator can read, where the ranks share it (see [`Staging`]).
     fn staging(&mut self) -> Option<&mut dyn Staging> {

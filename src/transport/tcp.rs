@@ -204,6 +204,28 @@ impl TcpTransport {
         advertise_host: &str,
         timeout: Duration,
     ) -> Result<TcpTransport, TransportError> {
+        let linked = vec![true; size];
+        Self::connect_mesh_linked(rank, size, store, scope, secret, bind, advertise_host, timeout, &linked)
+    }
+
+    /// [`connect_mesh`](Self::connect_mesh), connecting only the pairs of ranks that `linked` (by rank, the
+    /// same relation on every rank) says talk to each other: the ranks on other hosts, in a communicator
+    /// whose members on this host use shared memory. Operations with an unlinked rank are errors.
+    #[allow(clippy::too_many_arguments)]
+    pub fn connect_mesh_linked(
+        rank: usize,
+        size: usize,
+        store: &mut StoreClient,
+        scope: &str,
+        secret: &[u8],
+        bind: IpAddr,
+        advertise_host: &str,
+        timeout: Duration,
+        linked: &[bool],
+    ) -> Result<TcpTransport, TransportError> {
+        if linked.len() != size {
+            return Err(TransportError::Setup(format!("{} link flags for {size} ranks", linked.len())));
+        }
         if rank >= size || size > u32::MAX as usize {
             return Err(TransportError::Setup(format!("rank {rank} is outside a communicator of {size} ranks")));
         }
@@ -229,7 +251,7 @@ impl TcpTransport {
         let events = Arc::new(Waker::new().map_err(|err| setup_error("eventfd", err))?);
         let abort = AtomicBool::new(false);
         let mut links: Vec<Option<Link>> = (0..size).map(|_| None).collect();
-        let mesh = MeshIdentity { rank, size, scope, secret };
+        let mesh = MeshIdentity { rank, size, scope, secret, linked };
         let (lower, higher) = std::thread::scope(|scope_threads| {
             let acceptor = scope_threads.spawn(|| accept_higher(&listener, &mesh, deadline, &events, &abort));
             let lower = connect_lower(&mesh, store, deadline);
@@ -539,6 +561,8 @@ struct MeshIdentity<'a> {
     size: usize,
     scope: &'a str,
     secret: &'a [u8],
+    /// Whether this rank connects with each rank.
+    linked: &'a [bool],
 }
 
 fn address_key(scope: &str, rank: usize) -> String {
@@ -577,7 +601,7 @@ fn connect_lower(
 ) -> Result<Vec<(usize, TcpStream)>, TransportError> {
     let claim = mesh_claim(mesh.rank, mesh.scope);
     let mut streams = Vec::with_capacity(mesh.rank);
-    for peer in 0..mesh.rank {
+    for peer in (0..mesh.rank).filter(|&peer| mesh.linked[peer]) {
         let fail =
             |detail: String| TransportError::Setup(format!("rank {} connecting to rank {peer}: {detail}", mesh.rank));
         let left = deadline.saturating_duration_since(Instant::now());
@@ -622,10 +646,12 @@ fn accept_higher(
     let scope: Arc<str> = mesh.scope.into();
     let (done_tx, done_rx) = mpsc::channel::<(usize, TcpStream)>();
     let mut accepted: Vec<Option<TcpStream>> = (0..mesh.size).map(|_| None).collect();
-    let mut missing = mesh.size - rank - 1;
+    let mut missing = (rank + 1..mesh.size).filter(|&peer| mesh.linked[peer]).count();
     while missing > 0 {
         while let Ok((peer, stream)) = done_rx.try_recv() {
-            if accepted[peer].is_none() {
+            if !mesh.linked[peer] {
+                tracing::warn!(rank, peer, "mesh: dropped a connection from a rank this one does not link with");
+            } else if accepted[peer].is_none() {
                 accepted[peer] = Some(stream);
                 missing -= 1;
             } else {
@@ -641,7 +667,7 @@ fn accept_higher(
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
             let absent: Vec<String> =
-                (rank + 1..mesh.size).filter(|&peer| accepted[peer].is_none()).map(|peer| peer.to_string()).collect();
+                (rank + 1..mesh.size).filter(|&peer| mesh.linked[peer] && accepted[peer].is_none()).map(|peer| peer.to_string()).collect();
             return Err(fail(format!("rank(s) {} did not connect in time", absent.join(", "))));
         }
         let mut fds = [

@@ -1,0 +1,113 @@
+//! Hierarchical collectives for communicators that span hosts: flat algorithms run over the local part
+//! (this host's members, shared memory) and the cross part (one member per host, TCP) of a
+//! [`HostParts`], so each byte crosses the network once per host instead of once per rank.
+//!
+//! Both need a homogeneous layout (every host has the same number of members); the executor takes the
+//! flat algorithms elsewhere. Results are identical on every rank. Against the flat algorithms they are
+//! bit-identical wherever the combination is exact whatever the order (integers, booleans, min, max,
+//! floating-point values whose partial results are exact); otherwise they differ only by rounding, as
+//! they combine in a different order.
+
+use crate::ring::allgather::{allgather_ring, allgatherv as flat_allgatherv};
+use crate::ring::allreduce::allreduce as flat_allreduce;
+use crate::ring::args::{expect_len, invalid_argument};
+use crate::ring::chunks::{segment_bounds, Blocks};
+use crate::ring::reducescatter::reduce_scatter_ring;
+use crate::transport::{HostParts, Transport, TransportError};
+use crate::types::{Combine, DataType};
+
+fn check_homogeneous(parts: &HostParts<'_>, op: &str) -> Result<(), TransportError> {
+    if parts.layout.is_homogeneous() {
+        Ok(())
+    } else {
+        Err(invalid_argument(parts.local.rank(), op, "hosts have different numbers of ranks".into()))
+    }
+}
+
+/// Allreduce: reduce-scatter inside each host (local rank `i` ends with block `i` reduced over its host),
+/// allreduce of block `i` across hosts among the ranks with local rank `i`, allgather inside each host.
+pub fn allreduce(parts: HostParts<'_>, buf: &mut [u8], dtype: DataType, combine: Combine) -> Result<(), TransportError> {
+    check_homogeneous(&parts, "hierarchical allreduce")?;
+    let HostParts { mut local, mut cross, .. } = parts;
+    if buf.len() % dtype.size() != 0 {
+        let detail = format!("{} bytes is not a whole number of {dtype} elements", buf.len());
+        return Err(invalid_argument(local.rank(), "hierarchical allreduce", detail));
+    }
+    if buf.is_empty() {
+        return Ok(());
+    }
+    let blocks = Blocks::even(buf.len() / dtype.size(), local.size(), dtype.size());
+    if local.size() > 1 {
+        reduce_scatter_ring(&mut local, buf, &blocks, dtype, combine)?;
+    }
+    flat_allreduce(&mut cross, &mut buf[blocks.range(local.rank())], dtype, combine)?;
+    if local.size() > 1 {
+        allgather_ring(&mut local, buf, &blocks)?;
+    }
+    Ok(())
+}
+
+/// Allgather with per-rank sizes (`bytes_per_rank` by communicator rank; `recv` in rank order): allgather
+/// inside each host, so every rank has its host's blocks; local rank `i` then takes slice `i` of its host's
+/// bytes and allgathers it across hosts with the ranks of local rank `i`; a last allgather inside each host
+/// completes every host's bytes everywhere.
+pub fn allgatherv(
+    parts: HostParts<'_>,
+    send: &[u8],
+    recv: &mut [u8],
+    bytes_per_rank: &[usize],
+) -> Result<(), TransportError> {
+    const OP: &str = "hierarchical allgather";
+    check_homogeneous(&parts, OP)?;
+    let HostParts { layout, mut local, mut cross } = parts;
+    let rank_of = |host: usize, index: usize| layout.members(host)[index];
+    let (my_host, my_index, width) = (cross.rank(), local.rank(), local.size());
+    expect_len(local.rank(), OP, "number of per-rank byte counts", bytes_per_rank.len(), layout.size())?;
+    let rank_blocks = Blocks::from_lengths(bytes_per_rank, 1)
+        .ok_or_else(|| invalid_argument(my_index, OP, "per-rank byte counts overflow".into()))?;
+    expect_len(my_index, OP, "receive length in bytes", recv.len(), rank_blocks.total())?;
+    if recv.is_empty() {
+        return Ok(());
+    }
+    let hosts = layout.hosts();
+    let host_bytes: Vec<usize> =
+        (0..hosts).map(|h| layout.members(h).iter().map(|&r| bytes_per_rank[r]).sum()).collect();
+    // Slice `i` of host `h`'s bytes: (start, len).
+    let slice = |h: usize, i: usize| segment_bounds(host_bytes[h], width, i);
+
+    let local_lengths: Vec<usize> = layout.members(my_host).iter().map(|&r| bytes_per_rank[r]).collect();
+    let mut host_block = vec![0u8; host_bytes[my_host]];
+    flat_allgatherv(&mut local, send, &mut host_block, &local_lengths)?;
+
+    let (start, len) = slice(my_host, my_index);
+    let cross_lengths: Vec<usize> = (0..hosts).map(|h| slice(h, my_index).1).collect();
+    let mut my_slices = vec![0u8; cross_lengths.iter().sum()];
+    flat_allgatherv(&mut cross, &host_block[start..start + len], &mut my_slices, &cross_lengths)?;
+
+    // Block `i` of `by_index`: slice `i` of every host, in host order.
+    let index_lengths: Vec<usize> = (0..width).map(|i| (0..hosts).map(|h| slice(h, i).1).sum()).collect();
+    let mut by_index = vec![0u8; index_lengths.iter().sum()];
+    flat_allgatherv(&mut local, &my_slices, &mut by_index, &index_lengths)?;
+
+    // Reassemble each host's bytes (host-major), then place each rank's block.
+    let mut host_major = vec![0u8; host_bytes.iter().sum()];
+    let host_start: Vec<usize> = host_bytes.iter().scan(0, |acc, &b| Some(std::mem::replace(acc, *acc + b))).collect();
+    let mut read = 0;
+    for i in 0..width {
+        for h in 0..hosts {
+            let (offset, len) = slice(h, i);
+            let at = host_start[h] + offset;
+            host_major[at..at + len].copy_from_slice(&by_index[read..read + len]);
+            read += len;
+        }
+    }
+    let mut at = 0;
+    for (h, _) in host_bytes.iter().enumerate() {
+        for index in 0..layout.members(h).len() {
+            let range = rank_blocks.range(rank_of(h, index));
+            recv[range.clone()].copy_from_slice(&host_major[at..at + range.len()]);
+            at += range.len();
+        }
+    }
+    Ok(())
+}

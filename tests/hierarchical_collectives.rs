@@ -1,0 +1,373 @@
+//! Communicators that span hosts, with ranks as threads of this process: each rank gets its own
+//! `RVOD_HOSTNAME`, so `connect_members` builds the composite transport (shared memory among a "host"'s
+//! ranks, TCP on loopback between "hosts") exactly as a real multi-host job does. Checked on 2x2 hosts,
+//! on 2x2 with hosts interleaved in rank order, and on uneven 1+3 hosts: every collective over the
+//! composite (flat) transport, and the hierarchical allreduce and allgather against the flat ones, for
+//! every dtype and combine and sizes that are multiples of nothing. Inputs are small integers, exact in
+//! every dtype, so hierarchical and flat must agree bit for bit; random floats must at least give every
+//! rank the same bits.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, Ipv4Addr};
+use std::sync::Barrier;
+use std::time::{Duration, Instant};
+
+use half::{bf16, f16};
+use rvod::config::Config;
+use rvod::engine::connect::connect_members;
+use rvod::ring;
+use rvod::transport::rendezvous::{RendezvousServer, StoreClient};
+use rvod::transport::{Activity, Transport, TransportError, Waker};
+use rvod::types::{Combine, DataType};
+
+const SECRET: &[u8] = b"hierarchical-test-secret";
+const LOOPBACK: IpAddr = IpAddr::V4(Ipv4Addr::LOCALHOST);
+const COMBINES: [Combine; 4] = [Combine::Sum, Combine::Min, Combine::Max, Combine::Product];
+const SIZES: [usize; 4] = [0, 1, 7, 4097];
+/// Past the ring threshold for every dtype (run for a few: debug builds reduce slowly).
+const RING_SIZE: usize = 70_001;
+const BIG: usize = 1_000_003;
+const TWO_BY_TWO: [usize; 4] = [0, 0, 1, 1];
+const INTERLEAVED: [usize; 4] = [0, 1, 0, 1];
+const ONE_PLUS_THREE: [usize; 4] = [0, 1, 1, 1];
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Run `body` on every rank of a communicator whose rank `r` runs on host `hosts[r]`; results in rank order.
+fn on_hosts<R: Send>(hosts: &[usize], body: impl Fn(&mut dyn Transport) -> R + Sync) -> Vec<R> {
+    let server = RendezvousServer::start(LOOPBACK, 0, SECRET.to_vec()).unwrap();
+    let n = hosts.len();
+    let members: Vec<usize> = (0..n).collect();
+    let shm_dir = std::env::temp_dir();
+    std::thread::scope(|s| {
+        let ranks: Vec<_> = (0..n)
+            .map(|rank| {
+                let (body, members, server, shm_dir) = (&body, &members, &server, &shm_dir);
+                s.spawn(move || {
+                    let vars: HashMap<String, String> = [
+                        ("RVOD_SIZE", n.to_string()),
+                        ("RVOD_RANK", rank.to_string()),
+                        ("RVOD_HOSTNAME", format!("host{}", hosts[rank])),
+                        ("RVOD_RENDEZVOUS_ADDR", "127.0.0.1".to_string()),
+                        ("RVOD_RENDEZVOUS_PORT", server.port().to_string()),
+                        ("RVOD_SECRET", hex(SECRET)),
+                        ("RVOD_TIMEOUT", "20".to_string()),
+                        ("RVOD_FUSION_THRESHOLD", "0".to_string()),
+                        ("RVOD_SHM_DIR", shm_dir.display().to_string()),
+                    ]
+                    .into_iter()
+                    .map(|(k, v)| (k.to_string(), v))
+                    .collect();
+                    let config = Config::from_lookup(|name| vars.get(name).cloned()).unwrap();
+                    let mut store = StoreClient::connect(server.addr(), SECRET, Duration::from_secs(10)).unwrap();
+                    let mut t = connect_members(&config, Some(LOOPBACK), Some(&mut store), "world", members).unwrap();
+                    body(t.as_mut())
+                })
+            })
+            .collect();
+        ranks.into_iter().map(|r| r.join().unwrap()).collect()
+    })
+}
+
+fn input_value(dtype: DataType, rank: usize, i: usize) -> i64 {
+    let v = ((i * 7 + rank * 3 + i / 5) % 5) as i64;
+    match dtype {
+        DataType::Bool => i64::from(v % 2 == 1),
+        DataType::Uint8 => v,
+        _ => v - 2,
+    }
+}
+
+fn encode(dtype: DataType, value: f64) -> Vec<u8> {
+    let integer = value as i64;
+    match dtype {
+        DataType::Uint8 => vec![integer as u8],
+        DataType::Int8 => vec![integer as i8 as u8],
+        DataType::Int16 => (integer as i16).to_ne_bytes().to_vec(),
+        DataType::Int32 => (integer as i32).to_ne_bytes().to_vec(),
+        DataType::Int64 => integer.to_ne_bytes().to_vec(),
+        DataType::Float16 => f16::from_f64(value).to_ne_bytes().to_vec(),
+        DataType::Bfloat16 => bf16::from_f64(value).to_ne_bytes().to_vec(),
+        DataType::Float32 => (value as f32).to_ne_bytes().to_vec(),
+        DataType::Float64 => value.to_ne_bytes().to_vec(),
+        DataType::Bool => vec![u8::from(value != 0.0)],
+    }
+}
+
+fn input(dtype: DataType, rank: usize, count: usize) -> Vec<u8> {
+    (0..count).flat_map(|i| encode(dtype, input_value(dtype, rank, i) as f64)).collect()
+}
+
+fn expected(dtype: DataType, combine: Combine, n: usize, count: usize) -> Vec<u8> {
+    (0..count)
+        .flat_map(|i| {
+            let values = (0..n).map(|rank| input_value(dtype, rank, i) as f64);
+            let (min, max) = (values.clone().fold(f64::INFINITY, f64::min), values.clone().fold(f64::NEG_INFINITY, f64::max));
+            let v = match (combine, dtype) {
+                (Combine::Sum, DataType::Bool) | (Combine::Max, _) => max,
+                (Combine::Product, DataType::Bool) | (Combine::Min, _) => min,
+                (Combine::Sum, _) => values.sum(),
+                (Combine::Product, _) => values.product(),
+            };
+            encode(dtype, v)
+        })
+        .collect()
+}
+
+fn flat_allreduce(t: &mut dyn Transport, buf: &mut [u8], dtype: DataType, combine: Combine) {
+    ring::allreduce(t, buf, dtype, combine).unwrap();
+}
+
+fn hierarchical_allreduce(t: &mut dyn Transport, buf: &mut [u8], dtype: DataType, combine: Combine) {
+    ring::hierarchical::allreduce(t.hosts().expect("a composite transport"), buf, dtype, combine).unwrap();
+}
+
+#[test]
+fn mixed_communicators_use_shared_memory_inside_hosts_and_tcp_across() {
+    for (hosts, counts) in [(&TWO_BY_TWO, vec![2, 2]), (&INTERLEAVED, vec![2, 2]), (&ONE_PLUS_THREE, vec![1, 3])] {
+        let seen = on_hosts(hosts, |t| {
+            let kind = t.kind();
+            let parts = t.hosts().expect("a composite transport");
+            let sizes: Vec<usize> = (0..parts.layout.hosts()).map(|h| parts.layout.members(h).len()).collect();
+            (kind, sizes, parts.local.rank(), parts.local.size(), parts.cross.rank(), parts.cross.size())
+        });
+        for (rank, (kind, sizes, local_rank, local_size, cross_rank, cross_size)) in seen.into_iter().enumerate() {
+            assert_eq!(kind, "shm+tcp", "{hosts:?} rank {rank}");
+            assert_eq!(sizes, counts, "{hosts:?} rank {rank}");
+            let host = hosts[rank];
+            let host_ranks: Vec<usize> = (0..4).filter(|&r| hosts[r] == host).collect();
+            assert_eq!(local_rank, host_ranks.iter().position(|&r| r == rank).unwrap());
+            assert_eq!(local_size, host_ranks.len());
+            // The cross part: one rank per host that has this local rank.
+            let expected_cross = counts.iter().filter(|&&c| c > local_rank).count();
+            assert_eq!(cross_size, expected_cross, "{hosts:?} rank {rank}");
+            assert!(cross_rank < cross_size);
+        }
+    }
+}
+
+#[test]
+fn hierarchical_allreduce_equals_flat_for_every_dtype_and_combine() {
+    for hosts in [&TWO_BY_TWO, &INTERLEAVED] {
+        let results = on_hosts(hosts, |t| {
+            let mut out = Vec::new();
+            for dtype in DataType::ALL {
+                for combine in COMBINES {
+                    let ring_size = matches!(dtype, DataType::Uint8 | DataType::Float32).then_some(RING_SIZE);
+                    for count in SIZES.into_iter().chain(ring_size) {
+                        let mut flat = input(dtype, t.rank(), count);
+                        flat_allreduce(t, &mut flat, dtype, combine);
+                        let mut hier = input(dtype, t.rank(), count);
+                        hierarchical_allreduce(t, &mut hier, dtype, combine);
+                        out.push(((dtype, combine, count), flat, hier));
+                    }
+                }
+            }
+            out
+        });
+        for (rank, cases) in results.iter().enumerate() {
+            for ((dtype, combine, count), flat, hier) in cases {
+                let want = expected(*dtype, *combine, 4, *count);
+                assert!(flat == &want, "{hosts:?} flat {dtype} {combine:?} count={count}: rank {rank} wrong");
+                assert!(hier == &want, "{hosts:?} hierarchical {dtype} {combine:?} count={count}: rank {rank} wrong");
+            }
+        }
+    }
+}
+
+#[test]
+fn flat_allreduce_on_uneven_hosts_and_hierarchical_refuses_them() {
+    let results = on_hosts(&ONE_PLUS_THREE, |t| {
+        let mut out = Vec::new();
+        for dtype in DataType::ALL {
+            for combine in COMBINES {
+                let ring_size = matches!(dtype, DataType::Int8 | DataType::Float64).then_some(RING_SIZE);
+                for count in SIZES.into_iter().chain(ring_size) {
+                    let mut buf = input(dtype, t.rank(), count);
+                    flat_allreduce(t, &mut buf, dtype, combine);
+                    out.push(((dtype, combine, count), buf));
+                }
+            }
+        }
+        let refused = ring::hierarchical::allreduce(t.hosts().unwrap(), &mut [0u8; 8], DataType::Float32, Combine::Sum);
+        (out, refused.map_err(|e| e.to_string()))
+    });
+    for (rank, (cases, refused)) in results.iter().enumerate() {
+        for ((dtype, combine, count), got) in cases {
+            assert!(got == &expected(*dtype, *combine, 4, *count), "{dtype} {combine:?} count={count}: rank {rank}");
+        }
+        let err = refused.as_ref().unwrap_err();
+        assert!(err.contains("different numbers of ranks"), "{err}");
+    }
+}
+
+#[test]
+fn large_allreduce_hierarchical_and_flat_on_two_by_two() {
+    let results = on_hosts(&TWO_BY_TWO, |t| {
+        let mut flat = input(DataType::Float32, t.rank(), BIG);
+        flat_allreduce(t, &mut flat, DataType::Float32, Combine::Sum);
+        let mut hier = input(DataType::Float32, t.rank(), BIG);
+        hierarchical_allreduce(t, &mut hier, DataType::Float32, Combine::Sum);
+        // Random floats of many magnitudes: rounding depends on the order, but every rank agrees.
+        let mut state = 0x9E37_79B9_7F4A_7C15_u64 ^ (t.rank() as u64 + 1);
+        let mut random: Vec<u8> = (0..300_007)
+            .flat_map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                ((state >> 11) as f64 / (1u64 << 53) as f64 * 2f64.powi((state % 30) as i32 - 15)).to_ne_bytes()
+            })
+            .collect();
+        hierarchical_allreduce(t, &mut random, DataType::Float64, Combine::Sum);
+        (flat, hier, random)
+    });
+    let want = expected(DataType::Float32, Combine::Sum, 4, BIG);
+    for (rank, (flat, hier, random)) in results.iter().enumerate() {
+        assert!(flat == &want && hier == &want, "rank {rank}");
+        assert!(random == &results[0].2, "rank {rank}: random floats differ from rank 0");
+    }
+}
+
+/// Bytes rank `rank` contributes to an allgather: `len` bytes that say who sent them.
+fn gather_input(rank: usize, len: usize) -> Vec<u8> {
+    (0..len).map(|i| (rank * 50 + i % 47) as u8).collect()
+}
+
+#[test]
+fn allgather_hierarchical_equals_flat_with_uneven_and_empty_blocks() {
+    let layouts: [(&[usize], bool); 3] = [(&TWO_BY_TWO, true), (&INTERLEAVED, true), (&ONE_PLUS_THREE, false)];
+    let per_rank_cases: [[usize; 4]; 5] =
+        [[0, 0, 0, 0], [1, 0, 3, 2], [7, 7, 7, 7], [4097, 0, 1, 100_003], [1_000_003, 5, 0, 1]];
+    for (hosts, homogeneous) in layouts {
+        let results = on_hosts(hosts, |t| {
+            per_rank_cases
+                .iter()
+                .map(|bytes| {
+                    let send = gather_input(t.rank(), bytes[t.rank()]);
+                    let mut flat = vec![0u8; bytes.iter().sum()];
+                    ring::allgatherv(t, &send, &mut flat, bytes).unwrap();
+                    let hier = homogeneous.then(|| {
+                        let mut hier = vec![0u8; bytes.iter().sum()];
+                        ring::hierarchical::allgatherv(t.hosts().unwrap(), &send, &mut hier, bytes).unwrap();
+                        hier
+                    });
+                    (flat, hier)
+                })
+                .collect::<Vec<_>>()
+        });
+        for (rank, cases) in results.iter().enumerate() {
+            for (bytes, (flat, hier)) in per_rank_cases.iter().zip(cases) {
+                let want: Vec<u8> = (0..4).flat_map(|r| gather_input(r, bytes[r])).collect();
+                assert!(flat == &want, "{hosts:?} {bytes:?}: flat allgather wrong on rank {rank}");
+                if let Some(hier) = hier {
+                    assert!(hier == &want, "{hosts:?} {bytes:?}: hierarchical allgather wrong on rank {rank}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn broadcast_alltoall_and_reducescatter_across_hosts() {
+    for hosts in [&TWO_BY_TWO, &ONE_PLUS_THREE, &INTERLEAVED] {
+        let results = on_hosts(hosts, |t| {
+            let me = t.rank();
+            let mut out = Vec::new();
+            for (root, len) in [(0, 7), (3, 4097), (2, 3 << 20)] {
+                let mut buf = if me == root { gather_input(root, len) } else { vec![0; len] };
+                ring::broadcast(t, &mut buf, root).unwrap();
+                out.push(buf);
+            }
+            // Alltoall: rank r sends r + p + 1 bytes to rank p (and 70,001 more to the next rank).
+            let size = |from: usize, to: usize| from + to + 1 + if to == (from + 1) % 4 { 70_001 } else { 0 };
+            let send_bytes: Vec<usize> = (0..4).map(|p| size(me, p)).collect();
+            let recv_bytes: Vec<usize> = (0..4).map(|p| size(p, me)).collect();
+            let send: Vec<u8> = (0..4).flat_map(|p| vec![(10 * me + p) as u8; size(me, p)]).collect();
+            let mut recv = vec![0; recv_bytes.iter().sum()];
+            ring::alltoallv(t, &send, &send_bytes, &mut recv, &recv_bytes).unwrap();
+            out.push(recv);
+            let elems = [3usize, 0, 70_001, 5];
+            let mut scratch = input(DataType::Int32, me, elems.iter().sum());
+            let mut mine = vec![0u8; elems[me] * 4];
+            ring::reducescatter(t, &mut scratch, &elems, DataType::Int32, Combine::Sum, &mut mine).unwrap();
+            out.push(mine);
+            out
+        });
+        let full = expected(DataType::Int32, Combine::Sum, 4, 70_009);
+        let offsets = [0usize, 3, 3, 70_004, 70_009];
+        for (rank, out) in results.iter().enumerate() {
+            for (i, (root, len)) in [(0, 7), (3, 4097), (2, 3 << 20)].into_iter().enumerate() {
+                assert!(out[i] == gather_input(root, len), "{hosts:?} broadcast {i}: rank {rank}");
+            }
+            let size = |from: usize, to: usize| from + to + 1 + if to == (from + 1) % 4 { 70_001 } else { 0 };
+            let want: Vec<u8> = (0..4).flat_map(|p| vec![(10 * p + rank) as u8; size(p, rank)]).collect();
+            assert!(out[3] == want, "{hosts:?} alltoall: rank {rank}");
+            assert!(out[4] == full[offsets[rank] * 4..offsets[rank + 1] * 4], "{hosts:?} reducescatter: rank {rank}");
+        }
+    }
+}
+
+#[test]
+fn a_round_started_on_either_part_wakes_a_waiting_rank() {
+    let barrier = Barrier::new(4);
+    let seen = on_hosts(&TWO_BY_TWO, |t| {
+        let waker = Waker::new().unwrap();
+        let mut seen = Vec::new();
+        // 1: nothing happens. 2: rank 1 (same host) sends. 3: rank 2 (other host) sends. 4: the waker.
+        for phase in 0..4 {
+            barrier.wait();
+            if t.rank() == 0 {
+                if phase == 3 {
+                    waker.wake();
+                }
+                let started = Instant::now();
+                let timeout = Duration::from_millis(if phase == 0 { 50 } else { 5_000 });
+                let activity = t.wait_for_activity(&waker, timeout).unwrap();
+                let from = [None, Some(1), Some(2), None][phase];
+                if let Some(from) = from {
+                    let mut byte = [0u8; 1];
+                    t.recv(from, &mut byte).unwrap();
+                }
+                waker.drain();
+                seen.push((activity, started.elapsed()));
+            } else if (phase == 1 && t.rank() == 1) || (phase == 2 && t.rank() == 2) {
+                std::thread::sleep(Duration::from_millis(20));
+                t.send(0, &[7]).unwrap();
+            }
+        }
+        seen
+    });
+    let rank0 = &seen[0];
+    assert_eq!(rank0[0].0, Activity::Idle);
+    assert_eq!(rank0[1].0, Activity::Peer);
+    assert_eq!(rank0[2].0, Activity::Peer);
+    assert_eq!(rank0[3].0, Activity::Local);
+    for (activity, took) in &rank0[1..] {
+        assert!(*took < Duration::from_secs(2), "{activity:?} took {took:?}");
+    }
+}
+
+#[test]
+fn a_rank_that_leaves_fails_the_others_naming_a_rank() {
+    let results = on_hosts(&TWO_BY_TWO, |t| {
+        if t.rank() == 3 {
+            t.close();
+            return None;
+        }
+        let started = Instant::now();
+        let mut buf = input(DataType::Float32, t.rank(), 300_001);
+        let result = ring::allreduce(t, &mut buf, DataType::Float32, Combine::Sum);
+        Some((result, started.elapsed()))
+    });
+    for (rank, result) in results.iter().enumerate().take(3) {
+        let (result, took) = result.as_ref().unwrap();
+        match result {
+            Err(TransportError::PeerClosed { peer }) => assert!(*peer < 4 && *peer != rank, "rank {rank} named {peer}"),
+            other => panic!("rank {rank}: expected a closed peer, got {other:?}"),
+        }
+        assert!(*took < Duration::from_secs(10), "rank {rank} took {took:?}");
+    }
+}
+
