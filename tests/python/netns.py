@@ -2,8 +2,8 @@
 
 `Cluster(names)` makes one namespace per name, joined by a bridge that lives in the test's own (host)
 namespace with the first address of a free /28 taken from the documentation ranges 198.51.100.0/24 and
-192.0.2.0/24 (a range this machine's own interfaces use, as 192.0.2.0/24 on some CI machines, is skipped). Inside each namespace the interface has the bridge's name too, so one
---network-interface name is valid on every host, as on a real cluster. Each namespace runs an sshd with a
+192.0.2.0/24 (a range this machine's own interfaces use, as 192.0.2.0/24 on some CI machines, is
+skipped). Inside each namespace the interface has the bridge's name too, so one --network-interface name is valid on every host, as on a real cluster. Each namespace runs an sshd with a
 host key and a root login key made by the test in a temporary directory; `ssh_config` maps the host names
 to their addresses (rvodrun reads it through RVOD_SSH_CONFIG_FILE), with the host keys already known.
 
@@ -142,7 +142,8 @@ class Cluster:
             sshd = [SSHD, "-D", "-e", "-f", str(config)]
             if self.mounts.get(name):
                 binds = " && ".join(f"mount --bind {source} {target}" for source, target in self.mounts[name])
-                sshd = ["unshare", "-m", "--propagation", "private", "sh", "-c", f"{binds} && exec {' '.join(sshd)}"]
+                sshd = ["unshare", "-m", "--propagation", "private", "sh", "-c",
+                        f"{binds} && exec {' '.join(sshd)}"]
             self.sshds[name] = subprocess.Popen(
                 ["ip", "netns", "exec", namespace, *sshd],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=open(self.workdir / f"sshd_{name}.log", "wb"),

@@ -34,7 +34,8 @@ pytestmark = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     empty = tmp_path_factory.mktemp("empty")
-    installed = {Path(entry) / "rvod" for entry in [str(RVOD_IMPORT_ROOT), *sys.path] if (Path(entry or ".") / "rvod").is_dir()}
+    installed = {Path(entry) / "rvod" for entry in [str(RVOD_IMPORT_ROOT), *sys.path]
+                 if (Path(entry or ".") / "rvod").is_dir()}
     cluster = netns.Cluster(["a", "b", "c", "d"], mounts={"d": [(empty, path) for path in sorted(installed)]})
     try:
         yield cluster
@@ -104,7 +105,25 @@ def test_hostfile_and_network_interface(env, cluster, tmp_path):
     lines = {int(m.group(1)): m.group(2) for m in re.finditer(r"^\[(\d)\]<stdout>:(.*)$", result.stdout, re.M)}
     nic, addr = cluster.bridge, cluster.local_address
     assert lines == {0: f"a 0 1 {nic} {addr} 6.0", 1: f"b 0 2 {nic} {addr} 6.0", 2: f"b 1 2 {nic} {addr} 6.0"}
-    assert f"rvodrun: rendezvous store listening on {addr}:" in result.stderr
+    listening = (rf"^rvodrun: rendezvous store listening on {re.escape(addr)}:\d+ "
+                 rf"\(the address of --network-interface {nic}\)$")
+    assert re.search(listening, result.stderr, re.M), result.stderr
+
+
+@pytest.mark.timeout(60)
+def test_this_machine_and_remote_hosts_in_one_job(env, cluster):
+    """localhost's rank starts directly, the others over ssh; all meet on the bridge."""
+    result = rvodrun(env, ["-np", "3", "-H", "localhost:1,a:1,b:1", *python_code("""
+        import os
+        import numpy as np
+        import rvod.numpy as hvd
+        hvd.init()
+        gathered = hvd.allgather(np.array([hvd.rank()]))
+        print(os.environ["RVOD_HOSTNAME"], hvd.cross_rank(), hvd.cross_size(), gathered.tolist())
+    """)], timeout=50)
+    assert result.returncode == 0, report(result)
+    lines = {int(m.group(1)): m.group(2) for m in re.finditer(r"^\[(\d)\]<stdout>:(.*)$", result.stdout, re.M)}
+    assert lines == {0: "localhost 0 3 [0, 1, 2]", 1: "a 1 3 [0, 1, 2]", 2: "b 2 3 [0, 1, 2]"}, report(result)
 
 
 # --- failures -----------------------------------------------------------------------------------------

@@ -81,7 +81,8 @@ def _convert(value: Any, kind: str, where: str) -> Any:
         if not all(entry.isdigit() for entry in entries):
             raise ValueError(f"{where} must be a core id or a comma-separated list of them, got {value!r}")
         return ",".join(str(int(entry)) for entry in entries)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind == "count" and not isinstance(value, int)):
+    whole = isinstance(value, int)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind == "count" and not whole):
         wanted = "a whole number" if kind == "count" else "a number"
         raise ValueError(f"{where} must be {wanted}, got {value!r}")
     if value < 0:

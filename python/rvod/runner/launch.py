@@ -78,6 +78,7 @@ class JobPlan:
     remote_hosts: list[str]
     ssh: SshSettings
     rendezvous_addr: str
+    rendezvous_reason: str
     start_timeout: float
     nics: list[str] = field(default_factory=list)
 
@@ -102,13 +103,14 @@ def plan_job(options: argparse.Namespace) -> JobPlan:
     # An unknown host is named here, before anything starts.
     peers = [network.resolve(ssh.resolved_hostname(name)) for name in remote]
     if not remote:
-        rendezvous_addr = network.LOOPBACK
+        rendezvous_addr, why = network.LOOPBACK, "every rank is on this machine"
     elif nic_addresses:
-        rendezvous_addr = nic_addresses[0]
+        rendezvous_addr, why = nic_addresses[0], f"the address of --network-interface {nics[0]}"
     else:
         rendezvous_addr = network.route_source(peers[0])
+        why = f"this machine's address on the route to {remote[0]} ({peers[0]})"
     return JobPlan(slots=slots, remote_hosts=remote, ssh=ssh, rendezvous_addr=rendezvous_addr,
-                   start_timeout=timeout, nics=nics)
+                   rendezvous_reason=why, start_timeout=timeout, nics=nics)
 
 
 def _rank_output_dir(root: str, rank: int, size: int) -> Path:
@@ -153,10 +155,6 @@ class Job:
         base = forwarded_environment(os.environ) if remote else os.environ
         env = worker_env(base, slot, rendezvous_addr=self.plan.rendezvous_addr, rendezvous_port=self.port,
                          secret=self.secret, settings=settings)
-        if self.plan.multi_host and not remote and "RVOD_IFACE_ADDR" not in env and "HOROVOD_IFACE_ADDR" not in env:
-            # Until the engine picks its listening address itself, local ranks of a multi-host job listen on
-            # the address the other hosts reach this machine by (the engine's default is loopback).
-            env["RVOD_IFACE_ADDR"] = self.plan.rendezvous_addr
         output_dir = self.options.output_dir
         ssh_command = None
         if remote:
@@ -169,7 +167,8 @@ class Job:
         """Runs `command` as every rank and returns the job's exit status (`failure` says what failed)."""
         options = self.options
         if options.verbose:
-            print(f"rvodrun: rendezvous store listening on {self.plan.rendezvous_addr}:{self.port}", file=sys.stderr)
+            print(f"rvodrun: rendezvous store listening on {self.plan.rendezvous_addr}:{self.port} "
+                  f"({self.plan.rendezvous_reason})", file=sys.stderr)
             for slot in self.plan.slots:
                 print(f"rvodrun: rank {slot.rank} on {slot.hostname}: local rank {slot.local_rank} of "
                       f"{slot.local_size}, cross rank {slot.cross_rank} of {slot.cross_size}", file=sys.stderr)

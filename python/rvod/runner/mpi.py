@@ -86,7 +86,8 @@ def run_with_mpirun(options: argparse.Namespace, plan, command: list[str]) -> in
                 print(f"rvodrun: {shlex.join(args)}", file=sys.stderr)
             process = subprocess.Popen(args, env=env, start_new_session=True)
             forward = lambda number, _frame: process.send_signal(number)  # noqa: E731
-            previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+            previous = {signum: signal.signal(signum, forward)
+                        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
             try:
                 returncode = process.wait()
             finally:

@@ -13,7 +13,6 @@ import sys
 
 from rvod.runner.hosts import Host, assign_slots
 from rvod.runner.mpi import LAYOUT_VARIABLE
-from rvod.runner.network import route_source
 
 
 def main(command: list[str]) -> None:
@@ -38,9 +37,6 @@ def main(command: list[str]) -> None:
         "RVOD_CROSS_SIZE": str(slot.cross_size),
         "RVOD_HOSTNAME": slot.hostname,
     })
-    if len(hosts) > 1 and "RVOD_IFACE_ADDR" not in env:
-        # Until the engine picks its listening address itself: the address that routes to the store.
-        env["RVOD_IFACE_ADDR"] = route_source(env["RVOD_RENDEZVOUS_ADDR"])
     try:
         os.execvpe(command[0], command, env)
     except OSError as error:

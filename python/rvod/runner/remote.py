@@ -19,7 +19,6 @@ import sys
 import threading
 import time
 
-from rvod.runner.network import route_source
 
 STATUS_MARKER = "\x1ervod-remote:"
 STOP_GRACE_SECONDS = 5.0
@@ -68,17 +67,9 @@ def _follow_requests(process: subprocess.Popen[bytes]) -> None:
     _stop_group(process)
 
 
-def _bind_address_fallback(env: dict[str, str]) -> None:
-    """Until the engine picks its own listening address on a multi-host job, listen on the address that
-    routes to the rendezvous store (the engine's default is loopback, which other hosts cannot reach)."""
-    if "RVOD_IFACE_ADDR" not in env and "HOROVOD_IFACE_ADDR" not in env:
-        env["RVOD_IFACE_ADDR"] = route_source(env["RVOD_RENDEZVOUS_ADDR"])
-
-
 def main() -> int:
     request = json.loads(sys.stdin.readline())
     env = dict(request["env"])
-    _bind_address_fallback(env)
     try:
         os.chdir(request["cwd"])
     except OSError as error:
