@@ -68,10 +68,13 @@ def _used_networks() -> list[ipaddress.IPv4Network]:
 class Cluster:
     """Namespaced hosts named `names`, reachable as those names over ssh (see the module doc)."""
 
-    def __init__(self, names: list[str], mounts: dict[str, list[tuple[Path, Path]]] | None = None):
+    def __init__(self, names: list[str], mounts: dict[str, list[tuple[Path, Path]]] | None = None,
+                 ports: dict[str, int] | None = None):
         """`mounts`: per host, (source, target) bind mounts that only its sshd's sessions see (a directory
-        hidden under an empty one, a program replaced), to simulate a host set up differently."""
+        hidden under an empty one, a program replaced), to simulate a host set up differently. `ports`: hosts
+        whose sshd listens on another port than 22 (the ssh configuration says so)."""
         self.mounts = mounts or {}
+        self.ports = {name: (ports or {}).get(name, 22) for name in names}
         self.tag = f"rv{os.getpid() % 100000}"
         self.bridge = f"{self.tag}br"
         self.names = list(names)
@@ -131,10 +134,11 @@ class Cluster:
             subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(host_key)], check=True,
                            timeout=30)
             public = (self.workdir / f"host_key_{name}.pub").read_text().split()
-            known_hosts.append(f"{address} {public[0]} {public[1]}")
+            listed = address if self.ports[name] == 22 else f"[{address}]:{self.ports[name]}"
+            known_hosts.append(f"{listed} {public[0]} {public[1]}")
             config = self.workdir / f"sshd_config_{name}"
             config.write_text(
-                f"ListenAddress {address}\nPort 22\nHostKey {host_key}\nPidFile none\n"
+                f"ListenAddress {address}\nPort {self.ports[name]}\nHostKey {host_key}\nPidFile none\n"
                 f"AuthorizedKeysFile {self.workdir / 'authorized_keys'}\nPermitRootLogin prohibit-password\n"
                 "PasswordAuthentication no\nKbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\n"
                 "PrintMotd no\nLogLevel ERROR\nMaxStartups 100\n"
@@ -151,7 +155,7 @@ class Cluster:
         (self.workdir / "known_hosts").write_text("\n".join(known_hosts) + "\n")
         lines = []
         for name in self.names:
-            lines += [f"Host {name}", f"    HostName {self.addresses[name]}"]
+            lines += [f"Host {name}", f"    HostName {self.addresses[name]}", f"    Port {self.ports[name]}"]
         lines += [f"Host {self.unused_address} unreachable", f"    HostName {self.unused_address}"]
         lines += ["Host *", "    User root", f"    IdentityFile {key}", "    IdentitiesOnly yes",
                   f"    UserKnownHostsFile {self.workdir / 'known_hosts'}", "    GlobalKnownHostsFile /dev/null",
@@ -167,7 +171,7 @@ class Cluster:
                 log = (self.workdir / f"sshd_{name}.log").read_text(errors="replace")
                 raise RuntimeError(f"sshd of host {name} exited: {log}")
             try:
-                with socket.create_connection((self.addresses[name], 22), timeout=1):
+                with socket.create_connection((self.addresses[name], self.ports[name]), timeout=1):
                     return
             except OSError:
                 if time.monotonic() > deadline:

@@ -36,7 +36,8 @@ def cluster(tmp_path_factory):
     empty = tmp_path_factory.mktemp("empty")
     installed = {Path(entry) / "rvod" for entry in [str(RVOD_IMPORT_ROOT), *sys.path]
                  if (Path(entry or ".") / "rvod").is_dir()}
-    cluster = netns.Cluster(["a", "b", "c", "d"], mounts={"d": [(empty, path) for path in sorted(installed)]})
+    cluster = netns.Cluster(["a", "b", "c", "d"], mounts={"d": [(empty, path) for path in sorted(installed)]},
+                            ports={"c": 2222})
     try:
         yield cluster
     finally:
@@ -124,6 +125,21 @@ def test_this_machine_and_remote_hosts_in_one_job(env, cluster):
     assert result.returncode == 0, report(result)
     lines = {int(m.group(1)): m.group(2) for m in re.finditer(r"^\[(\d)\]<stdout>:(.*)$", result.stdout, re.M)}
     assert lines == {0: "localhost 0 3 [0, 1, 2]", 1: "a 1 3 [0, 1, 2]", 2: "b 2 3 [0, 1, 2]"}, report(result)
+
+
+@pytest.mark.timeout(60)
+def test_ssh_port_and_identity_file(env, cluster, tmp_path):
+    """-p and -i reach host c (sshd on port 2222) with an ssh configuration that names neither."""
+    config = tmp_path / "ssh_config"
+    config.write_text(f"Host c\n    HostName {cluster.addresses['c']}\nHost *\n    User root\n    IdentitiesOnly yes\n"
+                      f"    UserKnownHostsFile {cluster.workdir / 'known_hosts'}\n    StrictHostKeyChecking yes\n")
+    args = ["-np", "1", "-H", "c:1", "--ssh-config-file", str(config), "sh", "-c", "echo on $RVOD_HOSTNAME"]
+    for missing in ([], ["-p", "2222"], ["-i", str(cluster.workdir / "id_ed25519")]):
+        without = rvodrun(env, [*missing, *args], timeout=30)
+        assert without.returncode == 1 and "host 'c' is not reachable over ssh" in without.stderr, report(without)
+    result = rvodrun(env, ["-p", "2222", "-i", str(cluster.workdir / "id_ed25519"), *args], timeout=30)
+    assert result.returncode == 0, report(result)
+    assert result.stdout == "[0]<stdout>:on c\n"
 
 
 # --- failures -----------------------------------------------------------------------------------------
