@@ -1,10 +1,12 @@
 """rvodrun and rvod.run across hosts: network namespaces on this machine, each with its own sshd
 (tests/python/netns.py), and rvodrun in the test's own namespace reaching them over ssh.
 
-Hosts a and b run jobs; host c plays a stranger, and host d is set up without rvod (its sshd's sessions see
-an empty directory where rvod is installed). Checks every op with a few dtypes and process sets spanning
-hosts on 2x2 and uneven 1+3 layouts, the topology each rank sees, a remote rank that is killed, Ctrl-C,
-a stranger with the wrong secret, an unreachable host, bad input, rvod.run, and torch training.
+Hosts a and b run jobs; host c plays a stranger and listens for ssh on port 2222, and host d is set up
+without rvod (its sshd's sessions see an empty directory where rvod is installed). Checks every op with a
+few dtypes and process sets spanning hosts on 2x2 and uneven 1+3 layouts, the topology each rank sees,
+a hostfile, --network-interface, --output-filename, -p/-i, --mpi, this machine mixed with remote hosts,
+a remote rank that is killed, Ctrl-C and a killed rvodrun (nothing left on any host, the secret on no
+command line), a stranger with the wrong secret, an unreachable host, bad input, rvod.run, torch training.
 Skipped, with the reason, where network namespaces cannot be made (not root, no sshd).
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -93,7 +96,7 @@ def test_hostfile_and_network_interface(env, cluster, tmp_path):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("# two namespaced hosts\na slots=1\n\nb slots=4  # more than needed\n")
     result = rvodrun(env, ["-np", "3", "--hostfile", str(hostfile), "--network-interface", cluster.bridge,
-                           "--verbose", *python_code("""
+                           "--verbose", "--output-filename", str(tmp_path / "logs"), *python_code("""
         import os
         import numpy as np
         import rvod.numpy as hvd
@@ -109,6 +112,8 @@ def test_hostfile_and_network_interface(env, cluster, tmp_path):
     listening = (rf"^rvodrun: rendezvous store listening on {re.escape(addr)}:\d+ "
                  rf"\(the address of --network-interface {nic}\)$")
     assert re.search(listening, result.stderr, re.M), result.stderr
+    # --output-filename: every rank's output, remote ones included, is also written here.
+    assert (tmp_path / "logs" / "rank.2" / "stdout").read_text() == f"b 1 2 {nic} {addr} 6.0\n"
 
 
 @pytest.mark.timeout(60)
@@ -140,6 +145,25 @@ def test_ssh_port_and_identity_file(env, cluster, tmp_path):
     result = rvodrun(env, ["-p", "2222", "-i", str(cluster.workdir / "id_ed25519"), *args], timeout=30)
     assert result.returncode == 0, report(result)
     assert result.stdout == "[0]<stdout>:on c\n"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="--mpi needs Open MPI's mpirun (scripts/setup-system.sh)")
+def test_mpi_across_hosts(env, cluster):
+    """--mpi: mpirun (over the same ssh configuration) places the ranks as rvodrun would."""
+    result = rvodrun(env, ["--mpi", "-np", "4", "-H", "a:2,b:2", "--network-interface", cluster.bridge,
+                           *python_code("""
+        import os
+        import numpy as np
+        import rvod.numpy as hvd
+        hvd.init()
+        total = hvd.allreduce(np.array([hvd.rank() + 1.0]), op=hvd.Sum)[0]
+        print(f"{os.environ['RVOD_HOSTNAME']} {hvd.local_rank()} {hvd.cross_rank()} {total}", flush=True)
+    """)], timeout=50)
+    assert result.returncode == 0, report(result)
+    lines = {int(m.group(1)): m.group(2) for m in re.finditer(r"^\[1,(\d)\]<stdout>:(.*)$", result.stdout, re.M)}
+    assert lines == {0: "a 0 0 10.0", 1: "a 1 0 10.0", 2: "b 0 1 10.0", 3: "b 1 1 10.0"}, report(result)
+    assert cluster.wait_until_empty() == {}
 
 
 # --- failures -----------------------------------------------------------------------------------------
