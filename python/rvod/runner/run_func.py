@@ -79,6 +79,8 @@ def run(
         raise ValueError("rvod.run starts its ranks itself (over ssh on other hosts); use_mpi is not supported")
     if mpi_args is not None:
         raise ValueError("mpi_args is for mpirun, which rvod.run does not use")
+    if network_interface is not None:
+        warnings.warn("network_interface is deprecated, use network_interfaces", DeprecationWarning, stacklevel=2)
     nics: list[str] = []
     for given in (network_interface, network_interfaces):
         if given:
