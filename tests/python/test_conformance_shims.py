@@ -1,0 +1,32 @@
+"""Multi-process tests of behaviour Horovod scripts rely on in the torch, tensorflow and numpy shims, run
+through rvodrun.
+
+workers/objects.py checks broadcast_object and allgather_object with objects from 0 bytes to over 1 MiB, once
+per shim (3 ranks; the MXNet run is in test_mxnet_conformance.py), since every shim serves the one
+implementation in rvod.common.objects. workers/torch_conformance.py trains SparseAdam on a sparse embedding
+against one process on the full batch and checks the gradients broadcast_optimizer_state leaves (2 ranks).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from jobs import WORKERS, assert_worker_job
+
+FRAMEWORKS = {"numpy": 4, "torch": 4, "tensorflow": 6}  # checks each rank passes (tensorflow adds graph mode)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("framework", sorted(FRAMEWORKS))
+def test_object_helpers_carry_objects_of_any_size(run_rvodrun, framework):
+    pytest.importorskip(framework)
+    result = run_rvodrun(["-np", "3", sys.executable, str(WORKERS / "objects.py"), framework], timeout=120)
+    assert_worker_job(result, {rank: FRAMEWORKS[framework] for rank in range(3)})
+
+
+@pytest.mark.timeout(150)
+def test_torch_sparse_gradients_and_optimizer_state_broadcast(run_rvodrun):
+    pytest.importorskip("torch")
+    result = run_rvodrun(["-np", "2", sys.executable, str(WORKERS / "torch_conformance.py")], timeout=120)
+    assert_worker_job(result, {0: 9, 1: 9})
