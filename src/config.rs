@@ -55,6 +55,9 @@ pub struct Config {
     /// The core this rank's engine threads are pinned to (`RVOD_THREAD_AFFINITY`: one core id per local
     /// rank, this rank's by its local rank); `None`: not pinned.
     pub thread_affinity: Option<usize>,
+    /// Process sets may be added and removed after init (`RVOD_DYNAMIC_PROCESS_SETS`, Horovod's flag rule:
+    /// on when > 0; also turned on by `init(process_sets="dynamic")`).
+    pub dynamic_process_sets: bool,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -242,6 +245,7 @@ impl Config {
             shm: env.flag_or("SHM", true)?,
             shm_dir: env.string("SHM_DIR").unwrap_or_else(|| "/dev/shm".to_string()).into(),
             thread_affinity,
+            dynamic_process_sets: env.flag("DYNAMIC_PROCESS_SETS")?,
         })
     }
 }
@@ -301,6 +305,22 @@ mod tests {
         let bad = config(&[("RVOD_THREAD_AFFINITY", "0,x")]).unwrap_err();
         assert_eq!((bad.name.as_str(), bad.value.as_str()), ("RVOD_THREAD_AFFINITY", "0,x"));
         assert!(bad.reason.contains("core ids"), "{bad}");
+    }
+
+    #[test]
+    fn dynamic_process_sets_follow_the_flag_rule() {
+        assert!(!config(&[]).unwrap().dynamic_process_sets);
+        for (name, value, on) in [
+            ("RVOD_DYNAMIC_PROCESS_SETS", "1", true),
+            ("HOROVOD_DYNAMIC_PROCESS_SETS", "2", true),
+            ("RVOD_DYNAMIC_PROCESS_SETS", "true", true),
+            ("RVOD_DYNAMIC_PROCESS_SETS", "0", false),
+            ("HOROVOD_DYNAMIC_PROCESS_SETS", "-1", false),
+        ] {
+            assert_eq!(config(&[(name, value)]).unwrap().dynamic_process_sets, on, "{name}={value}");
+        }
+        let bad = config(&[("HOROVOD_DYNAMIC_PROCESS_SETS", "maybe")]).unwrap_err();
+        assert_eq!((bad.name.as_str(), bad.value.as_str()), ("HOROVOD_DYNAMIC_PROCESS_SETS", "maybe"));
     }
 
     #[test]
