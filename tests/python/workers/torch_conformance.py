@@ -1,7 +1,9 @@
 """rvod.torch where Horovod scripts rely on its exact behaviour, run by rvodrun with 2 ranks: sparse gradients
 that stay sparse (SparseAdam on nn.Embedding(sparse=True), with and without sparse_as_dense and groups, a
 rank whose step touches no embedding row) trained against one process on the full batch, and the gradients
-broadcast_optimizer_state leaves behind (Horovod's own test_broadcast_state_no_grad, and the cases around it).
+broadcast_optimizer_state leaves behind (Horovod's own test_broadcast_state_no_grad, and the cases around it),
+and the object helpers with objects over 64 KiB (workers/objects.py covers them at length through the other
+shims: every shim serves the same implementation).
 """
 
 import torch
@@ -172,5 +174,14 @@ with check("broadcast_optimizer_state with SparseAdam: zero gradients are sparse
     embedding(torch.tensor([R, 5])).sum().backward()
     optimizer.step()
     same_on_every_rank(embedding.named_parameters(), "sparse-adam-after-broadcast")
+
+with check("broadcast_object and allgather_object carry objects over 64 KiB, torch tensors included"):
+    tensor = torch.arange(300_000, dtype=torch.float32) * (R + 1)
+    got = hvd.broadcast_object({"tensor": tensor, "text": "x" * 70_000 * (R + 1)}, root_rank=N - 1)
+    assert torch.equal(got["tensor"], torch.arange(300_000, dtype=torch.float32) * N) and len(got["text"]) == 70_000 * N
+    gathered = hvd.allgather_object(tensor[: 100_000 * (R + 1)])
+    assert [len(g) for g in gathered] == [100_000 * (r + 1) for r in range(N)]
+    assert all(torch.equal(g, torch.arange(100_000 * (r + 1), dtype=torch.float32) * (r + 1))
+               for r, g in enumerate(gathered))
 
 finish(R)
