@@ -71,6 +71,9 @@ pub struct Config {
     /// algorithm on or off where a communicator spans hosts; `None` lets the executor choose.
     pub hierarchical_allreduce: Option<bool>,
     pub hierarchical_allgather: Option<bool>,
+    /// Process sets may be added and removed after init (`RVOD_DYNAMIC_PROCESS_SETS`, Horovod's flag rule:
+    /// on when > 0; also turned on by `init(process_sets="dynamic")`).
+    pub dynamic_process_sets: bool,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -267,6 +270,7 @@ impl Config {
             thread_affinity,
             hierarchical_allreduce: env.optional_flag("HIERARCHICAL_ALLREDUCE")?,
             hierarchical_allgather: env.optional_flag("HIERARCHICAL_ALLGATHER")?,
+            dynamic_process_sets: env.flag("DYNAMIC_PROCESS_SETS")?,
         })
     }
 }
@@ -358,6 +362,22 @@ mod tests {
         let bad = config(&[("RVOD_THREAD_AFFINITY", "0,x")]).unwrap_err();
         assert_eq!((bad.name.as_str(), bad.value.as_str()), ("RVOD_THREAD_AFFINITY", "0,x"));
         assert!(bad.reason.contains("core ids"), "{bad}");
+    }
+
+    #[test]
+    fn dynamic_process_sets_follow_the_flag_rule() {
+        assert!(!config(&[]).unwrap().dynamic_process_sets);
+        for (name, value, on) in [
+            ("RVOD_DYNAMIC_PROCESS_SETS", "1", true),
+            ("HOROVOD_DYNAMIC_PROCESS_SETS", "2", true),
+            ("RVOD_DYNAMIC_PROCESS_SETS", "true", true),
+            ("RVOD_DYNAMIC_PROCESS_SETS", "0", false),
+            ("HOROVOD_DYNAMIC_PROCESS_SETS", "-1", false),
+        ] {
+            assert_eq!(config(&[(name, value)]).unwrap().dynamic_process_sets, on, "{name}={value}");
+        }
+        let bad = config(&[("HOROVOD_DYNAMIC_PROCESS_SETS", "maybe")]).unwrap_err();
+        assert_eq!((bad.name.as_str(), bad.value.as_str()), ("HOROVOD_DYNAMIC_PROCESS_SETS", "maybe"));
     }
 
     #[test]

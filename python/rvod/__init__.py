@@ -3,8 +3,10 @@
 Change ``import horovod.torch as hvd`` to ``import rvod.torch as hvd`` (or ``rvod.numpy``,
 ``rvod.tensorflow``, ``rvod.keras``, ``rvod.mxnet``) and launch with ``rvodrun -np N python train.py``.
 ``rvod.run(fn, np=N, hosts=...)`` runs a function on every rank, as ``horovod.run`` does.
-Importing ``rvod`` itself imports no deep-learning framework.
+Importing ``rvod`` itself imports no deep-learning framework (nor the native extension).
 """
+
+import importlib.metadata
 
 from rvod.exceptions import (
     HorovodInternalError,
@@ -16,7 +18,11 @@ from rvod.exceptions import (
 )
 from rvod.runner.run_func import run
 
-__version__ = "0.1.0"
+try:
+    # Written once, in Cargo.toml: maturin puts it into the installed package's metadata.
+    __version__ = importlib.metadata.version("rvod")
+except importlib.metadata.PackageNotFoundError:  # the source tree, not installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "__version__",

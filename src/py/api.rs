@@ -58,15 +58,17 @@ fn init_logging(level: &str, hide_time: bool) {
 }
 
 /// Start the engine (idempotent while running) and register `process_sets` (lists of global ranks, the
-/// same on every rank). Waiting for the other ranks releases the GIL and can be interrupted with Ctrl-C.
+/// same on every rank); `dynamic_process_sets` turns dynamic process sets on whatever the environment says.
+/// Waiting for the other ranks releases the GIL and can be interrupted with Ctrl-C.
 #[pyfunction]
-#[pyo3(signature = (process_sets=Vec::new()))]
-pub fn init(py: Python<'_>, process_sets: Vec<Vec<usize>>) -> PyResult<()> {
+#[pyo3(signature = (process_sets=Vec::new(), dynamic_process_sets=false))]
+pub fn init(py: Python<'_>, process_sets: Vec<Vec<usize>>, dynamic_process_sets: bool) -> PyResult<()> {
     if state().engine.is_some() {
         return Ok(());
     }
     init_logging(&crate::config::log_level_from_env(), crate::config::log_hide_time_from_env());
-    let config = Config::from_env().map_err(|e| to_py_err(EngineError::Init(e.to_string())))?;
+    let mut config = Config::from_env().map_err(|e| to_py_err(EngineError::Init(e.to_string())))?;
+    config.dynamic_process_sets |= dynamic_process_sets;
     let generation = {
         let mut state = state();
         state.generation += 1;
@@ -195,6 +197,12 @@ pub fn submit(
 pub fn add_process_set(py: Python<'_>, ranks: Vec<usize>) -> PyResult<u32> {
     let engine = engine()?;
     py.allow_threads(|| engine.add_process_set(&ranks)).map_err(to_py_err)
+}
+
+/// Whether process sets may be added and removed after init (the running engine's configuration).
+#[pyfunction]
+pub fn dynamic_process_sets() -> PyResult<bool> {
+    Ok(engine()?.config().dynamic_process_sets)
 }
 
 /// Remove a process set (every rank calls this); false for the global set or an unknown id.

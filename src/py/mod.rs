@@ -29,6 +29,7 @@ fn _rvod(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(api::add_process_set, m)?)?;
     m.add_function(wrap_pyfunction!(api::remove_process_set, m)?)?;
     m.add_function(wrap_pyfunction!(api::process_sets, m)?)?;
+    m.add_function(wrap_pyfunction!(api::dynamic_process_sets, m)?)?;
     m.add_function(wrap_pyfunction!(api::transport_kind, m)?)?;
     m.add_function(wrap_pyfunction!(api::build_info, m)?)?;
     m.add_function(wrap_pyfunction!(dlpack::relabel_bool_as_uint8, m)?)?;

@@ -30,7 +30,8 @@ def init(comm=None, process_sets=None):
     if _rvod.is_initialized():
         return
     static_sets = _process_sets.static_sets_for_init(process_sets)
-    _rvod.init([ps.ranks for ps in static_sets])
+    dynamic = isinstance(process_sets, str) and process_sets == "dynamic"
+    _rvod.init([ps.ranks for ps in static_sets], dynamic_process_sets=dynamic)
     _topology = _rvod.topology()
     _process_sets.after_init(_topology[1], static_sets)
     if not _atexit_registered:

@@ -1,15 +1,25 @@
-"""Broadcasting and gathering arbitrary picklable objects, written once over a shim's byte-tensor ops.
+"""Broadcasting and gathering arbitrary picklable objects: the one implementation every shim exposes.
+
+An object travels as its cloudpickle bytes in a NumPy ``uint8`` array, after its length in an ``int64``
+array, so an object of any size arrives whole. The arrays go to the engine as NumPy arrays whatever the
+framework, so ``rvod.torch``, ``rvod.tensorflow`` (eager or graph mode), ``rvod.mxnet`` and ``rvod.numpy``
+behave the same: a shim only chooses which arguments of Horovod's signature it shows.
 
 Unnamed calls are matched across ranks by call order (per process set). Horovod names them by the
 object's type instead, which differs between ``obj`` on the root and ``None`` elsewhere and then never
-matches."""
+matches.
+"""
 
 import io
 
 import cloudpickle
 import numpy as np
 
-from rvod.common import naming
+from rvod.common import basics, naming, ops
+from rvod.common.numpy_adapter import NumpyAdapter
+from rvod.common.process_sets import global_process_set, process_set_id_of
+
+_adapter = NumpyAdapter()
 
 
 def _to_bytes(obj):
@@ -18,27 +28,36 @@ def _to_bytes(obj):
     return np.frombuffer(buffer.getvalue(), dtype=np.uint8)
 
 
-def broadcast_object(broadcast, rank, obj, root_rank=0, name=None, process_set_id=0):
-    """``broadcast(array, root_rank, name)`` broadcasts a NumPy array; returns root's object everywhere."""
-    name = naming.next_name("broadcast_object", process_set_id) if name is None else name
-    if rank == root_rank:
+def _broadcast(array, root_rank, name, process_set):
+    return ops.synchronize(ops.broadcast_async(_adapter, array, root_rank, name, process_set))
+
+
+def _allgather(array, name, process_set):
+    return ops.synchronize(ops.allgather_async(_adapter, array, name, process_set))
+
+
+def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
+    """Return ``root_rank``'s object (any picklable object, of any size) on every rank of ``process_set``;
+    ``obj`` is ignored on the other ranks."""
+    name = naming.next_name("broadcast_object", process_set_id_of(process_set)) if name is None else name
+    if basics.rank() == root_rank:
         payload = _to_bytes(obj)
-        broadcast(np.array([payload.size], dtype=np.int64), root_rank, f"{name}.sz")
-        broadcast(payload, root_rank, f"{name}.t")
+        _broadcast(np.array([payload.size], dtype=np.int64), root_rank, f"{name}.sz", process_set)
+        _broadcast(payload, root_rank, f"{name}.t", process_set)
         return obj
-    length = int(broadcast(np.zeros(1, dtype=np.int64), root_rank, f"{name}.sz")[0])
-    payload = broadcast(np.zeros(length, dtype=np.uint8), root_rank, f"{name}.t")
-    return cloudpickle.loads(np.asarray(payload).tobytes())
+    length = int(_broadcast(np.zeros(1, dtype=np.int64), root_rank, f"{name}.sz", process_set)[0])
+    payload = _broadcast(np.zeros(length, dtype=np.uint8), root_rank, f"{name}.t", process_set)
+    return cloudpickle.loads(payload.tobytes())
 
 
-def allgather_object(allgather, obj, name=None, process_set_id=0):
-    """``allgather(array, name)`` allgathers NumPy arrays; returns every rank's object, in rank order."""
-    name = naming.next_name("allgather_object", process_set_id) if name is None else name
+def allgather_object(obj, name=None, process_set=global_process_set):
+    """A list with the object of every rank of ``process_set`` (picklable, of any size), in rank order."""
+    name = naming.next_name("allgather_object", process_set_id_of(process_set)) if name is None else name
     payload = _to_bytes(obj)
-    sizes = np.asarray(allgather(np.array([payload.size], dtype=np.int64), f"{name}.sz"))
-    data = np.asarray(allgather(payload, f"{name}.t")).tobytes()
+    sizes = _allgather(np.array([payload.size], dtype=np.int64), f"{name}.sz", process_set)
+    data = _allgather(payload, f"{name}.t", process_set).tobytes()
     objects, offset = [], 0
-    for size in sizes.tolist():
-        objects.append(cloudpickle.loads(data[offset:offset + size]))
-        offset += size
+    for length in sizes.tolist():
+        objects.append(cloudpickle.loads(data[offset:offset + length]))
+        offset += length
     return objects

@@ -5,8 +5,6 @@ or, when dynamic process sets are enabled, with ``add_process_set`` at run time;
 all ranks (every rank registers the same sets in the same order) and assign the same ids everywhere.
 """
 
-import os
-
 from rvod import _rvod
 
 
@@ -61,22 +59,15 @@ _registered = {}
 
 
 def _dynamic_enabled():
-    for name in ("RVOD_DYNAMIC_PROCESS_SETS", "HOROVOD_DYNAMIC_PROCESS_SETS"):
-        value = os.environ.get(name, "").strip()
-        if value:
-            try:
-                return int(value) != 0
-            except ValueError:
-                return value.lower() in ("true", "yes", "on")
-    return False
+    """Whether the running engine allows adding and removing sets (RVOD_DYNAMIC_PROCESS_SETS, read by the
+    engine's configuration, or ``init(process_sets="dynamic")``); raises when not initialized."""
+    return _rvod.dynamic_process_sets()
 
 
 def static_sets_for_init(process_sets):
-    """Validate ``init(process_sets=...)`` and return the rank lists to register (duplicates refused)."""
-    if process_sets is None:
-        return []
-    if process_sets == "dynamic":
-        os.environ["RVOD_DYNAMIC_PROCESS_SETS"] = "1"
+    """Validate ``init(process_sets=...)`` and return the sets to register (duplicates refused); ``"dynamic"``
+    registers none (it turns dynamic process sets on for this init, see ``basics.init``)."""
+    if process_sets is None or process_sets == "dynamic":
         return []
     sets = list(process_sets)
     seen = {}

@@ -4,13 +4,13 @@ parameters) and arbitrary picklable objects."""
 import types
 
 import mxnet as mx
-import numpy as np
 
-from rvod.common import objects as _objects
 from rvod.common import ops as _ops
-from rvod.common.process_sets import global_process_set, process_set_id_of
+from rvod.common.objects import allgather_object, broadcast_object
 from rvod.mxnet.adapter import adapter_for
-from rvod.mxnet.mpi_ops import allgather, broadcast, rank, size
+from rvod.mxnet.mpi_ops import size
+
+__all__ = ["allgather_object", "broadcast_object", "broadcast_parameters"]
 
 
 def _broadcast_arrays(named_arrays, root_rank):
@@ -69,22 +69,3 @@ def broadcast_parameters(params, root_rank=0, prefix=None):
         else:
             raise ValueError(f"invalid params: {key!r} is a {type(value).__name__}, not an NDArray or a Parameter")
     _broadcast_arrays(named_arrays, root_rank)
-
-
-def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
-    """Return ``root_rank``'s picklable object on every rank (sent as a byte NDArray); unnamed calls match
-    across ranks by call order."""
-
-    def broadcast_bytes(array, root, object_name):
-        return broadcast(mx.nd.array(array, dtype=np.uint8), root, object_name, process_set=process_set).asnumpy()
-
-    return _objects.broadcast_object(broadcast_bytes, rank(), obj, root_rank, name, process_set_id_of(process_set))
-
-
-def allgather_object(obj, name=None):
-    """A list with every rank's picklable object, in rank order (unnamed calls match by call order)."""
-
-    def allgather_bytes(array, object_name):
-        return allgather(mx.nd.array(array, dtype=np.uint8), object_name).asnumpy()
-
-    return _objects.allgather_object(allgather_bytes, obj, name)

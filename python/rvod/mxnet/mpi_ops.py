@@ -6,7 +6,15 @@ returns once its result is complete, so results can be read at once (Horovod que
 engine instead; either way the script sees the same values). ``priority`` is accepted and has no effect:
 rvod's engine starts whatever every rank has submitted, in submission order. ``*_`` ops write their
 result into their input and return it.
+
+Bad arguments to ``alltoall`` raise ``MXNetArgumentError``, which is an ``MXNetError`` as horovod.mxnet
+raises (its checks run inside the op) and also a ``ValueError``, as rvod's argument errors are.
 """
+
+import numbers
+
+import mxnet as mx
+import numpy as np
 
 from rvod.common import basics as _basics
 from rvod.common import ops as _ops
@@ -14,17 +22,21 @@ from rvod.common.basics import *  # noqa: F403  (Horovod's basics: init, rank, s
 from rvod.common.basics import is_homogeneous  # noqa: F401  (hvd.mpi_ops.is_homogeneous, as in Horovod)
 from rvod.common.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from rvod.common.reduce_ops import Adasum, Average, Max, Min, Product, Sum
-from rvod.mxnet.adapter import adapter_for
+from rvod.mxnet.adapter import adapter_for, dtype_name
 
 # horovod.mxnet offers is_homogeneous only as hvd.mpi_ops.is_homogeneous, not at the top level.
 __all__ = [
     *(name for name in _basics.__all__ if name != "is_homogeneous"), "ProcessSet", "add_process_set", "global_process_set", "remove_process_set", "Adasum",
     "Average", "Max", "Min", "Product", "Sum", "allreduce", "allreduce_", "grouped_allreduce", "grouped_allreduce_",
     "allgather", "grouped_allgather", "broadcast", "broadcast_", "alltoall", "reducescatter", "grouped_reducescatter",
-    "join", "barrier",
+    "join", "barrier", "MXNetArgumentError",
 ]
 
 _synchronize = _ops.synchronize
+
+
+class MXNetArgumentError(mx.base.MXNetError, ValueError):
+    """An argument an op cannot take, refused before anything is sent (the same on every rank)."""
 
 
 def _tensor_list(tensors, what):
@@ -98,12 +110,39 @@ def broadcast_(tensor, root_rank, name=None, priority=0, process_set=global_proc
 # ---------------------------------------------------------------------------------- alltoall, reducescatter
 
 
+def _alltoall_splits(splits):
+    """``splits`` as a list of ints: integer NDArrays and sequences of integers only (a float split such as
+    1.5 would be cut to 1 and send other rows than the caller meant)."""
+    if isinstance(splits, mx.nd.NDArray):
+        if np.dtype(splits.dtype).kind not in "iu":
+            raise MXNetArgumentError("alltoall expects splits to contain integer elements, got an NDArray of "
+                                     f"{dtype_name(splits.dtype)}")
+        return [int(v) for v in splits.asnumpy().reshape(-1)]
+    try:
+        values = list(splits)
+    except TypeError:
+        raise MXNetArgumentError("alltoall expects splits to be an integer NDArray or a list of ints, got "
+                                 f"{type(splits).__name__}") from None
+    for value in values:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise MXNetArgumentError(f"alltoall expects splits to be integers, got {value!r} "
+                                     f"({type(value).__name__})")
+    return [int(v) for v in values]
+
+
 def alltoall(tensor, splits=None, name=None, priority=0, process_set=global_process_set):
     """Send ``splits[i]`` rows of dim 0 to rank i (an even split when None) and gather what the others send.
 
     ``splits`` is a list of ints or an integer NDArray. Returns the output, or ``(output, received_splits)``
-    (an int32 NDArray) when ``splits`` is given."""
-    return _synchronize(_ops.alltoall_async(adapter_for(tensor), tensor, splits, name, process_set))
+    (an int32 NDArray) when ``splits`` is given. Bad splits, or a first dimension they do not fit, raise
+    ``MXNetArgumentError``."""
+    split_list = None if splits is None else _alltoall_splits(splits)
+    adapter = adapter_for(tensor)
+    try:
+        handle = _ops.alltoall_async(adapter, tensor, split_list, name, process_set, with_splits=splits is not None)
+    except ValueError as error:
+        raise MXNetArgumentError(f"alltoall: {error}") from None
+    return _synchronize(handle)
 
 
 def reducescatter(tensor, op=Average, name=None, priority=0, process_set=global_process_set, prescale_factor=1.0,

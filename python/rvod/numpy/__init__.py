@@ -6,8 +6,8 @@ data with ``import rvod.numpy as hvd``. Results are NumPy arrays; async ops retu
 """
 
 from rvod.common import ops as _ops
-from rvod.common import objects as _objects
 from rvod.common.basics import *  # noqa: F401,F403  (the basics: init, rank, size, ...)
+from rvod.common.objects import allgather_object, broadcast_object  # noqa: F401
 from rvod.common.ops import barrier, join, poll, synchronize
 from rvod.common.process_sets import (
     ProcessSet,
@@ -15,10 +15,9 @@ from rvod.common.process_sets import (
     global_process_set,
     remove_process_set,
 )
-from rvod.common.process_sets import process_set_id_of as _process_set_id_of
 from rvod.common.reduce_ops import Adasum, Average, Max, Min, Product, Sum
 from rvod.exceptions import HorovodInternalError, RvodInternalError, RvodMismatchError
-from rvod.numpy.adapter import NumpyAdapter
+from rvod.common.numpy_adapter import NumpyAdapter
 
 _adapter = NumpyAdapter()
 gps = global_process_set
@@ -139,14 +138,3 @@ def grouped_reducescatter(tensors, name=None, op=Average, process_set=gps, presc
     return synchronize(grouped_reducescatter_async(tensors, name, op, process_set, prescale_factor,
                                                    postscale_factor))
 
-
-def broadcast_object(obj, root_rank=0, name=None, process_set=gps):
-    """Return ``root_rank``'s picklable object on every rank."""
-    return _objects.broadcast_object(
-        lambda array, root, object_name: broadcast(array, root, object_name, process_set),
-        rank(), obj, root_rank, name, _process_set_id_of(process_set))
-
-
-def allgather_object(obj, name=None):
-    """A list with every rank's picklable object, in rank order."""
-    return _objects.allgather_object(allgather, obj, name)

@@ -1,11 +1,10 @@
 """Making every rank start from the same state: variables and arbitrary picklable objects."""
 
-import numpy as np
 import tensorflow as tf
 
 from rvod.common import objects as _objects
-from rvod.common.process_sets import global_process_set, process_set_id_of
-from rvod.tensorflow.mpi_ops import _executing_eagerly, allgather, broadcast, broadcast_values, rank
+from rvod.common.process_sets import global_process_set
+from rvod.tensorflow.mpi_ops import _executing_eagerly, broadcast_values
 
 
 def broadcast_variables(variables, root_rank, process_set=global_process_set, inplace=False):
@@ -24,21 +23,17 @@ def broadcast_global_variables(root_rank):
                        "`hvd.broadcast_variables(<model/optimizer variables>)` instead.")
 
 
-def _eager_only(what):
-    if not _executing_eagerly():
-        raise RuntimeError(f"{what} runs eagerly; call it outside tf.function")
+def _outside_tf_function(what):
+    if tf.inside_function():
+        raise RuntimeError(f"{what} exchanges Python objects when it is called; call it outside tf.function")
 
 
 def broadcast_object(obj, root_rank=0, session=None, name=None, process_set=global_process_set):
-    """Return ``root_rank``'s picklable object on every rank (sent as a byte tensor); unnamed calls match
-    across ranks by call order. ``session`` is for TensorFlow 1 and must be None."""
-    _eager_only("broadcast_object")
-
-    def broadcast_bytes(array, root, object_name):
-        return broadcast(tf.constant(array), root, object_name, ignore_name_scope=True,
-                         process_set=process_set).numpy()
-
-    return _objects.broadcast_object(broadcast_bytes, rank(), obj, root_rank, name, process_set_id_of(process_set))
+    """Return ``root_rank``'s picklable object on every rank, eagerly or in a TensorFlow 1 graph (where it
+    runs at once, as Horovod's does through ``session``, which is accepted and not needed); unnamed calls
+    match across ranks by call order."""
+    _outside_tf_function("broadcast_object")
+    return _objects.broadcast_object(obj, root_rank, name, process_set)
 
 
 def broadcast_object_fn(root_rank=0, session=None, name=None, process_set=global_process_set):
@@ -48,11 +43,7 @@ def broadcast_object_fn(root_rank=0, session=None, name=None, process_set=global
 
 
 def allgather_object(obj, session=None, name=None, process_set=global_process_set):
-    """A list with every rank's picklable object, in rank order (unnamed calls match by call order)."""
-    _eager_only("allgather_object")
-
-    def allgather_bytes(array, object_name):
-        return np.asarray(allgather(tf.constant(array), object_name, ignore_name_scope=True,
-                                    process_set=process_set))
-
-    return _objects.allgather_object(allgather_bytes, obj, name, process_set_id_of(process_set))
+    """A list with every rank's picklable object, in rank order (unnamed calls match by call order);
+    eagerly or in a TensorFlow 1 graph, as ``broadcast_object``."""
+    _outside_tf_function("allgather_object")
+    return _objects.allgather_object(obj, name, process_set)

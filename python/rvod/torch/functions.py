@@ -2,9 +2,10 @@
 
 import torch
 
-from rvod.common import objects as _objects
-from rvod.common.process_sets import global_process_set, process_set_id_of
-from rvod.torch.mpi_ops import allgather, broadcast, broadcast_async_, rank, synchronize
+from rvod.common.objects import allgather_object, broadcast_object
+from rvod.torch.mpi_ops import broadcast_async_, rank, synchronize
+
+__all__ = ["allgather_object", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters"]
 
 
 def broadcast_parameters(params, root_rank):
@@ -30,8 +31,9 @@ def broadcast_parameters(params, root_rank):
 
 
 def _initialize_state(optimizer):
-    """Give a fresh optimizer its state by one step on zero gradients, leaving parameters and gradients as
-    they were (a step on zero gradients still moves parameters under weight decay)."""
+    """Give a fresh optimizer its state by one step on zero gradients, leaving the parameters as they were.
+    As in Horovod, a trainable parameter that had no gradient keeps the zero gradient (sparse for
+    ``SparseAdam``), so ``p.grad`` can be used afterwards; a gradient already computed is kept as it was."""
     saved = []
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -43,10 +45,12 @@ def _initialize_state(optimizer):
     # A DistributedOptimizer would allreduce the zero gradients: take the wrapped optimizer's own step.
     local_step = getattr(optimizer, "_local_step", optimizer.step)
     local_step()
+    # A step on zero gradients still moves parameters under weight decay: put their values back.
     with torch.no_grad():
         for p, value, grad in saved:
             p.copy_(value)
-            p.grad = grad
+            if grad is not None:
+                p.grad = grad
 
 
 def _layout(optimizer):
@@ -68,13 +72,14 @@ def broadcast_optimizer_state(optimizer, root_rank, model=None):
     The root's hyper-parameters (types kept: Adam's ``betas`` stay a tuple), non-tensor state and the
     layout of its state tensors travel as one object; then every state tensor is broadcast in place. Ranks
     whose state is laid out differently (another ``amsgrad``, a missing momentum buffer) take the root's
-    layout. A fresh optimizer on the root first gets its state from one step on zero gradients.
+    layout. A fresh optimizer (on any rank) first gets its state from one step on zero gradients, which
+    leaves a zero gradient on every trainable parameter that had none, as Horovod does.
     ``model`` is accepted for Horovod compatibility; state is matched by position in the parameter
     groups, so it is not needed.
     """
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
-    if rank() == root_rank and not optimizer.state:
+    if not optimizer.state:
         _initialize_state(optimizer)
     layout = _layout(optimizer) if rank() == root_rank else None
     options, layout = broadcast_object(layout, root_rank, name="optimizer.layout")
@@ -101,21 +106,3 @@ def broadcast_optimizer_state(optimizer, root_rank, model=None):
                 state[key] = current = torch.zeros(shape, dtype=dtype)
             tensors[f"optimizer.{g}.{i}.{key}"] = current
     broadcast_parameters(tensors, root_rank)
-
-
-def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
-    """Return ``root_rank``'s picklable object on every rank (sent as a byte tensor); unnamed calls match
-    across ranks by call order."""
-
-    def broadcast_bytes(array, root, object_name):
-        return broadcast(torch.tensor(array), root, object_name, process_set).numpy()
-
-    return _objects.broadcast_object(broadcast_bytes, rank(), obj, root_rank, name, process_set_id_of(process_set))
-
-
-def allgather_object(obj, name=None):
-    """A list with every rank's picklable object, in rank order (unnamed calls match by call order)."""
-    def allgather_bytes(array, object_name):
-        return allgather(torch.tensor(array), object_name).numpy()
-
-    return _objects.allgather_object(allgather_bytes, obj, name)

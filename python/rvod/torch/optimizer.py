@@ -6,6 +6,10 @@ parameter so that the engine's response cache serves every later step. ``step()`
 allreduces, reduces whatever no hook reduced (parameters that got no gradient on this rank are reduced as
 zeros, so ranks whose graphs differ never wait on each other), then runs the wrapped optimizer's step.
 
+Sparse gradients (``nn.Embedding(sparse=True)``) stay sparse, as optimizers such as ``SparseAdam`` require:
+their indices and values are allgathered, as Horovod does. With ``sparse_as_dense=True`` they are reduced
+as dense tensors instead and handed back to the optimizer sparse.
+
 The object returned is an instance of a subclass of the wrapped optimizer's class with the same name,
 sharing its parameter groups and state, so ``isinstance`` checks, ``state_dict()`` and learning-rate
 schedulers keep working.
@@ -39,6 +43,7 @@ class _DistributedOptimizer:
         self._op = op
         self._process_set = process_set
         self._sparse_as_dense = sparse_as_dense
+        self._sparse_dims = {}  # parameter -> sparse_dim of its last sparse gradient
         if op == Average:
             self._scale = (1.0 / gradient_predivide_factor, gradient_predivide_factor)
         else:
@@ -132,12 +137,20 @@ class _DistributedOptimizer:
         if len(ready) == len(group):
             self._start(group)
 
-    def _gradient(self, p, dense):
-        """``p.grad``, created as zeros when this rank computed none; densified when ``dense``."""
-        if p.grad is None:
+    def _gradient(self, p):
+        """``p.grad``, created as zeros when this rank computed none: sparse zeros for a parameter whose
+        gradients were sparse before (so every rank reduces it the same way), dense zeros otherwise."""
+        if p.grad is not None:
+            if p.grad.is_sparse:
+                self._sparse_dims[p] = p.grad.sparse_dim()
+            return p.grad
+        sparse_dim = self._sparse_dims.get(p)
+        if sparse_dim is None:
             p.grad = torch.zeros_like(p)
-        if dense and p.grad.is_sparse:
-            p.grad = p.grad.to_dense()
+        else:
+            p.grad = torch.sparse_coo_tensor(torch.empty((sparse_dim, 0), dtype=torch.int64, device=p.device),
+                                             p.new_empty((0, *p.shape[sparse_dim:])), p.shape,
+                                             check_invariants=True)
         return p.grad
 
     def _start(self, key):
@@ -146,43 +159,67 @@ class _DistributedOptimizer:
         start = self._start_group if isinstance(key, tuple) else self._start_parameter
         self._pending[key] = start(key)
 
+    def _reduced_sparse(self, p, grad):
+        """A sparse gradient stays sparse: its indices and values are allgathered (duplicate indices add up
+        when the optimizer coalesces it)."""
+        wait = sparse_allreduce_async(grad.coalesce(), f"sparse.{self._parameter_names[p]}", self._op,
+                                      self._process_set)
+
+        def finish():
+            p.grad = wait()
+
+        return finish
+
     def _start_parameter(self, p):
-        grad = self._gradient(p, self._sparse_as_dense)
-        name = self._parameter_names[p]
-        if grad.is_sparse:
-            wait = sparse_allreduce_async(grad, f"sparse.{name}", self._op, self._process_set)
-
-            def finish_sparse():
-                p.grad = wait()
-
-            return finish_sparse
-        compressed, context = self._compression.compress(grad)
-        handle = allreduce_async_(compressed, name=name, op=self._op, prescale_factor=self._scale[0],
-                                  postscale_factor=self._scale[1], process_set=self._process_set)
+        grad = self._gradient(p)
+        if grad.is_sparse and not self._sparse_as_dense:
+            return self._reduced_sparse(p, grad)
+        dense = grad.to_dense() if grad.is_sparse else grad
+        compressed, context = self._compression.compress(dense)
+        handle = allreduce_async_(compressed, name=self._parameter_names[p], op=self._op,
+                                  prescale_factor=self._scale[0], postscale_factor=self._scale[1],
+                                  process_set=self._process_set)
 
         def finish():
             synchronize(handle)
-            self._write_back(grad, compressed, context)
+            self._write_back(p, grad, compressed, context)
 
         return finish
 
     def _start_group(self, group):
-        grads = [self._gradient(p, dense=True) for p in group]
-        compressed = [self._compression.compress(g) for g in grads]
-        handle = grouped_allreduce_async_([c for c, _ in compressed], name=self._parameter_names[group[0]],
-                                          op=self._op, prescale_factor=self._scale[0],
-                                          postscale_factor=self._scale[1], process_set=self._process_set)
+        """Dense gradients of the group are reduced as one grouped allreduce; sparse ones (unless
+        ``sparse_as_dense``) each by allgather."""
+        finishes, members = [], []
+        for p in group:
+            grad = self._gradient(p)
+            if grad.is_sparse and not self._sparse_as_dense:
+                finishes.append(self._reduced_sparse(p, grad))
+            else:
+                members.append((p, grad, self._compression.compress(grad.to_dense() if grad.is_sparse else grad)))
+        handle = None
+        if members:
+            handle = grouped_allreduce_async_([compressed for _, _, (compressed, _) in members],
+                                              name=self._parameter_names[group[0]], op=self._op,
+                                              prescale_factor=self._scale[0], postscale_factor=self._scale[1],
+                                              process_set=self._process_set)
 
         def finish():
-            synchronize(handle)
-            for grad, (reduced, context) in zip(grads, compressed):
-                self._write_back(grad, reduced, context)
+            if handle is not None:
+                synchronize(handle)
+            for p, grad, (reduced, context) in members:
+                self._write_back(p, grad, reduced, context)
+            for finish_sparse in finishes:
+                finish_sparse()
 
         return finish
 
-    def _write_back(self, grad, reduced, context):
+    def _write_back(self, p, grad, reduced, context):
+        """Put the reduced values into ``p.grad``; a sparse gradient reduced as dense (``sparse_as_dense``)
+        goes back sparse, as the optimizer expects (SparseAdam refuses dense gradients)."""
         result = self._compression.decompress(reduced, context)
-        if result is not grad:
+        if grad.is_sparse:
+            p.grad = result.to_sparse(grad.sparse_dim())
+        elif result is not grad:
             with torch.no_grad():
                 grad.copy_(result)
 

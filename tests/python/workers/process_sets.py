@@ -9,7 +9,8 @@
   disjoint sets at the same time while rank 3 sleeps ~4.5 s: the even set finishes its work while rank 1
   waits, and the odd set's coordinator (rank 1) warns about the stall naming set 2 and rank 3.
 - ``dynamic`` (3 ranks): mismatched static sets at init; add refused without dynamic mode, allowed with
-  RVOD_DYNAMIC_PROCESS_SETS=1, HOROVOD_DYNAMIC_PROCESS_SETS=1 and init(process_sets="dynamic"); add (a
+  RVOD_DYNAMIC_PROCESS_SETS=1, HOROVOD_DYNAMIC_PROCESS_SETS=1 and init(process_sets="dynamic") (for that
+  init only, leaving os.environ alone), refused with -1 or 0, a value that is no flag refused by init; add (a
   list or a ProcessSet); every op on the added sets [0, 2], [1] and [1, 2]; duplicates; mismatched
   registration (every rank raises, the job goes on); remove (global set and unknown sets give False, ops
   on removed sets are refused); re-add, with freed ids handed out again in the order they were freed, as
@@ -417,6 +418,29 @@ def dynamic():
             assert hvd.remove_process_set(ps) is True and ps.process_set_id is None
         hvd.shutdown()
         del os.environ[variable]
+
+    for variable, value in (("HOROVOD_DYNAMIC_PROCESS_SETS", "-1"), ("RVOD_DYNAMIC_PROCESS_SETS", "0")):
+        os.environ[variable] = value
+        hvd.init()
+        with check(f"{variable}={value} leaves dynamic process sets off (Horovod's rule: on when > 0)"):
+            expect_error(ValueError, "RVOD_DYNAMIC_PROCESS_SETS", hvd.add_process_set, [0, 1])
+        hvd.shutdown()
+        del os.environ[variable]
+    os.environ["RVOD_DYNAMIC_PROCESS_SETS"] = "maybe"
+    with check("RVOD_DYNAMIC_PROCESS_SETS=maybe: init refuses it, naming the variable and the value"):
+        expect_error(ValueError, r'invalid environment variable RVOD_DYNAMIC_PROCESS_SETS="maybe": expected 0/1 or '
+                     "true/false", hvd.init)
+        assert not hvd.is_initialized()
+    del os.environ["RVOD_DYNAMIC_PROCESS_SETS"]
+
+    with check('init(process_sets="dynamic") turns them on for that init only, without touching os.environ'):
+        hvd.init(process_sets="dynamic")
+        assert "RVOD_DYNAMIC_PROCESS_SETS" not in os.environ and "HOROVOD_DYNAMIC_PROCESS_SETS" not in os.environ
+        assert hvd.remove_process_set(hvd.ProcessSet([0])) is False  # allowed (and nothing to remove)
+        hvd.shutdown()
+        hvd.init()
+        expect_error(ValueError, "RVOD_DYNAMIC_PROCESS_SETS", hvd.add_process_set, [0, 1])
+        hvd.shutdown()
 
     hvd.init(process_sets="dynamic")
     with check("add_process_set (list and ProcessSet) assigns ids 1, 2, 3 in call order"):
