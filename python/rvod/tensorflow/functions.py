@@ -1,7 +1,12 @@
-"""Making every rank start from the same state: variables and arbitrary picklable objects."""
+"""Making every rank start from the same state: variables (eagerly, in ``tf.function`` and in tf.compat.v1
+graphs, with ``BroadcastGlobalVariablesHook`` for a ``MonitoredTrainingSession``) and arbitrary picklable
+objects."""
+
+import contextlib
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.eager import context
 
 from rvod.common import objects as _objects
 from rvod.common.process_sets import global_process_set, process_set_id_of
@@ -19,21 +24,56 @@ def broadcast_variables(variables, root_rank, process_set=global_process_set, in
 
 
 def broadcast_global_variables(root_rank):
-    """TensorFlow 1 graphs only (as in Horovod): in TensorFlow 2, broadcast the variables you have."""
-    raise RuntimeError("hvd.broadcast_global_variables() does not support eager execution. Please use "
-                       "`hvd.broadcast_variables(<model/optimizer variables>)` instead.")
+    """An op assigning ``root_rank``'s values to the default graph's global variables
+    (``tf.compat.v1.global_variables()``); run it in a Session after initialising them. TensorFlow 1 graphs
+    only, as in Horovod: eagerly, broadcast the variables you have."""
+    if _executing_eagerly():
+        raise RuntimeError("hvd.broadcast_global_variables() does not support eager execution. Please use "
+                           "`hvd.broadcast_variables(<model/optimizer variables>)` instead.")
+    return broadcast_variables(tf.compat.v1.global_variables(), root_rank)
 
 
-def _eager_only(what):
-    if not _executing_eagerly():
-        raise RuntimeError(f"{what} runs eagerly; call it outside tf.function")
+class BroadcastGlobalVariablesHook(tf.compat.v1.train.SessionRunHook):
+    """A ``SessionRunHook`` (``MonitoredTrainingSession``, Estimator) that broadcasts every global variable
+    from ``root_rank`` once the session is created, so all ranks start from the same weights whether they
+    were initialised at random or restored from a checkpoint. ``device`` is Horovod's and ignored (this
+    build runs collectives on the CPU)."""
+
+    def __init__(self, root_rank, device=''):
+        super().__init__()
+        self.root_rank = root_rank
+        self.bcast_op = None
+        self.device = device
+
+    def begin(self):
+        if self.bcast_op is None or self.bcast_op.graph is not tf.compat.v1.get_default_graph():
+            self.bcast_op = broadcast_global_variables(self.root_rank)
+
+    def after_create_session(self, session, coord):
+        session.run(self.bcast_op)
+
+
+def _exchanging(what):
+    """Where the object helpers exchange their bytes: eagerly, at once; in a tf.compat.v1 graph, also at
+    once, in an eager context (no op is added to the graph, so no Session is needed and a finalized graph is
+    fine); inside a tf.function they would run only while it is traced, so they refuse."""
+    if _executing_eagerly():
+        return contextlib.nullcontext()
+    if tf.inside_function():
+        raise RuntimeError(f"{what} exchanges Python objects when called, not when a graph runs: call it "
+                           "outside tf.function")
+    return context.eager_mode()
 
 
 def broadcast_object(obj, root_rank=0, session=None, name=None, process_set=global_process_set):
     """Return ``root_rank``'s picklable object on every rank (sent as a byte tensor); unnamed calls match
-    across ranks by call order. ``session`` is for TensorFlow 1 and must be None."""
-    _eager_only("broadcast_object")
+    across ranks by call order. Works eagerly and while building a tf.compat.v1 graph; ``session`` is
+    Horovod's TensorFlow 1 argument and not needed (the bytes travel outside the graph)."""
+    with _exchanging("broadcast_object"):
+        return _broadcast_object(obj, root_rank, name, process_set)
 
+
+def _broadcast_object(obj, root_rank, name, process_set):
     def broadcast_bytes(array, root, object_name):
         return broadcast(tf.constant(array), root, object_name, ignore_name_scope=True,
                          process_set=process_set).numpy()
@@ -48,9 +88,13 @@ def broadcast_object_fn(root_rank=0, session=None, name=None, process_set=global
 
 
 def allgather_object(obj, session=None, name=None, process_set=global_process_set):
-    """A list with every rank's picklable object, in rank order (unnamed calls match by call order)."""
-    _eager_only("allgather_object")
+    """A list with every rank's picklable object, in rank order (unnamed calls match by call order). Works
+    eagerly and while building a tf.compat.v1 graph (``session`` is accepted and not needed)."""
+    with _exchanging("allgather_object"):
+        return _allgather_object(obj, name, process_set)
 
+
+def _allgather_object(obj, name, process_set):
     def allgather_bytes(array, object_name):
         return np.asarray(allgather(tf.constant(array), object_name, ignore_name_scope=True,
                                     process_set=process_set))
