@@ -46,12 +46,10 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense='
     if isinstance(optimizer, tf.compat.v1.train.Optimizer):
         if op == Adasum:
             raise ValueError("Adasum is not supported by this rvod build; use Average or Sum.")
-        if backward_passes_per_step != 1:
-            raise ValueError("backward_passes_per_step > 1 is not supported for tf.compat.v1.train optimizers by "
-                             "this rvod build; use a Keras optimizer (rvod.keras.DistributedOptimizer)")
         return DistributedLegacyOptimizer(optimizer, name, use_locking, compression, sparse_as_dense, op,
                                           gradient_predivide_factor, num_groups, groups, process_set,
-                                          scale_local_gradients)
+                                          scale_local_gradients, backward_passes_per_step,
+                                          average_aggregated_gradients)
     import keras
 
     if not isinstance(optimizer, keras.optimizers.Optimizer):

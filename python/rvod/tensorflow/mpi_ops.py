@@ -36,6 +36,7 @@ import weakref
 
 import tensorflow as tf
 from tensorflow.python.eager import context, record
+from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGraph
 
 from rvod.common import ops as _ops
 from rvod.common.basics import *  # noqa: F401,F403  (the basics, re-exported)
@@ -85,6 +86,10 @@ def _op_name(name, ignore_name_scope=False):
         if tf.executing_eagerly():
             return None
         graph = tf.compat.v1.get_default_graph()
+        # A branch of tf.cond or a tf.while_loop body counts in the graph around it: its own name carries a
+        # process-wide id, which differs between ranks.
+        while isinstance(graph, ControlFlowFuncGraph) and graph.outer_graph is not None:
+            graph = graph.outer_graph
         counter = _graph_counters.setdefault(graph, itertools.count(1))
         # A tf.function's graph has the function's name; a tf.compat.v1.Graph has none.
         return f"graph.{getattr(graph, 'name', None) or 'v1'}.{next(counter)}"

@@ -186,6 +186,21 @@ with check("a script in the style of Horovod's Keras synthetic benchmark, with t
     assert all(np.allclose(losses[0], other) for other in losses), losses
 
 
+# ------------------------------------------------------------------------------ control flow in tf.function
+
+with check("unnamed collectives inside tf.cond and tf.while_loop in a tf.function match across ranks"):
+    if R == 1:  # moves TensorFlow's process-wide ids on one rank only
+        tf.function(lambda: tf.cond(tf.constant(True), lambda: tf.constant(1), lambda: tf.constant(2)))()
+
+    @tf.function
+    def branches(value):
+        summed = tf.cond(value > 0, lambda: hvd.allreduce(value, op=hvd.Sum), lambda: value)
+        return tf.while_loop(lambda i, v: i < 2, lambda i, v: (i + 1, hvd.allreduce(v, op=hvd.Sum)),
+                             (tf.constant(0), summed))[1]
+
+    close(branches(tf.constant(float(R + 1))), sum(r + 1 for r in range(N)) * N * N, "cond then two loop steps")
+
+
 # ---------------------------------------------------- a tf.compat.v1 graph while eager execution is on
 
 with check("a tf.compat.v1 graph built in an eager program: ops run by a Session; the thread warning"):

@@ -322,11 +322,59 @@ with check("v1 DistributedOptimizer: register_local_var keeps a gradient local; 
         assert optimizer.get_slot(shared, "momentum") is not None
         assert len(optimizer.variables()) == 2
 
+MICRO = [(rng.normal(size=[N * BATCH, FEATURES]).astype(np.float32), rng.normal(size=[N * BATCH]).astype(np.float32))
+         for _ in range(4)]
+
+
+def linear_model(initial):
+    x, y = v1.placeholder(tf.float32, [None, FEATURES]), v1.placeholder(tf.float32, [None])
+    w = v1.get_variable("w", initializer=initial)
+    bias = v1.get_variable("bias", initializer=np.zeros([1], np.float32))
+    loss = tf.reduce_mean(tf.square(tf.matmul(x, w) + bias - y[:, None]))
+    return x, y, w, bias, loss
+
+
+for average in (False, True):
+    with check(f"v1 DistributedOptimizer backward_passes_per_step=2 (average_aggregated_gradients={average}): "
+               f"applies every second run the reduced sum of the gradients"):
+        with tf.Graph().as_default(), v1.Session() as session:
+            x, y, w, bias, loss = linear_model(INIT_W + R)
+            step = v1.train.get_or_create_global_step()
+            optimizer = hvd.DistributedOptimizer(v1.train.GradientDescentOptimizer(0.05), backward_passes_per_step=2,
+                                                 average_aggregated_gradients=average)
+            train_op = optimizer.minimize(loss, global_step=step)
+            session.run([v1.global_variables_initializer(), v1.local_variables_initializer()])
+            session.run(hvd.broadcast_global_variables(0))
+            history = []
+            for xs, ys in MICRO:
+                session.run(train_op, feed_dict={x: my_half(xs), y: my_half(ys)})
+                history.append(session.run(w))
+            trained = session.run([w, bias, step])
+        assert np.array_equal(history[0], INIT_W) and np.array_equal(history[2], history[1]), "applied too early"
+        assert not np.array_equal(history[1], INIT_W) and not np.array_equal(history[3], history[2])
+        assert trained[2] == 2, f"global step {trained[2]}"
+        with tf.Graph().as_default(), v1.Session() as session:
+            x, y, w, bias, loss = linear_model(INIT_W)
+            # One step on the two micro-batches of a window: their losses summed (or averaged).
+            x2, y2 = v1.placeholder(tf.float32, [None, FEATURES]), v1.placeholder(tf.float32, [None])
+            loss2 = tf.reduce_mean(tf.square(tf.matmul(x2, w) + bias - y2[:, None]))
+            total = (loss + loss2) / (2.0 if average else 1.0)
+            step_op = v1.train.GradientDescentOptimizer(0.05).minimize(total)
+            session.run(v1.global_variables_initializer())
+            for first in (0, 2):
+                session.run(step_op, feed_dict={x: MICRO[first][0], y: MICRO[first][1], x2: MICRO[first + 1][0],
+                                                y2: MICRO[first + 1][1]})
+            single = session.run([w, bias])
+        everyone = hvd.allgather_object(trained[:2])
+        assert all(np.array_equal(a, b) for other in everyone for a, b in zip(other, trained[:2])), "ranks differ"
+        for name, got, expected in zip(["w", "bias"], trained[:2], single):
+            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6, err_msg=name)
+
 with check("v1 DistributedOptimizer argument errors"):
     expect_error(ValueError, "Adasum", hvd.DistributedOptimizer, v1.train.GradientDescentOptimizer(0.1),
                  op=hvd.Adasum)
     expect_error(ValueError, "backward_passes_per_step", hvd.DistributedOptimizer,
-                 v1.train.GradientDescentOptimizer(0.1), backward_passes_per_step=2)
+                 v1.train.GradientDescentOptimizer(0.1), backward_passes_per_step=0)
     expect_error(ValueError, "Average or Sum", hvd.DistributedOptimizer, v1.train.GradientDescentOptimizer(0.1),
                  op=hvd.Max)
     expect_error(ValueError, "tf.compat.v1.train.Optimizer or a Keras optimizer", hvd.DistributedOptimizer,
