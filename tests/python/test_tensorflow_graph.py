@@ -18,4 +18,4 @@ pytest.importorskip("tensorflow", reason="rvod.tensorflow needs TensorFlow (pip 
 @pytest.mark.timeout(240)
 def test_every_op_and_tf1_training_in_a_v1_graph_under_a_session(run_rvodrun):
     result = run_rvodrun(["-np", "2", sys.executable, str(WORKERS / "tensorflow_graph.py")], timeout=220)
-    assert_worker_job(result, {0: 24, 1: 24})
+    assert_worker_job(result, {0: 25, 1: 25})

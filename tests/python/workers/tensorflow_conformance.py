@@ -201,6 +201,11 @@ with check("unnamed collectives inside tf.cond and tf.while_loop in a tf.functio
     close(branches(tf.constant(float(R + 1))), sum(r + 1 for r in range(N)) * N * N, "cond then two loop steps")
 
 
+with check("broadcast_object and allgather_object refuse to run inside a tf.function"):
+    expect_error(RuntimeError, "outside tf.function", tf.function(lambda: hvd.broadcast_object(1)))
+    expect_error(RuntimeError, "outside tf.function", tf.function(lambda: hvd.allgather_object(1)))
+
+
 # ---------------------------------------------------- a tf.compat.v1 graph while eager execution is on
 
 with check("a tf.compat.v1 graph built in an eager program: ops run by a Session; the thread warning"):

@@ -370,6 +370,30 @@ for average in (False, True):
         for name, got, expected in zip(["w", "bias"], trained[:2], single):
             np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6, err_msg=name)
 
+with check("Horovod's TF1 training loop: MonitoredTrainingSession, BroadcastGlobalVariablesHook, StopAtStepHook"):
+    with tf.Graph().as_default():
+        x, y, w, bias, loss = linear_model(INIT_W * (R + 1))  # different initial weights on every rank
+        step = v1.train.get_or_create_global_step()
+        train_op = hvd.DistributedOptimizer(v1.train.AdamOptimizer(0.01 * hvd.size())).minimize(loss,
+                                                                                                 global_step=step)
+        class FinalWeights(v1.train.SessionRunHook):
+            def end(self, session):
+                self.values = session.run([w, bias])
+
+        final = FinalWeights()
+        hooks = [hvd.BroadcastGlobalVariablesHook(0), v1.train.StopAtStepHook(last_step=4), final]
+        runs = 0
+        with v1.train.MonitoredTrainingSession(hooks=hooks) as session:
+            while not session.should_stop():
+                xs, ys = MICRO[runs % len(MICRO)]
+                session.run(train_op, feed_dict={x: my_half(xs), y: my_half(ys)})
+                runs += 1
+        trained = final.values
+        everyone = hvd.allgather_object(trained)  # the finalized graph takes no new op: the helpers add none
+    assert runs == 4, runs
+    assert all(np.array_equal(a, b) for other in everyone for a, b in zip(other, trained)), "ranks differ"
+    assert not np.allclose(trained[0], INIT_W), "rank 0's start should have moved"
+
 with check("v1 DistributedOptimizer argument errors"):
     expect_error(ValueError, "Adasum", hvd.DistributedOptimizer, v1.train.GradientDescentOptimizer(0.1),
                  op=hvd.Adasum)
