@@ -3,7 +3,7 @@ slowly): workers/tensorflow_conformance.py checks hvd.SyncBatchNormalization aga
 the concatenated batch (forward, backward, moving statistics, inference, model.fit), PartialDistributedGradientTape
 with Keras 3 variables, the Keras 2 spellings rvod's DistributedOptimizer accepts (a script in the style of
 Horovod's Keras synthetic benchmark with the README's changes), and a tf.compat.v1 graph built in an eager
-program. A failed check is reported by name in the job's stderr. About 30 s."""
+program. A failed check is reported by name in the job's stderr. About 30-40 s."""
 
 from __future__ import annotations
 
