@@ -9,6 +9,9 @@ With ``backward_passes_per_step`` N > 1 the optimizer's own gradient accumulatio
 N-th step, so ranks exchange gradients once per N steps; the result is the sum of the N gradients, or
 their mean with ``average_aggregated_gradients``. Works eagerly and inside Keras' ``tf.function`` train
 step (not under XLA: compile with ``jit_compile=False``, the default on CPU).
+
+Keras 2 spellings scripts written for Horovod use on the optimizer are accepted too: ``opt.variables()``
+(``variables`` is a list that can also be called) and ``opt.lr`` (``learning_rate``).
 """
 
 import keras
@@ -31,11 +34,32 @@ def gradient_reducer(backend, **options):
     raise NotImplementedError(f"rvod.keras supports the tensorflow and torch backends of Keras, not {backend!r}")
 
 
+class _CallableList(list):
+    """A list that returns itself when called: Keras 2's ``optimizer.variables()`` and Keras 3's
+    ``optimizer.variables`` both work."""
+
+    def __call__(self):
+        return self
+
+
 class _DistributedOptimizer:
     """Mixed in before the wrapped optimizer's class; see the module docstring."""
 
     _rvod_reducer = None
     _rvod_variables = None
+
+    @property
+    def variables(self):
+        return _CallableList(super().variables)
+
+    @property
+    def lr(self):
+        """Keras 2's name of ``learning_rate``."""
+        return self.learning_rate
+
+    @lr.setter
+    def lr(self, value):
+        self.learning_rate = value
 
     def _backend_apply_gradients(self, grads, trainable_variables):
         # Bypass Keras' attribute tracking, which would count these variables as the optimizer's own.

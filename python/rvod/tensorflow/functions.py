@@ -1,4 +1,7 @@
-"""Making every rank start from the same state: variables and arbitrary picklable objects."""
+"""Making every rank start from the same state: variables (eagerly, in ``tf.function`` and in tf.compat.v1
+graphs, with ``BroadcastGlobalVariablesHook`` for a ``MonitoredTrainingSession``) and arbitrary picklable
+objects."""
+
 
 import tensorflow as tf
 
@@ -18,9 +21,33 @@ def broadcast_variables(variables, root_rank, process_set=global_process_set, in
 
 
 def broadcast_global_variables(root_rank):
-    """TensorFlow 1 graphs only (as in Horovod): in TensorFlow 2, broadcast the variables you have."""
-    raise RuntimeError("hvd.broadcast_global_variables() does not support eager execution. Please use "
-                       "`hvd.broadcast_variables(<model/optimizer variables>)` instead.")
+    """An op assigning ``root_rank``'s values to the default graph's global variables
+    (``tf.compat.v1.global_variables()``); run it in a Session after initialising them. TensorFlow 1 graphs
+    only, as in Horovod: eagerly, broadcast the variables you have."""
+    if _executing_eagerly():
+        raise RuntimeError("hvd.broadcast_global_variables() does not support eager execution. Please use "
+                           "`hvd.broadcast_variables(<model/optimizer variables>)` instead.")
+    return broadcast_variables(tf.compat.v1.global_variables(), root_rank)
+
+
+class BroadcastGlobalVariablesHook(tf.compat.v1.train.SessionRunHook):
+    """A ``SessionRunHook`` (``MonitoredTrainingSession``, Estimator) that broadcasts every global variable
+    from ``root_rank`` once the session is created, so all ranks start from the same weights whether they
+    were initialised at random or restored from a checkpoint. ``device`` is Horovod's and ignored (this
+    build runs collectives on the CPU)."""
+
+    def __init__(self, root_rank, device=''):
+        super().__init__()
+        self.root_rank = root_rank
+        self.bcast_op = None
+        self.device = device
+
+    def begin(self):
+        if self.bcast_op is None or self.bcast_op.graph is not tf.compat.v1.get_default_graph():
+            self.bcast_op = broadcast_global_variables(self.root_rank)
+
+    def after_create_session(self, session, coord):
+        session.run(self.bcast_op)
 
 
 def _outside_tf_function(what):

@@ -53,10 +53,20 @@ def PartialDistributedGradientTape(gradtape, device_dense='', device_sparse='', 
                                    sparse_as_dense=False, op=Average, gradient_predivide_factor=1.0, num_groups=0,
                                    groups=None, process_set=global_process_set, local_layers=None,
                                    scale_local_gradients=True):
-    """A DistributedGradientTape that keeps the gradients of ``local_layers``' trainable weights local."""
+    """A DistributedGradientTape that keeps the gradients of ``local_layers``' trainable weights local
+    (Keras layers; their weights may be Keras 3 variables)."""
+    import keras
+
+    if local_layers is None:
+        layers = []
+    elif isinstance(local_layers, keras.layers.Layer):
+        layers = [local_layers]
+    else:
+        layers = list(local_layers)
+        if not all(isinstance(layer, keras.layers.Layer) for layer in layers):
+            raise ValueError("All local layers must be of tf.keras.layers.Layer type.")
     tape = DistributedGradientTape(gradtape, device_dense, device_sparse, compression, sparse_as_dense, op,
                                    gradient_predivide_factor, num_groups, groups, process_set, scale_local_gradients)
-    layers = [] if local_layers is None else local_layers if isinstance(local_layers, (list, tuple)) else [local_layers]
     for layer in layers:
         for weight in layer.trainable_weights:
             tape.register_local_source(weight)

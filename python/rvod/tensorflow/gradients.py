@@ -1,7 +1,8 @@
 """Reducing a list of TensorFlow gradients across ranks: what ``DistributedGradientTape`` and the Keras
 ``DistributedOptimizer`` (TensorFlow backend) share. The logic is ``rvod.common.gradients``'; here are
 TensorFlow's tensors: ``tf.IndexedSlices`` are gathered (``allreduce``'s sparse path) unless
-``sparse_as_dense``, and variables are keyed by ``ref()``."""
+``sparse_as_dense``, and variables are keyed by ``ref()`` (a Keras 3 variable by its ``tf.Variable``'s, so
+either may name it)."""
 
 import tensorflow as tf
 
@@ -12,7 +13,10 @@ from rvod.tensorflow.mpi_ops import allreduce, grouped_allreduce
 class GradientReducer(_gradients.GradientReducer):
     @staticmethod
     def variable_key(variable):
-        # Keras variables are not hashable; tf.Variable is through ref().
+        # A Keras 3 variable is not a tf.Variable and has no ref(); under the tensorflow backend it wraps one.
+        wrapped = getattr(variable, "_value", None)
+        if isinstance(wrapped, tf.Variable):
+            variable = wrapped
         return variable.ref() if isinstance(variable, tf.Variable) else id(variable)
 
     def is_sparse(self, grad):

@@ -1,11 +1,21 @@
-"""Horovod's collective ops on TensorFlow tensors, eagerly and inside ``tf.function``, with Horovod's gradients.
+"""Horovod's collective ops on TensorFlow tensors, eagerly, inside ``tf.function`` and in ``tf.compat.v1``
+graphs run by a Session, with Horovod's gradients.
 
-Eagerly an op calls the engine at once. While a ``tf.function`` is traced an op becomes one
-``tf.py_function`` node running the same eager code when the graph executes. These nodes are stateful, so
-TensorFlow's automatic control dependencies run them in program order and every rank issues its
-collectives in the same order; an unnamed op is named at trace time after its graph and its position there
-(``graph.<function>.<n>``), so ranks match it however often each of them traced. No TensorFlow op is
-compiled: one wheel serves every TensorFlow version.
+Eagerly an op calls the engine at once. In a graph (a ``tf.function`` being traced, or a v1 graph) an op
+becomes one ``tf.py_function`` node running the same eager code when the graph executes. Inside a
+``tf.function`` these stateful nodes run in program order (TensorFlow's automatic control dependencies);
+in a v1 graph they run when a ``Session.run`` needs them, in any order, as Horovod's ops do. An unnamed op
+is named when the graph is built after its graph and its position there (``graph.<function>.<n>``, or
+``graph.v1.<n>`` in a v1 graph, which ranks build in the same order, as Horovod's node names assume), so
+ranks match it however often each of them traced. No TensorFlow op is compiled: one wheel serves every
+TensorFlow version.
+
+In a v1 graph each node holds one of the Session's inter-op threads while it waits for the other ranks, so
+a ``Session.run`` of more independent collectives than the Session has threads would stall (the ranks may
+start different ones first). When the first collective is added to a v1 graph before TensorFlow has set up
+its runtime, rvod raises the default number of inter-op threads (what a Session created without a
+``config`` gets) to ``SESSION_INTER_OP_THREADS``; otherwise it warns once. Group collectives
+(``grouped_allreduce``) where many run at once, as DistributedOptimizer does.
 
 Gradients (``tf.custom_gradient``), as Horovod defines them:
 
@@ -20,10 +30,13 @@ accepted and ignored (this build is CPU-only).
 """
 
 import itertools
+import os
+import warnings
 import weakref
 
 import tensorflow as tf
-from tensorflow.python.eager import record
+from tensorflow.python.eager import context, record
+from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGraph
 
 from rvod.common import ops as _ops
 from rvod.common.basics import *  # noqa: F401,F403  (the basics, re-exported)
@@ -73,17 +86,47 @@ def _op_name(name, ignore_name_scope=False):
         if tf.executing_eagerly():
             return None
         graph = tf.compat.v1.get_default_graph()
+        # A branch of tf.cond or a tf.while_loop body counts in the graph around it: its own name carries a
+        # process-wide id, which differs between ranks.
+        while isinstance(graph, ControlFlowFuncGraph) and graph.outer_graph is not None:
+            graph = graph.outer_graph
         counter = _graph_counters.setdefault(graph, itertools.count(1))
-        return f"graph.{graph.name}.{next(counter)}"
+        # A tf.function's graph has the function's name; a tf.compat.v1.Graph has none.
+        return f"graph.{getattr(graph, 'name', None) or 'v1'}.{next(counter)}"
     scope = "" if ignore_name_scope else tf.get_current_name_scope()
     return f"{scope.rstrip('/')}/{name}" if scope else str(name)
 
 
+# How many collectives a Session.run of a tf.compat.v1 graph can wait for at once (see the module docstring).
+SESSION_INTER_OP_THREADS = 64
+_sessions_prepared = False
+
+
+def _prepare_sessions():
+    global _sessions_prepared
+    if _sessions_prepared:
+        return
+    _sessions_prepared = True
+    runtime = context.context()
+    threads = runtime.inter_op_parallelism_threads or os.cpu_count() or 1
+    if threads >= SESSION_INTER_OP_THREADS:
+        return
+    if runtime.inter_op_parallelism_threads == 0 and runtime._context_handle is None:
+        runtime.inter_op_parallelism_threads = SESSION_INTER_OP_THREADS
+        return
+    warnings.warn(f"rvod: each collective in a tf.compat.v1 graph holds one of the Session's inter-op threads while it "
+                  f"waits for the other ranks, and TensorFlow already runs with {threads}: a Session.run of more "
+                  f"independent collectives stalls. Create Sessions with config=tf.compat.v1.ConfigProto("
+                  f"inter_op_parallelism_threads={SESSION_INTER_OP_THREADS}), or group collectives.", stacklevel=4)
+
+
 def _run(eager_fn, inputs, dtypes, shapes):
     """``eager_fn(*inputs)`` returning a list of tensors: called now when executing eagerly, otherwise added
-    to the graph being traced as one py_function node whose outputs get the given static shapes."""
+    to the graph being built as one py_function node whose outputs get the given static shapes."""
     if tf.executing_eagerly():
         return eager_fn(*inputs)
+    if not tf.inside_function():
+        _prepare_sessions()
     outputs = tf.py_function(tf.autograph.experimental.do_not_convert(eager_fn), list(inputs), list(dtypes))
     for output, shape in zip(outputs, shapes):
         output.set_shape(shape)
@@ -271,7 +314,11 @@ def _broadcast(tensor, root_rank, name, process_set):
 
     def grad(dy):
         reduced = _allreduce_dense(tf.convert_to_tensor(dy), _op_name(None), Average, 1.0, 1.0, process_set)
-        return reduced if rank() == root_rank else tf.zeros_like(reduced)
+        if rank() == root_rank:
+            return reduced
+        # Every rank must run the allreduce; in a v1 graph only what a result depends on runs.
+        with tf.control_dependencies([reduced]):
+            return tf.zeros_like(dy)
 
     return _differentiable(lambda x: _run(eager, [x], [x.dtype], [x.shape])[0], grad, tensor)
 
@@ -301,11 +348,12 @@ def broadcast_values(tensors, root_rank, name=None, process_set=global_process_s
 
 
 def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
-    """Overwrite each variable with ``root_rank``'s value; returns the variables."""
+    """Overwrite each variable with ``root_rank``'s value. Eagerly returns the variables; in a graph, the
+    variables' new values, which perform the broadcast when evaluated (as Horovod's in-place op)."""
     variables = list(variables)
-    for value, variable in zip(broadcast_values(variables, root_rank, name, process_set), variables):
-        variable.assign(value)
-    return variables
+    assigned = [variable.assign(value)
+                for value, variable in zip(broadcast_values(variables, root_rank, name, process_set), variables)]
+    return variables if tf.executing_eagerly() else [tf.identity(a) for a in assigned]
 
 
 # ------------------------------------------------------------------------------------------------- alltoall
