@@ -2,7 +2,6 @@
 graphs, with ``BroadcastGlobalVariablesHook`` for a ``MonitoredTrainingSession``) and arbitrary picklable
 objects."""
 
-
 import tensorflow as tf
 
 from rvod.common import objects as _objects
