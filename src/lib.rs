@@ -12,6 +12,7 @@ pub mod coordinator;
 pub mod engine;
 pub mod error;
 pub mod fusion;
+pub mod launch;
 pub mod ring;
 pub mod tensor;
 pub mod transport;

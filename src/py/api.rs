@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 
 use crate::config::Config;
 use crate::engine::handles::WaitOutcome;
@@ -16,6 +16,7 @@ use crate::engine::packed::{pack_group, GroupMember};
 use crate::engine::submission::{OpSubmission, TensorSubmission};
 use crate::engine::Engine;
 use crate::error::EngineError;
+use crate::launch::meet::{self, HostedStore, Offer};
 use crate::py::ndarray::import_array;
 use crate::py::dlpack::{export_capsule, import_capsule, is_capsule, ImportedTensor};
 use crate::py::error::to_py_err;
@@ -27,11 +28,13 @@ const WAIT_SLICE: Duration = Duration::from_millis(50);
 #[derive(Default)]
 struct ProcessState {
     engine: Option<Arc<Engine>>,
+    /// Rank 0's rendezvous store in a job a launcher (not rvodrun) started; lives as long as the engine.
+    hosted: Option<HostedStore>,
     /// Number of inits so far; names the rendezvous scope of the next one.
     generation: u64,
 }
 
-static STATE: Mutex<ProcessState> = Mutex::new(ProcessState { engine: None, generation: 0 });
+static STATE: Mutex<ProcessState> = Mutex::new(ProcessState { engine: None, hosted: None, generation: 0 });
 
 fn state() -> MutexGuard<'static, ProcessState> {
     STATE.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -57,16 +60,44 @@ fn init_logging(level: &str) {
         .try_init();
 }
 
+/// `(launcher, rank, size)` when a launcher other than rvodrun started this multi-rank job (launcher is
+/// `"openmpi"`, `"pmi"`, `"torchrun"` or `"slurm"`), else None (also when the configuration does not read:
+/// `init` reports that).
+#[pyfunction]
+pub fn launcher() -> Option<(&'static str, usize, usize)> {
+    let config = Config::from_env().ok()?;
+    let launcher = meet::launcher(&config)?;
+    Some((launcher.id(), config.topology.rank, config.topology.size))
+}
+
 /// Start the engine (idempotent while running) and register `process_sets` (lists of global ranks, the
 /// same on every rank). Waiting for the other ranks releases the GIL and can be interrupted with Ctrl-C.
+/// `mpi` is `(rank, size, bcast)` from an mpi4py communicator: rank and size in it, and its `bcast`, over
+/// which rank 0 sends the others its rendezvous store's address and the job's secret.
 #[pyfunction]
-#[pyo3(signature = (process_sets=Vec::new()))]
-pub fn init(py: Python<'_>, process_sets: Vec<Vec<usize>>) -> PyResult<()> {
+#[pyo3(signature = (process_sets=Vec::new(), mpi=None))]
+pub fn init(py: Python<'_>, process_sets: Vec<Vec<usize>>, mpi: Option<(usize, usize, PyObject)>) -> PyResult<()> {
     if state().engine.is_some() {
         return Ok(());
     }
     init_logging(&crate::config::log_level_from_env());
-    let config = Config::from_env().map_err(|e| to_py_err(EngineError::Init(e.to_string())))?;
+    let mut config = Config::from_env().map_err(|e| to_py_err(EngineError::Init(e.to_string())))?;
+    let bcast = match mpi {
+        Some((rank, size, bcast)) => {
+            config = crate::launch::for_communicator(config, rank, size).map_err(to_py_err)?;
+            config.launch.is_some().then_some(bcast)
+        }
+        None => None,
+    };
+    let (hosted, offer) = meet::serve(&config, bcast.is_some()).map_err(to_py_err)?;
+    let offer = match bcast {
+        Some(bcast) => {
+            let payload = offer.map(|offer| PyBytes::new(py, &offer.encode()));
+            let received: Vec<u8> = bcast.call1(py, (payload,))?.extract(py)?;
+            Some(Offer::decode(&received).map_err(to_py_err)?)
+        }
+        None => None,
+    };
     let generation = {
         let mut state = state();
         state.generation += 1;
@@ -76,7 +107,9 @@ pub fn init(py: Python<'_>, process_sets: Vec<Vec<usize>>) -> PyResult<()> {
     std::thread::Builder::new()
         .name("rvod-init".into())
         .spawn(move || {
-            let _ = done.send(Engine::start(config, generation, &process_sets));
+            let started = meet::meet(config, generation, hosted.as_ref(), offer)
+                .and_then(|config| Engine::start(config, generation, &process_sets));
+            let _ = done.send(started.map(|engine| (engine, hosted)));
         })
         .map_err(|e| to_py_err(EngineError::Init(format!("cannot start the init thread: {e}"))))?;
     loop {
@@ -88,8 +121,10 @@ pub fn init(py: Python<'_>, process_sets: Vec<Vec<usize>>) -> PyResult<()> {
         started = receiver;
         match outcome {
             Ok(result) => {
-                let engine = result.map_err(to_py_err)?;
-                state().engine = Some(Arc::new(engine));
+                let (engine, hosted) = result.map_err(to_py_err)?;
+                let mut state = state();
+                state.engine = Some(Arc::new(engine));
+                state.hosted = hosted;
                 return Ok(());
             }
             Err(std::sync::mpsc::RecvTimeoutError::Timeout) => py.check_signals()?,
@@ -104,10 +139,14 @@ pub fn init(py: Python<'_>, process_sets: Vec<Vec<usize>>) -> PyResult<()> {
 #[pyfunction]
 pub fn shutdown(py: Python<'_>) {
     py.allow_threads(|| {
-        let engine = state().engine.take();
+        let (engine, hosted) = {
+            let mut state = state();
+            (state.engine.take(), state.hosted.take())
+        };
         if let Some(engine) = engine {
             engine.shutdown();
         }
+        drop(hosted);
     })
 }
 
