@@ -253,26 +253,30 @@ pub fn meet(mut config: Config, generation: u64, hosted: Option<&HostedStore>, o
     let Some(plan) = config.launch.clone() else { return Ok(config) };
     let way = way(&config, &plan, offer.is_some())?;
     let deadline = Instant::now() + config.start_timeout;
-    let (mut client, reached, secret) = match (hosted, way) {
+    let (mut client, reached, secret, how) = match (hosted, way) {
         (Some(hosted), _) => {
             let addr = SocketAddr::new(hosted.own_addr, hosted.port);
             let client = StoreClient::connect(addr, &hosted.secret, config.start_timeout)
                 .map_err(|e| init_error(format!("{}: cannot reach its own rendezvous store: {e}", who(&config, &plan))))?;
-            (client, addr, hosted.secret.clone())
+            (client, addr, hosted.secret.clone(), "its own store".to_string())
         }
         (None, Way::Mpi) => {
             let offer = offer.ok_or_else(|| EngineError::Internal("no rendezvous offer received".into()))?;
-            let candidates: Vec<String> = offer.addrs.clone();
-            let (client, reached) = reach(&config, &plan, &candidates, offer.port, &offer.secret, deadline, "sent by rank 0 over MPI")?;
-            (client, reached, offer.secret)
+            let how = "address and secret sent by rank 0 over MPI";
+            let (client, reached) = reach(&config, &plan, &offer.addrs, offer.port, &offer.secret, deadline, how)?;
+            (client, reached, offer.secret, how.to_string())
         }
-        (None, Way::PrivateFile(path)) => reach_through_file(&config, &plan, &path, deadline)?,
+        (None, Way::PrivateFile(path)) => {
+            let (client, reached, secret) = reach_through_file(&config, &plan, &path, deadline)?;
+            (client, reached, secret, format!("port and secret from the private file {}", path.display()))
+        }
         (None, Way::Address { host, host_source, port, port_source, secret }) => {
-            let source = format!("{host_source}, port {port_source}");
-            let (client, reached) = reach(&config, &plan, &[host], port, &secret, deadline, &source)?;
-            (client, reached, secret)
+            let how = format!("{host_source}, port {port_source}");
+            let (client, reached) = reach(&config, &plan, &[host], port, &secret, deadline, &how)?;
+            (client, reached, secret, how)
         }
     };
+    tracing::info!("{}: reached rank 0's rendezvous store at {reached} ({how})", who(&config, &plan));
     let peers = exchange_hosts(&mut client, &config, &plan, generation, reached.ip(), deadline)?;
     drop(client);
     complete_topology(&mut config, &plan, &peers);
