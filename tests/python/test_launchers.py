@@ -24,8 +24,10 @@ from conftest import JOB_TAG_VARIABLE, kill_tagged
 from jobs import WORKERS
 
 LAUNCHED = str(WORKERS / "launched.py")
-VERDICT = re.compile(r"^rank (\d+): (\d+) checks passed, (\d+) failed$", re.MULTILINE)
-TOPOLOGY = re.compile(r"^topology: (\{.*\})$", re.MULTILINE)
+# mpirun --tag-output prefixes each line with [job,rank]<stdout>: (keeping the ranks' lines whole).
+TAG = r"^(?:\[\d+,\d+\]<stdout>:)?"
+VERDICT = re.compile(TAG + r"rank (\d+): (\d+) checks passed, (\d+) failed$", re.MULTILINE)
+TOPOLOGY = re.compile(TAG + r"topology: (\{.*\})$", re.MULTILINE)
 LAUNCHED_CHECKS = 7
 RVOD_PREFIXES = ("RVOD_", "HOROVOD_", "OMPI_", "PMI_", "PMIX_", "SLURM_", "TORCHELASTIC_")
 LAUNCHER_NAMES = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
@@ -121,13 +123,19 @@ def assert_ranks_passed(results, launcher: str) -> dict[int, dict]:
     return found
 
 
-def mpirun_command(size: int) -> list[str]:
-    command = [shutil.which("mpirun") or "mpirun", "--oversubscribe", "-np", str(size)]
+def for_mpirun(env: dict[str, str]) -> dict[str, str]:
+    """`env` without PYTHONUNBUFFERED: unbuffered, print() writes a line and its newline separately, and
+    mpirun's --tag-output would tag them as two lines."""
+    return {k: v for k, v in env.items() if k != "PYTHONUNBUFFERED"}
+
+
+def mpirun_command(size: int, env: dict[str, str]) -> list[str]:
+    command = [shutil.which("mpirun") or "mpirun", "--oversubscribe", "--tag-output", "-np", str(size)]
     if os.geteuid() == 0:
         command.append("--allow-run-as-root")
-    for name in ("PYTHONPATH", JOB_TAG_VARIABLE, "RVOD_START_TIMEOUT", "RVOD_TEST_COMM", "PYTHONUNBUFFERED",
-                 "RVOD_LOG_LEVEL"):
-        command += ["-x", name]
+    for name in ("PYTHONPATH", JOB_TAG_VARIABLE, "RVOD_START_TIMEOUT", "RVOD_TEST_COMM", "RVOD_LOG_LEVEL"):
+        if name in env:
+            command += ["-x", name]
     return command
 
 
@@ -154,7 +162,8 @@ def assert_one_host_topology(found: dict[int, dict], size: int) -> None:
 def test_mpirun_with_mpi4py(clean_env, size):
     pytest.importorskip("mpi4py", reason="mpi4py is not installed (scripts/run-tests.sh installs it)")
     before = private_files("openmpi-")
-    result = run(mpirun_command(size) + [sys.executable, LAUNCHED], clean_env, timeout=80)
+    env = for_mpirun(clean_env)
+    result = run(mpirun_command(size, env) + [sys.executable, LAUNCHED], env, timeout=80)
     assert result.returncode == 0, report(result)
     assert verdicts(result.stdout) == {r: (LAUNCHED_CHECKS, 0) for r in range(size)}, report(result)
     found = topologies(result.stdout)
@@ -168,9 +177,9 @@ def test_mpirun_with_mpi4py(clean_env, size):
 @needs_mpirun
 @pytest.mark.timeout(90)
 def test_mpirun_without_mpi4py_meets_through_a_private_file(clean_env, tmp_path):
-    env = without_mpi4py(clean_env, tmp_path)
+    env = for_mpirun(without_mpi4py(clean_env, tmp_path))
     before = private_files("openmpi-")
-    result = run(mpirun_command(3) + [sys.executable, LAUNCHED], env, timeout=80)
+    result = run(mpirun_command(3, env) + [sys.executable, LAUNCHED], env, timeout=80)
     assert result.returncode == 0, report(result)
     assert verdicts(result.stdout) == {r: (LAUNCHED_CHECKS, 0) for r in range(3)}, report(result)
     assert_one_host_topology(topologies(result.stdout), 3)
@@ -184,13 +193,13 @@ def test_mpirun_without_mpi4py_meets_through_a_private_file(clean_env, tmp_path)
                                          ("split", {0: 2, 1: 2})])
 def test_mpirun_init_with_a_communicator(clean_env, comm, sizes):
     pytest.importorskip("mpi4py", reason="mpi4py is not installed (scripts/run-tests.sh installs it)")
-    env = dict(clean_env, RVOD_TEST_COMM=comm)
-    result = run(mpirun_command(3) + [sys.executable, LAUNCHED], env, timeout=100)
+    env = for_mpirun(dict(clean_env, RVOD_TEST_COMM=comm))
+    result = run(mpirun_command(3, env) + [sys.executable, LAUNCHED], env, timeout=100)
     assert result.returncode == 0, report(result)
     passed = VERDICT.findall(result.stdout)
     found = [json.loads(text) for text in TOPOLOGY.findall(result.stdout)]
     if comm == "ranks:0,2":
-        assert "world rank 1: not in comm" in result.stdout, report(result)
+        assert "<stdout>:world rank 1: not in comm" in result.stdout, report(result)
         assert len(found) == 2 and len(passed) == 2, report(result)
     elif comm == "split":
         # World ranks 0 and 2 form a job of two; world rank 1 is a job of its own.
