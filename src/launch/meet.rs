@@ -253,27 +253,43 @@ pub fn meet(mut config: Config, generation: u64, hosted: Option<&HostedStore>, o
     let Some(plan) = config.launch.clone() else { return Ok(config) };
     let way = way(&config, &plan, offer.is_some())?;
     let deadline = Instant::now() + config.start_timeout;
-    let (mut client, reached, secret, how) = match (hosted, way) {
-        (Some(hosted), _) => {
-            let addr = SocketAddr::new(hosted.own_addr, hosted.port);
-            let client = StoreClient::connect(addr, &hosted.secret, config.start_timeout)
-                .map_err(|e| init_error(format!("{}: cannot reach its own rendezvous store: {e}", who(&config, &plan))))?;
-            (client, addr, hosted.secret.clone(), "its own store".to_string())
+    // Rank 0 marks its store as this init's; a rank that reached the store of an earlier init (still
+    // stopping) finds no mark, and tries again.
+    let open_key = format!("launch{generation}/open");
+    let (mut client, reached, secret, how) = loop {
+        let (mut client, reached, secret, how) = match (hosted, &way) {
+            (Some(hosted), _) => {
+                let addr = SocketAddr::new(hosted.own_addr, hosted.port);
+                let client = StoreClient::connect(addr, &hosted.secret, config.start_timeout)
+                    .map_err(|e| init_error(format!("{}: cannot reach its own rendezvous store: {e}", who(&config, &plan))))?;
+                (client, addr, hosted.secret.clone(), "its own store".to_string())
+            }
+            (None, Way::Mpi) => {
+                let offer = offer.as_ref().ok_or_else(|| EngineError::Internal("no rendezvous offer received".into()))?;
+                let how = "address and secret sent by rank 0 over MPI";
+                let (client, reached) = reach(&config, &plan, &offer.addrs, offer.port, &offer.secret, deadline, how)?;
+                (client, reached, offer.secret.clone(), how.to_string())
+            }
+            (None, Way::PrivateFile(path)) => {
+                let (client, reached, secret) = reach_through_file(&config, &plan, path, deadline)?;
+                (client, reached, secret, format!("port and secret from the private file {}", path.display()))
+            }
+            (None, Way::Address { host, host_source, port, port_source, secret }) => {
+                let how = format!("{host_source}, port {port_source}");
+                let (client, reached) = reach(&config, &plan, std::slice::from_ref(host), *port, secret, deadline, &how)?;
+                (client, reached, secret.clone(), how)
+            }
+        };
+        let fail = |e: crate::transport::TransportError| init_error(format!("{}: rendezvous store: {e}", who(&config, &plan)));
+        if hosted.is_some() {
+            client.set(&open_key, b"1").map_err(fail)?;
+            break (client, reached, secret, how);
         }
-        (None, Way::Mpi) => {
-            let offer = offer.ok_or_else(|| EngineError::Internal("no rendezvous offer received".into()))?;
-            let how = "address and secret sent by rank 0 over MPI";
-            let (client, reached) = reach(&config, &plan, &offer.addrs, offer.port, &offer.secret, deadline, how)?;
-            (client, reached, offer.secret, how.to_string())
-        }
-        (None, Way::PrivateFile(path)) => {
-            let (client, reached, secret) = reach_through_file(&config, &plan, &path, deadline)?;
-            (client, reached, secret, format!("port and secret from the private file {}", path.display()))
-        }
-        (None, Way::Address { host, host_source, port, port_source, secret }) => {
-            let how = format!("{host_source}, port {port_source}");
-            let (client, reached) = reach(&config, &plan, &[host], port, &secret, deadline, &how)?;
-            (client, reached, secret, how)
+        let left = deadline.saturating_duration_since(Instant::now());
+        match client.get(&open_key, left.min(Duration::from_secs(1))) {
+            Ok(_) => break (client, reached, secret, how),
+            Err(_) if Instant::now() < deadline => std::thread::sleep(POLL),
+            Err(e) => return Err(fail(e)),
         }
     };
     tracing::info!("{}: reached rank 0's rendezvous store at {reached} ({how})", who(&config, &plan));

@@ -1,10 +1,10 @@
 """A rank of a job started by a launcher other than rvodrun (mpirun, torchrun, srun's or MPICH's variables).
 
 Prints one line ``topology: {json}`` (what rvod says about this rank, and the launcher it detected) for the
-test to compare with the launcher's placement, checks collectives with exact expected values, and ends with
-the usual verdict line. ``RVOD_TEST_COMM`` picks how ``init`` is called: unset: ``init()``; ``world``:
-``init(comm=MPI.COMM_WORLD)``; ``ranks:0,2``: ``init(comm=[0, 2])`` (other ranks do not call init);
-``split``: ``init(comm=MPI.COMM_WORLD.Split(rank % 2))``.
+test to compare with the launcher's placement, checks collectives with exact expected values, shuts down
+and initializes again (the ranks meet anew), and ends with the usual verdict line. ``RVOD_TEST_COMM`` picks
+how ``init`` is called: unset: ``init()``; ``world``: ``init(comm=MPI.COMM_WORLD)``; ``ranks:0,2``:
+``init(comm=[0, 2])`` (other ranks do not call init); ``split``: ``init(comm=MPI.COMM_WORLD.Split(rank % 2))``.
 """
 
 import json
@@ -19,9 +19,13 @@ from rvod import _rvod
 launched = _rvod.launcher()
 launcher = launched and launched[0]
 mode = os.environ.get("RVOD_TEST_COMM")
-if mode is None:
-    hvd.init()
-else:
+
+
+def init_job():
+    """hvd.init() as RVOD_TEST_COMM says; False when this process is not in the job."""
+    if mode is None:
+        hvd.init()
+        return True
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD
@@ -30,14 +34,18 @@ else:
     elif mode.startswith("ranks:"):
         members = [int(r) for r in mode[len("ranks:"):].split(",")]
         if world.Get_rank() not in members:
-            print(f"world rank {world.Get_rank()}: not in comm", flush=True)
-            sys.exit(0)
+            return False
         hvd.init(comm=members)
     elif mode == "split":
         hvd.init(comm=world.Split(world.Get_rank() % 2, world.Get_rank()))
     else:
         raise SystemExit(f"unknown RVOD_TEST_COMM={mode!r}")
+    return True
 
+
+if not init_job():
+    print("world rank not in comm", flush=True)
+    sys.exit(0)
 R, N = hvd.rank(), hvd.size()
 print("topology: " + json.dumps({
     "launcher": launcher, "rank": R, "size": N, "local_rank": hvd.local_rank(), "local_size": hvd.local_size(),
@@ -74,5 +82,12 @@ with check("broadcast_object"):
     assert hvd.broadcast_object({"from": R}, root_rank=0) == {"from": 0}
 
 hvd.barrier()
+hvd.shutdown()
+
+init_job()  # a second init after shutdown meets again: rank 0 serves a new store
+with check("allreduce after shutdown and a second init"):
+    assert (hvd.rank(), hvd.size()) == (R, N)
+    got = hvd.allreduce(np.array([R + 1], dtype=np.int64), op=hvd.Sum, name="again")
+    assert got.tolist() == [N * (N + 1) // 2], got
 hvd.shutdown()
 finish(R)
