@@ -30,6 +30,7 @@ const INSECURE_SECRET: &[u8] = b"rvod insecure rendezvous: no secret";
 const ATTEMPT: Duration = Duration::from_secs(2);
 const POLL: Duration = Duration::from_millis(50);
 const OFFER_MAGIC: &str = "rvod-offer 1";
+const FAILED_MAGIC: &str = "rvod-offer failed";
 
 /// Rank 0's store, alive as long as the engine; dropping it stops serving and removes the private file.
 pub struct HostedStore {
@@ -66,9 +67,22 @@ impl Offer {
         format!("{OFFER_MAGIC}\n{}\n{secret}\n{}", self.port, self.addrs.join(" ")).into_bytes()
     }
 
+    /// What rank 0 sends instead of an offer when it cannot serve, so the others fail too instead of waiting.
+    pub fn failure(error: &EngineError) -> Vec<u8> {
+        let reason = match error {
+            EngineError::Init(reason) => reason.clone(),
+            other => other.to_string(),
+        };
+        format!("{FAILED_MAGIC}\n{reason}").into_bytes()
+    }
+
     pub fn decode(bytes: &[u8]) -> Result<Offer, EngineError> {
         let bad = || EngineError::Init("rank 0's rendezvous offer received over MPI is malformed".into());
         let text = std::str::from_utf8(bytes).map_err(|_| bad())?;
+        if let Some(reason) = text.strip_prefix(FAILED_MAGIC) {
+            let reason = reason.trim_start();
+            return Err(EngineError::Init(format!("rank 0 could not start the job's rendezvous store: {reason}")));
+        }
         let mut lines = text.split('\n');
         if lines.next() != Some(OFFER_MAGIC) {
             return Err(bad());
@@ -99,7 +113,7 @@ fn init_error(message: String) -> EngineError {
     EngineError::Init(message)
 }
 
-fn way(config: &Config, plan: &LaunchPlan, over_mpi: bool) -> Result<Way, EngineError> {
+fn way(config: &Config, plan: &LaunchPlan, over_mpi: bool, announce: bool) -> Result<Way, EngineError> {
     if over_mpi {
         return Ok(Way::Mpi);
     }
@@ -123,11 +137,13 @@ fn way(config: &Config, plan: &LaunchPlan, over_mpi: bool) -> Result<Way, Engine
     let secret = match (&plan.secret, plan.insecure) {
         (Some((secret, _)), _) => secret.clone(),
         (None, true) => {
-            tracing::warn!(
-                "{}: RVOD_INSECURE_RENDEZVOUS is set and no secret is: anybody who can reach {host}:{port} can join \
-                 this job or read what it exchanges",
-                who(config, plan)
-            );
+            if announce {
+                tracing::warn!(
+                    "{}: RVOD_INSECURE_RENDEZVOUS is set and no secret is: anybody who can reach {host}:{port} can \
+                     join this job or read what it exchanges",
+                    who(config, plan)
+                );
+            }
             INSECURE_SECRET.to_vec()
         }
         (None, false) => {
@@ -162,7 +178,7 @@ fn is_loopback_host(host: &str) -> bool {
 /// Nothing happens for a job rvodrun started (no launch plan).
 pub fn serve(config: &Config, over_mpi: bool) -> Result<(Option<HostedStore>, Option<Offer>), EngineError> {
     let Some(plan) = &config.launch else { return Ok((None, None)) };
-    let way = way(config, plan, over_mpi)?;
+    let way = way(config, plan, over_mpi, true)?;
     if config.topology.rank != 0 {
         return Ok((None, None));
     }
@@ -251,7 +267,7 @@ fn host_identity(hostname: &str) -> String {
 /// `offer` what rank 0 sent over MPI. A job without a launch plan is returned unchanged.
 pub fn meet(mut config: Config, generation: u64, hosted: Option<&HostedStore>, offer: Option<Offer>) -> Result<Config, EngineError> {
     let Some(plan) = config.launch.clone() else { return Ok(config) };
-    let way = way(&config, &plan, offer.is_some())?;
+    let way = way(&config, &plan, offer.is_some(), false)?;
     let deadline = Instant::now() + config.start_timeout;
     // Rank 0 marks its store as this init's; a rank that reached the store of an earlier init (still
     // stopping) finds no mark, and tries again.
@@ -514,6 +530,8 @@ mod tests {
         assert!(Offer::decode(b"hello").is_err());
         assert!(Offer::decode(b"rvod-offer 1\n0\n0102\nh").is_err());
         assert!(Offer::decode(b"rvod-offer 1\n5\nzz\nh").is_err());
+        let failed = Offer::decode(&Offer::failure(&EngineError::Init("port 7 is taken".into()))).unwrap_err();
+        assert!(failed.to_string().contains("rank 0 could not start the job's rendezvous store") && failed.to_string().contains("port 7 is taken"), "{failed}");
     }
 
     #[test]

@@ -89,15 +89,23 @@ pub fn init(py: Python<'_>, process_sets: Vec<Vec<usize>>, mpi: Option<(usize, u
         }
         None => None,
     };
-    let (hosted, offer) = meet::serve(&config, bcast.is_some()).map_err(to_py_err)?;
+    let served = meet::serve(&config, bcast.is_some());
     let offer = match bcast {
         Some(bcast) => {
-            let payload = offer.map(|offer| PyBytes::new(py, &offer.encode()));
-            let received: Vec<u8> = bcast.call1(py, (payload,))?.extract(py)?;
-            Some(Offer::decode(&received).map_err(to_py_err)?)
+            // Rank 0 sends its offer, or why it has none, so the other ranks never wait in vain.
+            let payload = match (&served, config.topology.rank) {
+                (Ok((_, Some(offer))), _) => Some(offer.encode()),
+                (Err(error), 0) => Some(Offer::failure(error)),
+                _ => None,
+            };
+            let received: Vec<u8> = bcast.call1(py, (payload.map(|p| PyBytes::new(py, &p)),))?.extract(py)?;
+            let offer = Offer::decode(&received);
+            served.as_ref().map_err(|e| to_py_err(e.clone()))?;
+            Some(offer.map_err(to_py_err)?)
         }
         None => None,
     };
+    let (hosted, _) = served.map_err(to_py_err)?;
     let generation = {
         let mut state = state();
         state.generation += 1;

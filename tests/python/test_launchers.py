@@ -3,7 +3,8 @@ Slurm's srun and MPICH's hydra (by their environment variables: the test starts 
 
 Every rank runs workers/launched.py (exact collective results, plus the topology rvod reports) or, under
 torchrun, workers/launched_torch.py (DistributedOptimizer against one-process training). Also: the refusal
-to run unauthenticated across hosts, RVOD_INSECURE_RENDEZVOUS, and a rank that cannot reach rank 0.
+to run unauthenticated across hosts, RVOD_INSECURE_RENDEZVOUS, a rank that cannot reach rank 0, a rank 0
+that cannot serve, and torchrun's variables across two network namespaces (two "hosts"; root only).
 """
 
 from __future__ import annotations
@@ -82,15 +83,17 @@ def run(command: list[str], env: dict[str, str], timeout: float) -> subprocess.C
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
-def start_ranks(envs: list[dict[str, str]], tmp_path: Path, timeout: float, script: str = LAUNCHED):
-    """Starts one process per environment (as srun or hydra would) and waits for all; returns
-    [(returncode, stdout, stderr)] in rank order. Whatever is left at the timeout is killed."""
+def start_ranks(envs: list[dict[str, str]], tmp_path: Path, timeout: float, script: str = LAUNCHED,
+                prefixes: list[list[str]] | None = None):
+    """Starts one process per environment (as srun or hydra would; each command after its prefix, e.g.
+    `ip netns exec NAME`) and waits for all; returns [(returncode, stdout, stderr)] in rank order. Whatever
+    is left at the timeout is killed."""
     processes = []
     for index, env in enumerate(envs):
         out, err = tmp_path / f"rank{index}.out", tmp_path / f"rank{index}.err"
+        command = [*(prefixes[index] if prefixes else []), sys.executable, script]
         with out.open("w") as stdout, err.open("w") as stderr:
-            processes.append((subprocess.Popen([sys.executable, script], env=env, stdout=stdout, stderr=stderr),
-                              out, err))
+            processes.append((subprocess.Popen(command, env=env, stdout=stdout, stderr=stderr), out, err))
     deadline = time.monotonic() + timeout
     results = []
     for process, out, err in processes:
@@ -133,7 +136,8 @@ def mpirun_command(size: int, env: dict[str, str]) -> list[str]:
     command = [shutil.which("mpirun") or "mpirun", "--oversubscribe", "--tag-output", "-np", str(size)]
     if os.geteuid() == 0:
         command.append("--allow-run-as-root")
-    for name in ("PYTHONPATH", JOB_TAG_VARIABLE, "RVOD_START_TIMEOUT", "RVOD_TEST_COMM", "RVOD_LOG_LEVEL"):
+    for name in ("PYTHONPATH", JOB_TAG_VARIABLE, "RVOD_START_TIMEOUT", "RVOD_TEST_COMM", "RVOD_LOG_LEVEL",
+                 "RVOD_RENDEZVOUS_PORT"):
         if name in env:
             command += ["-x", name]
     return command
@@ -212,6 +216,26 @@ def test_mpirun_init_with_a_communicator(clean_env, comm, sizes):
     for topology in found:
         assert (topology["local_rank"], topology["local_size"]) == (topology["rank"], topology["size"]), topology
         assert (topology["cross_rank"], topology["cross_size"]) == (0, 1), topology
+
+
+@needs_mpirun
+@pytest.mark.timeout(60)
+def test_mpirun_rank_0_that_cannot_serve_fails_every_rank(clean_env):
+    pytest.importorskip("mpi4py", reason="mpi4py is not installed (scripts/run-tests.sh installs it)")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = for_mpirun(dict(clean_env, RVOD_RENDEZVOUS_PORT=str(port)))
+        started = time.monotonic()
+        result = run(mpirun_command(2, env) + [sys.executable, LAUNCHED], env, timeout=50)
+    assert result.returncode != 0, report(result)
+    assert time.monotonic() - started < 30, "the other rank does not wait for its start timeout"
+    cause = rf"rank 0 of 2 \(started by Open MPI\): cannot start the rendezvous store on 127\.0\.0\.1:{port}: "
+    assert re.search(rf"\[1,0\]<stderr>:ValueError: rvod initialization failed: {cause}", result.stderr), \
+        report(result)
+    assert re.search(rf"\[1,1\]<stderr>:ValueError: rvod initialization failed: rank 0 could not start the job's "
+                     rf"rendezvous store: {cause}", result.stderr), report(result)
 
 
 def torchrun_command(*args: str) -> list[str]:
@@ -339,3 +363,64 @@ def test_a_rank_that_cannot_reach_rank_0_says_so_within_the_start_timeout(clean_
                      rf"127\.0\.0\.1 port {port} \(MASTER_ADDR, port MASTER_PORT \+ 1\) within 2\.0 s", err_a), err_a
     assert re.search(r"rank 1 of 2 \(started by MPICH/Intel MPI \(PMI\)\): rank 0 did not publish a reachable "
                      r"rendezvous store in .*kvs_\w+\.rendezvous within 2\.0 s", err_b), err_b
+
+
+def _ip(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=20)
+
+
+@pytest.fixture
+def two_hosts():
+    """Two network namespaces joined by a veth pair (198.51.100.1 and .2): two "hosts" on this machine.
+    Deleted (with whatever still runs in them) whatever happens."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("network namespaces need root and iproute2")
+    tag = f"{os.getpid() % 100000}"
+    names = [f"rvodl{tag}a", f"rvodl{tag}b"]
+    links = [f"rvl{tag}a", f"rvl{tag}b"]
+    try:
+        for name in names:
+            made = _ip("netns", "add", name)
+            if made.returncode != 0:
+                pytest.skip(f"cannot make a network namespace: {made.stderr.strip()}")
+        steps = [("link", "add", links[0], "type", "veth", "peer", "name", links[1])]
+        for index, (name, link) in enumerate(zip(names, links)):
+            steps += [("link", "set", link, "netns", name),
+                      ("-n", name, "addr", "add", f"198.51.100.{index + 1}/24", "dev", link),
+                      ("-n", name, "link", "set", link, "up"), ("-n", name, "link", "set", "lo", "up")]
+        for step in steps:
+            done = _ip(*step)
+            assert done.returncode == 0, (step, done.stderr)
+        yield names
+    finally:
+        for name in names:
+            pids = _ip("netns", "pids", name).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), 9)
+                except (ProcessLookupError, ValueError):
+                    pass
+            _ip("netns", "del", name)
+
+
+@pytest.mark.timeout(60)
+def test_torchrun_variables_across_two_hosts(clean_env, two_hosts, tmp_path):
+    # 2 hosts x 2 ranks, started as torchrun would (GROUP_RANK is the host); rank 0's store on 198.51.100.1.
+    secret = os.urandom(32).hex()
+    envs, prefixes = [], []
+    for rank in range(4):
+        host = rank // 2
+        envs.append(dict(clean_env, RANK=str(rank), WORLD_SIZE="4", LOCAL_RANK=str(rank % 2), LOCAL_WORLD_SIZE="2",
+                         GROUP_RANK=str(host), GROUP_WORLD_SIZE="2", MASTER_ADDR="198.51.100.1",
+                         MASTER_PORT="29400", TORCHELASTIC_RUN_ID=uuid.uuid4().hex, RVOD_SECRET=secret,
+                         RVOD_HOSTNAME=f"host{host}"))
+        prefixes.append(["ip", "netns", "exec", two_hosts[host]])
+    results = start_ranks(envs, tmp_path, timeout=50, prefixes=prefixes)
+    found = assert_ranks_passed(results, "torchrun")
+    for rank, topology in found.items():
+        got = (topology["local_rank"], topology["local_size"], topology["cross_rank"], topology["cross_size"])
+        assert got == (rank % 2, 2, rank // 2, 2), (rank, topology)
+        assert topology["transport"] == "tcp", topology
+    for _, _, err in results[1:]:
+        assert "reached rank 0's rendezvous store at 198.51.100.1:29401 (MASTER_ADDR, port MASTER_PORT + 1)" in err, \
+            ranks_report(results)
