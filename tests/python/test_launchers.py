@@ -424,3 +424,35 @@ def test_torchrun_variables_across_two_hosts(clean_env, two_hosts, tmp_path):
     for _, _, err in results[1:]:
         assert "reached rank 0's rendezvous store at 198.51.100.1:29401 (MASTER_ADDR, port MASTER_PORT + 1)" in err, \
             ranks_report(results)
+
+
+INIT_WITH_COMM = """
+import sys, rvod.numpy as hvd
+comm = eval(sys.argv[1])
+try:
+    hvd.init(comm=comm)
+except Exception as error:
+    print(f"{type(error).__name__}: {error}")
+else:
+    print(f"job of {hvd.size()}: rank {hvd.rank()}, allreduce {hvd.allreduce(__import__('numpy').ones(2), op=hvd.Sum).tolist()}")
+    hvd.shutdown()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_init_with_a_communicator_in_one_process(clean_env, tmp_path):
+    def init_with(comm: str, env: dict[str, str]) -> str:
+        done = subprocess.run([sys.executable, "-c", INIT_WITH_COMM, comm], env=env, capture_output=True, text=True,
+                              timeout=40)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    hidden = without_mpi4py(clean_env, tmp_path)
+    assert init_with("[0]", hidden).startswith(
+        "ValueError: init(comm=...) takes an mpi4py communicator or a list of MPI_COMM_WORLD ranks, which needs "
+        "mpi4py (pip install mpi4py)")
+    pytest.importorskip("mpi4py", reason="mpi4py is not installed (scripts/run-tests.sh installs it)")
+    assert init_with("[0]", clean_env) == "job of 1: rank 0, allreduce [1.0, 1.0]"
+    assert init_with("__import__('mpi4py.MPI').MPI.COMM_WORLD", clean_env) == "job of 1: rank 0, allreduce [1.0, 1.0]"
+    assert init_with("[1]", clean_env) == "ValueError: init(comm=[1]): ranks must be in 0..0 (MPI_COMM_WORLD)"
+    assert init_with("'world'", clean_env).startswith("TypeError: init(comm=...) takes an mpi4py communicator")
