@@ -241,17 +241,15 @@ fn torchrun(vars: &Vars) -> Result<Option<LaunchEnv>, ConfigError> {
     };
     let store_port = match vars.number("MASTER_PORT")? {
         // MASTER_PORT itself is torchrun's own store (and torch.distributed's); rvod's is the next port.
-        Some(port) => Some(
-            u16::try_from(port + 1)
-                .map(|p| (p, "MASTER_PORT + 1".to_string()))
-                .map_err(|_| ConfigError {
-                    name: "MASTER_PORT".into(),
-                    value: port.to_string(),
-                    reason: "rvod's store listens on MASTER_PORT + 1, which must be a port number; \
+        Some(port) => Some(u16::try_from(port + 1).map(|p| (p, "MASTER_PORT + 1".to_string())).map_err(|_| {
+            ConfigError {
+                name: "MASTER_PORT".into(),
+                value: port.to_string(),
+                reason: "rvod's store listens on MASTER_PORT + 1, which must be a port number; \
                              set RVOD_RENDEZVOUS_PORT"
-                        .into(),
-                })?,
-        ),
+                    .into(),
+            }
+        })?),
         None => None,
     };
     let run_id = vars.get("TORCHELASTIC_RUN_ID").unwrap_or_else(|| "none".into());
@@ -313,7 +311,11 @@ fn slurm_env(vars: &Vars) -> Result<Option<LaunchEnv>, ConfigError> {
     };
     let store_host = match vars.first(&["SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"]) {
         Some((list, name)) => Some((
-            slurm::first_host(&list).map_err(|reason| ConfigError { name: name.into(), value: list.clone(), reason })?,
+            slurm::first_host(&list).map_err(|reason| ConfigError {
+                name: name.into(),
+                value: list.clone(),
+                reason,
+            })?,
             format!("the first host of {name}"),
         )),
         None => None,
@@ -451,7 +453,10 @@ mod tests {
         .unwrap()
         .unwrap();
         assert_eq!(one.launcher, Launcher::Torchrun);
-        assert_eq!((one.rank, one.size, one.local, one.cross, one.one_host), (1, 2, Some((1, 2)), Some((0, 1)), Some(true)));
+        assert_eq!(
+            (one.rank, one.size, one.local, one.cross, one.one_host),
+            (1, 2, Some((1, 2)), Some((0, 1)), Some(true))
+        );
         assert_eq!(one.store_host, Some(("localhost".into(), "MASTER_ADDR".into())));
         assert_eq!(one.store_port, Some((41826, "MASTER_PORT + 1".into())));
         assert_eq!(one.run_key, "torchrun-7d00-41825-0");

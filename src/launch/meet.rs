@@ -123,7 +123,8 @@ fn way(config: &Config, plan: &LaunchPlan, over_mpi: bool, announce: bool) -> Re
             .map_err(|e| init_error(format!("{}: cannot use a private rendezvous file: {e}", who(config, plan))))?;
         return Ok(Way::PrivateFile(path));
     }
-    let mpi_hint = if plan.launcher.is_mpi() { "install mpi4py (rank 0 then sends the address over MPI), or " } else { "" };
+    let mpi_hint =
+        if plan.launcher.is_mpi() { "install mpi4py (rank 0 then sends the address over MPI), or " } else { "" };
     let (host, host_source) = plan.store_host.clone().ok_or_else(|| {
         init_error(format!(
             "{}: the ranks may run on several hosts and nothing says where rank 0's rendezvous store is: \
@@ -132,7 +133,10 @@ fn way(config: &Config, plan: &LaunchPlan, over_mpi: bool, announce: bool) -> Re
         ))
     })?;
     let (port, port_source) = plan.store_port.clone().ok_or_else(|| {
-        init_error(format!("{}: set RVOD_RENDEZVOUS_PORT to the port rank 0's rendezvous store listens on", who(config, plan)))
+        init_error(format!(
+            "{}: set RVOD_RENDEZVOUS_PORT to the port rank 0's rendezvous store listens on",
+            who(config, plan)
+        ))
     })?;
     let secret = match (&plan.secret, plan.insecure) {
         (Some((secret, _)), _) => secret.clone(),
@@ -186,7 +190,11 @@ pub fn serve(config: &Config, over_mpi: bool) -> Result<(Option<HostedStore>, Op
     let loopback = IpAddr::V4(Ipv4Addr::LOCALHOST);
     let one_host = plan.one_host == Some(true);
     let (bind, port, secret) = match &way {
-        Way::Mpi => (iface.unwrap_or(if one_host { loopback } else { Ipv4Addr::UNSPECIFIED.into() }), named_port(plan), plan_secret(plan)?),
+        Way::Mpi => (
+            iface.unwrap_or(if one_host { loopback } else { Ipv4Addr::UNSPECIFIED.into() }),
+            named_port(plan),
+            plan_secret(plan)?,
+        ),
         Way::PrivateFile(_) => (iface.unwrap_or(loopback), named_port(plan), plan_secret(plan)?),
         Way::Address { host, port, secret, .. } => {
             let local = if is_loopback_host(host) { loopback } else { Ipv4Addr::UNSPECIFIED.into() };
@@ -201,9 +209,11 @@ pub fn serve(config: &Config, over_mpi: bool) -> Result<(Option<HostedStore>, Op
         ))
     })?;
     let own_addr = if bind.is_unspecified() { loopback } else { bind };
-    let mut hosted = HostedStore { port: server.port(), server: Some(server), file: None, secret: secret.clone(), own_addr };
+    let mut hosted =
+        HostedStore { port: server.port(), server: Some(server), file: None, secret: secret.clone(), own_addr };
     if let Way::PrivateFile(path) = &way {
-        private_file::publish(path, hosted.port, &secret).map_err(|e| init_error(format!("{}: {e}", who(config, plan))))?;
+        private_file::publish(path, hosted.port, &secret)
+            .map_err(|e| init_error(format!("{}: {e}", who(config, plan))))?;
         hosted.file = Some(path.clone());
     }
     let offer = over_mpi.then(|| Offer { addrs: advertised(iface, one_host), port: hosted.port, secret });
@@ -265,7 +275,12 @@ fn host_identity(hostname: &str) -> String {
 /// Finds rank 0's store (every rank, rank 0 included), registers this rank's host, and returns `config` with
 /// its rendezvous and any topology the launcher did not give filled in. `hosted` is rank 0's store,
 /// `offer` what rank 0 sent over MPI. A job without a launch plan is returned unchanged.
-pub fn meet(mut config: Config, generation: u64, hosted: Option<&HostedStore>, offer: Option<Offer>) -> Result<Config, EngineError> {
+pub fn meet(
+    mut config: Config,
+    generation: u64,
+    hosted: Option<&HostedStore>,
+    offer: Option<Offer>,
+) -> Result<Config, EngineError> {
     let Some(plan) = config.launch.clone() else { return Ok(config) };
     let way = way(&config, &plan, offer.is_some(), false)?;
     let deadline = Instant::now() + config.start_timeout;
@@ -276,12 +291,14 @@ pub fn meet(mut config: Config, generation: u64, hosted: Option<&HostedStore>, o
         let (mut client, reached, secret, how) = match (hosted, &way) {
             (Some(hosted), _) => {
                 let addr = SocketAddr::new(hosted.own_addr, hosted.port);
-                let client = StoreClient::connect(addr, &hosted.secret, config.start_timeout)
-                    .map_err(|e| init_error(format!("{}: cannot reach its own rendezvous store: {e}", who(&config, &plan))))?;
+                let client = StoreClient::connect(addr, &hosted.secret, config.start_timeout).map_err(|e| {
+                    init_error(format!("{}: cannot reach its own rendezvous store: {e}", who(&config, &plan)))
+                })?;
                 (client, addr, hosted.secret.clone(), "its own store".to_string())
             }
             (None, Way::Mpi) => {
-                let offer = offer.as_ref().ok_or_else(|| EngineError::Internal("no rendezvous offer received".into()))?;
+                let offer =
+                    offer.as_ref().ok_or_else(|| EngineError::Internal("no rendezvous offer received".into()))?;
                 let how = "address and secret sent by rank 0 over MPI";
                 let (client, reached) = reach(&config, &plan, &offer.addrs, offer.port, &offer.secret, deadline, how)?;
                 (client, reached, offer.secret.clone(), how.to_string())
@@ -292,11 +309,13 @@ pub fn meet(mut config: Config, generation: u64, hosted: Option<&HostedStore>, o
             }
             (None, Way::Address { host, host_source, port, port_source, secret }) => {
                 let how = format!("{host_source}, port {port_source}");
-                let (client, reached) = reach(&config, &plan, std::slice::from_ref(host), *port, secret, deadline, &how)?;
+                let (client, reached) =
+                    reach(&config, &plan, std::slice::from_ref(host), *port, secret, deadline, &how)?;
                 (client, reached, secret.clone(), how)
             }
         };
-        let fail = |e: crate::transport::TransportError| init_error(format!("{}: rendezvous store: {e}", who(&config, &plan)));
+        let fail =
+            |e: crate::transport::TransportError| init_error(format!("{}: rendezvous store: {e}", who(&config, &plan)));
         if hosted.is_some() {
             client.set(&open_key, b"1").map_err(fail)?;
             break (client, reached, secret, how);
@@ -385,7 +404,10 @@ fn reach_through_file(
                 let left = deadline.saturating_duration_since(Instant::now());
                 match StoreClient::connect(addr, &published.secret, left.min(Duration::from_millis(500))) {
                     Ok(client) => return Ok((client, addr, published.secret)),
-                    Err(e) => last_error = Some(format!("rank 0 (pid {}) published port {}, but: {e}", published.pid, published.port)),
+                    Err(e) => {
+                        last_error =
+                            Some(format!("rank 0 (pid {}) published port {}, but: {e}", published.pid, published.port))
+                    }
                 }
             }
         }
@@ -419,7 +441,9 @@ fn exchange_hosts(
     deadline: Instant,
 ) -> Result<Vec<Peer>, EngineError> {
     let topo = &config.topology;
-    let fail = |e: crate::transport::TransportError| init_error(format!("{}: registering with the other ranks: {e}", who(config, plan)));
+    let fail = |e: crate::transport::TransportError| {
+        init_error(format!("{}: registering with the other ranks: {e}", who(config, plan)))
+    };
     let key = |rank: usize| format!("launch{generation}/peer/{rank}");
     let local = if plan.local_known { topo.local_rank.to_string() } else { String::new() };
     let mine = format!("{}\n{local}\n{reached}", host_identity(&topo.hostname));
@@ -498,7 +522,8 @@ fn data_address(config: &Config, peers: &[Peer], reached: IpAddr) -> String {
     }
     let me = config.topology.rank;
     if host_of[me] == host_of[0] || reached.is_loopback() {
-        let seen_from_elsewhere = (0..peers.len()).find(|&r| host_of[r] != host_of[0]).map(|r| peers[r].reached.clone());
+        let seen_from_elsewhere =
+            (0..peers.len()).find(|&r| host_of[r] != host_of[0]).map(|r| peers[r].reached.clone());
         if let Some(addr) = seen_from_elsewhere.filter(|a| a.parse::<IpAddr>().is_ok_and(|ip| !ip.is_loopback())) {
             return addr;
         }
@@ -531,7 +556,11 @@ mod tests {
         assert!(Offer::decode(b"rvod-offer 1\n0\n0102\nh").is_err());
         assert!(Offer::decode(b"rvod-offer 1\n5\nzz\nh").is_err());
         let failed = Offer::decode(&Offer::failure(&EngineError::Init("port 7 is taken".into()))).unwrap_err();
-        assert!(failed.to_string().contains("rank 0 could not start the job's rendezvous store") && failed.to_string().contains("port 7 is taken"), "{failed}");
+        assert!(
+            failed.to_string().contains("rank 0 could not start the job's rendezvous store")
+                && failed.to_string().contains("port 7 is taken"),
+            "{failed}"
+        );
     }
 
     #[test]

@@ -25,7 +25,9 @@ use crate::error::EngineError;
 /// when the ranks meet. The communicator of the whole world leaves `config` as it is.
 pub fn for_communicator(mut config: Config, rank: usize, size: usize) -> Result<Config, EngineError> {
     if rank >= size {
-        return Err(EngineError::InvalidArgument(format!("init(comm=...): rank {rank} of a communicator of size {size}")));
+        return Err(EngineError::InvalidArgument(format!(
+            "init(comm=...): rank {rank} of a communicator of size {size}"
+        )));
     }
     if config.launch.is_none() && config.rendezvous.is_some() {
         return Err(EngineError::InvalidArgument(
@@ -150,7 +152,9 @@ mod tests {
             ("RVOD_SECRET", "00ff".into()),
         ])
         .unwrap();
-        assert!(matches!(for_communicator(rvodrun, 0, 2), Err(EngineError::InvalidArgument(m)) if m.contains("rvodrun")));
+        assert!(
+            matches!(for_communicator(rvodrun, 0, 2), Err(EngineError::InvalidArgument(m)) if m.contains("rvodrun"))
+        );
     }
 
     /// Every rank's config after `serve` and `meet`, the ranks being threads of this process.
@@ -194,10 +198,8 @@ mod tests {
                 ("RVOD_START_TIMEOUT", "10".into()),
             ]
         };
-        let met: Vec<Config> = meet_all((0..2).map(|r| config(&vars(r)).unwrap()).collect())
-            .into_iter()
-            .map(Result::unwrap)
-            .collect();
+        let met: Vec<Config> =
+            meet_all((0..2).map(|r| config(&vars(r)).unwrap()).collect()).into_iter().map(Result::unwrap).collect();
         for (rank, c) in met.iter().enumerate() {
             let t = &c.topology;
             assert_eq!((t.local_rank, t.local_size, t.cross_rank, t.cross_size), (rank, 2, 0, 1));

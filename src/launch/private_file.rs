@@ -34,7 +34,12 @@ fn not_private(path: &Path, metadata: &fs::Metadata, want_dir: bool) -> Option<S
         return Some(format!("{} is not {kind}", path.display()));
     }
     if metadata.uid() != effective_uid() {
-        return Some(format!("{} belongs to uid {}, not to this user (uid {})", path.display(), metadata.uid(), effective_uid()));
+        return Some(format!(
+            "{} belongs to uid {}, not to this user (uid {})",
+            path.display(),
+            metadata.uid(),
+            effective_uid()
+        ));
     }
     if metadata.mode() & 0o077 != 0 {
         return Some(format!(
