@@ -6,6 +6,8 @@
 
 use std::time::Duration;
 
+use crate::launch::{LaunchEnv, LaunchPlan};
+
 /// Where this rank sits in the job and how to reach the others.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Topology {
@@ -74,6 +76,9 @@ pub struct Config {
     /// Process sets may be added and removed after init (`RVOD_DYNAMIC_PROCESS_SETS`, Horovod's flag rule:
     /// on when > 0; also turned on by `init(process_sets="dynamic")`).
     pub dynamic_process_sets: bool,
+    /// Set when a launcher other than rvodrun started this multi-rank job (see `crate::launch`): rank 0
+    /// serves the store and `rendezvous` is filled in when the ranks meet.
+    pub launch: Option<LaunchPlan>,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -188,8 +193,12 @@ impl Config {
     /// Read the configuration through `lookup` (variable name -> value).
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
         let env = EnvReader { lookup };
-        let size = env.usize("SIZE", 1)?.max(1);
-        let rank = env.usize("RANK", 0)?;
+        let launched = crate::launch::env::detect(&env.lookup)?;
+        // RVOD_SIZE marks a job rvodrun started (its store is served outside the ranks); what a launcher
+        // says only fills in what the RVOD_* variables leave unset.
+        let rvodrun_job = env.raw("SIZE").is_some();
+        let size = env.usize("SIZE", launched.as_ref().map_or(1, |l| l.size))?.max(1);
+        let rank = env.usize("RANK", launched.as_ref().map_or(0, |l| l.rank))?;
         if rank >= size {
             return Err(ConfigError {
                 name: "RVOD_RANK".into(),
@@ -197,39 +206,43 @@ impl Config {
                 reason: format!("rank must be smaller than RVOD_SIZE={size}"),
             });
         }
-        let local_size = env.usize("LOCAL_SIZE", 1)?.max(1);
+        let local = launched.as_ref().and_then(|l| l.local);
+        let cross = launched.as_ref().and_then(|l| l.cross);
         let topology = Topology {
             rank,
             size,
-            local_rank: env.usize("LOCAL_RANK", 0)?,
-            local_size,
-            cross_rank: env.usize("CROSS_RANK", 0)?,
-            cross_size: env.usize("CROSS_SIZE", 1)?.max(1),
-            hostname: env.string("HOSTNAME").unwrap_or_else(|| "localhost".to_string()),
+            local_rank: env.usize("LOCAL_RANK", local.map_or(0, |l| l.0))?,
+            local_size: env.usize("LOCAL_SIZE", local.map_or(1, |l| l.1))?.max(1),
+            cross_rank: env.usize("CROSS_RANK", cross.map_or(0, |c| c.0))?,
+            cross_size: env.usize("CROSS_SIZE", cross.map_or(1, |c| c.1))?.max(1),
+            hostname: env.string("HOSTNAME").unwrap_or_else(|| match &launched {
+                Some(l) => l.hostname.clone().unwrap_or_else(crate::launch::env::system_hostname),
+                None => "localhost".to_string(),
+            }),
         };
-        let rendezvous = if size > 1 {
+        let secret = secret(&env)?;
+        let launch = match launched {
+            Some(launched) if size > 1 && !rvodrun_job => Some(launch_plan(&env, launched, secret.clone())?),
+            _ => None,
+        };
+        let rendezvous = if size > 1 && launch.is_none() {
             let addr = env.string("RENDEZVOUS_ADDR").ok_or_else(|| ConfigError {
                 name: "RVOD_RENDEZVOUS_ADDR".into(),
                 value: String::new(),
                 reason: format!("RVOD_SIZE={size} but no rendezvous address is set; start the job with rvodrun"),
             })?;
-            let port_value = env.usize("RENDEZVOUS_PORT", 0)?;
-            let port = u16::try_from(port_value).ok().filter(|p| *p != 0).ok_or_else(|| ConfigError {
+            let port = rendezvous_port(&env)?.map(|(port, _)| port).ok_or_else(|| ConfigError {
                 name: "RVOD_RENDEZVOUS_PORT".into(),
-                value: port_value.to_string(),
+                value: "0".into(),
                 reason: "expected a port number in 1..65535".into(),
             })?;
-            let secret = match env.raw("SECRET") {
-                Some((name, value)) => decode_hex(&name, &value)?,
-                None => Vec::new(),
-            };
-            if secret.is_empty() {
+            let Some((secret, _)) = secret else {
                 return Err(ConfigError {
                     name: "RVOD_SECRET".into(),
                     value: String::new(),
                     reason: "a multi-rank job needs the job secret; start the job with rvodrun".into(),
                 });
-            }
+            };
             Some(Rendezvous { addr, port, secret, bind: bind_address(&env)? })
         } else {
             None
@@ -271,6 +284,7 @@ impl Config {
             hierarchical_allreduce: env.optional_flag("HIERARCHICAL_ALLREDUCE")?,
             hierarchical_allgather: env.optional_flag("HIERARCHICAL_ALLGATHER")?,
             dynamic_process_sets: env.flag("DYNAMIC_PROCESS_SETS")?,
+            launch,
         })
     }
 }
@@ -298,6 +312,63 @@ fn bind_address<F: Fn(&str) -> Option<String>>(env: &EnvReader<F>) -> Result<Bin
         }
         None => Ok(BindAddress::Auto),
     }
+}
+
+/// `RENDEZVOUS_PORT` with the name it was found under; 0 or out of range is an error naming the variable.
+fn rendezvous_port<F: Fn(&str) -> Option<String>>(env: &EnvReader<F>) -> Result<Option<(u16, String)>, ConfigError> {
+    let Some((name, value)) = env.raw("RENDEZVOUS_PORT") else { return Ok(None) };
+    match value.parse::<u16>() {
+        Ok(port) if port != 0 => Ok(Some((port, name))),
+        _ => Err(EnvReader::<F>::error(name, value, "expected a port number in 1..65535")),
+    }
+}
+
+/// The job's secret: `SECRET` (hex digits), else the hex digits in the 0600 file `SECRET_FILE`.
+fn secret<F: Fn(&str) -> Option<String>>(env: &EnvReader<F>) -> Result<Option<(Vec<u8>, String)>, ConfigError> {
+    if let Some((name, value)) = env.raw("SECRET") {
+        return Ok(Some((decode_hex(&name, &value)?, name)).filter(|(secret, _)| !secret.is_empty()));
+    }
+    let Some((name, path)) = env.raw("SECRET_FILE") else { return Ok(None) };
+    let secret = crate::launch::private_file::read_secret(std::path::Path::new(&path))
+        .map_err(|reason| EnvReader::<F>::error(name.clone(), path, &reason))?;
+    Ok(Some((secret, name)))
+}
+
+/// Shortest secret accepted for a job a launcher started (rvodrun makes 32-byte ones).
+const MIN_LAUNCH_SECRET_BYTES: usize = 16;
+
+/// How a job a launcher started meets: the launcher's hints, overridden by the user's RVOD_* settings.
+fn launch_plan<F: Fn(&str) -> Option<String>>(
+    env: &EnvReader<F>,
+    launched: LaunchEnv,
+    secret: Option<(Vec<u8>, String)>,
+) -> Result<LaunchPlan, ConfigError> {
+    if let Some((bytes, name)) = &secret {
+        if bytes.len() < MIN_LAUNCH_SECRET_BYTES {
+            return Err(ConfigError {
+                name: name.clone(),
+                value: "<hidden>".into(),
+                reason: format!(
+                    "the secret is {} bytes; use at least {MIN_LAUNCH_SECRET_BYTES} (e.g. `openssl rand -hex 32`)",
+                    bytes.len()
+                ),
+            });
+        }
+    }
+    let both_set = |a: &str, b: &str| env.raw(a).is_some() && env.raw(b).is_some();
+    Ok(LaunchPlan {
+        launcher: launched.launcher,
+        run_key: launched.run_key,
+        one_host: launched.one_host,
+        store_host: env.raw("RENDEZVOUS_ADDR").map(|(name, host)| (host, name)).or(launched.store_host),
+        store_port: rendezvous_port(env)?.or(launched.store_port),
+        secret,
+        insecure: env.flag("INSECURE_RENDEZVOUS")?,
+        iface_addr: env.string("IFACE_ADDR"),
+        data_bind: bind_address(env)?,
+        local_known: launched.local.is_some() || both_set("LOCAL_RANK", "LOCAL_SIZE"),
+        cross_known: launched.cross.is_some() || both_set("CROSS_RANK", "CROSS_SIZE"),
+    })
 }
 
 fn log_level<F: Fn(&str) -> Option<String>>(env: &EnvReader<F>) -> String {

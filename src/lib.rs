@@ -5,13 +5,15 @@
 //! collectives are ready everywhere ([`coordinator`]), packs compatible ones together ([`fusion`]), runs
 //! the collective algorithms ([`ring`]) over a [`transport`] (TCP between processes, an in-memory one for
 //! tests), and completes the caller's handle with the result or a precise error ([`error`]).
-//! Every knob is read once into a [`config::Config`].
+//! Every knob is read once into a [`config::Config`]. Jobs that mpirun, srun or torchrun started (not
+//! rvodrun) meet through [`launch`]: rank 0 serves the rendezvous store.
 
 pub mod config;
 pub mod coordinator;
 pub mod engine;
 pub mod error;
 pub mod fusion;
+pub mod launch;
 pub mod ring;
 pub mod tensor;
 pub mod transport;

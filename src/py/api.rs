@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 
 use crate::config::Config;
 use crate::engine::handles::WaitOutcome;
@@ -16,6 +16,7 @@ use crate::engine::packed::{pack_group, GroupMember};
 use crate::engine::submission::{OpSubmission, TensorSubmission};
 use crate::engine::Engine;
 use crate::error::EngineError;
+use crate::launch::meet::{self, HostedStore, Offer};
 use crate::py::ndarray::import_array;
 use crate::py::dlpack::{export_capsule, import_capsule, is_capsule, ImportedTensor};
 use crate::py::error::to_py_err;
@@ -27,11 +28,13 @@ const WAIT_SLICE: Duration = Duration::from_millis(50);
 #[derive(Default)]
 struct ProcessState {
     engine: Option<Arc<Engine>>,
+    /// Rank 0's rendezvous store in a job a launcher (not rvodrun) started; lives as long as the engine.
+    hosted: Option<HostedStore>,
     /// Number of inits so far; names the rendezvous scope of the next one.
     generation: u64,
 }
 
-static STATE: Mutex<ProcessState> = Mutex::new(ProcessState { engine: None, generation: 0 });
+static STATE: Mutex<ProcessState> = Mutex::new(ProcessState { engine: None, hosted: None, generation: 0 });
 
 fn state() -> MutexGuard<'static, ProcessState> {
     STATE.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -57,18 +60,59 @@ fn init_logging(level: &str, hide_time: bool) {
     let _ = if hide_time { builder.without_time().try_init() } else { builder.try_init() };
 }
 
+/// `(launcher, rank, size)` when a launcher other than rvodrun started this multi-rank job (launcher is
+/// `"openmpi"`, `"pmi"`, `"torchrun"` or `"slurm"`), else None (also when the configuration does not read:
+/// `init` reports that).
+#[pyfunction]
+pub fn launcher() -> Option<(&'static str, usize, usize)> {
+    let config = Config::from_env().ok()?;
+    let launcher = meet::launcher(&config)?;
+    Some((launcher.id(), config.topology.rank, config.topology.size))
+}
+
 /// Start the engine (idempotent while running) and register `process_sets` (lists of global ranks, the
 /// same on every rank); `dynamic_process_sets` turns dynamic process sets on whatever the environment says.
 /// Waiting for the other ranks releases the GIL and can be interrupted with Ctrl-C.
+/// `mpi` is `(rank, size, bcast)` from an mpi4py communicator: rank and size in it, and its `bcast`, over
+/// which rank 0 sends the others its rendezvous store's address and the job's secret.
 #[pyfunction]
-#[pyo3(signature = (process_sets=Vec::new(), dynamic_process_sets=false))]
-pub fn init(py: Python<'_>, process_sets: Vec<Vec<usize>>, dynamic_process_sets: bool) -> PyResult<()> {
+#[pyo3(signature = (process_sets=Vec::new(), mpi=None, dynamic_process_sets=false))]
+pub fn init(
+    py: Python<'_>,
+    process_sets: Vec<Vec<usize>>,
+    mpi: Option<(usize, usize, PyObject)>,
+    dynamic_process_sets: bool,
+) -> PyResult<()> {
     if state().engine.is_some() {
         return Ok(());
     }
     init_logging(&crate::config::log_level_from_env(), crate::config::log_hide_time_from_env());
     let mut config = Config::from_env().map_err(|e| to_py_err(EngineError::Init(e.to_string())))?;
     config.dynamic_process_sets |= dynamic_process_sets;
+    let bcast = match mpi {
+        Some((rank, size, bcast)) => {
+            config = crate::launch::for_communicator(config, rank, size).map_err(to_py_err)?;
+            config.launch.is_some().then_some(bcast)
+        }
+        None => None,
+    };
+    let served = meet::serve(&config, bcast.is_some());
+    let offer = match bcast {
+        Some(bcast) => {
+            // Rank 0 sends its offer, or why it has none, so the other ranks never wait in vain.
+            let payload = match (&served, config.topology.rank) {
+                (Ok((_, Some(offer))), _) => Some(offer.encode()),
+                (Err(error), 0) => Some(Offer::failure(error)),
+                _ => None,
+            };
+            let received: Vec<u8> = bcast.call1(py, (payload.map(|p| PyBytes::new(py, &p)),))?.extract(py)?;
+            let offer = Offer::decode(&received);
+            served.as_ref().map_err(|e| to_py_err(e.clone()))?;
+            Some(offer.map_err(to_py_err)?)
+        }
+        None => None,
+    };
+    let (hosted, _) = served.map_err(to_py_err)?;
     let generation = {
         let mut state = state();
         state.generation += 1;
@@ -78,7 +122,9 @@ pub fn init(py: Python<'_>, process_sets: Vec<Vec<usize>>, dynamic_process_sets:
     std::thread::Builder::new()
         .name("rvod-init".into())
         .spawn(move || {
-            let _ = done.send(Engine::start(config, generation, &process_sets));
+            let started = meet::meet(config, generation, hosted.as_ref(), offer)
+                .and_then(|config| Engine::start(config, generation, &process_sets));
+            let _ = done.send(started.map(|engine| (engine, hosted)));
         })
         .map_err(|e| to_py_err(EngineError::Init(format!("cannot start the init thread: {e}"))))?;
     loop {
@@ -90,8 +136,10 @@ pub fn init(py: Python<'_>, process_sets: Vec<Vec<usize>>, dynamic_process_sets:
         started = receiver;
         match outcome {
             Ok(result) => {
-                let engine = result.map_err(to_py_err)?;
-                state().engine = Some(Arc::new(engine));
+                let (engine, hosted) = result.map_err(to_py_err)?;
+                let mut state = state();
+                state.engine = Some(Arc::new(engine));
+                state.hosted = hosted;
                 return Ok(());
             }
             Err(std::sync::mpsc::RecvTimeoutError::Timeout) => py.check_signals()?,
@@ -106,10 +154,14 @@ pub fn init(py: Python<'_>, process_sets: Vec<Vec<usize>>, dynamic_process_sets:
 #[pyfunction]
 pub fn shutdown(py: Python<'_>) {
     py.allow_threads(|| {
-        let engine = state().engine.take();
+        let (engine, hosted) = {
+            let mut state = state();
+            (state.engine.take(), state.hosted.take())
+        };
         if let Some(engine) = engine {
             engine.shutdown();
         }
+        drop(hosted);
     })
 }
 

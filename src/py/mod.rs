@@ -20,6 +20,7 @@ use pyo3::prelude::*;
 fn _rvod(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(api::init, m)?)?;
+    m.add_function(wrap_pyfunction!(api::launcher, m)?)?;
     m.add_function(wrap_pyfunction!(api::shutdown, m)?)?;
     m.add_function(wrap_pyfunction!(api::is_initialized, m)?)?;
     m.add_function(wrap_pyfunction!(api::topology, m)?)?;

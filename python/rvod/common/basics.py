@@ -20,23 +20,70 @@ _atexit_registered = False
 def init(comm=None, process_sets=None):
     """Start this rank's engine and connect to the other ranks (idempotent while running).
 
-    ``comm`` follows Horovod; only ``None`` (all ranks) is supported. ``process_sets`` is a list of
-    ``ProcessSet`` to register now (every rank passes the same list), or ``"dynamic"`` to allow
-    ``add_process_set``/``remove_process_set`` later.
+    ``comm`` follows Horovod: ``None`` (every rank of the job), an mpi4py communicator (the job is its
+    ranks), or a list of ``MPI_COMM_WORLD`` ranks (the job is those ranks; only they call ``init``); the
+    last two need mpi4py. ``process_sets`` is a list of ``ProcessSet`` to register now (every rank passes
+    the same list), or ``"dynamic"`` to allow ``add_process_set``/``remove_process_set`` later.
     """
     global _topology, _atexit_registered
-    if comm is not None:
-        raise ValueError("init(comm=...) needs an MPI build; rvod starts every rank with rvodrun instead")
     if _rvod.is_initialized():
         return
     static_sets = _process_sets.static_sets_for_init(process_sets)
     dynamic = isinstance(process_sets, str) and process_sets == "dynamic"
-    _rvod.init([ps.ranks for ps in static_sets], dynamic_process_sets=dynamic)
+    _rvod.init([ps.ranks for ps in static_sets], _mpi_for_init(comm), dynamic_process_sets=dynamic)
     _topology = _rvod.topology()
     _process_sets.after_init(_topology[1], static_sets)
     if not _atexit_registered:
         atexit.register(shutdown)
         _atexit_registered = True
+
+
+def _mpi_for_init(comm):
+    """``(rank, size, bcast)`` of the MPI communicator the job runs on, or None when MPI plays no part.
+
+    Without ``comm``, a job Open MPI or MPICH/Intel MPI started uses ``MPI_COMM_WORLD`` when mpi4py is
+    importable: rank 0 then sends the others its rendezvous address and a fresh secret over it. MPI carries
+    nothing else; collectives run on rvod's own transports.
+    """
+    if comm is None:
+        launched = _rvod.launcher()
+        if launched is None or launched[0] not in ("openmpi", "pmi"):
+            return None
+        try:
+            from mpi4py import MPI
+        except ImportError:
+            return None
+        comm = MPI.COMM_WORLD
+        if (comm.Get_rank(), comm.Get_size()) != tuple(launched[1:]):
+            return None  # mpi4py's MPI is not the one that started the job
+    else:
+        try:
+            from mpi4py import MPI
+        except ImportError as error:
+            raise ValueError(
+                "init(comm=...) takes an mpi4py communicator or a list of MPI_COMM_WORLD ranks, which needs "
+                "mpi4py (pip install mpi4py); without comm, init() uses every rank of the job"
+            ) from error
+        if not isinstance(comm, MPI.Comm):
+            comm = _world_subset(MPI, comm)
+    return comm.Get_rank(), comm.Get_size(), lambda payload: comm.bcast(payload, root=0)
+
+
+def _world_subset(MPI, ranks):
+    """A communicator of the listed ``MPI_COMM_WORLD`` ranks (Horovod's ``init(comm=[...])``)."""
+    try:
+        ranks = sorted({int(r) for r in ranks})
+    except (TypeError, ValueError) as error:
+        raise TypeError(
+            f"init(comm=...) takes an mpi4py communicator or a list of ranks, not {type(ranks).__name__}") from error
+    world = MPI.COMM_WORLD
+    if not ranks or ranks[0] < 0 or ranks[-1] >= world.Get_size():
+        raise ValueError(f"init(comm={ranks}): ranks must be in 0..{world.Get_size() - 1} (MPI_COMM_WORLD)")
+    if world.Get_rank() not in ranks:
+        raise ValueError(
+            f"init(comm={ranks}): this process is rank {world.Get_rank()} of MPI_COMM_WORLD, which is not in the "
+            "list; only the listed ranks may call init(comm=...)")
+    return world.Create_group(world.Get_group().Incl(ranks))
 
 
 def shutdown():
@@ -91,10 +138,12 @@ def mpi_threads_supported():
 
 
 def mpi_enabled():
+    """False: rvod runs no collective over MPI (under mpirun it only uses mpi4py, if present, to meet)."""
     return False
 
 
 def mpi_built():
+    """False: rvod is not built against an MPI library."""
     return False
 
 
