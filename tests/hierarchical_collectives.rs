@@ -27,6 +27,8 @@ const SIZES: [usize; 4] = [0, 1, 7, 4097];
 /// Past the ring threshold for every dtype (run for a few: debug builds reduce slowly).
 const RING_SIZE: usize = 70_001;
 const BIG: usize = 1_000_003;
+/// Int32 elements in more than two pipeline pieces, the last one short.
+const PIPELINED: usize = 2 * ring::hierarchical::PIPELINE_PIECE_BYTES / 4 + 1_000_003;
 const TWO_BY_TWO: [usize; 4] = [0, 0, 1, 1];
 const INTERLEAVED: [usize; 4] = [0, 1, 0, 1];
 const ONE_PLUS_THREE: [usize; 4] = [0, 1, 1, 1];
@@ -221,12 +223,17 @@ fn large_allreduce_hierarchical_and_flat_on_two_by_two() {
             })
             .collect();
         hierarchical_allreduce(t, &mut random, DataType::Float64, Combine::Sum);
-        (flat, hier, random)
+        // Above twice the pipeline piece: reduced in pieces, the cross-host part on a helper thread.
+        let mut pipelined = input(DataType::Int32, t.rank(), PIPELINED);
+        hierarchical_allreduce(t, &mut pipelined, DataType::Int32, Combine::Sum);
+        (flat, hier, random, pipelined)
     });
     let want = expected(DataType::Float32, Combine::Sum, 4, BIG);
-    for (rank, (flat, hier, random)) in results.iter().enumerate() {
+    let want_pipelined = expected(DataType::Int32, Combine::Sum, 4, PIPELINED);
+    for (rank, (flat, hier, random, pipelined)) in results.iter().enumerate() {
         assert!(flat == &want && hier == &want, "rank {rank}");
         assert!(random == &results[0].2, "rank {rank}: random floats differ from rank 0");
+        assert!(pipelined == &want_pipelined, "rank {rank}: pipelined hierarchical allreduce wrong");
     }
 }
 
