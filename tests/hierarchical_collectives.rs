@@ -152,10 +152,12 @@ fn mixed_communicators_use_shared_memory_inside_hosts_and_tcp_across() {
 
 #[test]
 fn hierarchical_allreduce_equals_flat_for_every_dtype_and_combine() {
-    for hosts in [&TWO_BY_TWO, &INTERLEAVED] {
+    // Hosts interleaved in rank order take the same code with other rank numbers: a few dtypes suffice there.
+    let few = [DataType::Bool, DataType::Int8, DataType::Float16, DataType::Float64];
+    for (hosts, dtypes) in [(&TWO_BY_TWO, &DataType::ALL[..]), (&INTERLEAVED, &few[..])] {
         let results = on_hosts(hosts, |t| {
             let mut out = Vec::new();
-            for dtype in DataType::ALL {
+            for &dtype in dtypes {
                 for combine in COMBINES {
                     let ring_size = matches!(dtype, DataType::Uint8 | DataType::Float32).then_some(RING_SIZE);
                     for count in SIZES.into_iter().chain(ring_size) {
@@ -321,17 +323,25 @@ fn a_round_started_on_either_part_wakes_a_waiting_rank() {
     let barrier = Barrier::new(4);
     let seen = on_hosts(&TWO_BY_TWO, |t| {
         let waker = Waker::new().unwrap();
+        // As the engine does: the waker also rings what the transport sleeps on.
+        waker.set_doorbell(t.doorbell());
         let mut seen = Vec::new();
-        // 1: nothing happens. 2: rank 1 (same host) sends. 3: rank 2 (other host) sends. 4: the waker.
+        // 0: nothing happens. 1: rank 1 (same host) sends. 2: rank 2 (other host) sends. 3: the waker rings.
         for phase in 0..4 {
             barrier.wait();
             if t.rank() == 0 {
-                if phase == 3 {
-                    waker.wake();
-                }
                 let started = Instant::now();
                 let timeout = Duration::from_millis(if phase == 0 { 50 } else { 5_000 });
-                let activity = t.wait_for_activity(&waker, timeout).unwrap();
+                let activity = std::thread::scope(|s| {
+                    if phase == 3 {
+                        // A submission from another thread while this one sleeps.
+                        s.spawn(|| {
+                            std::thread::sleep(Duration::from_millis(20));
+                            waker.wake();
+                        });
+                    }
+                    t.wait_for_activity(&waker, timeout).unwrap()
+                });
                 let from = [None, Some(1), Some(2), None][phase];
                 if let Some(from) = from {
                     let mut byte = [0u8; 1];
@@ -344,6 +354,8 @@ fn a_round_started_on_either_part_wakes_a_waiting_rank() {
                 t.send(0, &[7]).unwrap();
             }
         }
+        // A rank that returns closes its transport, which rank 0 would see as activity: stay until it is done.
+        barrier.wait();
         seen
     });
     let rank0 = &seen[0];
