@@ -174,7 +174,11 @@ def report(rate, sizes, times, rounds):
     big = 64 * MiB
     if big in sizes:
         hier = summary[("rvod-hier", big)]["algbw_GBps"]["median"]
-        lines.append(f"64 MiB: rvod-hier algbw {hier / link:.0%} of the link's rate (target >= 80%)")
+        flat = [tf / th for th, tf in zip(times["rvod-hier"][big], times["rvod-flat"][big])]
+        gloo = [tg / th for th, tg in zip(times["rvod-hier"][big], times["gloo"][big])]
+        lines.append(f"64 MiB: rvod-hier algbw {hier * 1e9 / link:.0%} of the link's rate (target >= 80%), "
+                     f"{statistics.median(flat):.2f}x flat (target >= 1.3x), {statistics.median(gloo):.2f}x gloo "
+                     "(target >= 1.3x); medians over rounds")
     small = sizes[0]
     lat = {impl: summary[(impl, small)]["us"]["median"] for impl in IMPLS}
     lines.append(f"{human(small)} latency: rvod-hier {lat['rvod-hier']:.0f} us, rvod-flat {lat['rvod-flat']:.0f} us, "
@@ -212,13 +216,16 @@ def main():
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="4 B .. 64 MiB, small budgets, 2 rounds")
     parser.add_argument("--min-size", type=int, default=4, help="smallest size in bytes (a power of 4)")
+    parser.add_argument("--report-only", action="store_true", help="rebuild the outputs from --out's CSV")
     args = parser.parse_args()
+    if args.report_only:
+        return write_outputs(args.out, *read_csv(args.out / "hosts_allreduce.csv"))
     top = 64 * MiB if args.quick else 256 * MiB
     sizes = [4 * 4 ** i for i in range(14) if args.min_size <= 4 * 4 ** i <= top]
     plan = {"sizes": sizes, "budget": (128 if args.quick else 512) * MiB, "min": 3, "max": 50 if args.quick else 200}
     rounds = 2 if args.quick else args.rounds
     args.out.mkdir(parents=True, exist_ok=True)
-    results, text, rows = {}, [], []
+    rows = []
     for rate in args.rates.split(","):
         times = {impl: {size: [] for size in sizes} for impl in IMPLS}
         with Hosts(rate) as hosts:
@@ -230,19 +237,38 @@ def main():
                     for size in sizes:
                         times[impl][size].append(got[size])
                         rows.append((rate, impl, size, r, got[size]))
+    with open(args.out / "hosts_allreduce.csv", "w") as f:
+        f.write("rate,impl,size_bytes,round,seconds_per_call\n")
+        f.writelines(f"{a},{b},{c},{d},{e}\n" for a, b, c, d, e in rows)
+    write_outputs(args.out, *read_csv(args.out / "hosts_allreduce.csv"))
+    return None
+
+
+def read_csv(path):
+    """The raw per-round times in the CSV, as (rate -> impl -> size -> [seconds per call by round],)."""
+    by_rate = {}
+    with open(path) as f:
+        next(f)
+        for line in f:
+            rate, impl, size, _, seconds = line.strip().split(",")
+            by_rate.setdefault(rate, {}).setdefault(impl, {}).setdefault(int(size), []).append(float(seconds))
+    return (by_rate,)
+
+
+def write_outputs(out, by_rate):
+    results, text = {}, []
+    for rate, times in by_rate.items():
+        sizes = sorted(times[IMPLS[0]])
+        rounds = len(times[IMPLS[0]][sizes[0]])
         lines, summary, link = report(rate, sizes, times, rounds)
         print("\n".join(lines), flush=True)
         text += lines + [""]
         results[rate] = (sizes, summary, link)
-    (args.out / "hosts_allreduce.txt").write_text("\n".join(text))
-    with open(args.out / "hosts_allreduce.csv", "w") as f:
-        f.write("rate,impl,size_bytes,round,seconds_per_call\n")
-        f.writelines(f"{a},{b},{c},{d},{e}\n" for a, b, c, d, e in rows)
+    (out / "hosts_allreduce.txt").write_text("\n".join(text))
     json_summary = {rate: {f"{impl} {size}": v for (impl, size), v in summary.items()}
                     for rate, (_, summary, _) in results.items()}
-    (args.out / "hosts_allreduce.json").write_text(json.dumps({"plan": plan, "rounds": rounds,
-                                                               "summary": json_summary}, indent=1))
-    plot(args.out / "hosts_allreduce.png", results)
+    (out / "hosts_allreduce.json").write_text(json.dumps({"summary": json_summary}, indent=1))
+    plot(out / "hosts_allreduce.png", results)
 
 
 if __name__ == "__main__":
