@@ -185,15 +185,15 @@ pub fn allgatherv(
     let host_start: Vec<usize> = host_bytes.iter().scan(0, |acc, &b| Some(std::mem::replace(acc, *acc + b))).collect();
     let mut read = 0;
     for i in 0..width {
-        for h in 0..hosts {
+        for (h, start) in host_start.iter().enumerate() {
             let (offset, len) = slice(h, i);
-            let at = host_start[h] + offset;
+            let at = start + offset;
             host_major[at..at + len].copy_from_slice(&by_index[read..read + len]);
             read += len;
         }
     }
     let mut at = 0;
-    for (h, _) in host_bytes.iter().enumerate() {
+    for h in 0..hosts {
         for index in 0..layout.members(h).len() {
             let range = rank_blocks.range(rank_of(h, index));
             recv[range.clone()].copy_from_slice(&host_major[at..at + range.len()]);
