@@ -58,13 +58,16 @@ pub fn connect_members(
     let (Some(rdv), Some(store), Some(bind)) = (&config.rendezvous, store, data_addr) else {
         return Err(EngineError::Internal("a multi-rank communicator needs the rendezvous store".into()));
     };
-    let layout = host_layout(store, scope, local_rank, members.len(), &config.topology.hostname, config.timeout)?;
     let secret = &rdv.secret;
     let tcp_mesh = |store: &mut StoreClient, scope: &str, rank: usize, size: usize, linked: &[bool]| {
         TcpTransport::connect_mesh_linked(rank, size, store, scope, secret, bind, &bind.to_string(), config.timeout, linked)
             .map_err(|e| EngineError::transport("connecting to the other ranks", &e))
     };
     let everyone = vec![true; members.len()];
+    if !config.shm {
+        return Ok(Box::new(tcp_mesh(store, scope, local_rank, members.len(), &everyone)?));
+    }
+    let layout = host_layout(store, scope, local_rank, members.len(), &config.topology.hostname, config.timeout)?;
     if layout.hosts() == 1 {
         if let Some(shm) = shared_memory(config, store, scope, local_rank, members.len())? {
             return Ok(Box::new(shm));
@@ -73,7 +76,7 @@ pub fn connect_members(
     }
     let host = layout.host_of(local_rank);
     let host_members = layout.members(host).len();
-    if !config.shm || (0..layout.hosts()).all(|h| layout.members(h).len() == 1) {
+    if (0..layout.hosts()).all(|h| layout.members(h).len() == 1) {
         return Ok(Box::new(tcp_mesh(store, scope, local_rank, members.len(), &everyone)?));
     }
     // Spanning hosts: shared memory among this host's members, TCP to the members on other hosts.
@@ -102,7 +105,7 @@ pub fn connect_members(
 }
 
 /// The shared-memory mesh of `size` ranks on this host meeting in `scope`, or `None` where shared memory is
-/// off or unusable (every rank learns the same).
+/// unusable (every rank learns the same).
 fn shared_memory(
     config: &Config,
     store: &mut StoreClient,
@@ -110,9 +113,6 @@ fn shared_memory(
     rank: usize,
     size: usize,
 ) -> Result<Option<ShmTransport>, EngineError> {
-    if !config.shm {
-        return Ok(None);
-    }
     ShmTransport::connect_mesh(rank, size, store, scope, &config.shm_dir, config.fusion_threshold, config.timeout)
         .map_err(|e| EngineError::transport("setting up shared memory with the other ranks", &e))
 }

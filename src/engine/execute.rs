@@ -65,6 +65,7 @@ fn allreduce_buffer(
 ) -> Result<(), TransportError> {
     if let Some(parts) = t.hosts() {
         if hierarchical_pays(forced, parts.layout, buf.len()) {
+            tracing::debug!("hierarchical allreduce of {} bytes over {} hosts", buf.len(), parts.layout.hosts());
             return ring::hierarchical::allreduce(parts, buf, dtype, combine);
         }
     }
@@ -330,6 +331,7 @@ fn allgather(
     let hierarchical = t.hosts().map(|parts| hierarchical_pays(forced, parts.layout, out.len()));
     match (hierarchical, t.hosts()) {
         (Some(true), Some(parts)) => {
+            tracing::debug!("hierarchical allgather of {} bytes over {} hosts", out.len(), parts.layout.hosts());
             ring::hierarchical::allgatherv(parts, entry.input.as_slice(), out.as_mut_slice(), &bytes_per_rank)?
         }
         _ => ring::allgatherv(t, entry.input.as_slice(), out.as_mut_slice(), &bytes_per_rank)?,

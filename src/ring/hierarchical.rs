@@ -24,8 +24,19 @@ fn check_homogeneous(parts: &HostParts<'_>, op: &str) -> Result<(), TransportErr
     }
 }
 
+/// Buffers larger than twice this are reduced in pieces of this size, pipelined (see [`allreduce`]).
+pub const PIPELINE_PIECE_BYTES: usize = 4 << 20;
+
+/// Pieces whose cross-host allreduce may be in flight while this thread works on later ones.
+const PIPELINE_DEPTH: usize = 2;
+
 /// Allreduce: reduce-scatter inside each host (local rank `i` ends with block `i` reduced over its host),
 /// allreduce of block `i` across hosts among the ranks with local rank `i`, allgather inside each host.
+///
+/// Large buffers go in pieces, and the cross-host allreduces run on a helper thread while this one works
+/// inside the host, so the network stays busy during the local phases: this thread reduce-scatters piece
+/// `k`, hands it over, and allgathers piece `k - 2` once it comes back. Every rank runs the same sequence of
+/// operations on each part, whatever the timing, so the result is the same as without pieces.
 pub fn allreduce(parts: HostParts<'_>, buf: &mut [u8], dtype: DataType, combine: Combine) -> Result<(), TransportError> {
     check_homogeneous(&parts, "hierarchical allreduce")?;
     let HostParts { mut local, mut cross, .. } = parts;
@@ -36,13 +47,93 @@ pub fn allreduce(parts: HostParts<'_>, buf: &mut [u8], dtype: DataType, combine:
     if buf.is_empty() {
         return Ok(());
     }
-    let blocks = Blocks::even(buf.len() / dtype.size(), local.size(), dtype.size());
-    if local.size() > 1 {
-        reduce_scatter_ring(&mut local, buf, &blocks, dtype, combine)?;
+    if local.size() == 1 || buf.len() <= 2 * PIPELINE_PIECE_BYTES {
+        let blocks = Blocks::even(buf.len() / dtype.size(), local.size(), dtype.size());
+        return allreduce_piece(&mut local, &mut cross, buf, &blocks, dtype, combine);
     }
-    flat_allreduce(&mut cross, &mut buf[blocks.range(local.rank())], dtype, combine)?;
+    let piece = PIPELINE_PIECE_BYTES - PIPELINE_PIECE_BYTES % dtype.size();
+    let me = local.rank();
+    let width = local.size();
+    let blocks_of = |piece: &[u8]| Blocks::even(piece.len() / dtype.size(), width, dtype.size());
+    std::thread::scope(|s| {
+        let (to_cross, cross_inbox) = std::sync::mpsc::channel::<&mut [u8]>();
+        let (cross_done, done_inbox) = std::sync::mpsc::channel::<Result<&mut [u8], TransportError>>();
+        let cross = &mut cross;
+        let helper = s.spawn(move || {
+            for piece in cross_inbox {
+                let range = blocks_of(piece).range(me);
+                let reduced = flat_allreduce(cross, &mut piece[range], dtype, combine).map(|()| piece);
+                let failed = reduced.is_err();
+                if cross_done.send(reduced).is_err() || failed {
+                    return;
+                }
+            }
+        });
+        let result = feed_pipeline(&mut local, buf, piece, &to_cross, &done_inbox, &blocks_of, dtype, combine);
+        drop(to_cross);
+        let helper = helper.join();
+        match (result, helper) {
+            (Err(e), _) => Err(e),
+            (Ok(()), Err(_)) => Err(helper_gone(me)),
+            (Ok(()), Ok(())) => Ok(()),
+        }
+    })
+}
+
+/// This thread's side of the pipelined allreduce: reduce-scatter each piece of `buf` in the host, hand it to
+/// the cross-host helper, and allgather the pieces it hands back, keeping at most [`PIPELINE_DEPTH`] with it.
+#[allow(clippy::too_many_arguments)]
+fn feed_pipeline<'b>(
+    local: &mut dyn Transport,
+    buf: &'b mut [u8],
+    piece: usize,
+    to_cross: &std::sync::mpsc::Sender<&'b mut [u8]>,
+    done_inbox: &std::sync::mpsc::Receiver<Result<&'b mut [u8], TransportError>>,
+    blocks_of: &dyn Fn(&[u8]) -> Blocks,
+    dtype: DataType,
+    combine: Combine,
+) -> Result<(), TransportError> {
+    let me = local.rank();
+    let allgather_next = |local: &mut dyn Transport| -> Result<(), TransportError> {
+        let piece = done_inbox.recv().map_err(|_| helper_gone(me))??;
+        allgather_ring(local, piece, &blocks_of(piece))
+    };
+    let mut in_flight = 0;
+    for chunk in buf.chunks_mut(piece) {
+        reduce_scatter_ring(local, chunk, &blocks_of(chunk), dtype, combine)?;
+        to_cross.send(chunk).map_err(|_| helper_gone(me))?;
+        in_flight += 1;
+        if in_flight > PIPELINE_DEPTH {
+            allgather_next(local)?;
+            in_flight -= 1;
+        }
+    }
+    while in_flight > 0 {
+        allgather_next(local)?;
+        in_flight -= 1;
+    }
+    Ok(())
+}
+
+fn helper_gone(rank: usize) -> TransportError {
+    invalid_argument(rank, "hierarchical allreduce", "the cross-host helper thread stopped".into())
+}
+
+/// One piece without pipelining: reduce-scatter in the host, allreduce across hosts, allgather in the host.
+fn allreduce_piece(
+    local: &mut dyn Transport,
+    cross: &mut dyn Transport,
+    buf: &mut [u8],
+    blocks: &Blocks,
+    dtype: DataType,
+    combine: Combine,
+) -> Result<(), TransportError> {
     if local.size() > 1 {
-        allgather_ring(&mut local, buf, &blocks)?;
+        reduce_scatter_ring(local, buf, blocks, dtype, combine)?;
+    }
+    flat_allreduce(cross, &mut buf[blocks.range(local.rank())], dtype, combine)?;
+    if local.size() > 1 {
+        allgather_ring(local, buf, blocks)?;
     }
     Ok(())
 }
@@ -94,15 +185,15 @@ pub fn allgatherv(
     let host_start: Vec<usize> = host_bytes.iter().scan(0, |acc, &b| Some(std::mem::replace(acc, *acc + b))).collect();
     let mut read = 0;
     for i in 0..width {
-        for h in 0..hosts {
+        for (h, start) in host_start.iter().enumerate() {
             let (offset, len) = slice(h, i);
-            let at = host_start[h] + offset;
+            let at = start + offset;
             host_major[at..at + len].copy_from_slice(&by_index[read..read + len]);
             read += len;
         }
     }
     let mut at = 0;
-    for (h, _) in host_bytes.iter().enumerate() {
+    for h in 0..hosts {
         for index in 0..layout.members(h).len() {
             let range = rank_blocks.range(rank_of(h, index));
             recv[range.clone()].copy_from_slice(&host_major[at..at + range.len()]);

@@ -9,12 +9,15 @@
 //! host to one on another) sends on a helper thread while this thread receives, so both directions
 //! progress however large the message, each part waiting in its own way (futex, `poll`). Waiting for a
 //! round ([`Transport::wait_for_activity`]) sleeps on the local part while a helper thread waits on the
-//! remote part and wakes this one when a remote peer starts. Errors name communicator ranks.
+//! remote part; the engine's waker and the helper both wake the local part through a waker of the
+//! composite's own, so a round started remotely is not mistaken for local work. Errors name communicator
+//! ranks.
 //!
 //! Plain sends are routed as they are: the negotiation's header exchange (every rank sends every other a
 //! header, then receives) could only block in a cycle through both parts if a header outgrew the TCP
 //! socket buffers (at least 128 KiB on Linux), and headers are at most ~64 KiB.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::transport::{Activity, Doorbell, Staging, Transport, TransportError, Waker};
@@ -81,10 +84,6 @@ impl HostLayout {
         self.members.iter().filter_map(|m| m.get(index).copied()).collect()
     }
 
-    /// Whether host-major order (hosts in order, each host's members ascending) is rank order.
-    pub fn is_host_contiguous(&self) -> bool {
-        self.members.iter().flatten().enumerate().all(|(i, &r)| i == r)
-    }
 }
 
 /// The parts of a communicator that spans hosts, for hierarchical algorithms.
@@ -210,6 +209,9 @@ pub struct CompositeTransport {
     remote: Box<dyn Transport>,
     /// Tells the helper thread of `wait_for_activity` to stop waiting on the remote part.
     stop_watching: Waker,
+    /// What the local part waits on in `wait_for_activity`: rung by the engine's waker (through
+    /// `doorbell`) and by the helper thread when a remote peer starts a round.
+    wake_local: Arc<Waker>,
 }
 
 impl CompositeTransport {
@@ -231,12 +233,11 @@ impl CompositeTransport {
                 layout.size()
             )));
         }
-        let stop_watching = Waker::new().map_err(|e| TransportError::Setup(format!("eventfd: {e}")))?;
-        Ok(CompositeTransport { rank, layout, local_members, local, remote, stop_watching })
-    }
-
-    pub fn layout(&self) -> &HostLayout {
-        &self.layout
+        let eventfd = |e: std::io::Error| TransportError::Setup(format!("eventfd: {e}"));
+        let stop_watching = Waker::new().map_err(eventfd)?;
+        let wake_local = Arc::new(Waker::new().map_err(eventfd)?);
+        wake_local.set_doorbell(local.doorbell());
+        Ok(CompositeTransport { rank, layout, local_members, local, remote, stop_watching, wake_local })
     }
 
     fn route(&self, peer: usize) -> Result<Route, TransportError> {
@@ -338,6 +339,12 @@ impl Transport for CompositeTransport {
     }
 
     fn wait_for_activity(&mut self, waker: &Waker, timeout: Duration) -> Result<Activity, TransportError> {
+        // `waker`'s doorbell wakes `wake_local` (see `doorbell`), so draining `wake_local` before looking at
+        // `waker` loses no wake-up.
+        self.wake_local.drain();
+        if waker.is_signalled() {
+            return Ok(Activity::Local);
+        }
         match self.remote.wait_for_activity(waker, Duration::ZERO)? {
             Activity::Idle => {}
             activity => return Ok(activity),
@@ -346,29 +353,34 @@ impl Transport for CompositeTransport {
             return self.local.wait_for_activity(waker, timeout).map_err(|e| self.local_error(e));
         }
         self.stop_watching.drain();
-        let (local, remote, stop) = (&mut self.local, &mut self.remote, &self.stop_watching);
+        let (local, remote) = (&mut self.local, &mut self.remote);
+        let (stop, wake_local) = (&self.stop_watching, &*self.wake_local);
         let (local_seen, remote_seen) = std::thread::scope(|s| {
             let watcher = s.spawn(move || {
                 let seen = remote.wait_for_activity(stop, timeout);
                 if matches!(seen, Ok(Activity::Peer) | Err(_)) {
-                    // Interrupt the local wait (the engine drains this wake-up on its next idle wait).
-                    waker.wake();
+                    wake_local.wake();
                 }
                 seen
             });
-            let local_seen = local.wait_for_activity(waker, timeout);
+            let local_seen = local.wait_for_activity(wake_local, timeout);
             stop.wake();
             (local_seen, watcher.join())
         });
-        match remote_seen.unwrap_or_else(|_| Err(helper_panicked(self.rank))) {
-            Ok(Activity::Peer) => Ok(Activity::Peer),
-            Err(e) => Err(e),
-            Ok(_) => local_seen.map_err(|e| self.local_error(e)),
-        }
+        let remote_seen = remote_seen.unwrap_or_else(|_| Err(helper_panicked(self.rank)))?;
+        let local_seen = local_seen.map_err(|e| self.local_error(e))?;
+        Ok(if waker.is_signalled() {
+            Activity::Local
+        } else if remote_seen == Activity::Peer || local_seen == Activity::Peer {
+            Activity::Peer
+        } else {
+            Activity::Idle
+        })
     }
 
     fn doorbell(&self) -> Option<Doorbell> {
-        self.local.doorbell()
+        let wake_local = Arc::clone(&self.wake_local);
+        Some(Arc::new(move || wake_local.wake()))
     }
 
     fn close(&mut self) {
@@ -402,10 +414,9 @@ mod tests {
         assert_eq!(layout.members(1), &[1, 3, 4]);
         assert_eq!((layout.local_index(3), layout.local_index(2)), (1, 1));
         assert!(!layout.is_homogeneous());
-        assert!(!layout.is_host_contiguous());
         assert_eq!(layout.cross_members(1), vec![2, 3]);
         assert_eq!(layout.cross_members(2), vec![4]);
         let even = HostLayout::from_keys(&[1, 1, 2, 2]);
-        assert!(even.is_homogeneous() && even.is_host_contiguous());
+        assert!(even.is_homogeneous());
     }
 }

@@ -10,6 +10,7 @@ identical bytes across the three, and Horovod's local/cross ranks and sizes. Abo
 
 from __future__ import annotations
 
+import re
 import sys
 
 import pytest
@@ -41,7 +42,8 @@ class FakeHostsJob(LocalJob):
 @pytest.mark.parametrize("hosts", list(LAYOUTS))
 def test_every_collective_across_fake_hosts_hierarchical_on_off_and_auto(job_env, tmp_path, hosts):
     topology = LAYOUTS[hosts]
-    job = FakeHostsJob(hosts, job_env, 4, [sys.executable, str(WORKERS / "hierarchical.py")], tmp_path)
+    job = FakeHostsJob(hosts, job_env, 4, [sys.executable, str(WORKERS / "hierarchical.py")], tmp_path,
+                       settings={"RVOD_LOG_LEVEL": "debug"})
     with job:
         for rank in range(4):
             job.base_env["RVOD_TEST_TOPOLOGY"] = topology[rank]
@@ -55,3 +57,20 @@ def test_every_collective_across_fake_hosts_hierarchical_on_off_and_auto(job_env
     assert all(res.returncode == 0 for res in results.values()), report
     # Ranks outside a spanning set run fewer checks; every rank runs the whole global matrix three times.
     assert min(passed for passed, _ in found.values()) > 3 * 300, report
+    # Which algorithms ran, by phase, from rank 0's debug log: hierarchical ones only where the hosts have
+    # the same number of ranks, always when forced on, never when forced off, for large buffers when unset.
+    phases = {}
+    for section in results[0].stderr.split("PHASE ")[1:]:
+        name, _, log = section.partition("\n")
+        phases[name] = {op: len(re.findall(rf"hierarchical {op} of \d+ bytes", log)) for op in ("allreduce", "allgather")}
+        sizes = [int(size) for size in re.findall(r"hierarchical \w+ of (\d+) bytes", log)]
+        phases[name]["smallest"] = min(sizes, default=None)
+    assert list(phases) == ["forced on", "forced off", "engine's choice"], report
+    if topology[0].endswith("False"):
+        assert all(p["allreduce"] == p["allgather"] == 0 for p in phases.values()), phases
+    else:
+        assert phases["forced on"]["allreduce"] > 150 and phases["forced on"]["allgather"] > 10, phases
+        assert phases["forced on"]["smallest"] < 64, phases
+        assert phases["forced off"]["allreduce"] == phases["forced off"]["allgather"] == 0, phases
+        assert 0 < phases["engine's choice"]["allreduce"] < phases["forced on"]["allreduce"], phases
+        assert phases["engine's choice"]["smallest"] > 64 * 1024, phases

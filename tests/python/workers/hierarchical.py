@@ -6,9 +6,12 @@ Three phases, each after a fresh init: hierarchical allreduce and allgather forc
 every result against exact expected values (small integers: every reduction order gives the same bits),
 and the phases' results must be identical byte for byte. The topology (local/cross rank and size,
 is_homogeneous) must be Horovod's for the layout, given as RVOD_TEST_TOPOLOGY="lr,ls,cr,cs,homogeneous".
+Each phase starts with a "PHASE name" line on stderr, so the test can see which algorithms its debug log
+shows in each.
 """
 
 import os
+import sys
 
 import numpy as np
 import rvod.numpy as hvd
@@ -135,6 +138,7 @@ PHASES = [
 results = {}
 R = int(os.environ["RVOD_RANK"])
 for phase, settings in PHASES:
+    print(f"PHASE {phase}", file=sys.stderr, flush=True)
     os.environ.update(settings)
     sets = [hvd.ProcessSet(ranks) for ranks in SPANNING]
     hvd.init(process_sets=sets)
