@@ -7,6 +7,7 @@ mod common;
 use std::time::Duration;
 
 use common::*;
+use rvod::coordinator::round::StopReason;
 use rvod::engine::handles::HandleId;
 use rvod::engine::submission::OpSubmission;
 use rvod::error::EngineError;
@@ -146,18 +147,26 @@ fn duplicate_names_in_flight_are_refused() {
 }
 
 #[test]
-fn shutdown_of_one_rank_fails_pending_ops_elsewhere() {
+fn shutdown_of_one_rank_fails_pending_ops_elsewhere_saying_why() {
     over_every_transport(|| {
-        let (engines, _server) = start_job(2, &[]);
-        let mut data = f32_bytes(&[1.0; 2]);
-        let id = engines[1].submit(allreduce("never", &mut data, 2, ReduceOp::Sum), 0).unwrap();
-        engines[0].shutdown();
-        match wait(&engines[1], id) {
-            Err(EngineError::ShutDown(reason)) => assert!(reason.contains("rank 0 called shutdown()"), "{reason}"),
-            other => panic!("expected a shut-down error, got {other:?}"),
+        for (why, expected) in [
+            (StopReason::Shutdown, "rank 0 called shutdown(); collectives cannot run after that"),
+            (StopReason::Exiting, "rank 0 exited without calling shutdown()"),
+        ] {
+            let (engines, _server) = start_job(2, &[]);
+            let mut data = f32_bytes(&[1.0; 2]);
+            let id = engines[1].submit(allreduce("never", &mut data, 2, ReduceOp::Sum), 0).unwrap();
+            engines[0].shutdown(why);
+            match wait(&engines[1], id) {
+                Err(EngineError::ShutDown(reason)) => {
+                    assert!(reason.contains(expected), "{reason}");
+                    assert!(!reason.contains("or finished"), "{reason}");
+                }
+                other => panic!("expected a shut-down error, got {other:?}"),
+            }
+            let mut more = f32_bytes(&[1.0; 2]);
+            assert!(matches!(engines[1].submit(allreduce("later", &mut more, 2, ReduceOp::Sum), 0), Err(EngineError::ShutDown(_))));
         }
-        let mut more = f32_bytes(&[1.0; 2]);
-        assert!(matches!(engines[1].submit(allreduce("later", &mut more, 2, ReduceOp::Sum), 0), Err(EngineError::ShutDown(_))));
     });
 }
 

@@ -17,7 +17,7 @@ use crate::coordinator::cache::{CacheLookup, ResponseCache, TensorParams};
 use crate::coordinator::codec::WireMessage;
 use crate::coordinator::message_table::MessageTable;
 use crate::coordinator::message::Response;
-use crate::coordinator::round::{EagerPayload, RequestList, ResponseList, RoundHeader};
+use crate::coordinator::round::{EagerPayload, RequestList, ResponseList, RoundHeader, StopReason};
 use crate::engine::table::{Announcement, TensorTable};
 use crate::fusion::plan_fusion;
 use crate::transport::{Transport, TransportError};
@@ -46,8 +46,8 @@ pub struct RoundOutcome {
     pub eager: Vec<EagerAllreduce>,
     /// Responses to run now, fused, identical on every rank.
     pub responses: Vec<Response>,
-    /// Ranks that asked to shut down; if any did, every rank leaves after running `responses`.
-    pub shutdown_by: Vec<usize>,
+    /// Ranks that asked to stop, and why; if any did, every rank leaves after running `responses`.
+    pub shutdown_by: Vec<(usize, StopReason)>,
 }
 
 pub struct Negotiator {
@@ -126,7 +126,12 @@ impl Negotiator {
     }
 
     /// Run one round. `shutdown` asks every rank to stop after it.
-    pub fn round(&mut self, t: &mut dyn Transport, table: &mut TensorTable, shutdown: bool) -> Result<RoundOutcome, TransportError> {
+    pub fn round(
+        &mut self,
+        t: &mut dyn Transport,
+        table: &mut TensorTable,
+        shutdown: Option<StopReason>,
+    ) -> Result<RoundOutcome, TransportError> {
         let (me, n) = (t.rank(), t.size());
         let header = self.local_header(table, shutdown);
 
@@ -143,7 +148,7 @@ impl Negotiator {
             }
         }
 
-        let shutdown_by: Vec<usize> = (0..n).filter(|&r| headers[r].shutdown).collect();
+        let shutdown_by: Vec<(usize, StopReason)> = (0..n).filter_map(|r| headers[r].shutdown.map(|why| (r, why))).collect();
         let any_shutdown = !shutdown_by.is_empty();
         let any_uncached = headers.iter().any(|h| h.has_uncached);
         let mut invalid = BitSet::new();
@@ -210,7 +215,7 @@ impl Negotiator {
     }
 
     /// This rank's header: classify new requests against the cache and collect hits and invalid bits.
-    fn local_header(&mut self, table: &mut TensorTable, shutdown: bool) -> RoundHeader {
+    fn local_header(&mut self, table: &mut TensorTable, shutdown: Option<StopReason>) -> RoundHeader {
         let mut header = RoundHeader { shutdown, joined: table.has_join(), ..RoundHeader::default() };
         let cache = &self.cache;
         let use_cache = cache.capacity() > 0;

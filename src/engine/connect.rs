@@ -64,7 +64,7 @@ pub fn connect_members(
     let bind: IpAddr = rdv
         .bind_addr
         .parse()
-        .map_err(|_| EngineError::Init(format!("RVOD_IFACE_ADDR={} is not an IP address", rdv.bind_addr)))?;
+        .map_err(|_| EngineError::Config(format!("RVOD_IFACE_ADDR={} is not an IP address", rdv.bind_addr)))?;
     let transport = TcpTransport::connect_mesh(
         local_rank,
         members.len(),

@@ -11,10 +11,11 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
 
 use crate::config::Config;
+use crate::coordinator::round::StopReason;
 use crate::engine::handles::WaitOutcome;
 use crate::engine::packed::{pack_group, GroupMember};
 use crate::engine::submission::{OpSubmission, TensorSubmission};
-use crate::engine::Engine;
+use crate::engine::{fork, Engine};
 use crate::error::EngineError;
 use crate::py::ndarray::import_array;
 use crate::py::dlpack::{export_capsule, import_capsule, is_capsule, ImportedTensor};
@@ -38,7 +39,16 @@ fn state() -> MutexGuard<'static, ProcessState> {
 }
 
 fn engine() -> PyResult<Arc<Engine>> {
+    refuse_if_forked()?;
     state().engine.clone().ok_or_else(|| to_py_err(EngineError::NotInitialized))
+}
+
+/// In a process forked from a running rank, every use of the job is refused (see `engine::fork`).
+fn refuse_if_forked() -> PyResult<()> {
+    match fork::forked_from() {
+        Some((rank, parent, child)) => Err(to_py_err(EngineError::Forked { rank, parent, child })),
+        None => Ok(()),
+    }
 }
 
 fn init_logging(level: &str) {
@@ -62,16 +72,15 @@ fn init_logging(level: &str) {
 #[pyfunction]
 #[pyo3(signature = (process_sets=Vec::new()))]
 pub fn init(py: Python<'_>, process_sets: Vec<Vec<usize>>) -> PyResult<()> {
+    refuse_if_forked()?;
     if state().engine.is_some() {
         return Ok(());
     }
     init_logging(&crate::config::log_level_from_env());
-    let config = Config::from_env().map_err(|e| to_py_err(EngineError::Init(e.to_string())))?;
-    let generation = {
-        let mut state = state();
-        state.generation += 1;
-        state.generation - 1
-    };
+    let config = Config::from_env().map_err(|e| to_py_err(EngineError::Config(e.to_string())))?;
+    // An init that timed out waiting for ranks that never came keeps its generation: every rank that
+    // came timed out too, so all of them (and the late ones) meet again in the same scope on re-init.
+    let generation = state().generation;
     let (done, mut started) = std::sync::mpsc::channel();
     std::thread::Builder::new()
         .name("rvod-init".into())
@@ -88,8 +97,13 @@ pub fn init(py: Python<'_>, process_sets: Vec<Vec<usize>>) -> PyResult<()> {
         started = receiver;
         match outcome {
             Ok(result) => {
+                let mut state = state();
+                if !matches!(result, Err(EngineError::StartTimeout(_))) {
+                    state.generation += 1;
+                }
                 let engine = result.map_err(to_py_err)?;
-                state().engine = Some(Arc::new(engine));
+                fork::engine_started(engine.topology().rank);
+                state.engine = Some(Arc::new(engine));
                 return Ok(());
             }
             Err(std::sync::mpsc::RecvTimeoutError::Timeout) => py.check_signals()?,
@@ -101,12 +115,23 @@ pub fn init(py: Python<'_>, process_sets: Vec<Vec<usize>>) -> PyResult<()> {
 }
 
 /// Stop the engine of this process; the other ranks stop too. Safe to call when not initialized.
+/// `exiting`: called by the exit handler of a process that never called shutdown() itself (the other
+/// ranks then report that this rank exited).
 #[pyfunction]
-pub fn shutdown(py: Python<'_>) {
+#[pyo3(signature = (exiting=false))]
+pub fn shutdown(py: Python<'_>, exiting: bool) {
+    if fork::forked_from().is_some() {
+        // The engine's threads, sockets and shared memory belong to the parent: leave them untouched.
+        if let Ok(mut state) = STATE.try_lock() {
+            std::mem::forget(state.engine.take());
+        }
+        return;
+    }
     py.allow_threads(|| {
         let engine = state().engine.take();
         if let Some(engine) = engine {
-            engine.shutdown();
+            fork::engine_stopped();
+            engine.shutdown(if exiting { StopReason::Exiting } else { StopReason::Shutdown });
         }
     })
 }
