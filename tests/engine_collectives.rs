@@ -9,6 +9,7 @@ use std::time::Duration;
 use common::*;
 use rvod::coordinator::round::StopReason;
 use rvod::engine::handles::HandleId;
+use rvod::engine::Engine;
 use rvod::engine::submission::OpSubmission;
 use rvod::error::EngineError;
 use rvod::types::{CollectiveKind, DataType, ReduceOp};
@@ -126,6 +127,48 @@ fn a_joined_rank_contributes_zeros_and_join_returns_the_last_rank() {
             for sum in sums {
                 assert_eq!(sum, vec![4.0; 4]);
             }
+        }
+    });
+}
+
+#[test]
+fn collectives_other_than_allreduce_fail_at_once_while_a_rank_has_joined_even_from_the_cache() {
+    over_every_transport(|| {
+        let (engines, _server) = start_job(2, &[]);
+        let gather = |engine: &Engine, name: &str| {
+            let mut data = f32_bytes(&[1.0, 2.0]);
+            let mut sub = OpSubmission::new(CollectiveKind::Allgather);
+            sub.tensors.push(tensor(name, &mut data, DataType::Float32, vec![2]));
+            wait(engine, engine.submit(sub, 0).unwrap())
+        };
+        for round in 0..2 {
+            let results = on_every_rank(&engines, |rank, engine| {
+                if rank == 0 {
+                    // Twice, so the name is in the response cache when rank 1 joins.
+                    for _ in 0..2 {
+                        gather(engine, "cached").unwrap();
+                    }
+                    let start = std::time::Instant::now();
+                    let errors = vec![gather(engine, "cached").unwrap_err(), gather(engine, "fresh").unwrap_err()];
+                    assert!(start.elapsed() < Duration::from_secs(2), "round {round}: {:?}", start.elapsed());
+                    let id = engine.submit(OpSubmission::new(CollectiveKind::Join), 0).unwrap();
+                    (errors, wait(engine, id).unwrap().last_joined_rank)
+                } else {
+                    for _ in 0..2 {
+                        gather(engine, "cached").unwrap();
+                    }
+                    let id = engine.submit(OpSubmission::new(CollectiveKind::Join), 0).unwrap();
+                    (Vec::new(), wait(engine, id).unwrap().last_joined_rank)
+                }
+            });
+            for err in &results[0].0 {
+                let message = err.to_string();
+                assert!(matches!(err, EngineError::Rejected(_)), "{err:?}");
+                assert!(message.starts_with("Allgather is not supported with Join at this time."), "{message}");
+                assert!(message.contains("rank 1 joined"), "{message}");
+            }
+            assert_eq!(results[0].1, Some(0), "rank 0 joined last");
+            assert_eq!(results[1].1, Some(0));
         }
     });
 }

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use crate::coordinator::message::{Request, Response, ResponseEntry, ErrorKind};
 use crate::coordinator::stall::{stall_warning, MissingRanks};
-use crate::coordinator::validate::construct_response;
+use crate::coordinator::validate::{construct_response, describe};
 use crate::types::{CollectiveKind, DataType, ReduceOp};
 
 /// Name every rank's join request carries.
@@ -17,6 +17,8 @@ pub const BARRIER_NAME: &str = "barrier.noname";
 struct PendingTensor {
     requests: BTreeMap<u32, Request>,
     first_seen: Instant,
+    /// When the stall warning last named this tensor.
+    warned_at: Option<Instant>,
 }
 
 pub struct MessageTable {
@@ -69,7 +71,7 @@ impl MessageTable {
                 self.pending.insert(arrival, name.clone());
                 let mut requests = BTreeMap::new();
                 requests.insert(request.rank, request);
-                self.by_name.insert(name, (arrival, PendingTensor { requests, first_seen: Instant::now() }));
+                self.by_name.insert(name, (arrival, PendingTensor { requests, first_seen: Instant::now(), warned_at: None }));
             }
         }
     }
@@ -101,6 +103,7 @@ impl MessageTable {
                 out.push(construct_response(&requests, &self.global_ranks, any_joined));
             }
         }
+        out.extend(self.different_ops_under_one_name());
         if self.size > 0 && self.joined.len() == self.size {
             out.push(join_response(self.last_joined));
             self.joined.clear();
@@ -109,24 +112,79 @@ impl MessageTable {
         out
     }
 
+    /// Tensors that can never complete because ranks called different ops under the same name: names are
+    /// `<op>.<name>`, so `allreduce.x` on one rank and `allgather.x` on another would each wait forever for
+    /// the other ranks. When every rank that has not joined submitted exactly one of the ops under a name,
+    /// all of them fail with a mismatch naming the ops (as Horovod, where the name alone identifies a tensor).
+    /// A rank that submits both is not in conflict, so that legitimate use still waits for the others.
+    fn different_ops_under_one_name(&mut self) -> Vec<Response> {
+        let mut by_key: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+        for name in self.pending.values() {
+            if let Some((_, key)) = name.split_once('.') {
+                by_key.entry(key).or_default().push(name);
+            }
+        }
+        let active: Vec<u32> = (0..self.size as u32).filter(|r| !self.joined.contains(r)).collect();
+        let mut conflicts: Vec<(String, Vec<String>)> = Vec::new();
+        for (key, names) in by_key.into_iter().filter(|(_, names)| names.len() > 1) {
+            let submitters = |name: &str| self.by_name.get(name).map(|(_, p)| p.requests.keys().copied().collect::<Vec<u32>>());
+            let mut seen: BTreeMap<u32, usize> = BTreeMap::new();
+            for name in &names {
+                for rank in submitters(name).unwrap_or_default() {
+                    *seen.entry(rank).or_default() += 1;
+                }
+            }
+            if !active.is_empty() && active.iter().all(|r| seen.get(r) == Some(&1)) {
+                conflicts.push((key.to_string(), names.iter().map(|n| n.to_string()).collect()));
+            }
+        }
+        let mut out = Vec::new();
+        for (key, names) in conflicts {
+            let mut sent: Vec<(usize, String)> = Vec::new();
+            let mut firsts = Vec::new();
+            for name in &names {
+                let Some((arrival, tensor)) = self.by_name.remove(name) else { continue };
+                self.pending.remove(&arrival);
+                for request in tensor.requests.values() {
+                    sent.push((self.global(request.rank) as usize, format!("{} ('{}')", request.kind, request.name)));
+                }
+                if let Some(first) = tensor.requests.into_values().next() {
+                    firsts.push(first);
+                }
+            }
+            sent.sort();
+            let message = format!(
+                "Mismatched operations for tensor '{key}': {}. Every rank must call the same collective under a name.",
+                describe(&sent)
+            );
+            out.extend(firsts.into_iter().map(|first| mismatch_error(first, message.clone())));
+        }
+        out
+    }
+
     /// Tensors pending longer than `warn_after`, by missing rank; those pending longer than `fail_after`
-    /// are failed (queued as error responses for the next round). Returns the warning text, if any.
+    /// are failed (queued as error responses for the next round). Returns the warning text, if any. Called
+    /// often (about every second): a tensor is warned about when it first passes `warn_after`, then again
+    /// every `warn_after`, so the warning comes on time without repeating every call.
     pub fn check_stalls(&mut self, now: Instant, warn_after: Duration, fail_after: Option<Duration>) -> Option<String> {
         let mut missing = MissingRanks::new();
         let mut stalled_out = BTreeSet::new();
         let mut to_fail = Vec::new();
         let mut longest = Duration::ZERO;
         for (arrival, name) in &self.pending {
-            let Some((_, tensor)) = self.by_name.get(name) else { continue };
+            let Some((_, tensor)) = self.by_name.get_mut(name) else { continue };
             let waited = now.saturating_duration_since(tensor.first_seen);
-            if waited < warn_after {
+            let failing = fail_after.is_some_and(|limit| waited >= limit);
+            let warn_due = waited >= warn_after
+                && tensor.warned_at.map_or(true, |at| now.saturating_duration_since(at) >= warn_after);
+            if !warn_due && !failing {
                 continue;
             }
+            tensor.warned_at = Some(now);
             longest = longest.max(waited);
-            let failing = fail_after.is_some_and(|limit| waited >= limit);
             for rank in 0..self.size as u32 {
                 if !tensor.requests.contains_key(&rank) && !self.joined.contains(&rank) {
-                    let global = self.global(rank);
+                    let global = self.global_ranks.get(rank as usize).map_or(rank, |&g| g as u32);
                     missing.entry(global).or_default().push(name.clone());
                     if failing {
                         stalled_out.insert(global);
@@ -137,7 +195,7 @@ impl MessageTable {
                 to_fail.push((*arrival, name.clone()));
             }
         }
-        if missing.is_empty() {
+        if missing.is_empty() && to_fail.is_empty() {
             return None;
         }
         let stalled: Vec<u32> = stalled_out.iter().copied().collect();
@@ -177,6 +235,10 @@ fn join_response(last_joined: i32) -> Response {
         error: None,
         last_joined_rank: last_joined,
     }
+}
+
+fn mismatch_error(request: Request, message: String) -> Response {
+    Response { error: Some((ErrorKind::Mismatch, message)), ..stall_error(request, String::new()) }
 }
 
 fn stall_error(request: Request, message: String) -> Response {
@@ -250,6 +312,40 @@ mod tests {
     }
 
     #[test]
+    fn different_ops_under_one_name_fail_every_rank_at_once() {
+        let mut c = MessageTable::new(vec![0, 1, 2]);
+        c.add(req(0, "allreduce.x", CollectiveKind::Allreduce));
+        c.add(req(1, "allgather.x", CollectiveKind::Allgather));
+        assert!(c.ready_responses().is_empty(), "rank 2 may still submit either");
+        c.add(req(2, "allreduce.x", CollectiveKind::Allreduce));
+        let r = c.ready_responses();
+        assert_eq!(r.len(), 2);
+        let mut names: Vec<&str> = r.iter().map(|r| r.entries[0].name.as_str()).collect();
+        names.sort();
+        assert_eq!(names, vec!["allgather.x", "allreduce.x"]);
+        for response in &r {
+            let (kind, message) = response.error.clone().unwrap();
+            assert_eq!(kind, ErrorKind::Mismatch);
+            assert_eq!(
+                message,
+                "Mismatched operations for tensor 'x': ranks 0, 2 sent allreduce ('allreduce.x'); rank 1 sent allgather \
+                 ('allgather.x'). Every rank must call the same collective under a name."
+            );
+        }
+        assert!(c.ready_responses().is_empty());
+
+        // A rank that submits both ops under one name is not in conflict: both wait for the others.
+        let mut c = MessageTable::new(vec![0, 1]);
+        c.add(req(0, "allreduce.y", CollectiveKind::Allreduce));
+        c.add(req(0, "broadcast.y", CollectiveKind::Broadcast));
+        c.add(req(1, "broadcast.y", CollectiveKind::Broadcast));
+        let r = c.ready_responses();
+        assert_eq!(r.len(), 1);
+        assert!(r[0].error.is_none());
+        assert!(c.ready_responses().is_empty());
+    }
+
+    #[test]
     fn stall_warning_and_failure() {
         let mut c = MessageTable::new(vec![0, 1, 2]);
         c.add(req(0, "x", CollectiveKind::Allreduce));
@@ -263,5 +359,23 @@ mod tests {
         let r = c.ready_responses();
         assert!(r[0].error.as_ref().unwrap().1.contains("ranks [1, 2] did not submit"));
         assert!(c.check_stalls(later, Duration::from_secs(60), None).is_none());
+    }
+
+    #[test]
+    fn stall_warnings_come_once_per_period_and_failures_on_time() {
+        let mut c = MessageTable::new(vec![0, 1]);
+        let start = Instant::now();
+        c.add(req(0, "x", CollectiveKind::Allreduce));
+        let at = |secs: f64| start + Duration::from_secs_f64(secs);
+        let (warn, fail) = (Duration::from_secs(5), Some(Duration::from_secs(12)));
+        assert!(c.check_stalls(at(4.9), warn, fail).is_none());
+        assert!(c.check_stalls(at(5.2), warn, fail).is_some(), "warned as soon as 5 s have passed");
+        assert!(c.check_stalls(at(6.2), warn, fail).is_none(), "not again within the period");
+        assert!(c.check_stalls(at(10.3), warn, fail).is_some(), "again after another period");
+        assert!(c.check_stalls(at(11.9), warn, fail).is_none());
+        assert!(!c.has_queued());
+        let text = c.check_stalls(at(12.1), warn, fail).unwrap();
+        assert!(text.contains("1!"), "{text}");
+        assert!(c.has_queued(), "failed as soon as 12 s have passed");
     }
 }

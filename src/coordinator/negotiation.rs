@@ -165,6 +165,15 @@ impl Negotiator {
             }
         }
         let common = common.unwrap_or_default();
+        if headers.iter().any(|h| h.joined) {
+            // Only allreduce runs while ranks have joined: a cached hit of another kind goes back to the
+            // coordinator, which fails it at once on every active rank (a joined rank cannot take part).
+            for bit in common.iter_ones() {
+                if self.cache.get(bit).is_some_and(|cached| cached.kind != CollectiveKind::Allreduce) {
+                    invalid.insert(bit);
+                }
+            }
+        }
 
         // Invalid entries are erased everywhere; local hits on them go the slow way this same round.
         for bit in invalid.iter_ones() {
