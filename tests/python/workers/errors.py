@@ -66,7 +66,7 @@ def mismatch(label, call, values, subject):
         try:
             call()
         except RvodMismatchError as error:
-            assert isinstance(error, ValueError) and isinstance(error, RvodInternalError)
+            assert isinstance(error, ValueError) and not isinstance(error, RvodInternalError)
             message = str(error)
         except Exception as error:
             raise AssertionError(f"expected RvodMismatchError, got {type(error).__name__}: {error}") from error

@@ -1,0 +1,118 @@
+"""Engine behaviour a Horovod script relies on (issue 13): join, scale factors on every dtype, names reused by
+different ops, uint16, the exception tree, what the others hear when a rank exits without shutdown(), init()
+that cannot meet the other ranks, and fork safety. The worker side is workers/conformance_engine.py (and
+workers/fork_safety.py).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+from jobs import PYTHON, WORKERS, LocalJob, assert_worker_job
+
+WORKER = str(WORKERS / "conformance_engine.py")
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("mode, checks", [("join", {0: 19, 1: 7}), ("names", {0: 9, 1: 9}), ("uint16", None)])
+def test_two_rank_modes(run_rvodrun, mode, checks):
+    """join: other collectives fail at once while a rank has joined, with Horovod's messages, and the ranks
+    stay in step; names: different ops under one name -> RvodMismatchError on both ranks, a duplicate
+    reducescatter name -> ValueError; uint16 through NumPy and PyTorch."""
+    result = run_rvodrun(["-np", "2", PYTHON, WORKER, mode], timeout=75)
+    if checks is None:
+        import torch
+
+        per_rank = 4 if hasattr(torch, "uint16") else 3
+        checks = {0: per_rank, 1: per_rank}
+    assert_worker_job(result, checks)
+
+
+@pytest.mark.timeout(240)
+def test_scale_factors_match_horovods_formula_for_every_dtype(run_rvodrun):
+    """prescale/postscale for allreduce, grouped allreduce, reducescatter and grouped reducescatter, Sum and
+    Average, every NumPy dtype and every PyTorch dtype, compared element by element with Horovod's formula."""
+    result = run_rvodrun(["-np", "2", PYTHON, WORKER, "scale"], timeout=200)
+    count = 9 * 4 * 2 * 4 + 8 * 4 * 2 * 4
+    assert_worker_job(result, {0: count, 1: count})
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_exits_without_shutdown_is_reported_as_exited(job_env, tmp_path):
+    with LocalJob(job_env, 2, [PYTHON, WORKER, "exit"], tmp_path, settings={"RVOD_TIMEOUT": "20"}) as job:
+        job.start()
+        results = job.wait(45)
+    assert results[1].returncode != 0 and "rank 1's script failed" in results[1].stderr, job.report()
+    assert results[0].returncode == 0, job.report()
+    line = re.search(r"^ERROR (\w+): (.*)$", results[0].stdout, re.MULTILINE)
+    assert line, job.report()
+    assert line.group(1) == "RvodInternalError", line.group(0)
+    assert "rank 1 exited without calling shutdown()" in line.group(2), line.group(0)
+    assert "called shutdown()" not in line.group(2).replace("without calling shutdown()", ""), line.group(0)
+
+
+@pytest.mark.timeout(60)
+def test_init_that_cannot_meet_the_others_times_out_naming_them_and_can_be_retried(job_env, tmp_path):
+    settings = {"RVOD_START_TIMEOUT": "2"}
+    with LocalJob(job_env, 2, [PYTHON, WORKER, "late"], tmp_path, settings=settings) as job:
+        job.start(ranks=[0])
+        deadline = time.monotonic() + 20
+        while "READY" not in job.output(0)[0]:
+            assert time.monotonic() < deadline and job.processes[0].poll() is None, job.report()
+            time.sleep(0.1)
+        first = re.search(r"^FIRST INIT (.*)$", job.output(0)[0], re.MULTILINE).group(1)
+        seconds, message = first.split(" ", 1)
+        assert 1.9 <= float(seconds) < 5, first
+        assert "rank 1 of 2 has not called init()" in message and "ranks that came: 0" in message, first
+        assert "RVOD_START_TIMEOUT" in message, first
+        job.start(ranks=[1])
+        results = job.wait(30)
+    for rank, result in results.items():
+        assert result.returncode == 0 and "RESULT [3.0, 3.0]" in result.stdout, job.report()
+
+
+def run_python(code: str, env: dict[str, str], timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.timeout(60)
+def test_exception_tree(job_env):
+    """RvodMismatchError is a ValueError (and RuntimeError), not an RvodInternalError; an init() the machine
+    fails (a host name that does not resolve) is not a ValueError; a bad setting is."""
+    from rvod.exceptions import RvodError, RvodInternalError, RvodMismatchError, RvodTimeoutError
+
+    assert issubclass(RvodMismatchError, (RvodError, ValueError)) and issubclass(RvodMismatchError, RuntimeError)
+    assert not issubclass(RvodMismatchError, RvodInternalError)
+    assert issubclass(RvodTimeoutError, RvodInternalError)
+
+    base = {k: v for k, v in job_env.items() if not k.startswith(("RVOD_", "HOROVOD_"))}
+    job = {"RVOD_RANK": "0", "RVOD_SIZE": "2", "RVOD_LOCAL_RANK": "0", "RVOD_LOCAL_SIZE": "2", "RVOD_CROSS_RANK": "0",
+           "RVOD_CROSS_SIZE": "1", "RVOD_SECRET": "00" * 16, "RVOD_RENDEZVOUS_PORT": "4000",
+           "RVOD_START_TIMEOUT": "3"}
+    code = """
+import rvod.numpy as hvd
+try:
+    hvd.init()
+except Exception as error:
+    print(type(error).__name__, isinstance(error, ValueError), isinstance(error, RuntimeError), error)
+"""
+    unresolvable = run_python(code, {**base, **job, "RVOD_RENDEZVOUS_ADDR": "no-such-host.invalid"})
+    assert unresolvable.stdout.startswith("RvodInternalError False True "), unresolvable
+    assert "cannot resolve" in unresolvable.stdout, unresolvable
+    bad_setting = run_python(code, {**base, **job, "RVOD_RENDEZVOUS_ADDR": "127.0.0.1", "RVOD_TIMEOUT": "soon"})
+    assert bad_setting.stdout.startswith("ValueError True False "), bad_setting
+    assert "RVOD_TIMEOUT" in bad_setting.stdout, bad_setting
+
+
+@pytest.mark.timeout(120)
+def test_forked_dataloader_workers_leave_the_job_alone(run_rvodrun):
+    """A 2-rank training loop whose DataLoader forks 2 workers every epoch: training results are identical
+    on both ranks and as expected, the workers' own rvod calls raise a clear error, and the job shuts down
+    cleanly."""
+    result = run_rvodrun(["-np", "2", PYTHON, str(WORKERS / "fork_safety.py")], timeout=100)
+    assert_worker_job(result, {0: 5, 1: 5})
