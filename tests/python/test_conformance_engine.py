@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
-from jobs import PYTHON, WORKERS, LocalJob, assert_worker_job
+from jobs import PYTHON, WORKERS, LocalJob, StoreConnection, assert_worker_job
 
 WORKER = str(WORKERS / "conformance_engine.py")
 
@@ -116,3 +120,37 @@ def test_forked_dataloader_workers_leave_the_job_alone(run_rvodrun):
     cleanly."""
     result = run_rvodrun(["-np", "2", PYTHON, str(WORKERS / "fork_safety.py")], timeout=100)
     assert_worker_job(result, {0: 5, 1: 5})
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("ending", ["set-up times out", "SIGTERM"])
+def test_shm_segment_is_unlinked_when_a_rank_never_maps_it(job_env, tmp_path, ending):
+    """Rank 0 creates the job's shared-memory segment, but rank 1 (played by the test through the store)
+    never maps it: whether rank 0's set-up then times out (its init() fails) or rank 0 is stopped with
+    SIGTERM meanwhile (as rvodrun stops a job during start-up), nothing is left in the segment folder."""
+    base = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else Path(tempfile.gettempdir())
+    shm_dir = Path(tempfile.mkdtemp(prefix=f"rvod-test-{os.getpid()}-", dir=base))
+    settings = {"RVOD_SHM": "1", "RVOD_SHM_DIR": str(shm_dir), "RVOD_TIMEOUT": "3" if ending != "SIGTERM" else "30"}
+    try:
+        with LocalJob(job_env, 2, [PYTHON, WORKER, "init_only"], tmp_path, settings=settings) as job:
+            store = StoreConnection(job.port, job.secret)
+            boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+            store.set("init0/arrived/1", b"1")
+            store.set("init0/local_size/1", b"2")
+            store.set("init0/set1/host/1", f"localhost/{boot_id}".encode())
+            job.start([0])
+            deadline = time.monotonic() + 30
+            while not any(shm_dir.iterdir()):
+                assert time.monotonic() < deadline and job.processes[0].poll() is None, job.report()
+                time.sleep(0.05)
+            if ending == "SIGTERM":
+                job.processes[0].send_signal(signal.SIGTERM)
+                result = job.wait(20)[0]
+                assert result.returncode == -signal.SIGTERM, job.report()
+            else:
+                result = job.wait(30)[0]
+                assert "INIT FAILED RvodInternalError" in result.stdout, job.report()
+            store.close()
+            assert not list(shm_dir.iterdir()), f"left behind: {list(shm_dir.iterdir())}\n{job.report()}"
+    finally:
+        shutil.rmtree(shm_dir, ignore_errors=True)

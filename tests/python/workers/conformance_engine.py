@@ -11,6 +11,7 @@
 - ``uint16`` (2 ranks): uint16 reduced, gathered, broadcast and exchanged through NumPy and PyTorch.
 - ``exit`` (LocalJob, 2 ranks): rank 1 raises after init() without calling shutdown(); rank 0's pending
   allreduce fails saying rank 1 exited.
+- ``init_only`` (LocalJob): init() and report how it ended (the test plays the other rank).
 - ``late`` (LocalJob, 2 ranks, rank 1 started late): rank 0's init() times out naming rank 1, then a
   second init() meets rank 1 and collectives work.
 """
@@ -285,5 +286,15 @@ def late_mode():
     hvd.shutdown()
 
 
-{"join": join_mode, "scale": scale_mode, "names": names_mode, "uint16": uint16_mode, "exit": exit_mode,
+def init_only_mode():
+    try:
+        hvd.init()
+    except RvodError as error:
+        print(f"INIT FAILED {type(error).__name__}: {error}", flush=True)
+    else:
+        print("INIT SUCCEEDED", flush=True)
+        hvd.shutdown()
+
+
+{"init_only": init_only_mode, "join": join_mode, "scale": scale_mode, "names": names_mode, "uint16": uint16_mode, "exit": exit_mode,
  "late": late_mode}[MODE]()
