@@ -51,7 +51,8 @@ fn refuse_if_forked() -> PyResult<()> {
     }
 }
 
-fn init_logging(level: &str) {
+/// Send the engine's log lines (at the level RVOD_LOG_LEVEL / HOROVOD_LOG_LEVEL asks) to stderr; once per process.
+pub(crate) fn init_logging(level: &str) {
     let filter = match level.to_ascii_lowercase().as_str() {
         "trace" => "trace",
         "debug" => "debug",

@@ -8,6 +8,7 @@
 //! [`TransportError::Timeout`] when a peer makes no progress for the configured timeout, and with
 //! [`TransportError::PeerClosed`] when a peer's connection ends.
 
+pub mod dropped_connections;
 pub mod memory;
 pub mod tcp;
 pub mod handshake;

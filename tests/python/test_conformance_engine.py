@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -154,3 +155,41 @@ def test_shm_segment_is_unlinked_when_a_rank_never_maps_it(job_env, tmp_path, en
             assert not list(shm_dir.iterdir()), f"left behind: {list(shm_dir.iterdir())}\n{job.report()}"
     finally:
         shutil.rmtree(shm_dir, ignore_errors=True)
+
+
+@pytest.mark.timeout(90)
+def test_warnings_about_dropped_strangers_are_rate_limited(job_env, tmp_path, capfd):
+    """60 strangers sending garbage to the store and 60 to rank 0's mesh listener: each listener logs a few
+    lines, then says further drops are only counted; the store (in the launcher's process, here the test's)
+    logs its drops too; the job is unaffected."""
+    from jobs import PURPOSE_MESH, is_dropped  # noqa: F401
+
+    errors_worker = str(WORKERS / "errors.py")
+    with LocalJob(job_env, 2, [PYTHON, errors_worker, "steps"], tmp_path, settings={"RVOD_SHM": "0"}) as job:
+        for _ in range(60):
+            garbage = socket.create_connection(("127.0.0.1", job.port))
+            garbage.sendall(b"GET / HTTP/1.1\r\n\r\n" + os.urandom(64))
+            assert is_dropped(garbage), "the store kept a connection that sent garbage"
+            garbage.close()
+        store = StoreConnection(job.port, job.secret)
+        store.set("init0/arrived/1", b"1")
+        store.set("init0/local_size/1", b"2")
+        job.start([0])
+        address = store.get("init0/set1/addr/0", wait_ms=20_000)
+        assert address, job.report()
+        mesh_port = int(address.decode().rsplit(":", 1)[1])
+        for _ in range(60):
+            garbage = socket.create_connection(("127.0.0.1", mesh_port))
+            garbage.sendall(os.urandom(512))
+            assert is_dropped(garbage), "rank 0 kept a mesh connection that sent garbage"
+            garbage.close()
+        job.start([1])
+        results = job.wait(45)
+        store.close()
+    for rank, res in results.items():
+        assert res.returncode == 0 and f"rank {rank} of 2: steps ok" in res.stdout, job.report()
+    store_lines = [line for line in capfd.readouterr().err.splitlines() if "rendezvous server: dropped" in line]
+    # The store's log window is per process (this one), which earlier tests' strangers may have started.
+    assert 1 <= len(store_lines) <= 5 and "counted, not logged" in store_lines[-1], store_lines
+    mesh_lines = [line for line in results[0].stderr.splitlines() if "mesh: dropped" in line]
+    assert len(mesh_lines) == 5 and "counted, not logged" in mesh_lines[-1], mesh_lines
