@@ -53,8 +53,15 @@ impl MessageTable {
         self.global_ranks.get(rank as usize).map_or(rank, |&g| g as u32)
     }
 
-    /// Record a request from `request.rank`.
+    /// Record a request from `request.rank`, submitted just now.
     pub fn add(&mut self, request: Request) {
+        self.add_waited(request, Duration::ZERO);
+    }
+
+    /// Record a request from `request.rank` that had already waited `waited` on its rank (stall times
+    /// count from the first submission of a tensor on any rank).
+    pub fn add_waited(&mut self, request: Request, waited: Duration) {
+        let submitted = Instant::now().checked_sub(waited).unwrap_or_else(Instant::now);
         if request.kind == CollectiveKind::Join {
             self.joined.insert(request.rank);
             self.last_joined = request.rank as i32;
@@ -63,6 +70,7 @@ impl MessageTable {
         let name = request.name.clone();
         match self.by_name.get_mut(&name) {
             Some((_, pending)) => {
+                pending.first_seen = pending.first_seen.min(submitted);
                 pending.requests.insert(request.rank, request);
             }
             None => {
@@ -71,7 +79,7 @@ impl MessageTable {
                 self.pending.insert(arrival, name.clone());
                 let mut requests = BTreeMap::new();
                 requests.insert(request.rank, request);
-                self.by_name.insert(name, (arrival, PendingTensor { requests, first_seen: Instant::now(), warned_at: None }));
+                self.by_name.insert(name, (arrival, PendingTensor { requests, first_seen: submitted, warned_at: None }));
             }
         }
     }
@@ -359,6 +367,14 @@ mod tests {
         let r = c.ready_responses();
         assert!(r[0].error.as_ref().unwrap().1.contains("ranks [1, 2] did not submit"));
         assert!(c.check_stalls(later, Duration::from_secs(60), None).is_none());
+    }
+
+    #[test]
+    fn stall_time_counts_from_the_submission_on_the_rank() {
+        let mut c = MessageTable::new(vec![0, 1]);
+        c.add_waited(req(0, "x", CollectiveKind::Allreduce), Duration::from_secs(4));
+        let now = Instant::now();
+        assert!(c.check_stalls(now + Duration::from_millis(1500), Duration::from_secs(5), None).is_some());
     }
 
     #[test]

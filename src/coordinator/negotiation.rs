@@ -274,23 +274,27 @@ impl Negotiator {
             if *announcement == Announcement::Unsent {
                 *announcement = Announcement::SentToCoordinator;
                 mine.requests.push(entry.request.clone());
+                mine.waited_ms.push(i64::try_from(entry.submitted.elapsed().as_millis()).unwrap_or(i64::MAX));
             }
         });
+        let waited = |list: &RequestList, i: usize| {
+            Duration::from_millis(list.waited_ms.get(i).copied().unwrap_or(0).clamp(0, 1 << 40) as u64)
+        };
         match self.coordinator.as_mut() {
             Some(coordinator) => {
-                for request in mine.requests {
-                    coordinator.add(request);
+                for (i, request) in mine.requests.iter().enumerate() {
+                    coordinator.add_waited(request.clone(), waited(&mine, i));
                 }
                 for peer in (0..n).filter(|&p| p != me) {
                     let list = recv_message::<RequestList>(t, peer)?;
-                    for request in list.requests {
+                    for (i, request) in list.requests.iter().enumerate() {
                         if request.rank as usize != peer {
                             return Err(TransportError::Protocol {
                                 peer,
                                 detail: format!("request claims to come from rank {}", request.rank),
                             });
                         }
-                        coordinator.add(request);
+                        coordinator.add_waited(request.clone(), waited(&list, i));
                     }
                 }
                 let decision = ResponseList { responses: coordinator.ready_responses(), shutdown };

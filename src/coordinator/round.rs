@@ -79,6 +79,9 @@ impl RoundHeader {
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct RequestList {
     pub requests: Vec<Request>,
+    /// How long each request had been waiting on its rank when sent, in milliseconds (a cache hit that
+    /// stalled reaches the coordinator late; its stall time still counts from its submission).
+    pub waited_ms: Vec<i64>,
 }
 
 /// The coordinator's decision, identical on every rank: run these responses in this order.
@@ -139,10 +142,11 @@ impl WireMessage for RoundHeader {
 impl Wire for RequestList {
     fn encode(&self, w: &mut WireWriter) {
         w.put_seq(&self.requests);
+        w.put_i64s(&self.waited_ms);
     }
 
     fn decode(r: &mut WireReader<'_>) -> Result<Self, DecodeError> {
-        Ok(RequestList { requests: r.seq("requests")? })
+        Ok(RequestList { requests: r.seq("requests")?, waited_ms: r.i64s("request waiting times")? })
     }
 }
 
@@ -200,7 +204,8 @@ mod tests {
     }
 
     fn arb_request_list() -> impl Strategy<Value = RequestList> {
-        prop::collection::vec(arb_request(), 0..4).prop_map(|requests| RequestList { requests })
+        (prop::collection::vec(arb_request(), 0..4), prop::collection::vec(0i64..1_000_000, 0..4))
+            .prop_map(|(requests, waited_ms)| RequestList { requests, waited_ms })
     }
 
     fn arb_response_list() -> impl Strategy<Value = ResponseList> {

@@ -193,3 +193,25 @@ def test_warnings_about_dropped_strangers_are_rate_limited(job_env, tmp_path, ca
     assert 1 <= len(store_lines) <= 5 and "counted, not logged" in store_lines[-1], store_lines
     mesh_lines = [line for line in results[0].stderr.splitlines() if "mesh: dropped" in line]
     assert len(mesh_lines) == 5 and "counted, not logged" in mesh_lines[-1], mesh_lines
+
+
+@pytest.mark.timeout(90)
+def test_stall_warning_and_shutdown_times_are_honoured_within_a_second(run_rvodrun, job_env):
+    """RVOD_STALL_CHECK_TIME_SECONDS=2, RVOD_STALL_SHUTDOWN_TIME_SECONDS=4: for a fresh tensor and for one
+    in the response cache, the warning comes 2-3 s after the submission and the op fails 4-5 s after it."""
+    from datetime import datetime
+
+    job_env.update({"RVOD_STALL_CHECK_TIME_SECONDS": "2", "RVOD_STALL_SHUTDOWN_TIME_SECONDS": "4"})
+    result = run_rvodrun(["-np", "2", PYTHON, WORKER, "stall"], timeout=75)
+    report = f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    assert result.returncode == 0, report
+    warnings = [datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp() for stamp in
+                re.findall(r"^\[0\]<stderr>:(\S+Z)\s+WARN .*waiting for remainder of ranks", result.stderr, re.MULTILINE)]
+    for label in ("fresh", "cached"):
+        line = re.search(rf"^\[0\]<stdout>:STALL {label} ([\d.]+) ([\d.]+) (.*)$", result.stdout, re.MULTILINE)
+        assert line, report
+        start, failed, message = float(line.group(1)), float(line.group(2)), line.group(3)
+        assert "stall." + label in message and "ranks [1] did not submit it within 4 s" in message, message
+        assert 3.9 <= failed - start < 5.0, f"{label}: failed after {failed - start:.1f} s\n{report}"
+        first = min((w for w in warnings if w >= start - 0.1), default=None)
+        assert first is not None and 1.9 <= first - start < 3.0, f"{label}: warned after {first and first - start}\n{report}"

@@ -11,6 +11,7 @@
 - ``uint16`` (2 ranks): uint16 reduced, gathered, broadcast and exchanged through NumPy and PyTorch.
 - ``exit`` (LocalJob, 2 ranks): rank 1 raises after init() without calling shutdown(); rank 0's pending
   allreduce fails saying rank 1 exited.
+- ``stall`` (2 ranks): rank 1 holds back a fresh and a cached tensor; rank 0 reports when its op failed.
 - ``init_only`` (LocalJob): init() and report how it ended (the test plays the other rank).
 - ``late`` (LocalJob, 2 ranks, rank 1 started late): rank 0's init() times out naming rank 1, then a
   second init() meets rank 1 and collectives work.
@@ -286,6 +287,28 @@ def late_mode():
     hvd.shutdown()
 
 
+def stall_mode():
+    """Rank 1 holds back a tensor (fresh, then one already in the response cache) that rank 0 submitted;
+    rank 0 reports when it submitted and when its op failed."""
+    hvd.init()
+    r = hvd.rank()
+    for label in ("fresh", "cached"):
+        name = f"stall.{label}"
+        if label == "cached":
+            for _ in range(2):
+                hvd.allreduce(np.ones(2), name=name)
+        if r == 0:
+            start = time.time()
+            try:
+                hvd.allreduce(np.ones(2), name=name)
+            except RvodInternalError as error:
+                print(f"STALL {label} {start:.3f} {time.time():.3f} {error}", flush=True)
+        else:
+            time.sleep(6.5)
+        hvd.barrier()
+    hvd.shutdown()
+
+
 def init_only_mode():
     try:
         hvd.init()
@@ -296,5 +319,5 @@ def init_only_mode():
         hvd.shutdown()
 
 
-{"init_only": init_only_mode, "join": join_mode, "scale": scale_mode, "names": names_mode, "uint16": uint16_mode, "exit": exit_mode,
+{"stall": stall_mode, "init_only": init_only_mode, "join": join_mode, "scale": scale_mode, "names": names_mode, "uint16": uint16_mode, "exit": exit_mode,
  "late": late_mode}[MODE]()
