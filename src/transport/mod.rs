@@ -24,7 +24,7 @@ pub use waker::{Doorbell, Waker};
 /// Why a transport operation failed. Each variant names the peer (communicator rank) involved.
 #[derive(Debug, thiserror::Error)]
 pub enum TransportError {
-    #[error("rank {peer} closed its connection")]
+    #[error("rank {peer} exited or closed its connection")]
     PeerClosed { peer: usize },
     #[error("no progress from rank {peer} for {seconds:.1} s")]
     Timeout { peer: usize, seconds: f64 },

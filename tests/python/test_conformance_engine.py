@@ -28,12 +28,12 @@ WORKER = str(WORKERS / "conformance_engine.py")
 def test_two_rank_modes(run_rvodrun, mode, checks):
     """join: other collectives fail at once while a rank has joined, with Horovod's messages, and the ranks
     stay in step; names: different ops under one name -> RvodMismatchError on both ranks, a duplicate
-    reducescatter name -> ValueError; uint16 through NumPy and PyTorch."""
+    reducescatter name -> ValueError; uint16 through NumPy, PyTorch and TensorFlow."""
     result = run_rvodrun(["-np", "2", PYTHON, WORKER, mode], timeout=75)
     if checks is None:
         import torch
 
-        per_rank = 4 if hasattr(torch, "uint16") else 3
+        per_rank = 5 if hasattr(torch, "uint16") else 4
         checks = {0: per_rank, 1: per_rank}
     assert_worker_job(result, checks)
 
@@ -59,6 +59,21 @@ def test_a_rank_that_exits_without_shutdown_is_reported_as_exited(job_env, tmp_p
     assert line.group(1) == "RvodInternalError", line.group(0)
     assert "rank 1 exited without calling shutdown()" in line.group(2), line.group(0)
     assert "called shutdown()" not in line.group(2).replace("without calling shutdown()", ""), line.group(0)
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_dies_is_reported_as_exited(job_env, tmp_path):
+    """os._exit (or a crash) runs no exit handler: the others still say the rank exited."""
+    code = ("import os, time, numpy as np, rvod.numpy as hvd\n"
+            "hvd.init()\n"
+            "if hvd.rank() == 1:\n    time.sleep(0.5); os._exit(3)\n"
+            "try:\n    hvd.allreduce(np.ones(2), name='never')\n"
+            "except Exception as error:\n    print('ERROR', type(error).__name__, error, flush=True)\n")
+    with LocalJob(job_env, 2, [PYTHON, "-c", code], tmp_path, settings={"RVOD_TIMEOUT": "20"}) as job:
+        job.start()
+        results = job.wait(45)
+    assert results[1].returncode == 3, job.report()
+    assert re.search(r"^ERROR RvodInternalError .*rank 1 exited", results[0].stdout, re.MULTILINE), job.report()
 
 
 @pytest.mark.timeout(60)

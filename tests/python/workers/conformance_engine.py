@@ -8,7 +8,8 @@
   truncated back, float16 in float32, float32 with the factor rounded to float32.
 - ``names`` (2 ranks): two different ops under one name raise RvodMismatchError on both ranks naming both
   ops; a duplicate in-flight reducescatter name raises ValueError and the job goes on.
-- ``uint16`` (2 ranks): uint16 reduced, gathered, broadcast and exchanged through NumPy and PyTorch.
+- ``uint16`` (2 ranks): uint16 reduced, gathered, broadcast and exchanged through NumPy, PyTorch and
+  TensorFlow (MXNet 1.9 has no uint16).
 - ``exit`` (LocalJob, 2 ranks): rank 1 raises after init() without calling shutdown(); rank 0's pending
   allreduce fails saying rank 1 exited.
 - ``stall`` (2 ranks): rank 1 holds back a fresh and a cached tensor; rank 0 reports when its op failed.
@@ -251,6 +252,17 @@ def uint16_mode():
             assert out.to(torch.int32).tolist() == [65534, 40000, 1, 7], out
             out = hvd_torch.alltoall(torch.tensor([10 * r, 10 * r + 1], dtype=torch.uint16), name="t16.a2a")
             assert out.dtype == torch.uint16 and out.to(torch.int32).tolist() == [r, 10 + r], out
+    import tensorflow as tf
+    import rvod.tensorflow as hvd_tf
+    with check("tensorflow uint16 allreduce, allgather, broadcast, alltoall"):
+        t = tf.constant([65535 - r, 40000, r, 7], tf.uint16)
+        out = hvd_tf.allreduce(t, op=hvd_tf.Sum, name="tf16.sum")
+        assert out.dtype == tf.uint16 and out.numpy().tolist() == [65533, 14464, 1, 14], out
+        out = hvd_tf.allgather(t[:1], name="tf16.ag")
+        assert out.dtype == tf.uint16 and out.numpy().tolist() == [65535, 65534], out
+        assert hvd_tf.broadcast(t, 1, name="tf16.b").numpy().tolist() == [65534, 40000, 1, 7]
+        out = hvd_tf.alltoall(tf.constant([10 * r, 10 * r + 1], tf.uint16), name="tf16.a2a")
+        assert out.dtype == tf.uint16 and out.numpy().tolist() == [r, 10 + r], out
     hvd.shutdown()
     finish(r)
 
