@@ -33,6 +33,10 @@ pub struct MessageTable {
     last_joined: i32,
     /// Responses decided outside a round (stall time-outs), sent with the next one.
     queued: Vec<Response>,
+    /// Cached responses ranks wait on this round (see `note_cached_waits`).
+    cached_waits: Vec<(u32, Response)>,
+    /// A conflict between a cached wait and a pending tensor was seen outside a slow path.
+    recheck: bool,
 }
 
 impl MessageTable {
@@ -46,6 +50,8 @@ impl MessageTable {
             joined: BTreeSet::new(),
             last_joined: -1,
             queued: Vec::new(),
+            cached_waits: Vec::new(),
+            recheck: false,
         }
     }
 
@@ -84,9 +90,15 @@ impl MessageTable {
         }
     }
 
-    /// Whether responses are waiting to be sent even though no rank has new work.
+    /// Whether some tensors wait for ranks that have not submitted them.
+    pub fn has_pending(&self) -> bool {
+        !self.pending.is_empty()
+    }
+
+    /// Whether a round is needed even though no rank has new work: responses are waiting to be sent, or a
+    /// conflict between names needs the slow path to be reported.
     pub fn has_queued(&self) -> bool {
-        !self.queued.is_empty()
+        !self.queued.is_empty() || self.recheck
     }
 
     /// Responses for every tensor now submitted by all ranks (joined ranks count as submitted), in order
@@ -120,52 +132,95 @@ impl MessageTable {
         out
     }
 
-    /// Tensors that can never complete because ranks called different ops under the same name: names are
-    /// `<op>.<name>`, so `allreduce.x` on one rank and `allgather.x` on another would each wait forever for
-    /// the other ranks. When every rank that has not joined submitted exactly one of the ops under a name,
-    /// all of them fail with a mismatch naming the ops (as Horovod, where the name alone identifies a tensor).
-    /// A rank that submits both is not in conflict, so that legitimate use still waits for the others.
-    fn different_ops_under_one_name(&mut self) -> Vec<Response> {
-        let mut by_key: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+    /// Record which cached responses each rank is waiting on this round (its cache hits that not every
+    /// rank shares yet): a rank waiting on a cached `allreduce.x` while another submits `allgather.x` is
+    /// the same conflict as two fresh requests. Cleared by the next [`ready_responses`](Self::ready_responses).
+    pub fn note_cached_waits(&mut self, waits: Vec<(u32, Response)>) {
+        self.cached_waits = waits;
+    }
+
+    /// Between slow paths: remember the cached responses ranks wait on, and ask for a round (see
+    /// [`wants_round`](Self::wants_round)) if they conflict with a pending tensor, so the conflict is
+    /// reported now rather than at the stall time.
+    pub fn note_waits_between_rounds(&mut self, waits: Vec<(u32, Response)>) {
+        if !self.pending.is_empty() && !waits.is_empty() && !self.find_conflicts(&waits).1.is_empty() {
+            self.cached_waits = waits;
+            self.recheck = true;
+        }
+    }
+
+    /// Which ranks claim each name (submitted it, or wait on it cached), and the keys whose names conflict.
+    #[allow(clippy::type_complexity)]
+    fn find_conflicts(
+        &self,
+        cached_waits: &[(u32, Response)],
+    ) -> (BTreeMap<String, (Vec<u32>, CollectiveKind)>, Vec<(String, Vec<String>)>) {
+        let mut claims: BTreeMap<String, (Vec<u32>, CollectiveKind)> = BTreeMap::new();
         for name in self.pending.values() {
+            if let Some((_, tensor)) = self.by_name.get(name) {
+                let kind = tensor.requests.values().next().map_or(CollectiveKind::Allreduce, |r| r.kind);
+                claims.insert(name.clone(), (tensor.requests.keys().copied().collect(), kind));
+            }
+        }
+        for (rank, cached) in cached_waits {
+            if let Some(entry) = cached.entries.first() {
+                let claim = claims.entry(entry.name.clone()).or_insert_with(|| (Vec::new(), cached.kind));
+                if !claim.0.contains(rank) {
+                    claim.0.push(*rank);
+                }
+            }
+        }
+        let mut by_key: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+        for name in claims.keys() {
             if let Some((_, key)) = name.split_once('.') {
                 by_key.entry(key).or_default().push(name);
             }
         }
         let active: Vec<u32> = (0..self.size as u32).filter(|r| !self.joined.contains(r)).collect();
-        let mut conflicts: Vec<(String, Vec<String>)> = Vec::new();
+        let mut conflicts = Vec::new();
         for (key, names) in by_key.into_iter().filter(|(_, names)| names.len() > 1) {
-            let submitters = |name: &str| self.by_name.get(name).map(|(_, p)| p.requests.keys().copied().collect::<Vec<u32>>());
             let mut seen: BTreeMap<u32, usize> = BTreeMap::new();
-            for name in &names {
-                for rank in submitters(name).unwrap_or_default() {
-                    *seen.entry(rank).or_default() += 1;
-                }
+            for rank in names.iter().flat_map(|name| claims[*name].0.iter()) {
+                *seen.entry(*rank).or_default() += 1;
             }
             if !active.is_empty() && active.iter().all(|r| seen.get(r) == Some(&1)) {
                 conflicts.push((key.to_string(), names.iter().map(|n| n.to_string()).collect()));
             }
         }
+        (claims, conflicts)
+    }
+
+    /// Tensors that can never complete because ranks called different ops under the same name: names are
+    /// `<op>.<name>`, so `allreduce.x` on one rank and `allgather.x` on another would each wait forever for
+    /// the other ranks. When every rank that has not joined submitted (or waits on a cached) exactly one of
+    /// the ops under a name, all of them fail with a mismatch naming the ops (as in Horovod, where the name
+    /// alone identifies a tensor). A rank that submits both is not in conflict, so that use still waits.
+    fn different_ops_under_one_name(&mut self) -> Vec<Response> {
+        let cached_waits = std::mem::take(&mut self.cached_waits);
+        self.recheck = false;
+        let (claims, conflicts) = self.find_conflicts(&cached_waits);
         let mut out = Vec::new();
         for (key, names) in conflicts {
             let mut sent: Vec<(usize, String)> = Vec::new();
-            let mut firsts = Vec::new();
             for name in &names {
-                let Some((arrival, tensor)) = self.by_name.remove(name) else { continue };
-                self.pending.remove(&arrival);
-                for request in tensor.requests.values() {
-                    sent.push((self.global(request.rank) as usize, format!("{} ('{}')", request.kind, request.name)));
-                }
-                if let Some(first) = tensor.requests.into_values().next() {
-                    firsts.push(first);
-                }
+                let (ranks, kind) = &claims[name];
+                sent.extend(ranks.iter().map(|&r| (self.global(r) as usize, format!("{kind} ('{name}')"))));
             }
             sent.sort();
             let message = format!(
                 "Mismatched operations for tensor '{key}': {}. Every rank must call the same collective under a name.",
                 describe(&sent)
             );
-            out.extend(firsts.into_iter().map(|first| mismatch_error(first, message.clone())));
+            for name in &names {
+                if let Some((arrival, tensor)) = self.by_name.remove(name) {
+                    self.pending.remove(&arrival);
+                    if let Some(first) = tensor.requests.into_values().next() {
+                        out.push(mismatch_error(first, message.clone()));
+                    }
+                } else if let Some((_, cached)) = cached_waits.iter().find(|(_, c)| c.entries.first().is_some_and(|e| &e.name == name)) {
+                    out.push(Response { error: Some((ErrorKind::Mismatch, message.clone())), ..cached.clone() });
+                }
+            }
         }
         out
     }
@@ -341,6 +396,23 @@ mod tests {
             );
         }
         assert!(c.ready_responses().is_empty());
+
+        // A rank waiting on a cached allreduce while the other submits an allgather under the same name;
+        // seen between slow paths, it asks for a round to report it.
+        let mut c = MessageTable::new(vec![0, 1]);
+        c.add(req(1, "allgather.z", CollectiveKind::Allgather));
+        let cached = construct_response(&[req(0, "allreduce.z", CollectiveKind::Allreduce)], &[0, 1], false);
+        c.note_waits_between_rounds(vec![(0, construct_response(&[req(0, "allreduce.w", CollectiveKind::Allreduce)], &[0, 1], false))]);
+        assert!(!c.has_queued(), "no conflict, no round");
+        c.note_waits_between_rounds(vec![(0, cached.clone())]);
+        assert!(c.has_queued(), "a conflict asks for a round");
+        c.note_cached_waits(vec![(0, cached)]);
+        let r = c.ready_responses();
+        assert_eq!(r.len(), 2, "{r:?}");
+        assert!(r.iter().all(|r| r.error.as_ref().is_some_and(|(k, m)| *k == ErrorKind::Mismatch
+            && m.contains("rank 0 sent allreduce ('allreduce.z'); rank 1 sent allgather ('allgather.z')"))), "{r:?}");
+        assert!(c.ready_responses().is_empty());
+        assert!(!c.has_queued());
 
         // A rank that submits both ops under one name is not in conflict: both wait for the others.
         let mut c = MessageTable::new(vec![0, 1]);

@@ -201,7 +201,25 @@ impl Negotiator {
             }
         }
 
-        if any_uncached || !invalid.is_empty() {
+        let slow = any_uncached || !invalid.is_empty();
+        if let Some(coordinator) = self.coordinator.as_mut().filter(|c| slow || c.has_pending()) {
+            // Hits that wait for other ranks, so the coordinator sees the whole picture of each name (a rank
+            // waiting on a cached `allreduce.x` while another submitted `allgather.x`).
+            let mut waits = Vec::new();
+            for (rank, h) in headers.iter().enumerate() {
+                for bit in h.cache_hits.iter_ones().filter(|b| !common.contains(*b) && !invalid.contains(*b)) {
+                    if let Some(cached) = self.cache.get(bit) {
+                        waits.push((rank as u32, cached.clone()));
+                    }
+                }
+            }
+            if slow {
+                coordinator.note_cached_waits(waits);
+            } else {
+                coordinator.note_waits_between_rounds(waits);
+            }
+        }
+        if slow {
             let new_responses = self.slow_path(t, table, any_shutdown)?;
             for response in &new_responses {
                 self.cache.put(response, |name| table.request(name).map(TensorParams::from));

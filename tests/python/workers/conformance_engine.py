@@ -179,13 +179,17 @@ def names_mode():
     import rvod.torch as hvd_torch
     hvd.init()
     r = hvd.rank()
+    for _ in range(2):  # "cached.same" is in the response cache: rank 0's next allreduce of it is a cache hit
+        hvd.allreduce(np.ones(2), name="cached.same")
     for label, mine, theirs in [
         ("allreduce vs allgather", lambda: hvd.allreduce(np.ones(2), name="same"),
          lambda: hvd.allgather(np.ones(2), name="same")),
+        ("allreduce (cached) vs allgather", lambda: hvd.allreduce(np.ones(2), name="cached.same"),
+         lambda: hvd.allgather(np.ones(2), name="cached.same")),
         ("broadcast vs reducescatter", lambda: hvd.broadcast(np.ones(4), 0, name="same2"),
          lambda: hvd.reducescatter(np.ones(4), name="same2")),
     ]:
-        ops = label.split(" vs ")
+        ops = [op.split()[0] for op in label.split(" vs ")]
         with check(f"{label} under one name: RvodMismatchError naming both ops on every rank"):
             message = timed_error(RvodMismatchError, r"Mismatched operations", mine if r == 0 else theirs, within=5)
             assert f"rank 0 sent {ops[0]}" in message and f"rank 1 sent {ops[1]}" in message, message
