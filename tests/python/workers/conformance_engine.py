@@ -212,13 +212,19 @@ def names_mode():
             assert np.array_equal(hvd.allreduce(np.full(2, r + 1.0), op=hvd.Sum, name=f"after.{shim}"),
                                   np.full(2, 3.0))
     with check("Horovod's duplicate-name test for reducescatter: each rank in turn, barriers in between"):
+        # Each rank's name stays in flight during its turn (the other rank submits it only afterwards).
         tensor = torch.ones(17, 17)
+        handles = {}
         for turn in (0, 1):
             if r == turn:
-                hvd_torch.reducescatter_async(tensor, name="duplicate_name")
+                handles[turn] = hvd_torch.reducescatter_async(tensor, name=f"duplicate_name.{turn}")
                 for _ in range(10):
-                    expect_error(ValueError, "same name", hvd_torch.reducescatter_async, tensor, name="duplicate_name")
+                    expect_error(ValueError, "same name", hvd_torch.reducescatter_async, tensor,
+                                 name=f"duplicate_name.{turn}")
             hvd_torch.barrier()
+        handles[1 - r] = hvd_torch.reducescatter_async(tensor, name=f"duplicate_name.{1 - r}")
+        for handle in handles.values():
+            assert hvd_torch.synchronize(handle).shape == (9 - r, 17)
         assert np.array_equal(hvd.allreduce(np.full(2, r + 1.0), op=hvd.Sum, name="after.horovod"), np.full(2, 3.0))
     hvd.shutdown()
     finish(r)
