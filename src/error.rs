@@ -30,9 +30,23 @@ pub enum EngineError {
     /// A collective failed because a peer died, a link broke or a peer went silent.
     #[error("{op} failed: {cause}")]
     Transport { op: String, cause: TransportErrorInfo },
-    /// The engine could not start (bad configuration, rendezvous unreachable).
+    /// The engine could not start: the machine failed it (a thread or event that cannot be created, a host
+    /// name that does not resolve, the rendezvous unreachable).
     #[error("rvod initialization failed: {0}")]
     Init(String),
+    /// The configuration (environment variables) is invalid.
+    #[error("rvod initialization failed: {0}")]
+    Config(String),
+    /// `init()` did not meet every other rank within the start timeout; the message names those that never came.
+    #[error("rvod initialization failed: {0}")]
+    StartTimeout(String),
+    /// rvod was called in a process forked from an initialized one; the parent's job is not reachable here.
+    #[error(
+        "rvod cannot be used in this process: it was forked (pid {child}) from rank {rank} (pid {parent}) after \
+         init(), and the job's connections belong to the parent. Use rvod in the parent only (DataLoader workers \
+         and other forked helpers must not call collectives), or start helpers with the 'spawn' or 'forkserver' method."
+    )]
+    Forked { rank: usize, parent: u32, child: u32 },
     /// An engine bug or an impossible state reached through bad peer data.
     #[error("internal error: {0}")]
     Internal(String),

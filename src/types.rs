@@ -19,10 +19,11 @@ pub enum DataType {
     Float32 = 7,
     Float64 = 8,
     Bool = 9,
+    Uint16 = 10,
 }
 
 impl DataType {
-    pub const ALL: [DataType; 10] = [
+    pub const ALL: [DataType; 11] = [
         DataType::Uint8,
         DataType::Int8,
         DataType::Int16,
@@ -33,13 +34,14 @@ impl DataType {
         DataType::Float32,
         DataType::Float64,
         DataType::Bool,
+        DataType::Uint16,
     ];
 
     /// Bytes per element.
     pub fn size(self) -> usize {
         match self {
             DataType::Uint8 | DataType::Int8 | DataType::Bool => 1,
-            DataType::Int16 | DataType::Float16 | DataType::Bfloat16 => 2,
+            DataType::Int16 | DataType::Uint16 | DataType::Float16 | DataType::Bfloat16 => 2,
             DataType::Int32 | DataType::Float32 => 4,
             DataType::Int64 | DataType::Float64 => 8,
         }
@@ -61,6 +63,7 @@ impl DataType {
             (b'b' | b'h' | b'i' | b'l' | b'q' | b'n', 4) => DataType::Int32,
             (b'b' | b'h' | b'i' | b'l' | b'q' | b'n', 8) => DataType::Int64,
             (b'B', 1) => DataType::Uint8,
+            (b'B' | b'H' | b'I' | b'L' | b'Q' | b'N', 2) => DataType::Uint16,
             (b'e', 2) => DataType::Float16,
             (b'f', 4) => DataType::Float32,
             (b'd', 8) => DataType::Float64,
@@ -90,6 +93,7 @@ impl DataType {
             DataType::Float32 => "float32",
             DataType::Float64 => "float64",
             DataType::Bool => "bool",
+            DataType::Uint16 => "uint16",
         }
     }
 
@@ -227,12 +231,13 @@ mod tests {
         assert_eq!(DataType::from_struct_format(b"B", 1), Some(DataType::Uint8));
         assert_eq!(DataType::from_struct_format(b"e", 2), Some(DataType::Float16));
         assert_eq!(DataType::from_struct_format(b"?", 1), Some(DataType::Bool));
+        assert_eq!(DataType::from_struct_format(b"H", 2), Some(DataType::Uint16));
+        assert_eq!(DataType::from_struct_format(b"=H", 2), Some(DataType::Uint16));
     }
 
     #[test]
     fn struct_formats_of_foreign_byte_order_or_unsupported_types_are_refused() {
         assert_eq!(DataType::from_struct_format(b">f", 4), None);
-        assert_eq!(DataType::from_struct_format(b"H", 2), None);
         assert_eq!(DataType::from_struct_format(b"Q", 8), None);
         assert_eq!(DataType::from_struct_format(b"Zf", 8), None);
         assert_eq!(DataType::from_struct_format(b"f", 8), None);

@@ -7,7 +7,9 @@ mod common;
 use std::time::Duration;
 
 use common::*;
+use rvod::coordinator::round::StopReason;
 use rvod::engine::handles::HandleId;
+use rvod::engine::Engine;
 use rvod::engine::submission::OpSubmission;
 use rvod::error::EngineError;
 use rvod::types::{CollectiveKind, DataType, ReduceOp};
@@ -130,6 +132,48 @@ fn a_joined_rank_contributes_zeros_and_join_returns_the_last_rank() {
 }
 
 #[test]
+fn collectives_other_than_allreduce_fail_at_once_while_a_rank_has_joined_even_from_the_cache() {
+    over_every_transport(|| {
+        let (engines, _server) = start_job(2, &[]);
+        let gather = |engine: &Engine, name: &str| {
+            let mut data = f32_bytes(&[1.0, 2.0]);
+            let mut sub = OpSubmission::new(CollectiveKind::Allgather);
+            sub.tensors.push(tensor(name, &mut data, DataType::Float32, vec![2]));
+            wait(engine, engine.submit(sub, 0).unwrap())
+        };
+        for round in 0..2 {
+            let results = on_every_rank(&engines, |rank, engine| {
+                if rank == 0 {
+                    // Twice, so the name is in the response cache when rank 1 joins.
+                    for _ in 0..2 {
+                        gather(engine, "cached").unwrap();
+                    }
+                    let start = std::time::Instant::now();
+                    let errors = vec![gather(engine, "cached").unwrap_err(), gather(engine, "fresh").unwrap_err()];
+                    assert!(start.elapsed() < Duration::from_secs(2), "round {round}: {:?}", start.elapsed());
+                    let id = engine.submit(OpSubmission::new(CollectiveKind::Join), 0).unwrap();
+                    (errors, wait(engine, id).unwrap().last_joined_rank)
+                } else {
+                    for _ in 0..2 {
+                        gather(engine, "cached").unwrap();
+                    }
+                    let id = engine.submit(OpSubmission::new(CollectiveKind::Join), 0).unwrap();
+                    (Vec::new(), wait(engine, id).unwrap().last_joined_rank)
+                }
+            });
+            for err in &results[0].0 {
+                let message = err.to_string();
+                assert!(matches!(err, EngineError::Rejected(_)), "{err:?}");
+                assert!(message.starts_with("Allgather is not supported with Join at this time."), "{message}");
+                assert!(message.contains("rank 1 joined"), "{message}");
+            }
+            assert_eq!(results[0].1, Some(0), "rank 0 joined last");
+            assert_eq!(results[1].1, Some(0));
+        }
+    });
+}
+
+#[test]
 fn duplicate_names_in_flight_are_refused() {
     over_every_transport(|| {
         let (engines, _server) = start_job(2, &[]);
@@ -146,18 +190,26 @@ fn duplicate_names_in_flight_are_refused() {
 }
 
 #[test]
-fn shutdown_of_one_rank_fails_pending_ops_elsewhere() {
+fn shutdown_of_one_rank_fails_pending_ops_elsewhere_saying_why() {
     over_every_transport(|| {
-        let (engines, _server) = start_job(2, &[]);
-        let mut data = f32_bytes(&[1.0; 2]);
-        let id = engines[1].submit(allreduce("never", &mut data, 2, ReduceOp::Sum), 0).unwrap();
-        engines[0].shutdown();
-        match wait(&engines[1], id) {
-            Err(EngineError::ShutDown(reason)) => assert!(reason.contains("rank 0 called shutdown()"), "{reason}"),
-            other => panic!("expected a shut-down error, got {other:?}"),
+        for (why, expected) in [
+            (StopReason::Shutdown, "rank 0 called shutdown(); collectives cannot run after that"),
+            (StopReason::Exiting, "rank 0 exited without calling shutdown()"),
+        ] {
+            let (engines, _server) = start_job(2, &[]);
+            let mut data = f32_bytes(&[1.0; 2]);
+            let id = engines[1].submit(allreduce("never", &mut data, 2, ReduceOp::Sum), 0).unwrap();
+            engines[0].shutdown(why);
+            match wait(&engines[1], id) {
+                Err(EngineError::ShutDown(reason)) => {
+                    assert!(reason.contains(expected), "{reason}");
+                    assert!(!reason.contains("or finished"), "{reason}");
+                }
+                other => panic!("expected a shut-down error, got {other:?}"),
+            }
+            let mut more = f32_bytes(&[1.0; 2]);
+            assert!(matches!(engines[1].submit(allreduce("later", &mut more, 2, ReduceOp::Sum), 0), Err(EngineError::ShutDown(_))));
         }
-        let mut more = f32_bytes(&[1.0; 2]);
-        assert!(matches!(engines[1].submit(allreduce("later", &mut more, 2, ReduceOp::Sum), 0), Err(EngineError::ShutDown(_))));
     });
 }
 

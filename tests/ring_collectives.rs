@@ -62,7 +62,7 @@ fn input_value(dtype: DataType, rank: usize, i: usize) -> i64 {
     let v = ((i * 7 + rank * 3 + i / 5) % 5) as i64;
     match dtype {
         DataType::Bool => i64::from(v % 2 == 1),
-        DataType::Uint8 => v,
+        DataType::Uint8 | DataType::Uint16 => v,
         _ => v - 2,
     }
 }
@@ -87,6 +87,7 @@ fn encode(dtype: DataType, value: f64) -> Vec<u8> {
     let integer = value as i64;
     match dtype {
         DataType::Uint8 => vec![integer as u8],
+        DataType::Uint16 => (integer as u16).to_ne_bytes().to_vec(),
         DataType::Int8 => vec![integer as i8 as u8],
         DataType::Int16 => (integer as i16).to_ne_bytes().to_vec(),
         DataType::Int32 => (integer as i32).to_ne_bytes().to_vec(),

@@ -2,8 +2,11 @@
 
 ``RvodInternalError`` means a collective failed (a peer died, a link broke, the job shut down); elastic
 training recovers from it, and ``HorovodInternalError`` is the same class so Horovod scripts catch it.
-``RvodMismatchError`` means ranks disagreed about a tensor (shape, dtype, op, root); it is also a
-``ValueError``. Bad arguments raise plain ``TypeError``/``ValueError`` before anything is sent.
+``RvodMismatchError`` means ranks disagreed about a tensor (shape, dtype, op, root): a bug in the script,
+so it is not an ``RvodInternalError`` (elastic training would retry it forever); it is a ``ValueError``, and a
+``RuntimeError`` as Horovod's PyTorch errors are, so ``except RuntimeError`` still catches it.
+``RvodTimeoutError`` means a peer made no progress in time, or ranks never came to ``init()``.
+Bad arguments raise plain ``TypeError``/``ValueError`` before anything is sent.
 """
 
 
@@ -18,12 +21,13 @@ class RvodInternalError(RvodError, RuntimeError):
 HorovodInternalError = RvodInternalError
 
 
-class RvodMismatchError(RvodInternalError, ValueError):
+class RvodMismatchError(RvodError, ValueError, RuntimeError):
     """Ranks disagreed about a tensor; the message names the ranks and the values they sent."""
 
 
 class RvodTimeoutError(RvodInternalError):
-    """A peer made no progress for RVOD_TIMEOUT seconds."""
+    """A peer made no progress for RVOD_TIMEOUT seconds, or ranks did not come to init() within
+    RVOD_START_TIMEOUT (the message names them)."""
 
 
 class HostsUpdatedInterrupt(RvodError, RuntimeError):

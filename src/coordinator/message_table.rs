@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use crate::coordinator::message::{Request, Response, ResponseEntry, ErrorKind};
 use crate::coordinator::stall::{stall_warning, MissingRanks};
-use crate::coordinator::validate::construct_response;
+use crate::coordinator::validate::{construct_response, describe};
 use crate::types::{CollectiveKind, DataType, ReduceOp};
 
 /// Name every rank's join request carries.
@@ -17,6 +17,8 @@ pub const BARRIER_NAME: &str = "barrier.noname";
 struct PendingTensor {
     requests: BTreeMap<u32, Request>,
     first_seen: Instant,
+    /// When the stall warning last named this tensor.
+    warned_at: Option<Instant>,
 }
 
 pub struct MessageTable {
@@ -31,6 +33,10 @@ pub struct MessageTable {
     last_joined: i32,
     /// Responses decided outside a round (stall time-outs), sent with the next one.
     queued: Vec<Response>,
+    /// Cached responses ranks wait on this round (see `note_cached_waits`).
+    cached_waits: Vec<(u32, Response)>,
+    /// A conflict between a cached wait and a pending tensor was seen outside a slow path.
+    recheck: bool,
 }
 
 impl MessageTable {
@@ -44,6 +50,8 @@ impl MessageTable {
             joined: BTreeSet::new(),
             last_joined: -1,
             queued: Vec::new(),
+            cached_waits: Vec::new(),
+            recheck: false,
         }
     }
 
@@ -51,8 +59,15 @@ impl MessageTable {
         self.global_ranks.get(rank as usize).map_or(rank, |&g| g as u32)
     }
 
-    /// Record a request from `request.rank`.
+    /// Record a request from `request.rank`, submitted just now.
     pub fn add(&mut self, request: Request) {
+        self.add_waited(request, Duration::ZERO);
+    }
+
+    /// Record a request from `request.rank` that had already waited `waited` on its rank (stall times
+    /// count from the first submission of a tensor on any rank).
+    pub fn add_waited(&mut self, request: Request, waited: Duration) {
+        let submitted = Instant::now().checked_sub(waited).unwrap_or_else(Instant::now);
         if request.kind == CollectiveKind::Join {
             self.joined.insert(request.rank);
             self.last_joined = request.rank as i32;
@@ -61,6 +76,7 @@ impl MessageTable {
         let name = request.name.clone();
         match self.by_name.get_mut(&name) {
             Some((_, pending)) => {
+                pending.first_seen = pending.first_seen.min(submitted);
                 pending.requests.insert(request.rank, request);
             }
             None => {
@@ -69,14 +85,20 @@ impl MessageTable {
                 self.pending.insert(arrival, name.clone());
                 let mut requests = BTreeMap::new();
                 requests.insert(request.rank, request);
-                self.by_name.insert(name, (arrival, PendingTensor { requests, first_seen: Instant::now() }));
+                self.by_name.insert(name, (arrival, PendingTensor { requests, first_seen: submitted, warned_at: None }));
             }
         }
     }
 
-    /// Whether responses are waiting to be sent even though no rank has new work.
+    /// Whether some tensors wait for ranks that have not submitted them.
+    pub fn has_pending(&self) -> bool {
+        !self.pending.is_empty()
+    }
+
+    /// Whether a round is needed even though no rank has new work: responses are waiting to be sent, or a
+    /// conflict between names needs the slow path to be reported.
     pub fn has_queued(&self) -> bool {
-        !self.queued.is_empty()
+        !self.queued.is_empty() || self.recheck
     }
 
     /// Responses for every tensor now submitted by all ranks (joined ranks count as submitted), in order
@@ -101,6 +123,7 @@ impl MessageTable {
                 out.push(construct_response(&requests, &self.global_ranks, any_joined));
             }
         }
+        out.extend(self.different_ops_under_one_name());
         if self.size > 0 && self.joined.len() == self.size {
             out.push(join_response(self.last_joined));
             self.joined.clear();
@@ -109,24 +132,122 @@ impl MessageTable {
         out
     }
 
+    /// Record which cached responses each rank is waiting on this round (its cache hits that not every
+    /// rank shares yet): a rank waiting on a cached `allreduce.x` while another submits `allgather.x` is
+    /// the same conflict as two fresh requests. Cleared by the next [`ready_responses`](Self::ready_responses).
+    pub fn note_cached_waits(&mut self, waits: Vec<(u32, Response)>) {
+        self.cached_waits = waits;
+    }
+
+    /// Between slow paths: remember the cached responses ranks wait on, and ask for a round (see
+    /// [`wants_round`](Self::wants_round)) if they conflict with a pending tensor, so the conflict is
+    /// reported now rather than at the stall time.
+    pub fn note_waits_between_rounds(&mut self, waits: Vec<(u32, Response)>) {
+        if !self.pending.is_empty() && !waits.is_empty() && !self.find_conflicts(&waits).1.is_empty() {
+            self.cached_waits = waits;
+            self.recheck = true;
+        }
+    }
+
+    /// Which ranks claim each name (submitted it, or wait on it cached), and the keys whose names conflict.
+    #[allow(clippy::type_complexity)]
+    fn find_conflicts(
+        &self,
+        cached_waits: &[(u32, Response)],
+    ) -> (BTreeMap<String, (Vec<u32>, CollectiveKind)>, Vec<(String, Vec<String>)>) {
+        let mut claims: BTreeMap<String, (Vec<u32>, CollectiveKind)> = BTreeMap::new();
+        for name in self.pending.values() {
+            if let Some((_, tensor)) = self.by_name.get(name) {
+                let kind = tensor.requests.values().next().map_or(CollectiveKind::Allreduce, |r| r.kind);
+                claims.insert(name.clone(), (tensor.requests.keys().copied().collect(), kind));
+            }
+        }
+        for (rank, cached) in cached_waits {
+            if let Some(entry) = cached.entries.first() {
+                let claim = claims.entry(entry.name.clone()).or_insert_with(|| (Vec::new(), cached.kind));
+                if !claim.0.contains(rank) {
+                    claim.0.push(*rank);
+                }
+            }
+        }
+        let mut by_key: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+        for name in claims.keys() {
+            if let Some((_, key)) = name.split_once('.') {
+                by_key.entry(key).or_default().push(name);
+            }
+        }
+        let active: Vec<u32> = (0..self.size as u32).filter(|r| !self.joined.contains(r)).collect();
+        let mut conflicts = Vec::new();
+        for (key, names) in by_key.into_iter().filter(|(_, names)| names.len() > 1) {
+            let mut seen: BTreeMap<u32, usize> = BTreeMap::new();
+            for rank in names.iter().flat_map(|name| claims[*name].0.iter()) {
+                *seen.entry(*rank).or_default() += 1;
+            }
+            if !active.is_empty() && active.iter().all(|r| seen.get(r) == Some(&1)) {
+                conflicts.push((key.to_string(), names.iter().map(|n| n.to_string()).collect()));
+            }
+        }
+        (claims, conflicts)
+    }
+
+    /// Tensors that can never complete because ranks called different ops under the same name: names are
+    /// `<op>.<name>`, so `allreduce.x` on one rank and `allgather.x` on another would each wait forever for
+    /// the other ranks. When every rank that has not joined submitted (or waits on a cached) exactly one of
+    /// the ops under a name, all of them fail with a mismatch naming the ops (as in Horovod, where the name
+    /// alone identifies a tensor). A rank that submits both is not in conflict, so that use still waits.
+    fn different_ops_under_one_name(&mut self) -> Vec<Response> {
+        let cached_waits = std::mem::take(&mut self.cached_waits);
+        self.recheck = false;
+        let (claims, conflicts) = self.find_conflicts(&cached_waits);
+        let mut out = Vec::new();
+        for (key, names) in conflicts {
+            let mut sent: Vec<(usize, String)> = Vec::new();
+            for name in &names {
+                let (ranks, kind) = &claims[name];
+                sent.extend(ranks.iter().map(|&r| (self.global(r) as usize, format!("{kind} ('{name}')"))));
+            }
+            sent.sort();
+            let message = format!(
+                "Mismatched operations for tensor '{key}': {}. Every rank must call the same collective under a name.",
+                describe(&sent)
+            );
+            for name in &names {
+                if let Some((arrival, tensor)) = self.by_name.remove(name) {
+                    self.pending.remove(&arrival);
+                    if let Some(first) = tensor.requests.into_values().next() {
+                        out.push(mismatch_error(first, message.clone()));
+                    }
+                } else if let Some((_, cached)) = cached_waits.iter().find(|(_, c)| c.entries.first().is_some_and(|e| &e.name == name)) {
+                    out.push(Response { error: Some((ErrorKind::Mismatch, message.clone())), ..cached.clone() });
+                }
+            }
+        }
+        out
+    }
+
     /// Tensors pending longer than `warn_after`, by missing rank; those pending longer than `fail_after`
-    /// are failed (queued as error responses for the next round). Returns the warning text, if any.
+    /// are failed (queued as error responses for the next round). Returns the warning text, if any. Called
+    /// often (about every second): a tensor is warned about when it first passes `warn_after`, then again
+    /// every `warn_after`, so the warning comes on time without repeating every call.
     pub fn check_stalls(&mut self, now: Instant, warn_after: Duration, fail_after: Option<Duration>) -> Option<String> {
         let mut missing = MissingRanks::new();
         let mut stalled_out = BTreeSet::new();
         let mut to_fail = Vec::new();
         let mut longest = Duration::ZERO;
         for (arrival, name) in &self.pending {
-            let Some((_, tensor)) = self.by_name.get(name) else { continue };
+            let Some((_, tensor)) = self.by_name.get_mut(name) else { continue };
             let waited = now.saturating_duration_since(tensor.first_seen);
-            if waited < warn_after {
+            let failing = fail_after.is_some_and(|limit| waited >= limit);
+            let warn_due = waited >= warn_after
+                && tensor.warned_at.map_or(true, |at| now.saturating_duration_since(at) >= warn_after);
+            if !warn_due && !failing {
                 continue;
             }
+            tensor.warned_at = Some(now);
             longest = longest.max(waited);
-            let failing = fail_after.is_some_and(|limit| waited >= limit);
             for rank in 0..self.size as u32 {
                 if !tensor.requests.contains_key(&rank) && !self.joined.contains(&rank) {
-                    let global = self.global(rank);
+                    let global = self.global_ranks.get(rank as usize).map_or(rank, |&g| g as u32);
                     missing.entry(global).or_default().push(name.clone());
                     if failing {
                         stalled_out.insert(global);
@@ -137,7 +258,7 @@ impl MessageTable {
                 to_fail.push((*arrival, name.clone()));
             }
         }
-        if missing.is_empty() {
+        if missing.is_empty() && to_fail.is_empty() {
             return None;
         }
         let stalled: Vec<u32> = stalled_out.iter().copied().collect();
@@ -177,6 +298,10 @@ fn join_response(last_joined: i32) -> Response {
         error: None,
         last_joined_rank: last_joined,
     }
+}
+
+fn mismatch_error(request: Request, message: String) -> Response {
+    Response { error: Some((ErrorKind::Mismatch, message)), ..stall_error(request, String::new()) }
 }
 
 fn stall_error(request: Request, message: String) -> Response {
@@ -250,6 +375,57 @@ mod tests {
     }
 
     #[test]
+    fn different_ops_under_one_name_fail_every_rank_at_once() {
+        let mut c = MessageTable::new(vec![0, 1, 2]);
+        c.add(req(0, "allreduce.x", CollectiveKind::Allreduce));
+        c.add(req(1, "allgather.x", CollectiveKind::Allgather));
+        assert!(c.ready_responses().is_empty(), "rank 2 may still submit either");
+        c.add(req(2, "allreduce.x", CollectiveKind::Allreduce));
+        let r = c.ready_responses();
+        assert_eq!(r.len(), 2);
+        let mut names: Vec<&str> = r.iter().map(|r| r.entries[0].name.as_str()).collect();
+        names.sort();
+        assert_eq!(names, vec!["allgather.x", "allreduce.x"]);
+        for response in &r {
+            let (kind, message) = response.error.clone().unwrap();
+            assert_eq!(kind, ErrorKind::Mismatch);
+            assert_eq!(
+                message,
+                "Mismatched operations for tensor 'x': ranks 0, 2 sent allreduce ('allreduce.x'); rank 1 sent allgather \
+                 ('allgather.x'). Every rank must call the same collective under a name."
+            );
+        }
+        assert!(c.ready_responses().is_empty());
+
+        // A rank waiting on a cached allreduce while the other submits an allgather under the same name;
+        // seen between slow paths, it asks for a round to report it.
+        let mut c = MessageTable::new(vec![0, 1]);
+        c.add(req(1, "allgather.z", CollectiveKind::Allgather));
+        let cached = construct_response(&[req(0, "allreduce.z", CollectiveKind::Allreduce)], &[0, 1], false);
+        c.note_waits_between_rounds(vec![(0, construct_response(&[req(0, "allreduce.w", CollectiveKind::Allreduce)], &[0, 1], false))]);
+        assert!(!c.has_queued(), "no conflict, no round");
+        c.note_waits_between_rounds(vec![(0, cached.clone())]);
+        assert!(c.has_queued(), "a conflict asks for a round");
+        c.note_cached_waits(vec![(0, cached)]);
+        let r = c.ready_responses();
+        assert_eq!(r.len(), 2, "{r:?}");
+        assert!(r.iter().all(|r| r.error.as_ref().is_some_and(|(k, m)| *k == ErrorKind::Mismatch
+            && m.contains("rank 0 sent allreduce ('allreduce.z'); rank 1 sent allgather ('allgather.z')"))), "{r:?}");
+        assert!(c.ready_responses().is_empty());
+        assert!(!c.has_queued());
+
+        // A rank that submits both ops under one name is not in conflict: both wait for the others.
+        let mut c = MessageTable::new(vec![0, 1]);
+        c.add(req(0, "allreduce.y", CollectiveKind::Allreduce));
+        c.add(req(0, "broadcast.y", CollectiveKind::Broadcast));
+        c.add(req(1, "broadcast.y", CollectiveKind::Broadcast));
+        let r = c.ready_responses();
+        assert_eq!(r.len(), 1);
+        assert!(r[0].error.is_none());
+        assert!(c.ready_responses().is_empty());
+    }
+
+    #[test]
     fn stall_warning_and_failure() {
         let mut c = MessageTable::new(vec![0, 1, 2]);
         c.add(req(0, "x", CollectiveKind::Allreduce));
@@ -263,5 +439,31 @@ mod tests {
         let r = c.ready_responses();
         assert!(r[0].error.as_ref().unwrap().1.contains("ranks [1, 2] did not submit"));
         assert!(c.check_stalls(later, Duration::from_secs(60), None).is_none());
+    }
+
+    #[test]
+    fn stall_time_counts_from_the_submission_on_the_rank() {
+        let mut c = MessageTable::new(vec![0, 1]);
+        c.add_waited(req(0, "x", CollectiveKind::Allreduce), Duration::from_secs(4));
+        let now = Instant::now();
+        assert!(c.check_stalls(now + Duration::from_millis(1500), Duration::from_secs(5), None).is_some());
+    }
+
+    #[test]
+    fn stall_warnings_come_once_per_period_and_failures_on_time() {
+        let mut c = MessageTable::new(vec![0, 1]);
+        let start = Instant::now();
+        c.add(req(0, "x", CollectiveKind::Allreduce));
+        let at = |secs: f64| start + Duration::from_secs_f64(secs);
+        let (warn, fail) = (Duration::from_secs(5), Some(Duration::from_secs(12)));
+        assert!(c.check_stalls(at(4.9), warn, fail).is_none());
+        assert!(c.check_stalls(at(5.2), warn, fail).is_some(), "warned as soon as 5 s have passed");
+        assert!(c.check_stalls(at(6.2), warn, fail).is_none(), "not again within the period");
+        assert!(c.check_stalls(at(10.3), warn, fail).is_some(), "again after another period");
+        assert!(c.check_stalls(at(11.9), warn, fail).is_none());
+        assert!(!c.has_queued());
+        let text = c.check_stalls(at(12.1), warn, fail).unwrap();
+        assert!(text.contains("1!"), "{text}");
+        assert!(c.has_queued(), "failed as soon as 12 s have passed");
     }
 }

@@ -17,7 +17,7 @@ use crate::coordinator::cache::{CacheLookup, ResponseCache, TensorParams};
 use crate::coordinator::codec::WireMessage;
 use crate::coordinator::message_table::MessageTable;
 use crate::coordinator::message::Response;
-use crate::coordinator::round::{EagerPayload, RequestList, ResponseList, RoundHeader};
+use crate::coordinator::round::{EagerPayload, RequestList, ResponseList, RoundHeader, StopReason};
 use crate::engine::table::{Announcement, TensorTable};
 use crate::fusion::plan_fusion;
 use crate::transport::{Transport, TransportError};
@@ -46,8 +46,8 @@ pub struct RoundOutcome {
     pub eager: Vec<EagerAllreduce>,
     /// Responses to run now, fused, identical on every rank.
     pub responses: Vec<Response>,
-    /// Ranks that asked to shut down; if any did, every rank leaves after running `responses`.
-    pub shutdown_by: Vec<usize>,
+    /// Ranks that asked to stop, and why; if any did, every rank leaves after running `responses`.
+    pub shutdown_by: Vec<(usize, StopReason)>,
 }
 
 pub struct Negotiator {
@@ -126,7 +126,12 @@ impl Negotiator {
     }
 
     /// Run one round. `shutdown` asks every rank to stop after it.
-    pub fn round(&mut self, t: &mut dyn Transport, table: &mut TensorTable, shutdown: bool) -> Result<RoundOutcome, TransportError> {
+    pub fn round(
+        &mut self,
+        t: &mut dyn Transport,
+        table: &mut TensorTable,
+        shutdown: Option<StopReason>,
+    ) -> Result<RoundOutcome, TransportError> {
         let (me, n) = (t.rank(), t.size());
         let header = self.local_header(table, shutdown);
 
@@ -143,7 +148,7 @@ impl Negotiator {
             }
         }
 
-        let shutdown_by: Vec<usize> = (0..n).filter(|&r| headers[r].shutdown).collect();
+        let shutdown_by: Vec<(usize, StopReason)> = (0..n).filter_map(|r| headers[r].shutdown.map(|why| (r, why))).collect();
         let any_shutdown = !shutdown_by.is_empty();
         let any_uncached = headers.iter().any(|h| h.has_uncached);
         let mut invalid = BitSet::new();
@@ -160,6 +165,15 @@ impl Negotiator {
             }
         }
         let common = common.unwrap_or_default();
+        if headers.iter().any(|h| h.joined) {
+            // Only allreduce runs while ranks have joined: a cached hit of another kind goes back to the
+            // coordinator, which fails it at once on every active rank (a joined rank cannot take part).
+            for bit in common.iter_ones() {
+                if self.cache.get(bit).is_some_and(|cached| cached.kind != CollectiveKind::Allreduce) {
+                    invalid.insert(bit);
+                }
+            }
+        }
 
         // Invalid entries are erased everywhere; local hits on them go the slow way this same round.
         for bit in invalid.iter_ones() {
@@ -187,7 +201,25 @@ impl Negotiator {
             }
         }
 
-        if any_uncached || !invalid.is_empty() {
+        let slow = any_uncached || !invalid.is_empty();
+        if let Some(coordinator) = self.coordinator.as_mut().filter(|c| slow || c.has_pending()) {
+            // Hits that wait for other ranks, so the coordinator sees the whole picture of each name (a rank
+            // waiting on a cached `allreduce.x` while another submitted `allgather.x`).
+            let mut waits = Vec::new();
+            for (rank, h) in headers.iter().enumerate() {
+                for bit in h.cache_hits.iter_ones().filter(|b| !common.contains(*b) && !invalid.contains(*b)) {
+                    if let Some(cached) = self.cache.get(bit) {
+                        waits.push((rank as u32, cached.clone()));
+                    }
+                }
+            }
+            if slow {
+                coordinator.note_cached_waits(waits);
+            } else {
+                coordinator.note_waits_between_rounds(waits);
+            }
+        }
+        if slow {
             let new_responses = self.slow_path(t, table, any_shutdown)?;
             for response in &new_responses {
                 self.cache.put(response, |name| table.request(name).map(TensorParams::from));
@@ -210,7 +242,7 @@ impl Negotiator {
     }
 
     /// This rank's header: classify new requests against the cache and collect hits and invalid bits.
-    fn local_header(&mut self, table: &mut TensorTable, shutdown: bool) -> RoundHeader {
+    fn local_header(&mut self, table: &mut TensorTable, shutdown: Option<StopReason>) -> RoundHeader {
         let mut header = RoundHeader { shutdown, joined: table.has_join(), ..RoundHeader::default() };
         let cache = &self.cache;
         let use_cache = cache.capacity() > 0;
@@ -260,23 +292,27 @@ impl Negotiator {
             if *announcement == Announcement::Unsent {
                 *announcement = Announcement::SentToCoordinator;
                 mine.requests.push(entry.request.clone());
+                mine.waited_ms.push(i64::try_from(entry.submitted.elapsed().as_millis()).unwrap_or(i64::MAX));
             }
         });
+        let waited = |list: &RequestList, i: usize| {
+            Duration::from_millis(list.waited_ms.get(i).copied().unwrap_or(0).clamp(0, 1 << 40) as u64)
+        };
         match self.coordinator.as_mut() {
             Some(coordinator) => {
-                for request in mine.requests {
-                    coordinator.add(request);
+                for (i, request) in mine.requests.iter().enumerate() {
+                    coordinator.add_waited(request.clone(), waited(&mine, i));
                 }
                 for peer in (0..n).filter(|&p| p != me) {
                     let list = recv_message::<RequestList>(t, peer)?;
-                    for request in list.requests {
+                    for (i, request) in list.requests.iter().enumerate() {
                         if request.rank as usize != peer {
                             return Err(TransportError::Protocol {
                                 peer,
                                 detail: format!("request claims to come from rank {}", request.rank),
                             });
                         }
-                        coordinator.add(request);
+                        coordinator.add_waited(request.clone(), waited(&list, i));
                     }
                 }
                 let decision = ResponseList { responses: coordinator.ready_responses(), shutdown };

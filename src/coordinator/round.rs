@@ -16,13 +16,28 @@ use crate::coordinator::message::{Request, Response};
 const FLAG_SHUTDOWN: u8 = 1;
 const FLAG_HAS_UNCACHED: u8 = 1 << 1;
 const FLAG_JOINED: u8 = 1 << 2;
-const KNOWN_FLAGS: u8 = FLAG_SHUTDOWN | FLAG_HAS_UNCACHED | FLAG_JOINED;
+/// With FLAG_SHUTDOWN: the process is exiting without having called shutdown().
+const FLAG_EXITING: u8 = 1 << 3;
+/// With FLAG_SHUTDOWN: the process set is being removed (remove_process_set()).
+const FLAG_REMOVING: u8 = 1 << 4;
+const KNOWN_FLAGS: u8 = FLAG_SHUTDOWN | FLAG_HAS_UNCACHED | FLAG_JOINED | FLAG_EXITING | FLAG_REMOVING;
+
+/// Why a rank stops a communicator; the other ranks' errors say which.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StopReason {
+    /// The script called shutdown().
+    Shutdown,
+    /// The process is ending without shutdown() (its script finished or raised): the exit handler stops it.
+    Exiting,
+    /// The process set was removed with remove_process_set().
+    Removed,
+}
 
 /// What a rank tells every other rank at the start of a round.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct RoundHeader {
-    /// This rank asked for a coordinated shutdown.
-    pub shutdown: bool,
+    /// This rank asked for a coordinated stop, and why.
+    pub shutdown: Option<StopReason>,
     /// This rank has requests that missed the cache (or are never cached), so the round needs the slow path.
     pub has_uncached: bool,
     /// This rank has called join (it reports hits on every cached bit).
@@ -64,6 +79,9 @@ impl RoundHeader {
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct RequestList {
     pub requests: Vec<Request>,
+    /// How long each request had been waiting on its rank when sent, in milliseconds (a cache hit that
+    /// stalled reaches the coordinator late; its stall time still counts from its submission).
+    pub waited_ms: Vec<i64>,
 }
 
 /// The coordinator's decision, identical on every rank: run these responses in this order.
@@ -76,10 +94,12 @@ pub struct ResponseList {
 
 impl Wire for RoundHeader {
     fn encode(&self, w: &mut WireWriter) {
-        let mut flags = 0;
-        if self.shutdown {
-            flags |= FLAG_SHUTDOWN;
-        }
+        let mut flags = match self.shutdown {
+            None => 0,
+            Some(StopReason::Shutdown) => FLAG_SHUTDOWN,
+            Some(StopReason::Exiting) => FLAG_SHUTDOWN | FLAG_EXITING,
+            Some(StopReason::Removed) => FLAG_SHUTDOWN | FLAG_REMOVING,
+        };
         if self.has_uncached {
             flags |= FLAG_HAS_UNCACHED;
         }
@@ -97,8 +117,15 @@ impl Wire for RoundHeader {
         if flags & !KNOWN_FLAGS != 0 {
             return Err(DecodeError::BadTag { what: "round header flags", tag: flags });
         }
+        let shutdown = match (flags & FLAG_SHUTDOWN != 0, flags & (FLAG_EXITING | FLAG_REMOVING)) {
+            (false, 0) => None,
+            (true, 0) => Some(StopReason::Shutdown),
+            (true, FLAG_EXITING) => Some(StopReason::Exiting),
+            (true, FLAG_REMOVING) => Some(StopReason::Removed),
+            _ => return Err(DecodeError::BadTag { what: "round header flags", tag: flags }),
+        };
         Ok(RoundHeader {
-            shutdown: flags & FLAG_SHUTDOWN != 0,
+            shutdown,
             has_uncached: flags & FLAG_HAS_UNCACHED != 0,
             joined: flags & FLAG_JOINED != 0,
             cache_hits: BitSet::decode(r)?,
@@ -115,10 +142,11 @@ impl WireMessage for RoundHeader {
 impl Wire for RequestList {
     fn encode(&self, w: &mut WireWriter) {
         w.put_seq(&self.requests);
+        w.put_i64s(&self.waited_ms);
     }
 
     fn decode(r: &mut WireReader<'_>) -> Result<Self, DecodeError> {
-        Ok(RequestList { requests: r.seq("requests")? })
+        Ok(RequestList { requests: r.seq("requests")?, waited_ms: r.i64s("request waiting times")? })
     }
 }
 
@@ -157,7 +185,13 @@ mod tests {
             (any::<u64>(), prop::collection::vec(any::<u8>(), 0..16)).prop_map(|(bit, data)| EagerPayload { bit, data }),
             0..4,
         );
-        (any::<bool>(), any::<bool>(), any::<bool>(), arb_bitset(), arb_bitset(), eager).prop_map(
+        let reason = prop_oneof![
+            Just(None),
+            Just(Some(StopReason::Shutdown)),
+            Just(Some(StopReason::Exiting)),
+            Just(Some(StopReason::Removed)),
+        ];
+        (reason, any::<bool>(), any::<bool>(), arb_bitset(), arb_bitset(), eager).prop_map(
             |(shutdown, has_uncached, joined, cache_hits, invalid, eager)| RoundHeader {
                 shutdown,
                 has_uncached,
@@ -170,7 +204,8 @@ mod tests {
     }
 
     fn arb_request_list() -> impl Strategy<Value = RequestList> {
-        prop::collection::vec(arb_request(), 0..4).prop_map(|requests| RequestList { requests })
+        (prop::collection::vec(arb_request(), 0..4), prop::collection::vec(0i64..1_000_000, 0..4))
+            .prop_map(|(requests, waited_ms)| RequestList { requests, waited_ms })
     }
 
     fn arb_response_list() -> impl Strategy<Value = ResponseList> {

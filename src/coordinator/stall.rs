@@ -41,8 +41,13 @@ pub struct StallClock {
     next_check: Instant,
 }
 
+/// Stalls are checked at least this often, so warnings and failures come within this of their time.
+const CHECK_EVERY: Duration = Duration::from_secs(1);
+
 impl StallClock {
-    pub fn new(interval: Duration) -> StallClock {
+    /// A clock for a stall time of `warn_after`: checks every second (or every `warn_after`, if shorter).
+    pub fn new(warn_after: Duration) -> StallClock {
+        let interval = warn_after.min(CHECK_EVERY).max(Duration::from_millis(10));
         StallClock { interval, next_check: Instant::now() + interval }
     }
 
@@ -84,7 +89,8 @@ mod tests {
         let start = Instant::now();
         let mut clock = StallClock::new(Duration::from_secs(10));
         assert!(!clock.due(start));
-        assert!(clock.due(start + Duration::from_secs(11)));
-        assert!(!clock.due(start + Duration::from_secs(12)));
+        assert!(clock.due(start + Duration::from_millis(1100)), "checked every second, not every stall time");
+        assert!(!clock.due(start + Duration::from_millis(1500)));
+        assert!(clock.due(start + Duration::from_millis(2200)));
     }
 }

@@ -8,7 +8,7 @@ use crate::types::{CollectiveKind, ReduceOp};
 
 /// "rank 0 sent X; ranks 1, 2 sent Y", grouping ranks that agree. Values are listed in rank order; ranks
 /// are global rank numbers.
-fn describe<T: Display>(values: &[(usize, T)]) -> String {
+pub(crate) fn describe<T: Display>(values: &[(usize, T)]) -> String {
     let mut groups: Vec<(String, Vec<usize>)> = Vec::new();
     for (rank, value) in values {
         let text = value.to_string();
@@ -123,11 +123,7 @@ pub fn construct_response(requests: &[Request], global_ranks: &[usize], any_join
         return mismatch(m);
     }
     if any_joined && kind != CollectiveKind::Allreduce && kind != CollectiveKind::Barrier {
-        let message = format!(
-            "{} of tensor '{name}' is not supported while some ranks have called join(); only allreduce is.",
-            capitalise(kind.name())
-        );
-        return error_response(first, ErrorKind::Invalid, message);
+        return error_response(first, ErrorKind::Invalid, not_supported_with_join(kind, name, requests, global_ranks));
     }
     let check = match kind {
         CollectiveKind::Allreduce | CollectiveKind::Reducescatter => {
@@ -199,6 +195,24 @@ pub fn construct_response(requests: &[Request], global_ranks: &[usize], any_join
         error: None,
         last_joined_rank: -1,
     }
+}
+
+/// Horovod's words for a collective some ranks cannot take part in because they joined, then which
+/// tensor and which ranks.
+fn not_supported_with_join(kind: CollectiveKind, name: &str, requests: &[Request], global_ranks: &[usize]) -> String {
+    let horovod = match kind {
+        CollectiveKind::Allgather => {
+            "Allgather is not supported with Join at this time. Specify sparse_to_dense=True if using DistributedOptimizer"
+                .to_string()
+        }
+        other => format!("{} is not supported with Join at this time.", capitalise(other.name())),
+    };
+    let joined: Vec<String> = (0..global_ranks.len() as u32)
+        .filter(|r| !requests.iter().any(|q| q.rank == *r))
+        .map(|r| global_ranks[r as usize].to_string())
+        .collect();
+    let noun = if joined.len() == 1 { "rank" } else { "ranks" };
+    format!("{horovod} (tensor '{name}'; {noun} {} joined; only allreduce runs until every rank has)", joined.join(", "))
 }
 
 fn capitalise(word: &str) -> String {
@@ -365,7 +379,23 @@ mod tests {
     #[test]
     fn join_allows_only_allreduce() {
         let r = construct_response(&[req(0, CollectiveKind::Broadcast, &[2])], &ranks(2), true);
-        assert_eq!(r.error.unwrap().0, ErrorKind::Invalid);
+        assert_eq!(
+            r.error.unwrap(),
+            (
+                ErrorKind::Invalid,
+                "Broadcast is not supported with Join at this time. (tensor 't'; rank 1 joined; only allreduce runs \
+                 until every rank has)"
+                    .into()
+            )
+        );
+        let r = construct_response(&[req(1, CollectiveKind::Allgather, &[2])], &ranks(3), true);
+        let message = r.error.unwrap().1;
+        assert!(message.starts_with("Allgather is not supported with Join at this time. Specify sparse_to_dense=True"), "{message}");
+        assert!(message.contains("ranks 0, 2 joined"), "{message}");
+        for (kind, word) in [(CollectiveKind::Alltoall, "Alltoall"), (CollectiveKind::Reducescatter, "Reducescatter")] {
+            let message = construct_response(&[req(0, kind, &[2])], &ranks(2), true).error.unwrap().1;
+            assert!(message.starts_with(&format!("{word} is not supported with Join at this time.")), "{message}");
+        }
         let r = construct_response(&[req(0, CollectiveKind::Allreduce, &[2])], &ranks(2), true);
         assert!(r.error.is_none());
     }

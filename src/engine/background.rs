@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use crate::config::Config;
 use crate::coordinator::negotiation::Negotiator;
+use crate::coordinator::round::StopReason;
 use crate::coordinator::stall::StallClock;
 use crate::engine::execute::{execute_eager, Executor, HierarchyChoice, TensorResult};
 use crate::engine::table::{TensorEntry, TensorTable};
@@ -75,7 +76,8 @@ impl Loop {
         loop {
             let had_outstanding = !self.table.is_empty();
             let mut first_new = self.take_inbox();
-            let shutdown = self.shared.shutdown_requested.load(Ordering::SeqCst);
+            let stop = self.shared.stop_requested();
+            let shutdown = stop.is_some();
             self.check_stalls();
 
             let mut start = first_new.is_some() || shutdown || self.negotiator.wants_round();
@@ -105,9 +107,9 @@ impl Loop {
                 }
             }
 
-            let outcome = match self.negotiator.round(&mut *self.transport, &mut self.table, shutdown) {
+            let outcome = match self.negotiator.round(&mut *self.transport, &mut self.table, stop) {
                 Ok(outcome) => outcome,
-                Err(_) if shutdown => return Ok("this rank called shutdown()".into()),
+                Err(_) if shutdown => return Ok(self.own_stop_reason(stop)),
                 Err(e) => return Err(EngineError::transport("negotiation", &e)),
             };
             for eager in &outcome.eager {
@@ -123,17 +125,44 @@ impl Loop {
                 self.execute(response)?;
             }
             if !outcome.shutdown_by.is_empty() {
-                return Ok(if shutdown {
-                    "this rank called shutdown()".into()
-                } else {
-                    let ranks: Vec<String> = outcome.shutdown_by.iter().map(|r| r.to_string()).collect();
-                    format!(
-                        "rank {} called shutdown() or finished; collectives cannot run after that",
-                        ranks.join(", ")
-                    )
-                });
+                return Ok(if shutdown { self.own_stop_reason(stop) } else { self.peers_stop_reason(&outcome.shutdown_by) });
             }
         }
+    }
+
+    /// Why pending ops fail when this rank stopped the communicator.
+    fn own_stop_reason(&self, stop: Option<StopReason>) -> String {
+        match stop {
+            Some(StopReason::Removed) => format!(
+                "{} was removed (remove_process_set()) while this op was pending on it",
+                self.shared.describe()
+            ),
+            Some(StopReason::Exiting) => "this process is exiting".into(),
+            _ => "this rank called shutdown()".into(),
+        }
+    }
+
+    /// Why pending ops fail when other ranks stopped the communicator (`by` holds communicator ranks).
+    fn peers_stop_reason(&self, by: &[(usize, StopReason)]) -> String {
+        let global = |r: usize| self.shared.global_ranks.get(r).copied().unwrap_or(r);
+        let ranks = |why: StopReason| -> Vec<String> {
+            by.iter().filter(|(_, w)| *w == why).map(|(r, _)| global(*r).to_string()).collect()
+        };
+        let named = |ranks: &[String]| format!("rank{} {}", if ranks.len() == 1 { "" } else { "s" }, ranks.join(", "));
+        let mut parts = Vec::new();
+        let removed = ranks(StopReason::Removed);
+        if !removed.is_empty() {
+            parts.push(format!("{} removed {} (remove_process_set())", named(&removed), self.shared.describe()));
+        }
+        let exited = ranks(StopReason::Exiting);
+        if !exited.is_empty() {
+            parts.push(format!("{} exited without calling shutdown() (the script ended or raised)", named(&exited)));
+        }
+        let stopped = ranks(StopReason::Shutdown);
+        if !stopped.is_empty() {
+            parts.push(format!("{} called shutdown()", named(&stopped)));
+        }
+        format!("{}; collectives cannot run after that", parts.join("; "))
     }
 
     /// Move submissions into the table; returns when the earliest of them arrived.

@@ -2,11 +2,12 @@
 //! negotiation, response cache, fusion and background thread. Collectives on disjoint sets therefore
 //! run concurrently, and a stall in one set never blocks another.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
 use crate::config::Config;
+use crate::coordinator::round::StopReason;
 use crate::engine::{affinity, background};
 use crate::engine::handles::HandleTable;
 use crate::engine::table::TensorEntry;
@@ -27,6 +28,8 @@ pub(crate) struct Shared {
     inbox: Mutex<Inbox>,
     pub(crate) waker: Waker,
     pub(crate) shutdown_requested: AtomicBool,
+    /// Why the stop was requested (a [`StopReason`] code), read once `shutdown_requested` is set.
+    stop_reason: AtomicU8,
     /// Set while the background thread sleeps waiting for work: only then does a submission need to wake
     /// it (a busy or batching thread picks submissions up by itself, so waking it would only cost time).
     pub(crate) idle: AtomicBool,
@@ -40,6 +43,18 @@ pub(crate) struct Shared {
 impl Shared {
     pub(crate) fn inbox(&self) -> MutexGuard<'_, Inbox> {
         self.inbox.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Why this rank asked its communicator to stop, if it did.
+    pub(crate) fn stop_requested(&self) -> Option<StopReason> {
+        if !self.shutdown_requested.load(Ordering::SeqCst) {
+            return None;
+        }
+        Some(match self.stop_reason.load(Ordering::SeqCst) {
+            1 => StopReason::Exiting,
+            2 => StopReason::Removed,
+            _ => StopReason::Shutdown,
+        })
     }
 
     /// "process set 1 (ranks [0, 2])", or "the global process set".
@@ -71,6 +86,7 @@ impl Communicator {
             inbox: Mutex::new(Inbox::default()),
             waker: Waker::new().map_err(|e| EngineError::Init(format!("cannot create the wake-up event: {e}")))?,
             shutdown_requested: AtomicBool::new(false),
+            stop_reason: AtomicU8::new(0),
             idle: AtomicBool::new(false),
             set_id,
             global_ranks,
@@ -121,8 +137,16 @@ impl Communicator {
         Ok(())
     }
 
-    /// Coordinated stop: the other ranks of the set stop too; pending ops fail; the thread is joined.
-    pub fn stop(&self) {
+    /// Coordinated stop: the other ranks of the set stop too (their errors say `why`); pending ops fail;
+    /// the thread is joined.
+    pub fn stop(&self, why: StopReason) {
+        let code = match why {
+            StopReason::Shutdown => 0,
+            StopReason::Exiting => 1,
+            StopReason::Removed => 2,
+        };
+        // The first reason wins (a set removed while the process exits was removed).
+        let _ = self.shared.stop_reason.compare_exchange(0, code, Ordering::SeqCst, Ordering::SeqCst);
         self.shared.shutdown_requested.store(true, Ordering::SeqCst);
         self.shared.waker.wake();
         let thread = self.thread.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).take();
@@ -135,6 +159,6 @@ impl Communicator {
 
 impl Drop for Communicator {
     fn drop(&mut self) {
-        self.stop();
+        self.stop(StopReason::Shutdown);
     }
 }

@@ -6,8 +6,10 @@
 //! - [`handles`]: the handle table callers wait on.
 //! - [`communicator`]: one process set's background thread and inbox; [`affinity`]: pinning it to a core.
 //! - [`process_sets`]: which sets exist and how ids are assigned.
-//! - [`connect`]: rendezvous and transport set-up.
+//! - [`connect`]: rendezvous and transport set-up; [`meet`]: every rank comes to `init()` in time, or the
+//!   error names those that did not.
 //! - [`table`], [`background`], [`execute`]: the background loop and what it runs.
+//! - [`fork`]: what a process forked from a running rank may still do (nothing with the job).
 //! - [`validate_submission`](mod@validate_submission): argument checks done before anything is sent.
 //!
 //! Invariant: a submission either fails at once (nothing queued) or its handle is completed exactly once,
@@ -18,7 +20,9 @@ pub mod background;
 pub mod communicator;
 pub mod connect;
 pub mod execute;
+pub mod fork;
 pub mod handles;
+pub mod meet;
 pub mod packed;
 mod sink;
 pub mod process_sets;
@@ -31,6 +35,7 @@ use std::time::{Duration, Instant};
 
 use crate::config::{Config, Topology};
 use crate::coordinator::message::Request;
+use crate::coordinator::round::StopReason;
 use crate::coordinator::message_table::{BARRIER_NAME, JOIN_NAME};
 use crate::error::EngineError;
 use crate::tensor::RawTensor;
@@ -74,6 +79,9 @@ impl Engine {
             Some(rdv) => Some(connect::connect_store(rdv, config.start_timeout)?),
             None => None,
         };
+        if let Some(s) = store.as_mut() {
+            meet::meet_every_rank(s, &format!("init{generation}"), topo.rank, topo.size, config.start_timeout)?;
+        }
         let data_addr = match &config.rendezvous {
             Some(rdv) => Some(connect::data_address(rdv, topo.rank)?),
             None => None,
@@ -192,7 +200,7 @@ impl Engine {
         match entry {
             Some(entry) => {
                 if let Some(communicator) = entry.communicator {
-                    communicator.stop();
+                    communicator.stop(StopReason::Removed);
                 }
                 true
             }
@@ -294,13 +302,13 @@ impl Engine {
         self.handles.release(id)
     }
 
-    /// Stop this rank's engine: every communicator tells its other ranks (they stop too), fails what is
-    /// still pending, and joins its thread. The global set stops last.
-    pub fn shutdown(&self) {
+    /// Stop this rank's engine: every communicator tells its other ranks (they stop too, and say `why`),
+    /// fails what is still pending, and joins its thread. The global set stops last.
+    pub fn shutdown(&self, why: StopReason) {
         let mut communicators = self.registry().take_all();
         communicators.reverse();
         for communicator in communicators {
-            communicator.stop();
+            communicator.stop(why);
         }
     }
 }
@@ -360,6 +368,6 @@ fn entries_for(op: OpSubmission, handle: HandleId, rank: u32, names: &[String]) 
 
 impl Drop for Engine {
     fn drop(&mut self) {
-        self.shutdown();
+        self.shutdown(StopReason::Shutdown);
     }
 }

@@ -11,10 +11,11 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 
 use crate::config::Config;
+use crate::coordinator::round::StopReason;
 use crate::engine::handles::WaitOutcome;
 use crate::engine::packed::{pack_group, GroupMember};
 use crate::engine::submission::{OpSubmission, TensorSubmission};
-use crate::engine::Engine;
+use crate::engine::{fork, Engine};
 use crate::error::EngineError;
 use crate::launch::meet::{self, HostedStore, Offer};
 use crate::py::ndarray::import_array;
@@ -41,10 +42,20 @@ fn state() -> MutexGuard<'static, ProcessState> {
 }
 
 fn engine() -> PyResult<Arc<Engine>> {
+    refuse_if_forked()?;
     state().engine.clone().ok_or_else(|| to_py_err(EngineError::NotInitialized))
 }
 
-fn init_logging(level: &str, hide_time: bool) {
+/// In a process forked from a running rank, every use of the job is refused (see `engine::fork`).
+fn refuse_if_forked() -> PyResult<()> {
+    match fork::forked_from() {
+        Some((rank, parent, child)) => Err(to_py_err(EngineError::Forked { rank, parent, child })),
+        None => Ok(()),
+    }
+}
+
+/// Send the engine's log lines (at the level RVOD_LOG_LEVEL / HOROVOD_LOG_LEVEL asks) to stderr; once per process.
+pub(crate) fn init_logging(level: &str, hide_time: bool) {
     let filter = match level.to_ascii_lowercase().as_str() {
         "trace" => "trace",
         "debug" => "debug",
@@ -83,11 +94,12 @@ pub fn init(
     mpi: Option<(usize, usize, PyObject)>,
     dynamic_process_sets: bool,
 ) -> PyResult<()> {
+    refuse_if_forked()?;
     if state().engine.is_some() {
         return Ok(());
     }
     init_logging(&crate::config::log_level_from_env(), crate::config::log_hide_time_from_env());
-    let mut config = Config::from_env().map_err(|e| to_py_err(EngineError::Init(e.to_string())))?;
+    let mut config = Config::from_env().map_err(|e| to_py_err(EngineError::Config(e.to_string())))?;
     config.dynamic_process_sets |= dynamic_process_sets;
     let bcast = match mpi {
         Some((rank, size, bcast)) => {
@@ -113,11 +125,9 @@ pub fn init(
         None => None,
     };
     let (hosted, _) = served.map_err(to_py_err)?;
-    let generation = {
-        let mut state = state();
-        state.generation += 1;
-        state.generation - 1
-    };
+    // An init that timed out waiting for ranks that never came keeps its generation: every rank that
+    // came timed out too, so all of them (and the late ones) meet again in the same scope on re-init.
+    let generation = state().generation;
     let (done, mut started) = std::sync::mpsc::channel();
     std::thread::Builder::new()
         .name("rvod-init".into())
@@ -136,8 +146,12 @@ pub fn init(
         started = receiver;
         match outcome {
             Ok(result) => {
-                let (engine, hosted) = result.map_err(to_py_err)?;
                 let mut state = state();
+                if !matches!(result, Err(EngineError::StartTimeout(_))) {
+                    state.generation += 1;
+                }
+                let (engine, hosted) = result.map_err(to_py_err)?;
+                fork::engine_started(engine.topology().rank);
                 state.engine = Some(Arc::new(engine));
                 state.hosted = hosted;
                 return Ok(());
@@ -151,15 +165,26 @@ pub fn init(
 }
 
 /// Stop the engine of this process; the other ranks stop too. Safe to call when not initialized.
+/// `exiting`: called by the exit handler of a process that never called shutdown() itself (the other
+/// ranks then report that this rank exited).
 #[pyfunction]
-pub fn shutdown(py: Python<'_>) {
+#[pyo3(signature = (exiting=false))]
+pub fn shutdown(py: Python<'_>, exiting: bool) {
+    if fork::forked_from().is_some() {
+        // The engine's threads, sockets and shared memory belong to the parent: leave them untouched.
+        if let Ok(mut state) = STATE.try_lock() {
+            std::mem::forget(state.engine.take());
+        }
+        return;
+    }
     py.allow_threads(|| {
         let (engine, hosted) = {
             let mut state = state();
             (state.engine.take(), state.hosted.take())
         };
         if let Some(engine) = engine {
-            engine.shutdown();
+            fork::engine_stopped();
+            engine.shutdown(if exiting { StopReason::Exiting } else { StopReason::Shutdown });
         }
         drop(hosted);
     })

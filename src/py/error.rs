@@ -12,14 +12,18 @@ pyo3::import_exception!(rvod.exceptions, RvodTimeoutError);
 pub fn to_py_err(err: EngineError) -> PyErr {
     let message = err.to_string();
     match err {
-        EngineError::NotInitialized | EngineError::DuplicateName { .. } | EngineError::InvalidArgument(_) | EngineError::Init(_) => {
+        EngineError::NotInitialized | EngineError::DuplicateName { .. } | EngineError::InvalidArgument(_) | EngineError::Config(_) => {
             PyValueError::new_err(message)
         }
         EngineError::Mismatch(_) => RvodMismatchError::new_err(message),
         EngineError::Transport { ref cause, .. } if cause.timed_out => RvodTimeoutError::new_err(message),
-        EngineError::ShutDown(_) | EngineError::Rejected(_) | EngineError::Transport { .. } | EngineError::Internal(_) => {
-            RvodInternalError::new_err(message)
-        }
+        EngineError::StartTimeout(_) => RvodTimeoutError::new_err(message),
+        EngineError::Forked { .. } => PyRuntimeError::new_err(message),
+        EngineError::ShutDown(_)
+        | EngineError::Rejected(_)
+        | EngineError::Transport { .. }
+        | EngineError::Init(_)
+        | EngineError::Internal(_) => RvodInternalError::new_err(message),
     }
 }
 

@@ -76,6 +76,7 @@ fn dtype_from_type_num(type_num: c_int) -> Option<DataType> {
         1 => DataType::Int8,
         2 => DataType::Uint8,
         3 => DataType::Int16,
+        4 => DataType::Uint16,
         5 => DataType::Int32,
         7 => long,
         9 => DataType::Int64,

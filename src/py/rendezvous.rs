@@ -26,6 +26,9 @@ impl RendezvousServer {
         if secret.is_empty() {
             return Err(PyValueError::new_err("the rendezvous secret must not be empty"));
         }
+        // The store runs in rvodrun's process, which never calls init(): its warnings (dropped strangers)
+        // need a log of their own.
+        crate::py::api::init_logging(&crate::config::log_level_from_env(), crate::config::log_hide_time_from_env());
         let server = py
             .allow_threads(|| rendezvous::RendezvousServer::start(ip, port, secret))
             .map_err(|e| runtime_error(format!("cannot start the rendezvous server on {host}:{port}: {e}")))?;

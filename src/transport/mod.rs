@@ -9,6 +9,7 @@
 //! [`TransportError::PeerClosed`] when a peer's connection ends.
 
 pub mod composite;
+pub mod dropped_connections;
 pub mod memory;
 pub mod net;
 pub mod tcp;
@@ -26,7 +27,7 @@ pub use waker::{Doorbell, Waker};
 /// Why a transport operation failed. Each variant names the peer (communicator rank) involved.
 #[derive(Debug, thiserror::Error)]
 pub enum TransportError {
-    #[error("rank {peer} closed its connection")]
+    #[error("rank {peer} exited or closed its connection")]
     PeerClosed { peer: usize },
     #[error("no progress from rank {peer} for {seconds:.1} s")]
     Timeout { peer: usize, seconds: f64 },

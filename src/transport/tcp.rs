@@ -22,6 +22,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
+use crate::transport::dropped_connections::DropLog;
 use crate::transport::handshake::{self, Purpose, MAX_CLAIM_LEN};
 use crate::transport::rendezvous::StoreClient;
 use crate::transport::spin;
@@ -707,6 +708,9 @@ fn accept_higher(
     Ok(accepted.into_iter().enumerate().filter_map(|(peer, stream)| Some((peer, stream?))).collect())
 }
 
+/// Connections the mesh listeners of this process dropped (rate-limited warnings).
+static MESH_DROPS: DropLog = DropLog::new("mesh");
+
 /// Authenticates one accepted connection on its own thread.
 struct HandshakeJob {
     rank: usize,
@@ -722,7 +726,7 @@ impl HandshakeJob {
     fn run(self, mut stream: TcpStream, from: SocketAddr) {
         let (rank, size, scope) = (self.rank, self.size, &*self.scope);
         if let Err(err) = stream.set_nonblocking(false) {
-            tracing::warn!(rank, %from, error = %err, "mesh: dropped a connection that cannot block");
+            MESH_DROPS.dropped(from, &format!("cannot make it blocking: {err}"));
             return;
         }
         let verified = handshake::accept(&mut stream, &self.secret, Purpose::Mesh, self.deadline, |claim| {
@@ -737,7 +741,7 @@ impl HandshakeJob {
             }
             Ok(None) => {}
             Err(err) => {
-                tracing::warn!(rank, %from, error = %err, "mesh: dropped a connection that failed authentication");
+                MESH_DROPS.dropped(from, &format!("rank {rank}: it failed authentication: {err}"));
             }
         }
     }

@@ -168,9 +168,10 @@ def test_strangers_are_dropped_and_the_job_is_unaffected(job_env, tmp_path):
 
         # A legitimate client (positive control for the handshake above), which also lets the test reach
         # rank 0's mesh listener: it stands in for rank 1's host registration so that rank 0 publishes its
-        # address before the real rank 1 exists.
+        # address before the real rank 1 exists (it announces rank 1's arrival too).
         store = StoreConnection(job.port, job.secret)
         assert store.get("no such key", wait_ms=10) is None
+        store.set("init0/arrived/1", b"1")
         store.set("init0/local_size/1", b"2")
         job.start([0])
         # The global process set is the first registered communicator: scope init0/set1.

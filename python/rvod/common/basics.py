@@ -34,7 +34,7 @@ def init(comm=None, process_sets=None):
     _topology = _rvod.topology()
     _process_sets.after_init(_topology[1], static_sets)
     if not _atexit_registered:
-        atexit.register(shutdown)
+        atexit.register(_shutdown_at_exit)
         _atexit_registered = True
 
 
@@ -93,6 +93,13 @@ def shutdown():
     _topology = None
     _process_sets.after_shutdown()
     naming.reset()
+
+
+def _shutdown_at_exit():
+    """The process is ending without having called shutdown(): the other ranks are told it exited."""
+    global _topology
+    _rvod.shutdown(True)
+    _topology = None
 
 
 def is_initialized():

@@ -13,7 +13,7 @@ from tensorflow.experimental import dlpack
 from rvod.common.ops import TensorAdapter
 from rvod.exceptions import RvodMismatchError
 
-SUPPORTED_DTYPES = (tf.uint8, tf.int8, tf.int16, tf.int32, tf.int64, tf.float16, tf.bfloat16, tf.float32,
+SUPPORTED_DTYPES = (tf.uint8, tf.uint16, tf.int8, tf.int16, tf.int32, tf.int64, tf.float16, tf.bfloat16, tf.float32,
                     tf.float64, tf.bool)
 _SUPPORTED = frozenset(SUPPORTED_DTYPES)
 _SUPPORTED_NAMES = ", ".join(d.name for d in SUPPORTED_DTYPES)

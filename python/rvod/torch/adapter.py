@@ -12,7 +12,7 @@ from torch.utils import dlpack
 from rvod.common.ops import TensorAdapter
 
 SUPPORTED_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
-                    torch.float32, torch.float64, torch.bool)
+                    torch.float32, torch.float64, torch.bool) + ((torch.uint16,) if hasattr(torch, "uint16") else ())
 _SUPPORTED_NAMES = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
 
 

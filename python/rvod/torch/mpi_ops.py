@@ -409,9 +409,10 @@ def join(device=-1):
     """Signal that this rank has no more data; blocks until every rank has joined. Meanwhile allreduces
     submitted by the other ranks complete with this rank contributing zeros. Returns the last rank to join.
 
-    ``device`` is where Horovod puts those zeros; only -1 (the CPU) exists in this build."""
-    if device != -1:
-        raise ValueError(f"join(device={device}): GPU support needs an rvod build with NCCL; use join() on CPU")
+    ``device`` is where Horovod puts those zeros. This build keeps them on the CPU whatever the device, as
+    Horovod does in a job without GPUs (scripts commonly pass ``hvd.local_rank()``)."""
+    if isinstance(device, bool) or not isinstance(device, int):
+        raise TypeError(f"join(device=...) takes a device id (an int), got {type(device).__name__}")
     return _ops.join()
 
 

@@ -71,6 +71,17 @@ impl StoreClient {
 
     /// Returns the value of `key`, waiting up to `timeout` for some client to set it.
     pub fn get(&mut self, key: &str, timeout: Duration) -> Result<Vec<u8>, TransportError> {
+        self.try_get(key, timeout)?.ok_or_else(|| {
+            TransportError::Setup(format!(
+                "timed out after {:.1} s waiting for key '{key}' in the rendezvous store at {}",
+                timeout.as_secs_f64(),
+                self.addr
+            ))
+        })
+    }
+
+    /// Like [`get`](Self::get), but a key still missing after `timeout` is `None` instead of an error.
+    pub fn try_get(&mut self, key: &str, timeout: Duration) -> Result<Option<Vec<u8>>, TransportError> {
         check_key(key)?;
         let wait_ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
         let mut request = request_header(Op::Get, key.as_bytes(), 8);
@@ -88,13 +99,7 @@ impl StoreClient {
             STATUS_MISSING => Ok(None),
             status => client.failure_or_unknown(status),
         })?;
-        value.ok_or_else(|| {
-            TransportError::Setup(format!(
-                "timed out after {:.1} s waiting for key '{key}' in the rendezvous store at {}",
-                timeout.as_secs_f64(),
-                self.addr
-            ))
-        })
+        Ok(value)
     }
 
     /// Adds `delta` to the integer counter at `key` (a missing key counts as 0) and returns the new value.

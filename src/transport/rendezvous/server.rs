@@ -17,6 +17,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{oneshot, Notify};
 
 use super::wire::{Op, MAX_KEY_LEN, MAX_VALUE_LEN, STATUS_FAILED, STATUS_MISSING, STATUS_OK};
+use crate::transport::dropped_connections::DropLog;
 use crate::transport::handshake::{self, Purpose};
 
 /// How long a new connection may take to authenticate.
@@ -161,6 +162,9 @@ async fn serve(listener: TcpListener, secret: Arc<[u8]>, mut stopped: oneshot::R
     }
 }
 
+/// Connections the rendezvous servers of this process dropped (rate-limited warnings).
+static STORE_DROPS: DropLog = DropLog::new("rendezvous server");
+
 async fn serve_connection(mut stream: TcpStream, peer: SocketAddr, secret: Arc<[u8]>, store: Arc<Store>) {
     let authenticated =
         tokio::time::timeout(HANDSHAKE_LIMIT, handshake::accept_async(&mut stream, &secret, Purpose::Store, |_| true))
@@ -168,11 +172,11 @@ async fn serve_connection(mut stream: TcpStream, peer: SocketAddr, secret: Arc<[
     match authenticated {
         Ok(Ok(_)) => {}
         Ok(Err(err)) => {
-            tracing::warn!(%peer, error = %err, "rendezvous server: dropped a connection that failed authentication");
+            STORE_DROPS.dropped(peer, &format!("it failed authentication: {err}"));
             return;
         }
         Err(_) => {
-            tracing::warn!(%peer, "rendezvous server: dropped a connection that did not authenticate in time");
+            STORE_DROPS.dropped(peer, "it did not authenticate in time");
             return;
         }
     }

@@ -18,6 +18,7 @@ pub mod futex;
 pub mod layout;
 pub mod liveness;
 pub mod segment;
+mod unlink_on_exit;
 
 use std::collections::VecDeque;
 use std::path::Path;
@@ -136,19 +137,23 @@ impl ShmTransport {
             Ok(_) => "ok".to_string(),
             Err(e) => format!("no:{e}"),
         };
-        store.set(&attached_key(rank), verdict.as_bytes())?;
-        let mut failures = Vec::new();
-        for r in 0..size {
-            let v = String::from_utf8_lossy(&store.get(&attached_key(r), timeout)?).into_owned();
-            if let Some(reason) = v.strip_prefix("no:") {
-                failures.push(format!("rank {r}: {reason}"));
+        let verdicts = (|| -> Result<Vec<String>, TransportError> {
+            store.set(&attached_key(rank), verdict.as_bytes())?;
+            let mut failures = Vec::new();
+            for r in 0..size {
+                let v = String::from_utf8_lossy(&store.get(&attached_key(r), timeout)?).into_owned();
+                if let Some(reason) = v.strip_prefix("no:") {
+                    failures.push(format!("rank {r}: {reason}"));
+                }
             }
-        }
-        // Everyone has mapped it (or given up): the name can go. Every rank unlinks, so a rank killed
-        // right now cannot leave it behind.
+            Ok(failures)
+        })();
+        // Everyone has mapped it (or given up, or this rank's wait failed, e.g. a rank died before mapping
+        // it): the name can go. Every rank unlinks, so a rank killed right now cannot leave it behind.
         if let Ok(layout) = &mapped {
             layout.segment().unlink();
         }
+        let failures = verdicts?;
         if !failures.is_empty() {
             if rank == 0 {
                 tracing::warn!(

@@ -2,7 +2,8 @@
 //! says otherwise) with an unguessable name, created with mode 0600 and `O_EXCL`, its pages reserved with
 //! `fallocate` (so a full or too small tmpfs is an error at set-up, never a bus error later), and mapped
 //! shared by every rank. Once every rank has mapped it, the name is unlinked: the memory lives on only in
-//! the mappings, and the kernel frees it when the last rank exits, however it exits.
+//! the mappings, and the kernel frees it when the last rank exits, however it exits. A rank that ends
+//! before that unlinks the name on its way out where it can (`unlink_on_exit`).
 
 use std::ffi::CString;
 use std::fs::{File, OpenOptions};
@@ -11,11 +12,16 @@ use std::os::fd::AsRawFd;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use super::unlink_on_exit::{self, PendingName};
 
 pub struct Segment {
     base: *mut u8,
     len: usize,
     path: PathBuf,
+    /// Unlinks the name if the process ends before [`Segment::unlink`] (see `unlink_on_exit`).
+    pending: Mutex<Option<PendingName>>,
 }
 
 // SAFETY: the mapping is plain shared memory; all concurrent access to it goes through atomics or through
@@ -59,6 +65,7 @@ impl Segment {
             .mode(0o600)
             .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
             .open(&path)?;
+        let pending = unlink_on_exit::register(&path);
         let reserve = || -> io::Result<*mut u8> {
             // SAFETY: plain syscall on our own fd.
             let rc = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len as libc::off_t) };
@@ -72,7 +79,7 @@ impl Segment {
             map(&file, len)
         };
         match reserve() {
-            Ok(base) => Ok(Segment { base, len, path }),
+            Ok(base) => Ok(Segment { base, len, path, pending: Mutex::new(Some(pending)) }),
             Err(e) => {
                 let _ = std::fs::remove_file(&path);
                 Err(e)
@@ -97,8 +104,9 @@ impl Segment {
                 format!("{} is not a private segment of {len} bytes owned by this user", path.display()),
             ));
         }
+        let pending = unlink_on_exit::register(path);
         let base = map(&file, len)?;
-        Ok(Segment { base, len, path: path.to_path_buf() })
+        Ok(Segment { base, len, path: path.to_path_buf(), pending: Mutex::new(Some(pending)) })
     }
 
     /// Remove the segment's name (idempotent). The mappings stay valid.
@@ -109,6 +117,7 @@ impl Segment {
                 libc::unlink(name.as_ptr());
             }
         }
+        self.pending.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).take();
     }
 
     pub fn path(&self) -> &Path {
@@ -130,6 +139,10 @@ impl Segment {
 
 impl Drop for Segment {
     fn drop(&mut self) {
+        if self.pending.get_mut().map_or(true, |pending| pending.is_some()) {
+            // Dropped before every rank mapped it (set-up failed): nobody can use the name any more.
+            self.unlink();
+        }
         // SAFETY: unmaps exactly the mapping created in `map`; nothing refers to it any more (users hold an
         // Arc<Segment>).
         unsafe {

@@ -1,0 +1,135 @@
+//! Segment names never outlive a rank that dies while setting shared memory up.
+//!
+//! A segment's name exists from its creation until every rank has mapped it (then each unlinks it). A rank
+//! that ends inside that window would leave the whole segment (up to hundreds of MiB) in the shm folder:
+//! by `exit()` (an exception or Ctrl-C during `init()`), or by SIGTERM/SIGHUP with their default action
+//! (`rvodrun` stopping a job during start-up sends SIGTERM). Names in that window are registered here;
+//! an `atexit` hook and, where those signals still have their default disposition, a signal handler unlink
+//! them. Both only touch atomics, fixed buffers and `unlink`, which is async-signal-safe. SIGKILL cannot be
+//! caught: the other ranks unlink the name when their set-up fails (see `connect_mesh`).
+
+use std::cell::UnsafeCell;
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Once;
+
+/// Segments that may be in their window at once (one per communicator being set up).
+const SLOTS: usize = 8;
+/// Longest path registered (longer ones are not covered).
+const PATH_CAPACITY: usize = 512;
+
+struct Slot {
+    taken: AtomicBool,
+    armed: AtomicBool,
+    path: UnsafeCell<[u8; PATH_CAPACITY]>,
+}
+
+// SAFETY: `path` is written only by the thread that took the slot, before `armed` is set (Release), and read
+// only after `armed` is seen set (Acquire).
+unsafe impl Sync for Slot {}
+
+#[allow(clippy::declare_interior_mutable_const)]
+const EMPTY: Slot = Slot { taken: AtomicBool::new(false), armed: AtomicBool::new(false), path: UnsafeCell::new([0; PATH_CAPACITY]) };
+static PENDING: [Slot; SLOTS] = [EMPTY; SLOTS];
+static INSTALL: Once = Once::new();
+
+/// A registered name; dropping it (once the name is unlinked) unregisters it.
+pub struct PendingName {
+    slot: Option<usize>,
+}
+
+impl Drop for PendingName {
+    fn drop(&mut self) {
+        if let Some(i) = self.slot {
+            PENDING[i].armed.store(false, Ordering::Release);
+            PENDING[i].taken.store(false, Ordering::Release);
+        }
+    }
+}
+
+/// Unlink `path` if this process ends (exit, SIGTERM, SIGHUP) before the returned guard is dropped.
+pub fn register(path: &Path) -> PendingName {
+    install();
+    let bytes = path.as_os_str().as_bytes();
+    if bytes.len() >= PATH_CAPACITY || bytes.contains(&0) {
+        return PendingName { slot: None };
+    }
+    for (i, slot) in PENDING.iter().enumerate() {
+        if slot.taken.compare_exchange(false, true, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
+            // SAFETY: this thread owns the slot (taken above) and it is not armed, so nothing reads it.
+            let buffer = unsafe { &mut *slot.path.get() };
+            buffer[..bytes.len()].copy_from_slice(bytes);
+            buffer[bytes.len()] = 0;
+            slot.armed.store(true, Ordering::Release);
+            return PendingName { slot: Some(i) };
+        }
+    }
+    PendingName { slot: None }
+}
+
+/// Unlink every registered name. Async-signal-safe.
+fn unlink_pending() {
+    for slot in &PENDING {
+        if slot.armed.load(Ordering::Acquire) {
+            // SAFETY: armed, so the buffer holds a NUL-terminated path that is not being written.
+            unsafe {
+                libc::unlink((*slot.path.get()).as_ptr().cast());
+            }
+        }
+    }
+}
+
+extern "C" fn at_exit() {
+    unlink_pending();
+}
+
+extern "C" fn on_signal(signal: libc::c_int) {
+    unlink_pending();
+    // SAFETY: restore the default action and deliver the signal again, so the process ends as it would have.
+    unsafe {
+        libc::signal(signal, libc::SIG_DFL);
+        libc::raise(signal);
+    }
+}
+
+fn install() {
+    INSTALL.call_once(|| {
+        // SAFETY: registers plain functions that stay valid for the life of the process; signal handlers are
+        // only installed where the disposition is the default (never replacing a handler someone set).
+        unsafe {
+            libc::atexit(at_exit);
+            for signal in [libc::SIGTERM, libc::SIGHUP] {
+                let mut current: libc::sigaction = std::mem::zeroed();
+                if libc::sigaction(signal, std::ptr::null(), &mut current) == 0 && current.sa_sigaction == libc::SIG_DFL {
+                    let mut action: libc::sigaction = std::mem::zeroed();
+                    action.sa_sigaction = on_signal as extern "C" fn(libc::c_int) as usize;
+                    libc::sigemptyset(&mut action.sa_mask);
+                    libc::sigaction(signal, &action, std::ptr::null_mut());
+                }
+            }
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn registered_names_are_unlinked_and_dropped_ones_forgotten() {
+        let dir = std::env::temp_dir();
+        let kept = dir.join(format!("rvod-unlink-test-kept-{}", std::process::id()));
+        let doomed = dir.join(format!("rvod-unlink-test-doomed-{}", std::process::id()));
+        std::fs::write(&kept, b"x").unwrap();
+        std::fs::write(&doomed, b"x").unwrap();
+        let forgotten = register(&kept);
+        let pending = register(&doomed);
+        drop(forgotten);
+        unlink_pending();
+        assert!(!doomed.exists(), "a registered name is unlinked");
+        assert!(kept.exists(), "a name whose guard was dropped is left alone");
+        drop(pending);
+        std::fs::remove_file(&kept).unwrap();
+    }
+}
