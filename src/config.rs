@@ -55,6 +55,11 @@ pub struct Config {
     /// The core this rank's engine threads are pinned to (`RVOD_THREAD_AFFINITY`: one core id per local
     /// rank, this rank's by its local rank); `None`: not pinned.
     pub thread_affinity: Option<usize>,
+    /// `RVOD_TIMELINE`: the Chrome-trace file every rank records into, or [`crate::timeline::DYNAMIC`]
+    /// (recording only between `start_timeline()` and `stop_timeline()`); `None`: those functions raise.
+    pub timeline: Option<String>,
+    /// `RVOD_TIMELINE_MARK_CYCLES`: mark each negotiation round with `CYCLE_START`.
+    pub timeline_mark_cycles: bool,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -242,6 +247,8 @@ impl Config {
             shm: env.flag_or("SHM", true)?,
             shm_dir: env.string("SHM_DIR").unwrap_or_else(|| "/dev/shm".to_string()).into(),
             thread_affinity,
+            timeline: env.string("TIMELINE").filter(|path| !path.is_empty()),
+            timeline_mark_cycles: env.flag("TIMELINE_MARK_CYCLES")?,
         })
     }
 }

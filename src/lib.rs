@@ -14,6 +14,7 @@ pub mod error;
 pub mod fusion;
 pub mod ring;
 pub mod tensor;
+pub mod timeline;
 pub mod transport;
 pub mod types;
 
