@@ -13,6 +13,7 @@ use crate::engine::execute::{execute_eager, Executor, TensorResult};
 use crate::engine::table::{TensorEntry, TensorTable};
 use crate::engine::communicator::Shared;
 use crate::error::EngineError;
+use crate::timeline::Stage;
 use crate::transport::{Activity, Transport};
 
 /// How long an idle engine sleeps between checks when nothing else bounds the wait.
@@ -44,7 +45,9 @@ pub(crate) fn run(shared: Arc<Shared>, transport: Box<dyn Transport>, config: Co
         config.cache_capacity,
         config.fusion_threshold,
         config.stall_check,
-    );
+    )
+    .with_timeline(shared.timeline.clone());
+    let executor = Executor::with_timeline(shared.timeline.clone());
     let mut state = Loop {
         stall_clock: config.stall_check.map(StallClock::new),
         shared,
@@ -52,7 +55,7 @@ pub(crate) fn run(shared: Arc<Shared>, transport: Box<dyn Transport>, config: Co
         config,
         table: TensorTable::default(),
         negotiator,
-        executor: Executor::default(),
+        executor,
     };
     let stopped_because = match state.run() {
         Ok(reason) => EngineError::ShutDown(reason),
@@ -101,22 +104,29 @@ impl Loop {
                 }
             }
 
+            self.shared.timeline.cycle();
             let outcome = match self.negotiator.round(&mut *self.transport, &mut self.table, shutdown) {
                 Ok(outcome) => outcome,
                 Err(_) if shutdown => return Ok("this rank called shutdown()".into()),
                 Err(e) => return Err(EngineError::transport("negotiation", &e)),
             };
+            let agreed = Instant::now();
             for eager in &outcome.eager {
                 if let Some(name) = eager.response.entries.first().map(|e| e.name.clone()) {
                     let mut entry = self.table.take(&name);
+                    let subject = self.shared.timeline.subject(&eager.response);
                     let result = execute_eager(eager, entry.as_mut());
+                    if let (Some(subject), Some(entry)) = (&subject, &entry) {
+                        self.shared.timeline.span(subject, None, Stage::Negotiate, entry.submitted, agreed);
+                        self.shared.timeline.span(subject, None, Stage::Op, agreed, Instant::now());
+                    }
                     if let Some(entry) = entry {
                         self.complete(entry, Ok(result));
                     }
                 }
             }
             for response in &outcome.responses {
-                self.execute(response)?;
+                self.execute(response, agreed)?;
             }
             if !outcome.shutdown_by.is_empty() {
                 return Ok(if shutdown {
@@ -224,9 +234,22 @@ impl Loop {
         }
     }
 
-    fn execute(&mut self, response: &crate::coordinator::message::Response) -> Result<(), EngineError> {
+    fn execute(&mut self, response: &crate::coordinator::message::Response, agreed: Instant) -> Result<(), EngineError> {
         let mut entries: Vec<Option<TensorEntry>> = response.entries.iter().map(|e| self.table.take(&e.name)).collect();
-        match self.executor.execute(&mut *self.transport, response, &mut entries) {
+        let subject = self.shared.timeline.subject(response);
+        let started = Instant::now();
+        let outcome = self.executor.execute(&mut *self.transport, response, &mut entries);
+        if let Some(subject) = &subject {
+            let timeline = &self.shared.timeline;
+            for (i, entry) in entries.iter().enumerate() {
+                if let Some(entry) = entry {
+                    timeline.span(subject, Some(i), Stage::Negotiate, entry.submitted, agreed);
+                }
+            }
+            timeline.span(subject, None, Stage::Queue, agreed, started);
+            timeline.span(subject, None, Stage::Op, started, Instant::now());
+        }
+        match outcome {
             Ok(results) => {
                 for (entry, result) in entries.into_iter().zip(results) {
                     if let Some(entry) = entry {

@@ -11,6 +11,7 @@ use crate::engine::{affinity, background};
 use crate::engine::handles::HandleTable;
 use crate::engine::table::TensorEntry;
 use crate::error::EngineError;
+use crate::timeline::{SetTimeline, Timeline};
 use crate::transport::{Transport, Waker};
 
 /// Submissions waiting for the background thread, and whether it still takes them.
@@ -35,6 +36,7 @@ pub(crate) struct Shared {
     pub(crate) global_ranks: Vec<usize>,
     /// What the transport is ("shm", "tcp", ...), for diagnostics.
     pub(crate) transport_kind: &'static str,
+    pub(crate) timeline: SetTimeline,
 }
 
 impl Shared {
@@ -65,6 +67,7 @@ impl Communicator {
         transport: Box<dyn Transport>,
         config: &Config,
         handles: Arc<HandleTable>,
+        timeline: Timeline,
     ) -> Result<Communicator, EngineError> {
         let shared = Arc::new(Shared {
             handles,
@@ -73,6 +76,7 @@ impl Communicator {
             shutdown_requested: AtomicBool::new(false),
             idle: AtomicBool::new(false),
             set_id,
+            timeline: SetTimeline::new(timeline, set_id, &global_ranks, transport.kind()),
             global_ranks,
             transport_kind: transport.kind(),
         });

@@ -16,6 +16,7 @@ use crate::fusion::layout::{FusionLayout, FusionSlot};
 use crate::ring;
 use crate::ring::staged::{OwnPiece, StagedAllreduce};
 use crate::tensor::AlignedBuffer;
+use crate::timeline::{Stage, Phases, SetTimeline};
 use crate::transport::{Transport, TransportError};
 use crate::types::{CollectiveKind, Combine, DataType, ReduceOp};
 
@@ -33,6 +34,7 @@ pub struct TensorResult {
 #[derive(Default)]
 pub struct Executor {
     fusion_buffer: Option<AlignedBuffer>,
+    timeline: SetTimeline,
 }
 
 fn combine_of(op: ReduceOp) -> Combine {
@@ -62,6 +64,11 @@ fn row_bytes(shape: &[i64], dtype: DataType) -> usize {
 }
 
 impl Executor {
+    /// An executor that records each op's phases in `timeline`.
+    pub fn with_timeline(timeline: SetTimeline) -> Executor {
+        Executor { fusion_buffer: None, timeline }
+    }
+
     fn fusion_buffer(&mut self, len: usize) -> &mut [u8] {
         let buffer = self.fusion_buffer.get_or_insert_with(|| AlignedBuffer::zeroed(len));
         buffer.ensure_len(len);
@@ -80,8 +87,24 @@ impl Executor {
             let err = EngineError::negotiated(*kind, message.clone());
             return Ok(entries.iter().map(|_| Err(err.clone())).collect());
         }
+        let mut phases = self.timeline.phases(response);
+        if response.kind != CollectiveKind::Allreduce {
+            // One phase: the transport's collective (Allreduce marks its own phases).
+            let results = self.run_unfused(t, response, entries);
+            phases.mark_collective();
+            return results;
+        }
+        self.allreduce(t, response, entries, &mut phases)
+    }
+
+    fn run_unfused(
+        &mut self,
+        t: &mut dyn Transport,
+        response: &Response,
+        entries: &mut [Option<TensorEntry>],
+    ) -> Result<Vec<Result<TensorResult, EngineError>>, TransportError> {
         match response.kind {
-            CollectiveKind::Allreduce => self.allreduce(t, response, entries),
+            CollectiveKind::Allreduce => self.allreduce(t, response, entries, &mut Phases::off()),
             CollectiveKind::Allgather => each(entries, |e| allgather(t, response, e)),
             CollectiveKind::Broadcast => each(entries, |e| broadcast(t, response, e)),
             CollectiveKind::Alltoall => each(entries, |e| alltoall(t, response, e)),
@@ -103,6 +126,7 @@ impl Executor {
         t: &mut dyn Transport,
         response: &Response,
         entries: &mut [Option<TensorEntry>],
+        phases: &mut Phases,
     ) -> Result<Vec<Result<TensorResult, EngineError>>, TransportError> {
         let dtype = response.dtype;
         let combine = combine_of(response.reduce_op);
@@ -127,6 +151,7 @@ impl Executor {
             ring::scale_in_place(buf, dtype, response.prescale);
             ring::allreduce(t, buf, dtype, combine)?;
             ring::scale_in_place(buf, dtype, postscale);
+            phases.mark_collective();
             let out = match (entry, owned) {
                 (Some(e), Some(b)) if !e.in_place => output(b, spec.shape.clone(), dtype),
                 _ => None,
@@ -155,6 +180,7 @@ impl Executor {
                 gather(&tensors, slots, range.start, piece);
                 ring::scale_in_place(piece, dtype, prescale);
             }
+            phases.mark(Stage::MemcpyInFusionBuffer);
             op.reduce(combine, postscale, &mut |phase, offset, piece| match phase {
                 OwnPiece::Contribute => {
                     gather(&tensors, slots, offset, piece);
@@ -162,17 +188,22 @@ impl Executor {
                 }
                 OwnPiece::Result => scatter(&mut tensors, slots, offset, piece),
             })?;
+            phases.mark_collective();
             for (offset, bytes) in op.others_results() {
                 scatter(&mut tensors, slots, offset, bytes);
             }
+            phases.mark(Stage::MemcpyOutFusionBuffer);
             return Ok(tensors.into_iter().map(|io| Ok(io.finish())).collect());
         }
         let buffer = self.fusion_buffer(total);
         gather(&tensors, slots, 0, buffer);
         ring::scale_in_place(buffer, dtype, prescale);
+        phases.mark(Stage::MemcpyInFusionBuffer);
         ring::allreduce(t, buffer, dtype, combine)?;
         ring::scale_in_place(buffer, dtype, postscale);
+        phases.mark_collective();
         scatter(&mut tensors, slots, 0, buffer);
+        phases.mark(Stage::MemcpyOutFusionBuffer);
         Ok(tensors.into_iter().map(|io| Ok(io.finish())).collect())
     }
 }

@@ -34,6 +34,7 @@ use crate::coordinator::message::Request;
 use crate::coordinator::message_table::{BARRIER_NAME, JOIN_NAME};
 use crate::error::EngineError;
 use crate::tensor::RawTensor;
+use crate::timeline::{self, Timeline};
 use crate::transport::rendezvous::StoreClient;
 use crate::types::{CollectiveKind, DataType};
 
@@ -54,6 +55,7 @@ pub struct Engine {
     store: Mutex<Option<StoreClient>>,
     generation: u64,
     homogeneous: bool,
+    timeline: Timeline,
 }
 
 fn sorted_unique(ranks: &[usize]) -> Vec<usize> {
@@ -76,7 +78,12 @@ impl Engine {
             Some(s) => connect::all_hosts_equal(s, &format!("init{generation}"), &topo, config.start_timeout)?,
             None => true,
         };
+        let timeline = Timeline::new(topo.rank, job_key(&config));
+        if let Some(path) = config.timeline.as_deref().filter(|p| *p != timeline::DYNAMIC) {
+            timeline.start(path.into(), config.timeline_mark_cycles)?;
+        }
         let engine = Engine {
+            timeline,
             handles: Arc::new(HandleTable::default()),
             registry: Mutex::new(ProcessSetRegistry::default()),
             store: Mutex::new(store),
@@ -126,7 +133,7 @@ impl Engine {
         let mut store = self.store.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let transport = connect::connect_members(&self.config, store.as_mut(), &scope, ranks)?;
         drop(store);
-        Communicator::start(id, ranks.to_vec(), transport, &self.config, Arc::clone(&self.handles))
+        Communicator::start(id, ranks.to_vec(), transport, &self.config, Arc::clone(&self.handles), self.timeline.clone())
     }
 
     /// Every rank publishes the ranks it is registering as its `sequence`-th set and checks that all ranks
@@ -295,7 +302,45 @@ impl Engine {
         for communicator in communicators {
             communicator.stop();
         }
+        self.timeline.stop();
     }
+
+    /// `start_timeline()`: record into `path` from now on (switching files if one is open). Refused unless
+    /// the job started with `RVOD_TIMELINE` set (a path or `DYNAMIC`), as in Horovod.
+    pub fn start_timeline(&self, path: &str, mark_cycles: bool) -> Result<(), EngineError> {
+        if self.config.timeline.is_none() {
+            return Err(EngineError::InvalidArgument(
+                "Set HOROVOD_TIMELINE=DYNAMIC to enable dynamic timeline usage.".into(),
+            ));
+        }
+        if path.is_empty() {
+            return Err(EngineError::InvalidArgument("start_timeline() needs a file path".into()));
+        }
+        self.timeline.start(path.into(), mark_cycles)
+    }
+
+    /// `stop_timeline()`: close the current file (everything recorded is in it on return).
+    pub fn stop_timeline(&self) -> Result<(), EngineError> {
+        if self.config.timeline.is_none() {
+            return Err(EngineError::InvalidArgument(
+                "Set HOROVOD_TIMELINE=DYNAMIC to enable dynamic timeline usage.".into(),
+            ));
+        }
+        self.timeline.stop();
+        Ok(())
+    }
+}
+
+/// Identifies this run of the job on every rank (from the job's secret and rendezvous address), so a
+/// timeline file left by an earlier run is replaced, not extended.
+fn job_key(config: &Config) -> String {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    match &config.rendezvous {
+        Some(rdv) => (&rdv.secret, &rdv.addr, rdv.port).hash(&mut hasher),
+        None => (std::process::id(), std::time::SystemTime::now()).hash(&mut hasher),
+    }
+    format!("{:016x}", hasher.finish())
 }
 
 /// The table entries of one submission, each with its request as this rank sends it.

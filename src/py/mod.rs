@@ -31,6 +31,8 @@ fn _rvod(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(api::process_sets, m)?)?;
     m.add_function(wrap_pyfunction!(api::transport_kind, m)?)?;
     m.add_function(wrap_pyfunction!(api::build_info, m)?)?;
+    m.add_function(wrap_pyfunction!(api::start_timeline, m)?)?;
+    m.add_function(wrap_pyfunction!(api::stop_timeline, m)?)?;
     m.add_function(wrap_pyfunction!(dlpack::relabel_bool_as_uint8, m)?)?;
     m.add_class::<rendezvous::RendezvousServer>()?;
     Ok(())

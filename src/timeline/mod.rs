@@ -40,7 +40,7 @@ pub struct Subject {
 
 /// What a span shows.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub enum Activity {
+pub enum Stage {
     /// From submission to the round that agreed on the tensor.
     Negotiate,
     /// From agreement to the start of execution.
@@ -54,8 +54,8 @@ pub enum Activity {
 }
 
 pub(crate) enum Event {
-    /// `activity` on `rank`'s row of the subject's tensors (all of them, or only `tensor`).
-    Span { subject: Arc<Subject>, tensor: Option<usize>, rank: usize, activity: Activity, start: Instant, end: Instant },
+    /// `stage` on `rank`'s row of the subject's tensors (all of them, or only `tensor`).
+    Span { subject: Arc<Subject>, tensor: Option<usize>, rank: usize, stage: Stage, start: Instant, end: Instant },
     /// On the coordinator `rank`: `ready_rank` submitted tensor `name`.
     Tick { set_id: u32, kind: CollectiveKind, name: String, rank: usize, ready_rank: usize, at: Instant },
     /// `rank` started a negotiation round.
@@ -210,13 +210,13 @@ impl SetTimeline {
         }))
     }
 
-    /// Record `activity` from `start` to `end` on this rank's row of `subject` (tensor `tensor` only, or all).
-    pub fn span(&self, subject: &Arc<Subject>, tensor: Option<usize>, activity: Activity, start: Instant, end: Instant) {
+    /// Record `stage` from `start` to `end` on this rank's row of `subject` (tensor `tensor` only, or all).
+    pub fn span(&self, subject: &Arc<Subject>, tensor: Option<usize>, stage: Stage, start: Instant, end: Instant) {
         self.timeline.send(Event::Span {
             subject: Arc::clone(subject),
             tensor,
             rank: self.timeline.rank(),
-            activity,
+            stage,
             start,
             end,
         });
@@ -260,11 +260,11 @@ impl Phases {
         Phases { recording: None }
     }
 
-    /// The phase that just ended was `activity`.
-    pub fn mark(&mut self, activity: Activity) {
+    /// The phase that just ended was `stage`.
+    pub fn mark(&mut self, stage: Stage) {
         if let Some((timeline, subject, since)) = &mut self.recording {
             let now = Instant::now();
-            timeline.span(subject, None, activity, *since, now);
+            timeline.span(subject, None, stage, *since, now);
             *since = now;
         }
     }
@@ -273,7 +273,7 @@ impl Phases {
     pub fn mark_collective(&mut self) {
         if let Some((timeline, _, _)) = &self.recording {
             let transport = timeline.transport;
-            self.mark(Activity::Collective(transport));
+            self.mark(Stage::Collective(transport));
         }
     }
 }

@@ -49,15 +49,15 @@ fn two_ranks_record_into_one_valid_file() {
         let fused = response(CollectiveKind::Allreduce, &["allreduce.a", "allreduce.b"]);
         let subject = set.subject(&fused).unwrap();
         let start = Instant::now();
-        set.span(&subject, Some(1), Activity::Negotiate, start - Duration::from_micros(50), start);
+        set.span(&subject, Some(1), Stage::Negotiate, start - Duration::from_micros(50), start);
         if r == 0 {
             set.tick("allreduce.a", CollectiveKind::Allreduce, 1);
         }
         let mut phases = set.phases(&fused);
-        phases.mark(Activity::MemcpyInFusionBuffer);
+        phases.mark(Stage::MemcpyInFusionBuffer);
         phases.mark_collective();
-        phases.mark(Activity::MemcpyOutFusionBuffer);
-        set.span(&subject, None, Activity::Op, start, Instant::now());
+        phases.mark(Stage::MemcpyOutFusionBuffer);
+        set.span(&subject, None, Stage::Op, start, Instant::now());
     }
     for t in &ranks {
         t.stop();

@@ -9,7 +9,7 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
 use super::file::TraceFile;
-use super::{Activity, Event, Message, Subject};
+use super::{Stage, Event, Message, Subject};
 
 /// Longest time an event waits in memory before it is written.
 const FLUSH_EVERY: Duration = Duration::from_millis(100);
@@ -159,11 +159,11 @@ impl Writer {
 
     fn format(&mut self, event: &Event) {
         match event {
-            Event::Span { subject, tensor, rank, activity, start, end } => {
-                let name = activity_name(*activity, subject);
+            Event::Span { subject, tensor, rank, stage, start, end } => {
+                let name = stage_name(*stage, subject);
                 let ts = self.ts(*start);
                 let dur = end.saturating_duration_since(*start).as_secs_f64() * 1e6;
-                let with_args = matches!(activity, Activity::Negotiate | Activity::Op);
+                let with_args = matches!(stage, Stage::Negotiate | Stage::Op);
                 let range = match tensor {
                     Some(i) => *i..(*i + 1).min(subject.tensors.len()),
                     None => 0..subject.tensors.len(),
@@ -205,15 +205,15 @@ impl Writer {
     }
 }
 
-fn activity_name(activity: Activity, subject: &Subject) -> String {
+fn stage_name(stage: Stage, subject: &Subject) -> String {
     let op = subject.kind.name().to_ascii_uppercase();
-    match activity {
-        Activity::Negotiate => format!("NEGOTIATE_{op}"),
-        Activity::Queue => "QUEUE".to_string(),
-        Activity::Op => op,
-        Activity::MemcpyInFusionBuffer => "MEMCPY_IN_FUSION_BUFFER".to_string(),
-        Activity::Collective(transport) => format!("{}_{op}", transport.to_ascii_uppercase()),
-        Activity::MemcpyOutFusionBuffer => "MEMCPY_OUT_FUSION_BUFFER".to_string(),
+    match stage {
+        Stage::Negotiate => format!("NEGOTIATE_{op}"),
+        Stage::Queue => "QUEUE".to_string(),
+        Stage::Op => op,
+        Stage::MemcpyInFusionBuffer => "MEMCPY_IN_FUSION_BUFFER".to_string(),
+        Stage::Collective(transport) => format!("{}_{op}", transport.to_ascii_uppercase()),
+        Stage::MemcpyOutFusionBuffer => "MEMCPY_OUT_FUSION_BUFFER".to_string(),
     }
 }
 
