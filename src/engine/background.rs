@@ -13,7 +13,6 @@ use crate::engine::execute::{execute_eager, Executor, TensorResult};
 use crate::engine::table::{TensorEntry, TensorTable};
 use crate::engine::communicator::Shared;
 use crate::error::EngineError;
-use crate::timeline::Stage;
 use crate::transport::{Activity, Transport};
 
 /// How long an idle engine sleeps between checks when nothing else bounds the wait.
@@ -47,7 +46,7 @@ pub(crate) fn run(shared: Arc<Shared>, transport: Box<dyn Transport>, config: Co
         config.stall_check,
     )
     .with_timeline(shared.timeline.clone());
-    let executor = Executor::with_timeline(shared.timeline.clone());
+    let executor = Executor::default();
     let mut state = Loop {
         stall_clock: config.stall_check.map(StallClock::new),
         shared,
@@ -114,12 +113,9 @@ impl Loop {
             for eager in &outcome.eager {
                 if let Some(name) = eager.response.entries.first().map(|e| e.name.clone()) {
                     let mut entry = self.table.take(&name);
-                    let subject = self.shared.timeline.subject(&eager.response);
+                    let record = self.shared.timeline.op(&eager.response, [entry.as_ref().map(|e| e.submitted)].into_iter(), agreed);
                     let result = execute_eager(eager, entry.as_mut());
-                    if let (Some(subject), Some(entry)) = (&subject, &entry) {
-                        self.shared.timeline.span(subject, None, Stage::Negotiate, entry.submitted, agreed);
-                        self.shared.timeline.span(subject, None, Stage::Op, agreed, Instant::now());
-                    }
+                    record.finish();
                     if let Some(entry) = entry {
                         self.complete(entry, Ok(result));
                     }
@@ -236,19 +232,9 @@ impl Loop {
 
     fn execute(&mut self, response: &crate::coordinator::message::Response, agreed: Instant) -> Result<(), EngineError> {
         let mut entries: Vec<Option<TensorEntry>> = response.entries.iter().map(|e| self.table.take(&e.name)).collect();
-        let subject = self.shared.timeline.subject(response);
-        let started = Instant::now();
-        let outcome = self.executor.execute(&mut *self.transport, response, &mut entries);
-        if let Some(subject) = &subject {
-            let timeline = &self.shared.timeline;
-            for (i, entry) in entries.iter().enumerate() {
-                if let Some(entry) = entry {
-                    timeline.span(subject, Some(i), Stage::Negotiate, entry.submitted, agreed);
-                }
-            }
-            timeline.span(subject, None, Stage::Queue, agreed, started);
-            timeline.span(subject, None, Stage::Op, started, Instant::now());
-        }
+        let mut record = self.shared.timeline.op(response, entries.iter().map(|e| e.as_ref().map(|e| e.submitted)), agreed);
+        let outcome = self.executor.execute_recorded(&mut *self.transport, response, &mut entries, &mut record);
+        record.finish();
         match outcome {
             Ok(results) => {
                 for (entry, result) in entries.into_iter().zip(results) {

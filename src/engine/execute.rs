@@ -16,7 +16,7 @@ use crate::fusion::layout::{FusionLayout, FusionSlot};
 use crate::ring;
 use crate::ring::staged::{OwnPiece, StagedAllreduce};
 use crate::tensor::AlignedBuffer;
-use crate::timeline::{Stage, Phases, SetTimeline};
+use crate::timeline::{OpRecord, Stage};
 use crate::transport::{Transport, TransportError};
 use crate::types::{CollectiveKind, Combine, DataType, ReduceOp};
 
@@ -34,7 +34,6 @@ pub struct TensorResult {
 #[derive(Default)]
 pub struct Executor {
     fusion_buffer: Option<AlignedBuffer>,
-    timeline: SetTimeline,
 }
 
 fn combine_of(op: ReduceOp) -> Combine {
@@ -64,11 +63,6 @@ fn row_bytes(shape: &[i64], dtype: DataType) -> usize {
 }
 
 impl Executor {
-    /// An executor that records each op's phases in `timeline`.
-    pub fn with_timeline(timeline: SetTimeline) -> Executor {
-        Executor { fusion_buffer: None, timeline }
-    }
-
     fn fusion_buffer(&mut self, len: usize) -> &mut [u8] {
         let buffer = self.fusion_buffer.get_or_insert_with(|| AlignedBuffer::zeroed(len));
         buffer.ensure_len(len);
@@ -83,28 +77,23 @@ impl Executor {
         response: &Response,
         entries: &mut [Option<TensorEntry>],
     ) -> Result<Vec<Result<TensorResult, EngineError>>, TransportError> {
-        if let Some((kind, message)) = &response.error {
-            let err = EngineError::negotiated(*kind, message.clone());
-            return Ok(entries.iter().map(|_| Err(err.clone())).collect());
-        }
-        let mut phases = self.timeline.phases(response);
-        if response.kind != CollectiveKind::Allreduce {
-            // One phase: the transport's collective (Allreduce marks its own phases).
-            let results = self.run_unfused(t, response, entries);
-            phases.mark_collective();
-            return results;
-        }
-        self.allreduce(t, response, entries, &mut phases)
+        self.execute_recorded(t, response, entries, &mut OpRecord::off())
     }
 
-    fn run_unfused(
+    /// [`Executor::execute`], marking the op's phases in `phases` (the timeline).
+    pub fn execute_recorded(
         &mut self,
         t: &mut dyn Transport,
         response: &Response,
         entries: &mut [Option<TensorEntry>],
+        phases: &mut OpRecord,
     ) -> Result<Vec<Result<TensorResult, EngineError>>, TransportError> {
-        match response.kind {
-            CollectiveKind::Allreduce => self.allreduce(t, response, entries, &mut Phases::off()),
+        if let Some((kind, message)) = &response.error {
+            let err = EngineError::negotiated(*kind, message.clone());
+            return Ok(entries.iter().map(|_| Err(err.clone())).collect());
+        }
+        let results = match response.kind {
+            CollectiveKind::Allreduce => return self.allreduce(t, response, entries, phases),
             CollectiveKind::Allgather => each(entries, |e| allgather(t, response, e)),
             CollectiveKind::Broadcast => each(entries, |e| broadcast(t, response, e)),
             CollectiveKind::Alltoall => each(entries, |e| alltoall(t, response, e)),
@@ -118,7 +107,10 @@ impl Executor {
                 .iter()
                 .map(|_| Ok(TensorResult { last_joined_rank: Some(response.last_joined_rank), ..TensorResult::default() }))
                 .collect()),
-        }
+        };
+        // One phase: the transport's collective (an allreduce marks its own phases).
+        phases.mark_collective();
+        results
     }
 
     fn allreduce(
@@ -126,7 +118,7 @@ impl Executor {
         t: &mut dyn Transport,
         response: &Response,
         entries: &mut [Option<TensorEntry>],
-        phases: &mut Phases,
+        phases: &mut OpRecord,
     ) -> Result<Vec<Result<TensorResult, EngineError>>, TransportError> {
         let dtype = response.dtype;
         let combine = combine_of(response.reduce_op);

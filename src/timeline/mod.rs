@@ -38,15 +38,9 @@ pub struct Subject {
     pub tensors: Vec<(String, Vec<i64>)>,
 }
 
-/// What a span shows.
+/// A phase of an op (besides `NEGOTIATE_<OP>`, `QUEUE` and the op itself, which every op has).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Stage {
-    /// From submission to the round that agreed on the tensor.
-    Negotiate,
-    /// From agreement to the start of execution.
-    Queue,
-    /// The whole op.
-    Op,
     MemcpyInFusionBuffer,
     /// The transport's collective; `&'static str` is the transport ("shm", "tcp").
     Collective(&'static str),
@@ -54,12 +48,24 @@ pub enum Stage {
 }
 
 pub(crate) enum Event {
-    /// `stage` on `rank`'s row of the subject's tensors (all of them, or only `tensor`).
-    Span { subject: Arc<Subject>, tensor: Option<usize>, rank: usize, stage: Stage, start: Instant, end: Instant },
+    /// One op on `rank`, everything about it in one message (one send per response, however many tensors).
+    Op(Box<OpEvent>),
     /// On the coordinator `rank`: `ready_rank` submitted tensor `name`.
     Tick { set_id: u32, kind: CollectiveKind, name: String, rank: usize, ready_rank: usize, at: Instant },
     /// `rank` started a negotiation round.
     Cycle { rank: usize, at: Instant },
+}
+
+pub(crate) struct OpEvent {
+    pub(crate) subject: Arc<Subject>,
+    pub(crate) rank: usize,
+    /// When this rank submitted each tensor (`None`: a joined rank's zeros).
+    pub(crate) submitted: Vec<Option<Instant>>,
+    pub(crate) agreed: Instant,
+    pub(crate) started: Instant,
+    /// Consecutive phases of the op: (what, from, to).
+    pub(crate) phases: Vec<(Stage, Instant, Instant)>,
+    pub(crate) end: Instant,
 }
 
 pub(crate) enum Message {
@@ -86,8 +92,8 @@ struct Hub {
     rank: usize,
     /// Identifies the job, so files of an earlier run are replaced rather than extended.
     job: String,
-    /// Instant and wall clock (µs since the epoch) read together: timestamps comparable across ranks.
-    origin: (Instant, f64),
+    /// Instant and wall clock (ns since the epoch) read together: timestamps comparable across ranks.
+    origin: (Instant, u128),
     state: Mutex<State>,
 }
 
@@ -106,7 +112,7 @@ impl Default for Timeline {
 impl Timeline {
     /// A timeline for global rank `rank` of the job identified by `job` (the same string on every rank).
     pub fn new(rank: usize, job: String) -> Timeline {
-        let wall = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64() * 1e6).unwrap_or(0.0);
+        let wall = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
         Timeline {
             hub: Arc::new(Hub {
                 on: AtomicBool::new(false),
@@ -197,29 +203,33 @@ impl SetTimeline {
         self.timeline.is_on()
     }
 
-    /// The subject of `response`'s events, or `None` when the timeline is off.
-    pub fn subject(&self, response: &Response) -> Option<Arc<Subject>> {
+    /// The record of executing `response` on this rank, which starts now; `submitted` gives when this rank
+    /// submitted each of its tensors, `agreed` when the round agreed on it. Does nothing when off.
+    pub fn op(&self, response: &Response, submitted: impl Iterator<Item = Option<Instant>>, agreed: Instant) -> OpRecord {
         if !self.is_on() {
-            return None;
+            return OpRecord::off();
         }
-        Some(Arc::new(Subject {
+        let subject = Arc::new(Subject {
             set_id: self.set_id,
             kind: response.kind,
             dtype: response.dtype,
             tensors: response.entries.iter().map(|e| (e.name.clone(), e.shape.clone())).collect(),
-        }))
-    }
-
-    /// Record `stage` from `start` to `end` on this rank's row of `subject` (tensor `tensor` only, or all).
-    pub fn span(&self, subject: &Arc<Subject>, tensor: Option<usize>, stage: Stage, start: Instant, end: Instant) {
-        self.timeline.send(Event::Span {
-            subject: Arc::clone(subject),
-            tensor,
-            rank: self.timeline.rank(),
-            stage,
-            start,
-            end,
         });
+        let now = Instant::now();
+        OpRecord {
+            recording: Some(Box::new((
+                self.clone(),
+                OpEvent {
+                    subject,
+                    rank: self.timeline.rank(),
+                    submitted: submitted.collect(),
+                    agreed,
+                    started: now,
+                    phases: Vec::with_capacity(3),
+                    end: now,
+                },
+            ))),
+        }
     }
 
     /// On the coordinator: communicator rank `ready` submitted `name`.
@@ -243,37 +253,43 @@ impl SetTimeline {
             self.timeline.send(Event::Cycle { rank: self.timeline.rank(), at: Instant::now() });
         }
     }
-
-    /// A clock for the phases of executing `response` (does nothing when the timeline is off).
-    pub fn phases(&self, response: &Response) -> Phases {
-        Phases { recording: self.subject(response).map(|s| (self.clone(), s, Instant::now())) }
-    }
 }
 
-/// Records consecutive phases of one op: each `mark` closes the phase that began at the previous one.
-pub struct Phases {
-    recording: Option<(SetTimeline, Arc<Subject>, Instant)>,
+/// One op being executed: each `mark` closes the phase that began at the previous one (or at the start);
+/// `finish` sends the whole op to the writer.
+pub struct OpRecord {
+    recording: Option<Box<(SetTimeline, OpEvent)>>,
 }
 
-impl Phases {
-    pub fn off() -> Phases {
-        Phases { recording: None }
+impl OpRecord {
+    pub fn off() -> OpRecord {
+        OpRecord { recording: None }
     }
 
     /// The phase that just ended was `stage`.
     pub fn mark(&mut self, stage: Stage) {
-        if let Some((timeline, subject, since)) = &mut self.recording {
+        if let Some(recording) = &mut self.recording {
+            let op = &mut recording.1;
             let now = Instant::now();
-            timeline.span(subject, None, stage, *since, now);
-            *since = now;
+            let from = op.phases.last().map_or(op.started, |p| p.2);
+            op.phases.push((stage, from, now));
         }
     }
 
     /// The phase that just ended was the transport's collective.
     pub fn mark_collective(&mut self) {
-        if let Some((timeline, _, _)) = &self.recording {
-            let transport = timeline.transport;
+        if let Some(recording) = &self.recording {
+            let transport = recording.0.transport;
             self.mark(Stage::Collective(transport));
+        }
+    }
+
+    /// The op ended now.
+    pub fn finish(self) {
+        if let Some(recording) = self.recording {
+            let (timeline, mut op) = *recording;
+            op.end = Instant::now();
+            timeline.timeline.send(Event::Op(Box::new(op)));
         }
     }
 }

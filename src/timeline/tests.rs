@@ -31,7 +31,10 @@ fn temp_path(tag: &str) -> PathBuf {
 #[test]
 fn off_records_nothing_and_costs_no_subject() {
     let set = SetTimeline::new(Timeline::new(0, "job".into()), 0, &[0, 1], "shm");
-    assert!(set.subject(&response(CollectiveKind::Allreduce, &["a"])).is_none());
+    let mut record = set.op(&response(CollectiveKind::Allreduce, &["a"]), [None].into_iter(), Instant::now());
+    assert!(record.recording.is_none(), "an op record while off");
+    record.mark_collective();
+    record.finish();
     set.tick("a", CollectiveKind::Allreduce, 1);
     set.cycle();
 }
@@ -47,17 +50,17 @@ fn two_ranks_record_into_one_valid_file() {
         let set = SetTimeline::new(t.clone(), 0, &[0, 1], "shm");
         set.cycle();
         let fused = response(CollectiveKind::Allreduce, &["allreduce.a", "allreduce.b"]);
-        let subject = set.subject(&fused).unwrap();
-        let start = Instant::now();
-        set.span(&subject, Some(1), Stage::Negotiate, start - Duration::from_micros(50), start);
+        let agreed = Instant::now();
         if r == 0 {
             set.tick("allreduce.a", CollectiveKind::Allreduce, 1);
         }
-        let mut phases = set.phases(&fused);
+        // Only tensor b was submitted on this rank (a is a joined rank's zeros).
+        let submitted = [None, Some(agreed - Duration::from_micros(50))];
+        let mut phases = set.op(&fused, submitted.into_iter(), agreed);
         phases.mark(Stage::MemcpyInFusionBuffer);
         phases.mark_collective();
         phases.mark(Stage::MemcpyOutFusionBuffer);
-        set.span(&subject, None, Stage::Op, start, Instant::now());
+        phases.finish();
     }
     for t in &ranks {
         t.stop();
@@ -76,12 +79,14 @@ fn two_ranks_record_into_one_valid_file() {
         "\"name\":\"rank 1\"",
         "\"ready_rank\":1",
         "\"dtype\":\"float32\",\"shape\":[2, 3]",
+        "\"QUEUE\"",
     ] {
         assert!(text.contains(needle), "missing {needle} in {text}");
     }
     // Every op span on both ranks: 2 tensors x 2 ranks.
     assert_eq!(text.matches("\"name\":\"ALLREDUCE\"").count(), 4);
-    assert_eq!(text.matches("\"name\":\"NEGOTIATE_ALLREDUCE\"").count(), 2, "only tensor 1 negotiated");
+    assert_eq!(text.matches("\"name\":\"NEGOTIATE_ALLREDUCE\"").count(), 2, "only tensor b negotiated");
+    assert_eq!(text.matches("\"name\":\"SHM_ALLREDUCE\"").count(), 4);
     let _ = std::fs::remove_file(&path);
 }
 
@@ -92,12 +97,15 @@ fn switching_files_closes_the_first_and_fills_the_second() {
     let set = SetTimeline::new(t.clone(), 0, &[0], "tcp");
     let r = response(CollectiveKind::Allgather, &["allgather.x"]);
     t.start(first.clone(), false).unwrap();
-    let mut phases = set.phases(&r);
+    let mut phases = set.op(&r, [Some(Instant::now())].into_iter(), Instant::now());
     phases.mark_collective();
+    phases.finish();
     t.start(second.clone(), false).unwrap();
-    let mut phases = set.phases(&r);
-    phases.mark_collective();
-    phases.mark_collective();
+    for _ in 0..2 {
+        let mut phases = set.op(&r, [Some(Instant::now())].into_iter(), Instant::now());
+        phases.mark_collective();
+        phases.finish();
+    }
     set.cycle();
     t.stop();
     assert!(!t.is_on());

@@ -9,7 +9,7 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
 use super::file::TraceFile;
-use super::{Stage, Event, Message, Subject};
+use super::{Event, Message, Stage};
 
 /// Longest time an event waits in memory before it is written.
 const FLUSH_EVERY: Duration = Duration::from_millis(100);
@@ -31,7 +31,7 @@ pub(crate) struct Writer {
     file: TraceFile,
     path: PathBuf,
     rank: usize,
-    origin: (Instant, f64),
+    origin: (Instant, u128),
     /// Events formatted and not yet written, joined by `,\n`.
     pending: String,
     pending_since: Option<Instant>,
@@ -43,7 +43,7 @@ pub(crate) struct Writer {
 }
 
 impl Writer {
-    pub(crate) fn new(file: TraceFile, path: PathBuf, rank: usize, origin: (Instant, f64)) -> Writer {
+    pub(crate) fn new(file: TraceFile, path: PathBuf, rank: usize, origin: (Instant, u128)) -> Writer {
         Writer {
             file,
             path,
@@ -115,13 +115,42 @@ impl Writer {
         }
     }
 
-    /// Microseconds since the epoch of `at`, on the clock of every rank.
-    fn ts(&self, at: Instant) -> f64 {
-        let (origin, wall) = self.origin;
+    /// Nanoseconds since the epoch of `at`, on the clock of every rank.
+    fn ts(&self, at: Instant) -> u128 {
+        let (origin, wall_ns) = self.origin;
         match at.checked_duration_since(origin) {
-            Some(after) => wall + after.as_secs_f64() * 1e6,
-            None => wall - origin.duration_since(at).as_secs_f64() * 1e6,
+            Some(after) => wall_ns + after.as_nanos(),
+            None => wall_ns.saturating_sub(origin.duration_since(at).as_nanos()),
         }
+    }
+
+    /// `ts(at)` as JSON microseconds.
+    fn ts_us(&self, at: Instant) -> String {
+        let ns = self.ts(at);
+        format!("{}.{:03}", ns / 1000, ns % 1000)
+    }
+
+    /// One complete ("X") event.
+    fn span(&mut self, name: &str, start: Instant, end: Instant, row: u64, rank: usize, args: Option<&str>) {
+        let ts = self.ts(start);
+        let dur_ns = end.saturating_duration_since(start).as_nanos();
+        if !self.pending.is_empty() {
+            self.pending.push_str(",\n");
+        }
+        let out = &mut self.pending;
+        let _ = write!(
+            out,
+            r#"{{"name":"{name}","ph":"X","ts":{}.{:03},"dur":{}.{:03},"pid":{row},"tid":{rank}"#,
+            ts / 1000,
+            ts % 1000,
+            dur_ns / 1000,
+            dur_ns % 1000
+        );
+        if let Some(args) = args {
+            out.push_str(r#","args":"#);
+            out.push_str(args);
+        }
+        out.push('}');
     }
 
     fn push(&mut self, event: &str) {
@@ -159,58 +188,52 @@ impl Writer {
 
     fn format(&mut self, event: &Event) {
         match event {
-            Event::Span { subject, tensor, rank, stage, start, end } => {
-                let name = stage_name(*stage, subject);
-                let ts = self.ts(*start);
-                let dur = end.saturating_duration_since(*start).as_secs_f64() * 1e6;
-                let with_args = matches!(stage, Stage::Negotiate | Stage::Op);
-                let range = match tensor {
-                    Some(i) => *i..(*i + 1).min(subject.tensors.len()),
-                    None => 0..subject.tensors.len(),
-                };
-                for (tensor_name, shape) in &subject.tensors[range] {
+            Event::Op(op) => {
+                let subject = &op.subject;
+                let op_name = subject.kind.name().to_ascii_uppercase();
+                let negotiate = format!("NEGOTIATE_{op_name}");
+                let phase_names: Vec<String> = op.phases.iter().map(|p| stage_name(p.0, &op_name)).collect();
+                for (i, (tensor_name, shape)) in subject.tensors.iter().enumerate() {
                     let row = self.row(subject.set_id, tensor_name);
-                    let mut json = format!(
-                        r#"{{"name":"{name}","ph":"X","ts":{ts:.3},"dur":{dur:.3},"pid":{row},"tid":{rank}"#
+                    let mut args = String::new();
+                    let _ = write!(
+                        args,
+                        r#"{{"dtype":"{}","shape":{shape:?},"process_set":{},"fused_with":{}}}"#,
+                        subject.dtype.name(),
+                        subject.set_id,
+                        subject.tensors.len() - 1
                     );
-                    if with_args {
-                        let _ = write!(
-                            json,
-                            r#","args":{{"dtype":"{}","shape":{shape:?},"process_set":{},"fused_with":{}}}"#,
-                            subject.dtype.name(),
-                            subject.set_id,
-                            subject.tensors.len() - 1
-                        );
+                    if let Some(Some(submitted)) = op.submitted.get(i) {
+                        self.span(&negotiate, *submitted, op.agreed, row, op.rank, Some(&args));
                     }
-                    json.push('}');
-                    self.push(&json);
+                    self.span("QUEUE", op.agreed, op.started, row, op.rank, None);
+                    self.span(&op_name, op.started, op.end, row, op.rank, Some(&args));
+                    for ((_, from, to), name) in op.phases.iter().zip(&phase_names) {
+                        self.span(name, *from, *to, row, op.rank, None);
+                    }
                 }
             }
             Event::Tick { set_id, kind, name, rank, ready_rank, at } => {
                 let row = self.row(*set_id, name);
-                let ts = self.ts(*at);
+                let ts = self.ts_us(*at);
                 let op = kind.name().to_ascii_uppercase();
                 let json = format!(
-                    r#"{{"name":"{ready_rank}","ph":"i","s":"t","ts":{ts:.3},"pid":{row},"tid":{rank},"args":{{"ready_rank":{ready_rank},"negotiating":"NEGOTIATE_{op}"}}}}"#
+                    r#"{{"name":"{ready_rank}","ph":"i","s":"t","ts":{ts},"pid":{row},"tid":{rank},"args":{{"ready_rank":{ready_rank},"negotiating":"NEGOTIATE_{op}"}}}}"#
                 );
                 self.push(&json);
             }
             Event::Cycle { rank, at } => {
                 self.name_thread(ENGINE_ROW);
-                let ts = self.ts(*at);
-                let json = format!(r#"{{"name":"CYCLE_START","ph":"i","s":"t","ts":{ts:.3},"pid":{ENGINE_ROW},"tid":{rank}}}"#);
+                let ts = self.ts_us(*at);
+                let json = format!(r#"{{"name":"CYCLE_START","ph":"i","s":"t","ts":{ts},"pid":{ENGINE_ROW},"tid":{rank}}}"#);
                 self.push(&json);
             }
         }
     }
 }
 
-fn stage_name(stage: Stage, subject: &Subject) -> String {
-    let op = subject.kind.name().to_ascii_uppercase();
+fn stage_name(stage: Stage, op: &str) -> String {
     match stage {
-        Stage::Negotiate => format!("NEGOTIATE_{op}"),
-        Stage::Queue => "QUEUE".to_string(),
-        Stage::Op => op,
         Stage::MemcpyInFusionBuffer => "MEMCPY_IN_FUSION_BUFFER".to_string(),
         Stage::Collective(transport) => format!("{}_{op}", transport.to_ascii_uppercase()),
         Stage::MemcpyOutFusionBuffer => "MEMCPY_OUT_FUSION_BUFFER".to_string(),
