@@ -311,6 +311,17 @@ mod tests {
     }
 
     #[test]
+    fn timeline_settings() {
+        let c = config(&[]).unwrap();
+        assert_eq!((c.timeline, c.timeline_mark_cycles), (None, false));
+        let c = config(&[("HOROVOD_TIMELINE", "/tmp/t.json"), ("HOROVOD_TIMELINE_MARK_CYCLES", "1")]).unwrap();
+        assert_eq!((c.timeline.as_deref(), c.timeline_mark_cycles), (Some("/tmp/t.json"), true));
+        assert_eq!(config(&[("RVOD_TIMELINE", "DYNAMIC")]).unwrap().timeline.as_deref(), Some("DYNAMIC"));
+        assert_eq!(config(&[("RVOD_TIMELINE", "")]).unwrap().timeline, None);
+        assert_eq!(config(&[("RVOD_TIMELINE_MARK_CYCLES", "x")]).unwrap_err().name, "RVOD_TIMELINE_MARK_CYCLES");
+    }
+
+    #[test]
     fn defaults_are_a_single_rank_job() {
         let c = config(&[]).unwrap();
         assert_eq!(c.topology.size, 1);

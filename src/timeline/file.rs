@@ -2,8 +2,10 @@
 //!
 //! Layout: `[\n<header>` then `,\n<event>` per event, then `\n]`. An append overwrites the closing `\n]`
 //! with `,\n<events>\n]` in ONE positioned write, so a rank killed at any moment (kill -9, Ctrl-C, a crash)
-//! leaves either the file before that write or after it: `json.loads` never fails. (A complete rewrite
-//! and atomic rename per flush would cost O(file size) per flush; this costs O(new events).)
+//! leaves the file before that write or after it. (A complete rewrite and atomic rename per flush would
+//! cost O(file size) per flush; this costs O(new events).) One window remains: Linux checks for a fatal
+//! signal between the pages of a write, so a SIGKILL landing during a write that spans pages can leave it
+//! cut at a page boundary (a write lasts microseconds; flushes come every 100 ms).
 //!
 //! Every rank of a job appends to the same file, each under an exclusive `flock`, so the activity of all
 //! ranks lands in one file. The header is a metadata event carrying a session key (the job and the

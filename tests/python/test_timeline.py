@@ -20,6 +20,8 @@ from jobs import WORKERS
 from conftest import JOB_TAG_VARIABLE, kill_tagged
 
 WORKER = str(WORKERS / "timeline.py")
+# The transport's collective is named after it: shared memory unless the run turned it off.
+TRANSPORT = "TCP" if os.environ.get("RVOD_SHM", os.environ.get("HOROVOD_SHM")) == "0" else "SHM"
 
 
 class Trace:
@@ -41,7 +43,7 @@ class Trace:
         return {e["tid"] for e in self.by_row[row]}
 
 
-def assert_op_rows(trace: Trace, tag: str, ranks: set[int], transport: str = "SHM"):
+def assert_op_rows(trace: Trace, tag: str, ranks: set[int], transport: str = TRANSPORT):
     expected = {
         f"allreduce.{tag}.grad": ("ALLREDUCE", "float32", [4, 3]),
         f"allgather.{tag}.gathered": ("ALLGATHER", "int32", None),
@@ -79,7 +81,7 @@ def test_every_op_and_a_process_set_on_every_rank_in_one_file(run_rvodrun, job_e
     assert_op_rows(trace, "step", {0, 1, 2})
     pair = "allreduce.pair.grad (process set 1)"
     assert trace.ranks(pair) == {0, 2}, trace.ranks(pair)
-    assert {"NEGOTIATE_ALLREDUCE", "ALLREDUCE", "SHM_ALLREDUCE"} <= trace.names(pair, 2)
+    assert {"NEGOTIATE_ALLREDUCE", "ALLREDUCE", f"{TRANSPORT}_ALLREDUCE"} <= trace.names(pair, 2)
     assert {e["args"]["process_set"] for e in trace.by_row[pair] if e["name"] == "ALLREDUCE"} == {1}
     cycles = [e for e in trace.by_row["rvod engine cycles"] if e["name"] == "CYCLE_START"]
     assert {e["tid"] for e in cycles} == {0, 1, 2}
