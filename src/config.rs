@@ -79,6 +79,11 @@ pub struct Config {
     /// Set when a launcher other than rvodrun started this multi-rank job (see `crate::launch`): rank 0
     /// serves the store and `rendezvous` is filled in when the ranks meet.
     pub launch: Option<LaunchPlan>,
+    /// `RVOD_TIMELINE`: the Chrome-trace file every rank records into, or [`crate::timeline::DYNAMIC`]
+    /// (recording only between `start_timeline()` and `stop_timeline()`); `None`: those functions raise.
+    pub timeline: Option<String>,
+    /// `RVOD_TIMELINE_MARK_CYCLES`: mark each negotiation round with `CYCLE_START`.
+    pub timeline_mark_cycles: bool,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -285,6 +290,8 @@ impl Config {
             hierarchical_allgather: env.optional_flag("HIERARCHICAL_ALLGATHER")?,
             dynamic_process_sets: env.flag("DYNAMIC_PROCESS_SETS")?,
             launch,
+            timeline: env.string("TIMELINE").filter(|path| !path.is_empty()),
+            timeline_mark_cycles: env.flag("TIMELINE_MARK_CYCLES")?,
         })
     }
 }
@@ -449,6 +456,17 @@ mod tests {
         }
         let bad = config(&[("HOROVOD_DYNAMIC_PROCESS_SETS", "maybe")]).unwrap_err();
         assert_eq!((bad.name.as_str(), bad.value.as_str()), ("HOROVOD_DYNAMIC_PROCESS_SETS", "maybe"));
+    }
+
+    #[test]
+    fn timeline_settings() {
+        let c = config(&[]).unwrap();
+        assert_eq!((c.timeline, c.timeline_mark_cycles), (None, false));
+        let c = config(&[("HOROVOD_TIMELINE", "/tmp/t.json"), ("HOROVOD_TIMELINE_MARK_CYCLES", "1")]).unwrap();
+        assert_eq!((c.timeline.as_deref(), c.timeline_mark_cycles), (Some("/tmp/t.json"), true));
+        assert_eq!(config(&[("RVOD_TIMELINE", "DYNAMIC")]).unwrap().timeline.as_deref(), Some("DYNAMIC"));
+        assert_eq!(config(&[("RVOD_TIMELINE", "")]).unwrap().timeline, None);
+        assert_eq!(config(&[("RVOD_TIMELINE_MARK_CYCLES", "x")]).unwrap_err().name, "RVOD_TIMELINE_MARK_CYCLES");
     }
 
     #[test]

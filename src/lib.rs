@@ -16,6 +16,7 @@ pub mod fusion;
 pub mod launch;
 pub mod ring;
 pub mod tensor;
+pub mod timeline;
 pub mod transport;
 pub mod types;
 

@@ -20,6 +20,7 @@ use crate::coordinator::message::Response;
 use crate::coordinator::round::{EagerPayload, RequestList, ResponseList, RoundHeader, StopReason};
 use crate::engine::table::{Announcement, TensorTable};
 use crate::fusion::plan_fusion;
+use crate::timeline::SetTimeline;
 use crate::transport::{Transport, TransportError};
 use crate::types::CollectiveKind;
 
@@ -56,6 +57,8 @@ pub struct Negotiator {
     /// Cached entries pending longer than this are invalidated so the coordinator can report the stall.
     stall_check: Option<Duration>,
     coordinator: Option<MessageTable>,
+    /// Where the coordinator ticks each rank's readiness.
+    timeline: SetTimeline,
 }
 
 fn is_cacheable(kind: CollectiveKind) -> bool {
@@ -112,7 +115,12 @@ impl Negotiator {
             fusion_threshold,
             stall_check,
             coordinator: (rank == 0).then(|| MessageTable::new(global_ranks)),
+            timeline: SetTimeline::default(),
         }
+    }
+
+    pub fn with_timeline(self, timeline: SetTimeline) -> Self {
+        Negotiator { timeline, ..self }
     }
 
     /// The coordinator's state, on rank 0.
@@ -301,6 +309,7 @@ impl Negotiator {
         match self.coordinator.as_mut() {
             Some(coordinator) => {
                 for (i, request) in mine.requests.iter().enumerate() {
+                    self.timeline.tick(&request.name, request.kind, me);
                     coordinator.add_waited(request.clone(), waited(&mine, i));
                 }
                 for peer in (0..n).filter(|&p| p != me) {
@@ -312,6 +321,7 @@ impl Negotiator {
                                 detail: format!("request claims to come from rank {}", request.rank),
                             });
                         }
+                        self.timeline.tick(&request.name, request.kind, peer);
                         coordinator.add_waited(request.clone(), waited(&list, i));
                     }
                 }

@@ -45,7 +45,8 @@ pub(crate) fn run(shared: Arc<Shared>, transport: Box<dyn Transport>, config: Co
         config.cache_capacity,
         config.fusion_threshold,
         config.stall_check,
-    );
+    )
+    .with_timeline(shared.timeline.clone());
     let executor = Executor::new(HierarchyChoice {
         allreduce: config.hierarchical_allreduce,
         allgather: config.hierarchical_allgather,
@@ -107,22 +108,26 @@ impl Loop {
                 }
             }
 
+            self.shared.timeline.cycle();
             let outcome = match self.negotiator.round(&mut *self.transport, &mut self.table, stop) {
                 Ok(outcome) => outcome,
                 Err(_) if shutdown => return Ok(self.own_stop_reason(stop)),
                 Err(e) => return Err(EngineError::transport("negotiation", &e)),
             };
+            let agreed = Instant::now();
             for eager in &outcome.eager {
                 if let Some(name) = eager.response.entries.first().map(|e| e.name.clone()) {
                     let mut entry = self.table.take(&name);
+                    let record = self.shared.timeline.op(&eager.response, [entry.as_ref().map(|e| e.submitted)].into_iter(), agreed);
                     let result = execute_eager(eager, entry.as_mut());
+                    record.finish();
                     if let Some(entry) = entry {
                         self.complete(entry, Ok(result));
                     }
                 }
             }
             for response in &outcome.responses {
-                self.execute(response)?;
+                self.execute(response, agreed)?;
             }
             if !outcome.shutdown_by.is_empty() {
                 return Ok(if shutdown { self.own_stop_reason(stop) } else { self.peers_stop_reason(&outcome.shutdown_by) });
@@ -257,9 +262,12 @@ impl Loop {
         }
     }
 
-    fn execute(&mut self, response: &crate::coordinator::message::Response) -> Result<(), EngineError> {
+    fn execute(&mut self, response: &crate::coordinator::message::Response, agreed: Instant) -> Result<(), EngineError> {
         let mut entries: Vec<Option<TensorEntry>> = response.entries.iter().map(|e| self.table.take(&e.name)).collect();
-        match self.executor.execute(&mut *self.transport, response, &mut entries) {
+        let mut record = self.shared.timeline.op(response, entries.iter().map(|e| e.as_ref().map(|e| e.submitted)), agreed);
+        let outcome = self.executor.execute_recorded(&mut *self.transport, response, &mut entries, &mut record);
+        record.finish();
+        match outcome {
             Ok(results) => {
                 for (entry, result) in entries.into_iter().zip(results) {
                     if let Some(entry) = entry {

@@ -12,6 +12,7 @@ use crate::engine::{affinity, background};
 use crate::engine::handles::HandleTable;
 use crate::engine::table::TensorEntry;
 use crate::error::EngineError;
+use crate::timeline::{SetTimeline, Timeline};
 use crate::transport::{Transport, Waker};
 
 /// Submissions waiting for the background thread, and whether it still takes them.
@@ -38,6 +39,7 @@ pub(crate) struct Shared {
     pub(crate) global_ranks: Vec<usize>,
     /// What the transport is ("shm", "tcp", ...), for diagnostics.
     pub(crate) transport_kind: &'static str,
+    pub(crate) timeline: SetTimeline,
 }
 
 impl Shared {
@@ -80,6 +82,7 @@ impl Communicator {
         transport: Box<dyn Transport>,
         config: &Config,
         handles: Arc<HandleTable>,
+        timeline: Timeline,
     ) -> Result<Communicator, EngineError> {
         let shared = Arc::new(Shared {
             handles,
@@ -89,6 +92,7 @@ impl Communicator {
             stop_reason: AtomicU8::new(0),
             idle: AtomicBool::new(false),
             set_id,
+            timeline: SetTimeline::new(timeline, set_id, &global_ranks, transport.kind()),
             global_ranks,
             transport_kind: transport.kind(),
         });

@@ -17,6 +17,7 @@ use crate::ring;
 use crate::ring::staged::{OwnPiece, StagedAllreduce};
 use crate::tensor::AlignedBuffer;
 use crate::transport::composite::HostLayout;
+use crate::timeline::{OpRecord, Stage};
 use crate::transport::{Transport, TransportError};
 use crate::types::{CollectiveKind, Combine, DataType, ReduceOp};
 
@@ -117,12 +118,23 @@ impl Executor {
         response: &Response,
         entries: &mut [Option<TensorEntry>],
     ) -> Result<Vec<Result<TensorResult, EngineError>>, TransportError> {
+        self.execute_recorded(t, response, entries, &mut OpRecord::off())
+    }
+
+    /// [`Executor::execute`], marking the op's phases in `phases` (the timeline).
+    pub fn execute_recorded(
+        &mut self,
+        t: &mut dyn Transport,
+        response: &Response,
+        entries: &mut [Option<TensorEntry>],
+        phases: &mut OpRecord,
+    ) -> Result<Vec<Result<TensorResult, EngineError>>, TransportError> {
         if let Some((kind, message)) = &response.error {
             let err = EngineError::negotiated(*kind, message.clone());
             return Ok(entries.iter().map(|_| Err(err.clone())).collect());
         }
-        match response.kind {
-            CollectiveKind::Allreduce => self.allreduce(t, response, entries),
+        let results = match response.kind {
+            CollectiveKind::Allreduce => return self.allreduce(t, response, entries, phases),
             CollectiveKind::Allgather => {
                 let forced = self.hierarchy.allgather;
                 each(entries, |e| allgather(t, forced, response, e))
@@ -139,7 +151,10 @@ impl Executor {
                 .iter()
                 .map(|_| Ok(TensorResult { last_joined_rank: Some(response.last_joined_rank), ..TensorResult::default() }))
                 .collect()),
-        }
+        };
+        // One phase: the transport's collective (an allreduce marks its own phases).
+        phases.mark_collective();
+        results
     }
 
     fn allreduce(
@@ -147,6 +162,7 @@ impl Executor {
         t: &mut dyn Transport,
         response: &Response,
         entries: &mut [Option<TensorEntry>],
+        phases: &mut OpRecord,
     ) -> Result<Vec<Result<TensorResult, EngineError>>, TransportError> {
         let dtype = response.dtype;
         let combine = combine_of(response.reduce_op);
@@ -172,6 +188,7 @@ impl Executor {
             ring::scale_in_place(buf, dtype, response.prescale);
             allreduce_buffer(t, forced, buf, dtype, combine)?;
             ring::scale_in_place(buf, dtype, postscale);
+            phases.mark_collective();
             let out = match (entry, owned) {
                 (Some(e), Some(b)) if !e.in_place => output(b, spec.shape.clone(), dtype),
                 _ => None,
@@ -200,6 +217,7 @@ impl Executor {
                 gather(&tensors, slots, range.start, piece);
                 ring::scale_in_place(piece, dtype, prescale);
             }
+            phases.mark(Stage::MemcpyInFusionBuffer);
             op.reduce(combine, postscale, &mut |phase, offset, piece| match phase {
                 OwnPiece::Contribute => {
                     gather(&tensors, slots, offset, piece);
@@ -207,17 +225,22 @@ impl Executor {
                 }
                 OwnPiece::Result => scatter(&mut tensors, slots, offset, piece),
             })?;
+            phases.mark_collective();
             for (offset, bytes) in op.others_results() {
                 scatter(&mut tensors, slots, offset, bytes);
             }
+            phases.mark(Stage::MemcpyOutFusionBuffer);
             return Ok(tensors.into_iter().map(|io| Ok(io.finish())).collect());
         }
         let buffer = self.fusion_buffer(total);
         gather(&tensors, slots, 0, buffer);
         ring::scale_in_place(buffer, dtype, prescale);
+        phases.mark(Stage::MemcpyInFusionBuffer);
         allreduce_buffer(t, forced, buffer, dtype, combine)?;
         ring::scale_in_place(buffer, dtype, postscale);
+        phases.mark_collective();
         scatter(&mut tensors, slots, 0, buffer);
+        phases.mark(Stage::MemcpyOutFusionBuffer);
         Ok(tensors.into_iter().map(|io| Ok(io.finish())).collect())
     }
 }

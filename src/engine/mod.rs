@@ -39,6 +39,7 @@ use crate::coordinator::round::StopReason;
 use crate::coordinator::message_table::{BARRIER_NAME, JOIN_NAME};
 use crate::error::EngineError;
 use crate::tensor::RawTensor;
+use crate::timeline::{self, Timeline};
 use crate::transport::rendezvous::StoreClient;
 use crate::types::{CollectiveKind, DataType};
 
@@ -61,6 +62,7 @@ pub struct Engine {
     homogeneous: bool,
     /// Where this rank's data listeners bind (None in a job of size 1).
     data_addr: Option<std::net::IpAddr>,
+    timeline: Timeline,
 }
 
 fn sorted_unique(ranks: &[usize]) -> Vec<usize> {
@@ -90,7 +92,12 @@ impl Engine {
             Some(s) => connect::all_hosts_equal(s, &format!("init{generation}"), &topo, config.start_timeout)?,
             None => true,
         };
+        let timeline = Timeline::new(topo.rank, job_key(&config));
+        if let Some(path) = config.timeline.as_deref().filter(|p| *p != timeline::DYNAMIC) {
+            timeline.start(path.into(), config.timeline_mark_cycles)?;
+        }
         let engine = Engine {
+            timeline,
             handles: Arc::new(HandleTable::default()),
             registry: Mutex::new(ProcessSetRegistry::default()),
             store: Mutex::new(store),
@@ -141,7 +148,7 @@ impl Engine {
         let mut store = self.store.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let transport = connect::connect_members(&self.config, self.data_addr, store.as_mut(), &scope, ranks)?;
         drop(store);
-        Communicator::start(id, ranks.to_vec(), transport, &self.config, Arc::clone(&self.handles))
+        Communicator::start(id, ranks.to_vec(), transport, &self.config, Arc::clone(&self.handles), self.timeline.clone())
     }
 
     /// Every rank publishes the ranks it is registering as its `sequence`-th set and checks that all ranks
@@ -310,7 +317,45 @@ impl Engine {
         for communicator in communicators {
             communicator.stop(why);
         }
+        self.timeline.stop();
     }
+
+    /// `start_timeline()`: record into `path` from now on (switching files if one is open). Refused unless
+    /// the job started with `RVOD_TIMELINE` set (a path or `DYNAMIC`), as in Horovod.
+    pub fn start_timeline(&self, path: &str, mark_cycles: bool) -> Result<(), EngineError> {
+        if self.config.timeline.is_none() {
+            return Err(EngineError::InvalidArgument(
+                "Set HOROVOD_TIMELINE=DYNAMIC to enable dynamic timeline usage.".into(),
+            ));
+        }
+        if path.is_empty() {
+            return Err(EngineError::InvalidArgument("start_timeline() needs a file path".into()));
+        }
+        self.timeline.start(path.into(), mark_cycles)
+    }
+
+    /// `stop_timeline()`: close the current file (everything recorded is in it on return).
+    pub fn stop_timeline(&self) -> Result<(), EngineError> {
+        if self.config.timeline.is_none() {
+            return Err(EngineError::InvalidArgument(
+                "Set HOROVOD_TIMELINE=DYNAMIC to enable dynamic timeline usage.".into(),
+            ));
+        }
+        self.timeline.stop();
+        Ok(())
+    }
+}
+
+/// Identifies this run of the job on every rank (from the job's secret and rendezvous address), so a
+/// timeline file left by an earlier run is replaced, not extended.
+fn job_key(config: &Config) -> String {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    match &config.rendezvous {
+        Some(rdv) => (&rdv.secret, &rdv.addr, rdv.port).hash(&mut hasher),
+        None => (std::process::id(), std::time::SystemTime::now()).hash(&mut hasher),
+    }
+    format!("{:016x}", hasher.finish())
 }
 
 /// The table entries of one submission, each with its request as this rank sends it.

@@ -344,3 +344,17 @@ pub fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     info.set_item("nccl", false)?;
     Ok(info)
 }
+
+/// `hvd.start_timeline(file_path, mark_cycles)`: record into `file_path` (switching files if one is open).
+#[pyfunction]
+pub fn start_timeline(py: Python<'_>, file_path: String, mark_cycles: bool) -> PyResult<()> {
+    let engine = engine()?;
+    py.allow_threads(|| engine.start_timeline(&file_path, mark_cycles)).map_err(to_py_err)
+}
+
+/// `hvd.stop_timeline()`: close the current timeline file once everything recorded is in it.
+#[pyfunction]
+pub fn stop_timeline(py: Python<'_>) -> PyResult<()> {
+    let engine = engine()?;
+    py.allow_threads(|| engine.stop_timeline()).map_err(to_py_err)
+}

@@ -33,6 +33,8 @@ fn _rvod(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(api::dynamic_process_sets, m)?)?;
     m.add_function(wrap_pyfunction!(api::transport_kind, m)?)?;
     m.add_function(wrap_pyfunction!(api::build_info, m)?)?;
+    m.add_function(wrap_pyfunction!(api::start_timeline, m)?)?;
+    m.add_function(wrap_pyfunction!(api::stop_timeline, m)?)?;
     m.add_function(wrap_pyfunction!(dlpack::relabel_bool_as_uint8, m)?)?;
     m.add_class::<rendezvous::RendezvousServer>()?;
     m.add_class::<rendezvous::StoreClient>()?;

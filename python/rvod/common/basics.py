@@ -1,6 +1,7 @@
 """Life cycle and topology: init, shutdown, rank, size and the capability probes Horovod scripts call."""
 
 import atexit
+import os
 
 from rvod import _rvod
 from rvod.common import naming, process_sets as _process_sets
@@ -184,13 +185,13 @@ def rocm_built():
 
 
 def start_timeline(file_path, mark_cycles=False):
-    """Timeline recording is not in this version; this says so without failing the script."""
+    """Record a Chrome-trace timeline of every rank's collectives into ``file_path`` (switching files if
+    one is open). Needs ``RVOD_TIMELINE`` (or ``HOROVOD_TIMELINE``) set at start, to a path or ``DYNAMIC``."""
     _topo()
-    import warnings
-
-    warnings.warn("rvod: the timeline is not available in this version; start_timeline() does nothing", stacklevel=2)
+    _rvod.start_timeline(os.fspath(file_path), bool(mark_cycles))
 
 
 def stop_timeline():
-    """Counterpart of start_timeline(); does nothing in this version."""
+    """Close the current timeline file; everything recorded so far is in it when this returns."""
     _topo()
+    _rvod.stop_timeline()

@@ -593,13 +593,13 @@ with check("barrier waits for the slowest rank"):
     left = time.time()
     assert left >= max(hvd.allgather_object(entered, name="barrier.entered"))
 
-with check("timeline hooks say they do nothing, and do not raise"):
-    import warnings
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        hvd.start_timeline("/tmp/unused-timeline.json")
-        hvd.stop_timeline()
-    assert any("timeline" in str(w.message) for w in caught), [str(w.message) for w in caught]
+with check("timeline calls raise Horovod's ValueError when RVOD_TIMELINE was not set (test_timeline.py covers the rest)"):
+    for call in (lambda: hvd.start_timeline("/tmp/unused-timeline.json"), hvd.stop_timeline):
+        try:
+            call()
+            raise AssertionError("no error")
+        except ValueError as e:
+            assert str(e) == "Set HOROVOD_TIMELINE=DYNAMIC to enable dynamic timeline usage.", e
 
 # ----------------------------------------------------------------------------------------------------- join
 
