@@ -297,7 +297,7 @@ def test_slurm_step_on_one_node(clean_env, tmp_path):
 @pytest.mark.timeout(60)
 def test_slurm_step_on_two_nodes_with_a_secret(clean_env, tmp_path):
     # "node1" and "node2" are both this machine: the first host of the node list is reached through
-    # RVOD_RENDEZVOUS_ADDR, which wins over it; ranks on different "nodes" talk over TCP.
+    # RVOD_RENDEZVOUS_ADDR, which wins over it; ranks on different "nodes" talk over TCP, ranks on one node through shared memory.
     secret_file = tmp_path / "secret"
     secret_file.write_text(os.urandom(32).hex() + "\n")
     secret_file.chmod(0o600)
@@ -313,7 +313,8 @@ def test_slurm_step_on_two_nodes_with_a_secret(clean_env, tmp_path):
     for rank, topology in found.items():
         got = (topology["local_rank"], topology["local_size"], topology["cross_rank"], topology["cross_size"])
         assert got == expected[rank], (rank, topology)
-        assert topology["transport"] == "tcp", topology
+        # One communicator across the nodes: shared memory on node1, TCP between the nodes.
+        assert topology["transport"] == "shm+tcp", topology
 
 
 @pytest.mark.timeout(60)
@@ -420,7 +421,7 @@ def test_torchrun_variables_across_two_hosts(clean_env, two_hosts, tmp_path):
     for rank, topology in found.items():
         got = (topology["local_rank"], topology["local_size"], topology["cross_rank"], topology["cross_size"])
         assert got == (rank % 2, 2, rank // 2, 2), (rank, topology)
-        assert topology["transport"] == "tcp", topology
+        assert topology["transport"] == "shm+tcp", topology
     for _, _, err in results[1:]:
         assert "reached rank 0's rendezvous store at 198.51.100.1:29401 (MASTER_ADDR, port MASTER_PORT + 1)" in err, \
             ranks_report(results)
