@@ -111,6 +111,9 @@ impl Executor {
             let err = EngineError::Internal("fused tensors are too large to address".into());
             return Ok(entries.iter().map(|_| Err(err.clone())).collect());
         };
+        if response.reduce_op == ReduceOp::Adasum {
+            return self.adasum(t, response, entries, &layout);
+        }
         let total = layout.total_bytes();
         // Decided from the response alone: every rank, a joined one too, must take the same path.
         let plain_single = matches!(response.entries.as_slice(), [spec] if !spec.packed);
@@ -172,6 +175,41 @@ impl Executor {
         ring::scale_in_place(buffer, dtype, prescale);
         ring::allreduce(t, buffer, dtype, combine)?;
         ring::scale_in_place(buffer, dtype, postscale);
+        scatter(&mut tensors, slots, 0, buffer);
+        Ok(tensors.into_iter().map(|io| Ok(io.finish())).collect())
+    }
+}
+
+impl Executor {
+    /// An Adasum allreduce: the tensors are packed into the fusion buffer and combined by
+    /// [`ring::adasum_allreduce`], each tensor with its own coefficients.
+    fn adasum(
+        &mut self,
+        t: &mut dyn Transport,
+        response: &Response,
+        entries: &mut [Option<TensorEntry>],
+        layout: &FusionLayout,
+    ) -> Result<Vec<Result<TensorResult, EngineError>>, TransportError> {
+        let dtype = response.dtype;
+        if !dtype.is_float() {
+            let err = EngineError::InvalidArgument(format!("Adasum reduces only floating-point tensors, not {dtype}"));
+            return Ok(entries.iter().map(|_| Err(err.clone())).collect());
+        }
+        let (slots, total) = (layout.slots(), layout.total_bytes());
+        // Each tensor's part of the buffer runs to the next tensor's start: the zeroed gap after it adds
+        // nothing to its dot product or norms and stays zero.
+        let counts: Vec<usize> = slots
+            .iter()
+            .enumerate()
+            .map(|(i, slot)| (slots.get(i + 1).map_or(total, |next| next.offset) - slot.offset) / dtype.size())
+            .collect();
+        let mut tensors: Vec<TensorIo<'_>> =
+            entries.iter_mut().zip(slots).map(|(entry, slot)| TensorIo::new(entry.as_mut(), slot.bytes, dtype)).collect();
+        let buffer = self.fusion_buffer(total);
+        gather(&tensors, slots, 0, buffer);
+        ring::scale_in_place(buffer, dtype, response.prescale);
+        ring::adasum_allreduce(t, buffer, dtype, &counts)?;
+        ring::scale_in_place(buffer, dtype, response.postscale);
         scatter(&mut tensors, slots, 0, buffer);
         Ok(tensors.into_iter().map(|io| Ok(io.finish())).collect())
     }
