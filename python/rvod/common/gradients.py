@@ -28,7 +28,10 @@ class Reduction:
     def __init__(self, op=Average, gradient_predivide_factor=1.0, num_groups=0, groups=None, postscale_factor=1.0):
         op = resolve_op(op, None)
         if op == Adasum:
-            raise ValueError("Adasum is not supported by this rvod build; use Average or Sum.")
+            raise ValueError("Adasum is not implemented for rvod's TensorFlow/Keras DistributedOptimizer and "
+                             "DistributedGradientTape (Horovod's Keras optimizer refuses it too); use "
+                             "rvod.torch.DistributedOptimizer(op=Adasum), or hvd.allreduce / hvd.grouped_allreduce "
+                             "with op=hvd.Adasum on your own updates.")
         if op not in (Average, Sum):
             raise ValueError(f"op must be Average or Sum, got {op}")
         if gradient_predivide_factor != 1.0 and op != Average:
