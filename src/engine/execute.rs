@@ -33,6 +33,8 @@ pub struct TensorResult {
 #[derive(Default)]
 pub struct Executor {
     fusion_buffer: Option<AlignedBuffer>,
+    /// Working memory of Adasum allreduces.
+    adasum_scratch: Vec<u8>,
 }
 
 fn combine_of(op: ReduceOp) -> Combine {
@@ -195,6 +197,26 @@ impl Executor {
             let err = EngineError::InvalidArgument(format!("Adasum reduces only floating-point tensors, not {dtype}"));
             return Ok(entries.iter().map(|_| Err(err.clone())).collect());
         }
+        if let ([entry], [spec]) = (&mut *entries, response.entries.as_slice()) {
+            if !spec.packed {
+                // One tensor: combined straight in its output, no fusion buffer.
+                let len = spec.num_elements() * dtype.size();
+                let mut owned = None;
+                let buf: &mut [u8] = match entry {
+                    Some(e) if e.in_place => e.input.as_mut_slice(),
+                    Some(e) => owned.insert(AlignedBuffer::from_slice(e.input.as_slice())).as_mut_slice(),
+                    None => owned.insert(AlignedBuffer::zeroed(len)).as_mut_slice(),
+                };
+                ring::scale_in_place(buf, dtype, response.prescale);
+                ring::adasum_allreduce(t, buf, dtype, &[len / dtype.size()], &mut self.adasum_scratch)?;
+                ring::scale_in_place(buf, dtype, response.postscale);
+                let out = match (entry, owned) {
+                    (Some(e), Some(b)) if !e.in_place => output(b, spec.shape.clone(), dtype),
+                    _ => None,
+                };
+                return Ok(vec![Ok(TensorResult { output: out, ..TensorResult::default() })]);
+            }
+        }
         let (slots, total) = (layout.slots(), layout.total_bytes());
         // Each tensor's part of the buffer runs to the next tensor's start: the zeroed gap after it adds
         // nothing to its dot product or norms and stays zero.
@@ -205,10 +227,14 @@ impl Executor {
             .collect();
         let mut tensors: Vec<TensorIo<'_>> =
             entries.iter_mut().zip(slots).map(|(entry, slot)| TensorIo::new(entry.as_mut(), slot.bytes, dtype)).collect();
+        let mut scratch = std::mem::take(&mut self.adasum_scratch);
         let buffer = self.fusion_buffer(total);
         gather(&tensors, slots, 0, buffer);
         ring::scale_in_place(buffer, dtype, response.prescale);
-        ring::adasum_allreduce(t, buffer, dtype, &counts)?;
+        let reduced = ring::adasum_allreduce(t, buffer, dtype, &counts, &mut scratch);
+        self.adasum_scratch = scratch;
+        reduced?;
+        let buffer = self.fusion_buffer(total);
         ring::scale_in_place(buffer, dtype, response.postscale);
         scatter(&mut tensors, slots, 0, buffer);
         Ok(tensors.into_iter().map(|io| Ok(io.finish())).collect())
