@@ -8,7 +8,8 @@ zeros, so ranks whose graphs differ never wait on each other), then runs the wra
 
 The object returned is an instance of a subclass of the wrapped optimizer's class with the same name,
 sharing its parameter groups and state, so ``isinstance`` checks, ``state_dict()`` and learning-rate
-schedulers keep working.
+schedulers keep working. With ``op=Adasum`` on more than one rank the subclass mixes in
+``rvod.torch.adasum_optimizer`` instead, which combines parameter updates rather than gradients.
 """
 
 import contextlib

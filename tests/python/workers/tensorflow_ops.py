@@ -302,7 +302,11 @@ with check("DistributedGradientTape: wrapped before recording, nested sources, a
     assert_values(grads[0][0], np.array([2.0, 4.0]) * sum(r + 1 for r in range(N)) / N, tf.float32, "nested")
     assert type(tape).__name__ == "GradientTape" and isinstance(tape, tf.GradientTape)
     expect_error(TypeError, "tf.GradientTape", hvd.DistributedGradientTape, object())
-    expect_error(ValueError, "Adasum", hvd.DistributedGradientTape, tf.GradientTape(), op=hvd.Adasum)
+    w = tf.Variable(tf.zeros([N]))
+    with hvd.DistributedGradientTape(tf.GradientTape(), op=hvd.Adasum) as tape:
+        loss = tf.reduce_sum(w * tf.constant(np.eye(N)[R] * (R + 1), tf.float32))
+    # Orthogonal gradients: Adasum adds them.
+    assert_values(tape.gradient(loss, [w])[0], np.arange(1, N + 1), tf.float32, "Adasum tape")
     expect_error(ValueError, "Average or Sum", hvd.DistributedGradientTape, tf.GradientTape(), op=hvd.Min)
     expect_error(ValueError, "gradient_predivide_factor", hvd.DistributedGradientTape, tf.GradientTape(),
                  op=hvd.Sum, gradient_predivide_factor=2.0)
