@@ -1,7 +1,7 @@
 """Adasum end to end on 2, 3 and 4 ranks (rvodrun): rvod.numpy and rvod.torch allreduce against a NumPy
 reference of the formula and combination order, grouped equals per tensor, a process set, refusals, and
 torch's DistributedOptimizer(op=Adasum) training on the digits data. The worker is workers/adasum.py.
-About 15-25 s in all on 2 cores.
+About 30 s in all on 2 idle cores (70 s on 2 cores shared with other jobs).
 """
 
 from __future__ import annotations
