@@ -22,7 +22,7 @@ use crate::engine::table::{Announcement, TensorTable};
 use crate::fusion::plan_fusion;
 use crate::timeline::SetTimeline;
 use crate::transport::{Transport, TransportError};
-use crate::types::CollectiveKind;
+use crate::types::{CollectiveKind, ReduceOp};
 
 /// Control messages larger than this are treated as corrupt.
 const MAX_CONTROL_MESSAGE: usize = 256 * 1024 * 1024;
@@ -273,7 +273,9 @@ impl Negotiator {
                     } else {
                         header.cache_hits.insert(bit);
                         let len = entry.contribution_len();
+                        // Adasum is not a rank-order fold of the contributions: it always runs its tree.
                         if entry.request.kind == CollectiveKind::Allreduce
+                            && entry.request.reduce_op != ReduceOp::Adasum
                             && len <= EAGER_TENSOR_BYTES
                             && eager_bytes + len <= EAGER_HEADER_BYTES
                         {

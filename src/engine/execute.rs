@@ -36,6 +36,8 @@ pub struct TensorResult {
 pub struct Executor {
     fusion_buffer: Option<AlignedBuffer>,
     hierarchy: HierarchyChoice,
+    /// Working memory of Adasum allreduces.
+    adasum_scratch: Vec<u8>,
 }
 
 /// Whether allreduce and allgather take the hierarchical algorithms on communicators that span hosts:
@@ -101,7 +103,7 @@ fn row_bytes(shape: &[i64], dtype: DataType) -> usize {
 
 impl Executor {
     pub fn new(hierarchy: HierarchyChoice) -> Executor {
-        Executor { fusion_buffer: None, hierarchy }
+        Executor { hierarchy, ..Executor::default() }
     }
 
     fn fusion_buffer(&mut self, len: usize) -> &mut [u8] {
@@ -172,6 +174,9 @@ impl Executor {
             let err = EngineError::Internal("fused tensors are too large to address".into());
             return Ok(entries.iter().map(|_| Err(err.clone())).collect());
         };
+        if response.reduce_op == ReduceOp::Adasum {
+            return self.adasum(t, response, entries, &layout);
+        }
         let total = layout.total_bytes();
         // Decided from the response alone: every rank, a joined one too, must take the same path.
         let plain_single = matches!(response.entries.as_slice(), [spec] if !spec.packed);
@@ -241,6 +246,65 @@ impl Executor {
         phases.mark_collective();
         scatter(&mut tensors, slots, 0, buffer);
         phases.mark(Stage::MemcpyOutFusionBuffer);
+        Ok(tensors.into_iter().map(|io| Ok(io.finish())).collect())
+    }
+}
+
+impl Executor {
+    /// An Adasum allreduce: the tensors are packed into the fusion buffer and combined by
+    /// [`ring::adasum_allreduce`], each tensor with its own coefficients.
+    fn adasum(
+        &mut self,
+        t: &mut dyn Transport,
+        response: &Response,
+        entries: &mut [Option<TensorEntry>],
+        layout: &FusionLayout,
+    ) -> Result<Vec<Result<TensorResult, EngineError>>, TransportError> {
+        let dtype = response.dtype;
+        if !dtype.is_float() {
+            let err = EngineError::InvalidArgument(format!("Adasum reduces only floating-point tensors, not {dtype}"));
+            return Ok(entries.iter().map(|_| Err(err.clone())).collect());
+        }
+        if let ([entry], [spec]) = (&mut *entries, response.entries.as_slice()) {
+            if !spec.packed {
+                // One tensor: combined straight in its output, no fusion buffer.
+                let len = spec.num_elements() * dtype.size();
+                let mut owned = None;
+                let buf: &mut [u8] = match entry {
+                    Some(e) if e.in_place => e.input.as_mut_slice(),
+                    Some(e) => owned.insert(AlignedBuffer::from_slice(e.input.as_slice())).as_mut_slice(),
+                    None => owned.insert(AlignedBuffer::zeroed(len)).as_mut_slice(),
+                };
+                ring::scale_in_place(buf, dtype, response.prescale);
+                ring::adasum_allreduce(t, buf, dtype, &[len / dtype.size()], &mut self.adasum_scratch)?;
+                ring::scale_in_place(buf, dtype, response.postscale);
+                let out = match (entry, owned) {
+                    (Some(e), Some(b)) if !e.in_place => output(b, spec.shape.clone(), dtype),
+                    _ => None,
+                };
+                return Ok(vec![Ok(TensorResult { output: out, ..TensorResult::default() })]);
+            }
+        }
+        let (slots, total) = (layout.slots(), layout.total_bytes());
+        // Each tensor's part of the buffer runs to the next tensor's start: the zeroed gap after it adds
+        // nothing to its dot product or norms and stays zero.
+        let counts: Vec<usize> = slots
+            .iter()
+            .enumerate()
+            .map(|(i, slot)| (slots.get(i + 1).map_or(total, |next| next.offset) - slot.offset) / dtype.size())
+            .collect();
+        let mut tensors: Vec<TensorIo<'_>> =
+            entries.iter_mut().zip(slots).map(|(entry, slot)| TensorIo::new(entry.as_mut(), slot.bytes, dtype)).collect();
+        let mut scratch = std::mem::take(&mut self.adasum_scratch);
+        let buffer = self.fusion_buffer(total);
+        gather(&tensors, slots, 0, buffer);
+        ring::scale_in_place(buffer, dtype, response.prescale);
+        let reduced = ring::adasum_allreduce(t, buffer, dtype, &counts, &mut scratch);
+        self.adasum_scratch = scratch;
+        reduced?;
+        let buffer = self.fusion_buffer(total);
+        ring::scale_in_place(buffer, dtype, response.postscale);
+        scatter(&mut tensors, slots, 0, buffer);
         Ok(tensors.into_iter().map(|io| Ok(io.finish())).collect())
     }
 }

@@ -31,8 +31,17 @@ pub fn check(op: &OpSubmission, size: usize) -> Result<(), EngineError> {
             )));
         }
     }
-    if matches!(op.kind, CollectiveKind::Allreduce | CollectiveKind::Reducescatter) && op.reduce_op == ReduceOp::Adasum {
-        return invalid("Adasum is not supported by this rvod build; use Average or Sum.".into());
+    if op.kind == CollectiveKind::Allreduce && op.reduce_op == ReduceOp::Adasum {
+        if let Some(t) = op.tensors.iter().find(|t| !t.dtype.is_float()) {
+            return invalid(format!(
+                "Adasum reduces only floating-point tensors (float16, bfloat16, float32, float64); tensor '{}' is {}",
+                t.name, t.dtype
+            ));
+        }
+        if op.tensors.iter().any(|t| t.packed.is_some()) {
+            // Adasum needs each tensor's bounds on every rank; a grouped Adasum is submitted tensor by tensor.
+            return invalid("a grouped Adasum allreduce must be submitted as separate tensors, not packed".into());
+        }
     }
     if !op.prescale.is_finite() || !op.postscale.is_finite() {
         return invalid(format!("{}: prescale and postscale factors must be finite numbers", op.kind));

@@ -12,6 +12,7 @@
 //! [`DataType`]: crate::types::DataType
 
 pub mod allgather;
+pub mod adasum;
 pub mod allreduce;
 pub mod alltoall;
 mod args;
@@ -25,6 +26,7 @@ pub mod reducescatter;
 pub mod staged;
 mod streaming;
 
+pub use adasum::adasum_allreduce;
 pub use allgather::allgatherv;
 pub use allreduce::{allreduce, RING_THRESHOLD_BYTES};
 pub use alltoall::alltoallv;

@@ -22,14 +22,19 @@ def split_evenly(items, count):
 
 
 class Reduction:
-    """The checked reduction options of a distributed optimizer: ``op`` (Average or Sum), the scale
-    factors to send with it, and ``groups`` (None, an int, or a list of lists)."""
+    """The checked reduction options of a distributed optimizer: ``op`` (Average or Sum, and Adasum
+    where ``allow_adasum``: gradient tapes), the scale factors to send with it, and ``groups`` (None, an
+    int, or a list of lists)."""
 
-    def __init__(self, op=Average, gradient_predivide_factor=1.0, num_groups=0, groups=None, postscale_factor=1.0):
+    def __init__(self, op=Average, gradient_predivide_factor=1.0, num_groups=0, groups=None, postscale_factor=1.0,
+                 allow_adasum=False):
         op = resolve_op(op, None)
-        if op == Adasum:
-            raise ValueError("Adasum is not supported by this rvod build; use Average or Sum.")
-        if op not in (Average, Sum):
+        if op == Adasum and not allow_adasum:
+            raise ValueError("Adasum is not implemented for rvod's Keras DistributedOptimizer (Horovod's refuses it "
+                             "too); use DistributedGradientTape(op=Adasum) in TensorFlow, "
+                             "rvod.torch.DistributedOptimizer(op=Adasum), or hvd.allreduce / hvd.grouped_allreduce "
+                             "with op=hvd.Adasum on your own updates.")
+        if op not in (Average, Sum, Adasum):
             raise ValueError(f"op must be Average or Sum, got {op}")
         if gradient_predivide_factor != 1.0 and op != Average:
             raise ValueError("gradient_predivide_factor not supported with op != Average")
@@ -74,13 +79,13 @@ class GradientReducer:
     """
 
     def __init__(self, compression, sparse_as_dense, op, gradient_predivide_factor, num_groups, groups, process_set,
-                 scale_local_gradients=True, postscale_factor=1.0):
+                 scale_local_gradients=True, postscale_factor=1.0, allow_adasum=False):
         from rvod.common.process_sets import process_set_id_of
 
         if isinstance(groups, (list, tuple)):
             groups = [[self.variable_key(v) for v in group] if isinstance(group, (list, tuple)) else group
                       for group in groups]
-        self.reduction = Reduction(op, gradient_predivide_factor, num_groups, groups, postscale_factor)
+        self.reduction = Reduction(op, gradient_predivide_factor, num_groups, groups, postscale_factor, allow_adasum)
         process_set_id_of(process_set)
         self.compression = compression
         self.sparse_as_dense = sparse_as_dense

@@ -8,7 +8,7 @@ the engine is done with them, in-place write-back) happens here.
 from rvod import _rvod
 from rvod.common import naming
 from rvod.common.process_sets import global_process_set, process_set_id_of
-from rvod.common.reduce_ops import Average, Sum, resolve_op
+from rvod.common.reduce_ops import Adasum, Average, Sum, resolve_op
 
 # Collective kinds, as numbered by the engine.
 ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, BARRIER, JOIN = range(7)
@@ -179,11 +179,16 @@ def grouped_allreduce_async(adapter, tensors, average=None, name=None, op=None, 
     if not tensors:
         raise ValueError("grouped_allreduce needs at least one tensor")
     # One name for the whole group: the engine packs it into one tensor per dtype (members that differ
-    # across ranks are reported as '<name>_<index>').
-    names = [_prefixed("grouped_allreduce", name, process_set)]
+    # across ranks are reported as '<name>_<index>'). Adasum needs every tensor's bounds on every rank, so
+    # its groups go tensor by tensor, one name each, and are fused (each tensor keeps its coefficients).
+    packed = op != Adasum
+    if packed:
+        names = [_prefixed("grouped_allreduce", name, process_set)]
+    else:
+        names = _group_names("grouped_allreduce", name, len(tensors), process_set)
     finish = _originals if in_place else _new_tensors
     return _submit(ALLREDUCE, names, adapter, tensors, in_place, finish, tensors,
-                   op=op, prescale=prescale_factor, postscale=postscale_factor, process_set=process_set, packed=True)
+                   op=op, prescale=prescale_factor, postscale=postscale_factor, process_set=process_set, packed=packed)
 
 
 def allgather_async(adapter, tensor, name=None, process_set=global_process_set):

@@ -41,7 +41,7 @@ def DistributedGradientTape(gradtape, device_dense='', device_sparse='', compres
     if isinstance(gradtape, _DistributedGradientTape):
         raise ValueError("this tape is already a DistributedGradientTape; wrap the plain tape once")
     reducer = GradientReducer(compression, sparse_as_dense, op, gradient_predivide_factor, num_groups, groups,
-                              process_set, scale_local_gradients)
+                              process_set, scale_local_gradients, allow_adasum=True)
     cls = type(type(gradtape).__name__, (_DistributedGradientTape, type(gradtape)), {})
     tape = cls.__new__(cls)
     tape.__dict__.update(vars(gradtape))

@@ -146,11 +146,6 @@ def _differentiable(forward, backward, *inputs):
     return op(*inputs)
 
 
-def _check_reduction(op, what):
-    if op == Adasum:
-        raise ValueError(f"{what}: Adasum is not supported by this rvod build; use Average or Sum.")
-
-
 def _set_size(process_set):
     process_set_id_of(process_set)
     return len(process_set.ranks)
@@ -195,7 +190,6 @@ def allreduce(tensor, average=None, device_dense='', device_sparse='', compressi
     """Reduce ``tensor`` across ranks (default: Average); differentiable. ``tf.IndexedSlices`` are gathered
     (Sum and Average only) and come back as ``tf.IndexedSlices``."""
     op = resolve_op(op, average)
-    _check_reduction(op, "allreduce")
     process_set_id_of(process_set)
     name = _op_name(name, ignore_name_scope)
     if isinstance(tensor, tf.IndexedSlices):
@@ -224,7 +218,6 @@ def grouped_allreduce(tensors, average=None, device_dense='', device_sparse='', 
     """Reduce a list of tensors as one unit (fused); returns a list; differentiable. ``tf.IndexedSlices``
     in the list are gathered as ``allreduce`` does."""
     op = resolve_op(op, average)
-    _check_reduction(op, "grouped_allreduce")
     process_set_id_of(process_set)
     tensors = list(tensors)
     if not tensors:
@@ -402,7 +395,6 @@ def _scattered_shape(shape, process_set):
 
 
 def _check_scatter_op(op):
-    _check_reduction(op, "reducescatter")
     if op not in (Average, Sum):
         raise ValueError("Reducescatter currently only supports Average and Sum")
 

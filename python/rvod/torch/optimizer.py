@@ -12,7 +12,8 @@ as dense tensors instead and handed back to the optimizer sparse.
 
 The object returned is an instance of a subclass of the wrapped optimizer's class with the same name,
 sharing its parameter groups and state, so ``isinstance`` checks, ``state_dict()`` and learning-rate
-schedulers keep working.
+schedulers keep working. With ``op=Adasum`` on more than one rank the subclass mixes in
+``rvod.torch.adasum_optimizer`` instead, which combines parameter updates rather than gradients.
 """
 
 import contextlib
@@ -21,8 +22,10 @@ import warnings
 import torch
 
 from rvod.common.gradients import split_evenly
+from rvod.common.basics import size
 from rvod.common.process_sets import global_process_set
 from rvod.common.reduce_ops import Adasum, Average, resolve_op
+from rvod.torch.adasum_optimizer import _DistributedAdasumOptimizer
 from rvod.torch.compression import Compression
 from rvod.torch.functions import broadcast_object
 from rvod.torch.mpi_ops import allreduce_async_, grouped_allreduce_async_, sparse_allreduce_async, synchronize
@@ -284,11 +287,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     ``process_set``. See the module docstring; arguments are Horovod's."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if isinstance(optimizer, _DistributedOptimizer):
+    if isinstance(optimizer, (_DistributedOptimizer, _DistributedAdasumOptimizer)):
         raise ValueError("this optimizer is already a DistributedOptimizer; wrap the plain optimizer once")
     op = resolve_op(op, None)
-    if op == Adasum:
-        raise ValueError("Adasum is not supported by this rvod build; use Average or Sum.")
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
     if num_groups != 0:
@@ -296,11 +297,18 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                       stacklevel=2)
         if groups is None:
             groups = num_groups
-    cls = type(type(optimizer).__name__, (_DistributedOptimizer, type(optimizer)), {})
+    adasum = op == Adasum and size() > 1
+    mixin = _DistributedAdasumOptimizer if adasum else _DistributedOptimizer
+    cls = type(type(optimizer).__name__, (mixin, type(optimizer)), {})
     distributed = cls.__new__(cls)
     # Share the wrapped optimizer's groups, state and hooks; instance-level wrappers of methods (an LR
     # scheduler wraps `step`) would bypass the reduction, so those stay behind.
     distributed.__dict__.update({k: v for k, v in vars(optimizer).items() if not hasattr(cls, k)})
+    if adasum:
+        # Horovod's Adasum optimizer combines parameter updates; groups and sparse_as_dense do not apply.
+        names = _DistributedOptimizer._name_parameters(distributed, named_parameters)
+        distributed._setup(names, compression, backward_passes_per_step, process_set)
+        return distributed
     distributed._setup(named_parameters, compression, backward_passes_per_step, op, gradient_predivide_factor,
                        groups, sparse_as_dense, process_set)
     return distributed

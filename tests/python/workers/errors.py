@@ -157,12 +157,15 @@ def main():
 
     # ---- bad arguments: ValueError at submission, on this rank alone, nothing sent.
     x = np.arange(N * 2, dtype=np.float32)
+    x_int = np.arange(N * 2, dtype=np.int32)
     read_only = np.ones(4, dtype=np.float32)
     read_only.flags.writeable = False
     refused = [
-        ("allreduce Adasum", ValueError, "Adasum", lambda: hvd.allreduce(x, op=hvd.Adasum)),
-        ("allreduce_ Adasum", ValueError, "Adasum", lambda: hvd.allreduce_(x.copy(), op=hvd.Adasum)),
-        ("grouped_allreduce Adasum", ValueError, "Adasum", lambda: hvd.grouped_allreduce([x], op=hvd.Adasum)),
+        ("allreduce Adasum of int32", ValueError, "Adasum.*int32", lambda: hvd.allreduce(x_int, op=hvd.Adasum)),
+        ("allreduce_ Adasum of int32", ValueError, "Adasum.*int32",
+         lambda: hvd.allreduce_(x_int.copy(), op=hvd.Adasum)),
+        ("grouped_allreduce Adasum of int32", ValueError, "Adasum.*int32",
+         lambda: hvd.grouped_allreduce([x, x_int], op=hvd.Adasum)),
         ("reducescatter Min", ValueError, "(?i)Reducescatter currently only supports Average and Sum",
          lambda: hvd.reducescatter(x, op=hvd.Min)),
         ("reducescatter Max", ValueError, "(?i)Reducescatter currently only supports Average and Sum",
@@ -225,7 +228,7 @@ def main():
         out = hvd.allreduce(np.full(2, 1.0, dtype=np.float32), op=hvd.Sum)
         assert np.array_equal(out, np.full(2, float(N), dtype=np.float32))
         if R == 0:
-            expect_error(ValueError, "Adasum", hvd.allreduce, np.ones(2, dtype=np.float32), op=hvd.Adasum)
+            expect_error(ValueError, "Adasum", hvd.allreduce, np.ones(2, dtype=np.int32), op=hvd.Adasum)
     hvd.shutdown()
     not_initialized_checks("after shutdown")
     for cycle in range(2):

@@ -294,6 +294,14 @@ with check("mismatched shapes, dtypes, ops, roots and trailing dims raise RvodMi
     assert_nd(hvd.allreduce(mx.nd.ones((2,)), name="bad.shape", op=hvd.Sum), np.full((2,), float(N)), "float32",
               "after the errors")
 
+with check("Adasum: orthogonal vectors add, equal vectors stay, grouped too"):
+    onehot = mx.nd.array(np.eye(N)[R] * (R + 1), dtype="float32")
+    same = mx.nd.array([0.5, -1.0, 2.0], dtype="float64")
+    assert hvd.allreduce(onehot, op=hvd.Adasum).asnumpy().tolist() == list(range(1, N + 1))
+    grouped = hvd.grouped_allreduce([onehot, same], op=hvd.Adasum)
+    assert grouped[0].asnumpy().tolist() == list(range(1, N + 1)) and grouped[1].dtype == np.float64
+    assert grouped[1].asnumpy().tolist() == [0.5, -1.0, 2.0]
+
 with check("bad input is refused before anything is sent, with the same message on every rank"):
     expect_error(TypeError, "expects an mxnet NDArray, got ndarray", hvd.allreduce, np.ones(3))
     expect_error(TypeError, "expects an mxnet NDArray, got list", hvd.broadcast_, [1, 2], 0)
@@ -304,7 +312,7 @@ with check("bad input is refused before anything is sent, with the same message 
     expect_error(ValueError, "grouped_allreduce needs at least one tensor", hvd.grouped_allreduce, [])
     expect_error(ValueError, "grouped_reducescatter needs at least one tensor", hvd.grouped_reducescatter, [])
     expect_error(ValueError, "not an even multiple of the number of workers", hvd.alltoall, mx.nd.ones((2 * N + 1,)))
-    expect_error(ValueError, "Adasum is not supported", hvd.allreduce, mx.nd.ones((2,)), op=hvd.Adasum)
+    expect_error(ValueError, "Adasum.*int32", hvd.allreduce, mx.nd.ones((2,), dtype="int32"), op=hvd.Adasum)
     expect_error(ValueError, "Unknown reduce op 9", hvd.allreduce, mx.nd.ones((2,)), op=9)
     expect_error(ValueError, "op parameter supersedes average", hvd.allreduce, mx.nd.ones((2,)), average=True,
                  op=hvd.Sum)

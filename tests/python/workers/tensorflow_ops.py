@@ -302,7 +302,11 @@ with check("DistributedGradientTape: wrapped before recording, nested sources, a
     assert_values(grads[0][0], np.array([2.0, 4.0]) * sum(r + 1 for r in range(N)) / N, tf.float32, "nested")
     assert type(tape).__name__ == "GradientTape" and isinstance(tape, tf.GradientTape)
     expect_error(TypeError, "tf.GradientTape", hvd.DistributedGradientTape, object())
-    expect_error(ValueError, "Adasum", hvd.DistributedGradientTape, tf.GradientTape(), op=hvd.Adasum)
+    w = tf.Variable(tf.zeros([N]))
+    with hvd.DistributedGradientTape(tf.GradientTape(), op=hvd.Adasum) as tape:
+        loss = tf.reduce_sum(w * tf.constant(np.eye(N)[R] * (R + 1), tf.float32))
+    # Orthogonal gradients: Adasum adds them.
+    assert_values(tape.gradient(loss, [w])[0], np.arange(1, N + 1), tf.float32, "Adasum tape")
     expect_error(ValueError, "Average or Sum", hvd.DistributedGradientTape, tf.GradientTape(), op=hvd.Min)
     expect_error(ValueError, "gradient_predivide_factor", hvd.DistributedGradientTape, tf.GradientTape(),
                  op=hvd.Sum, gradient_predivide_factor=2.0)
@@ -358,10 +362,18 @@ with check("mismatched dtypes inside tf.function: tf.errors.InvalidArgumentError
 with check("the job goes on after mismatches"):
     assert_values(hvd.allreduce(tf.ones([3]), op=hvd.Sum), np.full(3, N), tf.float32, "after")
 
+with check("Adasum eagerly and in tf.function: orthogonal vectors add, equal vectors stay"):
+    onehot = tf.constant(np.eye(N)[R] * (R + 1), tf.float32)
+    same = tf.constant([0.5, -1.0, 2.0], tf.float64)
+    assert_values(hvd.allreduce(onehot, op=hvd.Adasum), np.arange(1, N + 1), tf.float32, "eager")
+    traced = tf.function(lambda a, b: hvd.grouped_allreduce([a, b], op=hvd.Adasum))(onehot, same)
+    assert_values(traced[0], np.arange(1, N + 1), tf.float32, "graph")
+    assert_values(traced[1], same.numpy(), tf.float64, "graph, equal vectors")
+
 with check("argument errors before anything is sent"):
     expect_error(ValueError, "not supported", hvd.allreduce, tf.constant(["a"]))
     expect_error(ValueError, "not supported", hvd.allgather, tf.constant([1 + 2j]))
-    expect_error(ValueError, "Adasum", hvd.allreduce, tf.ones([2]), op=hvd.Adasum)
+    expect_error(ValueError, "Adasum.*int32", hvd.allreduce, tf.ones([2], tf.int32), op=hvd.Adasum)
     expect_error(ValueError, "Average and Sum", hvd.reducescatter, tf.ones([2]), op=hvd.Max)
     expect_error(ValueError, "supersedes", hvd.allreduce, tf.ones([2]), average=True, op=hvd.Sum)
     expect_error(NotImplementedError, "Sum and Average",

@@ -549,7 +549,7 @@ refused = [
      lambda: hvd.reducescatter(x, op=hvd.Max)),
     ("allgather 0-d", ValueError, "dimension", lambda: hvd.allgather(torch.tensor(1.0))),
     ("broadcast root out of range", ValueError, "root", lambda: hvd.broadcast(x, N)),
-    ("Adasum", ValueError, "Adasum", lambda: hvd.allreduce(x, op=hvd.Adasum)),
+    ("Adasum of integers", ValueError, "Adasum.*int64", lambda: hvd.allreduce(torch.arange(4), op=hvd.Adasum)),
     ("join with a device that is not an id", TypeError, "device id", lambda: hvd.join("cuda:0")),
     ("sparse_allreduce_async Max", ValueError, "Sum and Average",
      lambda: hvd.sparse_allreduce_async(torch.ones(2).to_sparse(), "sp", hvd.Max)),
