@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# Everything CI runs: the Rust unit and in-process collective tests, then the Python tests against the
-# wheel users install (built once, installed in .venv). Run from a fresh clone: bash scripts/run-tests.sh
+# Everything CI runs: the house rules (scripts/check-house.sh), the Rust unit and in-process collective tests,
+# then the Python tests against the wheel users install (built once, installed in .venv).
+# Run from a fresh clone: bash scripts/run-tests.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup-system.sh
-WHEEL=$(bash scripts/setup-env.sh pytest pytest-timeout scikit-learn torch "tensorflow-cpu==2.21.*" "keras>=3.3" mpi4py | tail -n 1)
+WHEEL=$(bash scripts/setup-env.sh pytest pytest-timeout scikit-learn torch "tensorflow-cpu==2.21.*" "keras>=3.3" mpi4py ruff | tail -n 1)
 VENV=${RVOD_VENV:-.venv}
+
+bash scripts/check-house.sh "$VENV/bin/python"
 
 echo "== cargo test"
 cargo test --quiet 2>&1 | grep -v '^$'

@@ -396,7 +396,7 @@ impl Transport for ShmTransport {
             if sent == send.len() && got == recv_len {
                 return Ok(());
             }
-            if !progressed && !(sent < send.len() && self.relieve(Some(from))?) {
+            if !(progressed || sent < send.len() && self.relieve(Some(from))?) {
                 let (sending, receiving) = (sent < send.len(), got < recv_len);
                 let blame = if receiving { from } else { to };
                 self.block(blame, |l| {

@@ -236,7 +236,7 @@ def uint16_mode():
     import torch
     import rvod.torch as hvd_torch
     hvd.init()
-    r, n = hvd.rank(), hvd.size()
+    r = hvd.rank()
     x = np.array([65535 - r, 40000, r, 7], dtype=np.uint16)
     with check("numpy uint16 allreduce Sum wraps, Max and Min unsigned"):
         out = hvd.allreduce(x, op=hvd.Sum, name="u16.sum")

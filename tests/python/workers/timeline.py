@@ -8,7 +8,6 @@ loop DIR      allreduces until killed; writes DIR/pid<rank> and DIR/steps<rank> 
 
 import os
 import sys
-import time
 
 import numpy as np
 import rvod.numpy as hvd
