@@ -375,7 +375,7 @@ fn reach(
             }
         }
         if Instant::now() >= deadline {
-            return Err(init_error(format!(
+            return Err(EngineError::StartTimeout(format!(
                 "{}: could not reach rank 0's rendezvous store at {} port {port} ({source}) within {:.1} s: \
                  {last_error}. Is rank 0 running and calling hvd.init(), on that host and port? \
                  (RVOD_START_TIMEOUT sets the wait)",
@@ -415,7 +415,7 @@ fn reach_through_file(
         }
         std::thread::sleep(POLL);
     }
-    Err(init_error(format!(
+    Err(EngineError::StartTimeout(format!(
         "{}: rank 0 did not publish a reachable rendezvous store in {} within {:.1} s{}. Is rank 0 running and \
          calling hvd.init()? (RVOD_START_TIMEOUT sets the wait)",
         who(config, plan),
@@ -454,7 +454,7 @@ fn exchange_hosts(
     for rank in 0..topo.size {
         let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
         let value = client.get(&key(rank), left).map_err(|e| {
-            init_error(format!(
+            EngineError::StartTimeout(format!(
                 "{}: rank {rank} did not register with rank 0's rendezvous store within {:.1} s ({e}); \
                  is it running and calling hvd.init()?",
                 who(config, plan),

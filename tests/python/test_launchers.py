@@ -360,6 +360,7 @@ def test_a_rank_that_cannot_reach_rank_0_says_so_within_the_start_timeout(clean_
     (code_a, _, err_a), (code_b, _, err_b) = start_ranks([torchrun_rank_1, pmi_rank_1], tmp_path, timeout=20)
     assert time.monotonic() - started < 15
     assert code_a != 0 and code_b != 0, (err_a, err_b)
+    assert "RvodTimeoutError" in err_a and "RvodTimeoutError" in err_b, (err_a, err_b)
     assert re.search(rf"rank 1 of 2 \(started by torchrun\): could not reach rank 0's rendezvous store at "
                      rf"127\.0\.0\.1 port {port} \(MASTER_ADDR, port MASTER_PORT \+ 1\) within 2\.0 s", err_a), err_a
     assert re.search(r"rank 1 of 2 \(started by MPICH/Intel MPI \(PMI\)\): rank 0 did not publish a reachable "
