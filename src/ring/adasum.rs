@@ -22,6 +22,10 @@
 //! `(((g0, g4), g1), (g2, g3))`. Each element of the result is computed by exactly one rank and copied
 //! to the others, which is why every rank ends with the same bits. Arithmetic is in f64 (dot products,
 //! norms, coefficients and the scaled add), rounded once to the element type.
+//!
+//! [`adasum_allreduce_hierarchical`] is Horovod's GPU variant for communicators that span hosts: a sum
+//! inside each host, the same order across hosts on each host rank's block (dot products and norms also
+//! summed over the host's ranks), the host average, and an allgather inside each host (docs/adasum.md).
 
 use half::f16;
 
