@@ -2,7 +2,7 @@
 "host"'s ranks share memory and the hosts talk TCP over loopback). workers/adasum_hosts.py checks rvod.numpy
 Adasum against a NumPy reference: on 2+2 ranks, the Adasum across hosts of the host averages (Horovod's GPU
 variant) unless hierarchical allreduce is off, then the flat order; on uneven 1+3 ranks always the flat
-order. About 5 s per layout.
+order. About 8 s per layout (16 s measured for both on the shared 2-core VM).
 """
 
 from __future__ import annotations
