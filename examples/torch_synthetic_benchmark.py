@@ -5,7 +5,12 @@ batch: a few warm-up batches, then ``--num-iters`` timed iterations of ``--num-b
 batches each. Rank 0 prints images per second per rank for each iteration, their mean +- 1.96 standard
 deviations, and the total over all ranks. Run it with:
 
-    rvodrun -np 2 python examples/torch_synthetic_benchmark.py
+    rvodrun -np 2 python examples/torch_synthetic_benchmark.py [--use-adasum]
+
+``--use-adasum`` combines the parameter updates with Adasum instead of averaging gradients; as in
+Horovod, the learning rate is then not scaled by the number of ranks, except by the ranks per host where
+the job spans several hosts with the same number of ranks each (Adasum is then taken across hosts of each
+host's average, as in Horovod's GPU build, which scales by ``local_size()`` there).
 """
 
 import argparse
@@ -28,6 +33,7 @@ def parse_args(argv=None):
     parser.add_argument("--num-batches-per-iter", type=int, default=5)
     parser.add_argument("--num-iters", type=int, default=5)
     parser.add_argument("--fp16-allreduce", action="store_true", help="send gradients as float16")
+    parser.add_argument("--use-adasum", action="store_true", help="combine updates with Adasum")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     return parser.parse_args(argv)
 
@@ -84,10 +90,16 @@ def main():
     torch.manual_seed(0)
 
     model = SmallResNet(args.width)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size(), momentum=0.9)
+    lr_scaler = hvd.size()
+    if args.use_adasum:
+        # Adasum needs no larger learning rate, but the hierarchical one averages inside each host.
+        hierarchical = hvd.cross_size() > 1 and hvd.local_size() > 1 and hvd.is_homogeneous()
+        lr_scaler = hvd.local_size() if hierarchical else 1
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * lr_scaler, momentum=0.9)
     compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                         compression=compression)
+                                         compression=compression,
+                                         op=hvd.Adasum if args.use_adasum else hvd.Average)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     images, labels = synthetic_batch(args.batch_size, args.image_size, seed=hvd.rank())
@@ -104,7 +116,8 @@ def main():
 
     params = sum(p.numel() for p in model.parameters())
     log(f"Model: SmallResNet(width={args.width}), {params / 1e6:.2f} M parameters; batch size {args.batch_size}, "
-        f"images {args.image_size}x{args.image_size}; ranks: {hvd.size()}")
+        f"images {args.image_size}x{args.image_size}; ranks: {hvd.size()}; "
+        f"{'Adasum' if args.use_adasum else 'Average'}, lr {0.01 * lr_scaler:g}")
     log("Running warmup...")
     timeit.timeit(benchmark_step, number=args.num_warmup_batches)
     log("Running benchmark...")

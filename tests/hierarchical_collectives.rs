@@ -391,3 +391,129 @@ fn a_rank_that_leaves_fails_the_others_naming_a_rank() {
     }
 }
 
+
+/// Deterministic values in [-1, 1) for Adasum, different per rank, salt and element.
+fn adasum_values(rank: usize, salt: usize, len: usize) -> Vec<f64> {
+    let mut state = 0x2545_f491_4f6c_dd1du64 ^ ((rank * 131 + salt) as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    (0..len)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 11) as f64 / (1u64 << 52) as f64 - 1.0
+        })
+        .collect()
+}
+
+fn decode_float(dtype: DataType, bytes: &[u8]) -> Vec<f64> {
+    bytes
+        .chunks_exact(dtype.size())
+        .map(|b| match dtype {
+            DataType::Float16 => f16::from_ne_bytes([b[0], b[1]]).to_f64(),
+            DataType::Bfloat16 => bf16::from_ne_bytes([b[0], b[1]]).to_f64(),
+            DataType::Float32 => f64::from(f32::from_ne_bytes([b[0], b[1], b[2], b[3]])),
+            _ => f64::from_ne_bytes(b.try_into().unwrap()),
+        })
+        .collect()
+}
+
+/// Adasum of two vectors tensor by tensor, from the formula (coefficient 1 below Horovod's threshold).
+fn adasum_pair(a: &[f64], b: &[f64], counts: &[usize]) -> Vec<f64> {
+    let mut out = Vec::new();
+    let mut at = 0;
+    for &count in counts {
+        let (x, y) = (&a[at..at + count], &b[at..at + count]);
+        let dot: f64 = x.iter().zip(y).map(|(p, q)| p * q).sum();
+        let coeff = |v: &[f64]| {
+            let norm2: f64 = v.iter().map(|p| p * p).sum();
+            if norm2 >= f64::MIN_POSITIVE.sqrt() { 1.0 - dot / (2.0 * norm2) } else { 1.0 }
+        };
+        let (ca, cb) = (coeff(x), coeff(y));
+        out.extend(x.iter().zip(y).map(|(p, q)| ca * p + cb * q));
+        at += count;
+    }
+    out
+}
+
+/// Hierarchical Adasum, written out: each host's average, then docs/adasum.md's order over the hosts
+/// (hosts beyond the largest power of two fold into host `h - p`, then the halving-doubling tree).
+fn hierarchical_adasum_reference(hosts: &[usize], inputs: &[Vec<f64>], counts: &[usize]) -> Vec<f64> {
+    let host_count = hosts.iter().max().unwrap() + 1;
+    let mut vectors: Vec<Vec<f64>> = (0..host_count)
+        .map(|h| {
+            let members: Vec<&Vec<f64>> = inputs.iter().zip(hosts).filter(|(_, &x)| x == h).map(|(v, _)| v).collect();
+            let width = members.len() as f64;
+            (0..inputs[0].len()).map(|i| members.iter().map(|v| v[i]).sum::<f64>() / width).collect()
+        })
+        .collect();
+    let core = 1usize << host_count.ilog2();
+    for extra in core..host_count {
+        vectors[extra - core] = adasum_pair(&vectors[extra - core], &vectors[extra], counts);
+    }
+    let mut distance = 1;
+    while distance < core {
+        for base in (0..core).step_by(2 * distance) {
+            vectors[base] = adasum_pair(&vectors[base], &vectors[base + distance], counts);
+        }
+        distance <<= 1;
+    }
+    vectors.swap_remove(0)
+}
+
+#[test]
+fn hierarchical_adasum_is_adasum_across_hosts_of_host_averages() {
+    // Fused buffers with an empty tensor, buffers smaller than a host (empty blocks), and a large one.
+    let cases: [&[usize]; 4] = [&[7, 0, 1, 33, 2], &[1], &[3, 2], &[5000, 70_001]];
+    let layouts: [&[usize]; 3] = [&TWO_BY_TWO, &INTERLEAVED, &[0, 0, 1, 1, 2, 2]];
+    for hosts in layouts {
+        let results = on_hosts(hosts, |t| {
+            let mut out = Vec::new();
+            for (salt, counts) in cases.iter().enumerate() {
+                for (dtype, _) in ADASUM_TYPES {
+                    let total: usize = counts.iter().sum();
+                    let values = adasum_values(t.rank(), salt, total);
+                    let mut buf: Vec<u8> = values.iter().flat_map(|&v| encode(dtype, v)).collect();
+                    let parts = t.hosts().expect("a composite transport");
+                    ring::adasum::adasum_allreduce_hierarchical(parts, &mut buf, dtype, counts, &mut Vec::new())
+                        .unwrap();
+                    out.push(buf);
+                }
+            }
+            out
+        });
+        let mut case = 0;
+        for (salt, counts) in cases.iter().enumerate() {
+            for (dtype, tolerance) in ADASUM_TYPES {
+                let total: usize = counts.iter().sum();
+                let inputs: Vec<Vec<f64>> = (0..hosts.len())
+                    .map(|r| {
+                        let bytes: Vec<u8> = adasum_values(r, salt, total).iter().flat_map(|&v| encode(dtype, v)).collect();
+                        decode_float(dtype, &bytes)
+                    })
+                    .collect();
+                let want = hierarchical_adasum_reference(hosts, &inputs, counts);
+                for (rank, got) in results.iter().enumerate() {
+                    assert!(got[case] == results[0][case], "{hosts:?} {dtype} {counts:?}: rank {rank} differs from rank 0");
+                }
+                let got = decode_float(dtype, &results[0][case]);
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    let ok = (g - w).abs() <= tolerance * (1.0 + w.abs());
+                    assert!(ok, "{hosts:?} {dtype} {counts:?} element {i}: {g}, reference {w}");
+                }
+                case += 1;
+            }
+        }
+    }
+    let refused = on_hosts(&ONE_PLUS_THREE, |t| {
+        let parts = t.hosts().unwrap();
+        ring::adasum::adasum_allreduce_hierarchical(parts, &mut [0u8; 8], DataType::Float32, &[2], &mut Vec::new())
+            .map_err(|e| e.to_string())
+    });
+    for err in refused {
+        assert!(err.unwrap_err().contains("different numbers of ranks"));
+    }
+}
+
+/// Float types Adasum takes, with the tolerance their rounding (host sum in the type) calls for.
+const ADASUM_TYPES: [(DataType, f64); 4] =
+    [(DataType::Float64, 1e-12), (DataType::Float32, 1e-5), (DataType::Float16, 2e-2), (DataType::Bfloat16, 1e-1)];

@@ -75,6 +75,31 @@ fn allreduce_buffer(
     ring::allreduce(t, buf, dtype, combine)
 }
 
+/// Adasum of `buf` (tensors of `counts` elements back to back) over the communicator. Where it spans
+/// several hosts with the same number of ranks each, more than one, it is hierarchical as in Horovod's
+/// GPU build (Adasum across hosts of each host's average, see
+/// [`ring::adasum::adasum_allreduce_hierarchical`]) unless the configuration turns hierarchical allreduce
+/// off; the choice never depends on the size, so a tensor's result does not either.
+fn adasum_buffer(
+    t: &mut dyn Transport,
+    forced: Option<bool>,
+    buf: &mut [u8],
+    dtype: DataType,
+    counts: &[usize],
+    scratch: &mut Vec<u8>,
+) -> Result<(), TransportError> {
+    if forced != Some(false) {
+        if let Some(parts) = t.hosts() {
+            let layout = parts.layout;
+            if layout.hosts() > 1 && layout.is_homogeneous() && layout.members(0).len() > 1 {
+                tracing::debug!("hierarchical adasum of {} bytes over {} hosts", buf.len(), layout.hosts());
+                return ring::adasum::adasum_allreduce_hierarchical(parts, buf, dtype, counts, scratch);
+            }
+        }
+    }
+    ring::adasum_allreduce(t, buf, dtype, counts, scratch)
+}
+
 fn combine_of(op: ReduceOp) -> Combine {
     match op {
         ReduceOp::Min => Combine::Min,
@@ -276,7 +301,8 @@ impl Executor {
                     None => owned.insert(AlignedBuffer::zeroed(len)).as_mut_slice(),
                 };
                 ring::scale_in_place(buf, dtype, response.prescale);
-                ring::adasum_allreduce(t, buf, dtype, &[len / dtype.size()], &mut self.adasum_scratch)?;
+                let forced = self.hierarchy.allreduce;
+                adasum_buffer(t, forced, buf, dtype, &[len / dtype.size()], &mut self.adasum_scratch)?;
                 ring::scale_in_place(buf, dtype, response.postscale);
                 let out = match (entry, owned) {
                     (Some(e), Some(b)) if !e.in_place => output(b, spec.shape.clone(), dtype),
@@ -296,10 +322,11 @@ impl Executor {
         let mut tensors: Vec<TensorIo<'_>> =
             entries.iter_mut().zip(slots).map(|(entry, slot)| TensorIo::new(entry.as_mut(), slot.bytes, dtype)).collect();
         let mut scratch = std::mem::take(&mut self.adasum_scratch);
+        let forced = self.hierarchy.allreduce;
         let buffer = self.fusion_buffer(total);
         gather(&tensors, slots, 0, buffer);
         ring::scale_in_place(buffer, dtype, response.prescale);
-        let reduced = ring::adasum_allreduce(t, buffer, dtype, &counts, &mut scratch);
+        let reduced = adasum_buffer(t, forced, buffer, dtype, &counts, &mut scratch);
         self.adasum_scratch = scratch;
         reduced?;
         let buffer = self.fusion_buffer(total);

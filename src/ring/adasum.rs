@@ -22,13 +22,21 @@
 //! `(((g0, g4), g1), (g2, g3))`. Each element of the result is computed by exactly one rank and copied
 //! to the others, which is why every rank ends with the same bits. Arithmetic is in f64 (dot products,
 //! norms, coefficients and the scaled add), rounded once to the element type.
+//!
+//! [`adasum_allreduce_hierarchical`] is Horovod's GPU variant for communicators that span hosts: a sum
+//! inside each host, the same order across hosts on each host rank's block (dot products and norms also
+//! summed over the host's ranks), the host average, and an allgather inside each host (docs/adasum.md).
 
 use half::f16;
 
+use crate::ring::allgather::{allgather_ring, allgatherv};
 use crate::ring::args::invalid_argument;
 use crate::ring::bfloat16::{bf16_to_f32, f32_to_bf16};
-use crate::transport::{Transport, TransportError};
-use crate::types::DataType;
+use crate::ring::chunks::Blocks;
+use crate::ring::reduce::scale_in_place;
+use crate::ring::reducescatter::reduce_scatter_ring;
+use crate::transport::{HostParts, Transport, TransportError};
+use crate::types::{Combine, DataType};
 
 /// A squared norm below this leaves its vector's coefficient at 1 (Horovod's `sqrt(DBL_MIN)`).
 pub fn norm_threshold() -> f64 {
@@ -53,7 +61,58 @@ pub fn adasum_allreduce(
     counts: &[usize],
     scratch: &mut Vec<u8>,
 ) -> Result<(), TransportError> {
-    let rank = t.rank();
+    let bounds = checked_bounds(t.rank(), buf, dtype, counts)?;
+    if t.size() <= 1 || buf.is_empty() {
+        return Ok(());
+    }
+    adasum_part(t, None, buf, 0, dtype, &bounds, scratch)
+}
+
+/// Hierarchical Adasum for a communicator that spans hosts (Horovod's GPU variant): the buffer is summed
+/// inside each host by a reduce-scatter (local index `i` ends with block `i` of its host's sum), block `i`
+/// is combined with Adasum across hosts among the ranks of local index `i` (the order of the module doc,
+/// with hosts for ranks), scaled by `1 / ranks per host`, and allgathered inside each host. So the result
+/// is the Adasum over hosts of each host's average, as Horovod's GPU build gives (its `postscale_factor /=
+/// local_size`). Every coefficient sees whole tensors: each level's partial dot products and norms are
+/// summed over the host's ranks (in local-index order, from an allgather, so every rank of the host has
+/// the same bits) before they are summed across the level's hosts. Needs every host to have the same
+/// number of ranks.
+pub fn adasum_allreduce_hierarchical(
+    parts: HostParts<'_>,
+    buf: &mut [u8],
+    dtype: DataType,
+    counts: &[usize],
+    scratch: &mut Vec<u8>,
+) -> Result<(), TransportError> {
+    let HostParts { layout, mut local, mut cross } = parts;
+    let bounds = checked_bounds(local.rank(), buf, dtype, counts)?;
+    if !layout.is_homogeneous() {
+        let detail = "hosts have different numbers of ranks".to_string();
+        return Err(invalid_argument(local.rank(), "hierarchical adasum", detail));
+    }
+    if buf.is_empty() {
+        return Ok(());
+    }
+    let size = dtype.size();
+    let width = local.size();
+    let blocks = Blocks::even(bounds.total(), width, size);
+    if width > 1 {
+        reduce_scatter_ring(&mut local, buf, &blocks, dtype, Combine::Sum)?;
+    }
+    let range = blocks.range(local.rank());
+    let base = range.start / size;
+    if cross.size() > 1 {
+        adasum_part(&mut cross, Some(&mut local), &mut buf[range.clone()], base, dtype, &bounds, scratch)?;
+    }
+    if width > 1 {
+        scale_in_place(&mut buf[range], dtype, 1.0 / width as f64);
+        allgather_ring(&mut local, buf, &blocks)?;
+    }
+    Ok(())
+}
+
+/// The tensors' bounds, after checking that `dtype` is a float type and that `counts` fill `buf`.
+fn checked_bounds(rank: usize, buf: &[u8], dtype: DataType, counts: &[usize]) -> Result<Bounds, TransportError> {
     if !dtype.is_float() {
         return Err(invalid_argument(rank, "adasum", format!("{dtype} is not a floating-point type")));
     }
@@ -62,19 +121,32 @@ pub fn adasum_allreduce(
         let detail = format!("tensors of {elements} elements in total do not fill {} bytes of {dtype}", buf.len());
         return Err(invalid_argument(rank, "adasum", detail));
     }
-    let n = t.size();
-    if n <= 1 || buf.is_empty() {
-        return Ok(());
-    }
-    let bounds = Bounds::new(counts);
+    Ok(Bounds::new(counts))
+}
+
+/// Steps 1-3 of the module doc over `t`'s ranks, on `part`: elements `base..` of the buffer `bounds`
+/// describes (the whole buffer when `host` is `None`). With `host`, every rank of `t` holds its own part
+/// of a buffer that this rank's host shares out among its ranks, and the partial dot products and norms
+/// are also summed over `host`'s ranks, which run the same steps on the other parts.
+fn adasum_part(
+    t: &mut dyn Transport,
+    mut host: Option<&mut dyn Transport>,
+    part: &mut [u8],
+    base: usize,
+    dtype: DataType,
+    bounds: &Bounds,
+    scratch: &mut Vec<u8>,
+) -> Result<(), TransportError> {
+    let (rank, n) = (t.rank(), t.size());
     let core = 1usize << n.ilog2();
     if rank >= core {
-        t.send(rank - core, buf)?;
-        return t.recv(rank - core, buf);
+        t.send(rank - core, part)?;
+        return t.recv(rank - core, part);
     }
     let folded = rank + core;
-    // The fold receives a whole buffer, the tree at most the larger half of one.
-    let need = if folded < n { buf.len() } else { (bounds.total() - bounds.total() / 2) * dtype.size() };
+    let len = part.len() / dtype.size();
+    // The fold receives a whole part, the tree at most the larger half of one.
+    let need = if folded < n { part.len() } else { (len - len / 2) * dtype.size() };
     if scratch.len() < need {
         scratch.resize(need, 0);
     }
@@ -82,22 +154,28 @@ pub fn adasum_allreduce(
     if folded < n {
         t.recv(folded, scratch)?;
         let mut sums = vec![0.0; 3 * bounds.len()];
-        partial_dots(dtype, &bounds, 0, buf, scratch, &mut sums);
-        combine(dtype, &bounds, 0, buf, scratch, &sums, true);
+        partial_dots(dtype, bounds, base, part, scratch, &mut sums);
+        if let Some(host) = host.as_deref_mut() {
+            host_sum(host, &mut sums)?;
+        }
+        combine(dtype, bounds, base, part, scratch, &sums, true);
     }
     if core > 1 {
-        halving_doubling(t, buf, scratch, dtype, &bounds, core)?;
+        halving_doubling(t, host, part, base, scratch, dtype, bounds, core)?;
     }
     if folded < n {
-        t.send(folded, buf)?;
+        t.send(folded, part)?;
     }
     Ok(())
 }
 
-/// Step 2 of the module doc over ranks `0..core` (a power of two).
+/// Step 2 of the module doc over ranks `0..core` (a power of two), on `part` (elements `base..`).
+#[allow(clippy::too_many_arguments)]
 fn halving_doubling(
     t: &mut dyn Transport,
+    mut host: Option<&mut dyn Transport>,
     buf: &mut [u8],
+    base: usize,
     scratch: &mut [u8],
     dtype: DataType,
     bounds: &Bounds,
@@ -105,7 +183,9 @@ fn halving_doubling(
 ) -> Result<(), TransportError> {
     let rank = t.rank();
     let size = dtype.size();
-    let (mut lo, mut hi) = (0, bounds.total());
+    // Byte offset in `buf` of element `x` of the whole buffer.
+    let at = |x: usize| (x - base) * size;
+    let (mut lo, mut hi) = (base, base + buf.len() / size);
     // (partner, the partner's range) per level, for the way back.
     let mut levels = Vec::new();
     let mut distance = 1;
@@ -115,14 +195,17 @@ fn halving_doubling(
         let lower = rank & distance == 0;
         let (keep, give) = if lower { ((lo, mid), (mid, hi)) } else { ((mid, hi), (lo, mid)) };
         let kept_bytes = (keep.1 - keep.0) * size;
-        t.sendrecv(partner, &buf[give.0 * size..give.1 * size], partner, &mut scratch[..kept_bytes])?;
-        let mine = &mut buf[keep.0 * size..keep.1 * size];
+        t.sendrecv(partner, &buf[at(give.0)..at(give.1)], partner, &mut scratch[..kept_bytes])?;
+        let mine = &mut buf[at(keep.0)..at(keep.1)];
         let theirs = &scratch[..kept_bytes];
         let mut sums = vec![0.0; 3 * bounds.len()];
         if lower {
             partial_dots(dtype, bounds, keep.0, mine, theirs, &mut sums);
         } else {
             partial_dots(dtype, bounds, keep.0, theirs, mine, &mut sums);
+        }
+        if let Some(host) = host.as_deref_mut() {
+            host_sum(host, &mut sums)?;
         }
         group_sum(t, &mut sums, distance)?;
         combine(dtype, bounds, keep.0, mine, theirs, &sums, lower);
@@ -132,14 +215,33 @@ fn halving_doubling(
     }
     for (partner, give) in levels.into_iter().rev() {
         let (mine, theirs) = if give.0 < lo {
-            let (head, tail) = buf.split_at_mut(lo * size);
-            (&tail[..(hi - lo) * size], &mut head[give.0 * size..])
+            let (head, tail) = buf.split_at_mut(at(lo));
+            (&tail[..(hi - lo) * size], &mut head[at(give.0)..])
         } else {
-            let (head, tail) = buf.split_at_mut(hi * size);
-            (&head[lo * size..], &mut tail[..(give.1 - give.0) * size])
+            let (head, tail) = buf.split_at_mut(at(hi));
+            (&head[at(lo)..], &mut tail[..(give.1 - give.0) * size])
         };
         t.sendrecv(partner, mine, partner, theirs)?;
         (lo, hi) = (lo.min(give.0), hi.max(give.1));
+    }
+    Ok(())
+}
+
+/// Sum `values` over the ranks of `host`: gathered from all of them and added in rank order, so every
+/// rank of the host gets the same bits.
+fn host_sum(host: &mut dyn Transport, values: &mut [f64]) -> Result<(), TransportError> {
+    let width = host.size();
+    if width <= 1 {
+        return Ok(());
+    }
+    let mine: Vec<u8> = values.iter().flat_map(|v| v.to_ne_bytes()).collect();
+    let mut all = vec![0u8; mine.len() * width];
+    allgatherv(host, &mine, &mut all, &vec![mine.len(); width])?;
+    values.iter_mut().for_each(|v| *v = 0.0);
+    for from_rank in all.chunks_exact(mine.len().max(1)) {
+        for (v, bytes) in values.iter_mut().zip(from_rank.chunks_exact(8)) {
+            *v += f64_at(bytes);
+        }
     }
     Ok(())
 }

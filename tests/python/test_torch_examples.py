@@ -33,3 +33,18 @@ def test_synthetic_benchmark_reports_throughput(run_rvodrun):
     assert re.search(r"^\[0\]<stdout>:Img/sec per rank: [\d.]+ \+-[\d.]+$", result.stdout, re.MULTILINE), report
     assert re.search(r"^\[0\]<stdout>:Total img/sec on 2 rank\(s\): [\d.]+ \+-[\d.]+$", result.stdout,
                      re.MULTILINE), report
+
+
+@pytest.mark.timeout(120)
+def test_synthetic_benchmark_with_adasum(run_rvodrun):
+    """Horovod's --use-adasum: DistributedOptimizer(op=Adasum), learning rate not scaled on one host."""
+    args = ["--width", "8", "--image-size", "16", "--batch-size", "8", "--num-warmup-batches", "1",
+            "--num-batches-per-iter", "2", "--num-iters", "2", "--use-adasum"]
+    result = run_rvodrun(["-np", "2", sys.executable, str(EXAMPLES / "torch_synthetic_benchmark.py"), *args],
+                         timeout=100)
+    report = example_report(result)
+    assert result.returncode == 0, report
+    assert re.search(r"^\[0\]<stdout>:Model: .*; ranks: 2; Adasum, lr 0\.01$", result.stdout, re.MULTILINE), report
+    assert len(re.findall(r"^\[0\]<stdout>:Iter #\d: [\d.]+ img/sec per rank$", result.stdout, re.MULTILINE)) == 2
+    assert re.search(r"^\[0\]<stdout>:Total img/sec on 2 rank\(s\): [\d.]+ \+-[\d.]+$", result.stdout,
+                     re.MULTILINE), report
