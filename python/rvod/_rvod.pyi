@@ -8,6 +8,32 @@ Only ``rvod.common`` (and the runner's build report and rendezvous) import this 
 from collections.abc import Callable, Sequence
 from typing import Any, final
 
+__all__ = [
+    "__version__",
+    "COLLECTIVE_KINDS",
+    "REDUCE_OPS",
+    "DTYPES",
+    "init",
+    "launcher",
+    "shutdown",
+    "is_initialized",
+    "topology",
+    "submit",
+    "poll",
+    "wait",
+    "add_process_set",
+    "remove_process_set",
+    "process_sets",
+    "dynamic_process_sets",
+    "transport_kind",
+    "build_info",
+    "start_timeline",
+    "stop_timeline",
+    "relabel_bool_as_uint8",
+    "RendezvousServer",
+    "StoreClient",
+]
+
 __version__: str
 
 # Name -> code of what crosses the boundary, from the Rust types (src/types.rs).

@@ -83,11 +83,20 @@ def test_the_wheel_ships_the_stub_and_the_typed_marker():
     assert (PACKAGE / "py.typed").is_file(), "py.typed is not installed"
 
 
+def stub_all(tree: ast.Module) -> list[str]:
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and [t.id for t in node.targets if isinstance(t, ast.Name)] == ["__all__"]:
+            return ast.literal_eval(node.value)
+    raise AssertionError("_rvod.pyi declares no __all__")
+
+
 def test_the_stub_declares_exactly_what_the_module_exports():
-    declared = set(stub_names(stub_tree().body))
+    tree = stub_tree()
+    declared = set(stub_names(tree.body))
     exported = exported_names(_rvod) | {"__version__"}
     assert exported - declared == set(), "exported by rvod._rvod but missing from _rvod.pyi"
     assert declared - exported == set(), "in _rvod.pyi but not exported by rvod._rvod"
+    assert sorted(stub_all(tree)) == sorted(_rvod.__all__) == sorted(exported)
 
 
 def test_every_function_has_the_stubs_parameters_and_defaults():
@@ -96,7 +105,7 @@ def test_every_function_has_the_stubs_parameters_and_defaults():
         if isinstance(node, ast.FunctionDef):
             assert_same_parameters(name, stub_parameters(node, skip_first=False), runtime_parameters(getattr(_rvod, name)))
             checked += 1
-    assert checked == len([n for n in exported_names(_rvod) if inspect.isbuiltin(getattr(_rvod, n))]) == 19
+    assert checked == len([n for n in exported_names(_rvod) if inspect.isbuiltin(getattr(_rvod, n))]) > 0
 
 
 def test_every_class_has_the_stubs_constructor_and_members():
@@ -117,7 +126,7 @@ def test_every_class_has_the_stubs_constructor_and_members():
                 assert inspect.isgetsetdescriptor(runtime), f"{node.name}.{member} is not a property in the module"
             else:
                 assert_same_parameters(f"{node.name}.{member}", stub_parameters(function, skip_first=True),
-                                       runtime_parameters(getattr(cls, member)))
+                                       runtime_parameters(getattr(cls, member))[1:])
 
 
 @pytest.mark.timeout(120)
