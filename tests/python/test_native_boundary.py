@@ -6,8 +6,9 @@ parameter names and defaults of their ``#[pyo3(signature)]`` (read from ``__text
 members likewise; mypy's stubtest agrees (when mypy is installed: scripts/run-tests.sh installs it). The
 codes Python uses (collective kinds in ``rvod.common.ops``, dtypes in the NumPy adapter and the shims'
 tables, Horovod's reduce-op constants) are the module's, and the build facts ``hvd.*_built()`` are its
-``build_info()``. Single process; about 1 s, plus about 5 s for stubtest.
-"""
+``build_info()``. Single process; about 1 s, plus about 5 s for stubtest and the imports of torch and
+TensorFlow (about 17 s alone; nothing in a full run, where test_conformance_shims imported them already).
+The MXNet table is checked only where MXNet is installed (not in CI's main environment)."""
 
 from __future__ import annotations
 
