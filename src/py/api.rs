@@ -335,13 +335,17 @@ pub fn wait(py: Python<'_>, handle: u64) -> PyResult<Bound<'_, PyTuple>> {
     }
 }
 
-/// What this build contains, for `rvodrun --check-build`.
+/// What this build contains, for `rvodrun --check-build` and `hvd.*_built()`.
 #[pyfunction]
 pub fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let info = PyDict::new(py);
     info.set_item("version", env!("CARGO_PKG_VERSION"))?;
     info.set_item("transports", vec!["tcp", "shm"])?;
     info.set_item("nccl", false)?;
+    // What Horovod's `*_built()` functions report: this build links none of these libraries.
+    for library in ["mpi", "gloo", "cuda", "rocm", "ddl", "ccl"] {
+        info.set_item(library, false)?;
+    }
     Ok(info)
 }
 

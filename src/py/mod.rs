@@ -1,6 +1,7 @@
 //! The Python extension module `rvod._rvod`: the only place that uses pyo3.
 //!
 //! - [`api`]: engine life cycle and ops, called by `rvod.common`.
+//! - [`boundary`]: the codes of collective kinds, reduce ops and dtypes, as name -> code dictionaries.
 //! - [`dlpack`]: tensors in and out as DLPack capsules.
 //! - [`ndarray`], [`buffer`]: NumPy arrays in without a capsule per array (NumPy's struct, the buffer
 //!   protocol).
@@ -8,6 +9,7 @@
 //! - [`rendezvous`]: the rendezvous server class used by `rvodrun`, and a client of it for `rvod.run`.
 
 pub mod api;
+pub mod boundary;
 pub mod buffer;
 pub mod dlpack;
 pub mod error;
@@ -19,6 +21,7 @@ use pyo3::prelude::*;
 #[pymodule]
 fn _rvod(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    boundary::add_codes(m)?;
     m.add_function(wrap_pyfunction!(api::init, m)?)?;
     m.add_function(wrap_pyfunction!(api::launcher, m)?)?;
     m.add_function(wrap_pyfunction!(api::shutdown, m)?)?;

@@ -16,6 +16,8 @@ __all__ = [
 NOT_INITIALIZED = "rvod has not been initialized; use hvd.init()."
 _topology = None
 _atexit_registered = False
+# What the native module was built with (``*_built()`` below): the extension says, Python does not guess.
+_BUILD = _rvod.build_info()
 
 
 def init(comm=None, process_sets=None):
@@ -152,7 +154,7 @@ def mpi_enabled():
 
 def mpi_built():
     """False: rvod is not built against an MPI library."""
-    return False
+    return bool(_BUILD["mpi"])
 
 
 def gloo_enabled():
@@ -160,28 +162,28 @@ def gloo_enabled():
 
 
 def gloo_built():
-    return False
+    return bool(_BUILD["gloo"])
 
 
 def nccl_built():
     """NCCL version code of the build, 0 when built without NCCL."""
-    return 0
+    return int(_BUILD["nccl"])
 
 
 def ddl_built():
-    return False
+    return bool(_BUILD["ddl"])
 
 
 def ccl_built():
-    return False
+    return bool(_BUILD["ccl"])
 
 
 def cuda_built():
-    return False
+    return bool(_BUILD["cuda"])
 
 
 def rocm_built():
-    return False
+    return bool(_BUILD["rocm"])
 
 
 def start_timeline(file_path, mark_cycles=False):

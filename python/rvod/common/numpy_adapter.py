@@ -12,8 +12,8 @@ import numpy as np
 from rvod import _rvod
 from rvod.common.ops import TensorAdapter
 
-_SUPPORTED = tuple(np.dtype(t) for t in (np.uint8, np.uint16, np.int8, np.int16, np.int32, np.int64, np.float16,
-                                         np.float32, np.float64, np.bool_))
+# The engine's element types (its own table, by name) that NumPy has: all but bfloat16.
+_SUPPORTED = tuple(np.dtype(name) for name in _rvod.DTYPES if name != "bfloat16")
 _SUPPORTED_NAMES = ", ".join(d.name for d in _SUPPORTED)
 # (kind, itemsize) of the supported dtypes: a set lookup is far cheaper than comparing dtype objects (export
 # runs for every tensor of every collective), and it also accepts aliases such as longlong for int64.

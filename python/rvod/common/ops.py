@@ -10,8 +10,11 @@ from rvod.common import naming
 from rvod.common.process_sets import global_process_set, process_set_id_of
 from rvod.common.reduce_ops import Adasum, Average, Sum, resolve_op
 
-# Collective kinds, as numbered by the engine.
-ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, BARRIER, JOIN = range(7)
+# Collective kinds, as the engine numbers them (its own table, not a copy: a kind it renames fails here).
+ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, BARRIER, JOIN = (
+    _rvod.COLLECTIVE_KINDS[kind]
+    for kind in ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "barrier", "join")
+)
 
 
 class TensorAdapter:

@@ -1,0 +1,89 @@
+"""Types of the native module ``rvod._rvod`` (built from ``src/py/``).
+
+Checked against the built module in CI (``tests/python/test_native_boundary.py``: every exported name is
+here and every name here is exported, with the parameter names and defaults of its ``#[pyo3(signature)]``).
+Only ``rvod.common`` (and the runner's build report and rendezvous) import this module.
+"""
+
+from collections.abc import Callable, Sequence
+from typing import Any, final
+
+__all__ = [
+    "__version__",
+    "COLLECTIVE_KINDS",
+    "REDUCE_OPS",
+    "DTYPES",
+    "init",
+    "launcher",
+    "shutdown",
+    "is_initialized",
+    "topology",
+    "submit",
+    "poll",
+    "wait",
+    "add_process_set",
+    "remove_process_set",
+    "process_sets",
+    "dynamic_process_sets",
+    "transport_kind",
+    "build_info",
+    "start_timeline",
+    "stop_timeline",
+    "relabel_bool_as_uint8",
+    "RendezvousServer",
+    "StoreClient",
+]
+
+__version__: str
+
+# Name -> code of what crosses the boundary, from the Rust types (src/types.rs).
+COLLECTIVE_KINDS: dict[str, int]
+REDUCE_OPS: dict[str, int]
+DTYPES: dict[str, int]
+
+def init(
+    process_sets: Sequence[Sequence[int]] = ...,
+    mpi: tuple[int, int, Callable[[bytes | None], bytes]] | None = None,
+    dynamic_process_sets: bool = False,
+) -> None: ...
+def launcher() -> tuple[str, int, int] | None: ...
+def shutdown(exiting: bool = False) -> None: ...
+def is_initialized() -> bool: ...
+def topology() -> tuple[int, int, int, int, int, int, bool]: ...
+def submit(
+    kind: int,
+    names: Sequence[str],
+    capsules: Sequence[Any],
+    in_place: bool,
+    reduce_op: int,
+    prescale: float,
+    postscale: float,
+    root_rank: int,
+    splits: Sequence[int],
+    process_set_id: int,
+    packed: bool = False,
+) -> int: ...
+def poll(handle: int) -> bool: ...
+def wait(handle: int) -> tuple[list[Any | None], list[int] | None, int | None]: ...
+def add_process_set(ranks: Sequence[int]) -> int: ...
+def remove_process_set(process_set_id: int) -> bool: ...
+def process_sets() -> list[tuple[int, list[int]]]: ...
+def dynamic_process_sets() -> bool: ...
+def transport_kind(process_set_id: int = 0) -> str | None: ...
+def build_info() -> dict[str, Any]: ...
+def start_timeline(file_path: str, mark_cycles: bool) -> None: ...
+def stop_timeline() -> None: ...
+def relabel_bool_as_uint8(capsule: Any) -> bool: ...
+@final
+class RendezvousServer:
+    def __new__(cls, host: str, port: int, secret: bytes) -> RendezvousServer: ...
+    @property
+    def port(self) -> int: ...
+    def close(self) -> None: ...
+
+@final
+class StoreClient:
+    def __new__(cls, host: str, port: int, secret: bytes, timeout: float) -> StoreClient: ...
+    def set(self, key: str, value: bytes) -> None: ...
+    def get(self, key: str, timeout: float) -> bytes: ...
+    def close(self) -> None: ...
