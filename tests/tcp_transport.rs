@@ -302,7 +302,7 @@ fn a_frozen_rank_is_named_by_every_survivor() {
     within(Duration::from_secs(30), || {
         let results = on_mesh(3, Duration::from_secs(1), |mut t| match t.rank() {
             2 => {
-                thread::sleep(Duration::from_secs(4));
+                thread::sleep(Duration::from_secs(2));
                 None
             }
             0 => {
@@ -324,12 +324,14 @@ fn a_frozen_rank_is_named_by_every_survivor() {
 }
 
 /// Rank 2 dies (its connections end without a word); rank 0 sees that and closes. Rank 1, which only waits
-/// on rank 0, must name rank 2, not rank 0 that closed because of it.
+/// on rank 0, must name rank 2, not rank 0 that closed because of it. (Rank 2 dies once rank 1 is waiting:
+/// a rank that reads past the closing rank's urgent byte without having waited for it loses the byte.)
 #[test]
 fn a_dead_rank_is_named_by_every_survivor() {
     within(Duration::from_secs(30), || {
         let results = on_mesh(3, Duration::from_secs(10), |mut t| match t.rank() {
             2 => {
+                thread::sleep(Duration::from_millis(300));
                 drop(t);
                 None
             }

@@ -22,6 +22,10 @@
 //! for that byte and, when the closing rank blamed a third rank, reports that rank instead: every survivor
 //! then names the rank that died or froze, not the one that happened to notice first. A rank that dies sends
 //! nothing, so it is named itself. Only failures pay for this; the data path is untouched.
+//! Limits: a normal read that passes the urgent byte's place in the stream discards it, so the byte is taken
+//! whenever `poll` reports it (`POLLPRI`), which is when the survivor was waiting; one that reads the closing
+//! rank's stream without having waited (it was busy when the connection ended) names the closing rank, as
+//! it would without the byte. Blamed ranks from 128 up are not passed on.
 
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
