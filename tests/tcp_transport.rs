@@ -294,3 +294,83 @@ fn wait_for_activity_tells_local_peer_and_idle_apart() {
         });
     });
 }
+
+/// Rank 2 stops making progress with its connections open (as under SIGSTOP); rank 0 times out on it and
+/// closes. Rank 1, which only waits on rank 0, must name rank 2 as silent, as rank 0 does, not rank 0.
+#[test]
+fn a_frozen_rank_is_named_by_every_survivor() {
+    within(Duration::from_secs(30), || {
+        let results = on_mesh(3, Duration::from_secs(1), |mut t| match t.rank() {
+            2 => {
+                thread::sleep(Duration::from_secs(2));
+                None
+            }
+            0 => {
+                let result = t.recv(2, &mut [0u8; 8]);
+                t.close();
+                Some(result)
+            }
+            _ => {
+                // Start waiting later than rank 0, so that rank 0 is the one that times out first.
+                thread::sleep(Duration::from_millis(500));
+                Some(t.recv(0, &mut [0u8; 8]))
+            }
+        });
+        for (rank, result) in results[..2].iter().enumerate() {
+            let result = result.as_ref().unwrap();
+            assert!(matches!(result, Err(TransportError::Timeout { peer: 2, .. })), "rank {rank}: {result:?}");
+        }
+    });
+}
+
+/// Rank 2 dies (its connections end without a word); rank 0 sees that and closes. Rank 1, which only waits
+/// on rank 0, must name rank 2, not rank 0 that closed because of it. (Rank 2 dies once rank 1 is waiting:
+/// a rank that reads past the closing rank's urgent byte without having waited for it loses the byte.)
+#[test]
+fn a_dead_rank_is_named_by_every_survivor() {
+    within(Duration::from_secs(30), || {
+        let results = on_mesh(3, Duration::from_secs(10), |mut t| match t.rank() {
+            2 => {
+                thread::sleep(Duration::from_millis(300));
+                drop(t);
+                None
+            }
+            0 => {
+                let result = t.recv(2, &mut [0u8; 8]);
+                t.close();
+                Some(result)
+            }
+            _ => {
+                let started = Instant::now();
+                let result = t.recv(0, &mut [0u8; 8]);
+                assert!(started.elapsed() < Duration::from_secs(5));
+                Some(result)
+            }
+        });
+        for (rank, result) in results[..2].iter().enumerate() {
+            let result = result.as_ref().unwrap();
+            assert!(matches!(result, Err(TransportError::PeerClosed { peer: 2 })), "rank {rank}: {result:?}");
+        }
+    });
+}
+
+/// A rank that times out on the rank that waits on it tells it so; that rank, not at fault by its own
+/// account, names the rank that closed on it.
+#[test]
+fn a_rank_blamed_by_its_peer_names_that_peer() {
+    within(Duration::from_secs(30), || {
+        let results = on_mesh(2, Duration::from_millis(500), |mut t| {
+            if t.rank() == 1 {
+                // Silent past rank 0's timeout, then waits on rank 0, which has given up on it.
+                thread::sleep(Duration::from_millis(1000));
+                return Some(t.recv(0, &mut [0u8; 8]));
+            }
+            let result = t.recv(1, &mut [0u8; 8]);
+            t.close();
+            assert!(matches!(result, Err(TransportError::Timeout { peer: 1, .. })), "{result:?}");
+            None
+        });
+        let result = results[1].as_ref().unwrap();
+        assert!(matches!(result, Err(TransportError::PeerClosed { peer: 0 })), "{result:?}");
+    });
+}

@@ -281,20 +281,73 @@ impl Transport for CompositeTransport {
     }
 
     fn send(&mut self, peer: usize, data: &[u8]) -> Result<(), TransportError> {
-        match self.route(peer)? {
+        let outcome = match self.route(peer)? {
             Route::Local(p) => self.local.send(p, data).map_err(|e| self.local_error(e)),
             Route::Remote(p) => self.remote.send(p, data),
-        }
+        };
+        self.noted(outcome)
     }
 
     fn recv(&mut self, peer: usize, buf: &mut [u8]) -> Result<(), TransportError> {
-        match self.route(peer)? {
+        let outcome = match self.route(peer)? {
             Route::Local(p) => self.local.recv(p, buf).map_err(|e| self.local_error(e)),
             Route::Remote(p) => self.remote.recv(p, buf),
-        }
+        };
+        self.noted(outcome)
     }
 
     fn exchange(
+        &mut self,
+        to: usize,
+        send: &[u8],
+        from: usize,
+        recv_len: usize,
+        sink: &mut dyn FnMut(usize, &[u8]),
+    ) -> Result<(), TransportError> {
+        let outcome = self.exchange_routed(to, send, from, recv_len, sink);
+        self.noted(outcome)
+    }
+
+    fn wait_for_activity(&mut self, waker: &Waker, timeout: Duration) -> Result<Activity, TransportError> {
+        let outcome = self.wait_for_activity_on_both(waker, timeout);
+        self.noted(outcome)
+    }
+
+    fn note_failure(&mut self, cause: &TransportError) {
+        self.remote.note_failure(cause);
+    }
+
+    fn doorbell(&self) -> Option<Doorbell> {
+        let wake_local = Arc::clone(&self.wake_local);
+        Some(Arc::new(move || wake_local.wake()))
+    }
+
+    fn close(&mut self) {
+        self.local.close();
+        self.remote.close();
+    }
+
+    fn hosts(&mut self) -> Option<HostParts<'_>> {
+        let layout = &self.layout;
+        let index = layout.local_index(self.rank);
+        let local_members = self.local_members.clone();
+        let local = PartView::new(&mut *self.local, (0..local_members.len()).collect(), local_members);
+        let cross = PartView::new(&mut *self.remote, layout.cross_members(index), (0..layout.size()).collect());
+        Some(HostParts { layout, local, cross })
+    }
+}
+
+impl CompositeTransport {
+    /// A failure of either part (in communicator ranks) is the TCP part's to pass on when it closes: a
+    /// shared-memory peer that died is named to the other hosts too.
+    fn noted<T>(&mut self, outcome: Result<T, TransportError>) -> Result<T, TransportError> {
+        if let Err(err) = &outcome {
+            self.remote.note_failure(err);
+        }
+        outcome
+    }
+
+    fn exchange_routed(
         &mut self,
         to: usize,
         send: &[u8],
@@ -338,7 +391,7 @@ impl Transport for CompositeTransport {
         }
     }
 
-    fn wait_for_activity(&mut self, waker: &Waker, timeout: Duration) -> Result<Activity, TransportError> {
+    fn wait_for_activity_on_both(&mut self, waker: &Waker, timeout: Duration) -> Result<Activity, TransportError> {
         // `waker`'s doorbell wakes `wake_local` (see `doorbell`), so draining `wake_local` before looking at
         // `waker` loses no wake-up.
         self.wake_local.drain();
@@ -376,25 +429,6 @@ impl Transport for CompositeTransport {
         } else {
             Activity::Idle
         })
-    }
-
-    fn doorbell(&self) -> Option<Doorbell> {
-        let wake_local = Arc::clone(&self.wake_local);
-        Some(Arc::new(move || wake_local.wake()))
-    }
-
-    fn close(&mut self) {
-        self.local.close();
-        self.remote.close();
-    }
-
-    fn hosts(&mut self) -> Option<HostParts<'_>> {
-        let layout = &self.layout;
-        let index = layout.local_index(self.rank);
-        let local_members = self.local_members.clone();
-        let local = PartView::new(&mut *self.local, (0..local_members.len()).collect(), local_members);
-        let cross = PartView::new(&mut *self.remote, layout.cross_members(index), (0..layout.size()).collect());
-        Some(HostParts { layout, local, cross })
     }
 }
 

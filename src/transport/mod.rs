@@ -103,6 +103,10 @@ pub trait Transport: Send {
         None
     }
 
+    /// Remember that this rank is failing because of `cause` (the first call counts), so that `close` can
+    /// tell the peers which rank to name; transports whose peers find out by themselves ignore it.
+    fn note_failure(&mut self, _cause: &TransportError) {}
+
     /// Close every connection now, so peers blocked on this rank fail fast instead of waiting for a timeout.
     fn close(&mut self);
 

@@ -14,6 +14,18 @@
 //! Invariant: a peer's pending bytes always precede the bytes still in its socket.
 //! An operation that sees no progress from its peer for the timeout fails with
 //! [`TransportError::Timeout`]; end of stream or a reset is [`TransportError::PeerClosed`] at once.
+//!
+//! Naming the culprit: a rank that fails because of peer X (X closed, or went silent) and then closes its
+//! connections first sends each other peer one byte of TCP urgent data saying so (see [`Cause`]). Urgent
+//! data travels outside the byte stream (`SO_OOBINLINE` is off), so the unframed data channels are not
+//! disturbed, and it arrives before the end of stream it precedes. A rank that sees a connection end asks it
+//! for that byte and, when the closing rank blamed a third rank, reports that rank instead: every survivor
+//! then names the rank that died or froze, not the one that happened to notice first. A rank that dies sends
+//! nothing, so it is named itself. Only failures pay for this; the data path is untouched.
+//! Limits: a normal read that passes the urgent byte's place in the stream discards it, so the byte is taken
+//! whenever `poll` reports it (`POLLPRI`), which is when the survivor was waiting; one that reads the closing
+//! rank's stream without having waited (it was busy when the connection ended) names the closing rank, as
+//! it would without the byte. Blamed ranks from 128 up are not passed on.
 
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
@@ -48,11 +60,14 @@ struct Link {
     pending: Vec<u8>,
     pending_start: usize,
     ended: Option<Ended>,
+    /// The urgent byte (a [`Cause`]) the peer sent, taken when `poll` reported it: a normal read that passes
+    /// the byte's place in the stream discards it.
+    urgent: Option<u8>,
 }
 
 impl Link {
     fn new(stream: TcpStream) -> Link {
-        Link { stream, pending: Vec::new(), pending_start: 0, ended: None }
+        Link { stream, pending: Vec::new(), pending_start: 0, ended: None, urgent: None }
     }
 
     fn pending(&self) -> &[u8] {
@@ -76,6 +91,15 @@ impl Link {
     }
 
     /// The error to report to a receive that has consumed every pending byte, if the link has ended.
+    /// Takes the peer's urgent byte if `revents` says it is there.
+    fn take_urgent(&mut self, revents: libc::c_short) {
+        if revents & libc::POLLPRI != 0 {
+            if let Some(byte) = recv_urgent(&self.stream) {
+                self.urgent = Some(byte);
+            }
+        }
+    }
+
     fn end_error(&mut self, peer: usize) -> Option<TransportError> {
         match self.ended.take()? {
             Ended::Closed => {
@@ -88,6 +112,93 @@ impl Link {
                 Some(TransportError::Io { peer, source })
             }
         }
+    }
+}
+
+/// Why this rank gave up on the communicator, as passed on to its peers when it closes: the rank it blames
+/// and whether for silence (a time-out) rather than a closed connection. One byte on the wire: the rank
+/// shifted left by one, the low bit set for a time-out; ranks from 128 up cannot be told (the peers then
+/// name this rank, as they would without the byte).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Cause {
+    peer: usize,
+    timed_out: bool,
+}
+
+impl Cause {
+    fn of(err: &TransportError, rank: usize, size: usize) -> Option<Cause> {
+        let (peer, timed_out) = match err {
+            TransportError::PeerClosed { peer } | TransportError::Io { peer, .. } => (*peer, false),
+            TransportError::Timeout { peer, .. } => (*peer, true),
+            TransportError::Setup(_) | TransportError::Protocol { .. } => return None,
+        };
+        (peer != rank && peer < size).then_some(Cause { peer, timed_out })
+    }
+
+    fn to_byte(self) -> Option<u8> {
+        (self.peer < 128).then(|| ((self.peer as u8) << 1) | u8::from(self.timed_out))
+    }
+
+    fn from_byte(byte: u8) -> Cause {
+        Cause { peer: usize::from(byte >> 1), timed_out: byte & 1 == 1 }
+    }
+
+    fn error(self, timeout: Duration) -> TransportError {
+        if self.timed_out {
+            TransportError::Timeout { peer: self.peer, seconds: timeout.as_secs_f64() }
+        } else {
+            TransportError::PeerClosed { peer: self.peer }
+        }
+    }
+}
+
+/// Longest time `close` spends passing its [`Cause`] to peers whose send buffers are full.
+const CAUSE_SEND_LIMIT: Duration = Duration::from_millis(100);
+
+/// Sends `byte` as TCP urgent data, waiting until `deadline` for room in the send buffer; whether it went.
+fn send_urgent(stream: &TcpStream, byte: u8, deadline: Instant) -> bool {
+    let fd = stream.as_raw_fd();
+    loop {
+        // SAFETY: `fd` is an open socket and the buffer is one valid byte for the duration of the call.
+        let sent = unsafe {
+            libc::send(fd, (&byte as *const u8).cast(), 1, libc::MSG_OOB | libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL)
+        };
+        if sent == 1 {
+            return true;
+        }
+        let err = io::Error::last_os_error();
+        match err.kind() {
+            io::ErrorKind::Interrupted => continue,
+            io::ErrorKind::WouldBlock => {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return false;
+                }
+                let mut fds = [libc::pollfd { fd, events: libc::POLLOUT, revents: 0 }];
+                if poll_once(&mut fds, left).is_err() {
+                    return false;
+                }
+            }
+            _ => return false,
+        }
+    }
+}
+
+/// The urgent byte the peer sent on `stream`, if one has arrived and was not read yet.
+fn recv_urgent(stream: &TcpStream) -> Option<u8> {
+    let mut byte = 0u8;
+    loop {
+        // SAFETY: `stream` is an open socket and the buffer is one valid, writable byte for the call.
+        let got = unsafe {
+            libc::recv(stream.as_raw_fd(), (&mut byte as *mut u8).cast(), 1, libc::MSG_OOB | libc::MSG_DONTWAIT)
+        };
+        if got == 1 {
+            return Some(byte);
+        }
+        if got < 0 && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
+            continue;
+        }
+        return None;
     }
 }
 
@@ -187,6 +298,8 @@ pub struct TcpTransport {
     /// Scratch for `poll`, kept to avoid allocating per wait: the fds and the rank each belongs to.
     poll_fds: Vec<libc::pollfd>,
     poll_ranks: Vec<usize>,
+    /// The first failure of this rank, passed on to the peers by `close`.
+    cause: Option<Cause>,
 }
 
 impl TcpTransport {
@@ -282,7 +395,32 @@ impl TcpTransport {
             staging: vec![0u8; STAGING_LEN],
             poll_fds: Vec::new(),
             poll_ranks: Vec::new(),
+            cause: None,
         }
+    }
+
+    /// The error an operation reports: where a peer's connection ended or broke and that peer said it
+    /// closed because of a third rank, that rank's failure. The first failure is remembered for `close`.
+    fn settle<T>(&mut self, outcome: Result<T, TransportError>) -> Result<T, TransportError> {
+        let err = match outcome {
+            Ok(value) => return Ok(value),
+            Err(err) => err,
+        };
+        let err = match &err {
+            TransportError::PeerClosed { peer } | TransportError::Io { peer, .. } => {
+                self.cause_given_by(*peer).map_or(err, |cause| cause.error(self.timeout))
+            }
+            _ => err,
+        };
+        self.note_failure(&err);
+        Err(err)
+    }
+
+    /// The cause `peer` gave for closing its connection to this rank, when it names a third rank.
+    fn cause_given_by(&self, peer: usize) -> Option<Cause> {
+        let link = self.links.get(peer)?.as_ref()?;
+        let cause = Cause::from_byte(link.urgent.or_else(|| recv_urgent(&link.stream))?);
+        (cause.peer != self.rank && cause.peer != peer && cause.peer < self.size).then_some(cause)
     }
 
     fn link(&mut self, peer: usize) -> Result<&mut Link, TransportError> {
@@ -375,7 +513,7 @@ impl TcpTransport {
                 let Some(link) = link else { continue };
                 let mut events = 0;
                 if Some(peer) == read_peer || link.ended.is_none() {
-                    events |= libc::POLLIN;
+                    events |= libc::POLLIN | libc::POLLPRI;
                 }
                 if Some(peer) == write_peer {
                     events |= libc::POLLOUT;
@@ -392,6 +530,9 @@ impl TcpTransport {
             let (mut writable, mut readable) = (false, false);
             for i in 0..self.poll_fds.len() {
                 let (peer, revents) = (self.poll_ranks[i], self.poll_fds[i].revents);
+                if let Some(link) = self.links[peer].as_mut() {
+                    link.take_urgent(revents);
+                }
                 let has_input = revents & (libc::POLLIN | ALERT) != 0;
                 if Some(peer) == read_peer {
                     readable |= has_input;
@@ -407,22 +548,8 @@ impl TcpTransport {
             }
         }
     }
-}
 
-impl Transport for TcpTransport {
-    fn kind(&self) -> &'static str {
-        "tcp"
-    }
-
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn size(&self) -> usize {
-        self.size
-    }
-
-    fn send(&mut self, peer: usize, data: &[u8]) -> Result<(), TransportError> {
+    fn send_bytes(&mut self, peer: usize, data: &[u8]) -> Result<(), TransportError> {
         self.link(peer)?;
         let mut sent = 0;
         let mut stalled_since = None;
@@ -441,7 +568,7 @@ impl Transport for TcpTransport {
         Ok(())
     }
 
-    fn recv(&mut self, peer: usize, buf: &mut [u8]) -> Result<(), TransportError> {
+    fn recv_bytes(&mut self, peer: usize, buf: &mut [u8]) -> Result<(), TransportError> {
         let mut got = self.recv_pending(peer, buf)?;
         let mut stalled_since = None;
         while got < buf.len() {
@@ -460,7 +587,7 @@ impl Transport for TcpTransport {
         Ok(())
     }
 
-    fn exchange(
+    fn exchange_bytes(
         &mut self,
         to: usize,
         send: &[u8],
@@ -519,7 +646,48 @@ impl Transport for TcpTransport {
         }
         Ok(())
     }
+}
 
+impl Transport for TcpTransport {
+    fn kind(&self) -> &'static str {
+        "tcp"
+    }
+
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn send(&mut self, peer: usize, data: &[u8]) -> Result<(), TransportError> {
+        let outcome = self.send_bytes(peer, data);
+        self.settle(outcome)
+    }
+
+    fn recv(&mut self, peer: usize, buf: &mut [u8]) -> Result<(), TransportError> {
+        let outcome = self.recv_bytes(peer, buf);
+        self.settle(outcome)
+    }
+
+    fn exchange(
+        &mut self,
+        to: usize,
+        send: &[u8],
+        from: usize,
+        recv_len: usize,
+        sink: &mut dyn FnMut(usize, &[u8]),
+    ) -> Result<(), TransportError> {
+        let outcome = self.exchange_bytes(to, send, from, recv_len, sink);
+        self.settle(outcome)
+    }
+
+    fn note_failure(&mut self, cause: &TransportError) {
+        if self.cause.is_none() {
+            self.cause = Cause::of(cause, self.rank, self.size);
+        }
+    }
     fn wait_for_activity(&mut self, waker: &Waker, timeout: Duration) -> Result<Activity, TransportError> {
         if self.links.iter().flatten().any(|link| !link.pending().is_empty() || link.ended.is_some()) {
             return Ok(Activity::Peer);
@@ -527,7 +695,8 @@ impl Transport for TcpTransport {
         self.poll_fds.clear();
         self.poll_fds.push(libc::pollfd { fd: waker.as_raw_fd(), events: libc::POLLIN, revents: 0 });
         for link in self.links.iter().flatten() {
-            self.poll_fds.push(libc::pollfd { fd: link.stream.as_raw_fd(), events: libc::POLLIN, revents: 0 });
+            let events = libc::POLLIN | libc::POLLPRI;
+            self.poll_fds.push(libc::pollfd { fd: link.stream.as_raw_fd(), events, revents: 0 });
         }
         let deadline = handshake::deadline_after(timeout);
         loop {
@@ -539,9 +708,12 @@ impl Transport for TcpTransport {
                 Err(source) => return Err(TransportError::Io { peer: self.rank, source }),
             }
         }
+        for (link, fd) in self.links.iter_mut().flatten().zip(&self.poll_fds[1..]) {
+            link.take_urgent(fd.revents);
+        }
         if self.poll_fds[0].revents & libc::POLLIN != 0 {
             Ok(Activity::Local)
-        } else if self.poll_fds[1..].iter().any(|fd| fd.revents & (libc::POLLIN | ALERT) != 0) {
+        } else if self.poll_fds[1..].iter().any(|fd| fd.revents & (libc::POLLIN | libc::POLLPRI | ALERT) != 0) {
             Ok(Activity::Peer)
         } else {
             Ok(Activity::Idle)
@@ -549,7 +721,16 @@ impl Transport for TcpTransport {
     }
 
     fn close(&mut self) {
-        for link in self.links.iter().flatten() {
+        let cause = self.cause.and_then(|cause| Some((cause.peer, cause.to_byte()?)));
+        let deadline = Instant::now() + CAUSE_SEND_LIMIT;
+        for (peer, link) in self.links.iter().enumerate() {
+            let Some(link) = link else { continue };
+            if let Some((blamed, byte)) = cause {
+                // The blamed rank needs no explanation (and, if frozen, has no room to take one).
+                if peer != blamed {
+                    send_urgent(&link.stream, byte, deadline);
+                }
+            }
             // Already-broken connections report NotConnected; there is nothing left to shut then.
             let _ = link.stream.shutdown(std::net::Shutdown::Both);
         }
