@@ -126,9 +126,9 @@ impl<F: Fn(&str) -> Option<String>> EnvReader<F> {
     fn usize(&self, key: &str, default: usize) -> Result<usize, ConfigError> {
         match self.raw(key) {
             None => Ok(default),
-            Some((name, value)) => value
-                .parse::<usize>()
-                .map_err(|_| Self::error(name, value, "expected a non-negative integer")),
+            Some((name, value)) => {
+                value.parse::<usize>().map_err(|_| Self::error(name, value, "expected a non-negative integer"))
+            }
         }
     }
 
@@ -310,8 +310,7 @@ fn bind_address<F: Fn(&str) -> Option<String>>(env: &EnvReader<F>) -> Result<Bin
     });
     match nics {
         Some((name, value)) => {
-            let names: Vec<String> =
-                value.split(',').map(|n| n.trim().to_string()).filter(|n| !n.is_empty()).collect();
+            let names: Vec<String> = value.split(',').map(|n| n.trim().to_string()).filter(|n| !n.is_empty()).collect();
             if names.is_empty() {
                 return Err(EnvReader::<F>::error(name, value, "expected comma-separated network interface names"));
             }

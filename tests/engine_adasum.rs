@@ -26,7 +26,11 @@ fn pair(a: &[f64], b: &[f64]) -> Vec<f64> {
     let dot: f64 = a.iter().zip(b).map(|(x, y)| x * y).sum();
     let coeff = |v: &[f64]| {
         let norm2: f64 = v.iter().map(|x| x * x).sum();
-        if norm2 >= f64::MIN_POSITIVE.sqrt() { 1.0 - dot / (2.0 * norm2) } else { 1.0 }
+        if norm2 >= f64::MIN_POSITIVE.sqrt() {
+            1.0 - dot / (2.0 * norm2)
+        } else {
+            1.0
+        }
     };
     let (ca, cb) = (coeff(a), coeff(b));
     a.iter().zip(b).map(|(x, y)| ca * x + cb * y).collect()
@@ -53,7 +57,8 @@ fn fused_adasum_keeps_per_tensor_coefficients_on_three_ranks() {
                     .map(|id| as_f32(wait(engine, id).unwrap().tensors[0].as_ref().unwrap().buffer.as_slice()))
                     .collect::<Vec<_>>()
             });
-            let mixed: Vec<Vec<f64>> = (0..n).map(|r| inputs(r, n)[2].iter().map(|&x| f64::from(x)).collect()).collect();
+            let mixed: Vec<Vec<f64>> =
+                (0..n).map(|r| inputs(r, n)[2].iter().map(|&x| f64::from(x)).collect()).collect();
             // Three ranks: rank 2 folds into rank 0 first, then (g0, g2) meets g1.
             let want_mixed = pair(&pair(&mixed[0], &mixed[2]), &mixed[1]);
             for outputs in &results {
@@ -101,7 +106,10 @@ fn integer_tensors_are_refused_with_their_name() {
     sub.tensors.push(tensor("counts", &mut data, DataType::Int32, vec![2]));
     match engines[0].submit(sub, 0) {
         Err(EngineError::InvalidArgument(message)) => {
-            assert!(message.contains("Adasum") && message.contains("'counts'") && message.contains("int32"), "{message}");
+            assert!(
+                message.contains("Adasum") && message.contains("'counts'") && message.contains("int32"),
+                "{message}"
+            );
         }
         other => panic!("expected InvalidArgument, got {other:?}"),
     }

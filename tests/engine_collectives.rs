@@ -9,8 +9,8 @@ use std::time::Duration;
 use common::*;
 use rvod::coordinator::round::StopReason;
 use rvod::engine::handles::HandleId;
-use rvod::engine::Engine;
 use rvod::engine::submission::OpSubmission;
+use rvod::engine::Engine;
 use rvod::error::EngineError;
 use rvod::types::{CollectiveKind, DataType, ReduceOp};
 
@@ -47,7 +47,9 @@ fn many_async_allreduces_fuse_and_repeat_through_the_cache() {
 fn average_min_max_and_scaling() {
     over_every_transport(|| {
         let (engines, _server) = start_job(2, &[]);
-        for (op, expected) in [(ReduceOp::Average, 1.5f32), (ReduceOp::Min, 1.0), (ReduceOp::Max, 2.0), (ReduceOp::Product, 2.0)] {
+        for (op, expected) in
+            [(ReduceOp::Average, 1.5f32), (ReduceOp::Min, 1.0), (ReduceOp::Max, 2.0), (ReduceOp::Product, 2.0)]
+        {
             let outs = on_every_rank(&engines, |rank, engine| {
                 let mut data = f32_bytes(&[(rank + 1) as f32; 5]);
                 let id = engine.submit(allreduce("op", &mut data, 5, op), 0).unwrap();
@@ -208,7 +210,10 @@ fn shutdown_of_one_rank_fails_pending_ops_elsewhere_saying_why() {
                 other => panic!("expected a shut-down error, got {other:?}"),
             }
             let mut more = f32_bytes(&[1.0; 2]);
-            assert!(matches!(engines[1].submit(allreduce("later", &mut more, 2, ReduceOp::Sum), 0), Err(EngineError::ShutDown(_))));
+            assert!(matches!(
+                engines[1].submit(allreduce("later", &mut more, 2, ReduceOp::Sum), 0),
+                Err(EngineError::ShutDown(_))
+            ));
         }
     });
 }
@@ -250,7 +255,14 @@ fn broadcast_allgather_alltoall_reducescatter_and_barrier() {
             assert_eq!(data(0), vec![2.0; 3]);
             assert_eq!(data(1), vec![0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0]);
             assert_eq!(results[1].tensors[0].as_ref().unwrap().shape, vec![6, 2]);
-            assert_eq!(data(2), vec![0.0; rank + 1].into_iter().chain(vec![1.0; rank + 1]).chain(vec![2.0; rank + 1]).collect::<Vec<_>>());
+            assert_eq!(
+                data(2),
+                vec![0.0; rank + 1]
+                    .into_iter()
+                    .chain(vec![1.0; rank + 1])
+                    .chain(vec![2.0; rank + 1])
+                    .collect::<Vec<_>>()
+            );
             assert_eq!(results[2].received_splits, Some(vec![(rank + 1) as i64; 3]));
             let rows = if rank == 0 { 3 } else { 2 };
             assert_eq!(data(3), vec![3.0; rows]);
@@ -265,8 +277,7 @@ fn evictions_do_not_strand_pending_cache_hits() {
         // least recently used, so the next step mixes a miss with hits. Rank 1 submits with small gaps, so hits
         // of rank 0 are still pending while the miss's response is put into the cache. Each step must complete
         // promptly (not after the stall check) with correct sums.
-        let (engines, _server) =
-            start_job(2, &[("RVOD_CACHE_CAPACITY", "4"), ("RVOD_STALL_CHECK_TIME_SECONDS", "20")]);
+        let (engines, _server) = start_job(2, &[("RVOD_CACHE_CAPACITY", "4"), ("RVOD_STALL_CHECK_TIME_SECONDS", "20")]);
         for step in 0..8 {
             let started = std::time::Instant::now();
             let results = on_every_rank(&engines, |rank, engine| {
@@ -280,7 +291,8 @@ fn evictions_do_not_strand_pending_cache_hits() {
                 }
                 let outputs: Vec<_> = ids.into_iter().map(|id| wait(engine, id).unwrap()).collect();
                 let mut extra = f32_bytes(&[1.0]);
-                let id = engine.submit(allreduce(&format!("extra.{}", step % 2), &mut extra, 1, ReduceOp::Sum), 0).unwrap();
+                let id =
+                    engine.submit(allreduce(&format!("extra.{}", step % 2), &mut extra, 1, ReduceOp::Sum), 0).unwrap();
                 wait(engine, id).unwrap();
                 outputs
             });

@@ -128,11 +128,15 @@ fn an_op_pending_when_its_set_is_removed_fails_naming_the_removal() {
         // Rank 2 submits on set 1; rank 0 never does and removes the set instead.
         let mut data = f32_bytes(&[1.0; 4]);
         let id = engines[2].submit(allreduce("orphan", &mut data, 4, ReduceOp::Sum), 1).unwrap();
-        let removed = on_every_rank(&engines, |rank, engine| if rank == 2 { true } else { engine.remove_process_set(1) });
+        let removed =
+            on_every_rank(&engines, |rank, engine| if rank == 2 { true } else { engine.remove_process_set(1) });
         assert_eq!(removed, vec![true, true, true]);
         match wait(&engines[2], id) {
             Err(EngineError::ShutDown(reason)) => {
-                assert!(reason.contains("process set 1 (ranks [0, 2])") && reason.contains("remove_process_set()"), "{reason}");
+                assert!(
+                    reason.contains("process set 1 (ranks [0, 2])") && reason.contains("remove_process_set()"),
+                    "{reason}"
+                );
                 assert!(!reason.contains("called shutdown()"), "{reason}");
             }
             other => panic!("expected the removal to fail the op, got {other:?}"),

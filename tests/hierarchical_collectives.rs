@@ -107,7 +107,8 @@ fn expected(dtype: DataType, combine: Combine, n: usize, count: usize) -> Vec<u8
     (0..count)
         .flat_map(|i| {
             let values = (0..n).map(|rank| input_value(dtype, rank, i) as f64);
-            let (min, max) = (values.clone().fold(f64::INFINITY, f64::min), values.clone().fold(f64::NEG_INFINITY, f64::max));
+            let (min, max) =
+                (values.clone().fold(f64::INFINITY, f64::min), values.clone().fold(f64::NEG_INFINITY, f64::max));
             let v = match (combine, dtype) {
                 (Combine::Sum, DataType::Bool) | (Combine::Max, _) => max,
                 (Combine::Product, DataType::Bool) | (Combine::Min, _) => min,
@@ -391,7 +392,6 @@ fn a_rank_that_leaves_fails_the_others_naming_a_rank() {
     }
 }
 
-
 /// Deterministic values in [-1, 1) for Adasum, different per rank, salt and element.
 fn adasum_values(rank: usize, salt: usize, len: usize) -> Vec<f64> {
     let mut state = 0x2545_f491_4f6c_dd1du64 ^ ((rank * 131 + salt) as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
@@ -426,7 +426,11 @@ fn adasum_pair(a: &[f64], b: &[f64], counts: &[usize]) -> Vec<f64> {
         let dot: f64 = x.iter().zip(y).map(|(p, q)| p * q).sum();
         let coeff = |v: &[f64]| {
             let norm2: f64 = v.iter().map(|p| p * p).sum();
-            if norm2 >= f64::MIN_POSITIVE.sqrt() { 1.0 - dot / (2.0 * norm2) } else { 1.0 }
+            if norm2 >= f64::MIN_POSITIVE.sqrt() {
+                1.0 - dot / (2.0 * norm2)
+            } else {
+                1.0
+            }
         };
         let (ca, cb) = (coeff(x), coeff(y));
         out.extend(x.iter().zip(y).map(|(p, q)| ca * p + cb * q));
@@ -487,13 +491,17 @@ fn hierarchical_adasum_is_adasum_across_hosts_of_host_averages() {
                 let total: usize = counts.iter().sum();
                 let inputs: Vec<Vec<f64>> = (0..hosts.len())
                     .map(|r| {
-                        let bytes: Vec<u8> = adasum_values(r, salt, total).iter().flat_map(|&v| encode(dtype, v)).collect();
+                        let bytes: Vec<u8> =
+                            adasum_values(r, salt, total).iter().flat_map(|&v| encode(dtype, v)).collect();
                         decode_float(dtype, &bytes)
                     })
                     .collect();
                 let want = hierarchical_adasum_reference(hosts, &inputs, counts);
                 for (rank, got) in results.iter().enumerate() {
-                    assert!(got[case] == results[0][case], "{hosts:?} {dtype} {counts:?}: rank {rank} differs from rank 0");
+                    assert!(
+                        got[case] == results[0][case],
+                        "{hosts:?} {dtype} {counts:?}: rank {rank} differs from rank 0"
+                    );
                 }
                 let got = decode_float(dtype, &results[0][case]);
                 for (i, (g, w)) in got.iter().zip(&want).enumerate() {

@@ -476,18 +476,20 @@ pub(crate) mod tests {
             prop::collection::vec(any::<i64>(), 0..4),
             prop::collection::vec(any::<i64>(), 0..6),
         )
-            .prop_map(|(rank, kind, name, dtype, shape, op, root_rank, prescale, postscale, splits, parts)| Request {
-                rank,
-                kind: CollectiveKind::from_code(kind).unwrap(),
-                name,
-                dtype: DataType::from_code(dtype).unwrap(),
-                shape,
-                reduce_op: ReduceOp::from_code(op).unwrap(),
-                root_rank,
-                prescale,
-                postscale,
-                splits,
-                parts,
+            .prop_map(|(rank, kind, name, dtype, shape, op, root_rank, prescale, postscale, splits, parts)| {
+                Request {
+                    rank,
+                    kind: CollectiveKind::from_code(kind).unwrap(),
+                    name,
+                    dtype: DataType::from_code(dtype).unwrap(),
+                    shape,
+                    reduce_op: ReduceOp::from_code(op).unwrap(),
+                    root_rank,
+                    prescale,
+                    postscale,
+                    splits,
+                    parts,
+                }
             })
     }
 

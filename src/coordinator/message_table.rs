@@ -4,7 +4,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::{Duration, Instant};
 
-use crate::coordinator::message::{Request, Response, ResponseEntry, ErrorKind};
+use crate::coordinator::message::{ErrorKind, Request, Response, ResponseEntry};
 use crate::coordinator::stall::{stall_warning, MissingRanks};
 use crate::coordinator::validate::{construct_response, describe};
 use crate::types::{CollectiveKind, DataType, ReduceOp};
@@ -85,7 +85,8 @@ impl MessageTable {
                 self.pending.insert(arrival, name.clone());
                 let mut requests = BTreeMap::new();
                 requests.insert(request.rank, request);
-                self.by_name.insert(name, (arrival, PendingTensor { requests, first_seen: submitted, warned_at: None }));
+                self.by_name
+                    .insert(name, (arrival, PendingTensor { requests, first_seen: submitted, warned_at: None }));
             }
         }
     }
@@ -217,7 +218,9 @@ impl MessageTable {
                     if let Some(first) = tensor.requests.into_values().next() {
                         out.push(mismatch_error(first, message.clone()));
                     }
-                } else if let Some((_, cached)) = cached_waits.iter().find(|(_, c)| c.entries.first().is_some_and(|e| &e.name == name)) {
+                } else if let Some((_, cached)) =
+                    cached_waits.iter().find(|(_, c)| c.entries.first().is_some_and(|e| &e.name == name))
+                {
                     out.push(Response { error: Some((ErrorKind::Mismatch, message.clone())), ..cached.clone() });
                 }
             }
@@ -289,7 +292,12 @@ impl MessageTable {
 fn join_response(last_joined: i32) -> Response {
     Response {
         kind: CollectiveKind::Join,
-        entries: vec![ResponseEntry { name: JOIN_NAME.to_string(), shape: Vec::new(), per_rank: Vec::new(), packed: false }],
+        entries: vec![ResponseEntry {
+            name: JOIN_NAME.to_string(),
+            shape: Vec::new(),
+            per_rank: Vec::new(),
+            packed: false,
+        }],
         dtype: DataType::Int32,
         reduce_op: ReduceOp::Sum,
         root_rank: -1,
@@ -402,15 +410,21 @@ mod tests {
         let mut c = MessageTable::new(vec![0, 1]);
         c.add(req(1, "allgather.z", CollectiveKind::Allgather));
         let cached = construct_response(&[req(0, "allreduce.z", CollectiveKind::Allreduce)], &[0, 1], false);
-        c.note_waits_between_rounds(vec![(0, construct_response(&[req(0, "allreduce.w", CollectiveKind::Allreduce)], &[0, 1], false))]);
+        c.note_waits_between_rounds(vec![(
+            0,
+            construct_response(&[req(0, "allreduce.w", CollectiveKind::Allreduce)], &[0, 1], false),
+        )]);
         assert!(!c.has_queued(), "no conflict, no round");
         c.note_waits_between_rounds(vec![(0, cached.clone())]);
         assert!(c.has_queued(), "a conflict asks for a round");
         c.note_cached_waits(vec![(0, cached)]);
         let r = c.ready_responses();
         assert_eq!(r.len(), 2, "{r:?}");
-        assert!(r.iter().all(|r| r.error.as_ref().is_some_and(|(k, m)| *k == ErrorKind::Mismatch
-            && m.contains("rank 0 sent allreduce ('allreduce.z'); rank 1 sent allgather ('allgather.z')"))), "{r:?}");
+        assert!(
+            r.iter().all(|r| r.error.as_ref().is_some_and(|(k, m)| *k == ErrorKind::Mismatch
+                && m.contains("rank 0 sent allreduce ('allreduce.z'); rank 1 sent allgather ('allgather.z')"))),
+            "{r:?}"
+        );
         assert!(c.ready_responses().is_empty());
         assert!(!c.has_queued());
 

@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 use crate::coordinator::bitset::BitSet;
 use crate::coordinator::cache::{CacheLookup, ResponseCache, TensorParams};
 use crate::coordinator::codec::WireMessage;
-use crate::coordinator::message_table::MessageTable;
 use crate::coordinator::message::Response;
+use crate::coordinator::message_table::MessageTable;
 use crate::coordinator::round::{EagerPayload, RequestList, ResponseList, RoundHeader, StopReason};
 use crate::engine::table::{Announcement, TensorTable};
 use crate::fusion::plan_fusion;
@@ -156,7 +156,8 @@ impl Negotiator {
             }
         }
 
-        let shutdown_by: Vec<(usize, StopReason)> = (0..n).filter_map(|r| headers[r].shutdown.map(|why| (r, why))).collect();
+        let shutdown_by: Vec<(usize, StopReason)> =
+            (0..n).filter_map(|r| headers[r].shutdown.map(|why| (r, why))).collect();
         let any_shutdown = !shutdown_by.is_empty();
         let any_uncached = headers.iter().any(|h| h.has_uncached);
         let mut invalid = BitSet::new();
@@ -295,7 +296,12 @@ impl Negotiator {
     }
 
     /// Workers send their uncached requests to the coordinator, which answers everyone.
-    fn slow_path(&mut self, t: &mut dyn Transport, table: &mut TensorTable, shutdown: bool) -> Result<Vec<Response>, TransportError> {
+    fn slow_path(
+        &mut self,
+        t: &mut dyn Transport,
+        table: &mut TensorTable,
+        shutdown: bool,
+    ) -> Result<Vec<Response>, TransportError> {
         let (me, n) = (t.rank(), t.size());
         let mut mine = RequestList::default();
         table.for_each(|entry, announcement| {

@@ -182,7 +182,8 @@ mod tests {
 
     fn arb_header() -> impl Strategy<Value = RoundHeader> {
         let eager = prop::collection::vec(
-            (any::<u64>(), prop::collection::vec(any::<u8>(), 0..16)).prop_map(|(bit, data)| EagerPayload { bit, data }),
+            (any::<u64>(), prop::collection::vec(any::<u8>(), 0..16))
+                .prop_map(|(bit, data)| EagerPayload { bit, data }),
             0..4,
         );
         let reason = prop_oneof![

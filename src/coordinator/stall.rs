@@ -11,7 +11,12 @@ pub type MissingRanks = BTreeMap<u32, Vec<String>>;
 const NAMES_PER_RANK: usize = 6;
 
 /// Horovod-style warning text naming, for each missing rank, the tensors it has not submitted.
-pub fn stall_warning(missing: &MissingRanks, waited: Duration, shutdown_after: Option<Duration>, stalled_out: &[u32]) -> String {
+pub fn stall_warning(
+    missing: &MissingRanks,
+    waited: Duration,
+    shutdown_after: Option<Duration>,
+    stalled_out: &[u32],
+) -> String {
     let mut text = format!(
         "One or more tensors were submitted to be reduced, gathered or broadcasted by subset of ranks and are waiting \
          for remainder of ranks for more than {} seconds. This may indicate that different ranks are trying to submit \

@@ -56,7 +56,12 @@ fn agree<T: PartialEq + Display>(
 /// A packed group (see `Request::parts`) agrees when every rank has as many tensors, of the same shapes
 /// in the same order. The message names the first tensor that differs as `<group>_<index>`, the name it
 /// would have had as a separate tensor.
-fn agree_on_group(requests: &[Request], global_ranks: &[usize], name: &str, kind: CollectiveKind) -> Result<(), String> {
+fn agree_on_group(
+    requests: &[Request],
+    global_ranks: &[usize],
+    name: &str,
+    kind: CollectiveKind,
+) -> Result<(), String> {
     const MALFORMED: &str = "malformed";
     let parts: Vec<Option<Vec<&[i64]>>> = requests.iter().map(|r| decode_part_shapes(&r.parts)).collect();
     let count = |i: usize| parts[i].as_ref().map_or(MALFORMED.to_string(), |p| format!("{} tensors", p.len()));
@@ -140,14 +145,17 @@ pub fn construct_response(requests: &[Request], global_ranks: &[usize], any_join
             };
             shapes.and_then(|_| ops()).and_then(|_| scales())
         }
-        CollectiveKind::Broadcast => agree(requests, global_ranks, "tensor shapes", name, kind, |r| shape_text(&r.shape))
-            .and_then(|_| agree(requests, global_ranks, "root ranks", name, kind, |r| r.root_rank)),
+        CollectiveKind::Broadcast => {
+            agree(requests, global_ranks, "tensor shapes", name, kind, |r| shape_text(&r.shape))
+                .and_then(|_| agree(requests, global_ranks, "root ranks", name, kind, |r| r.root_rank))
+        }
         CollectiveKind::Allgather | CollectiveKind::Alltoall => {
-            agree(requests, global_ranks, "tensor ranks (number of dimensions)", name, kind, |r| r.shape.len()).and_then(|_| {
-                agree(requests, global_ranks, "tensor shapes beyond the first dimension", name, kind, |r| {
-                    ShapeText(r.shape.get(1..).unwrap_or(&[])).to_string()
+            agree(requests, global_ranks, "tensor ranks (number of dimensions)", name, kind, |r| r.shape.len())
+                .and_then(|_| {
+                    agree(requests, global_ranks, "tensor shapes beyond the first dimension", name, kind, |r| {
+                        ShapeText(r.shape.get(1..).unwrap_or(&[])).to_string()
+                    })
                 })
-            })
         }
         CollectiveKind::Barrier | CollectiveKind::Join => Ok(()),
     };
@@ -155,11 +163,13 @@ pub fn construct_response(requests: &[Request], global_ranks: &[usize], any_join
         return mismatch(m);
     }
     if matches!(kind, CollectiveKind::Allgather | CollectiveKind::Reducescatter) && first.shape.is_empty() {
-        let message = format!("{} of tensor '{name}' needs at least one dimension, got a scalar.", capitalise(kind.name()));
+        let message =
+            format!("{} of tensor '{name}' needs at least one dimension, got a scalar.", capitalise(kind.name()));
         return error_response(first, ErrorKind::Invalid, message);
     }
     if kind == CollectiveKind::Reducescatter && !matches!(first.reduce_op, ReduceOp::Sum | ReduceOp::Average) {
-        let message = format!("Reducescatter of tensor '{name}' supports only Average and Sum, not {}.", first.reduce_op);
+        let message =
+            format!("Reducescatter of tensor '{name}' supports only Average and Sum, not {}.", first.reduce_op);
         return error_response(first, ErrorKind::Invalid, message);
     }
 
@@ -212,7 +222,10 @@ fn not_supported_with_join(kind: CollectiveKind, name: &str, requests: &[Request
         .map(|r| global_ranks[r as usize].to_string())
         .collect();
     let noun = if joined.len() == 1 { "rank" } else { "ranks" };
-    format!("{horovod} (tensor '{name}'; {noun} {} joined; only allreduce runs until every rank has)", joined.join(", "))
+    format!(
+        "{horovod} (tensor '{name}'; {noun} {} joined; only allreduce runs until every rank has)",
+        joined.join(", ")
+    )
 }
 
 fn capitalise(word: &str) -> String {
@@ -250,7 +263,11 @@ mod tests {
 
     #[test]
     fn agreeing_allreduce_gives_a_response() {
-        let r = construct_response(&[req(0, CollectiveKind::Allreduce, &[2, 3]), req(1, CollectiveKind::Allreduce, &[2, 3])], &ranks(2), false);
+        let r = construct_response(
+            &[req(0, CollectiveKind::Allreduce, &[2, 3]), req(1, CollectiveKind::Allreduce, &[2, 3])],
+            &ranks(2),
+            false,
+        );
         assert!(r.error.is_none());
         assert_eq!(r.entries[0].shape, vec![2, 3]);
     }
@@ -270,11 +287,19 @@ mod tests {
         assert!(ok.error.is_none());
         assert_eq!(ok.entries[0].shape, vec![10]);
         assert!(ok.entries[0].packed, "a joined rank learns from the response that it runs a packed group");
-        let plain = construct_response(&[req(0, CollectiveKind::Allreduce, &[10]), req(1, CollectiveKind::Allreduce, &[10])], &ranks(2), false);
+        let plain = construct_response(
+            &[req(0, CollectiveKind::Allreduce, &[10]), req(1, CollectiveKind::Allreduce, &[10])],
+            &ranks(2),
+            false,
+        );
         assert!(!plain.entries[0].packed);
 
         // Same total, different members: the first member that differs is named.
-        let r = construct_response(&[group(0, &[&[2, 3], &[4]]), group(1, &[&[2, 3], &[2, 2]]), group(2, &[&[2, 3], &[4]])], &ranks(3), false);
+        let r = construct_response(
+            &[group(0, &[&[2, 3], &[4]]), group(1, &[&[2, 3], &[2, 2]]), group(2, &[&[2, 3], &[4]])],
+            &ranks(3),
+            false,
+        );
         assert_eq!(
             r.error.unwrap(),
             (
@@ -311,7 +336,10 @@ mod tests {
         );
         let (kind, msg) = r.error.unwrap();
         assert_eq!(kind, ErrorKind::Mismatch);
-        assert_eq!(msg, "Mismatched tensor shapes for allreduce of tensor 't': ranks 0, 2 sent [2, 3]; rank 1 sent [4].");
+        assert_eq!(
+            msg,
+            "Mismatched tensor shapes for allreduce of tensor 't': ranks 0, 2 sent [2, 3]; rank 1 sent [4]."
+        );
     }
 
     #[test]
@@ -338,21 +366,37 @@ mod tests {
         let msg = construct_response(&[req(0, CollectiveKind::Allreduce, &[2]), b], &ranks(2), false).error.unwrap().1;
         assert!(msg.contains("prescale"), "{msg}");
 
-        let msg = construct_response(&[req(0, CollectiveKind::Allreduce, &[2]), req(1, CollectiveKind::Broadcast, &[2])], &ranks(2), false)
-            .error
-            .unwrap()
-            .1;
+        let msg = construct_response(
+            &[req(0, CollectiveKind::Allreduce, &[2]), req(1, CollectiveKind::Broadcast, &[2])],
+            &ranks(2),
+            false,
+        )
+        .error
+        .unwrap()
+        .1;
         assert!(msg.contains("operations") && msg.contains("broadcast"), "{msg}");
     }
 
     #[test]
     fn allgather_collects_first_dimensions() {
-        let r = construct_response(&[req(0, CollectiveKind::Allgather, &[2, 3]), req(1, CollectiveKind::Allgather, &[5, 3])], &ranks(2), false);
+        let r = construct_response(
+            &[req(0, CollectiveKind::Allgather, &[2, 3]), req(1, CollectiveKind::Allgather, &[5, 3])],
+            &ranks(2),
+            false,
+        );
         assert!(r.error.is_none());
         assert_eq!(r.entries[0].per_rank, vec![2, 5]);
-        let r = construct_response(&[req(0, CollectiveKind::Allgather, &[2, 3]), req(1, CollectiveKind::Allgather, &[5, 4])], &ranks(2), false);
+        let r = construct_response(
+            &[req(0, CollectiveKind::Allgather, &[2, 3]), req(1, CollectiveKind::Allgather, &[5, 4])],
+            &ranks(2),
+            false,
+        );
         assert!(r.error.unwrap().1.contains("beyond the first dimension"));
-        let r = construct_response(&[req(0, CollectiveKind::Allgather, &[]), req(1, CollectiveKind::Allgather, &[])], &ranks(2), false);
+        let r = construct_response(
+            &[req(0, CollectiveKind::Allgather, &[]), req(1, CollectiveKind::Allgather, &[])],
+            &ranks(2),
+            false,
+        );
         assert_eq!(r.error.unwrap().0, ErrorKind::Invalid);
     }
 
@@ -390,7 +434,10 @@ mod tests {
         );
         let r = construct_response(&[req(1, CollectiveKind::Allgather, &[2])], &ranks(3), true);
         let message = r.error.unwrap().1;
-        assert!(message.starts_with("Allgather is not supported with Join at this time. Specify sparse_to_dense=True"), "{message}");
+        assert!(
+            message.starts_with("Allgather is not supported with Join at this time. Specify sparse_to_dense=True"),
+            "{message}"
+        );
         assert!(message.contains("ranks 0, 2 joined"), "{message}");
         for (kind, word) in [(CollectiveKind::Alltoall, "Alltoall"), (CollectiveKind::Reducescatter, "Reducescatter")] {
             let message = construct_response(&[req(0, kind, &[2])], &ranks(2), true).error.unwrap().1;

@@ -10,9 +10,9 @@ use crate::config::Config;
 use crate::coordinator::negotiation::Negotiator;
 use crate::coordinator::round::StopReason;
 use crate::coordinator::stall::StallClock;
+use crate::engine::communicator::Shared;
 use crate::engine::execute::{execute_eager, Executor, HierarchyChoice, TensorResult};
 use crate::engine::table::{TensorEntry, TensorTable};
-use crate::engine::communicator::Shared;
 use crate::error::EngineError;
 use crate::transport::{Activity, Transport};
 
@@ -118,7 +118,11 @@ impl Loop {
             for eager in &outcome.eager {
                 if let Some(name) = eager.response.entries.first().map(|e| e.name.clone()) {
                     let mut entry = self.table.take(&name);
-                    let record = self.shared.timeline.op(&eager.response, [entry.as_ref().map(|e| e.submitted)].into_iter(), agreed);
+                    let record = self.shared.timeline.op(
+                        &eager.response,
+                        [entry.as_ref().map(|e| e.submitted)].into_iter(),
+                        agreed,
+                    );
                     let result = execute_eager(eager, entry.as_mut());
                     record.finish();
                     if let Some(entry) = entry {
@@ -130,7 +134,11 @@ impl Loop {
                 self.execute(response, agreed)?;
             }
             if !outcome.shutdown_by.is_empty() {
-                return Ok(if shutdown { self.own_stop_reason(stop) } else { self.peers_stop_reason(&outcome.shutdown_by) });
+                return Ok(if shutdown {
+                    self.own_stop_reason(stop)
+                } else {
+                    self.peers_stop_reason(&outcome.shutdown_by)
+                });
             }
         }
     }
@@ -138,10 +146,9 @@ impl Loop {
     /// Why pending ops fail when this rank stopped the communicator.
     fn own_stop_reason(&self, stop: Option<StopReason>) -> String {
         match stop {
-            Some(StopReason::Removed) => format!(
-                "{} was removed (remove_process_set()) while this op was pending on it",
-                self.shared.describe()
-            ),
+            Some(StopReason::Removed) => {
+                format!("{} was removed (remove_process_set()) while this op was pending on it", self.shared.describe())
+            }
             Some(StopReason::Exiting) => "this process is exiting".into(),
             _ => "this rank called shutdown()".into(),
         }
@@ -262,9 +269,14 @@ impl Loop {
         }
     }
 
-    fn execute(&mut self, response: &crate::coordinator::message::Response, agreed: Instant) -> Result<(), EngineError> {
+    fn execute(
+        &mut self,
+        response: &crate::coordinator::message::Response,
+        agreed: Instant,
+    ) -> Result<(), EngineError> {
         let mut entries: Vec<Option<TensorEntry>> = response.entries.iter().map(|e| self.table.take(&e.name)).collect();
-        let mut record = self.shared.timeline.op(response, entries.iter().map(|e| e.as_ref().map(|e| e.submitted)), agreed);
+        let mut record =
+            self.shared.timeline.op(response, entries.iter().map(|e| e.as_ref().map(|e| e.submitted)), agreed);
         let outcome = self.executor.execute_recorded(&mut *self.transport, response, &mut entries, &mut record);
         record.finish();
         match outcome {
@@ -277,7 +289,14 @@ impl Loop {
                 Ok(())
             }
             Err(e) => {
-                let err = EngineError::transport(format!("{} of tensor '{}'", response.kind, response.entries.first().map(|e| e.name.as_str()).unwrap_or("")), &e);
+                let err = EngineError::transport(
+                    format!(
+                        "{} of tensor '{}'",
+                        response.kind,
+                        response.entries.first().map(|e| e.name.as_str()).unwrap_or("")
+                    ),
+                    &e,
+                );
                 for entry in entries.into_iter().flatten() {
                     self.complete(entry, Err(err.clone()));
                 }
@@ -300,16 +319,25 @@ impl Loop {
                 });
             }
             Ok(TensorResult { output, received_splits, last_joined_rank, .. }) => {
-                self.shared.handles.complete_part(entry.handle, set, Some(&name), Some(entry.index), Ok(output), |out| {
-                    if received_splits.is_some() {
-                        out.received_splits = received_splits;
-                    }
-                    if last_joined_rank.is_some() {
-                        out.last_joined_rank = last_joined_rank;
-                    }
-                });
+                self.shared.handles.complete_part(
+                    entry.handle,
+                    set,
+                    Some(&name),
+                    Some(entry.index),
+                    Ok(output),
+                    |out| {
+                        if received_splits.is_some() {
+                            out.received_splits = received_splits;
+                        }
+                        if last_joined_rank.is_some() {
+                            out.last_joined_rank = last_joined_rank;
+                        }
+                    },
+                );
             }
-            Err(e) => self.shared.handles.complete_part(entry.handle, set, Some(&name), Some(entry.index), Err(e), |_| {}),
+            Err(e) => {
+                self.shared.handles.complete_part(entry.handle, set, Some(&name), Some(entry.index), Err(e), |_| {})
+            }
         }
     }
 

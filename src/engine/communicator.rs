@@ -8,9 +8,9 @@ use std::thread::JoinHandle;
 
 use crate::config::Config;
 use crate::coordinator::round::StopReason;
-use crate::engine::{affinity, background};
 use crate::engine::handles::HandleTable;
 use crate::engine::table::TensorEntry;
+use crate::engine::{affinity, background};
 use crate::error::EngineError;
 use crate::timeline::{SetTimeline, Timeline};
 use crate::transport::{Transport, Waker};

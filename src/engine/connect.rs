@@ -35,7 +35,8 @@ pub fn data_address(rdv: &Rendezvous, rank: usize) -> Result<IpAddr, EngineError
 /// Connect to the job's rendezvous store.
 pub fn connect_store(rdv: &Rendezvous, timeout: Duration) -> Result<StoreClient, EngineError> {
     let addr = resolve(&rdv.addr, rdv.port)?;
-    StoreClient::connect(addr, &rdv.secret, timeout).map_err(|e| EngineError::transport("connecting to the rendezvous store", &e))
+    StoreClient::connect(addr, &rdv.secret, timeout)
+        .map_err(|e| EngineError::transport("connecting to the rendezvous store", &e))
 }
 
 /// A transport among `members` (global ranks, sorted, containing this rank), meeting in `scope`.
@@ -60,8 +61,18 @@ pub fn connect_members(
     };
     let secret = &rdv.secret;
     let tcp_mesh = |store: &mut StoreClient, scope: &str, rank: usize, size: usize, linked: &[bool]| {
-        TcpTransport::connect_mesh_linked(rank, size, store, scope, secret, bind, &bind.to_string(), config.timeout, linked)
-            .map_err(|e| EngineError::transport("connecting to the other ranks", &e))
+        TcpTransport::connect_mesh_linked(
+            rank,
+            size,
+            store,
+            scope,
+            secret,
+            bind,
+            &bind.to_string(),
+            config.timeout,
+            linked,
+        )
+        .map_err(|e| EngineError::transport("connecting to the other ranks", &e))
     };
     let everyone = vec![true; members.len()];
     if !config.shm {
@@ -87,7 +98,13 @@ pub fn connect_members(
     } else {
         match shared_memory(config, store, &local_scope, index, host_members)? {
             Some(shm) => Box::new(shm),
-            None => Box::new(tcp_mesh(store, &format!("{local_scope}/tcp"), index, host_members, &vec![true; host_members])?),
+            None => Box::new(tcp_mesh(
+                store,
+                &format!("{local_scope}/tcp"),
+                index,
+                host_members,
+                &vec![true; host_members],
+            )?),
         }
     };
     let linked: Vec<bool> = (0..members.len()).map(|r| layout.host_of(r) != host).collect();
@@ -144,7 +161,12 @@ fn host_layout(
 }
 
 /// Every rank publishes its host's rank count; the job is homogeneous when all are equal.
-pub fn all_hosts_equal(store: &mut StoreClient, scope: &str, topo: &Topology, timeout: Duration) -> Result<bool, EngineError> {
+pub fn all_hosts_equal(
+    store: &mut StoreClient,
+    scope: &str,
+    topo: &Topology,
+    timeout: Duration,
+) -> Result<bool, EngineError> {
     let fail = |e: crate::transport::TransportError| EngineError::transport("exchanging host sizes", &e);
     store.set(&format!("{scope}/local_size/{}", topo.rank), topo.local_size.to_string().as_bytes()).map_err(fail)?;
     let mut equal = true;

@@ -16,8 +16,8 @@ use crate::fusion::layout::{FusionLayout, FusionSlot};
 use crate::ring;
 use crate::ring::staged::{OwnPiece, StagedAllreduce};
 use crate::tensor::AlignedBuffer;
-use crate::transport::composite::HostLayout;
 use crate::timeline::{OpRecord, Stage};
+use crate::transport::composite::HostLayout;
 use crate::transport::{Transport, TransportError};
 use crate::types::{CollectiveKind, Combine, DataType, ReduceOp};
 
@@ -176,7 +176,9 @@ impl Executor {
             CollectiveKind::Barrier => Ok(entries.iter().map(|_| Ok(TensorResult::default())).collect()),
             CollectiveKind::Join => Ok(entries
                 .iter()
-                .map(|_| Ok(TensorResult { last_joined_rank: Some(response.last_joined_rank), ..TensorResult::default() }))
+                .map(|_| {
+                    Ok(TensorResult { last_joined_rank: Some(response.last_joined_rank), ..TensorResult::default() })
+                })
                 .collect()),
         };
         // One phase: the transport's collective (an allreduce marks its own phases).
@@ -233,8 +235,11 @@ impl Executor {
         }
         let slots = layout.slots();
         let prescale = response.prescale;
-        let mut tensors: Vec<TensorIo<'_>> =
-            entries.iter_mut().zip(slots).map(|(entry, slot)| TensorIo::new(entry.as_mut(), slot.bytes, dtype)).collect();
+        let mut tensors: Vec<TensorIo<'_>> = entries
+            .iter_mut()
+            .zip(slots)
+            .map(|(entry, slot)| TensorIo::new(entry.as_mut(), slot.bytes, dtype))
+            .collect();
         if staged {
             // Fusion buffer in shared memory: pack straight into this rank's staging area, reduce out of
             // everyone's (this rank's own block is gathered and unpacked piece by piece, in cache), unpack the
@@ -319,8 +324,11 @@ impl Executor {
             .enumerate()
             .map(|(i, slot)| (slots.get(i + 1).map_or(total, |next| next.offset) - slot.offset) / dtype.size())
             .collect();
-        let mut tensors: Vec<TensorIo<'_>> =
-            entries.iter_mut().zip(slots).map(|(entry, slot)| TensorIo::new(entry.as_mut(), slot.bytes, dtype)).collect();
+        let mut tensors: Vec<TensorIo<'_>> = entries
+            .iter_mut()
+            .zip(slots)
+            .map(|(entry, slot)| TensorIo::new(entry.as_mut(), slot.bytes, dtype))
+            .collect();
         let mut scratch = std::mem::take(&mut self.adasum_scratch);
         let forced = self.hierarchy.allreduce;
         let buffer = self.fusion_buffer(total);
@@ -488,7 +496,10 @@ fn alltoall(
     let row = row_bytes(&entry.request.shape, dtype);
     let matrix = &spec.per_rank;
     if matrix.len() != n * n {
-        return Ok(Err(EngineError::Internal(format!("alltoall split matrix has {} entries for {n} ranks", matrix.len()))));
+        return Ok(Err(EngineError::Internal(format!(
+            "alltoall split matrix has {} entries for {n} ranks",
+            matrix.len()
+        ))));
     }
     let rows = |sender: usize, receiver: usize| matrix[sender * n + receiver].max(0) as usize;
     let send_bytes: Vec<usize> = (0..n).map(|d| rows(me, d) * row).collect();
@@ -509,7 +520,11 @@ fn alltoall(
     if let Some(first) = shape.first_mut() {
         *first = recv_rows.iter().sum();
     }
-    Ok(Ok(TensorResult { output: output(out, shape, dtype), received_splits: Some(recv_rows), ..TensorResult::default() }))
+    Ok(Ok(TensorResult {
+        output: output(out, shape, dtype),
+        received_splits: Some(recv_rows),
+        ..TensorResult::default()
+    }))
 }
 
 fn reducescatter(
@@ -528,7 +543,14 @@ fn reducescatter(
     let mut scratch = AlignedBuffer::from_slice(entry.input.as_slice());
     ring::scale_in_place(scratch.as_mut_slice(), dtype, response.prescale);
     let mut out = AlignedBuffer::zeroed(elems_per_rank[rank] * dtype.size());
-    ring::reducescatter(t, scratch.as_mut_slice(), &elems_per_rank, dtype, combine_of(response.reduce_op), out.as_mut_slice())?;
+    ring::reducescatter(
+        t,
+        scratch.as_mut_slice(),
+        &elems_per_rank,
+        dtype,
+        combine_of(response.reduce_op),
+        out.as_mut_slice(),
+    )?;
     ring::scale_in_place(out.as_mut_slice(), dtype, postscale_of(response, size));
     let mut out_shape = shape.clone();
     if let Some(first) = out_shape.first_mut() {

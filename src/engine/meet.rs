@@ -13,7 +13,13 @@ const LISTING_WAIT: Duration = Duration::ZERO;
 
 /// Announce `rank` in `scope` and wait until all `size` ranks have. On timeout the error names every rank
 /// that had not come by then.
-pub fn meet_every_rank(store: &mut StoreClient, scope: &str, rank: usize, size: usize, timeout: Duration) -> Result<(), EngineError> {
+pub fn meet_every_rank(
+    store: &mut StoreClient,
+    scope: &str,
+    rank: usize,
+    size: usize,
+    timeout: Duration,
+) -> Result<(), EngineError> {
     let fail = |e: TransportError| EngineError::transport("announcing this rank to the others", &e);
     let key = |r: usize| format!("{scope}/arrived/{r}");
     store.set(&key(rank), b"1").map_err(fail)?;

@@ -24,8 +24,8 @@ pub mod fork;
 pub mod handles;
 pub mod meet;
 pub mod packed;
-mod sink;
 pub mod process_sets;
+mod sink;
 pub mod submission;
 pub mod table;
 pub mod validate_submission;
@@ -35,8 +35,8 @@ use std::time::{Duration, Instant};
 
 use crate::config::{Config, Topology};
 use crate::coordinator::message::Request;
-use crate::coordinator::round::StopReason;
 use crate::coordinator::message_table::{BARRIER_NAME, JOIN_NAME};
+use crate::coordinator::round::StopReason;
 use crate::error::EngineError;
 use crate::tensor::RawTensor;
 use crate::timeline::{self, Timeline};
@@ -148,7 +148,14 @@ impl Engine {
         let mut store = self.store.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let transport = connect::connect_members(&self.config, self.data_addr, store.as_mut(), &scope, ranks)?;
         drop(store);
-        Communicator::start(id, ranks.to_vec(), transport, &self.config, Arc::clone(&self.handles), self.timeline.clone())
+        Communicator::start(
+            id,
+            ranks.to_vec(),
+            transport,
+            &self.config,
+            Arc::clone(&self.handles),
+            self.timeline.clone(),
+        )
     }
 
     /// Every rank publishes the ranks it is registering as its `sequence`-th set and checks that all ranks

@@ -229,8 +229,14 @@ mod tests {
         let results = group.take_results();
         let (i0, o0) = &results[0];
         let (i1, o1) = &results[1];
-        assert_eq!((*i0, o0.as_ref().unwrap().buffer.as_slice(), o0.as_ref().unwrap().shape.clone()), (0, &[6u8, 5][..], vec![]));
-        assert_eq!((*i1, o1.as_ref().unwrap().buffer.as_slice(), o1.as_ref().unwrap().shape.clone()), (1, &[4u8, 3, 2, 1][..], vec![2, 1]));
+        assert_eq!(
+            (*i0, o0.as_ref().unwrap().buffer.as_slice(), o0.as_ref().unwrap().shape.clone()),
+            (0, &[6u8, 5][..], vec![])
+        );
+        assert_eq!(
+            (*i1, o1.as_ref().unwrap().buffer.as_slice(), o1.as_ref().unwrap().shape.clone()),
+            (1, &[4u8, 3, 2, 1][..], vec![2, 1])
+        );
         assert_eq!((a, b), (vec![1, 2], vec![3, 4, 5, 6]), "inputs are left alone");
     }
 }

@@ -25,9 +25,7 @@ pub fn check(op: &OpSubmission, size: usize) -> Result<(), EngineError> {
         if have != expected {
             return Err(EngineError::Internal(format!(
                 "tensor '{}' has {have} bytes but shape {:?} of {} needs {expected}",
-                t.name,
-                t.shape,
-                t.dtype
+                t.name, t.shape, t.dtype
             )));
         }
     }
@@ -49,7 +47,10 @@ pub fn check(op: &OpSubmission, size: usize) -> Result<(), EngineError> {
     match op.kind {
         CollectiveKind::Reducescatter => {
             if !matches!(op.reduce_op, ReduceOp::Sum | ReduceOp::Average) {
-                return invalid(format!("Reducescatter currently only supports Average and Sum, not {}.", op.reduce_op));
+                return invalid(format!(
+                    "Reducescatter currently only supports Average and Sum, not {}.",
+                    op.reduce_op
+                ));
             }
             if op.tensors.iter().any(|t| t.shape.is_empty()) {
                 return invalid("reducescatter needs a tensor with at least one dimension, got a scalar".into());

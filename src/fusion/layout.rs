@@ -92,7 +92,8 @@ mod tests {
 
     #[test]
     fn response_layout_uses_element_size() {
-        let entry = |name: &str, shape: Vec<i64>| ResponseEntry { name: name.into(), shape, per_rank: vec![], packed: false };
+        let entry =
+            |name: &str, shape: Vec<i64>| ResponseEntry { name: name.into(), shape, per_rank: vec![], packed: false };
         let response = Response {
             kind: CollectiveKind::Allreduce,
             entries: vec![entry("a", vec![3]), entry("b", vec![2, 5]), entry("scalar", vec![])],

@@ -18,9 +18,9 @@ use crate::engine::submission::{OpSubmission, TensorSubmission};
 use crate::engine::{fork, Engine};
 use crate::error::EngineError;
 use crate::launch::meet::{self, HostedStore, Offer};
-use crate::py::ndarray::import_array;
 use crate::py::dlpack::{export_capsule, import_capsule, is_capsule, ImportedTensor};
 use crate::py::error::to_py_err;
+use crate::py::ndarray::import_array;
 use crate::types::{CollectiveKind, ReduceOp};
 
 /// How long one wait slice lasts before checking for signals.
@@ -231,9 +231,10 @@ pub fn submit(
     process_set_id: u32,
     packed: bool,
 ) -> PyResult<u64> {
-    let kind = CollectiveKind::from_code(kind).ok_or_else(|| PyValueError::new_err(format!("unknown collective {kind}")))?;
-    let reduce_op =
-        ReduceOp::from_code(reduce_op).ok_or_else(|| PyValueError::new_err(format!("unknown reduce op {reduce_op}")))?;
+    let kind =
+        CollectiveKind::from_code(kind).ok_or_else(|| PyValueError::new_err(format!("unknown collective {kind}")))?;
+    let reduce_op = ReduceOp::from_code(reduce_op)
+        .ok_or_else(|| PyValueError::new_err(format!("unknown reduce op {reduce_op}")))?;
     if packed {
         let (Some(name), true) = (names.first(), names.len() == 1 && kind == CollectiveKind::Allreduce) else {
             return Err(PyValueError::new_err("a packed submission is one allreduce group with one name"));
@@ -306,9 +307,7 @@ pub fn process_sets() -> PyResult<Vec<(u32, Vec<usize>)>> {
 /// True once the handle completed (its result is then ready for `wait`).
 #[pyfunction]
 pub fn poll(handle: u64) -> PyResult<bool> {
-    engine()?
-        .poll(handle)
-        .ok_or_else(|| PyValueError::new_err(format!("unknown handle {handle}")))
+    engine()?.poll(handle).ok_or_else(|| PyValueError::new_err(format!("unknown handle {handle}")))
 }
 
 /// Block until the handle completes (GIL released). Returns (outputs, received_splits, last_joined_rank):

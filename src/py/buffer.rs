@@ -57,8 +57,11 @@ pub fn import_buffer(array: &Bound<'_, PyAny>, writable: bool, what: impl Fn() -
     if unsafe { PyObject_GetBuffer(array.as_ptr(), view.as_mut_ptr(), flags) } != 0 {
         // SAFETY: the failed call set a Python error, which the careful path makes its own.
         unsafe { ffi::PyErr_Clear() };
-        return Err(PyValueError::new_err(format!("{}: not a C-contiguous{} array", what(),
-            if writable { " writable" } else { "" })));
+        return Err(PyValueError::new_err(format!(
+            "{}: not a C-contiguous{} array",
+            what(),
+            if writable { " writable" } else { "" }
+        )));
     }
     // SAFETY: PyObject_GetBuffer succeeded, so the view is filled in and must be released exactly once.
     let mut view = unsafe { view.assume_init() };
@@ -77,8 +80,11 @@ fn read_view(view: &PyBuffer, what: &impl Fn() -> String) -> PyResult<ImportedTe
     };
     let itemsize = usize::try_from(view.itemsize).unwrap_or(0);
     let dtype = DataType::from_struct_format(format, itemsize).ok_or_else(|| {
-        PyValueError::new_err(format!("{}: item format {:?} is not one the engine exchanges", what(),
-            String::from_utf8_lossy(format)))
+        PyValueError::new_err(format!(
+            "{}: item format {:?} is not one the engine exchanges",
+            what(),
+            String::from_utf8_lossy(format)
+        ))
     })?;
     let ndim = usize::try_from(view.ndim).unwrap_or(0);
     let shape: Vec<i64> = if ndim == 0 || view.shape.is_null() {

@@ -109,7 +109,8 @@ pub fn import_capsule(capsule: &Bound<'_, PyAny>, what: impl Fn() -> String) -> 
         return Err(PyTypeError::new_err(format!("{}: expected an unconsumed DLPack capsule", what())));
     }
     // SAFETY: validated above that this is a capsule named "dltensor", whose pointer is a DLManagedTensor.
-    let managed = unsafe { ffi::PyCapsule_GetPointer(capsule.as_ptr(), CAPSULE_NAME.as_ptr()) } as *const DLManagedTensor;
+    let managed =
+        unsafe { ffi::PyCapsule_GetPointer(capsule.as_ptr(), CAPSULE_NAME.as_ptr()) } as *const DLManagedTensor;
     if managed.is_null() {
         return Err(PyTypeError::new_err(format!("{}: the DLPack capsule holds no tensor", what())));
     }
@@ -129,7 +130,9 @@ pub fn import_capsule(capsule: &Bound<'_, PyAny>, what: impl Fn() -> String) -> 
         PyValueError::new_err(format!(
             "{}: tensor type (code {}, {} bits, {} lanes) is not supported",
             what(),
-            t.dtype.code, t.dtype.bits, t.dtype.lanes
+            t.dtype.code,
+            t.dtype.bits,
+            t.dtype.lanes
         ))
     })?;
     if t.ndim < 0 || (t.ndim > 0 && t.shape.is_null()) {
@@ -137,7 +140,8 @@ pub fn import_capsule(capsule: &Bound<'_, PyAny>, what: impl Fn() -> String) -> 
     }
     let ndim = t.ndim as usize;
     // SAFETY: shape points at ndim i64 values (checked non-null above when ndim > 0).
-    let shape: Vec<i64> = if ndim == 0 { Vec::new() } else { unsafe { std::slice::from_raw_parts(t.shape, ndim) }.to_vec() };
+    let shape: Vec<i64> =
+        if ndim == 0 { Vec::new() } else { unsafe { std::slice::from_raw_parts(t.shape, ndim) }.to_vec() };
     if shape.iter().any(|&d| d < 0) {
         return Err(PyValueError::new_err(format!("{}: negative dimension in shape {shape:?}", what())));
     }

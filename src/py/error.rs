@@ -12,9 +12,10 @@ pyo3::import_exception!(rvod.exceptions, RvodTimeoutError);
 pub fn to_py_err(err: EngineError) -> PyErr {
     let message = err.to_string();
     match err {
-        EngineError::NotInitialized | EngineError::DuplicateName { .. } | EngineError::InvalidArgument(_) | EngineError::Config(_) => {
-            PyValueError::new_err(message)
-        }
+        EngineError::NotInitialized
+        | EngineError::DuplicateName { .. }
+        | EngineError::InvalidArgument(_)
+        | EngineError::Config(_) => PyValueError::new_err(message),
         EngineError::Mismatch(_) => RvodMismatchError::new_err(message),
         EngineError::Transport { ref cause, .. } if cause.timed_out => RvodTimeoutError::new_err(message),
         EngineError::StartTimeout(_) => RvodTimeoutError::new_err(message),

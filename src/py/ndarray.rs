@@ -94,14 +94,18 @@ fn read_fields(array: &Bound<'_, PyAny>, writable: bool, what: &impl Fn() -> Str
     let fields = unsafe { &*(array.as_ptr() as *const ArrayFields) };
     // SAFETY: every ndarray has a dtype.
     let descr = unsafe { &*fields.descr };
-    let native = matches!(descr.byteorder as u8, b'=' | b'|') || (cfg!(target_endian = "little") && descr.byteorder as u8 == b'<');
+    let native = matches!(descr.byteorder as u8, b'=' | b'|')
+        || (cfg!(target_endian = "little") && descr.byteorder as u8 == b'<');
     let dtype = match dtype_from_type_num(descr.type_num) {
         Some(dtype) if native => dtype,
         _ => return Err(PyValueError::new_err(format!("{}: not an array type the engine reads as it is", what()))),
     };
     if fields.flags & NPY_ARRAY_C_CONTIGUOUS == 0 || (writable && fields.flags & NPY_ARRAY_WRITEABLE == 0) {
-        return Err(PyValueError::new_err(format!("{}: not a C-contiguous{} array", what(),
-            if writable { " writable" } else { "" })));
+        return Err(PyValueError::new_err(format!(
+            "{}: not a C-contiguous{} array",
+            what(),
+            if writable { " writable" } else { "" }
+        )));
     }
     let ndim = usize::try_from(fields.nd).unwrap_or(0);
     let shape: Vec<i64> = if ndim == 0 {
@@ -119,7 +123,9 @@ fn read_fields(array: &Bound<'_, PyAny>, writable: bool, what: &impl Fn() -> Str
 }
 
 fn same(a: &ImportedTensor, b: &ImportedTensor) -> bool {
-    a.dtype == b.dtype && a.shape == b.shape && a.tensor.len() == b.tensor.len()
+    a.dtype == b.dtype
+        && a.shape == b.shape
+        && a.tensor.len() == b.tensor.len()
         && a.tensor.as_slice().as_ptr() == b.tensor.as_slice().as_ptr()
 }
 
@@ -141,7 +147,9 @@ pub fn import_array(array: &Bound<'_, PyAny>, writable: bool, what: impl Fn() ->
     match read_fields(array, writable, &what) {
         Ok(by_fields) if same(&by_fields, &by_buffer) => LAYOUT.store(LAYOUT_TRUSTED, Ordering::Relaxed),
         _ => {
-            tracing::warn!("NumPy's array struct is not laid out as expected; arrays are read through the buffer protocol");
+            tracing::warn!(
+                "NumPy's array struct is not laid out as expected; arrays are read through the buffer protocol"
+            );
             LAYOUT.store(LAYOUT_REFUSED, Ordering::Relaxed);
         }
     }

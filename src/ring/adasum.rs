@@ -548,7 +548,8 @@ mod tests {
     fn orthogonal_vectors_add_and_equal_vectors_stay() {
         for n in [2, 4] {
             // Rank r holds e_r (orthogonal unit vectors): the result is their sum.
-            let inputs: Vec<Vec<f64>> = (0..n).map(|r| (0..n).map(|i| if i == r { 2.0 } else { 0.0 }).collect()).collect();
+            let inputs: Vec<Vec<f64>> =
+                (0..n).map(|r| (0..n).map(|i| if i == r { 2.0 } else { 0.0 }).collect()).collect();
             let got = decode(&run(n, DataType::Float64, &[n], &inputs)[0], DataType::Float64);
             assert_eq!(got, vec![2.0; n], "n={n}");
         }

@@ -37,7 +37,12 @@ const PIPELINE_DEPTH: usize = 2;
 /// inside the host, so the network stays busy during the local phases: this thread reduce-scatters piece
 /// `k`, hands it over, and allgathers piece `k - 2` once it comes back. Every rank runs the same sequence of
 /// operations on each part, whatever the timing, so the result is the same as without pieces.
-pub fn allreduce(parts: HostParts<'_>, buf: &mut [u8], dtype: DataType, combine: Combine) -> Result<(), TransportError> {
+pub fn allreduce(
+    parts: HostParts<'_>,
+    buf: &mut [u8],
+    dtype: DataType,
+    combine: Combine,
+) -> Result<(), TransportError> {
     check_homogeneous(&parts, "hierarchical allreduce")?;
     let HostParts { mut local, mut cross, .. } = parts;
     if buf.len() % dtype.size() != 0 {

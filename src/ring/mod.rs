@@ -11,16 +11,16 @@
 //! [`TransportError::Io`]: crate::transport::TransportError::Io
 //! [`DataType`]: crate::types::DataType
 
-pub mod allgather;
 pub mod adasum;
+pub mod allgather;
 pub mod allreduce;
 pub mod alltoall;
 mod args;
 mod bfloat16;
 pub mod broadcast;
 pub mod chunks;
-pub mod hierarchical;
 mod disjoint;
+pub mod hierarchical;
 pub mod reduce;
 pub mod reducescatter;
 pub mod staged;

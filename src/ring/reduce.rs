@@ -577,8 +577,12 @@ mod tests {
             DataType::Int16 => int!(i16),
             DataType::Int32 => int!(i32),
             DataType::Int64 => int!(i64),
-            DataType::Float16 => f16::from_f32(f * f16::from_ne_bytes(x.try_into().unwrap()).to_f32()).to_ne_bytes().to_vec(),
-            DataType::Bfloat16 => bf16::from_f32(f * bf16::from_ne_bytes(x.try_into().unwrap()).to_f32()).to_ne_bytes().to_vec(),
+            DataType::Float16 => {
+                f16::from_f32(f * f16::from_ne_bytes(x.try_into().unwrap()).to_f32()).to_ne_bytes().to_vec()
+            }
+            DataType::Bfloat16 => {
+                bf16::from_f32(f * bf16::from_ne_bytes(x.try_into().unwrap()).to_f32()).to_ne_bytes().to_vec()
+            }
             DataType::Float32 => (f * f32::from_ne_bytes(x.try_into().unwrap())).to_ne_bytes().to_vec(),
             DataType::Float64 => (factor * f64::from_ne_bytes(x.try_into().unwrap())).to_ne_bytes().to_vec(),
             DataType::Bool => vec![x[0]],
@@ -598,7 +602,10 @@ mod tests {
                 for (i, (got, x)) in buf.chunks(dtype.size()).zip(before.chunks(dtype.size())).enumerate() {
                     let expected = horovod_scaled(dtype, x, factor);
                     let both_nan = dtype.is_float() && as_f64(dtype, got).is_nan() && as_f64(dtype, &expected).is_nan();
-                    assert!(both_nan || got == expected, "{dtype} x {factor} element {i}: {x:?} gave {got:?}, want {expected:?}");
+                    assert!(
+                        both_nan || got == expected,
+                        "{dtype} x {factor} element {i}: {x:?} gave {got:?}, want {expected:?}"
+                    );
                 }
             }
         }

@@ -249,8 +249,10 @@ pub(crate) mod tests {
         let file = TraceFile::open(&path, HEADER_A).unwrap();
         assert!(is_valid_json(&std::fs::read_to_string(&path).unwrap()));
         for i in 0..5 {
-            let events = format!(r#"{{"name":"e{i}","ph":"i","ts":{i},"pid":1,"tid":0}},
-{{"name":"f{i}","ph":"i","ts":{i},"pid":1,"tid":0}}"#);
+            let events = format!(
+                r#"{{"name":"e{i}","ph":"i","ts":{i},"pid":1,"tid":0}},
+{{"name":"f{i}","ph":"i","ts":{i},"pid":1,"tid":0}}"#
+            );
             assert!(file.append(&events).unwrap());
             let text = std::fs::read_to_string(&path).unwrap();
             assert!(is_valid_json(&text), "not JSON after append {i}: {text}");

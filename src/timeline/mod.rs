@@ -205,7 +205,12 @@ impl SetTimeline {
 
     /// The record of executing `response` on this rank, which starts now; `submitted` gives when this rank
     /// submitted each of its tensors, `agreed` when the round agreed on it. Does nothing when off.
-    pub fn op(&self, response: &Response, submitted: impl Iterator<Item = Option<Instant>>, agreed: Instant) -> OpRecord {
+    pub fn op(
+        &self,
+        response: &Response,
+        submitted: impl Iterator<Item = Option<Instant>>,
+        agreed: Instant,
+    ) -> OpRecord {
         if !self.is_on() {
             return OpRecord::off();
         }

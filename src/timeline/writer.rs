@@ -109,7 +109,11 @@ impl Writer {
                 self.stopped = true;
             }
             Err(e) => {
-                tracing::warn!("rank {}: cannot write the timeline '{}': {e}; recording stops", self.rank, self.path.display());
+                tracing::warn!(
+                    "rank {}: cannot write the timeline '{}': {e}; recording stops",
+                    self.rank,
+                    self.path.display()
+                );
                 self.stopped = true;
             }
         }
@@ -179,9 +183,13 @@ impl Writer {
     fn name_thread(&mut self, row: u64) {
         let rank = self.rank;
         if self.named_threads.insert(row) {
-            let event = format!(r#"{{"name":"thread_name","ph":"M","pid":{row},"tid":{rank},"args":{{"name":"rank {rank}"}}}}"#);
+            let event = format!(
+                r#"{{"name":"thread_name","ph":"M","pid":{row},"tid":{rank},"args":{{"name":"rank {rank}"}}}}"#
+            );
             self.push(&event);
-            let event = format!(r#"{{"name":"thread_sort_index","ph":"M","pid":{row},"tid":{rank},"args":{{"sort_index":{rank}}}}}"#);
+            let event = format!(
+                r#"{{"name":"thread_sort_index","ph":"M","pid":{row},"tid":{rank},"args":{{"sort_index":{rank}}}}}"#
+            );
             self.push(&event);
         }
     }
@@ -225,7 +233,8 @@ impl Writer {
             Event::Cycle { rank, at } => {
                 self.name_thread(ENGINE_ROW);
                 let ts = self.ts_us(*at);
-                let json = format!(r#"{{"name":"CYCLE_START","ph":"i","s":"t","ts":{ts},"pid":{ENGINE_ROW},"tid":{rank}}}"#);
+                let json =
+                    format!(r#"{{"name":"CYCLE_START","ph":"i","s":"t","ts":{ts},"pid":{ENGINE_ROW},"tid":{rank}}}"#);
                 self.push(&json);
             }
         }

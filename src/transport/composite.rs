@@ -83,7 +83,6 @@ impl HostLayout {
     pub fn cross_members(&self, index: usize) -> Vec<usize> {
         self.members.iter().filter_map(|m| m.get(index).copied()).collect()
     }
-
 }
 
 /// The parts of a communicator that spans hosts, for hierarchical algorithms.

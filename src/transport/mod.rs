@@ -10,13 +10,13 @@
 
 pub mod composite;
 pub mod dropped_connections;
+pub mod handshake;
 pub mod memory;
 pub mod net;
-pub mod tcp;
-pub mod handshake;
 pub mod rendezvous;
 pub mod shm;
 pub mod spin;
+pub mod tcp;
 pub mod waker;
 
 use std::time::Duration;

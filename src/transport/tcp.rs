@@ -848,8 +848,10 @@ fn accept_higher(
         }
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            let absent: Vec<String> =
-                (rank + 1..mesh.size).filter(|&peer| mesh.linked[peer] && accepted[peer].is_none()).map(|peer| peer.to_string()).collect();
+            let absent: Vec<String> = (rank + 1..mesh.size)
+                .filter(|&peer| mesh.linked[peer] && accepted[peer].is_none())
+                .map(|peer| peer.to_string())
+                .collect();
             return Err(fail(format!("rank(s) {} did not connect in time", absent.join(", "))));
         }
         let mut fds = [

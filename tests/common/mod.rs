@@ -112,11 +112,16 @@ pub fn allreduce(name: &str, data: &mut Vec<u8>, len: i64, op: ReduceOp) -> OpSu
 /// Run `per_rank(rank, engine)` on every engine at once.
 pub fn on_every_rank<T: Send>(engines: &[Engine], per_rank: impl Fn(usize, &Engine) -> T + Sync) -> Vec<T> {
     std::thread::scope(|s| {
-        let handles: Vec<_> = engines.iter().enumerate().map(|(r, e)| s.spawn({
-            let per_rank = &per_rank;
-            move || per_rank(r, e)
-        })).collect();
+        let handles: Vec<_> = engines
+            .iter()
+            .enumerate()
+            .map(|(r, e)| {
+                s.spawn({
+                    let per_rank = &per_rank;
+                    move || per_rank(r, e)
+                })
+            })
+            .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     })
 }
-

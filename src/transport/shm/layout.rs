@@ -211,7 +211,9 @@ impl Layout {
         assert!(rank < self.size);
         // SAFETY: the staging areas follow the channels, one stride per rank (checked rank), inside the
         // segment (`segment_len` counts them).
-        unsafe { self.segment.base().add(staging_offset(&self.geometry) + rank * staging_stride(self.geometry.staging)) }
+        unsafe {
+            self.segment.base().add(staging_offset(&self.geometry) + rank * staging_stride(self.geometry.staging))
+        }
     }
 
     /// Tell `rank` that something it may be waiting for happened.
@@ -236,10 +238,7 @@ pub struct Corrupt {
 impl Channel<'_> {
     /// Bytes between `tail` and `head`, if the cursors are consistent.
     fn used(&self, head: u64, tail: u64) -> Result<usize, Corrupt> {
-        head.checked_sub(tail)
-            .filter(|&n| n <= self.capacity as u64)
-            .map(|n| n as usize)
-            .ok_or(Corrupt { head, tail })
+        head.checked_sub(tail).filter(|&n| n <= self.capacity as u64).map(|n| n as usize).ok_or(Corrupt { head, tail })
     }
 
     /// Unread bytes (receiver's view). Inconsistent cursors count as readable, so that the caller goes on

@@ -1,7 +1,7 @@
 //! Noticing that a peer process died: a pidfd per peer becomes readable when the process exits (even
 //! before it is reaped), so a rank blocked on a killed peer fails at once instead of waiting for the timeout.
 
-use std::os::fd::{FromRawFd, OwnedFd, AsRawFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
 pub struct Liveness {
     /// pidfd of each peer (None for ourselves, for peers in our own process, or where pidfds are missing).
@@ -36,7 +36,9 @@ impl Liveness {
             Some(None) => {
                 let pid = self.pids[rank];
                 // SAFETY: signal 0 only checks for existence.
-                pid != 0 && pid != std::process::id() && unsafe { libc::kill(pid as libc::pid_t, 0) } != 0
+                pid != 0
+                    && pid != std::process::id()
+                    && unsafe { libc::kill(pid as libc::pid_t, 0) } != 0
                     && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
             }
             None => false,

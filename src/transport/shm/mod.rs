@@ -79,7 +79,12 @@ impl ShmTransport {
 
     /// All `size` ranks of a communicator as transports in this process, with staging areas of
     /// `staging` bytes (for tests and benchmarks).
-    pub fn local_mesh(size: usize, staging: usize, dir: &Path, timeout: Duration) -> std::io::Result<Vec<ShmTransport>> {
+    pub fn local_mesh(
+        size: usize,
+        staging: usize,
+        dir: &Path,
+        timeout: Duration,
+    ) -> std::io::Result<Vec<ShmTransport>> {
         let geometry = Geometry { size, capacity: layout::channel_capacity(size), staging };
         let segment = Arc::new(Segment::create(dir, layout::segment_len(&geometry))?);
         segment.unlink();
@@ -172,7 +177,8 @@ impl ShmTransport {
     /// Rank 0: create and lay out the segment, with smaller staging areas (halving down to 4 MiB) or none
     /// if there is no room for the full ones.
     fn create_segment(dir: &Path, full: Geometry) -> Result<Layout, String> {
-        let create = |g: Geometry| Segment::create(dir, layout::segment_len(&g)).map(|s| Layout::initialise(Arc::new(s), g));
+        let create =
+            |g: Geometry| Segment::create(dir, layout::segment_len(&g)).map(|s| Layout::initialise(Arc::new(s), g));
         let first_error = match create(full) {
             Ok(layout) => return Ok(layout),
             Err(e) if full.staging > 0 => e,

@@ -90,11 +90,8 @@ impl Segment {
     /// Map an existing segment created by another rank of this job. Refuses a file that is not a regular
     /// file of ours, readable by others, or not exactly `len` bytes long.
     pub fn open(path: &Path, len: usize) -> io::Result<Segment> {
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .open(path)?;
+        let file =
+            OpenOptions::new().read(true).write(true).custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC).open(path)?;
         let meta = file.metadata()?;
         // SAFETY: plain syscall without arguments.
         let uid = unsafe { libc::geteuid() };

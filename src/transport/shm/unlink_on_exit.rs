@@ -30,7 +30,8 @@ struct Slot {
 unsafe impl Sync for Slot {}
 
 #[allow(clippy::declare_interior_mutable_const)]
-const EMPTY: Slot = Slot { taken: AtomicBool::new(false), armed: AtomicBool::new(false), path: UnsafeCell::new([0; PATH_CAPACITY]) };
+const EMPTY: Slot =
+    Slot { taken: AtomicBool::new(false), armed: AtomicBool::new(false), path: UnsafeCell::new([0; PATH_CAPACITY]) };
 static PENDING: [Slot; SLOTS] = [EMPTY; SLOTS];
 static INSTALL: Once = Once::new();
 
@@ -101,7 +102,8 @@ fn install() {
             libc::atexit(at_exit);
             for signal in [libc::SIGTERM, libc::SIGHUP] {
                 let mut current: libc::sigaction = std::mem::zeroed();
-                if libc::sigaction(signal, std::ptr::null(), &mut current) == 0 && current.sa_sigaction == libc::SIG_DFL {
+                if libc::sigaction(signal, std::ptr::null(), &mut current) == 0 && current.sa_sigaction == libc::SIG_DFL
+                {
                     let mut action: libc::sigaction = std::mem::zeroed();
                     action.sa_sigaction = on_signal as extern "C" fn(libc::c_int) as usize;
                     libc::sigemptyset(&mut action.sa_mask);
