@@ -151,7 +151,8 @@ fn way(config: &Config, plan: &LaunchPlan, over_mpi: bool, announce: bool) -> Re
             INSECURE_SECRET.to_vec()
         }
         (None, false) => {
-            return Err(init_error(format!(
+            // A setting the user must give, not a failure of the machine: ValueError.
+            return Err(EngineError::Config(format!(
                 "{}: the ranks may run on several hosts and no secret is set, so rank 0's rendezvous store could \
                  not authenticate anybody. Set RVOD_SECRET (hex digits, e.g. from `openssl rand -hex 32`) or \
                  RVOD_SECRET_FILE (a 0600 file holding them) to the same value on every rank, {mpi_hint}\

@@ -232,9 +232,9 @@ def test_mpirun_rank_0_that_cannot_serve_fails_every_rank(clean_env):
     assert result.returncode != 0, report(result)
     assert time.monotonic() - started < 30, "the other rank does not wait for its start timeout"
     cause = rf"rank 0 of 2 \(started by Open MPI\): cannot start the rendezvous store on 127\.0\.0\.1:{port}: "
-    assert re.search(rf"\[1,0\]<stderr>:ValueError: rvod initialization failed: {cause}", result.stderr), \
+    assert re.search(rf"\[1,0\]<stderr>:rvod.exceptions.RvodInternalError: rvod initialization failed: {cause}", result.stderr), \
         report(result)
-    assert re.search(rf"\[1,1\]<stderr>:ValueError: rvod initialization failed: rank 0 could not start the job's "
+    assert re.search(rf"\[1,1\]<stderr>:rvod.exceptions.RvodInternalError: rvod initialization failed: rank 0 could not start the job's "
                      rf"rendezvous store: {cause}", result.stderr), report(result)
 
 

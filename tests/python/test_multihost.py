@@ -154,11 +154,14 @@ def test_mpi_across_hosts(env, cluster):
     result = rvodrun(env, ["--mpi", "-np", "4", "-H", "a:2,b:2", "--network-interface", cluster.bridge,
                            *python_code("""
         import os
+        import sys
         import numpy as np
         import rvod.numpy as hvd
         hvd.init()
         total = hvd.allreduce(np.array([hvd.rank() + 1.0]), op=hvd.Sum)[0]
-        print(f"{os.environ['RVOD_HOSTNAME']} {hvd.local_rank()} {hvd.cross_rank()} {total}", flush=True)
+        # One write per line: mpirun's --tag-output tags each write, so print's two writes could split it.
+        sys.stdout.write(f"{os.environ['RVOD_HOSTNAME']} {hvd.local_rank()} {hvd.cross_rank()} {total}\n")
+        sys.stdout.flush()
     """)], timeout=50)
     assert result.returncode == 0, report(result)
     lines = {int(m.group(1)): m.group(2) for m in re.finditer(r"^\[1,(\d)\]<stdout>:(.*)$", result.stdout, re.M)}

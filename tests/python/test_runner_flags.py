@@ -6,6 +6,7 @@ rank (no secret on it), and rvod.run on one host.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -144,7 +145,9 @@ def test_a_script_named_without_its_interpreter(job_env, tmp_path):
     (tmp_path / "notes.txt").write_text("not a program\n")
     result = rvodrun(["-np", "2", "hello.py"], cwd=tmp_path, env=job_env)
     assert result.returncode == 0, result.stderr
-    assert sorted(re.findall(r"<stdout>:hello from (\d) (\S+)", result.stdout)) == [("0", PYTHON), ("1", PYTHON)]
+    ran_with = sorted((rank, os.path.normpath(python))
+                      for rank, python in re.findall(r"<stdout>:hello from (\d) (\S+)", result.stdout))
+    assert ran_with == [("0", os.path.normpath(PYTHON)), ("1", os.path.normpath(PYTHON))]
     refused = rvodrun(["-np", "2", "notes.txt"], cwd=tmp_path, env=job_env)
     assert refused.returncode == 2
     assert "'notes.txt' is not executable: make it executable (chmod +x) or name its interpreter" in refused.stderr

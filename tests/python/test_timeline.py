@@ -142,13 +142,23 @@ def start_loop(job_env, tmp_path, path):
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         steps = [tmp_path / f"steps{r}" for r in (0, 1)]
-        if all(s.exists() and s.read_text().strip() and int(s.read_text()) >= 200 for s in steps):
-            # Some batches are on disk and the ranks are mid-write.
+        if all(s.exists() and s.read_text().strip() and int(s.read_text()) >= 200 for s in steps) \
+                and _loop_ranks_on_disk(path) == {0, 1}:
+            # Both ranks' writers have flushed batches (they flush every 0.1 s) and are mid-write.
             return process
         assert process.poll() is None, process.communicate()
         time.sleep(0.05)
     kill_tagged(job_env[JOB_TAG_VARIABLE])
     pytest.fail("the loop did not get going: " + "\n".join(process.communicate()))
+
+
+def _loop_ranks_on_disk(path: Path) -> set[int]:
+    """The ranks whose loop allreduces are in the file so far (none while it is not there yet)."""
+    try:
+        trace = Trace(path)
+    except (OSError, ValueError):
+        return set()
+    return set().union(*(trace.ranks(row) for row in trace.by_row if row.startswith("allreduce.loop.")))
 
 
 def assert_loadable_with_both_ranks(path: Path):

@@ -331,7 +331,6 @@ with check("DistributedOptimizer argument errors"):
     expect_error(ValueError, "not named", hvd.DistributedOptimizer, base, named_parameters=[("w", weight)])
     expect_error(ValueError, "gradient_predivide_factor not supported with op != Average",
                  hvd.DistributedOptimizer, base, op=hvd.Sum, gradient_predivide_factor=2.0)
-    expect_error(ValueError, "Adasum", hvd.DistributedOptimizer, base, op=hvd.Adasum)
     expect_error(ValueError, "backward_passes_per_step", hvd.DistributedOptimizer, base, backward_passes_per_step=0)
     expect_error(ValueError, "groups", hvd.DistributedOptimizer, base, groups=-1)
     expect_error(ValueError, "groups", hvd.DistributedOptimizer, base, groups=[[1, 2]])
