@@ -158,7 +158,7 @@ fn way(config: &Config, plan: &LaunchPlan, over_mpi: bool, announce: bool) -> Re
                  RVOD_SECRET_FILE (a 0600 file holding them) to the same value on every rank, {mpi_hint}\
                  set RVOD_INSECURE_RENDEZVOUS=1 to run without authentication",
                 who(config, plan)
-            )))
+            )));
         }
     };
     Ok(Way::Address { host, host_source, port, port_source, secret })
