@@ -160,7 +160,7 @@ def test_mpi_across_hosts(env, cluster):
         hvd.init()
         total = hvd.allreduce(np.array([hvd.rank() + 1.0]), op=hvd.Sum)[0]
         # One write per line: mpirun's --tag-output tags each write, so print's two writes could split it.
-        sys.stdout.write(f"{os.environ['RVOD_HOSTNAME']} {hvd.local_rank()} {hvd.cross_rank()} {total}\n")
+        sys.stdout.write(f"{os.environ['RVOD_HOSTNAME']} {hvd.local_rank()} {hvd.cross_rank()} {total}\\n")
         sys.stdout.flush()
     """)], timeout=50)
     assert result.returncode == 0, report(result)
