@@ -20,6 +20,9 @@ use rvod::transport::rendezvous::{RendezvousServer, StoreClient};
 use rvod::transport::{Activity, Transport, TransportError, Waker};
 use rvod::types::{Combine, DataType};
 
+mod common;
+use common::encode;
+
 const SECRET: &[u8] = b"hierarchical-test-secret";
 const LOOPBACK: IpAddr = IpAddr::V4(Ipv4Addr::LOCALHOST);
 const COMBINES: [Combine; 4] = [Combine::Sum, Combine::Min, Combine::Max, Combine::Product];
@@ -79,23 +82,6 @@ fn input_value(dtype: DataType, rank: usize, i: usize) -> i64 {
         DataType::Bool => i64::from(v % 2 == 1),
         DataType::Uint8 | DataType::Uint16 => v,
         _ => v - 2,
-    }
-}
-
-fn encode(dtype: DataType, value: f64) -> Vec<u8> {
-    let integer = value as i64;
-    match dtype {
-        DataType::Uint8 => vec![integer as u8],
-        DataType::Uint16 => (integer as u16).to_ne_bytes().to_vec(),
-        DataType::Int8 => vec![integer as i8 as u8],
-        DataType::Int16 => (integer as i16).to_ne_bytes().to_vec(),
-        DataType::Int32 => (integer as i32).to_ne_bytes().to_vec(),
-        DataType::Int64 => integer.to_ne_bytes().to_vec(),
-        DataType::Float16 => f16::from_f64(value).to_ne_bytes().to_vec(),
-        DataType::Bfloat16 => bf16::from_f64(value).to_ne_bytes().to_vec(),
-        DataType::Float32 => (value as f32).to_ne_bytes().to_vec(),
-        DataType::Float64 => value.to_ne_bytes().to_vec(),
-        DataType::Bool => vec![u8::from(value != 0.0)],
     }
 }
 

@@ -8,12 +8,14 @@ use std::cell::Cell;
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
-use half::{bf16, f16};
 use rvod::ring::*;
 use rvod::transport::memory::{run_ranks, MemoryTransport, DEFAULT_TIMEOUT};
 use rvod::transport::shm::ShmTransport;
 use rvod::transport::{Transport, TransportError};
 use rvod::types::*;
+
+mod common;
+use common::encode;
 
 const COMBINES: [Combine; 4] = [Combine::Sum, Combine::Min, Combine::Max, Combine::Product];
 const SIZES: [usize; 4] = [0, 1, 7, 4097];
@@ -80,24 +82,6 @@ fn tiled(dtype: DataType, elements: std::ops::Range<usize>, element: impl Fn(usi
         next += take;
     }
     out
-}
-
-/// `value` (an integer, or a signed zero) in `dtype`'s encoding; integers wrap like the kernels' Sum and Product.
-fn encode(dtype: DataType, value: f64) -> Vec<u8> {
-    let integer = value as i64;
-    match dtype {
-        DataType::Uint8 => vec![integer as u8],
-        DataType::Uint16 => (integer as u16).to_ne_bytes().to_vec(),
-        DataType::Int8 => vec![integer as i8 as u8],
-        DataType::Int16 => (integer as i16).to_ne_bytes().to_vec(),
-        DataType::Int32 => (integer as i32).to_ne_bytes().to_vec(),
-        DataType::Int64 => integer.to_ne_bytes().to_vec(),
-        DataType::Float16 => f16::from_f64(value).to_ne_bytes().to_vec(),
-        DataType::Bfloat16 => bf16::from_f64(value).to_ne_bytes().to_vec(),
-        DataType::Float32 => (value as f32).to_ne_bytes().to_vec(),
-        DataType::Float64 => value.to_ne_bytes().to_vec(),
-        DataType::Bool => vec![u8::from(value != 0.0)],
-    }
 }
 
 fn input(dtype: DataType, rank: usize, count: usize) -> Vec<u8> {

@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::Duration;
 
+use half::{bf16, f16};
 use rvod::config::Config;
 use rvod::engine::handles::{HandleId, WaitOutcome};
 use rvod::engine::submission::{OpOutput, OpSubmission, TensorSubmission};
@@ -124,4 +125,22 @@ pub fn on_every_rank<T: Send>(engines: &[Engine], per_rank: impl Fn(usize, &Engi
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     })
+}
+
+/// `value` (an integer, or a signed zero) in `dtype`'s encoding; integers wrap like the kernels' Sum and Product.
+pub fn encode(dtype: DataType, value: f64) -> Vec<u8> {
+    let integer = value as i64;
+    match dtype {
+        DataType::Uint8 => vec![integer as u8],
+        DataType::Uint16 => (integer as u16).to_ne_bytes().to_vec(),
+        DataType::Int8 => vec![integer as i8 as u8],
+        DataType::Int16 => (integer as i16).to_ne_bytes().to_vec(),
+        DataType::Int32 => (integer as i32).to_ne_bytes().to_vec(),
+        DataType::Int64 => integer.to_ne_bytes().to_vec(),
+        DataType::Float16 => f16::from_f64(value).to_ne_bytes().to_vec(),
+        DataType::Bfloat16 => bf16::from_f64(value).to_ne_bytes().to_vec(),
+        DataType::Float32 => (value as f32).to_ne_bytes().to_vec(),
+        DataType::Float64 => value.to_ne_bytes().to_vec(),
+        DataType::Bool => vec![u8::from(value != 0.0)],
+    }
 }

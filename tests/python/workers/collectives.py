@@ -9,17 +9,20 @@ Phases: everything with the default knobs; then, after shutdown and re-init, the
 cache checks with RVOD_FUSION_THRESHOLD=0 / RVOD_CACHE_CAPACITY=0 and with a small threshold and cache.
 """
 
+import functools
 import os
 import time
 
 import numpy as np
 import rvod.numpy as hvd
 from _check import check, finish, wait_done
+import _expected
 from _expected import alltoall_blocks
 from rvod import _rvod
 
 hvd.init()
 R, N = hvd.rank(), hvd.size()
+contribution = functools.partial(_expected.contribution, n=N)
 
 with check("the job runs over the transport the test asked for"):
     wanted = os.environ.get("RVOD_TEST_TRANSPORT")
@@ -31,30 +34,12 @@ NUMERIC = INTS + FLOATS
 ALL = NUMERIC + [np.bool_]
 OPS = {"Sum": hvd.Sum, "Average": hvd.Average, "Min": hvd.Min, "Max": hvd.Max, "Product": hvd.Product}
 SHAPES = [(0,), (1,), (7,), (4097,), (3, 5, 2)]
-PRODUCT_VALUES = {True: [1, -2, 2, -1, 1, 3, -1], False: [1, 2, 3, 1, 2]}
 
 
 def name_of(dtype):
     return np.dtype(dtype).name
 
 
-def contribution(dtype, shape, rank, seed=0, product=False):
-    """What `rank` contributes: for Product small factors, otherwise base + N * ((rank + i) % N), whose
-    sum over ranks is N * base + N * N * (N - 1) / 2 (a multiple of N) and whose min and max come from
-    different ranks for different elements."""
-    count = int(np.prod(shape, dtype=np.int64))
-    i = np.arange(count, dtype=np.int64)
-    if dtype is np.bool_:
-        values = (i + seed + rank) % 3 == 0
-    elif product:
-        table = np.array(PRODUCT_VALUES[np.dtype(dtype).kind != "u"])
-        values = table[(i + seed + 2 * rank) % len(table)]
-    else:
-        base = (i * 5 + seed) % 11
-        if np.dtype(dtype).kind != "u":
-            base = base - 5
-        values = base + N * ((rank + i) % N)
-    return values.astype(dtype).reshape(shape)
 
 
 def expected_reduce(dtype, shape, op, seed=0, pre=1.0, post=1.0, ranks=None):

@@ -10,39 +10,27 @@ Each phase starts with a "PHASE name" line on stderr, so the test can see which 
 shows in each.
 """
 
+import functools
 import os
 import sys
 
 import numpy as np
 import rvod.numpy as hvd
+import _expected
 from _check import check, finish
 from rvod import _rvod
 
 N = 4
+contribution = functools.partial(_expected.contribution, n=N)
 INTS = [np.uint8, np.int8, np.int16, np.int32, np.int64]
 FLOATS = [np.float16, np.float32, np.float64]
 OPS = {"Sum": hvd.Sum, "Average": hvd.Average, "Min": hvd.Min, "Max": hvd.Max, "Product": hvd.Product}
 # 70,001 elements is above the 64 KiB from which the engine picks the hierarchical algorithms itself.
 SHAPES = [(0,), (1,), (7,), (4097,), (70_001,)]
-PRODUCT_VALUES = {True: [1, -2, 2, -1, 1, 3, -1], False: [1, 2, 3, 1, 2]}
 # Sets that span both hosts: one rank from each, and three ranks (uneven inside the set).
 SPANNING = [[0, 2], [0, 1, 3]]
 
 
-def contribution(dtype, shape, rank, seed=0, product=False):
-    count = int(np.prod(shape, dtype=np.int64))
-    i = np.arange(count, dtype=np.int64)
-    if dtype is np.bool_:
-        values = (i + seed + rank) % 3 == 0
-    elif product:
-        table = np.array(PRODUCT_VALUES[np.dtype(dtype).kind != "u"])
-        values = table[(i + seed + 2 * rank) % len(table)]
-    else:
-        base = (i * 5 + seed) % 11
-        if np.dtype(dtype).kind != "u":
-            base = base - 5
-        values = base + N * ((rank + i) % N)
-    return values.astype(dtype).reshape(shape)
 
 
 def expected_reduce(dtype, shape, op_name, seed, ranks):
