@@ -79,6 +79,17 @@ struct Recording {
     thread: JoinHandle<()>,
 }
 
+impl Recording {
+    /// Flush and close the file; returns when the writer thread is done.
+    fn close(self) {
+        let (done, flushed) = mpsc::channel();
+        if self.sender.send(Message::Stop(done)).is_ok() {
+            let _ = flushed.recv();
+        }
+        let _ = self.thread.join();
+    }
+}
+
 struct State {
     recording: Option<Recording>,
     /// `start_timeline` calls so far; numbers the sessions so every rank's n-th file is the same session.
@@ -141,10 +152,11 @@ impl Timeline {
         self.hub.rank
     }
 
-    /// Start writing to `path` (closing the current file first, if any). Every rank that calls this for
-    /// the same session appends to the same file.
+    /// Start writing to `path`, switching from the current file, if any. The switch is atomic for the
+    /// engine: recording never pauses, so an op in flight lands whole in the old file or the new one.
+    /// A path that cannot be written is an error that leaves the current file recording. Every rank that
+    /// calls this for the same session appends to the same file.
     pub fn start(&self, path: PathBuf, mark_cycles: bool) -> Result<(), EngineError> {
-        self.stop();
         let mut state = self.state();
         let session = state.sessions;
         state.sessions += 1;
@@ -158,9 +170,13 @@ impl Timeline {
             .name("rvod-timeline".into())
             .spawn(move || writer.run(receiver))
             .map_err(|e| EngineError::Init(format!("cannot start the timeline writer: {e}")))?;
-        state.recording = Some(Recording { sender, thread });
+        let previous = state.recording.replace(Recording { sender, thread });
         self.hub.mark_cycles.store(mark_cycles, Ordering::Relaxed);
         self.hub.on.store(true, Ordering::Relaxed);
+        drop(state);
+        if let Some(previous) = previous {
+            previous.close();
+        }
         Ok(())
     }
 
@@ -170,11 +186,7 @@ impl Timeline {
         self.hub.on.store(false, Ordering::Relaxed);
         let recording = self.state().recording.take();
         if let Some(recording) = recording {
-            let (done, flushed) = mpsc::channel();
-            if recording.sender.send(Message::Stop(done)).is_ok() {
-                let _ = flushed.recv();
-            }
-            let _ = recording.thread.join();
+            recording.close();
         }
     }
 

@@ -120,6 +120,51 @@ fn switching_files_closes_the_first_and_fills_the_second() {
 }
 
 #[test]
+fn recording_never_pauses_while_switching_files() {
+    let paths: Vec<PathBuf> = (0..2).map(|i| temp_path(&format!("flip{i}"))).collect();
+    let t = Timeline::new(0, "job-flip".into());
+    t.start(paths[0].clone(), false).unwrap();
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watcher = {
+        let (t, done) = (t.clone(), done.clone());
+        std::thread::spawn(move || {
+            let mut seen_off = 0usize;
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                seen_off += usize::from(!t.is_on());
+            }
+            seen_off
+        })
+    };
+    for i in 0..100 {
+        t.start(paths[i % 2].clone(), false).unwrap();
+    }
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(watcher.join().unwrap(), 0, "an op starting mid-switch would not be recorded anywhere");
+    t.stop();
+    for path in paths {
+        let _ = std::fs::remove_file(path);
+    }
+}
+
+#[test]
+fn a_failed_switch_keeps_recording_into_the_current_file() {
+    let path = temp_path("kept");
+    let t = Timeline::new(0, "job-kept".into());
+    let set = SetTimeline::new(t.clone(), 0, &[0], "shm");
+    let r = response(CollectiveKind::Allreduce, &["allreduce.kept"]);
+    t.start(path.clone(), false).unwrap();
+    assert!(t.start(PathBuf::from("/nonexistent-dir-rvod/t.json"), false).is_err());
+    assert!(t.is_on());
+    let mut phases = set.op(&r, [Some(Instant::now())].into_iter(), Instant::now());
+    phases.mark_collective();
+    phases.finish();
+    t.stop();
+    let text = std::fs::read_to_string(&path).unwrap();
+    assert!(is_valid_json(&text) && text.contains("SHM_ALLREDUCE"), "{text}");
+    let _ = std::fs::remove_file(&path);
+}
+
+#[test]
 fn an_unwritable_path_is_a_clear_error() {
     let t = Timeline::new(0, "job".into());
     let err = t.start(PathBuf::from("/nonexistent-dir-rvod/t.json"), false).unwrap_err();
