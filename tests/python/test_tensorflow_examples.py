@@ -43,3 +43,22 @@ def test_tensorflow2_example_trains_with_gradient_tape_to_high_accuracy(run_rvod
     run_example(run_rvodrun, tmp_path, "tensorflow2_digits.py",
                 r"^\[0\]<stdout>:epoch \d+/12: loss [\d.]+ \(mean over ranks\)$")
     assert (tmp_path / "digits.weights.h5").is_file()
+
+
+ADASUM_FINAL = re.compile(r"^\[0\]<stdout>:Adasum on 2 ranks: test loss (\S+) after 100 steps; below 0.001 from step "
+                          r"(\d+); fitted \((\S+), (\S+), (\S+)\); parameters identical on every rank: True$",
+                          re.MULTILINE)
+
+
+@pytest.mark.timeout(120)
+def test_adasum_small_model_example_converges_with_identical_parameters(run_rvodrun):
+    """Horovod's examples/adasum small-model experiment: a TensorFlow 1 graph with
+    DistributedOptimizer(op=Adasum) fits the quadratic on 2 ranks."""
+    result = run_rvodrun(["-np", "2", sys.executable, str(EXAMPLES / "adasum_small_model.py"), "--use-adasum",
+                          "--learning-rate", "0.5", "--steps", "100"], timeout=110)
+    report = f"exit {result.returncode}\nstdout:\n{result.stdout[-5000:]}\nstderr:\n{result.stderr[-5000:]}"
+    assert result.returncode == 0, report
+    final = ADASUM_FINAL.search(result.stdout)
+    assert final, report
+    assert float(final.group(1)) < 1e-6 and int(final.group(2)) < 100, report
+    assert all(abs(float(v) - want) < 0.01 for v, want in zip(final.groups()[2:], (3.0, -2.0, 1.0))), report

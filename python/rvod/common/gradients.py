@@ -30,10 +30,9 @@ class Reduction:
                  allow_adasum=False):
         op = resolve_op(op, None)
         if op == Adasum and not allow_adasum:
-            raise ValueError("Adasum is not implemented for rvod's Keras DistributedOptimizer (Horovod's refuses it "
-                             "too); use DistributedGradientTape(op=Adasum) in TensorFlow, "
-                             "rvod.torch.DistributedOptimizer(op=Adasum), or hvd.allreduce / hvd.grouped_allreduce "
-                             "with op=hvd.Adasum on your own updates.")
+            raise ValueError("this gradient reducer does not take Adasum: Adasum combines parameter updates, so use "
+                             "DistributedOptimizer(op=Adasum) of rvod.torch, rvod.tensorflow or rvod.keras, "
+                             "DistributedGradientTape(op=Adasum), or hvd.allreduce with op=hvd.Adasum")
         if op not in (Average, Sum, Adasum):
             raise ValueError(f"op must be Average or Sum, got {op}")
         if gradient_predivide_factor != 1.0 and op != Average:

@@ -17,7 +17,7 @@ Keras 2 spellings scripts written for Horovod use on the optimizer are accepted 
 import keras
 
 from rvod.common.process_sets import global_process_set
-from rvod.common.reduce_ops import Average
+from rvod.common.reduce_ops import Adasum, Average
 from rvod.keras.compression import Compression
 
 
@@ -42,11 +42,8 @@ class _CallableList(list):
         return self
 
 
-class _DistributedOptimizer:
-    """Mixed in before the wrapped optimizer's class; see the module docstring."""
-
-    _rvod_reducer = None
-    _rvod_variables = None
+class KerasSpellings:
+    """Keras 2's spellings on a Keras 3 optimizer (see the module docstring)."""
 
     @property
     def variables(self):
@@ -61,13 +58,20 @@ class _DistributedOptimizer:
     def lr(self, value):
         self.learning_rate = value
 
+
+class _DistributedOptimizer(KerasSpellings):
+    """Mixed in before the wrapped optimizer's class; see the module docstring."""
+
+    _rvod_reducer = None
+    _rvod_variables = None
+
     def _backend_apply_gradients(self, grads, trainable_variables):
         # Bypass Keras' attribute tracking, which would count these variables as the optimizer's own.
         self.__dict__["_rvod_variables"] = list(trainable_variables)
         return super()._backend_apply_gradients(grads, trainable_variables)
 
     def _clip_gradients(self, grads):
-        _refuse_xla()
+        refuse_xla()
         return super()._clip_gradients(self._rvod_reducer(list(grads), self._rvod_variables))
 
     def register_local_var(self, var):
@@ -75,7 +79,7 @@ class _DistributedOptimizer:
         self._rvod_reducer.register_local_variable(var)
 
 
-def _refuse_xla():
+def refuse_xla():
     if keras.backend.backend() != "tensorflow":
         return
     import tensorflow as tf
@@ -91,7 +95,9 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
                          average_aggregated_gradients=False, num_groups=0, groups=None, process_set=global_process_set,
                          scale_local_gradients=True):
     """Wrap a Keras 3 optimizer so that it applies gradients averaged (``op``: Average or Sum) across the
-    ranks of ``process_set``. Arguments are Horovod's; ``device_dense``/``device_sparse`` are ignored."""
+    ranks of ``process_set``, or (``op=Adasum``) combines each step's parameter updates with Adasum
+    (``rvod.keras.adasum_optimizer``). Arguments are Horovod's; ``device_dense``/``device_sparse`` are
+    ignored."""
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a keras.optimizers.Optimizer, got {type(optimizer).__name__}")
     if isinstance(optimizer, _DistributedOptimizer):
@@ -112,13 +118,22 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
         average_aggregated_gradients = True  # the optimizer's own accumulation averages
     # Keras' accumulation hands over the mean of the accumulated gradients; Horovod sums them by default.
     postscale = 1.0 if average_aggregated_gradients else float(steps)
+    adasum = op == Adasum
+    # Adasum reduces parameter updates, not gradients: no postscale, and a local variable keeps its own.
     reducer = gradient_reducer(keras.backend.backend(), compression=compression, sparse_as_dense=sparse_as_dense,
                                op=op, gradient_predivide_factor=gradient_predivide_factor, num_groups=num_groups,
-                               groups=groups, process_set=process_set, scale_local_gradients=scale_local_gradients,
-                               postscale_factor=postscale)
+                               groups=groups, process_set=process_set,
+                               scale_local_gradients=scale_local_gradients and not adasum,
+                               postscale_factor=1.0 if adasum else postscale, allow_adasum=adasum)
     base = type(optimizer)
-    cls = type(base.__name__, (_DistributedOptimizer, base), {"__module__": base.__module__})
+    if adasum:
+        from rvod.keras.adasum_optimizer import DistributedAdasumOptimizer as mixin
+    else:
+        mixin = _DistributedOptimizer
+    cls = type(base.__name__, (mixin, base), {"__module__": base.__module__})
     distributed = cls.from_config(config)
     distributed._rvod_reducer = reducer
+    if adasum:
+        distributed._rvod_gradient_scale = postscale
     distributed.backward_passes_per_step = backward_passes_per_step
     return distributed

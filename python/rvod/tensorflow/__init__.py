@@ -42,10 +42,15 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense='
                          process_set=global_process_set, scale_local_gradients=True):
     """Wrap an optimizer so that it applies gradients averaged (``op``) across ranks: a TensorFlow 1
     optimizer (``tf.compat.v1.train.Optimizer``, whose ``compute_gradients`` then reduces them, in a
-    graph or eagerly) or a Keras optimizer (the same as ``rvod.keras.DistributedOptimizer``)."""
+    graph or eagerly; with ``op=Adasum`` its ranks combine their updates instead:
+    ``rvod.tensorflow.adasum_legacy_optimizer``) or a Keras optimizer (the same as
+    ``rvod.keras.DistributedOptimizer``)."""
     if isinstance(optimizer, tf.compat.v1.train.Optimizer):
         if op == Adasum:
-            raise ValueError("Adasum is not supported by this rvod build; use Average or Sum.")
+            from rvod.tensorflow.adasum_legacy_optimizer import DistributedAdasumLegacyOptimizer
+
+            return DistributedAdasumLegacyOptimizer(optimizer, name, use_locking, compression,
+                                                    backward_passes_per_step, process_set)
         return DistributedLegacyOptimizer(optimizer, name, use_locking, compression, sparse_as_dense, op,
                                           gradient_predivide_factor, num_groups, groups, process_set,
                                           scale_local_gradients, backward_passes_per_step,
@@ -55,8 +60,6 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense='
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise _NotAnOptimizerError(f"DistributedOptimizer wraps a tf.compat.v1.train.Optimizer or a Keras optimizer, "
                                    f"got {type(optimizer).__name__}; for a custom loop use DistributedGradientTape")
-    if op == Adasum:
-        raise ValueError("op == Adasum is not supported yet with Keras")
     from rvod.keras.optimizer import DistributedOptimizer as KerasDistributedOptimizer
 
     return KerasDistributedOptimizer(optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,

@@ -10,7 +10,6 @@ then torch's DistributedOptimizer(op=Adasum): one SGD step against the reference
 the same parameters on every rank.
 """
 
-import math
 import os
 import sys
 import time
@@ -19,6 +18,7 @@ import numpy as np
 import rvod.numpy as hnp
 import rvod.torch as hvd
 import torch
+from _adasum_reference import reference
 from _check import check, expect_error, finish
 
 torch.set_num_threads(1)
@@ -29,31 +29,6 @@ MEMBERS = list(range(1, int(os.environ["RVOD_SIZE"]))) or [0]
 SUBSET = hvd.ProcessSet(MEMBERS)
 hvd.init(process_sets=[SUBSET])
 R, N = hvd.rank(), hvd.size()
-THRESHOLD = math.sqrt(np.finfo(np.float64).tiny)
-
-
-def pair(a, b):
-    dot, aa, bb = float(np.dot(a, b)), float(np.dot(a, a)), float(np.dot(b, b))
-    ca = 1.0 - dot / (2 * aa) if aa >= THRESHOLD else 1.0
-    cb = 1.0 - dot / (2 * bb) if bb >= THRESHOLD else 1.0
-    return ca * a + cb * b
-
-
-def reference(vectors):
-    """Adasum of one tensor's per-rank values (flattened, float64) in rvod's combination order."""
-    v = [np.asarray(x, dtype=np.float64).ravel() for x in vectors]
-    n = len(v)
-    core = 1 << (n.bit_length() - 1)
-    for extra in range(core, n):
-        v[extra - core] = pair(v[extra - core], v[extra])
-    d = 1
-    while d < core:
-        for base in range(0, core, 2 * d):
-            v[base] = pair(v[base], v[base + d])
-        d *= 2
-    return v[0]
-
-
 def data(rank, shape, dtype, salt):
     return np.random.default_rng([rank, salt]).standard_normal(shape).astype(dtype)
 
