@@ -66,6 +66,8 @@ pub struct Config {
     pub shm: bool,
     /// Where shared-memory segments are created (`RVOD_SHM_DIR`, default /dev/shm).
     pub shm_dir: std::path::PathBuf,
+    /// `RVOD_BUFFER_POOL_MB`: how much freed result memory is kept for reuse (see `crate::memory`); 0: none.
+    pub buffer_pool_bytes: usize,
     /// The core this rank's engine threads are pinned to (`RVOD_THREAD_AFFINITY`: one core id per local
     /// rank, this rank's by its local rank); `None`: not pinned.
     pub thread_affinity: Option<usize>,
@@ -285,6 +287,9 @@ impl Config {
             log_level: log_level(&env),
             shm: env.flag_or("SHM", true)?,
             shm_dir: env.string("SHM_DIR").unwrap_or_else(|| "/dev/shm".to_string()).into(),
+            buffer_pool_bytes: env
+                .usize("BUFFER_POOL_MB", crate::memory::DEFAULT_POOL_BYTES >> 20)?
+                .saturating_mul(1 << 20),
             thread_affinity,
             hierarchical_allreduce: env.optional_flag("HIERARCHICAL_ALLREDUCE")?,
             hierarchical_allgather: env.optional_flag("HIERARCHICAL_ALLGATHER")?,

@@ -14,6 +14,7 @@ pub mod engine;
 pub mod error;
 pub mod fusion;
 pub mod launch;
+pub mod memory;
 pub mod ring;
 pub mod tensor;
 pub mod timeline;

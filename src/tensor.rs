@@ -8,6 +8,8 @@
 use std::alloc::{self, Layout};
 use std::ptr::NonNull;
 
+use crate::memory;
+
 /// Alignment of engine-allocated buffers (enough for every dtype and for SIMD loads).
 const BUFFER_ALIGN: usize = 64;
 
@@ -56,10 +58,14 @@ impl RawTensor {
     }
 }
 
-/// A zero-initialised, 64-byte aligned heap buffer owned by the engine (outputs, fusion buffers).
+/// A 64-byte aligned buffer owned by the engine (outputs, fusion buffers, scratch). Large ones are mappings
+/// from [`crate::memory`] (huge-page advised, recycled through its pool); small ones come from the global
+/// allocator.
 pub struct AlignedBuffer {
     ptr: NonNull<u8>,
     len: usize,
+    /// The size of the mapping behind a large buffer; 0 for one from the global allocator.
+    mapped: usize,
 }
 
 // SAFETY: AlignedBuffer uniquely owns its allocation.
@@ -67,24 +73,48 @@ unsafe impl Send for AlignedBuffer {}
 unsafe impl Sync for AlignedBuffer {}
 
 impl AlignedBuffer {
+    /// `len` zero bytes.
     pub fn zeroed(len: usize) -> AlignedBuffer {
+        if len >= memory::LARGE {
+            return Self::mapped(memory::map_zeroed(len), len);
+        }
+        Self::allocated(len)
+    }
+
+    /// `len` bytes of unspecified (initialised) contents, for a result the caller overwrites whole: a
+    /// recycled mapping when one of the right size is free, so writing it faults in no new pages.
+    pub fn for_overwrite(len: usize) -> AlignedBuffer {
+        if len >= memory::LARGE {
+            return Self::mapped(memory::reuse_or_map(len), len);
+        }
+        Self::allocated(len)
+    }
+
+    /// A buffer holding a copy of `bytes`.
+    pub fn from_slice(bytes: &[u8]) -> AlignedBuffer {
+        let mut buf = AlignedBuffer::for_overwrite(bytes.len());
+        buf.as_mut_slice().copy_from_slice(bytes);
+        buf
+    }
+
+    fn allocated(len: usize) -> AlignedBuffer {
         if len == 0 {
-            return AlignedBuffer { ptr: NonNull::dangling(), len: 0 };
+            return AlignedBuffer { ptr: NonNull::dangling(), len: 0, mapped: 0 };
         }
         let layout = Self::layout(len);
         // SAFETY: layout has non-zero size.
         let raw = unsafe { alloc::alloc_zeroed(layout) };
         match NonNull::new(raw) {
-            Some(ptr) => AlignedBuffer { ptr, len },
+            Some(ptr) => AlignedBuffer { ptr, len, mapped: 0 },
             None => alloc::handle_alloc_error(layout),
         }
     }
 
-    /// A buffer holding a copy of `bytes`.
-    pub fn from_slice(bytes: &[u8]) -> AlignedBuffer {
-        let mut buf = AlignedBuffer::zeroed(bytes.len());
-        buf.as_mut_slice().copy_from_slice(bytes);
-        buf
+    fn mapped(block: Option<memory::Block>, len: usize) -> AlignedBuffer {
+        match block {
+            Some(block) => AlignedBuffer { ptr: block.ptr, len, mapped: block.capacity },
+            None => alloc::handle_alloc_error(Self::layout(len)),
+        }
     }
 
     fn layout(len: usize) -> Layout {
@@ -109,7 +139,8 @@ impl AlignedBuffer {
     }
 
     pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: ptr is valid for len initialised bytes (or dangling with len 0).
+        // SAFETY: ptr is valid for len initialised bytes (or dangling with len 0); mappings are
+        // zero-filled when made, so even a recycled one holds initialised bytes.
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
     }
 
@@ -128,8 +159,10 @@ impl AlignedBuffer {
 
 impl Drop for AlignedBuffer {
     fn drop(&mut self) {
-        if self.len > 0 {
-            // SAFETY: allocated in `zeroed` with this exact layout.
+        if self.mapped > 0 {
+            memory::give_back(memory::Block { ptr: self.ptr, capacity: self.mapped });
+        } else if self.len > 0 {
+            // SAFETY: allocated in `allocated` with this exact layout.
             unsafe { alloc::dealloc(self.ptr.as_ptr(), Self::layout(self.len)) }
         }
     }
@@ -147,7 +180,7 @@ mod tests {
 
     #[test]
     fn aligned_buffer_is_aligned_and_zeroed() {
-        for len in [0usize, 1, 7, 4097] {
+        for len in [0usize, 1, 7, 4097, memory::LARGE, 3 * memory::LARGE + 1] {
             let b = AlignedBuffer::zeroed(len);
             assert_eq!(b.len(), len);
             assert!(b.as_slice().iter().all(|&x| x == 0));
@@ -157,6 +190,13 @@ mod tests {
         }
         let b = AlignedBuffer::from_slice(&[1, 2, 3]);
         assert_eq!(b.as_slice(), &[1, 2, 3]);
+        let large: Vec<u8> = (0..memory::LARGE + 5).map(|i| i as u8).collect();
+        let copy = AlignedBuffer::from_slice(&large);
+        assert_eq!(copy.as_slice(), &large[..]);
+        assert_eq!(copy.as_ptr() as usize % BUFFER_ALIGN, 0);
+        drop(copy);
+        let zeros = AlignedBuffer::zeroed(memory::LARGE + 5);
+        assert!(zeros.as_slice().iter().all(|&x| x == 0), "zeroed never hands out a recycled mapping");
     }
 
     #[test]

@@ -80,6 +80,7 @@ impl Loop {
             let stop = self.shared.stop_requested();
             let shutdown = stop.is_some();
             self.check_stalls();
+            crate::memory::trim_idle();
 
             let mut start = first_new.is_some() || shutdown || self.negotiator.wants_round();
             if !start {

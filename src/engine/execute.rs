@@ -449,7 +449,7 @@ fn allgather(
     let row = row_bytes(&spec.shape, dtype);
     let bytes_per_rank: Vec<usize> = spec.per_rank.iter().map(|&rows| rows.max(0) as usize * row).collect();
     let total_rows: i64 = spec.per_rank.iter().sum();
-    let mut out = AlignedBuffer::zeroed(bytes_per_rank.iter().sum());
+    let mut out = AlignedBuffer::for_overwrite(bytes_per_rank.iter().sum());
     let hierarchical = t.hosts().map(|parts| hierarchical_pays(forced, parts.layout, out.len()));
     match (hierarchical, t.hosts()) {
         (Some(true), Some(parts)) => {
@@ -478,7 +478,7 @@ fn broadcast(
     let mut out = if t.rank() == root {
         AlignedBuffer::from_slice(entry.input.as_slice())
     } else {
-        AlignedBuffer::zeroed(entry.input.len())
+        AlignedBuffer::for_overwrite(entry.input.len())
     };
     ring::broadcast(t, out.as_mut_slice(), root)?;
     Ok(Ok(TensorResult { output: output(out, entry.request.shape.clone(), response.dtype), ..TensorResult::default() }))
@@ -514,7 +514,7 @@ fn alltoall(
             input.len()
         ))));
     }
-    let mut out = AlignedBuffer::zeroed(recv_bytes.iter().sum());
+    let mut out = AlignedBuffer::for_overwrite(recv_bytes.iter().sum());
     ring::alltoallv(t, &input[..send_total], &send_bytes, out.as_mut_slice(), &recv_bytes)?;
     let mut shape = entry.request.shape.clone();
     if let Some(first) = shape.first_mut() {
@@ -542,7 +542,7 @@ fn reducescatter(
     let elems_per_rank: Vec<usize> = (0..size).map(|r| rows_of(r) * row_elements).collect();
     let mut scratch = AlignedBuffer::from_slice(entry.input.as_slice());
     ring::scale_in_place(scratch.as_mut_slice(), dtype, response.prescale);
-    let mut out = AlignedBuffer::zeroed(elems_per_rank[rank] * dtype.size());
+    let mut out = AlignedBuffer::for_overwrite(elems_per_rank[rank] * dtype.size());
     ring::reducescatter(
         t,
         scratch.as_mut_slice(),

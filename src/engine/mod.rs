@@ -77,6 +77,7 @@ impl Engine {
     /// counts the inits of this process, so a re-init after shutdown meets its peers in a fresh scope.
     pub fn start(config: Config, generation: u64, static_sets: &[Vec<usize>]) -> Result<Engine, EngineError> {
         let topo = config.topology.clone();
+        crate::memory::set_pool_limit(config.buffer_pool_bytes);
         let mut store = match &config.rendezvous {
             Some(rdv) => Some(connect::connect_store(rdv, config.start_timeout)?),
             None => None,

@@ -94,7 +94,7 @@ impl PackedGroup {
             let dst = if in_place {
                 part.target.as_mut_slice()
             } else {
-                part.output.get_or_insert_with(|| AlignedBuffer::zeroed(len)).as_mut_slice()
+                part.output.get_or_insert_with(|| AlignedBuffer::for_overwrite(len)).as_mut_slice()
             };
             dst[lo - part.offset..hi - part.offset].copy_from_slice(src);
         }

@@ -41,7 +41,7 @@ impl<'a> TensorIo<'a> {
         let dst = match entry {
             TensorEntry { packed: Some(group), .. } => return group.scatter(offset, bytes),
             TensorEntry { in_place: true, input, .. } => input.as_mut_slice(),
-            _ => self.fresh.get_or_insert_with(|| AlignedBuffer::zeroed(len)).as_mut_slice(),
+            _ => self.fresh.get_or_insert_with(|| AlignedBuffer::for_overwrite(len)).as_mut_slice(),
         };
         dst[offset..offset + bytes.len()].copy_from_slice(bytes);
     }
