@@ -2,7 +2,8 @@
 //!
 //! ```text
 //! [header: magic, size, channel capacity]           one cache line
-//! [rank slot 0] .. [rank slot n-1]                   one cache line each: doorbell, sleepers, pid, closed
+//! [rank slot 0] .. [rank slot n-1]                   one cache line each: doorbell, sleepers, pid, closed,
+//!                                                    step, heartbeat
 //! (page aligned)
 //! [channel 0->1] [channel 0->2] .. [channel n-1->n-2]   one per ordered pair of ranks
 //! [staging 0] .. [staging n-1]                        one per rank, page aligned (see below)
@@ -47,6 +48,12 @@ pub struct RankSlot {
     pub closed: AtomicU32,
     /// Steps of the staging protocol this rank has completed.
     pub step: AtomicU64,
+    /// When this rank last showed it was alive while waiting (milliseconds of the system-wide monotonic
+    /// clock, see `liveness::monotonic_ms`); 0 before its first wait. A frozen rank's heartbeat stops.
+    pub heartbeat: AtomicU64,
+    /// Why this rank gave up, set before `closed` (see `ShmTransport::note_failure`): 0 for nothing said,
+    /// else the blamed rank plus one, shifted left once, the low bit set for a time-out.
+    pub cause: AtomicU64,
 }
 
 #[repr(C, align(64))]

@@ -223,8 +223,23 @@ impl ShmTransport {
     /// process a moment after the closing peer saw it, so a closed (not dead) peer is given a short grace
     /// to let that show.
     fn closed_error(&mut self, peer: usize) -> TransportError {
+        let err = self.closed_cause(peer);
+        self.failing(err)
+    }
+
+    /// This rank fails with `err`: say so to the peers (see `note_failure`).
+    fn failing(&mut self, err: TransportError) -> TransportError {
+        self.note_failure(&err);
+        err
+    }
+
+    /// What `closed_error` reports: the dead rank, or the rank `peer` blamed, or `peer`.
+    fn closed_cause(&mut self, peer: usize) -> TransportError {
         if self.dead[peer] {
             return TransportError::PeerClosed { peer };
+        }
+        if let Some(passed_on) = self.cause_given_by(peer) {
+            return passed_on;
         }
         let deadline = Instant::now() + DEATH_GRACE;
         loop {
@@ -238,6 +253,20 @@ impl ShmTransport {
             }
             std::thread::sleep(Duration::from_millis(5));
         }
+    }
+
+    /// The failure `peer` said it closed because of, when it blamed a third rank (see `note_failure`).
+    fn cause_given_by(&self, peer: usize) -> Option<TransportError> {
+        let cause = self.layout.slot(peer).cause.load(Ordering::Acquire);
+        let blamed = usize::try_from(cause >> 1).ok()?.checked_sub(1)?;
+        if blamed == peer || blamed == self.rank || blamed >= self.layout.size() {
+            return None;
+        }
+        Some(if cause & 1 == 1 {
+            TransportError::Timeout { peer: blamed, seconds: self.timeout.as_secs_f64() }
+        } else {
+            TransportError::PeerClosed { peer: blamed }
+        })
     }
 
     /// Copy what fits of `data` into `to`'s ring (one piece at most).
@@ -310,6 +339,7 @@ impl ShmTransport {
         let mut last_check = start;
         loop {
             let slot = self.layout.slot(me);
+            slot.heartbeat.store(liveness::monotonic_ms(), Ordering::Relaxed);
             let seq = slot.doorbell.load(Ordering::SeqCst);
             if stop(&self.layout) {
                 return Ok(());
@@ -322,13 +352,21 @@ impl ShmTransport {
                 // Any dead peer dooms the collective (and the one we wait on may be waiting for it).
                 if self.refresh_dead() {
                     let dead = self.dead.iter().position(|&d| d).unwrap_or(blame);
-                    return Err(TransportError::PeerClosed { peer: dead });
+                    return Err(self.failing(TransportError::PeerClosed { peer: dead }));
                 }
                 if start.elapsed() >= self.timeout {
-                    return Err(TransportError::Timeout { peer: blame, seconds: self.timeout.as_secs_f64() });
+                    let peer = self.frozen_rank(blame);
+                    return Err(self.failing(TransportError::Timeout { peer, seconds: self.timeout.as_secs_f64() }));
                 }
             }
         }
+    }
+
+    /// The rank to name for a wait on `blame` that timed out (see `liveness::frozen_rank`).
+    fn frozen_rank(&self, blame: usize) -> usize {
+        let heartbeats: Vec<u64> =
+            (0..self.layout.size()).map(|r| self.layout.slot(r).heartbeat.load(Ordering::Relaxed)).collect();
+        liveness::frozen_rank(self.rank, blame, &heartbeats, liveness::monotonic_ms())
     }
 }
 
@@ -442,6 +480,7 @@ impl Transport for ShmTransport {
         let mut last_check = Instant::now();
         loop {
             let slot = self.layout.slot(me);
+            slot.heartbeat.store(liveness::monotonic_ms(), Ordering::Relaxed);
             let seq = slot.doorbell.load(Ordering::SeqCst);
             if let Some(activity) = verdict(self) {
                 return Ok(activity);
@@ -458,6 +497,21 @@ impl Transport for ShmTransport {
                 self.refresh_dead();
             }
         }
+    }
+
+    /// Tell the peers, through this rank's slot, which rank to name: a peer that finds this rank closed
+    /// names the rank it blamed (every survivor then names the rank that died or froze, as over TCP).
+    fn note_failure(&mut self, cause: &TransportError) {
+        let (blamed, timed_out) = match cause {
+            TransportError::PeerClosed { peer } | TransportError::Io { peer, .. } => (*peer, false),
+            TransportError::Timeout { peer, .. } => (*peer, true),
+            TransportError::Setup(_) | TransportError::Protocol { .. } => return,
+        };
+        if blamed == self.rank || blamed >= self.layout.size() {
+            return;
+        }
+        let code = ((blamed as u64 + 1) << 1) | u64::from(timed_out);
+        let _ = self.layout.slot(self.rank).cause.compare_exchange(0, code, Ordering::AcqRel, Ordering::Acquire);
     }
 
     fn close(&mut self) {

@@ -36,10 +36,17 @@ def wait_done(poll, handle, timeout=30.0):
         time.sleep(0.0005)
 
 
+def say(line):
+    """Prints ``line`` to stdout in one write, so that ranks sharing a pipe (torchrun, mpirun) never interleave
+    a line with another rank's (``print`` writes the text and its newline separately)."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def finish(rank):
     for failure in _failures:
         print(f"FAIL rank {rank}: {failure}", file=sys.stderr)
-    print(f"rank {rank}: {_passed} checks passed, {len(_failures)} failed", flush=True)
+    say(f"rank {rank}: {_passed} checks passed, {len(_failures)} failed")
     sys.stdout.flush()
     sys.stderr.flush()
     sys.exit(1 if _failures else 0)

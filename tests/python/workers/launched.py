@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 import rvod.numpy as hvd
-from _check import check, finish
+from _check import check, finish, say
 from rvod import _rvod
 
 launched = _rvod.launcher()
@@ -47,11 +47,11 @@ if not init_job():
     print("world rank not in comm", flush=True)
     sys.exit(0)
 R, N = hvd.rank(), hvd.size()
-print("topology: " + json.dumps({
+say("topology: " + json.dumps({
     "launcher": launcher, "rank": R, "size": N, "local_rank": hvd.local_rank(), "local_size": hvd.local_size(),
     "cross_rank": hvd.cross_rank(), "cross_size": hvd.cross_size(), "transport": _rvod.transport_kind(),
     "mpi_enabled": hvd.mpi_enabled(), "mpi_built": hvd.mpi_built(),
-}), flush=True)
+}))
 
 with check("allreduce Sum of float32"):
     got = hvd.allreduce(np.arange(10, dtype=np.float32) * (R + 1), op=hvd.Sum, name="sum")
