@@ -6,6 +6,7 @@
 //! - [`bitset`]: compact sets of response-cache bits, ANDed and ORed across ranks.
 //! - [`cache`]: the response cache that lets steady-state rounds skip the coordinator.
 //! - [`negotiation`]: one round, run in lockstep by every rank.
+//! - [`pending`]: what a round needs of this rank's pending requests (the engine's table implements it).
 //! - [`message_table`]: the coordinator's requests-so-far, join state and stall detection.
 //! - [`validate`]: every rank's requests for a tensor turned into one response or one error.
 //! - [`stall`]: the stall warning and its clock.
@@ -18,6 +19,7 @@ pub mod codec;
 pub mod message;
 pub mod message_table;
 pub mod negotiation;
+pub mod pending;
 pub mod round;
 pub mod stall;
 pub mod validate;

@@ -17,8 +17,8 @@ use crate::coordinator::cache::{CacheLookup, ResponseCache, TensorParams};
 use crate::coordinator::codec::WireMessage;
 use crate::coordinator::message::Response;
 use crate::coordinator::message_table::MessageTable;
+use crate::coordinator::pending::{Announcement, PendingRequest, PendingRequests};
 use crate::coordinator::round::{EagerPayload, RequestList, ResponseList, RoundHeader, StopReason};
-use crate::engine::table::{Announcement, TensorTable};
 use crate::fusion::plan_fusion;
 use crate::timeline::SetTimeline;
 use crate::transport::{Transport, TransportError};
@@ -137,7 +137,7 @@ impl Negotiator {
     pub fn round(
         &mut self,
         t: &mut dyn Transport,
-        table: &mut TensorTable,
+        table: &mut impl PendingRequests,
         shutdown: Option<StopReason>,
     ) -> Result<RoundOutcome, TransportError> {
         let (me, n) = (t.rank(), t.size());
@@ -239,7 +239,7 @@ impl Negotiator {
             table.for_each(|entry, announcement| {
                 if let Announcement::CacheHit(bit) = *announcement {
                     let cached_name = cache.get(bit).and_then(|r| r.entries.first()).map(|e| e.name.as_str());
-                    if cached_name != Some(entry.request.name.as_str()) {
+                    if cached_name != Some(entry.request().name.as_str()) {
                         *announcement = Announcement::Unsent;
                     }
                 }
@@ -251,7 +251,7 @@ impl Negotiator {
     }
 
     /// This rank's header: classify new requests against the cache and collect hits and invalid bits.
-    fn local_header(&mut self, table: &mut TensorTable, shutdown: Option<StopReason>) -> RoundHeader {
+    fn local_header(&mut self, table: &mut impl PendingRequests, shutdown: Option<StopReason>) -> RoundHeader {
         let mut header = RoundHeader { shutdown, joined: table.has_join(), ..RoundHeader::default() };
         let cache = &self.cache;
         let use_cache = cache.capacity() > 0;
@@ -259,8 +259,8 @@ impl Negotiator {
         let forced = self.wants_round();
         let mut eager_bytes = 0;
         table.for_each(|entry, announcement| {
-            if *announcement == Announcement::Unsent && use_cache && is_cacheable(entry.request.kind) {
-                match cache.lookup(&entry.request) {
+            if *announcement == Announcement::Unsent && use_cache && is_cacheable(entry.request().kind) {
+                match cache.lookup(entry.request()) {
                     CacheLookup::Hit(bit) => *announcement = Announcement::CacheHit(bit),
                     CacheLookup::Invalid(bit) => header.invalid.insert(bit),
                     CacheLookup::Miss => {}
@@ -269,14 +269,14 @@ impl Negotiator {
             match *announcement {
                 Announcement::CacheHit(bit) => {
                     // A hit waiting longer than the stall time is invalidated so the coordinator sees it.
-                    if stall_deadline.is_some_and(|deadline| entry.submitted < deadline) {
+                    if stall_deadline.is_some_and(|deadline| entry.submitted() < deadline) {
                         header.invalid.insert(bit);
                     } else {
                         header.cache_hits.insert(bit);
                         let len = entry.contribution_len();
                         // Adasum is not a rank-order fold of the contributions: it always runs its tree.
-                        if entry.request.kind == CollectiveKind::Allreduce
-                            && entry.request.reduce_op != ReduceOp::Adasum
+                        if entry.request().kind == CollectiveKind::Allreduce
+                            && entry.request().reduce_op != ReduceOp::Adasum
                             && len <= EAGER_TENSOR_BYTES
                             && eager_bytes + len <= EAGER_HEADER_BYTES
                         {
@@ -299,7 +299,7 @@ impl Negotiator {
     fn slow_path(
         &mut self,
         t: &mut dyn Transport,
-        table: &mut TensorTable,
+        table: &mut impl PendingRequests,
         shutdown: bool,
     ) -> Result<Vec<Response>, TransportError> {
         let (me, n) = (t.rank(), t.size());
@@ -307,8 +307,8 @@ impl Negotiator {
         table.for_each(|entry, announcement| {
             if *announcement == Announcement::Unsent {
                 *announcement = Announcement::SentToCoordinator;
-                mine.requests.push(entry.request.clone());
-                mine.waited_ms.push(i64::try_from(entry.submitted.elapsed().as_millis()).unwrap_or(i64::MAX));
+                mine.requests.push(entry.request().clone());
+                mine.waited_ms.push(i64::try_from(entry.submitted().elapsed().as_millis()).unwrap_or(i64::MAX));
             }
         });
         let waited = |list: &RequestList, i: usize| {
@@ -352,6 +352,157 @@ impl Negotiator {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::coordinator::message::{ErrorKind, Request};
+    use crate::transport::memory::{run_ranks, MemoryTransport};
+    use crate::types::DataType;
+
+    /// A table of pending requests without an engine: each rank's contribution is plain bytes.
+    #[derive(Default)]
+    struct FakeTable {
+        entries: Vec<(FakeEntry, Announcement)>,
+    }
+
+    struct FakeEntry {
+        request: Request,
+        submitted: Instant,
+        data: Vec<u8>,
+    }
+
+    impl PendingRequest for FakeEntry {
+        fn request(&self) -> &Request {
+            &self.request
+        }
+        fn submitted(&self) -> Instant {
+            self.submitted
+        }
+        fn contribution_len(&self) -> usize {
+            self.data.len()
+        }
+        fn copy_contribution(&self, dst: &mut [u8]) {
+            dst.copy_from_slice(&self.data);
+        }
+    }
+
+    impl PendingRequests for FakeTable {
+        type Entry = FakeEntry;
+        fn for_each(&mut self, mut visit: impl FnMut(&FakeEntry, &mut Announcement)) {
+            for (entry, announcement) in &mut self.entries {
+                visit(entry, announcement);
+            }
+        }
+        fn request(&self, name: &str) -> Option<&Request> {
+            self.entries.iter().map(|(e, _)| &e.request).find(|r| r.name == name)
+        }
+        fn has_join(&self) -> bool {
+            self.entries.iter().any(|(e, _)| e.request.kind == CollectiveKind::Join)
+        }
+    }
+
+    impl FakeTable {
+        /// Submit an allreduce of `count` float32 values, each byte of the contribution set to `fill`.
+        fn submit(&mut self, rank: usize, name: &str, count: i64, fill: u8) {
+            let request = Request {
+                rank: rank as u32,
+                kind: CollectiveKind::Allreduce,
+                name: name.into(),
+                dtype: DataType::Float32,
+                shape: vec![count],
+                reduce_op: ReduceOp::Sum,
+                root_rank: -1,
+                prescale: 1.0,
+                postscale: 1.0,
+                splits: vec![],
+                parts: vec![],
+            };
+            let data = vec![fill; count as usize * 4];
+            self.entries.push((FakeEntry { request, submitted: Instant::now(), data }, Announcement::Unsent));
+        }
+
+        /// What the engine does once a response ran: the entry leaves the table.
+        fn complete(&mut self, name: &str) {
+            self.entries.retain(|(e, _)| e.request.name != name);
+        }
+    }
+
+    fn negotiator(rank: usize, size: usize) -> Negotiator {
+        Negotiator::new(rank, (0..size).collect(), 16, 1 << 20, None)
+    }
+
+    fn names(responses: &[Response]) -> Vec<String> {
+        responses.iter().flat_map(|r| r.entries.iter().map(|e| e.name.clone())).collect()
+    }
+
+    #[test]
+    fn a_round_agrees_on_every_rank_then_the_cache_skips_the_coordinator() {
+        let outcomes = run_ranks(MemoryTransport::mesh(3), |t| {
+            let rank = t.rank();
+            let mut negotiator = negotiator(rank, 3);
+            let mut table = FakeTable::default();
+            table.submit(rank, "grad", 2, rank as u8 + 1);
+            // First sight of "grad": the coordinator decides, everybody gets the same response.
+            let first = negotiator.round(t, &mut table, None).unwrap();
+            assert_eq!(names(&first.responses), ["grad"], "rank {rank}");
+            assert!(first.eager.is_empty() && first.shutdown_by.is_empty());
+            assert_eq!(table.entries[0].1, Announcement::SentToCoordinator);
+            table.complete("grad");
+            // The same tensor again: a cache hit on every rank, small enough to travel in the headers.
+            table.submit(rank, "grad", 2, rank as u8 + 1);
+            let second = negotiator.round(t, &mut table, None).unwrap();
+            assert!(second.responses.is_empty(), "rank {rank}: cached, so nothing for the coordinator");
+            assert!(matches!(table.entries[0].1, Announcement::CacheHit(_)));
+            assert_eq!(second.eager.len(), 1);
+            second.eager[0].contributions.clone()
+        });
+        let expected: Vec<Option<Vec<u8>>> = (1..=3u8).map(|fill| Some(vec![fill; 8])).collect();
+        for contributions in outcomes {
+            assert_eq!(contributions, expected, "every rank holds every contribution, in rank order");
+        }
+    }
+
+    #[test]
+    fn a_tensor_waits_for_the_last_rank_and_a_mismatch_fails_on_every_rank() {
+        let outcomes = run_ranks(MemoryTransport::mesh(2), |t| {
+            let rank = t.rank();
+            let mut negotiator = negotiator(rank, 2);
+            let mut table = FakeTable::default();
+            if rank == 0 {
+                table.submit(rank, "late", 4, 0);
+            }
+            let waiting = negotiator.round(t, &mut table, None).unwrap();
+            assert!(waiting.responses.is_empty(), "rank {rank}: rank 1 has not submitted 'late' yet");
+            if rank == 1 {
+                table.submit(rank, "late", 4, 0);
+            }
+            // Rank 0 asks for shape [3] and rank 1 for [5] under one name.
+            table.submit(rank, "shapes", 3 + 2 * rank as i64, 0);
+            let decided = negotiator.round(t, &mut table, None).unwrap();
+            let mut by_name: Vec<(String, Option<(ErrorKind, String)>)> =
+                decided.responses.iter().map(|r| (r.entries[0].name.clone(), r.error.clone())).collect();
+            by_name.sort_by(|a, b| a.0.cmp(&b.0));
+            by_name
+        });
+        assert_eq!(outcomes[0], outcomes[1], "both ranks decide the same");
+        let [(late, late_error), (shapes, shapes_error)] = &outcomes[0][..] else {
+            panic!("expected two responses: {:?}", outcomes[0]);
+        };
+        assert_eq!((late.as_str(), late_error), ("late", &None));
+        assert_eq!(shapes, "shapes");
+        let (kind, message) = shapes_error.as_ref().expect("a mismatch is an error");
+        assert_eq!(*kind, ErrorKind::Mismatch);
+        assert!(message.contains("rank 0 sent [3]") && message.contains("rank 1 sent [5]"), "{message}");
+    }
+
+    #[test]
+    fn a_shutdown_request_reaches_every_rank() {
+        let outcomes = run_ranks(MemoryTransport::mesh(3), |t| {
+            let rank = t.rank();
+            let stop = (rank == 2).then_some(StopReason::Shutdown);
+            negotiator(rank, 3).round(t, &mut FakeTable::default(), stop).unwrap().shutdown_by
+        });
+        for shutdown_by in outcomes {
+            assert_eq!(shutdown_by, [(2, StopReason::Shutdown)]);
+        }
+    }
 
     fn header(joined: bool, eager: &[(u64, &[u8])]) -> RoundHeader {
         RoundHeader {

@@ -6,6 +6,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::time::Instant;
 
 use crate::coordinator::message::Request;
+use crate::coordinator::pending::{Announcement, PendingRequest, PendingRequests};
 use crate::engine::handles::HandleId;
 use crate::engine::packed::PackedGroup;
 use crate::tensor::RawTensor;
@@ -25,30 +26,26 @@ pub struct TensorEntry {
     pub packed: Option<PackedGroup>,
 }
 
-impl TensorEntry {
-    /// Bytes this rank contributes: its input, or a packed group's tensors back to back.
-    pub fn contribution_len(&self) -> usize {
+impl PendingRequest for TensorEntry {
+    fn request(&self) -> &Request {
+        &self.request
+    }
+
+    fn submitted(&self) -> Instant {
+        self.submitted
+    }
+
+    /// Its input, or a packed group's tensors back to back.
+    fn contribution_len(&self) -> usize {
         self.packed.as_ref().map_or(self.input.len(), PackedGroup::len_bytes)
     }
 
-    /// Copy this rank's contribution into `dst` (`contribution_len()` long).
-    pub fn copy_contribution(&self, dst: &mut [u8]) {
+    fn copy_contribution(&self, dst: &mut [u8]) {
         match &self.packed {
             Some(group) => group.gather_into(dst),
             None => dst.copy_from_slice(self.input.as_slice()),
         }
     }
-}
-
-/// Where an entry stands in negotiation.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Announcement {
-    /// Not yet told to anyone; goes to the coordinator in the next slow-path round.
-    Unsent,
-    /// The coordinator holds our request and answers when every rank has submitted it.
-    SentToCoordinator,
-    /// Found in the response cache at this bit; announced in every round header until all ranks hit it.
-    CacheHit(usize),
 }
 
 struct Slot {
@@ -90,26 +87,8 @@ impl TensorTable {
         order.into_values().filter_map(|name| self.slots.remove(&name).map(|s| s.entry)).collect()
     }
 
-    /// Visit every entry in submission order.
-    pub fn for_each(&mut self, mut visit: impl FnMut(&TensorEntry, &mut Announcement)) {
-        for name in self.order.values() {
-            if let Some(slot) = self.slots.get_mut(name) {
-                visit(&slot.entry, &mut slot.announcement);
-            }
-        }
-    }
-
     pub fn announcement(&self, name: &str) -> Option<Announcement> {
         self.slots.get(name).map(|s| s.announcement)
-    }
-
-    pub fn request(&self, name: &str) -> Option<&Request> {
-        self.slots.get(name).map(|s| &s.entry.request)
-    }
-
-    /// Whether this rank has a pending join.
-    pub fn has_join(&self) -> bool {
-        self.slots.values().any(|s| s.entry.request.kind == CollectiveKind::Join)
     }
 
     /// The oldest submission time among entries in `state`, if any.
@@ -119,5 +98,25 @@ impl TensorTable {
             .filter(|s| matches!(s.announcement, Announcement::CacheHit(_)))
             .map(|s| s.entry.submitted)
             .min()
+    }
+}
+
+impl PendingRequests for TensorTable {
+    type Entry = TensorEntry;
+
+    fn for_each(&mut self, mut visit: impl FnMut(&TensorEntry, &mut Announcement)) {
+        for name in self.order.values() {
+            if let Some(slot) = self.slots.get_mut(name) {
+                visit(&slot.entry, &mut slot.announcement);
+            }
+        }
+    }
+
+    fn request(&self, name: &str) -> Option<&Request> {
+        self.slots.get(name).map(|s| &s.entry.request)
+    }
+
+    fn has_join(&self) -> bool {
+        self.slots.values().any(|s| s.entry.request.kind == CollectiveKind::Join)
     }
 }
