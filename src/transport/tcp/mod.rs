@@ -27,215 +27,27 @@
 //! rank's stream without having waited (it was busy when the connection ended) names the closing rank, as
 //! it would without the byte. Blamed ranks from 128 up are not passed on.
 
-use std::io::{self, Read, Write};
-use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+//!
+//! Files: [`link`] (one peer's connection and the cause byte), [`mesh`] (set-up), this module (the data
+//! path: waiting, reading ahead, send, receive and exchange).
+
+mod link;
+mod mesh;
+
+use std::io::{self, Read};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
-use crate::transport::dropped_connections::DropLog;
-use crate::transport::handshake::{self, Purpose, MAX_CLAIM_LEN};
-use crate::transport::rendezvous::StoreClient;
+use crate::transport::handshake;
 use crate::transport::spin;
 use crate::transport::{Activity, Transport, TransportError, Waker};
+use link::{
+    is_disconnect, read_step, recv_urgent, send_urgent, write_step, Cause, Ended, Link, Step, CAUSE_SEND_LIMIT,
+};
 
 /// Size of the buffer `exchange` reads into before handing pieces to its sink: small enough to stay in
 /// cache while the consumer reduces it.
 const STAGING_LEN: usize = 256 * 1024;
-
-/// Longest time an accepted connection may take to authenticate before it is dropped.
-const ACCEPT_HANDSHAKE_LIMIT: Duration = Duration::from_secs(10);
-
-/// How a peer's connection ended, seen while reading ahead; reported once its pending bytes are consumed.
-enum Ended {
-    Closed,
-    Failed(io::Error),
-}
-
-/// The connection to one peer.
-struct Link {
-    stream: TcpStream,
-    /// Bytes read ahead; `pending[pending_start..]` are not consumed yet.
-    pending: Vec<u8>,
-    pending_start: usize,
-    ended: Option<Ended>,
-    /// The urgent byte (a [`Cause`]) the peer sent, taken when `poll` reported it: a normal read that passes
-    /// the byte's place in the stream discards it.
-    urgent: Option<u8>,
-}
-
-impl Link {
-    fn new(stream: TcpStream) -> Link {
-        Link { stream, pending: Vec::new(), pending_start: 0, ended: None, urgent: None }
-    }
-
-    fn pending(&self) -> &[u8] {
-        &self.pending[self.pending_start..]
-    }
-
-    fn consume_pending(&mut self, n: usize) {
-        self.pending_start += n;
-        if self.pending_start == self.pending.len() {
-            self.pending.clear();
-            self.pending_start = 0;
-        }
-    }
-
-    fn append_pending(&mut self, bytes: &[u8]) {
-        if self.pending_start > 0 {
-            self.pending.drain(..self.pending_start);
-            self.pending_start = 0;
-        }
-        self.pending.extend_from_slice(bytes);
-    }
-
-    /// The error to report to a receive that has consumed every pending byte, if the link has ended.
-    /// Takes the peer's urgent byte if `revents` says it is there.
-    fn take_urgent(&mut self, revents: libc::c_short) {
-        if revents & libc::POLLPRI != 0 {
-            if let Some(byte) = recv_urgent(&self.stream) {
-                self.urgent = Some(byte);
-            }
-        }
-    }
-
-    fn end_error(&mut self, peer: usize) -> Option<TransportError> {
-        match self.ended.take()? {
-            Ended::Closed => {
-                self.ended = Some(Ended::Closed);
-                Some(TransportError::PeerClosed { peer })
-            }
-            Ended::Failed(source) => {
-                // Report the cause once; afterwards the link is simply closed.
-                self.ended = Some(Ended::Closed);
-                Some(TransportError::Io { peer, source })
-            }
-        }
-    }
-}
-
-/// Why this rank gave up on the communicator, as passed on to its peers when it closes: the rank it blames
-/// and whether for silence (a time-out) rather than a closed connection. One byte on the wire: the rank
-/// shifted left by one, the low bit set for a time-out; ranks from 128 up cannot be told (the peers then
-/// name this rank, as they would without the byte).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Cause {
-    peer: usize,
-    timed_out: bool,
-}
-
-impl Cause {
-    fn of(err: &TransportError, rank: usize, size: usize) -> Option<Cause> {
-        let (peer, timed_out) = match err {
-            TransportError::PeerClosed { peer } | TransportError::Io { peer, .. } => (*peer, false),
-            TransportError::Timeout { peer, .. } => (*peer, true),
-            TransportError::Setup(_) | TransportError::Protocol { .. } => return None,
-        };
-        (peer != rank && peer < size).then_some(Cause { peer, timed_out })
-    }
-
-    fn to_byte(self) -> Option<u8> {
-        (self.peer < 128).then(|| ((self.peer as u8) << 1) | u8::from(self.timed_out))
-    }
-
-    fn from_byte(byte: u8) -> Cause {
-        Cause { peer: usize::from(byte >> 1), timed_out: byte & 1 == 1 }
-    }
-
-    fn error(self, timeout: Duration) -> TransportError {
-        if self.timed_out {
-            TransportError::Timeout { peer: self.peer, seconds: timeout.as_secs_f64() }
-        } else {
-            TransportError::PeerClosed { peer: self.peer }
-        }
-    }
-}
-
-/// Longest time `close` spends passing its [`Cause`] to peers whose send buffers are full.
-const CAUSE_SEND_LIMIT: Duration = Duration::from_millis(100);
-
-/// Sends `byte` as TCP urgent data, waiting until `deadline` for room in the send buffer; whether it went.
-fn send_urgent(stream: &TcpStream, byte: u8, deadline: Instant) -> bool {
-    let fd = stream.as_raw_fd();
-    loop {
-        // SAFETY: `fd` is an open socket and the buffer is one valid byte for the duration of the call.
-        let sent = unsafe {
-            libc::send(fd, (&byte as *const u8).cast(), 1, libc::MSG_OOB | libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL)
-        };
-        if sent == 1 {
-            return true;
-        }
-        let err = io::Error::last_os_error();
-        match err.kind() {
-            io::ErrorKind::Interrupted => continue,
-            io::ErrorKind::WouldBlock => {
-                let left = deadline.saturating_duration_since(Instant::now());
-                if left.is_zero() {
-                    return false;
-                }
-                let mut fds = [libc::pollfd { fd, events: libc::POLLOUT, revents: 0 }];
-                if poll_once(&mut fds, left).is_err() {
-                    return false;
-                }
-            }
-            _ => return false,
-        }
-    }
-}
-
-/// The urgent byte the peer sent on `stream`, if one has arrived and was not read yet.
-fn recv_urgent(stream: &TcpStream) -> Option<u8> {
-    let mut byte = 0u8;
-    loop {
-        // SAFETY: `stream` is an open socket and the buffer is one valid, writable byte for the call.
-        let got = unsafe {
-            libc::recv(stream.as_raw_fd(), (&mut byte as *mut u8).cast(), 1, libc::MSG_OOB | libc::MSG_DONTWAIT)
-        };
-        if got == 1 {
-            return Some(byte);
-        }
-        if got < 0 && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
-            continue;
-        }
-        return None;
-    }
-}
-
-/// Outcome of one non-blocking read or write.
-enum Step {
-    Moved(usize),
-    WouldBlock,
-}
-
-fn is_disconnect(err: &io::Error) -> bool {
-    matches!(err.kind(), io::ErrorKind::ConnectionReset | io::ErrorKind::ConnectionAborted | io::ErrorKind::BrokenPipe)
-}
-
-fn read_step(mut stream: &TcpStream, buf: &mut [u8], peer: usize) -> Result<Step, TransportError> {
-    loop {
-        return match stream.read(buf) {
-            Ok(0) => Err(TransportError::PeerClosed { peer }),
-            Ok(n) => Ok(Step::Moved(n)),
-            Err(err) if err.kind() == io::ErrorKind::WouldBlock => Ok(Step::WouldBlock),
-            Err(err) if err.kind() == io::ErrorKind::Interrupted => continue,
-            Err(err) if is_disconnect(&err) => Err(TransportError::PeerClosed { peer }),
-            Err(source) => Err(TransportError::Io { peer, source }),
-        };
-    }
-}
-
-fn write_step(mut stream: &TcpStream, data: &[u8], peer: usize) -> Result<Step, TransportError> {
-    loop {
-        return match stream.write(data) {
-            Ok(n) => Ok(Step::Moved(n)),
-            Err(err) if err.kind() == io::ErrorKind::WouldBlock => Ok(Step::WouldBlock),
-            Err(err) if err.kind() == io::ErrorKind::Interrupted => continue,
-            Err(err) if is_disconnect(&err) => Err(TransportError::PeerClosed { peer }),
-            Err(source) => Err(TransportError::Io { peer, source }),
-        };
-    }
-}
 
 /// `poll(2)` timeout in milliseconds, rounded up so a wait never ends before its deadline.
 fn poll_millis(timeout: Duration) -> libc::c_int {
@@ -303,89 +115,6 @@ pub struct TcpTransport {
 }
 
 impl TcpTransport {
-    /// Builds the mesh for `rank` of `size`, rendezvousing through `store` under `scope`.
-    ///
-    /// Listens on `(bind, ephemeral port)` and advertises `advertise_host:port`. `timeout` bounds the whole
-    /// set-up and is then the no-progress limit of every operation.
-    #[allow(clippy::too_many_arguments)]
-    pub fn connect_mesh(
-        rank: usize,
-        size: usize,
-        store: &mut StoreClient,
-        scope: &str,
-        secret: &[u8],
-        bind: IpAddr,
-        advertise_host: &str,
-        timeout: Duration,
-    ) -> Result<TcpTransport, TransportError> {
-        let linked = vec![true; size];
-        Self::connect_mesh_linked(rank, size, store, scope, secret, bind, advertise_host, timeout, &linked)
-    }
-
-    /// [`connect_mesh`](Self::connect_mesh), connecting only the pairs of ranks that `linked` (by rank, the
-    /// same relation on every rank) says talk to each other: the ranks on other hosts, in a communicator
-    /// whose members on this host use shared memory. Operations with an unlinked rank are errors.
-    #[allow(clippy::too_many_arguments)]
-    pub fn connect_mesh_linked(
-        rank: usize,
-        size: usize,
-        store: &mut StoreClient,
-        scope: &str,
-        secret: &[u8],
-        bind: IpAddr,
-        advertise_host: &str,
-        timeout: Duration,
-        linked: &[bool],
-    ) -> Result<TcpTransport, TransportError> {
-        if linked.len() != size {
-            return Err(TransportError::Setup(format!("{} link flags for {size} ranks", linked.len())));
-        }
-        if rank >= size || size > u32::MAX as usize {
-            return Err(TransportError::Setup(format!("rank {rank} is outside a communicator of {size} ranks")));
-        }
-        if scope.len() + 4 > MAX_CLAIM_LEN {
-            return Err(TransportError::Setup(format!(
-                "mesh scope '{scope}' is {} bytes long, the limit is {}",
-                scope.len(),
-                MAX_CLAIM_LEN - 4
-            )));
-        }
-        let deadline = handshake::deadline_after(timeout);
-        let setup_error = |what: &str, err: io::Error| TransportError::Setup(format!("rank {rank}: {what}: {err}"));
-        let listener =
-            TcpListener::bind((bind, 0)).map_err(|err| setup_error(&format!("cannot listen on {bind}"), err))?;
-        let port = listener.local_addr().map_err(|err| setup_error("listener address", err))?.port();
-        let host = if advertise_host.contains(':') && !advertise_host.starts_with('[') {
-            format!("[{advertise_host}]")
-        } else {
-            advertise_host.to_string()
-        };
-        store.set(&address_key(scope, rank), format!("{host}:{port}").as_bytes())?;
-
-        let events = Arc::new(Waker::new().map_err(|err| setup_error("eventfd", err))?);
-        let abort = AtomicBool::new(false);
-        let mut links: Vec<Option<Link>> = (0..size).map(|_| None).collect();
-        let mesh = MeshIdentity { rank, size, scope, secret, linked };
-        let (lower, higher) = std::thread::scope(|scope_threads| {
-            let acceptor = scope_threads.spawn(|| accept_higher(&listener, &mesh, deadline, &events, &abort));
-            let lower = connect_lower(&mesh, store, deadline);
-            if lower.is_err() {
-                abort.store(true, Ordering::SeqCst);
-                events.wake();
-            }
-            let higher = acceptor
-                .join()
-                .unwrap_or_else(|_| Err(TransportError::Setup(format!("rank {rank}: the accepting thread panicked"))));
-            (lower, higher)
-        });
-        drop(listener);
-        for (peer, stream) in lower?.into_iter().chain(higher?) {
-            tune(&stream).map_err(|err| setup_error(&format!("socket options for rank {peer}"), err))?;
-            links[peer] = Some(Link::new(stream));
-        }
-        Ok(TcpTransport::from_links(rank, links, timeout))
-    }
-
     fn from_links(rank: usize, links: Vec<Option<Link>>, timeout: Duration) -> TcpTransport {
         TcpTransport {
             rank,
@@ -737,224 +466,22 @@ impl Transport for TcpTransport {
     }
 }
 
-/// Who this rank is in the mesh being built, and what proves it.
-struct MeshIdentity<'a> {
-    rank: usize,
-    size: usize,
-    scope: &'a str,
-    secret: &'a [u8],
-    /// Whether this rank connects with each rank.
-    linked: &'a [bool],
-}
-
-fn address_key(scope: &str, rank: usize) -> String {
-    format!("{scope}/addr/{rank}")
-}
-
-/// The identity a connecting rank claims: its rank and the scope of the mesh.
-fn mesh_claim(rank: usize, scope: &str) -> Vec<u8> {
-    let mut claim = (rank as u32).to_be_bytes().to_vec();
-    claim.extend_from_slice(scope.as_bytes());
-    claim
-}
-
-/// The rank claimed by `claim` if it belongs to `scope` and is one that connects to `acceptor_rank`.
-fn claimed_rank(claim: &[u8], scope: &str, acceptor_rank: usize, size: usize) -> Option<usize> {
-    let (rank, claimed_scope) = claim.split_first_chunk::<4>()?;
-    let rank = u32::from_be_bytes(*rank) as usize;
-    (claimed_scope == scope.as_bytes() && rank > acceptor_rank && rank < size).then_some(rank)
-}
-
-/// Socket settings for the data path. Buffer sizes are left to the kernel's autotuning: fixed 4 MiB
-/// `SO_SNDBUF`/`SO_RCVBUF` measured no faster over loopback, turn autotuning off, and are silently capped
-/// by `net.core.{w,r}mem_max` (often 208 KiB), which would make them slower.
-fn tune(stream: &TcpStream) -> io::Result<()> {
-    stream.set_nodelay(true)?;
-    stream.set_read_timeout(None)?;
-    stream.set_write_timeout(None)?;
-    stream.set_nonblocking(true)
-}
-
-/// Connects to and authenticates with every lower rank, in order.
-fn connect_lower(
-    mesh: &MeshIdentity<'_>,
-    store: &mut StoreClient,
-    deadline: Instant,
-) -> Result<Vec<(usize, TcpStream)>, TransportError> {
-    let claim = mesh_claim(mesh.rank, mesh.scope);
-    let mut streams = Vec::with_capacity(mesh.rank);
-    for peer in (0..mesh.rank).filter(|&peer| mesh.linked[peer]) {
-        let fail =
-            |detail: String| TransportError::Setup(format!("rank {} connecting to rank {peer}: {detail}", mesh.rank));
-        let left = deadline.saturating_duration_since(Instant::now());
-        let address = store.get(&address_key(mesh.scope, peer), left)?;
-        let address = String::from_utf8(address).map_err(|_| fail("its published address is not text".into()))?;
-        let mut stream = connect_to(&address, deadline).map_err(|err| fail(format!("{address}: {err}")))?;
-        handshake::connect(&mut stream, mesh.secret, Purpose::Mesh, &claim, deadline)
-            .map_err(|err| fail(format!("{address}: {err}")))?;
-        streams.push((peer, stream));
-    }
-    Ok(streams)
-}
-
-fn connect_to(address: &str, deadline: Instant) -> io::Result<TcpStream> {
-    let mut last_error = io::Error::new(io::ErrorKind::NotFound, "the address resolves to nothing");
-    for candidate in address.to_socket_addrs()? {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(io::Error::new(io::ErrorKind::TimedOut, "out of time"));
-        }
-        match TcpStream::connect_timeout(&candidate, left) {
-            Ok(stream) => return Ok(stream),
-            Err(err) => last_error = err,
-        }
-    }
-    Err(last_error)
-}
-
-/// Accepts connections until every higher rank has authenticated. Each handshake runs on its own short-lived
-/// thread, so a silent stranger delays nobody; finished ones come back over a channel and ring `events`.
-fn accept_higher(
-    listener: &TcpListener,
-    mesh: &MeshIdentity<'_>,
-    deadline: Instant,
-    events: &Arc<Waker>,
-    abort: &AtomicBool,
-) -> Result<Vec<(usize, TcpStream)>, TransportError> {
-    let rank = mesh.rank;
-    let fail = |detail: String| TransportError::Setup(format!("rank {rank} accepting peers: {detail}"));
-    listener.set_nonblocking(true).map_err(|err| fail(err.to_string()))?;
-    let secret: Arc<[u8]> = mesh.secret.into();
-    let scope: Arc<str> = mesh.scope.into();
-    let (done_tx, done_rx) = mpsc::channel::<(usize, TcpStream)>();
-    let mut accepted: Vec<Option<TcpStream>> = (0..mesh.size).map(|_| None).collect();
-    let mut missing = (rank + 1..mesh.size).filter(|&peer| mesh.linked[peer]).count();
-    while missing > 0 {
-        while let Ok((peer, stream)) = done_rx.try_recv() {
-            if !mesh.linked[peer] {
-                tracing::warn!(rank, peer, "mesh: dropped a connection from a rank this one does not link with");
-            } else if accepted[peer].is_none() {
-                accepted[peer] = Some(stream);
-                missing -= 1;
-            } else {
-                tracing::warn!(rank, peer, "mesh: dropped a second connection claiming the same rank");
-            }
-        }
-        if missing == 0 {
-            break;
-        }
-        if abort.load(Ordering::SeqCst) {
-            return Err(fail("set-up was abandoned".into()));
-        }
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            let absent: Vec<String> = (rank + 1..mesh.size)
-                .filter(|&peer| mesh.linked[peer] && accepted[peer].is_none())
-                .map(|peer| peer.to_string())
-                .collect();
-            return Err(fail(format!("rank(s) {} did not connect in time", absent.join(", "))));
-        }
-        let mut fds = [
-            libc::pollfd { fd: listener.as_raw_fd(), events: libc::POLLIN, revents: 0 },
-            libc::pollfd { fd: events.as_raw_fd(), events: libc::POLLIN, revents: 0 },
-        ];
-        poll_once(&mut fds, left).map_err(|err| fail(err.to_string()))?;
-        events.drain();
-        loop {
-            match listener.accept() {
-                Ok((stream, from)) => {
-                    let job = HandshakeJob {
-                        rank,
-                        size: mesh.size,
-                        scope: scope.clone(),
-                        secret: secret.clone(),
-                        deadline: deadline.min(Instant::now() + ACCEPT_HANDSHAKE_LIMIT),
-                        done: done_tx.clone(),
-                        events: events.clone(),
-                    };
-                    let spawned = std::thread::Builder::new()
-                        .name("rvod-mesh-handshake".into())
-                        .spawn(move || job.run(stream, from));
-                    if let Err(err) = spawned {
-                        tracing::warn!(rank, %from, error = %err, "mesh: no thread to authenticate a connection");
-                    }
-                }
-                Err(err) if err.kind() == io::ErrorKind::WouldBlock => break,
-                Err(err) if err.kind() == io::ErrorKind::Interrupted => {}
-                Err(err) => {
-                    tracing::warn!(rank, error = %err, "mesh: accept failed");
-                    break;
-                }
-            }
-        }
-    }
-    Ok(accepted.into_iter().enumerate().filter_map(|(peer, stream)| Some((peer, stream?))).collect())
-}
-
-/// Connections the mesh listeners of this process dropped (rate-limited warnings).
-static MESH_DROPS: DropLog = DropLog::new("mesh");
-
-/// Authenticates one accepted connection on its own thread.
-struct HandshakeJob {
-    rank: usize,
-    size: usize,
-    scope: Arc<str>,
-    secret: Arc<[u8]>,
-    deadline: Instant,
-    done: mpsc::Sender<(usize, TcpStream)>,
-    events: Arc<Waker>,
-}
-
-impl HandshakeJob {
-    fn run(self, mut stream: TcpStream, from: SocketAddr) {
-        let (rank, size, scope) = (self.rank, self.size, &*self.scope);
-        if let Err(err) = stream.set_nonblocking(false) {
-            MESH_DROPS.dropped(from, &format!("cannot make it blocking: {err}"));
-            return;
-        }
-        let verified = handshake::accept(&mut stream, &self.secret, Purpose::Mesh, self.deadline, |claim| {
-            claimed_rank(claim, scope, rank, size).is_some()
-        });
-        match verified.map(|claim| claimed_rank(&claim, scope, rank, size)) {
-            Ok(Some(peer)) => {
-                // The receiver is gone only if set-up already finished or failed; then the stream just closes.
-                if self.done.send((peer, stream)).is_ok() {
-                    self.events.wake();
-                }
-            }
-            Ok(None) => {}
-            Err(err) => {
-                MESH_DROPS.dropped(from, &format!("rank {rank}: it failed authentication: {err}"));
-            }
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::net::{TcpListener, TcpStream};
 
     /// Two transports joined by one loopback connection, without a store or handshake.
     fn pair(timeout: Duration) -> (TcpTransport, TcpTransport) {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let a = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
         let (b, _) = listener.accept().unwrap();
-        tune(&a).unwrap();
-        tune(&b).unwrap();
+        mesh::tune(&a).unwrap();
+        mesh::tune(&b).unwrap();
         (
             TcpTransport::from_links(0, vec![None, Some(Link::new(a))], timeout),
             TcpTransport::from_links(1, vec![Some(Link::new(b)), None], timeout),
         )
-    }
-
-    #[test]
-    fn claims_round_trip_and_reject_strangers() {
-        let claim = mesh_claim(3, "world");
-        assert_eq!(claimed_rank(&claim, "world", 1, 4), Some(3));
-        assert_eq!(claimed_rank(&claim, "other", 1, 4), None);
-        assert_eq!(claimed_rank(&claim, "world", 3, 4), None);
-        assert_eq!(claimed_rank(&claim, "world", 0, 3), None);
-        assert_eq!(claimed_rank(b"ab", "world", 0, 4), None);
     }
 
     #[test]

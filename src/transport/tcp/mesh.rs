@@ -1,0 +1,314 @@
+//! Building a [`TcpTransport`] mesh: listen, publish the address in the rendezvous store, connect to every
+//! lower rank and accept every higher one, each connection authenticated with the job secret (the
+//! connector's claim, its rank and the mesh's scope, is covered by the proof). Strangers and ranks of other
+//! communicators are dropped, with rate-limited warnings, while accepting goes on.
+
+use std::io;
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+use super::link::Link;
+use super::{poll_once, TcpTransport};
+use crate::transport::dropped_connections::DropLog;
+use crate::transport::handshake::{self, Purpose, MAX_CLAIM_LEN};
+use crate::transport::rendezvous::StoreClient;
+use crate::transport::{TransportError, Waker};
+
+/// Longest time an accepted connection may take to authenticate before it is dropped.
+const ACCEPT_HANDSHAKE_LIMIT: Duration = Duration::from_secs(10);
+
+impl TcpTransport {
+    /// Builds the mesh for `rank` of `size`, rendezvousing through `store` under `scope`.
+    ///
+    /// Listens on `(bind, ephemeral port)` and advertises `advertise_host:port`. `timeout` bounds the whole
+    /// set-up and is then the no-progress limit of every operation.
+    #[allow(clippy::too_many_arguments)]
+    pub fn connect_mesh(
+        rank: usize,
+        size: usize,
+        store: &mut StoreClient,
+        scope: &str,
+        secret: &[u8],
+        bind: IpAddr,
+        advertise_host: &str,
+        timeout: Duration,
+    ) -> Result<TcpTransport, TransportError> {
+        let linked = vec![true; size];
+        Self::connect_mesh_linked(rank, size, store, scope, secret, bind, advertise_host, timeout, &linked)
+    }
+
+    /// [`connect_mesh`](Self::connect_mesh), connecting only the pairs of ranks that `linked` (by rank, the
+    /// same relation on every rank) says talk to each other: the ranks on other hosts, in a communicator
+    /// whose members on this host use shared memory. Operations with an unlinked rank are errors.
+    #[allow(clippy::too_many_arguments)]
+    pub fn connect_mesh_linked(
+        rank: usize,
+        size: usize,
+        store: &mut StoreClient,
+        scope: &str,
+        secret: &[u8],
+        bind: IpAddr,
+        advertise_host: &str,
+        timeout: Duration,
+        linked: &[bool],
+    ) -> Result<TcpTransport, TransportError> {
+        if linked.len() != size {
+            return Err(TransportError::Setup(format!("{} link flags for {size} ranks", linked.len())));
+        }
+        if rank >= size || size > u32::MAX as usize {
+            return Err(TransportError::Setup(format!("rank {rank} is outside a communicator of {size} ranks")));
+        }
+        if scope.len() + 4 > MAX_CLAIM_LEN {
+            return Err(TransportError::Setup(format!(
+                "mesh scope '{scope}' is {} bytes long, the limit is {}",
+                scope.len(),
+                MAX_CLAIM_LEN - 4
+            )));
+        }
+        let deadline = handshake::deadline_after(timeout);
+        let setup_error = |what: &str, err: io::Error| TransportError::Setup(format!("rank {rank}: {what}: {err}"));
+        let listener =
+            TcpListener::bind((bind, 0)).map_err(|err| setup_error(&format!("cannot listen on {bind}"), err))?;
+        let port = listener.local_addr().map_err(|err| setup_error("listener address", err))?.port();
+        let host = if advertise_host.contains(':') && !advertise_host.starts_with('[') {
+            format!("[{advertise_host}]")
+        } else {
+            advertise_host.to_string()
+        };
+        store.set(&address_key(scope, rank), format!("{host}:{port}").as_bytes())?;
+
+        let events = Arc::new(Waker::new().map_err(|err| setup_error("eventfd", err))?);
+        let abort = AtomicBool::new(false);
+        let mut links: Vec<Option<Link>> = (0..size).map(|_| None).collect();
+        let mesh = MeshIdentity { rank, size, scope, secret, linked };
+        let (lower, higher) = std::thread::scope(|scope_threads| {
+            let acceptor = scope_threads.spawn(|| accept_higher(&listener, &mesh, deadline, &events, &abort));
+            let lower = connect_lower(&mesh, store, deadline);
+            if lower.is_err() {
+                abort.store(true, Ordering::SeqCst);
+                events.wake();
+            }
+            let higher = acceptor
+                .join()
+                .unwrap_or_else(|_| Err(TransportError::Setup(format!("rank {rank}: the accepting thread panicked"))));
+            (lower, higher)
+        });
+        drop(listener);
+        for (peer, stream) in lower?.into_iter().chain(higher?) {
+            tune(&stream).map_err(|err| setup_error(&format!("socket options for rank {peer}"), err))?;
+            links[peer] = Some(Link::new(stream));
+        }
+        Ok(TcpTransport::from_links(rank, links, timeout))
+    }
+}
+
+/// Who this rank is in the mesh being built, and what proves it.
+struct MeshIdentity<'a> {
+    rank: usize,
+    size: usize,
+    scope: &'a str,
+    secret: &'a [u8],
+    /// Whether this rank connects with each rank.
+    linked: &'a [bool],
+}
+
+fn address_key(scope: &str, rank: usize) -> String {
+    format!("{scope}/addr/{rank}")
+}
+
+/// The identity a connecting rank claims: its rank and the scope of the mesh.
+fn mesh_claim(rank: usize, scope: &str) -> Vec<u8> {
+    let mut claim = (rank as u32).to_be_bytes().to_vec();
+    claim.extend_from_slice(scope.as_bytes());
+    claim
+}
+
+/// The rank claimed by `claim` if it belongs to `scope` and is one that connects to `acceptor_rank`.
+fn claimed_rank(claim: &[u8], scope: &str, acceptor_rank: usize, size: usize) -> Option<usize> {
+    let (rank, claimed_scope) = claim.split_first_chunk::<4>()?;
+    let rank = u32::from_be_bytes(*rank) as usize;
+    (claimed_scope == scope.as_bytes() && rank > acceptor_rank && rank < size).then_some(rank)
+}
+
+/// Socket settings for the data path. Buffer sizes are left to the kernel's autotuning: fixed 4 MiB
+/// `SO_SNDBUF`/`SO_RCVBUF` measured no faster over loopback, turn autotuning off, and are silently capped
+/// by `net.core.{w,r}mem_max` (often 208 KiB), which would make them slower.
+pub(super) fn tune(stream: &TcpStream) -> io::Result<()> {
+    stream.set_nodelay(true)?;
+    stream.set_read_timeout(None)?;
+    stream.set_write_timeout(None)?;
+    stream.set_nonblocking(true)
+}
+
+/// Connects to and authenticates with every lower rank, in order.
+fn connect_lower(
+    mesh: &MeshIdentity<'_>,
+    store: &mut StoreClient,
+    deadline: Instant,
+) -> Result<Vec<(usize, TcpStream)>, TransportError> {
+    let claim = mesh_claim(mesh.rank, mesh.scope);
+    let mut streams = Vec::with_capacity(mesh.rank);
+    for peer in (0..mesh.rank).filter(|&peer| mesh.linked[peer]) {
+        let fail =
+            |detail: String| TransportError::Setup(format!("rank {} connecting to rank {peer}: {detail}", mesh.rank));
+        let left = deadline.saturating_duration_since(Instant::now());
+        let address = store.get(&address_key(mesh.scope, peer), left)?;
+        let address = String::from_utf8(address).map_err(|_| fail("its published address is not text".into()))?;
+        let mut stream = connect_to(&address, deadline).map_err(|err| fail(format!("{address}: {err}")))?;
+        handshake::connect(&mut stream, mesh.secret, Purpose::Mesh, &claim, deadline)
+            .map_err(|err| fail(format!("{address}: {err}")))?;
+        streams.push((peer, stream));
+    }
+    Ok(streams)
+}
+
+fn connect_to(address: &str, deadline: Instant) -> io::Result<TcpStream> {
+    let mut last_error = io::Error::new(io::ErrorKind::NotFound, "the address resolves to nothing");
+    for candidate in address.to_socket_addrs()? {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(io::ErrorKind::TimedOut, "out of time"));
+        }
+        match TcpStream::connect_timeout(&candidate, left) {
+            Ok(stream) => return Ok(stream),
+            Err(err) => last_error = err,
+        }
+    }
+    Err(last_error)
+}
+
+/// Accepts connections until every higher rank has authenticated. Each handshake runs on its own short-lived
+/// thread, so a silent stranger delays nobody; finished ones come back over a channel and ring `events`.
+fn accept_higher(
+    listener: &TcpListener,
+    mesh: &MeshIdentity<'_>,
+    deadline: Instant,
+    events: &Arc<Waker>,
+    abort: &AtomicBool,
+) -> Result<Vec<(usize, TcpStream)>, TransportError> {
+    let rank = mesh.rank;
+    let fail = |detail: String| TransportError::Setup(format!("rank {rank} accepting peers: {detail}"));
+    listener.set_nonblocking(true).map_err(|err| fail(err.to_string()))?;
+    let secret: Arc<[u8]> = mesh.secret.into();
+    let scope: Arc<str> = mesh.scope.into();
+    let (done_tx, done_rx) = mpsc::channel::<(usize, TcpStream)>();
+    let mut accepted: Vec<Option<TcpStream>> = (0..mesh.size).map(|_| None).collect();
+    let mut missing = (rank + 1..mesh.size).filter(|&peer| mesh.linked[peer]).count();
+    while missing > 0 {
+        while let Ok((peer, stream)) = done_rx.try_recv() {
+            if !mesh.linked[peer] {
+                tracing::warn!(rank, peer, "mesh: dropped a connection from a rank this one does not link with");
+            } else if accepted[peer].is_none() {
+                accepted[peer] = Some(stream);
+                missing -= 1;
+            } else {
+                tracing::warn!(rank, peer, "mesh: dropped a second connection claiming the same rank");
+            }
+        }
+        if missing == 0 {
+            break;
+        }
+        if abort.load(Ordering::SeqCst) {
+            return Err(fail("set-up was abandoned".into()));
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            let absent: Vec<String> = (rank + 1..mesh.size)
+                .filter(|&peer| mesh.linked[peer] && accepted[peer].is_none())
+                .map(|peer| peer.to_string())
+                .collect();
+            return Err(fail(format!("rank(s) {} did not connect in time", absent.join(", "))));
+        }
+        let mut fds = [
+            libc::pollfd { fd: listener.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+            libc::pollfd { fd: events.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+        ];
+        poll_once(&mut fds, left).map_err(|err| fail(err.to_string()))?;
+        events.drain();
+        loop {
+            match listener.accept() {
+                Ok((stream, from)) => {
+                    let job = HandshakeJob {
+                        rank,
+                        size: mesh.size,
+                        scope: scope.clone(),
+                        secret: secret.clone(),
+                        deadline: deadline.min(Instant::now() + ACCEPT_HANDSHAKE_LIMIT),
+                        done: done_tx.clone(),
+                        events: events.clone(),
+                    };
+                    let spawned = std::thread::Builder::new()
+                        .name("rvod-mesh-handshake".into())
+                        .spawn(move || job.run(stream, from));
+                    if let Err(err) = spawned {
+                        tracing::warn!(rank, %from, error = %err, "mesh: no thread to authenticate a connection");
+                    }
+                }
+                Err(err) if err.kind() == io::ErrorKind::WouldBlock => break,
+                Err(err) if err.kind() == io::ErrorKind::Interrupted => {}
+                Err(err) => {
+                    tracing::warn!(rank, error = %err, "mesh: accept failed");
+                    break;
+                }
+            }
+        }
+    }
+    Ok(accepted.into_iter().enumerate().filter_map(|(peer, stream)| Some((peer, stream?))).collect())
+}
+
+/// Connections the mesh listeners of this process dropped (rate-limited warnings).
+static MESH_DROPS: DropLog = DropLog::new("mesh");
+
+/// Authenticates one accepted connection on its own thread.
+struct HandshakeJob {
+    rank: usize,
+    size: usize,
+    scope: Arc<str>,
+    secret: Arc<[u8]>,
+    deadline: Instant,
+    done: mpsc::Sender<(usize, TcpStream)>,
+    events: Arc<Waker>,
+}
+
+impl HandshakeJob {
+    fn run(self, mut stream: TcpStream, from: SocketAddr) {
+        let (rank, size, scope) = (self.rank, self.size, &*self.scope);
+        if let Err(err) = stream.set_nonblocking(false) {
+            MESH_DROPS.dropped(from, &format!("cannot make it blocking: {err}"));
+            return;
+        }
+        let verified = handshake::accept(&mut stream, &self.secret, Purpose::Mesh, self.deadline, |claim| {
+            claimed_rank(claim, scope, rank, size).is_some()
+        });
+        match verified.map(|claim| claimed_rank(&claim, scope, rank, size)) {
+            Ok(Some(peer)) => {
+                // The receiver is gone only if set-up already finished or failed; then the stream just closes.
+                if self.done.send((peer, stream)).is_ok() {
+                    self.events.wake();
+                }
+            }
+            Ok(None) => {}
+            Err(err) => {
+                MESH_DROPS.dropped(from, &format!("rank {rank}: it failed authentication: {err}"));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn claims_round_trip_and_reject_strangers() {
+        let claim = mesh_claim(3, "world");
+        assert_eq!(claimed_rank(&claim, "world", 1, 4), Some(3));
+        assert_eq!(claimed_rank(&claim, "other", 1, 4), None);
+        assert_eq!(claimed_rank(&claim, "world", 3, 4), None);
+        assert_eq!(claimed_rank(&claim, "world", 0, 3), None);
+        assert_eq!(claimed_rank(b"ab", "world", 0, 4), None);
+    }
+}
