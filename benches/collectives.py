@@ -1,5 +1,5 @@
-"""rvod's collective benchmark: rvod over shared memory, rvod over TCP, torch.distributed (gloo) and, where it
-is importable, Horovod, side by side in the same run.
+"""rvod's collective benchmark: rvod over shared memory, rvod over TCP, torch.distributed (gloo) and, where they
+are installed, Horovod and MPI itself (Open MPI's mpirun with mpi4py), side by side in the same run.
 
     python benches/collectives.py --out bench-out/                 # full run (5 rounds, ~10 min on 2 cores)
     python benches/collectives.py --quick --out bench-out-quick/   # ~1-2 minute smoke run
@@ -9,17 +9,20 @@ plus horovod when `import horovod` would work), so rounds alternate A B C A B C 
 thread. rvod jobs are `rvodrun -np N python benches/collectives_worker.py ...` with RVOD_SHM=1 (rvod-shm) or
 RVOD_SHM=0 (rvod-tcp), and each rank checks that rvod really runs over that transport; Horovod jobs are
 `horovodrun -np N -H localhost:N ...` driving horovod.torch; gloo jobs are N ranks with MASTER_ADDR=127.0.0.1
-and a free port. A job measures, after warm-up: allreduce latency (4 B .. 8 KiB, p50/p90; for rvod also a
-torch tensor through rvod.torch), allreduce bus bandwidth (64 KiB .. --max-size, rotating buffers larger
-than the L3 cache), allgather and broadcast bus bandwidth at a few sizes, and a step of 1,024 x 4 KiB tensors
-(rvod and Horovod: allreduce_async_ each then synchronize, and one grouped_allreduce_; gloo: one by one, and
-async_op=True then wait) against one in-place allreduce of the same total size in the same job.
+and a free port; MPI jobs are `mpirun -np N` driving mpi4py on NumPy arrays. A job measures, after warm-up:
+allreduce latency (4 B .. 8 KiB, p50/p90; for rvod also a torch tensor through rvod.torch), barrier and 8 B
+broadcast latency, allreduce bus bandwidth in place (64 KiB .. --max-size, rotating buffers larger than the
+L3 cache) and out of place (a few sizes), allgather and broadcast bus bandwidth at a few sizes, and a step of
+1,024 x 4 KiB tensors (rvod and Horovod: allreduce_async_ each then synchronize, and one grouped_allreduce_;
+gloo: one by one, and async_op=True then wait; MPI: Iallreduce each then Waitall) against one in-place
+allreduce of the same total size in the same job.
 
 The report gives each implementation's median [min-max] over rounds and "a vs b" speedups (every
 implementation vs gloo, rvod-shm vs rvod-tcp, rvod vs horovod) as the median [min-max] of per-round ratios,
 then the targets of issue 5. Writes to --out: collectives.csv (raw per-rank samples and per-round metrics:
 impl, op, size_bytes, round, metric, value, rank), collectives.json (machine, versions, git commit, plan,
-transports, summary), collectives.txt (the table printed on stdout) and collectives.png (bus bandwidth and
+transports, summary), collectives.txt (the table printed on stdout, with issue 5's targets and, when MPI ran,
+issue 19's) and collectives.png (bus bandwidth and
 latency against size, one line per implementation). See docs/performance.md for the method and results.
 """
 
@@ -51,16 +54,18 @@ def build_plan(args):
         bw = [s for s in (64 * KiB, 1 * MiB, 4 * MiB, 64 * MiB) if s <= args.max_size]
         plan = {"latency_sizes": [4, 64, 1024, 8 * KiB], "latency_iters": 200, "latency_warmup": 20,
                 "bw_sizes": bw, "allgather_sizes": [1 * MiB], "broadcast_sizes": [1 * MiB],
+                "out_of_place_sizes": [s for s in (1 * MiB, 64 * MiB) if s <= args.max_size],
                 "bw_budget_bytes": 64 * MiB, "bw_min_calls": 3, "bw_max_calls": 50,
                 "fusion_steps": 2, "fusion_warmup": 1, "fusion_warmup_s": 0.05, "fusion_single_calls": 5}
     else:
         few = [s for s in (64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB) if s <= args.max_size]
         plan = {"latency_sizes": _powers(4, 8 * KiB, 2), "latency_iters": 1000, "latency_warmup": 100,
                 "bw_sizes": _powers(64 * KiB, args.max_size, 4), "allgather_sizes": few, "broadcast_sizes": few,
+                "out_of_place_sizes": few + [s for s in (256 * MiB,) if s <= args.max_size],
                 "bw_budget_bytes": 512 * MiB, "bw_min_calls": 3, "bw_max_calls": 200,
                 "fusion_steps": 5, "fusion_warmup": 1, "fusion_warmup_s": 0.25, "fusion_single_calls": 20}
     plan.update(bw_warmup=2, working_set_bytes=64 * MiB, fusion_count=1024, fusion_tensor_bytes=4 * KiB,
-                rvod_torch_input_sizes=[4], phases=args.phases.split(","), impls=args.impls)
+                rvod_torch_input_sizes=[4], barrier_latency=True, broadcast_latency_sizes=[8], phases=args.phases.split(","), impls=args.impls)
     if args.latency_iters is not None:
         plan["latency_iters"] = args.latency_iters
     if args.latency_warmup is not None:
@@ -83,8 +88,9 @@ def parse_args(argv=None):
     p.add_argument("--fusion-steps", type=int, default=None, help="timed fused steps per round (default 5)")
     p.add_argument("--phases", default="latency,bandwidth,fusion", help="comma list of latency,bandwidth,fusion")
     p.add_argument("--impls", default=None,
-                   help="comma list of rvod-shm, rvod-tcp, gloo, horovod, in the order each round runs them "
-                        "(default rvod-shm,rvod-tcp,gloo, and horovod when it is importable)")
+                   help="comma list of rvod-shm, rvod-tcp, gloo, horovod, mpi, in the order each round runs them "
+                        "(default rvod-shm,rvod-tcp,gloo, horovod when it is importable, mpi when mpi4py and "
+                        "mpirun are installed)")
     p.add_argument("--timeout", type=float, default=600, help="seconds one job may take before it is stopped")
     p.add_argument("--rvodrun", default=None, help="rvodrun to use (default: the one beside this python)")
     p.add_argument("--report-only", action="store_true",
@@ -107,6 +113,10 @@ def _pick_impls(parser, text):
         print("note: horovod is not importable in this Python, so it is not measured", file=sys.stderr)
         if "horovod" in impls:
             impls.remove("horovod")
+    if not launch.mpi_available():
+        print("note: mpi4py or mpirun is missing, so MPI is not measured", file=sys.stderr)
+        if "mpi" in impls:
+            impls.remove("mpi")
     return impls
 
 
@@ -148,7 +158,10 @@ def main(argv=None):
     seen_transports = report.transports(docs)
     summary = report.summarize(metrics, rounds, impls)
     lines = report.table_lines(summary, n, plan, rounds, impls, seen_transports)
-    lines += [""] + report.target_lines(summary, plan) + [""]
+    lines += [""] + report.target_lines(summary, plan)
+    if "mpi" in impls:
+        lines += report.mpi_target_lines(summary, plan)
+    lines += [""]
     lines.append(f"commit: {meta['git']['describe']}; rvod engine: {meta['rvod'].get('extension')} "
                  f"(sha256 {meta['rvod'].get('extension_sha256', '?')[:12]}); wall {meta['wall_s']} s")
     text = "\n".join(lines)

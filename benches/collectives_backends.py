@@ -6,6 +6,12 @@
   also times `rvod.torch.allreduce` on a torch tensor (`torch_allreduce`), the call a PyTorch user makes.
 - `gloo`: `torch.distributed` with the gloo backend.
 - `horovod`: `horovod.torch` on torch CPU tensors, started by `horovodrun` (only where Horovod is importable).
+- `mpi`: MPI itself through mpi4py on NumPy arrays (`Allreduce`, `Iallreduce` + `Waitall`, `Allgather`, `Bcast`,
+  `Barrier`), started by Open MPI's `mpirun` (only where mpi4py and mpirun are installed): the peer a CPU user
+  would pick instead of rvod.
+
+Out of place (`allreduce_out`) is the call each API offers for a result in new memory: the Horovod API's
+`allreduce(x)`, gloo's `all_reduce` of `x.clone()`, MPI's `Allreduce(x, out)` into a fresh `np.empty_like(x)`.
 
 rvod and Horovod share one class (`HorovodApiBackend`): the same calls, on NumPy arrays or torch tensors.
 Buffers are float32 and come from `new_buffer` (NumPy for rvod, torch for the others), allocated and touched
@@ -22,6 +28,7 @@ IMPLS = {
     "rvod-tcp": ("rvod", "tcp"),
     "gloo": ("gloo", None),
     "horovod": ("horovod", None),
+    "mpi": ("mpi", None),
 }
 
 
@@ -53,6 +60,9 @@ class HorovodApiBackend:
 
     def allreduce_(self, buf, name):
         self.hvd.allreduce_(buf, name=name, op=self.hvd.Sum)
+
+    def allreduce_out(self, buf, name):
+        return self.hvd.allreduce(buf, name=name, op=self.hvd.Sum)
 
     def allgather(self, buf, out, name):
         # The Horovod API has no allgather into a caller's buffer: the result is a new tensor.
@@ -161,6 +171,11 @@ class GlooBackend:
     def allreduce_(self, buf, name):
         self.dist.all_reduce(buf)
 
+    def allreduce_out(self, buf, name):
+        out = buf.clone()
+        self.dist.all_reduce(out)
+        return out
+
     def allgather(self, buf, out, name):
         self.dist.all_gather_into_tensor(out, buf)
 
@@ -184,7 +199,59 @@ class GlooBackend:
         self.dist.destroy_process_group()
 
 
+class MpiBackend:
+    tensors = "numpy"
+    transport = "mpi"
+    fused_variants = ("iallreduce_then_waitall",)
+
+    def __init__(self, name="mpi", expected_transport=None):
+        import numpy as np
+        from mpi4py import MPI
+
+        self.name = name
+        self.np = np
+        self.MPI = MPI
+        self.comm = MPI.COMM_WORLD
+        self.rank = self.comm.Get_rank()
+        self.size = self.comm.Get_size()
+
+    def new_buffer(self, count):
+        buf = self.np.empty(count, dtype=self.np.float32)
+        buf.fill(0.0)  # fault every page in now, outside any timed region
+        return buf
+
+    def barrier(self):
+        self.comm.Barrier()
+
+    def allreduce_latency(self, buf, name):
+        return self.allreduce_out(buf, name)
+
+    def allreduce_(self, buf, name):
+        self.comm.Allreduce(self.MPI.IN_PLACE, buf)
+
+    def allreduce_out(self, buf, name):
+        out = self.np.empty_like(buf)
+        self.comm.Allreduce(buf, out)
+        return out
+
+    def allgather(self, buf, out, name):
+        self.comm.Allgather(buf, out)
+
+    def broadcast_(self, buf, name):
+        self.comm.Bcast(buf, root=0)
+
+    def fused_step(self, tensors, names, variant):
+        t0 = time.perf_counter()
+        requests = [self.comm.Iallreduce(self.MPI.IN_PLACE, t) for t in tensors]
+        submitted = time.perf_counter() - t0
+        self.MPI.Request.Waitall(requests)
+        return submitted
+
+    def shutdown(self):
+        pass  # mpi4py finalizes MPI at exit
+
+
 def make_backend(impl):
     family, transport = IMPLS[impl]
-    cls = {"rvod": RvodBackend, "gloo": GlooBackend, "horovod": HorovodBackend}[family]
+    cls = {"rvod": RvodBackend, "gloo": GlooBackend, "horovod": HorovodBackend, "mpi": MpiBackend}[family]
     return cls(impl, transport)

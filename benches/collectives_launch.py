@@ -2,7 +2,8 @@
 
 rvod ranks are started by `rvodrun -np N`, exactly as a user would, with RVOD_SHM=1 (rvod-shm) or RVOD_SHM=0
 (rvod-tcp) in the job's environment; Horovod ranks by `horovodrun -np N -H localhost:N`; gloo ranks are N
-plain subprocesses with torch.distributed's env:// variables (MASTER_ADDR=127.0.0.1 and a free port). Every
+plain subprocesses with torch.distributed's env:// variables (MASTER_ADDR=127.0.0.1 and a free port); MPI ranks by
+Open MPI's `mpirun -np N` (as root where needed, no core binding, so every job shares the cores alike). Every
 job runs in its own process group with a time limit, and its combined output goes to a log file that is
 shown if it fails.
 """
@@ -31,8 +32,13 @@ def horovod_available():
     return importlib.util.find_spec("horovod") is not None
 
 
+def mpi_available():
+    return importlib.util.find_spec("mpi4py") is not None and shutil.which("mpirun") is not None
+
+
 def default_impls():
-    return ["rvod-shm", "rvod-tcp", "gloo"] + (["horovod"] if horovod_available() else [])
+    return (["rvod-shm", "rvod-tcp", "gloo"] + (["horovod"] if horovod_available() else [])
+            + (["mpi"] if mpi_available() else []))
 
 
 def find_launcher(name, explicit=None):
@@ -97,6 +103,11 @@ def _start(impl, np_, args, env, log, rvodrun):
         return [subprocess.Popen([find_rvodrun(rvodrun), "-np", str(np_)] + args, env=env, **popen)]
     if impl == "horovod":
         cmd = [find_launcher("horovodrun"), "-np", str(np_), "-H", f"localhost:{np_}"]
+        return [subprocess.Popen(cmd + args, env=env, **popen)]
+    if impl == "mpi":
+        cmd = ["mpirun", "-np", str(np_), "--bind-to", "none", "--oversubscribe"]
+        if os.geteuid() == 0:
+            cmd.append("--allow-run-as-root")
         return [subprocess.Popen(cmd + args, env=env, **popen)]
     if impl == "gloo":
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(np_),

@@ -31,9 +31,14 @@ def check_values(backend):
 
 
 def latency(backend, plan):
-    """p50/p90 material: one record per timed call. rvod also times `rvod.torch.allreduce` on torch tensors."""
+    """p50/p90 material: one record per timed call. Allreduce at every latency size; a barrier and small in-place
+    broadcasts where the plan asks; rvod also times `rvod.torch.allreduce` on torch tensors."""
     records = []
     ops = [("allreduce", plan["latency_sizes"], backend.new_buffer, backend.allreduce_latency)]
+    if plan.get("barrier_latency"):
+        ops.append(("barrier", [0], backend.new_buffer, lambda buf, name: backend.barrier()))
+    if plan.get("broadcast_latency_sizes"):
+        ops.append(("broadcast", plan["broadcast_latency_sizes"], backend.new_buffer, backend.broadcast_))
     if hasattr(backend, "torch_allreduce") and plan.get("rvod_torch_input_sizes"):
         import torch
 
@@ -41,7 +46,7 @@ def latency(backend, plan):
                     lambda count: torch.zeros(count, dtype=torch.float32), backend.torch_allreduce))
     for op, sizes, make, call in ops:
         for size in sizes:
-            buf = make(size // F32)
+            buf = make(max(1, size // F32))
             name = f"bench.lat.{op}.{size}"
             backend.barrier()
             for _ in range(plan["latency_warmup"]):
@@ -74,17 +79,22 @@ def _timed_batch(backend, calls, one_call):
 
 
 def bandwidth(backend, plan, arena):
-    """Allreduce (in place), allgather and broadcast, rotating through buffers larger than the L3 cache."""
+    """Allreduce in place and out of place (a result in new memory, as each API gives it; the result is dropped
+    at once, as a training step drops it), allgather and broadcast, rotating through buffers larger than the
+    L3 cache."""
     records = []
     gather_out = {}
-    for op, sizes in (("allreduce", plan["bw_sizes"]), ("allgather", plan["allgather_sizes"]),
-                      ("broadcast", plan["broadcast_sizes"])):
+    for op, sizes in (("allreduce", plan["bw_sizes"]), ("allreduce_out_of_place", plan.get("out_of_place_sizes", [])),
+                      ("allgather", plan["allgather_sizes"]), ("broadcast", plan["broadcast_sizes"])):
         for size in sizes:
             bufs = _arena_views(arena, size, plan)
             name = f"bench.bw.{op}.{size}"
             if op == "allreduce":
                 def one_call(i, bufs=bufs, name=name):
                     backend.allreduce_(bufs[i % len(bufs)], name)
+            elif op == "allreduce_out_of_place":
+                def one_call(i, bufs=bufs, name=name):
+                    backend.allreduce_out(bufs[i % len(bufs)], name)
             elif op == "broadcast":
                 def one_call(i, bufs=bufs, name=name):
                     backend.broadcast_(bufs[i % len(bufs)], name)

@@ -7,7 +7,7 @@ allgather (S = the gathered output, n x the per-rank input) and 1 for broadcast.
 per rank over its calls, then the max over ranks. "a vs b" speedups say how many times faster a is than b:
 b's time / a's time, or a's busbw / b's busbw, computed within each round (a and b ran minutes apart at most)
 and reported as the median of the per-round ratios with their min-max. The pairs compared: every
-implementation vs gloo, rvod-shm vs rvod-tcp, and every rvod implementation vs horovod when it ran.
+implementation vs gloo, rvod-shm vs rvod-tcp, and every rvod implementation vs horovod and vs MPI when they ran.
 """
 
 import csv
@@ -18,13 +18,14 @@ GB = 1e9
 MiB = 1 << 20
 TORCH_INPUT = "allreduce_torch_input"
 # Sort order for implementations when the plan does not list them (results of older runs).
-KNOWN_ORDER = ("rvod-shm", "rvod-tcp", "rvod", "horovod", "gloo")
+KNOWN_ORDER = ("rvod-shm", "rvod-tcp", "rvod", "horovod", "gloo", "mpi")
 # How each way of running the many-small-tensors step is labelled in the table.
 WAYS = {
     "fused_async_then_synchronize": "allreduce_async_ each, then synchronize",
     "fused_grouped": "grouped_allreduce_, one call",
     "fused_one_by_one": "all_reduce each, one by one",
     "fused_async_then_wait": "all_reduce(async_op=True) each, then wait",
+    "fused_iallreduce_then_waitall": "Iallreduce each, then Waitall",
     "single_allreduce_hot": "reference: one {size} allreduce_",
 }
 
@@ -36,7 +37,7 @@ def _percentile(sorted_values, q):
 
 
 def bus_factor(op, n):
-    if op == "allreduce" or op.startswith(("fused", "single_allreduce")):
+    if op in ("allreduce", "allreduce_out_of_place") or op.startswith(("fused", "single_allreduce")):
         return 2 * (n - 1) / n
     if op == "allgather":
         return n - 1  # (n-1)/n of the n x S_in output
@@ -56,8 +57,9 @@ def comparisons(impls):
     pairs = [(a, "gloo") for a in impls if a != "gloo"] if "gloo" in impls else []
     if "rvod-shm" in impls and "rvod-tcp" in impls:
         pairs.append(("rvod-shm", "rvod-tcp"))
-    if "horovod" in impls:
-        pairs += [(a, "horovod") for a in impls if a.startswith("rvod")]
+    for peer in ("horovod", "mpi"):
+        if peer in impls:
+            pairs += [(a, peer) for a in impls if a.startswith("rvod")]
     return pairs
 
 
@@ -263,8 +265,15 @@ def table_lines(summary, n, plan, rounds, impls, seen_transports=None):
     lat = [("p50 us", "p50_us", 1), ("p90 us", "p90_us", 1)]
     lines += ["", f"allreduce latency, us per call ({plan['latency_iters']} calls per size per round after "
                   f"{plan['latency_warmup']} warm-up; rvod: rvod.numpy.allreduce(x, name=fixed, op=Sum); gloo: "
-                  "dist.all_reduce; horovod: horovod.torch.allreduce); speedups of p50 (p90's are in the JSON)"]
+                  "dist.all_reduce; horovod: horovod.torch.allreduce; MPI: Allreduce(x, np.empty_like(x))); speedups of p50 "
+                  "(p90's are in the JSON)"]
     lines += _impl_table(summary, "allreduce", impls, lat, "p50_us")
+    for op, words in (("barrier", "barrier, us per call (rvod: hvd.barrier(); gloo: dist.barrier; MPI: Barrier)"),
+                      ("broadcast", "broadcast in place from rank 0, us per call (rvod: hvd.broadcast_; gloo: "
+                                    "dist.broadcast; MPI: Bcast)")):
+        if _sizes(summary, op) and any("p50_us" in s for size in _sizes(summary, op)
+                                       for s in summary[(op, size)]["impls"].values()):
+            lines += ["", words] + _impl_table(summary, op, impls, lat, "p50_us")
     if _sizes(summary, TORCH_INPUT):
         lines += ["", "allreduce of a torch tensor, us per call (rvod: rvod.torch.allreduce(t, name=fixed, op=Sum), "
                       "same calls and warm-up; gloo and horovod: their rows above, which are torch tensors already)"]
@@ -274,6 +283,9 @@ def table_lines(summary, n, plan, rounds, impls, seen_transports=None):
     titles = {
         "allreduce": (f"allreduce bus bandwidth, GB/s (in place; rotating buffers, >= "
                       f"{human_size(plan['working_set_bytes'])} working set, i.e. DRAM, not hot cache)"),
+        "allreduce_out_of_place": ("allreduce bus bandwidth out of place, GB/s (a result in new memory: rvod and "
+                                   "horovod allreduce(x), gloo all_reduce(x.clone()), MPI Allreduce(x, "
+                                   "np.empty_like(x)); same rotating buffers)"),
         "allgather": ("allgather bus bandwidth, GB/s (size = per-rank input; busbw = (n-1) x input / t; rvod and "
                       "horovod return a new tensor, gloo all_gather_into_tensor fills a preallocated one)"),
         "broadcast": "broadcast bus bandwidth, GB/s (in place, root 0)",
@@ -348,6 +360,49 @@ def target_lines(summary, plan):
     return lines
 
 
+def _inverse(spread):
+    """How many times slower, from a "how many times faster" spread."""
+    if not spread:
+        return None
+    return {"median": 1 / spread["median"], "min": 1 / spread["max"], "max": 1 / spread["min"], "n": spread["n"]}
+
+
+def _ratio(a, b):
+    """a's median / b's median as a spread of one (different jobs: only medians compare)."""
+    if not a or not b or not b["median"]:
+        return None
+    return {"median": a["median"] / b["median"], "min": a["median"] / b["median"],
+            "max": a["median"] / b["median"], "n": 1}
+
+
+def mpi_target_lines(summary, plan):
+    """Issue 19's targets against MPI (same-run ratios; "x MPI's" = rvod's time / MPI's time)."""
+    lines = []
+    for label, op, size in (("4 B allreduce through rvod.numpy", "allreduce", 4), ("barrier", "barrier", 0),
+                            ("8 B broadcast", "broadcast", 8)):
+        slower = _inverse(_speedup(summary, op, size, "rvod-shm vs mpi", "p50_us"))
+        lines.append(f"target: rvod-shm {label} p50 <= 2x MPI's: {_verdict(slower, 2.0, at_most=True, unit='x')}")
+    torch4 = _ratio(_get(summary, TORCH_INPUT, 4, "rvod-shm", "p50_us"), _get(summary, "allreduce", 4, "mpi", "p50_us"))
+    lines.append("target: rvod-shm 4 B allreduce through rvod.torch p50 <= 3x MPI's (medians): "
+                 f"{_verdict(torch4, 3.0, at_most=True, unit='x')}")
+    burst = _ratio(_get(summary, "fused_async_then_synchronize", plan["fusion_count"] * plan["fusion_tensor_bytes"],
+                        "rvod-shm", "t_s"),
+                   _get(summary, "fused_iallreduce_then_waitall", plan["fusion_count"] * plan["fusion_tensor_bytes"],
+                        "mpi", "t_s"))
+    lines.append(f"target: rvod-shm {plan['fusion_count']} x {human_size(plan['fusion_tensor_bytes'])} "
+                 f"allreduce_async_ + synchronize (rvod.numpy) <= MPI's Iallreduce + Waitall (medians): "
+                 f"{_verdict(burst, 1.0, at_most=True, unit='x')}")
+    lines.append(f"target: rvod-shm 64 MiB in-place allreduce busbw >= 3x MPI's: "
+                 f"{_verdict(_speedup(summary, 'allreduce', 64 * MiB, 'rvod-shm vs mpi', 't_s'), 3.0)}")
+    for impl in ("rvod-shm", "mpi"):
+        oop = _ratio(_get(summary, "allreduce_out_of_place", 64 * MiB, impl, "t_s"),
+                     _get(summary, "allreduce", 64 * MiB, impl, "t_s"))
+        target = "target: " if impl == "rvod-shm" else "for comparison: "
+        lines.append(f"{target}{impl} 64 MiB out-of-place time <= 1.3x its in-place time (medians): "
+                     f"{_verdict(oop, 1.3, at_most=True, unit='x')}")
+    return lines
+
+
 def _impl_rank(label, impls):
     first = label.split()[0]
     return impls.index(first) if first in impls else len(impls)
@@ -362,7 +417,7 @@ def plot(path, summary, n, impls):
 
     fig, (bw_ax, lat_ax) = plt.subplots(1, 2, figsize=(13, 5))
     palette = {"rvod-shm": "tab:red", "rvod-tcp": "tab:orange", "rvod": "tab:red", "gloo": "tab:blue",
-               "horovod": "tab:green"}
+               "horovod": "tab:green", "mpi": "tab:purple"}
     for impl in impls:
         color = palette.get(impl)
         for ax, metric, label in ((bw_ax, "busbw_GBps", impl), (lat_ax, "p50_us", f"{impl} p50")):

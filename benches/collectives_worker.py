@@ -1,9 +1,10 @@
 """One rank of one benchmark job: `python benches/collectives_worker.py --impl IMPL --plan P --out DIR --round R`.
 
-IMPL is one of `collectives_backends.IMPLS` (rvod-shm, rvod-tcp, gloo, horovod). Started by
-`benches/collectives.py` (under `rvodrun` for rvod, `horovodrun` for Horovod, with torch.distributed's
-env:// variables for gloo). Runs the phases the plan names and writes this rank's raw records, with the
-transport the job really used, to `DIR/round<R>.<impl>.rank<k>.json`. One compute thread per rank.
+IMPL is one of `collectives_backends.IMPLS` (rvod-shm, rvod-tcp, gloo, horovod, mpi). Started by
+`benches/collectives.py` (under `rvodrun` for rvod, `horovodrun` for Horovod, `mpirun` for MPI, with
+torch.distributed's env:// variables for gloo). Runs the phases the plan names and writes this rank's raw
+records, with the transport the job really used, to `DIR/round<R>.<impl>.rank<k>.json`. One compute thread
+per rank.
 """
 
 import os
@@ -50,7 +51,8 @@ def main():
         if phase == "latency":
             records += phases.latency(backend, plan)
         elif phase == "bandwidth":
-            largest = max(plan["bw_sizes"] + plan["allgather_sizes"] + plan["broadcast_sizes"])
+            largest = max(plan["bw_sizes"] + plan["allgather_sizes"] + plan["broadcast_sizes"]
+                          + plan.get("out_of_place_sizes", []))
             arena_bytes = max(2 * largest, plan["working_set_bytes"])
             arena = backend.new_buffer(arena_bytes // F32)
             records += phases.bandwidth(backend, plan, arena)
