@@ -111,7 +111,7 @@ fn flat_allreduce(t: &mut dyn Transport, buf: &mut [u8], dtype: DataType, combin
 }
 
 fn hierarchical_allreduce(t: &mut dyn Transport, buf: &mut [u8], dtype: DataType, combine: Combine) {
-    ring::hierarchical::allreduce(t.hosts().expect("a composite transport"), buf, dtype, combine).unwrap();
+    ring::hierarchical::allreduce(t.hosts().expect("a composite transport"), buf, dtype, combine, &mut |_| {}).unwrap();
 }
 
 #[test]
@@ -183,7 +183,13 @@ fn flat_allreduce_on_uneven_hosts_and_hierarchical_refuses_them() {
                 }
             }
         }
-        let refused = ring::hierarchical::allreduce(t.hosts().unwrap(), &mut [0u8; 8], DataType::Float32, Combine::Sum);
+        let refused = ring::hierarchical::allreduce(
+            t.hosts().unwrap(),
+            &mut [0u8; 8],
+            DataType::Float32,
+            Combine::Sum,
+            &mut |_| {},
+        );
         (out, refused.map_err(|e| e.to_string()))
     });
     for (rank, (cases, refused)) in results.iter().enumerate() {
@@ -247,7 +253,8 @@ fn allgather_hierarchical_equals_flat_with_uneven_and_empty_blocks() {
                     ring::allgatherv(t, &send, &mut flat, bytes).unwrap();
                     let hier = homogeneous.then(|| {
                         let mut hier = vec![0u8; bytes.iter().sum()];
-                        ring::hierarchical::allgatherv(t.hosts().unwrap(), &send, &mut hier, bytes).unwrap();
+                        ring::hierarchical::allgatherv(t.hosts().unwrap(), &send, &mut hier, bytes, &mut |_| {})
+                            .unwrap();
                         hier
                     });
                     (flat, hier)
@@ -511,3 +518,37 @@ fn hierarchical_adasum_is_adasum_across_hosts_of_host_averages() {
 /// Float types Adasum takes, with the tolerance their rounding (host sum in the type) calls for.
 const ADASUM_TYPES: [(DataType, f64); 4] =
     [(DataType::Float64, 1e-12), (DataType::Float32, 1e-5), (DataType::Float16, 2e-2), (DataType::Bfloat16, 1e-1)];
+
+#[test]
+fn hierarchical_steps_are_reported_in_the_order_they_end() {
+    use ring::hierarchical::{Step, PIPELINE_PIECE_BYTES};
+    let small = 64 << 10;
+    let pipelined = 3 * PIPELINE_PIECE_BYTES;
+    let seen = on_hosts(&TWO_BY_TWO, |t| {
+        let mut steps = Vec::new();
+        for len in [small, pipelined] {
+            let mut buf = vec![0u8; len];
+            let mut heard = Vec::new();
+            ring::hierarchical::allreduce(t.hosts().unwrap(), &mut buf, DataType::Float32, Combine::Sum, &mut |s| {
+                heard.push(s)
+            })
+            .unwrap();
+            steps.push(heard);
+        }
+        let mut heard = Vec::new();
+        let mut out = vec![0u8; 4 * 1024];
+        ring::hierarchical::allgatherv(t.hosts().unwrap(), &[1u8; 1024], &mut out, &[1024; 4], &mut |s| heard.push(s))
+            .unwrap();
+        steps.push(heard);
+        steps
+    });
+    use Step::*;
+    for (rank, steps) in seen.into_iter().enumerate() {
+        assert_eq!(steps[0], [LocalReduceScatter, CrossAllreduce, LocalAllgather], "rank {rank}, one piece");
+        // Three pieces, at most two with the helper: RS RS RS, then each piece back (cross wait) and gathered.
+        let three = [LocalReduceScatter, LocalReduceScatter, LocalReduceScatter, CrossAllreduce, LocalAllgather];
+        assert_eq!(steps[1][..5], three, "rank {rank}, pipelined: {:?}", steps[1]);
+        assert_eq!(steps[1][5..], [CrossAllreduce, LocalAllgather, CrossAllreduce, LocalAllgather], "rank {rank}");
+        assert_eq!(steps[2], [LocalAllgather, CrossAllgather, LocalAllgather], "rank {rank}, allgather");
+    }
+}

@@ -14,11 +14,12 @@ use crate::engine::table::TensorEntry;
 use crate::error::EngineError;
 use crate::fusion::layout::{FusionLayout, FusionSlot};
 use crate::ring;
+use crate::ring::hierarchical::Step;
 use crate::ring::staged::{OwnPiece, StagedAllreduce};
 use crate::tensor::AlignedBuffer;
 use crate::timeline::{OpRecord, Stage};
 use crate::transport::composite::HostLayout;
-use crate::transport::{Transport, TransportError};
+use crate::transport::{HostParts, Transport, TransportError};
 use crate::types::{CollectiveKind, Combine, DataType, ReduceOp};
 
 /// What one tensor of a response produced.
@@ -65,14 +66,27 @@ fn allreduce_buffer(
     buf: &mut [u8],
     dtype: DataType,
     combine: Combine,
+    phases: &mut OpRecord,
 ) -> Result<(), TransportError> {
     if let Some(parts) = t.hosts() {
         if hierarchical_pays(forced, parts.layout, buf.len()) {
             tracing::debug!("hierarchical allreduce of {} bytes over {} hosts", buf.len(), parts.layout.hosts());
-            return ring::hierarchical::allreduce(parts, buf, dtype, combine);
+            let mut on_step = hierarchical_steps(&parts, phases);
+            return ring::hierarchical::allreduce(parts, buf, dtype, combine, &mut on_step);
         }
     }
-    ring::allreduce(t, buf, dtype, combine)
+    ring::allreduce(t, buf, dtype, combine)?;
+    phases.mark_collective();
+    Ok(())
+}
+
+/// What marks a hierarchical collective's steps in the timeline, named by the parts' transports.
+fn hierarchical_steps<'a>(parts: &HostParts<'_>, phases: &'a mut OpRecord) -> impl FnMut(Step) + 'a {
+    let (local, cross) = (parts.local.kind(), parts.cross.kind());
+    move |step: Step| {
+        let transport = if step.is_local() { local } else { cross };
+        phases.mark(Stage::Hierarchical { transport, collective: step.collective() });
+    }
 }
 
 /// Adasum of `buf` (tensors of `counts` elements back to back) over the communicator. Where it spans
@@ -163,8 +177,9 @@ impl Executor {
         let results = match response.kind {
             CollectiveKind::Allreduce => return self.allreduce(t, response, entries, phases),
             CollectiveKind::Allgather => {
+                // An allgather marks its own phases (a hierarchical one has three).
                 let forced = self.hierarchy.allgather;
-                each(entries, |e| allgather(t, forced, response, e))
+                return each(entries, |e| allgather(t, forced, response, e, phases));
             }
             CollectiveKind::Broadcast => each(entries, |e| broadcast(t, response, e)),
             CollectiveKind::Alltoall => each(entries, |e| alltoall(t, response, e)),
@@ -218,9 +233,8 @@ impl Executor {
                 None => owned.insert(AlignedBuffer::zeroed(len)).as_mut_slice(),
             };
             ring::scale_in_place(buf, dtype, response.prescale);
-            allreduce_buffer(t, forced, buf, dtype, combine)?;
+            allreduce_buffer(t, forced, buf, dtype, combine, phases)?;
             ring::scale_in_place(buf, dtype, postscale);
-            phases.mark_collective();
             let out = match (entry, owned) {
                 (Some(e), Some(b)) if !e.in_place => output(b, spec.shape.clone(), dtype),
                 _ => None,
@@ -271,9 +285,8 @@ impl Executor {
         gather(&tensors, slots, 0, buffer);
         ring::scale_in_place(buffer, dtype, prescale);
         phases.mark(Stage::MemcpyInFusionBuffer);
-        allreduce_buffer(t, forced, buffer, dtype, combine)?;
+        allreduce_buffer(t, forced, buffer, dtype, combine, phases)?;
         ring::scale_in_place(buffer, dtype, postscale);
-        phases.mark_collective();
         scatter(&mut tensors, slots, 0, buffer);
         phases.mark(Stage::MemcpyOutFusionBuffer);
         Ok(tensors.into_iter().map(|io| Ok(io.finish())).collect())
@@ -443,6 +456,7 @@ fn allgather(
     forced: Option<bool>,
     response: &Response,
     entry: &mut TensorEntry,
+    phases: &mut OpRecord,
 ) -> Result<Result<TensorResult, EngineError>, TransportError> {
     let spec = &response.entries[0];
     let dtype = response.dtype;
@@ -454,9 +468,19 @@ fn allgather(
     match (hierarchical, t.hosts()) {
         (Some(true), Some(parts)) => {
             tracing::debug!("hierarchical allgather of {} bytes over {} hosts", out.len(), parts.layout.hosts());
-            ring::hierarchical::allgatherv(parts, entry.input.as_slice(), out.as_mut_slice(), &bytes_per_rank)?
+            let mut on_step = hierarchical_steps(&parts, phases);
+            ring::hierarchical::allgatherv(
+                parts,
+                entry.input.as_slice(),
+                out.as_mut_slice(),
+                &bytes_per_rank,
+                &mut on_step,
+            )?
         }
-        _ => ring::allgatherv(t, entry.input.as_slice(), out.as_mut_slice(), &bytes_per_rank)?,
+        _ => {
+            ring::allgatherv(t, entry.input.as_slice(), out.as_mut_slice(), &bytes_per_rank)?;
+            phases.mark_collective();
+        }
     }
     let mut shape = spec.shape.clone();
     if let Some(first) = shape.first_mut() {

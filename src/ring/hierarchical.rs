@@ -24,6 +24,32 @@ fn check_homogeneous(parts: &HostParts<'_>, op: &str) -> Result<(), TransportErr
     }
 }
 
+/// A step of a hierarchical collective, reported to the caller as it ends on the calling thread (the
+/// timeline shows them as the op's phases).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Step {
+    LocalReduceScatter,
+    CrossAllreduce,
+    LocalAllgather,
+    CrossAllgather,
+}
+
+impl Step {
+    /// Whether the step runs inside the host (shared memory) rather than across hosts.
+    pub fn is_local(self) -> bool {
+        matches!(self, Step::LocalReduceScatter | Step::LocalAllgather)
+    }
+
+    /// The collective, as the timeline names it.
+    pub fn collective(self) -> &'static str {
+        match self {
+            Step::LocalReduceScatter => "REDUCESCATTER",
+            Step::CrossAllreduce => "ALLREDUCE",
+            Step::LocalAllgather | Step::CrossAllgather => "ALLGATHER",
+        }
+    }
+}
+
 /// Buffers larger than twice this are reduced in pieces of this size, pipelined (see [`allreduce`]).
 pub const PIPELINE_PIECE_BYTES: usize = 4 << 20;
 
@@ -37,11 +63,15 @@ const PIPELINE_DEPTH: usize = 2;
 /// inside the host, so the network stays busy during the local phases: this thread reduce-scatters piece
 /// `k`, hands it over, and allgathers piece `k - 2` once it comes back. Every rank runs the same sequence of
 /// operations on each part, whatever the timing, so the result is the same as without pieces.
+///
+/// `on_step` hears each step this thread finishes; while pipelined, `CrossAllreduce` is this thread's wait
+/// for a piece to come back from across the hosts (the network time the local steps did not hide).
 pub fn allreduce(
     parts: HostParts<'_>,
     buf: &mut [u8],
     dtype: DataType,
     combine: Combine,
+    on_step: &mut dyn FnMut(Step),
 ) -> Result<(), TransportError> {
     check_homogeneous(&parts, "hierarchical allreduce")?;
     let HostParts { mut local, mut cross, .. } = parts;
@@ -54,7 +84,7 @@ pub fn allreduce(
     }
     if local.size() == 1 || buf.len() <= 2 * PIPELINE_PIECE_BYTES {
         let blocks = Blocks::even(buf.len() / dtype.size(), local.size(), dtype.size());
-        return allreduce_piece(&mut local, &mut cross, buf, &blocks, dtype, combine);
+        return allreduce_piece(&mut local, &mut cross, buf, &blocks, dtype, combine, on_step);
     }
     let piece = PIPELINE_PIECE_BYTES - PIPELINE_PIECE_BYTES % dtype.size();
     let me = local.rank();
@@ -74,7 +104,8 @@ pub fn allreduce(
                 }
             }
         });
-        let result = feed_pipeline(&mut local, buf, piece, &to_cross, &done_inbox, &blocks_of, dtype, combine);
+        let pipeline = Pipeline { to_cross: &to_cross, done_inbox: &done_inbox, blocks_of: &blocks_of };
+        let result = feed_pipeline(&mut local, buf, piece, &pipeline, dtype, combine, on_step);
         drop(to_cross);
         let helper = helper.join();
         match (result, helper) {
@@ -85,38 +116,52 @@ pub fn allreduce(
     })
 }
 
+/// The channels between this thread and the cross-host helper of a pipelined allreduce.
+struct Pipeline<'p, 'b> {
+    to_cross: &'p std::sync::mpsc::Sender<&'b mut [u8]>,
+    done_inbox: &'p std::sync::mpsc::Receiver<Result<&'b mut [u8], TransportError>>,
+    blocks_of: &'p dyn Fn(&[u8]) -> Blocks,
+}
+
 /// This thread's side of the pipelined allreduce: reduce-scatter each piece of `buf` in the host, hand it to
 /// the cross-host helper, and allgather the pieces it hands back, keeping at most [`PIPELINE_DEPTH`] with it.
-#[allow(clippy::too_many_arguments)]
 fn feed_pipeline<'b>(
     local: &mut dyn Transport,
     buf: &'b mut [u8],
     piece: usize,
-    to_cross: &std::sync::mpsc::Sender<&'b mut [u8]>,
-    done_inbox: &std::sync::mpsc::Receiver<Result<&'b mut [u8], TransportError>>,
-    blocks_of: &dyn Fn(&[u8]) -> Blocks,
+    pipeline: &Pipeline<'_, 'b>,
     dtype: DataType,
     combine: Combine,
+    on_step: &mut dyn FnMut(Step),
 ) -> Result<(), TransportError> {
-    let me = local.rank();
-    let allgather_next = |local: &mut dyn Transport| -> Result<(), TransportError> {
-        let piece = done_inbox.recv().map_err(|_| helper_gone(me))??;
-        allgather_ring(local, piece, &blocks_of(piece))
-    };
     let mut in_flight = 0;
     for chunk in buf.chunks_mut(piece) {
-        reduce_scatter_ring(local, chunk, &blocks_of(chunk), dtype, combine)?;
-        to_cross.send(chunk).map_err(|_| helper_gone(me))?;
+        reduce_scatter_ring(local, chunk, &(pipeline.blocks_of)(chunk), dtype, combine)?;
+        on_step(Step::LocalReduceScatter);
+        pipeline.to_cross.send(chunk).map_err(|_| helper_gone(local.rank()))?;
         in_flight += 1;
         if in_flight > PIPELINE_DEPTH {
-            allgather_next(local)?;
+            allgather_returned(local, pipeline, on_step)?;
             in_flight -= 1;
         }
     }
     while in_flight > 0 {
-        allgather_next(local)?;
+        allgather_returned(local, pipeline, on_step)?;
         in_flight -= 1;
     }
+    Ok(())
+}
+
+/// Wait for the oldest piece to come back from across the hosts, then allgather it in the host.
+fn allgather_returned(
+    local: &mut dyn Transport,
+    pipeline: &Pipeline<'_, '_>,
+    on_step: &mut dyn FnMut(Step),
+) -> Result<(), TransportError> {
+    let piece = pipeline.done_inbox.recv().map_err(|_| helper_gone(local.rank()))??;
+    on_step(Step::CrossAllreduce);
+    allgather_ring(local, piece, &(pipeline.blocks_of)(piece))?;
+    on_step(Step::LocalAllgather);
     Ok(())
 }
 
@@ -132,13 +177,17 @@ fn allreduce_piece(
     blocks: &Blocks,
     dtype: DataType,
     combine: Combine,
+    on_step: &mut dyn FnMut(Step),
 ) -> Result<(), TransportError> {
     if local.size() > 1 {
         reduce_scatter_ring(local, buf, blocks, dtype, combine)?;
+        on_step(Step::LocalReduceScatter);
     }
     flat_allreduce(cross, &mut buf[blocks.range(local.rank())], dtype, combine)?;
+    on_step(Step::CrossAllreduce);
     if local.size() > 1 {
         allgather_ring(local, buf, blocks)?;
+        on_step(Step::LocalAllgather);
     }
     Ok(())
 }
@@ -147,11 +196,13 @@ fn allreduce_piece(
 /// inside each host, so every rank has its host's blocks; local rank `i` then takes slice `i` of its host's
 /// bytes and allgathers it across hosts with the ranks of local rank `i`; a last allgather inside each host
 /// completes every host's bytes everywhere.
+/// `on_step` hears each of the three steps as it ends.
 pub fn allgatherv(
     parts: HostParts<'_>,
     send: &[u8],
     recv: &mut [u8],
     bytes_per_rank: &[usize],
+    on_step: &mut dyn FnMut(Step),
 ) -> Result<(), TransportError> {
     const OP: &str = "hierarchical allgather";
     check_homogeneous(&parts, OP)?;
@@ -174,16 +225,19 @@ pub fn allgatherv(
     let local_lengths: Vec<usize> = layout.members(my_host).iter().map(|&r| bytes_per_rank[r]).collect();
     let mut host_block = vec![0u8; host_bytes[my_host]];
     flat_allgatherv(&mut local, send, &mut host_block, &local_lengths)?;
+    on_step(Step::LocalAllgather);
 
     let (start, len) = slice(my_host, my_index);
     let cross_lengths: Vec<usize> = (0..hosts).map(|h| slice(h, my_index).1).collect();
     let mut my_slices = vec![0u8; cross_lengths.iter().sum()];
     flat_allgatherv(&mut cross, &host_block[start..start + len], &mut my_slices, &cross_lengths)?;
+    on_step(Step::CrossAllgather);
 
     // Block `i` of `by_index`: slice `i` of every host, in host order.
     let index_lengths: Vec<usize> = (0..width).map(|i| (0..hosts).map(|h| slice(h, i).1).sum()).collect();
     let mut by_index = vec![0u8; index_lengths.iter().sum()];
     flat_allgatherv(&mut local, &my_slices, &mut by_index, &index_lengths)?;
+    on_step(Step::LocalAllgather);
 
     // Reassemble each host's bytes (host-major), then place each rank's block.
     let mut host_major = vec![0u8; host_bytes.iter().sum()];

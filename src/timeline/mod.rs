@@ -6,7 +6,11 @@
 //!   last-submitted. The coordinator adds a tick per rank as that rank's request reaches it.
 //! - Each op's bar (`ALLREDUCE`, ...) holds its phases: `QUEUE` (agreed, waiting behind other responses),
 //!   `MEMCPY_IN_FUSION_BUFFER`, the transport's collective (`SHM_ALLREDUCE`, `TCP_ALLGATHER`, ...),
-//!   `MEMCPY_OUT_FUSION_BUFFER`. `CYCLE_START` marks each negotiation round when asked.
+//!   `MEMCPY_OUT_FUSION_BUFFER`. A hierarchical allreduce shows its steps instead of one collective:
+//!   `SHM_REDUCESCATTER` inside the host, `TCP_ALLREDUCE` across hosts, `SHM_ALLGATHER` inside the host
+//!   (pipelined in pieces for large buffers, so they alternate; `TCP_ALLREDUCE` is then the time this rank
+//!   waited for the network); a hierarchical allgather `SHM_ALLGATHER`, `TCP_ALLGATHER`, `SHM_ALLGATHER`.
+//!   `CYCLE_START` marks each negotiation round when asked.
 //!
 //! Cost: when off, recording is one relaxed atomic load. When on, the engine builds a small event and
 //! sends it down a channel; the writer thread ([`writer`]) formats and appends it to the file
@@ -44,6 +48,12 @@ pub enum Stage {
     MemcpyInFusionBuffer,
     /// The transport's collective; `&'static str` is the transport ("shm", "tcp").
     Collective(&'static str),
+    /// A step of a hierarchical collective: `transport` is the part's ("shm" inside the host, "tcp" across
+    /// hosts), `collective` the step's ("REDUCESCATTER", "ALLREDUCE", "ALLGATHER").
+    Hierarchical {
+        transport: &'static str,
+        collective: &'static str,
+    },
     MemcpyOutFusionBuffer,
 }
 
@@ -283,13 +293,18 @@ impl OpRecord {
         OpRecord { recording: None }
     }
 
-    /// The phase that just ended was `stage`.
+    /// The phase that just ended was `stage` (one phase with the phase before it when that was `stage` too).
     pub fn mark(&mut self, stage: Stage) {
         if let Some(recording) = &mut self.recording {
             let op = &mut recording.1;
             let now = Instant::now();
-            let from = op.phases.last().map_or(op.started, |p| p.2);
-            op.phases.push((stage, from, now));
+            match op.phases.last_mut() {
+                Some(last) if last.0 == stage => last.2 = now,
+                last => {
+                    let from = last.map_or(op.started, |p| p.2);
+                    op.phases.push((stage, from, now));
+                }
+            }
         }
     }
 

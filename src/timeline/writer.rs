@@ -245,6 +245,7 @@ fn stage_name(stage: Stage, op: &str) -> String {
     match stage {
         Stage::MemcpyInFusionBuffer => "MEMCPY_IN_FUSION_BUFFER".to_string(),
         Stage::Collective(transport) => format!("{}_{op}", transport.to_ascii_uppercase()),
+        Stage::Hierarchical { transport, collective } => format!("{}_{collective}", transport.to_ascii_uppercase()),
         Stage::MemcpyOutFusionBuffer => "MEMCPY_OUT_FUSION_BUFFER".to_string(),
     }
 }

@@ -3,7 +3,9 @@
 rvodrun stops every rank as soon as one dies, and hides the store's port; tests that need the survivors of
 a killed rank, or a stranger poking at the store, start the job with `LocalJob` instead. It gives each rank
 the environment rvodrun would (RVOD_RANK ... RVOD_SECRET), starts ranks one at a time if asked, and writes
-each rank's output to files so no pipe can fill up and stall a rank.
+each rank's output to files so no pipe can fill up and stall a rank. `FakeHostsJob` gives each rank
+rvodrun's environment for a `-H` host list whose names are only names, so the engine takes the ranks for
+several hosts (shared memory inside each, TCP between them) on this one machine.
 
 `StoreConnection` speaks the store's authentication handshake (see src/transport/handshake.rs) from Python,
 so a test can play a stranger with the wrong secret, or a legitimate client reading the mesh addresses.
@@ -24,6 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from conftest import JOB_TAG_VARIABLE, kill_tagged
+
+from rvod.runner.hosts import assign_slots, parse_hosts
+from rvod.runner.worker_env import worker_env
 
 WORKERS = Path(__file__).resolve().parent / "workers"
 PYTHON = sys.executable
@@ -168,6 +173,18 @@ ACCEPTOR_LABEL = b"rvod handshake: acceptor proof\0"
 OP_SET = 1
 OP_GET = 2
 STATUS_OK = 0
+
+
+class FakeHostsJob(LocalJob):
+    """A LocalJob whose ranks get rvodrun's environment for `hosts` (host names are only names here)."""
+
+    def __init__(self, hosts: str, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.slots = assign_slots(parse_hosts(hosts), self.size)
+
+    def env_for(self, rank: int) -> dict[str, str]:
+        return worker_env(self.base_env, self.slots[rank], rendezvous_addr="127.0.0.1", rendezvous_port=self.port,
+                          secret=self.secret, settings={})
 
 
 def recv_exactly(sock: socket.socket, count: int) -> bytes:

@@ -10,8 +10,7 @@ from __future__ import annotations
 import sys
 
 import pytest
-from jobs import WORKERS, verdicts
-from test_hierarchical import FakeHostsJob
+from jobs import WORKERS, FakeHostsJob, verdicts
 
 LAYOUTS = {"hosta:2,hostb:2": "0,0,1,1", "hosta:1,hostb:3": "0,1,1,1"}
 

@@ -14,28 +14,14 @@ import re
 import sys
 
 import pytest
-from jobs import WORKERS, LocalJob, verdicts
+from jobs import WORKERS, FakeHostsJob, verdicts
 
-from rvod.runner.hosts import assign_slots, parse_hosts
-from rvod.runner.worker_env import worker_env
 
 # Horovod's topology for each layout, by rank: local_rank, local_size, cross_rank, cross_size, is_homogeneous.
 LAYOUTS = {
     "hosta:2,hostb:2": ["0,2,0,2,True", "1,2,0,2,True", "0,2,1,2,True", "1,2,1,2,True"],
     "hosta:1,hostb:3": ["0,1,0,2,False", "0,3,1,2,False", "1,3,0,1,False", "2,3,0,1,False"],
 }
-
-
-class FakeHostsJob(LocalJob):
-    """A LocalJob whose ranks get rvodrun's environment for `hosts` (host names are only names here)."""
-
-    def __init__(self, hosts: str, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.slots = assign_slots(parse_hosts(hosts), self.size)
-
-    def env_for(self, rank: int) -> dict[str, str]:
-        return worker_env(self.base_env, self.slots[rank], rendezvous_addr="127.0.0.1", rendezvous_port=self.port,
-                          secret=self.secret, settings={})
 
 
 @pytest.mark.timeout(180)

@@ -15,7 +15,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from jobs import WORKERS
+from jobs import WORKERS, FakeHostsJob
 
 from conftest import JOB_TAG_VARIABLE, kill_tagged
 
@@ -87,6 +87,33 @@ def test_every_op_and_a_process_set_on_every_rank_in_one_file(run_rvodrun, job_e
     assert {e["tid"] for e in cycles} == {0, 1, 2}
     thread_names = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace.events if e["name"] == "thread_name"}
     assert set(thread_names.values()) == {"rank 0", "rank 1", "rank 2"}
+
+
+@pytest.mark.timeout(90)
+def test_hierarchical_steps_are_phases_of_the_op(job_env, tmp_path):
+    """Ranks on two (fake) hosts with hierarchical allreduce and allgather forced on: each op's bar holds the
+    steps inside and across the hosts, on every rank."""
+    path = tmp_path / "timeline.json"
+    settings = {"RVOD_TIMELINE": str(path), "RVOD_HIERARCHICAL_ALLREDUCE": "1", "RVOD_HIERARCHICAL_ALLGATHER": "1"}
+    job = FakeHostsJob("hosta:2,hostb:2", job_env, 4, [sys.executable, WORKER, "ops"], tmp_path, settings=settings)
+    with job:
+        job.start()
+        results = job.wait(timeout=60)
+        report = job.report()
+    assert all(res.returncode == 0 for res in results.values()), report
+    trace = Trace(path)
+    for rank in range(4):
+        allreduce = trace.names("allreduce.step.grad", rank)
+        assert {"ALLREDUCE", "SHM_REDUCESCATTER", "TCP_ALLREDUCE", "SHM_ALLGATHER"} <= allreduce, (rank, allreduce)
+        assert "SHM+TCP_ALLREDUCE" not in allreduce, (rank, allreduce)
+        allgather = trace.names("allgather.step.gathered", rank)
+        assert {"ALLGATHER", "SHM_ALLGATHER", "TCP_ALLGATHER"} <= allgather, (rank, allgather)
+    # The steps follow each other inside the op's bar, in order, on every rank.
+    for rank in range(4):
+        spans = sorted((e for e in trace.by_row["allreduce.step.grad"] if e["tid"] == rank and e["ph"] == "X"),
+                       key=lambda e: e["ts"])
+        steps = [e["name"] for e in spans if e["name"] in ("SHM_REDUCESCATTER", "TCP_ALLREDUCE", "SHM_ALLGATHER")]
+        assert steps == ["SHM_REDUCESCATTER", "TCP_ALLREDUCE", "SHM_ALLGATHER"], (rank, steps)
 
 
 @pytest.mark.timeout(60)
