@@ -1,7 +1,7 @@
 """The Chrome-trace timeline (RVOD_TIMELINE, rvodrun --timeline-filename / --timeline-mark-cycles,
 hvd.start_timeline / stop_timeline): one file holds every rank's rows, it names and phases each op, and it
-is valid JSON at every moment, including after kill -9 of a rank and Ctrl-C of rvodrun.
-Workers: workers/timeline.py. About 25 s in all."""
+is valid JSON at every moment, including after kill -9 or SIGINT of either rank and Ctrl-C of rvodrun; a
+hierarchical op shows its steps. Workers: workers/timeline.py. About 60 s in all."""
 
 from __future__ import annotations
 
@@ -195,10 +195,13 @@ def assert_loadable_with_both_ranks(path: Path):
 
 
 @pytest.mark.timeout(60)
-def test_valid_json_after_kill_9_of_a_rank_mid_run(job_env, tmp_path):
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["kill-9", "sigint"])
+def test_valid_json_after_a_rank_is_killed_or_interrupted_mid_run(job_env, tmp_path, rank, sig):
+    """kill -9 (or Ctrl-C's SIGINT, sent to the rank itself) of rank 0 or 1 while both ranks write."""
     path = tmp_path / "killed.json"
     process = start_loop(job_env, tmp_path, path)
-    os.kill(int((tmp_path / "pid1").read_text()), signal.SIGKILL)
+    os.kill(int((tmp_path / f"pid{rank}").read_text()), sig)
     process.communicate(timeout=40)
     assert process.returncode != 0
     assert_loadable_with_both_ranks(path)
