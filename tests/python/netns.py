@@ -1,29 +1,22 @@
 """Hosts simulated on this machine for multi-host tests: network namespaces with an sshd each, cabled to a
-switch, and a launcher namespace that plays the machine jobs are started from.
+switch namespace (a bridge), and a launcher namespace that plays the machine jobs are started from.
 
-`Cluster(names)` makes, every name carrying the test's pid so that checkouts can run side by side:
-- a switch namespace that holds only a bridge;
-- one namespace per host name, running an sshd (host key and root login key made by the test in a
-  temporary directory), with an interface `NIC` (the same name on every host, as on a real cluster) cabled
-  to the switch by a veth pair, and the host's address from 198.51.100.0/25 on it;
-- a launcher namespace, cabled the same way, where the test runs rvodrun, the ssh client, mpirun, the ranks
-  rvodrun starts on "localhost" and any rvod.run driver (`launch_args`). It also has `LAUNCHER_ONLY_NIC`,
-  an interface no host has (on 198.51.100.128/25, which leads nowhere).
+Each host namespace has an sshd (keys made by the test) and interface `NIC`, the same name everywhere as on
+a real cluster, with an address from 198.51.100.0/25. The launcher is where the test runs rvodrun, ssh,
+mpirun, "localhost" ranks and rvod.run drivers (`launch_args`); it also has `LAUNCHER_ONLY_NIC`, which no
+host has. `ssh_config` maps host names to addresses (rvodrun reads it through RVOD_SSH_CONFIG_FILE).
 
-Why a launcher namespace: documentation-range addresses (198.51.100.0/24, 192.0.2.0/24) may exist only
-inside namespaces a test made, never in the host's own (root) namespace. Issue 12 asks for jobs started
-"from the host namespace"; running the launching side inside a namespace the test made is the accepted
-substitute. Nothing is added to the root namespace: no address, no route, no link (each veth pair is made
-with its ends already inside test namespaces), and the root namespace sends nothing to these addresses
-(an sshd's readiness is read from /proc, not probed over the network). No namespace has a route beyond
-198.51.100.0/24, so nothing leaves them either. `ip netns exec` execs its command, so signals sent to a
-process started through `launch_args` reach that command itself.
+Why a launcher namespace: documentation-range addresses may exist only inside namespaces a test made,
+never in the root namespace, so issue 12's "jobs started from the host namespace" run in this test-made
+namespace instead, the accepted substitute. Nothing is added to the root namespace (veth pairs are made
+with both ends inside test namespaces), the root namespace sends nothing to these addresses (sshd
+readiness is read from /proc), and no namespace routes beyond 198.51.100.0/24. `ip netns exec` execs its
+command, so signals reach the launched process itself.
 
-`ssh_config` maps the host names to their addresses (rvodrun reads it through RVOD_SSH_CONFIG_FILE), with
-the host keys already known. Everything is removed on `close()`, which the test fixture calls and
-interpreter exit calls again, whatever happened: every process in any of the namespaces is killed, and the
-namespaces are deleted (taking their links with them). `skip_reason()` says why a machine cannot run these
-tests.
+`close()` kills every process in the namespaces and deletes them; the fixture's finaliser and atexit both
+call it, and while a cluster exists SIGTERM raises KeyboardInterrupt so that they run (only SIGKILL leaves
+namespaces behind). Names carry the test's pid, so checkouts can run side by side. `skip_reason()` says why
+a machine cannot make these hosts.
 """
 
 from __future__ import annotations
@@ -35,6 +28,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -69,7 +63,14 @@ def skip_reason() -> str | None:
     made = _ip("netns", "add", probe, check=False)
     if made.returncode != 0:
         return f"cannot make a network namespace (`ip netns add` failed: {made.stderr.strip()})"
-    _ip("netns", "del", probe, check=False)
+    try:
+        for what, args in (("a bridge", ("bridge", "type", "bridge")),
+                           ("a veth pair", ("v0", "type", "veth", "peer", "name", "v1"))):
+            made = _ip("-n", probe, "link", "add", *args, check=False)
+            if made.returncode != 0:
+                return f"cannot make {what} in a network namespace (`ip link add` failed: {made.stderr.strip()})"
+    finally:
+        _ip("netns", "del", probe, check=False)
     return None
 
 
@@ -106,6 +107,10 @@ class Cluster:
         self._made: list[str] = []
         self._closed = False
         atexit.register(self.close)
+        self._previous_sigterm = None
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+            self._previous_sigterm = signal.signal(signal.SIGTERM, _interrupt)
         try:
             self._make()
         except BaseException:
@@ -269,6 +274,13 @@ class Cluster:
         for namespace in reversed(self._made):
             _ip("netns", "del", namespace, check=False)
         shutil.rmtree(self.workdir, ignore_errors=True)
+        if self._previous_sigterm is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
+
+
+def _interrupt(signum: int, _frame) -> None:
+    """SIGTERM while namespaces exist: unwind as Ctrl-C does, so the fixture's finaliser and atexit run."""
+    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
 
 
 def _listening_ports(table: str) -> set[int]:
