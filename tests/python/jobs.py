@@ -209,8 +209,8 @@ class StoreConnection:
     """A client of the rendezvous store (or a mesh listener) that proves knowledge of `secret`."""
 
     def __init__(self, port: int, secret: bytes, purpose: int = PURPOSE_STORE, claim: bytes = b"",
-                 timeout: float = 10.0):
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+                 timeout: float = 10.0, host: str = "127.0.0.1"):
+        self.sock = socket.create_connection((host, port), timeout=timeout)
         nonce = os.urandom(32)
         self.sock.sendall(MAGIC + struct.pack(">HB", VERSION, purpose) + nonce + struct.pack(">H", len(claim)) + claim)
         challenge = recv_exactly(self.sock, 4 + 2 + 1 + 32)
@@ -256,6 +256,20 @@ def is_dropped(sock: socket.socket, timeout: float = 10.0) -> bool:
         return True
     except socket.timeout:
         return False
+
+
+def hierarchical_runs_by_phase(stderr: str) -> dict[str, dict[str, int | None]]:
+    """From one rank's debug log of workers/hierarchical.py: per phase (its "PHASE name" lines), how many
+    hierarchical allreduces and allgathers the engine ran, and the size in bytes of the smallest one."""
+    phases: dict[str, dict[str, int | None]] = {}
+    for section in stderr.split("PHASE ")[1:]:
+        name, _, log = section.partition("\n")
+        counts: dict[str, int | None] = {
+            op: len(re.findall(rf"hierarchical {op} of \d+ bytes", log)) for op in ("allreduce", "allgather")}
+        sizes = [int(size) for size in re.findall(r"hierarchical \w+ of (\d+) bytes", log)]
+        counts["smallest"] = min(sizes, default=None)
+        phases[name] = counts
+    return phases
 
 
 def assert_worker_job(result, passed: dict[int, int]) -> None:

@@ -10,11 +10,10 @@ identical bytes across the three, and Horovod's local/cross ranks and sizes. Abo
 
 from __future__ import annotations
 
-import re
 import sys
 
 import pytest
-from jobs import WORKERS, FakeHostsJob, verdicts
+from jobs import WORKERS, FakeHostsJob, hierarchical_runs_by_phase, verdicts
 
 
 # Horovod's topology for each layout, by rank: local_rank, local_size, cross_rank, cross_size, is_homogeneous.
@@ -29,11 +28,9 @@ LAYOUTS = {
 def test_every_collective_across_fake_hosts_hierarchical_on_off_and_auto(job_env, tmp_path, hosts):
     topology = LAYOUTS[hosts]
     job = FakeHostsJob(hosts, job_env, 4, [sys.executable, str(WORKERS / "hierarchical.py")], tmp_path,
-                       settings={"RVOD_LOG_LEVEL": "debug"})
+                       settings={"RVOD_LOG_LEVEL": "debug", "RVOD_TEST_TOPOLOGY": ";".join(topology)})
     with job:
-        for rank in range(4):
-            job.base_env["RVOD_TEST_TOPOLOGY"] = topology[rank]
-            job.start([rank])
+        job.start()
         results = job.wait(timeout=150)
         report = job.report()
     stdout = "".join(f"[{r}]<stdout>:{line}\n" for r, res in results.items() for line in res.stdout.splitlines())
@@ -45,12 +42,7 @@ def test_every_collective_across_fake_hosts_hierarchical_on_off_and_auto(job_env
     assert min(passed for passed, _ in found.values()) > 3 * 300, report
     # Which algorithms ran, by phase, from rank 0's debug log: hierarchical ones only where the hosts have
     # the same number of ranks, always when forced on, never when forced off, for large buffers when unset.
-    phases = {}
-    for section in results[0].stderr.split("PHASE ")[1:]:
-        name, _, log = section.partition("\n")
-        phases[name] = {op: len(re.findall(rf"hierarchical {op} of \d+ bytes", log)) for op in ("allreduce", "allgather")}
-        sizes = [int(size) for size in re.findall(r"hierarchical \w+ of (\d+) bytes", log)]
-        phases[name]["smallest"] = min(sizes, default=None)
+    phases = hierarchical_runs_by_phase(results[0].stderr)
     assert list(phases) == ["forced on", "forced off", "engine's choice"], report
     if topology[0].endswith("False"):
         assert all(p["allreduce"] == p["allgather"] == 0 for p in phases.values()), phases

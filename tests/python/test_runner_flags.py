@@ -1,7 +1,7 @@
 """rvodrun's horovodrun compatibility, on this machine: every horovodrun flag is honoured or refused with a
 sentence (never "unrecognized arguments"), --config-file in Horovod's YAML schema, a script named without
 its interpreter, --prefix-output-with-timestamp, --mpi through mpirun, the ssh command line of a remote
-rank (no secret on it), and rvod.run on one host.
+rank (no secret on it), and rvod.run on one host, directly and through mpirun.
 """
 
 from __future__ import annotations
@@ -214,6 +214,42 @@ def test_rvod_run_on_this_machine(job_env):
     assert result.stdout.splitlines() == [
         "[(1, 3), (4, 3), (9, 3)]",
         "refused: --min-np selects elastic training, which rvod.run does not support yet",
+    ]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="use_mpi needs Open MPI's mpirun (scripts/setup-system.sh)")
+def test_rvod_run_through_mpirun_on_this_machine(job_env):
+    result = subprocess.run([PYTHON, "-c", textwrap.dedent("""
+        import rvod
+
+        def rank_and_local_rank():
+            import os
+            import rvod.numpy as hvd
+            hvd.init()
+            return hvd.rank(), hvd.local_rank(), int(os.environ["OMPI_COMM_WORLD_RANK"])
+
+        print(rvod.run(rank_and_local_rank, num_proc=2, use_mpi=True, mpi_args="--oversubscribe"))
+    """)], env=job_env, capture_output=True, text=True, timeout=50)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "[(0, 0, 0), (1, 1, 1)]", result.stdout + result.stderr
+
+
+def test_rvod_run_use_mpi_without_mpirun_and_mpi_args_without_use_mpi_are_clear_errors(job_env, tmp_path):
+    result = subprocess.run([PYTHON, "-c", textwrap.dedent("""
+        import rvod
+
+        for kwargs in ({"use_mpi": True}, {"mpi_args": "--oversubscribe"}):
+            try:
+                rvod.run(print, num_proc=2, **kwargs)
+            except ValueError as error:
+                print(f"ValueError: {error}")
+    """)], env=dict(job_env, PATH=str(tmp_path)), capture_output=True, text=True, timeout=50)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "ValueError: rvod.run: use_mpi=True starts the ranks with mpirun, which is not installed here (install "
+        "Open MPI, or leave it out: rvod starts ranks on other hosts over ssh itself)",
+        "ValueError: mpi_args is for mpirun, which rvod.run only uses with use_mpi=True",
     ]
 
 

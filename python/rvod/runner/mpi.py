@@ -5,7 +5,8 @@ their output itself (`--tag-output`). Each rank runs `python -m rvod.runner.mpi_
 its rank from Open MPI's environment and its place in the job from the layout rvodrun computed, then becomes
 COMMAND. The job's settings and secret travel as `-x NAME` (the value comes from mpirun's environment, so
 the secret is never on a command line). rvodrun keeps serving the store until mpirun ends, and passes
-SIGINT, SIGTERM and SIGHUP on to it.
+SIGINT, SIGTERM and SIGHUP on to it. `rvod.run(use_mpi=True)` starts its ranks the same way
+(`run_mpirun` inside its own job).
 """
 
 from __future__ import annotations
@@ -61,41 +62,51 @@ def _layout(plan) -> list[tuple[str, int]]:
     return list(counts.items())
 
 
+MISSING_MPIRUN = ("starts the ranks with mpirun, which is not installed here (install Open MPI, or leave it "
+                  "out: rvod starts ranks on other hosts over ssh itself)")
+
+
+def run_mpirun(job, command: list[str]) -> int:
+    """Runs `command` as every rank of `job` (whose store is serving) through mpirun; returns the job's exit
+    status and sets `job.failure` when mpirun fails."""
+    options, plan = job.options, job.plan
+    env = forwarded_environment(os.environ)
+    env.update(engine_env(options))
+    env.update({
+        "RVOD_RENDEZVOUS_ADDR": plan.rendezvous_addr,
+        "RVOD_RENDEZVOUS_PORT": str(job.port),
+        "RVOD_SECRET": job.secret.hex(),
+        LAYOUT_VARIABLE: ",".join(f"{name}:{count}" for name, count in _layout(plan)),
+        "PYTHONUNBUFFERED": "1",
+    })
+    names = sorted(name for name in env if name.isidentifier())
+    args = mpirun_command(options, plan, names, command)
+    if options.verbose:
+        print(f"rvodrun: {shlex.join(args)}", file=sys.stderr)
+    process = subprocess.Popen(args, env=env, start_new_session=True)
+    forward = lambda number, _frame: process.send_signal(number)  # noqa: E731
+    previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        returncode = process.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if returncode != 0:
+        job.failure = f"mpirun exited with status {returncode}"
+        print(f"rvodrun: {job.failure}", file=sys.stderr)
+    return returncode if returncode >= 0 else 128 - returncode
+
+
 def run_with_mpirun(options: argparse.Namespace, plan, command: list[str]) -> int:
     from rvod.runner.launch import Job
 
     if shutil.which("mpirun") is None:
-        print("rvodrun: --mpi starts the ranks with mpirun, which is not installed here (install Open MPI, "
-              "or leave out --mpi: rvodrun starts ranks on other hosts over ssh itself)", file=sys.stderr)
+        print(f"rvodrun: --mpi {MISSING_MPIRUN}", file=sys.stderr)
         return 1
     job = Job(options, plan)
     try:
         with job:
-            env = forwarded_environment(os.environ)
-            env.update(engine_env(options))
-            env.update({
-                "RVOD_RENDEZVOUS_ADDR": plan.rendezvous_addr,
-                "RVOD_RENDEZVOUS_PORT": str(job.port),
-                "RVOD_SECRET": job.secret.hex(),
-                LAYOUT_VARIABLE: ",".join(f"{name}:{count}" for name, count in _layout(plan)),
-                "PYTHONUNBUFFERED": "1",
-            })
-            names = sorted(name for name in env if name.isidentifier())
-            args = mpirun_command(options, plan, names, command)
-            if options.verbose:
-                print(f"rvodrun: {shlex.join(args)}", file=sys.stderr)
-            process = subprocess.Popen(args, env=env, start_new_session=True)
-            forward = lambda number, _frame: process.send_signal(number)  # noqa: E731
-            previous = {signum: signal.signal(signum, forward)
-                        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-            try:
-                returncode = process.wait()
-            finally:
-                for signum, handler in previous.items():
-                    signal.signal(signum, handler)
-            if returncode != 0:
-                print(f"rvodrun: mpirun exited with status {returncode}", file=sys.stderr)
-            return returncode if returncode >= 0 else 128 - returncode
+            return run_mpirun(job, command)
     except store.StoreUnavailable as error:
         print(f"rvodrun: {error}", file=sys.stderr)
         return 1

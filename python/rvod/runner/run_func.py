@@ -2,14 +2,16 @@
 results in rank order.
 
 The job is an rvodrun job (the same placement, ssh launch, checks and supervision) whose ranks run
-`python -m rvod.runner.run_task`. The function travels cloudpickled through the job's authenticated
-rendezvous store, and each rank puts back its result, or the traceback of what it raised. If any rank
-fails, `run` raises RuntimeError naming the rank, with its traceback (or how its process ended).
+`python -m rvod.runner.run_task`; with `use_mpi=True`, as with `rvodrun --mpi`, mpirun starts them. The
+function travels cloudpickled through the job's authenticated rendezvous store, and each rank puts back its
+result, or the traceback of what it raised. If any rank fails, `run` raises RuntimeError naming the rank,
+with its traceback (or how its process ended).
 """
 
 from __future__ import annotations
 
 import pickle
+import shutil
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -62,10 +64,12 @@ def run(
     """Runs `func(*args, **kwargs)` on `num_proc` ranks placed on `hosts` (or `hostfile`; default this
     machine) and returns the list of their return values, rank 0 first. Arguments mean what horovod.run's
     do; elastic ones (`min_num_proc`, `max_num_proc`, `slots`, `reset_limit`, `cooldown_range`,
-    `host_discovery_script`) and `use_mpi` are refused with a ValueError, as rvodrun refuses their flags."""
+    `host_discovery_script`) are refused with a ValueError, as rvodrun refuses their flags. `use_mpi=True`
+    starts the ranks with Open MPI's mpirun (ValueError where it is not installed), `mpi_args` being extra
+    arguments for it."""
     import cloudpickle
 
-    from rvod.runner import launch
+    from rvod.runner import launch, mpi
     from rvod.runner.cli import REFUSED, build_parser
 
     num_proc = _deprecated_alias("np", "num_proc", np, num_proc)
@@ -75,10 +79,10 @@ def run(
         raise ValueError("give hosts or hostfile, not both")
     if use_gloo and use_mpi:
         raise ValueError("give use_gloo or use_mpi, not both")
-    if use_mpi:
-        raise ValueError("rvod.run starts its ranks itself (over ssh on other hosts); use_mpi is not supported")
-    if mpi_args is not None:
-        raise ValueError("mpi_args is for mpirun, which rvod.run does not use")
+    if mpi_args is not None and not use_mpi:
+        raise ValueError("mpi_args is for mpirun, which rvod.run only uses with use_mpi=True")
+    if use_mpi and shutil.which("mpirun") is None:
+        raise ValueError(f"rvod.run: use_mpi=True {mpi.MISSING_MPIRUN}")
     if network_interface is not None:
         warnings.warn("network_interface is deprecated, use network_interfaces", DeprecationWarning, stacklevel=2)
     nics: list[str] = []
@@ -102,20 +106,23 @@ def run(
     options.output_dir = output_filename
     options.verbose = bool(verbose and verbose >= 2) if not isinstance(verbose, bool) else verbose
     options.nics = nics
+    options.mpi_args = mpi_args
     if options.num_proc < 1:
         raise ValueError(f"num_proc must be at least 1, got {options.num_proc}")
 
     plan = launch.plan_job(options)
     payload = cloudpickle.dumps((func, tuple(args), dict(kwargs or {})))
     job = launch.Job(options, plan)
-    job.check_hosts()
+    if not use_mpi:
+        job.check_hosts()  # mpirun reaches the hosts itself
     with job:
         from rvod._rvod import StoreClient
 
         client = StoreClient(plan.rendezvous_addr, job.port, job.secret, _STORE_TIMEOUT_SECONDS)
         try:
             client.set(FUNCTION_KEY, payload)
-            status = job.run([executable or sys.executable, "-m", "rvod.runner.run_task"])
+            task = [executable or sys.executable, "-m", "rvod.runner.run_task"]
+            status = mpi.run_mpirun(job, task) if use_mpi else job.run(task)
             outcomes = {}
             for slot in plan.slots:
                 try:

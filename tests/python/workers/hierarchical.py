@@ -5,7 +5,8 @@ Three phases, each after a fresh init: hierarchical allreduce and allgather forc
 (RVOD_HIERARCHICAL_*=1), forced off (HOROVOD_HIERARCHICAL_*=0), and left to the engine. Each phase checks
 every result against exact expected values (small integers: every reduction order gives the same bits),
 and the phases' results must be identical byte for byte. The topology (local/cross rank and size,
-is_homogeneous) must be Horovod's for the layout, given as RVOD_TEST_TOPOLOGY="lr,ls,cr,cs,homogeneous".
+is_homogeneous) must be Horovod's for the layout, given for every rank, in rank order, as
+RVOD_TEST_TOPOLOGY="lr,ls,cr,cs,homogeneous;lr,ls,cr,cs,homogeneous;...".
 Each phase starts with a "PHASE name" line on stderr, so the test can see which algorithms its debug log
 shows in each.
 """
@@ -131,7 +132,7 @@ for phase, settings in PHASES:
     sets = [hvd.ProcessSet(ranks) for ranks in SPANNING]
     hvd.init(process_sets=sets)
     with check(f"{phase}: topology"):
-        want = os.environ["RVOD_TEST_TOPOLOGY"].split(",")
+        want = os.environ["RVOD_TEST_TOPOLOGY"].split(";")[R].split(",")
         got = [hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size(), hvd.is_homogeneous()]
         assert [str(v) for v in got] == want, (got, want)
     with check(f"{phase}: shared memory inside the hosts, TCP across"):

@@ -1,13 +1,19 @@
-"""rvod.numpy across hosts (network namespaces, see tests/python/netns.py), run by rvodrun with -H.
+"""Every op x dtype across hosts (network namespaces, see tests/python/netns.py), run by rvodrun with -H.
 
 Argument: the ranks per host in placement order, e.g. ``2,2`` or ``1,3``. Checks the topology (rank,
-local and cross ranks and sizes, is_homogeneous) against what that layout means, then every op with a few
-dtypes against exact values: allreduce with every reduce op, grouped allreduce, allgather with a different
-first dimension per rank, broadcast from a root on each host, alltoall with uneven splits, reducescatter,
-barrier, broadcast_object and allgather_object; and the same ops on process sets that span hosts (the first
-and last rank, and one rank per host). Data depend only on the rank, so every rank knows every result.
+local and cross ranks and sizes, is_homogeneous) against what that layout means, then every op with every
+dtype rvod exchanges, against exact values: uint8, int8, uint16, int16, int32, int64, float16, float32,
+float64 and bool through rvod.numpy, and bfloat16 through rvod.torch where PyTorch is installed (NumPy has
+no bfloat16 that DLPack can carry). The ops: allreduce with every reduce op (Average only for floating
+types, where it is exact; for bool Sum and Max are "or", Min and Product "and"), grouped allreduce,
+allgather with a different first dimension per rank, broadcast from a root on each host, alltoall with
+uneven splits, reducescatter, barrier, broadcast_object and allgather_object; and the same ops on process
+sets that span hosts (the first and last rank, and one rank per host). Data depend only on the rank, so
+every rank knows every result; values are small integers (sums up to 20, products up to 3**4), exact in
+every dtype.
 """
 
+import importlib.util
 import os
 import sys
 
@@ -40,25 +46,71 @@ with check("topology"):
     assert found == expected, (found, expected)
     assert os.environ["RVOD_HOSTNAME"] == os.environ["RVOD_TEST_HOSTS"].split(",")[host], os.environ["RVOD_HOSTNAME"]
 
-DTYPES = [np.float32, np.float64, np.int32, np.int64, np.float16, np.uint8]
-OPS = {"Sum": hvd.Sum, "Average": hvd.Average, "Min": hvd.Min, "Max": hvd.Max, "Product": hvd.Product}
+
+class NumpyArrays:
+    """NumPy arrays of one dtype, exchanged by rvod.numpy."""
+
+    hvd = hvd
+
+    def __init__(self, dtype):
+        self.dtype = np.dtype(dtype)
+        self.name = self.dtype.name
+        self.kind = self.dtype.kind
+
+    def make(self, values):
+        return np.asarray(values).astype(self.dtype)
+
+    def read(self, tensor):
+        """(dtype name, values as float64)."""
+        return tensor.dtype.name, np.asarray(tensor).astype(np.float64)
 
 
-def contribution(rank, dtype, count=11):
-    values = (np.arange(count) + 2 * rank) % 5 + 1  # 1..5: sums, products and averages stay exact
-    return values.astype(dtype)
+class TorchBfloat16:
+    """bfloat16 tensors, exchanged by rvod.torch (the same engine as rvod.numpy)."""
+
+    name, kind = "bfloat16", "f"
+
+    def __init__(self):
+        import torch
+
+        import rvod.torch
+
+        self.torch, self.hvd = torch, rvod.torch
+
+    def make(self, values):
+        return self.torch.from_numpy(np.asarray(values, dtype=np.float32)).to(self.torch.bfloat16)
+
+    def read(self, tensor):
+        return str(tensor.dtype).removeprefix("torch."), tensor.to(self.torch.float64).numpy()
 
 
-def reduced(op, dtype, ranks, count=11):
-    stack = np.stack([contribution(r, dtype, count).astype(np.float64) for r in ranks])
-    value = {"Sum": stack.sum(0), "Average": stack.sum(0) / len(ranks), "Min": stack.min(0),
-             "Max": stack.max(0), "Product": stack.prod(0)}[op]
-    return value
+KINDS = [NumpyArrays(dtype) for dtype in (np.uint8, np.int8, np.uint16, np.int16, np.int32, np.int64, np.float16,
+                                          np.float32, np.float64, np.bool_)]
+if importlib.util.find_spec("torch") is not None:
+    KINDS.append(TorchBfloat16())
+OPS = ["Sum", "Average", "Min", "Max", "Product"]
 
 
-def exact(out, expected, dtype, label):
-    assert out.dtype == np.dtype(dtype), (label, out.dtype)
-    assert np.array_equal(out.astype(np.float64), np.asarray(expected, dtype=np.float64)), (label, out, expected)
+def values(rank, kind, count=11, product=False):
+    """What `rank` contributes: 1..5 (1..3 for Product), or for bool a pattern of True and False."""
+    i = np.arange(count)
+    if kind.kind == "b":
+        return (i + rank) % 3 == 0
+    return (i + 2 * rank) % 3 + 1 if product else (i + 2 * rank) % 5 + 1
+
+
+def reduced(op, kind, ranks, count=11):
+    stack = np.stack([values(r, kind, count, op == "Product").astype(np.float64) for r in ranks])
+    return {"Sum": stack.sum(0), "Average": stack.sum(0) / len(ranks), "Min": stack.min(0),
+            "Max": stack.max(0), "Product": stack.prod(0)}[op]
+
+
+def exact(out, expected, kind, label):
+    """`out` has `kind`'s dtype and holds `expected` (exact values, cast to that dtype: nonzero is True)."""
+    name, got = kind.read(out)
+    assert name == kind.name, (label, name)
+    want = kind.read(kind.make(expected))[1]
+    assert np.array_equal(got, want), (label, got, want)
 
 
 def run_ops(process_set, members, tag):
@@ -66,43 +118,41 @@ def run_ops(process_set, members, tag):
     if R not in members:
         return
     n, me = len(members), members.index(R)
-    for dtype in DTYPES:
-        name = np.dtype(dtype).name
-        for op_name, op in OPS.items():
-            if op_name == "Average" and np.dtype(dtype).kind in "iu":
-                continue  # integer Average truncates; covered by the float dtypes
-            if op_name == "Product" and n > 3 and dtype in (np.uint8, np.float16):
-                continue  # 5**4 overflows these
+    for kind in KINDS:
+        lib, name = kind.hvd, kind.name
+        for op_name in OPS:
+            if op_name == "Average" and kind.kind != "f":
+                continue  # an integer Average truncates; covered by the floating types
             with check(f"{tag} allreduce {op_name} {name}"):
-                out = hvd.allreduce(contribution(R, dtype), op=op, name=f"{tag}.ar.{op_name}.{name}",
+                out = lib.allreduce(kind.make(values(R, kind, product=op_name == "Product")),
+                                    op=getattr(lib, op_name), name=f"{tag}.ar.{op_name}.{name}",
                                     process_set=process_set)
-                exact(out, reduced(op_name, dtype, members), dtype, f"allreduce {op_name} {name}")
+                exact(out, reduced(op_name, kind, members), kind, f"allreduce {op_name} {name}")
         with check(f"{tag} grouped allreduce {name}"):
-            outs = hvd.grouped_allreduce([contribution(R, dtype, 3), contribution(R, dtype, 1000)], op=hvd.Sum,
-                                         name=f"{tag}.gar.{name}", process_set=process_set)
-            exact(outs[0], reduced("Sum", dtype, members, 3), dtype, "grouped 0")
-            exact(outs[1], reduced("Sum", dtype, members, 1000), dtype, "grouped 1")
+            outs = lib.grouped_allreduce([kind.make(values(R, kind, 3)), kind.make(values(R, kind, 1000))],
+                                         op=lib.Sum, name=f"{tag}.gar.{name}", process_set=process_set)
+            exact(outs[0], reduced("Sum", kind, members, 3), kind, "grouped 0")
+            exact(outs[1], reduced("Sum", kind, members, 1000), kind, "grouped 1")
         with check(f"{tag} allgather {name}"):
-            out = hvd.allgather(np.full((me + 1, 2), R, dtype=dtype), name=f"{tag}.ag.{name}",
-                                process_set=process_set)
-            exact(out, np.concatenate([np.full((i + 1, 2), r) for i, r in enumerate(members)]), dtype, "allgather")
+            out = lib.allgather(kind.make(np.full((me + 1, 2), R)), name=f"{tag}.ag.{name}", process_set=process_set)
+            exact(out, np.concatenate([np.full((i + 1, 2), r) for i, r in enumerate(members)]), kind, "allgather")
         for root in (members[0], members[-1]):
             with check(f"{tag} broadcast {name} from {root}"):
-                out = hvd.broadcast(contribution(R, dtype), root_rank=root, name=f"{tag}.bc.{name}.{root}",
+                out = lib.broadcast(kind.make(values(R, kind)), root_rank=root, name=f"{tag}.bc.{name}.{root}",
                                     process_set=process_set)
-                exact(out, contribution(root, dtype), dtype, "broadcast")
+                exact(out, values(root, kind), kind, "broadcast")
         with check(f"{tag} alltoall {name}"):
             splits = [(me + i) % 3 for i in range(n)]  # rows this rank sends to member i
             rows = np.concatenate([np.full((count, 2), 10 * me + i) for i, count in enumerate(splits)])
-            out, received = hvd.alltoall(rows.astype(dtype), splits=splits, name=f"{tag}.a2a.{name}",
+            out, received = lib.alltoall(kind.make(rows), splits=splits, name=f"{tag}.a2a.{name}",
                                          process_set=process_set)
             expected = np.concatenate([np.full(((s + me) % 3, 2), 10 * s + me) for s in range(n)])
-            exact(out, expected, dtype, "alltoall")
+            exact(out, expected, kind, "alltoall")
             assert [int(v) for v in np.asarray(received).reshape(-1)] == [(s + me) % 3 for s in range(n)], received
         with check(f"{tag} reducescatter {name}"):
-            rows = np.stack([contribution(R, dtype, 3) for _ in range(2 * n)])
-            out = hvd.reducescatter(rows, op=hvd.Sum, name=f"{tag}.rs.{name}", process_set=process_set)
-            exact(out, np.stack([reduced("Sum", dtype, members, 3)] * 2), dtype, "reducescatter")
+            rows = np.stack([values(R, kind, 3) for _ in range(2 * n)])
+            out = lib.reducescatter(kind.make(rows), op=lib.Sum, name=f"{tag}.rs.{name}", process_set=process_set)
+            exact(out, np.stack([reduced("Sum", kind, members, 3)] * 2), kind, "reducescatter")
     with check(f"{tag} barrier and objects"):
         hvd.barrier(process_set=process_set)
         assert hvd.broadcast_object({"from": R}, root_rank=members[-1], name=f"{tag}.bo",
