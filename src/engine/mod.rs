@@ -72,12 +72,26 @@ fn sorted_unique(ranks: &[usize]) -> Vec<usize> {
     ranks
 }
 
+/// A rank that has met every other rank in the rendezvous scope of its init (see [`Engine::meet`]).
+pub struct Meeting {
+    config: Config,
+    store: Option<StoreClient>,
+    generation: u64,
+}
+
 impl Engine {
     /// Connect to every other rank, then register `static_sets` (the same list on every rank). `generation`
     /// counts the inits of this process, so a re-init after shutdown meets its peers in a fresh scope.
     pub fn start(config: Config, generation: u64, static_sets: &[Vec<usize>]) -> Result<Engine, EngineError> {
-        let topo = config.topology.clone();
-        crate::memory::set_pool_limit(config.buffer_pool_bytes);
+        Engine::meet(config, generation)?.start(static_sets)
+    }
+
+    /// The first part of [`start`](Self::start): reach the store and meet every other rank in the scope of
+    /// `generation`. An init that fails here (the store unreachable, a rank that never came) leaves the
+    /// scope unused, on every rank alike, so that a re-init meets in it again; once every rank has met,
+    /// the scope is used up whatever happens next.
+    pub fn meet(config: Config, generation: u64) -> Result<Meeting, EngineError> {
+        let topo = &config.topology;
         let mut store = match &config.rendezvous {
             Some(rdv) => Some(connect::connect_store(rdv, config.start_timeout)?),
             None => None,
@@ -85,6 +99,16 @@ impl Engine {
         if let Some(s) = store.as_mut() {
             meet::meet_every_rank(s, &format!("init{generation}"), topo.rank, topo.size, config.start_timeout)?;
         }
+        Ok(Meeting { config, store, generation })
+    }
+}
+
+impl Meeting {
+    /// The rest of [`Engine::start`]: connect the global set and register `static_sets`.
+    pub fn start(self, static_sets: &[Vec<usize>]) -> Result<Engine, EngineError> {
+        let Meeting { config, mut store, generation } = self;
+        let topo = config.topology.clone();
+        crate::memory::set_pool_limit(config.buffer_pool_bytes);
         let data_addr = match &config.rendezvous {
             Some(rdv) => Some(connect::data_address(rdv, topo.rank)?),
             None => None,
@@ -113,7 +137,9 @@ impl Engine {
         }
         Ok(engine)
     }
+}
 
+impl Engine {
     fn registry(&self) -> MutexGuard<'_, ProcessSetRegistry> {
         self.registry.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }

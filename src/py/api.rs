@@ -125,16 +125,20 @@ pub fn init(
         None => None,
     };
     let (hosted, _) = served.map_err(to_py_err)?;
-    // An init that timed out waiting for ranks that never came keeps its generation: every rank that
-    // came timed out too, so all of them (and the late ones) meet again in the same scope on re-init.
+    // The generation names the rendezvous scope; it is used up only once every rank has met in it (see
+    // `Engine::meet`). An init that failed before (a bad setting, a store address that does not resolve, a
+    // rank that never came) keeps it: every rank meets again in the same scope on re-init, whichever of
+    // them failed and however.
     let generation = state().generation;
     let (done, mut started) = std::sync::mpsc::channel();
     std::thread::Builder::new()
         .name("rvod-init".into())
         .spawn(move || {
-            let started = meet::meet(config, generation, hosted.as_ref(), offer)
-                .and_then(|config| Engine::start(config, generation, &process_sets));
-            let _ = done.send(started.map(|engine| (engine, hosted)));
+            let met = meet::meet(config, generation, hosted.as_ref(), offer)
+                .and_then(|config| Engine::meet(config, generation));
+            let used_generation = met.is_ok();
+            let started = met.and_then(|meeting| meeting.start(&process_sets));
+            let _ = done.send((started.map(|engine| (engine, hosted)), used_generation));
         })
         .map_err(|e| to_py_err(EngineError::Init(format!("cannot start the init thread: {e}"))))?;
     loop {
@@ -145,9 +149,9 @@ pub fn init(
         });
         started = receiver;
         match outcome {
-            Ok(result) => {
+            Ok((result, used_generation)) => {
                 let mut state = state();
-                if !matches!(result, Err(EngineError::StartTimeout(_))) {
+                if used_generation {
                     state.generation += 1;
                 }
                 let (engine, hosted) = result.map_err(to_py_err)?;

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -60,6 +62,16 @@ def job_env() -> Iterator[dict[str, str]]:
     env[JOB_TAG_VARIABLE] = tag
     yield env
     kill_tagged(tag)
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[Path]:
+    """A private folder on /dev/shm (the tmpfs segments normally live in) for a job's shared-memory segments
+    (RVOD_SHM_DIR), so a test sees exactly what its job left there; removed afterwards."""
+    base = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else Path(tempfile.gettempdir())
+    path = Path(tempfile.mkdtemp(prefix=f"rvod-test-{os.getpid()}-", dir=base))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

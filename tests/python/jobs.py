@@ -7,8 +7,10 @@ each rank's output to files so no pipe can fill up and stall a rank. `FakeHostsJ
 rvodrun's environment for a `-H` host list whose names are only names, so the engine takes the ranks for
 several hosts (shared memory inside each, TCP between them) on this one machine.
 
-`StoreConnection` speaks the store's authentication handshake (see src/transport/handshake.rs) from Python,
-so a test can play a stranger with the wrong secret, or a legitimate client reading the mesh addresses.
+`HoldingRelay` sits between a rank and the store and holds back the request that carries a given key, so a
+test can stop a rank at an exact point of its set-up. `StoreConnection` speaks the store's authentication
+handshake (see src/transport/handshake.rs) from Python, so a test can play a stranger with the wrong secret,
+or a legitimate client reading the mesh addresses.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,13 +116,14 @@ class LocalJob:
         })
         return env
 
-    def start(self, ranks=None) -> LocalJob:
+    def start(self, ranks=None, env: dict[str, str] | None = None) -> LocalJob:
+        """Starts the given ranks (default: all); `env` overrides their environment (e.g. the store's port)."""
         for rank in range(self.size) if ranks is None else ranks:
             out = open(self.workdir / f"rank{rank}.out", "wb")
             err = open(self.workdir / f"rank{rank}.err", "wb")
             with out, err:
-                self.processes[rank] = subprocess.Popen(self.command, env=self.env_for(rank), stdout=out,
-                                                        stderr=err, stdin=subprocess.DEVNULL)
+                self.processes[rank] = subprocess.Popen(self.command, env={**self.env_for(rank), **(env or {})},
+                                                        stdout=out, stderr=err, stdin=subprocess.DEVNULL)
         return self
 
     def output(self, rank: int) -> tuple[str, str]:
@@ -160,6 +164,55 @@ class LocalJob:
         self.kill()
         kill_tagged(self.base_env[JOB_TAG_VARIABLE])
         self.store.close()
+
+
+class HoldingRelay:
+    """A TCP relay in front of the store for the ranks pointed at it (RVOD_RENDEZVOUS_PORT=relay.port) that
+    forwards everything until a request carries `pattern` (a store key), then holds that request back for
+    good: the rank stays stuck right before that request, at a known point, for as long as the test likes.
+    `held` is set once it happened. Use as a context manager."""
+
+    def __init__(self, store_port: int, pattern: bytes):
+        self.store_port = store_port
+        self.pattern = pattern
+        self.held = threading.Event()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.sockets: list[socket.socket] = [self.listener]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                rank_side, _ = self.listener.accept()
+                store_side = socket.create_connection(("127.0.0.1", self.store_port))
+            except OSError:
+                return
+            self.sockets += [rank_side, store_side]
+            threading.Thread(target=self._pump, args=(rank_side, store_side, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(store_side, rank_side, False), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket, from_rank: bool) -> None:
+        tail = b""
+        while True:
+            try:
+                data = source.recv(65536)
+                if not data:
+                    return
+                if from_rank and self.pattern in tail + data:
+                    self.held.set()
+                    return  # neither this request nor anything after it reaches the store
+                tail = (tail + data)[-len(self.pattern):]
+                sink.sendall(data)
+            except OSError:
+                return
+
+    def __enter__(self) -> HoldingRelay:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sock in self.sockets:
+            sock.close()
 
 
 # ------------------------------------------------------------------------------------------ store client

@@ -1,6 +1,7 @@
 """Engine behaviour a Horovod script relies on (issue 13): join, scale factors on every dtype, names reused by
 different ops, uint16, the exception tree, what the others hear when a rank exits without shutdown(), init()
-that cannot meet the other ranks, and fork safety. The worker side is workers/conformance_engine.py (and
+that cannot meet the other ranks, re-init after a failed init(), no shared memory left behind by a start-up
+that is killed or stopped, and fork safety. The worker side is workers/conformance_engine.py (and
 workers/fork_safety.py).
 """
 
@@ -8,17 +9,16 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
-from jobs import PYTHON, WORKERS, LocalJob, StoreConnection, assert_worker_job
+from conftest import JOB_TAG_VARIABLE, kill_tagged, tagged_pids
+from jobs import PYTHON, WORKERS, HoldingRelay, LocalJob, StoreConnection, assert_worker_job
 
 WORKER = str(WORKERS / "conformance_engine.py")
 
@@ -140,36 +140,105 @@ def test_forked_dataloader_workers_leave_the_job_alone(run_rvodrun):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("ending", ["set-up times out", "SIGTERM"])
-def test_shm_segment_is_unlinked_when_a_rank_never_maps_it(job_env, tmp_path, ending):
+def test_shm_segment_is_unlinked_when_a_rank_never_maps_it(job_env, tmp_path, shm_dir, ending):
     """Rank 0 creates the job's shared-memory segment, but rank 1 (played by the test through the store)
     never maps it: whether rank 0's set-up then times out (its init() fails) or rank 0 is stopped with
     SIGTERM meanwhile (as rvodrun stops a job during start-up), nothing is left in the segment folder."""
-    base = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else Path(tempfile.gettempdir())
-    shm_dir = Path(tempfile.mkdtemp(prefix=f"rvod-test-{os.getpid()}-", dir=base))
     settings = {"RVOD_SHM": "1", "RVOD_SHM_DIR": str(shm_dir), "RVOD_TIMEOUT": "3" if ending != "SIGTERM" else "30"}
+    with LocalJob(job_env, 2, [PYTHON, WORKER, "init_only"], tmp_path, settings=settings) as job:
+        store = StoreConnection(job.port, job.secret)
+        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        store.set("init0/arrived/1", b"1")
+        store.set("init0/local_size/1", b"2")
+        store.set("init0/set1/host/1", f"localhost/{boot_id}".encode())
+        job.start([0])
+        deadline = time.monotonic() + 30
+        while not any(shm_dir.iterdir()):
+            assert time.monotonic() < deadline and job.processes[0].poll() is None, job.report()
+            time.sleep(0.05)
+        if ending == "SIGTERM":
+            job.processes[0].send_signal(signal.SIGTERM)
+            result = job.wait(20)[0]
+            assert result.returncode == -signal.SIGTERM, job.report()
+        else:
+            result = job.wait(30)[0]
+            assert "INIT FAILED RvodInternalError" in result.stdout, job.report()
+        store.close()
+        assert not list(shm_dir.iterdir()), f"left behind: {list(shm_dir.iterdir())}\n{job.report()}"
+
+
+@pytest.mark.timeout(60)
+def test_rank_0_killed_between_creating_and_announcing_the_segment_leaves_nothing(job_env, tmp_path, shm_dir):
+    """3 real ranks; rank 0 reaches the store through a relay that holds back its announcement of the
+    shared-memory segment, so it is SIGKILLed with the segment created and its name known to nobody but
+    itself: ranks 1 and 2 fail their init() at once with RvodInternalError naming rank 0 (not after
+    RVOD_TIMEOUT=20), and the segment folder is empty."""
+    settings = {"RVOD_SHM": "1", "RVOD_SHM_DIR": str(shm_dir), "RVOD_TIMEOUT": "20"}
+    with LocalJob(job_env, 3, [PYTHON, WORKER, "init_only"], tmp_path, settings=settings) as job, \
+            HoldingRelay(job.port, b"init0/set1/shm/segment") as relay:
+        job.start([0], env={"RVOD_RENDEZVOUS_PORT": str(relay.port)})
+        job.start([1, 2])
+        assert relay.held.wait(30), f"rank 0 never announced its segment\n{job.report()}"
+        assert len(list(shm_dir.iterdir())) == 1, f"rank 0 announces a segment it created\n{job.report()}"
+        job.processes[0].kill()
+        killed = time.monotonic()
+        results = job.wait(20, ranks=[1, 2])
+        failed_after = time.monotonic() - killed
+        assert job.processes[0].wait() == -signal.SIGKILL
+    for rank, result in results.items():
+        line = re.search(r"^INIT FAILED (\w+): (.*)$", result.stdout, re.MULTILINE)
+        assert line and line.group(1) == "RvodInternalError", job.report()
+        assert "setting up shared memory with the other ranks failed: rank 0 exited" in line.group(2), line.group(0)
+        assert result.returncode == 0, job.report()
+    assert failed_after < 5.0, f"the survivors took {failed_after:.1f} s to fail\n{job.report()}"
+    assert not list(shm_dir.iterdir()), f"left behind: {list(shm_dir.iterdir())}\n{job.report()}"
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_to_rvodrun_during_start_up_leaves_no_segment_and_no_rank(job_env, shm_dir):
+    """rvodrun -np 3, where rank 2 comes to the meeting but never maps the segment: once ranks 0 and 1 both
+    map it (they wait for rank 2 in init()), rvodrun gets SIGTERM. It stops the job and exits 143, the
+    segment folder is empty and no process of the job is left."""
+    job_env.update({"RVOD_SHM": "1", "RVOD_SHM_DIR": str(shm_dir), "RVOD_TIMEOUT": "30"})
+    tag = job_env[JOB_TAG_VARIABLE]
+    rvodrun = subprocess.Popen([sys.executable, "-m", "rvod.runner", "-np", "3", PYTHON, WORKER, "never_maps"],
+                               env=job_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        with LocalJob(job_env, 2, [PYTHON, WORKER, "init_only"], tmp_path, settings=settings) as job:
-            store = StoreConnection(job.port, job.secret)
-            boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-            store.set("init0/arrived/1", b"1")
-            store.set("init0/local_size/1", b"2")
-            store.set("init0/set1/host/1", f"localhost/{boot_id}".encode())
-            job.start([0])
-            deadline = time.monotonic() + 30
-            while not any(shm_dir.iterdir()):
-                assert time.monotonic() < deadline and job.processes[0].poll() is None, job.report()
-                time.sleep(0.05)
-            if ending == "SIGTERM":
-                job.processes[0].send_signal(signal.SIGTERM)
-                result = job.wait(20)[0]
-                assert result.returncode == -signal.SIGTERM, job.report()
-            else:
-                result = job.wait(30)[0]
-                assert "INIT FAILED RvodInternalError" in result.stdout, job.report()
-            store.close()
-            assert not list(shm_dir.iterdir()), f"left behind: {list(shm_dir.iterdir())}\n{job.report()}"
+        deadline = time.monotonic() + 30
+        while len(processes_mapping(shm_dir, tag)) < 2:
+            assert time.monotonic() < deadline and rvodrun.poll() is None, "ranks 0 and 1 never mapped the segment"
+            time.sleep(0.05)
+        rvodrun.send_signal(signal.SIGTERM)
+        stdout, stderr = rvodrun.communicate(timeout=20)
     finally:
-        shutil.rmtree(shm_dir, ignore_errors=True)
+        kill_tagged(tag)
+    report = f"exit {rvodrun.returncode}\nstdout:\n{stdout}\nstderr:\n{stderr}"
+    assert rvodrun.returncode == 128 + signal.SIGTERM, report
+    assert "rvodrun: received SIGTERM, stopping 3 ranks" in stderr, report
+    assert not list(shm_dir.iterdir()), f"left behind: {list(shm_dir.iterdir())}\n{report}"
+    assert tagged_pids(tag) == [], report
+
+
+def processes_mapping(folder: Path, tag: str) -> list[int]:
+    """The job's processes (by `tag`) that map a file of `folder`."""
+    mapping = []
+    for pid in tagged_pids(tag):
+        try:
+            if str(folder) + "/" in Path(f"/proc/{pid}/maps").read_text():
+                mapping.append(pid)
+        except OSError:
+            pass
+    return mapping
+
+
+@pytest.mark.timeout(120)
+def test_init_can_be_retried_after_a_failure_that_did_not_time_out(run_rvodrun):
+    """3 ranks: a bad setting on every rank, a bad setting on rank 1 only (the others wait in init()),
+    process sets that differ across ranks, a set naming a rank outside the job: init() raises ValueError
+    at once each time, and the next init() succeeds with correct allreduce, allgather and broadcast_object
+    values, on the global set and on the process set it registers."""
+    result = run_rvodrun(["-np", "3", "--start-timeout", "20", PYTHON, WORKER, "reinit"], timeout=100)
+    assert_worker_job(result, {0: 8, 1: 10, 2: 8})
 
 
 @pytest.mark.timeout(90)

@@ -8,13 +8,10 @@ from __future__ import annotations
 import ast
 import os
 import re
-import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -82,15 +79,6 @@ def transport_settings(transport: str, shm_dir: Path) -> dict[str, str]:
     if transport == "tcp":
         return {"RVOD_SHM": "0"}
     return {"RVOD_SHM": "1", "RVOD_SHM_DIR": str(shm_dir)}
-
-
-@pytest.fixture
-def shm_dir() -> Iterator[Path]:
-    """A private folder on /dev/shm (the tmpfs segments normally live in), removed afterwards."""
-    base = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else Path(tempfile.gettempdir())
-    path = Path(tempfile.mkdtemp(prefix="rvod-test-", dir=base))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def assert_transport(job: LocalJob, results, transport: str) -> None:

@@ -72,3 +72,13 @@ def test_unnamed_ops_stay_matched_around_process_sets(run_rvodrun, job_env):
     """3 ranks, set [0, 2]: an unnamed global allreduce must still match on every rank after rank 1 was
     refused an unnamed op on the set, and after ranks 0 and 2 ran unnamed ops on their set."""
     run_mode(run_rvodrun, job_env, "naming", 3, timeout=45)
+
+
+@pytest.mark.timeout(60)
+def test_an_op_pending_on_a_removed_set_fails_naming_the_removal(run_rvodrun, job_env):
+    """3 ranks, set [0, 2], rank 2's allreduce on it pending (rank 0 never submits it): when the set is removed
+    the op fails with RvodInternalError naming process set 1, its ranks and remove_process_set() (and rank 0
+    when rank 0 removed it while rank 2 waited), never "called shutdown()"; a global allreduce and the set
+    added again work afterwards."""
+    _, found = run_mode(run_rvodrun, job_env, "removal", 3, timeout=45)
+    assert found == {0: (5, 0), 1: (5, 0), 2: (6, 0)}, found

@@ -71,13 +71,37 @@ impl StoreClient {
 
     /// Returns the value of `key`, waiting up to `timeout` for some client to set it.
     pub fn get(&mut self, key: &str, timeout: Duration) -> Result<Vec<u8>, TransportError> {
-        self.try_get(key, timeout)?.ok_or_else(|| {
-            TransportError::Setup(format!(
-                "timed out after {:.1} s waiting for key '{key}' in the rendezvous store at {}",
-                timeout.as_secs_f64(),
-                self.addr
-            ))
-        })
+        self.try_get(key, timeout)?.ok_or_else(|| self.missing(key, timeout))
+    }
+
+    /// Like [`get`](Self::get), but runs `check` every `slice` of the wait and fails with its error at once
+    /// (for example when the rank that was to set the key has died).
+    pub fn get_checking(
+        &mut self,
+        key: &str,
+        timeout: Duration,
+        slice: Duration,
+        mut check: impl FnMut() -> Result<(), TransportError>,
+    ) -> Result<Vec<u8>, TransportError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if let Some(value) = self.try_get(key, left.min(slice))? {
+                return Ok(value);
+            }
+            check()?;
+            if left <= slice {
+                return Err(self.missing(key, timeout));
+            }
+        }
+    }
+
+    fn missing(&self, key: &str, timeout: Duration) -> TransportError {
+        TransportError::Setup(format!(
+            "timed out after {:.1} s waiting for key '{key}' in the rendezvous store at {}",
+            timeout.as_secs_f64(),
+            self.addr
+        ))
     }
 
     /// Like [`get`](Self::get), but a key still missing after `timeout` is `None` instead of an error.

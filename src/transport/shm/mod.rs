@@ -47,6 +47,8 @@ const MIN_STAGING: usize = 4 << 20;
 const PAGE: usize = 4096;
 /// Longest single sleep: how often a sleeping rank checks whether its peer died.
 const SLEEP_SLICE: Duration = Duration::from_millis(20);
+/// How often a rank waiting for rank 0 during set-up checks that rank 0 is still alive.
+const CREATOR_CHECK: Duration = Duration::from_millis(50);
 
 pub struct ShmTransport {
     rank: usize,
@@ -108,10 +110,34 @@ impl ShmTransport {
         timeout: Duration,
     ) -> Result<Option<ShmTransport>, TransportError> {
         let full = Geometry::for_ranks(size, fusion_threshold);
+        let creating_key = format!("{scope}/shm/creating");
         let segment_key = format!("{scope}/shm/segment");
         let attached_key = |r: usize| format!("{scope}/shm/attached/{r}");
-        let mapped = if rank == 0 {
-            let created = Self::create_segment(dir, full);
+        // Rank 0 says where it will create the segment (and its pid) before creating it, and every rank
+        // unlinks that name when set-up ends, however it ends: a rank killed at any point of set-up (even
+        // rank 0, by SIGKILL, between creating and announcing the segment) leaves nothing behind once the
+        // others have given up. The others also watch rank 0, so its death fails their set-up at once.
+        let (name, creator, own_path) = if rank == 0 {
+            let path = segment::fresh_path(dir).map_err(|e| e.to_string());
+            let name = path.as_deref().ok().map(unlink_on_exit::unlink_on_drop);
+            let shown = path.as_deref().map(|p| p.display().to_string()).unwrap_or_default();
+            store.set(&creating_key, format!("{}:{shown}", std::process::id()).as_bytes())?;
+            (name, None, Some(path))
+        } else {
+            let creating = String::from_utf8_lossy(&store.get(&creating_key, timeout)?).into_owned();
+            let (pid, path) = creating.split_once(':').unwrap_or_default();
+            let path = Path::new(path);
+            let name = segment::is_segment_name(path).then(|| unlink_on_exit::unlink_on_drop(path));
+            (name, Some(Liveness::watch(vec![pid.parse().unwrap_or(0)])), None)
+        };
+        let wait = |store: &mut StoreClient, key: &str| {
+            store.get_checking(key, timeout, CREATOR_CHECK, || match &creator {
+                Some(creator) if creator.is_dead(0) => Err(TransportError::PeerClosed { peer: 0 }),
+                _ => Ok(()),
+            })
+        };
+        let mapped = if let Some(path) = own_path {
+            let created = path.and_then(|path| Self::create_segment(&path, full));
             let announcement = match &created {
                 Ok(l) => format!("ok:{}:{}", l.staging_len(), l.segment().path().display()),
                 Err(e) => format!("no:{e}"),
@@ -119,7 +145,7 @@ impl ShmTransport {
             store.set(&segment_key, announcement.as_bytes())?;
             created
         } else {
-            let announcement = String::from_utf8_lossy(&store.get(&segment_key, timeout)?).into_owned();
+            let announcement = String::from_utf8_lossy(&wait(store, &segment_key)?).into_owned();
             let parts: Vec<&str> = announcement.splitn(3, ':').collect();
             match parts.as_slice() {
                 ["ok", staging, path] => match staging.parse() {
@@ -146,7 +172,7 @@ impl ShmTransport {
             store.set(&attached_key(rank), verdict.as_bytes())?;
             let mut failures = Vec::new();
             for r in 0..size {
-                let v = String::from_utf8_lossy(&store.get(&attached_key(r), timeout)?).into_owned();
+                let v = String::from_utf8_lossy(&wait(store, &attached_key(r))?).into_owned();
                 if let Some(reason) = v.strip_prefix("no:") {
                     failures.push(format!("rank {r}: {reason}"));
                 }
@@ -158,6 +184,7 @@ impl ShmTransport {
         if let Ok(layout) = &mapped {
             layout.segment().unlink();
         }
+        drop(name);
         let failures = verdicts?;
         if !failures.is_empty() {
             if rank == 0 {
@@ -174,11 +201,12 @@ impl ShmTransport {
         Ok(Some(ShmTransport::new(rank, layout, pids, timeout)))
     }
 
-    /// Rank 0: create and lay out the segment, with smaller staging areas (halving down to 4 MiB) or none
-    /// if there is no room for the full ones.
-    fn create_segment(dir: &Path, full: Geometry) -> Result<Layout, String> {
+    /// Rank 0: create and lay out the segment at `path`, with smaller staging areas (halving down to 4 MiB)
+    /// or none if there is no room for the full ones.
+    fn create_segment(path: &Path, full: Geometry) -> Result<Layout, String> {
+        let dir = path.parent().unwrap_or(Path::new("."));
         let create =
-            |g: Geometry| Segment::create(dir, layout::segment_len(&g)).map(|s| Layout::initialise(Arc::new(s), g));
+            |g: Geometry| Segment::create_at(path, layout::segment_len(&g)).map(|s| Layout::initialise(Arc::new(s), g));
         let first_error = match create(full) {
             Ok(layout) => return Ok(layout),
             Err(e) if full.staging > 0 => e,
@@ -580,5 +608,43 @@ impl Staging for ShmTransport {
 impl Drop for ShmTransport {
     fn drop(&mut self) {
         self.close();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transport::rendezvous::RendezvousServer;
+    use std::net::Ipv4Addr;
+
+    #[test]
+    fn rank_0_dying_before_announcing_its_segment_fails_the_others_at_once_and_leaves_no_segment() {
+        let dir = std::env::temp_dir().join(format!("rvod-creator-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let server = RendezvousServer::start(Ipv4Addr::LOCALHOST.into(), 0, b"k".to_vec()).unwrap();
+        let addr = server.addr();
+        // Rank 0 is played by a child process: it names its segment, creates it, and dies before announcing it.
+        let mut rank0 = std::process::Command::new("sleep").arg("30").spawn().unwrap();
+        let path = segment::fresh_path(&dir).unwrap();
+        let mut store = StoreClient::connect(addr, b"k", Duration::from_secs(5)).unwrap();
+        store.set("s/shm/creating", format!("{}:{}", rank0.id(), path.display()).as_bytes()).unwrap();
+        std::fs::write(&path, b"segment").unwrap();
+        let survivor_dir = dir.clone();
+        let survivor = std::thread::spawn(move || {
+            let mut store = StoreClient::connect(addr, b"k", Duration::from_secs(5)).unwrap();
+            let result =
+                ShmTransport::connect_mesh(1, 2, &mut store, "s", &survivor_dir, 1 << 20, Duration::from_secs(30));
+            (result.map(|_| ()), Instant::now())
+        });
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(path.exists(), "the segment stays while rank 0 may still announce it");
+        rank0.kill().unwrap();
+        rank0.wait().unwrap();
+        let killed = Instant::now();
+        let (result, failed) = survivor.join().unwrap();
+        assert!(matches!(result, Err(TransportError::PeerClosed { peer: 0 })), "{result:?}");
+        assert!(failed - killed < Duration::from_secs(2), "failed {:?} after rank 0 died", failed - killed);
+        assert!(!path.exists(), "the survivor unlinks the segment rank 0 named");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

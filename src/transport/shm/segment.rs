@@ -3,7 +3,8 @@
 //! `fallocate` (so a full or too small tmpfs is an error at set-up, never a bus error later), and mapped
 //! shared by every rank. Once every rank has mapped it, the name is unlinked: the memory lives on only in
 //! the mappings, and the kernel frees it when the last rank exits, however it exits. A rank that ends
-//! before that unlinks the name on its way out where it can (`unlink_on_exit`).
+//! before that unlinks the name on its way out where it can (`unlink_on_exit`); one that cannot (SIGKILL)
+//! leaves it to the others, who learn the name before it is created (see `ShmTransport::connect_mesh`).
 
 use std::ffi::CString;
 use std::fs::{File, OpenOptions};
@@ -54,10 +55,28 @@ fn map(file: &File, len: usize) -> io::Result<*mut u8> {
     Ok(ptr.cast())
 }
 
+/// A fresh, unguessable segment path in `dir`.
+pub fn fresh_path(dir: &Path) -> io::Result<PathBuf> {
+    Ok(dir.join(random_name()?))
+}
+
+/// Whether `path` is named as [`fresh_path`] names segments: the only names a rank unlinks on a peer's word.
+pub fn is_segment_name(path: &Path) -> bool {
+    let name = path.file_name().map(|n| n.as_bytes()).unwrap_or_default();
+    name.len() == 37 && name.starts_with(b"rvod-") && name[5..].iter().all(u8::is_ascii_hexdigit)
+}
+
 impl Segment {
     /// Create and map a new segment of `len` bytes in `dir`.
     pub fn create(dir: &Path, len: usize) -> io::Result<Segment> {
-        let path = dir.join(random_name()?);
+        Self::create_at(&fresh_path(dir)?, len)
+    }
+
+    /// Create and map a new segment of `len` bytes at `path` (which must not exist). On failure nothing is
+    /// left at `path`, so the same path can be tried again.
+    pub fn create_at(path: &Path, len: usize) -> io::Result<Segment> {
+        let dir = path.parent().unwrap_or(Path::new("."));
+        let path = path.to_path_buf();
         let file = OpenOptions::new()
             .read(true)
             .write(true)
@@ -174,6 +193,15 @@ mod tests {
         }
         b.unlink();
         assert!(Segment::open(a.path(), 8192).is_err());
+    }
+
+    #[test]
+    fn only_names_made_by_fresh_path_count_as_segment_names() {
+        let dir = std::env::temp_dir();
+        assert!(is_segment_name(&fresh_path(&dir).unwrap()));
+        for other in ["rvod-1234", "rvod-0123456789abcdef0123456789abcdeg", "data.bin", "", "/"] {
+            assert!(!is_segment_name(&dir.join(other)), "{other}");
+        }
     }
 
     #[test]

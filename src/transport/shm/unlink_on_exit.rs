@@ -6,11 +6,12 @@
 //! (`rvodrun` stopping a job during start-up sends SIGTERM). Names in that window are registered here;
 //! an `atexit` hook and, where those signals still have their default disposition, a signal handler unlink
 //! them. Both only touch atomics, fixed buffers and `unlink`, which is async-signal-safe. SIGKILL cannot be
-//! caught: the other ranks unlink the name when their set-up fails (see `connect_mesh`).
+//! caught: the creator names the segment in the store before creating it, and every other rank holds that
+//! name in an [`UnlinkOnDrop`] until set-up ends, however it ends (see `connect_mesh`).
 
 use std::cell::UnsafeCell;
 use std::os::unix::ffi::OsStrExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Once;
 
@@ -49,6 +50,24 @@ impl Drop for PendingName {
     }
 }
 
+/// A name unlinked when the guard is dropped, and until then if the process ends (see [`register`]).
+pub struct UnlinkOnDrop {
+    path: PathBuf,
+    _pending: PendingName,
+}
+
+impl Drop for UnlinkOnDrop {
+    fn drop(&mut self) {
+        // Not found (another rank unlinked it first, or it was never created) is fine.
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// Unlink `path` when the returned guard is dropped, or if this process ends first.
+pub fn unlink_on_drop(path: &Path) -> UnlinkOnDrop {
+    UnlinkOnDrop { path: path.to_path_buf(), _pending: register(path) }
+}
+
 /// Unlink `path` if this process ends (exit, SIGTERM, SIGHUP) before the returned guard is dropped.
 pub fn register(path: &Path) -> PendingName {
     install();
@@ -71,11 +90,19 @@ pub fn register(path: &Path) -> PendingName {
 
 /// Unlink every registered name. Async-signal-safe.
 fn unlink_pending() {
+    unlink_pending_under(b"");
+}
+
+/// Unlink the registered names that start with `prefix` (tests leave other tests' names alone). Async-signal-safe.
+fn unlink_pending_under(prefix: &[u8]) {
     for slot in &PENDING {
         if slot.armed.load(Ordering::Acquire) {
             // SAFETY: armed, so the buffer holds a NUL-terminated path that is not being written.
             unsafe {
-                libc::unlink((*slot.path.get()).as_ptr().cast());
+                let path = &*slot.path.get();
+                if path.starts_with(prefix) {
+                    libc::unlink(path.as_ptr().cast());
+                }
             }
         }
     }
@@ -128,7 +155,7 @@ mod tests {
         let forgotten = register(&kept);
         let pending = register(&doomed);
         drop(forgotten);
-        unlink_pending();
+        unlink_pending_under(dir.join("rvod-unlink-test-").as_os_str().as_bytes());
         assert!(!doomed.exists(), "a registered name is unlinked");
         assert!(kept.exists(), "a name whose guard was dropped is left alone");
         drop(pending);

@@ -14,6 +14,11 @@
   allreduce fails saying rank 1 exited.
 - ``stall`` (2 ranks): rank 1 holds back a fresh and a cached tensor; rank 0 reports when its op failed.
 - ``init_only`` (LocalJob): init() and report how it ended (the test plays the other rank).
+- ``never_maps`` (rvodrun): the last rank plays a rank that never maps the shared-memory segment, so the
+  others stay in init() with the segment created, until the test stops the job.
+- ``reinit`` (3 ranks): init() fails without timing out (a bad setting on every rank, on rank 1 only,
+  process sets that differ across ranks, a set naming a rank outside the job), then init() again works and
+  collectives give the right values.
 - ``late`` (LocalJob, 2 ranks, rank 1 started late): rank 0's init() times out naming rank 1, then a
   second init() meets rank 1 and collectives work.
 """
@@ -341,5 +346,80 @@ def init_only_mode():
         hvd.shutdown()
 
 
+def never_maps_mode():
+    """The last rank plays a rank that comes to init() and never maps the shared-memory segment (it says
+    in the store what init() says, then sleeps); the others call init(), which waits for it."""
+    rank, size = int(os.environ["RVOD_RANK"]), int(os.environ["RVOD_SIZE"])
+    if rank < size - 1:
+        init_only_mode()
+        return
+    from rvod._rvod import StoreClient
+
+    store = StoreClient(os.environ["RVOD_RENDEZVOUS_ADDR"], int(os.environ["RVOD_RENDEZVOUS_PORT"]),
+                        bytes.fromhex(os.environ["RVOD_SECRET"]), 10.0)
+    boot_id = open("/proc/sys/kernel/random/boot_id").read().strip()
+    store.set(f"init0/arrived/{rank}", b"1")
+    store.set(f"init0/local_size/{rank}", os.environ["RVOD_LOCAL_SIZE"].encode())
+    store.set(f"init0/set1/host/{rank}", f"{os.environ['RVOD_HOSTNAME']}/{boot_id}".encode())
+    time.sleep(120)
+
+
+def reinit_mode():
+    """init() that fails without timing out, then a second init() with the mistake fixed, four ways."""
+    rank, size = int(os.environ["RVOD_RANK"]), int(os.environ["RVOD_SIZE"])
+    assert size == 3, "the reinit mode runs with 3 ranks"
+
+    def second_init_works(label, process_sets=None):
+        with check(f"{label}: the second init() succeeds and collectives give the right values"):
+            hvd.init(process_sets=process_sets)
+            assert hvd.is_initialized() and (hvd.rank(), hvd.size()) == (rank, size)
+            out = hvd.allreduce(np.arange(5.0) * (rank + 1), op=hvd.Sum, name=f"{label}.sum")
+            assert np.array_equal(out, np.arange(5.0) * 6), out
+            gathered = hvd.allgather(np.full((rank + 1, 2), rank, dtype=np.int32), name=f"{label}.gather")
+            assert np.array_equal(gathered, np.concatenate([np.full((r + 1, 2), r, dtype=np.int32) for r in range(3)]))
+            assert hvd.broadcast_object({"from": rank}, root_rank=2) == {"from": 2}
+            for ps in process_sets or []:
+                if ps.included():
+                    out = hvd.allreduce(np.full(3, rank + 1.0), op=hvd.Sum, name=f"{label}.set", process_set=ps)
+                    assert np.array_equal(out, np.full(3, sum(r + 1.0 for r in ps.ranks))), out
+        hvd.shutdown()
+
+    os.environ["RVOD_TIMEOUT"] = "soon"
+    with check("a bad setting on every rank: ValueError naming it, at once, and nothing started"):
+        timed_error(ValueError, r'RVOD_TIMEOUT="soon"', hvd.init, within=1.0)
+        assert not hvd.is_initialized()
+    del os.environ["RVOD_TIMEOUT"]
+    second_init_works("bad setting on every rank")
+
+    if rank == 1:
+        os.environ["RVOD_TIMEOUT"] = "soon"
+        with check("a bad setting on rank 1 only: its init() fails while the others wait for it"):
+            timed_error(ValueError, r'RVOD_TIMEOUT="soon"', hvd.init, within=1.0)
+        del os.environ["RVOD_TIMEOUT"]
+    second_init_works("bad setting on rank 1")
+
+    if rank == 1:
+        address = os.environ["RVOD_RENDEZVOUS_ADDR"]
+        os.environ["RVOD_RENDEZVOUS_ADDR"] = "no-such-host.invalid"
+        with check("rank 1's rendezvous address does not resolve: RvodInternalError naming it, while the others wait"):
+            timed_error(RvodInternalError, "cannot resolve rendezvous address no-such-host.invalid", hvd.init, within=5.0)
+        os.environ["RVOD_RENDEZVOUS_ADDR"] = address
+    second_init_works("rank 1 could not resolve the store's address")
+
+    with check("ranks that register different process sets: ValueError on every rank, not a timeout"):
+        mine = [hvd.ProcessSet([1, 2] if rank == 2 else [0, 1])]
+        timed_error(ValueError, "registered different process sets", lambda: hvd.init(process_sets=mine), within=10.0)
+        assert not hvd.is_initialized() and mine[0].process_set_id is None
+    second_init_works("different process sets", [hvd.ProcessSet([0, 2])])
+
+    with check("a process set naming a rank outside the job: ValueError on every rank, after connecting"):
+        outside = [hvd.ProcessSet([0, 5])]
+        timed_error(ValueError, r"process set ranks must be in 0\.\.3; got rank 5", lambda: hvd.init(process_sets=outside),
+                    within=10.0)
+        assert not hvd.is_initialized()
+    second_init_works("a rank outside the job", [hvd.ProcessSet([1, 2])])
+    finish(rank)
+
+
 {"stall": stall_mode, "init_only": init_only_mode, "join": join_mode, "scale": scale_mode, "names": names_mode, "uint16": uint16_mode, "exit": exit_mode,
- "late": late_mode}[MODE]()
+ "late": late_mode, "never_maps": never_maps_mode, "reinit": reinit_mode}[MODE]()

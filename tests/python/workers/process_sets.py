@@ -17,6 +17,8 @@
   Horovod's ProcessSetTable does.
 - ``naming`` (3 ranks): unnamed ops stay matched across ranks after a rank outside a set was refused an
   unnamed op, and after a subset ran unnamed ops on its own set.
+- ``removal`` (3 ranks): an op pending on a set when the set is removed fails with RvodInternalError naming
+  the removal (and the rank that removed it), and the job goes on.
 
 Data depend only on the global rank, so every rank knows every result exactly. Values are small integers
 (exact in every dtype used) and contributions are multiples of the set size, so Average is exact too.
@@ -30,7 +32,7 @@ import time
 import numpy as np
 import rvod.numpy as hvd
 from _check import check, expect_error, finish, wait_done
-from rvod.exceptions import RvodMismatchError
+from rvod.exceptions import RvodInternalError, RvodMismatchError
 
 MODE = sys.argv[1]
 R = int(os.environ["RVOD_RANK"])
@@ -568,4 +570,49 @@ def naming():
     finish(R)
 
 
-{"static": static, "dynamic": dynamic, "naming": naming}[MODE]()
+def removal():
+    """An op pending on a set when the set is removed fails with RvodInternalError naming the removal, not a
+    shutdown: whether the rank waiting for it removes the set too, or waits while rank 0 removes it. Rank 0
+    never submits the op, so only the removal can end it. The job goes on."""
+    hvd.init(process_sets="dynamic")
+    assert hvd.size() == 3, "the removal mode runs with 3 ranks"
+    removed = r"process set 1 \(ranks \[0, 2\]\).* \(remove_process_set\(\)\)"
+
+    pair = hvd.add_process_set([0, 2])
+    handle = hvd.allreduce_async(np.ones(4), op=hvd.Sum, name="orphan.own", process_set=pair) if R == 2 else None
+    hvd.barrier()  # rank 2's op is queued before any rank removes the set
+    with check("every rank removes the set: the op pending on it fails naming the removal"):
+        assert hvd.remove_process_set(pair) is True
+        if R == 2:
+            start = time.monotonic()
+            message = expect_error(RvodInternalError, removed, hvd.synchronize, handle)
+            assert "called shutdown()" not in message, message
+            assert time.monotonic() - start < 2.0, f"took {time.monotonic() - start:.2f} s"
+    global_sum_works("an op failed by its set's removal")
+
+    pair = hvd.add_process_set([0, 2])
+    handle = hvd.allreduce_async(np.ones(4), op=hvd.Sum, name="orphan.waiting", process_set=pair) if R == 2 else None
+    hvd.barrier()
+    if R == 2:
+        with check("rank 2 waits on the op while rank 0 removes the set: the error names rank 0 and the removal"):
+            message = expect_error(RvodInternalError, "rank 0 removed " + removed, hvd.synchronize, handle)
+            assert "called shutdown()" not in message, message
+        with check("rank 2 removes the set afterwards as every rank must"):
+            assert hvd.remove_process_set(pair) is True and pair.process_set_id is None
+    else:
+        with check("ranks 0 and 1 remove the set while rank 2 waits on its op"):
+            time.sleep(0.5)  # rank 2 is inside synchronize by now
+            assert hvd.remove_process_set(pair) is True and pair.process_set_id is None
+    global_sum_works("a removal under a waiting op")
+
+    with check("the same ranks make a set again (id 1) and it gives the right values"):
+        again = hvd.add_process_set([0, 2])
+        assert again.process_set_id == 1, again
+        if again.included():
+            out = hvd.allreduce(np.full(2, R + 1.0), op=hvd.Sum, name="again.sum", process_set=again)
+            assert_equal(out, np.full(2, 4.0), "allreduce on the set added again")
+    hvd.shutdown()
+    finish(R)
+
+
+{"static": static, "dynamic": dynamic, "naming": naming, "removal": removal}[MODE]()
