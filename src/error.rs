@@ -9,8 +9,9 @@ pub enum EngineError {
     /// An op was called before `init()` or after `shutdown()` on this rank.
     #[error("rvod has not been initialized; use hvd.init().")]
     NotInitialized,
-    /// The job is shutting down: some rank called `shutdown()` (or exited) while this op was pending.
-    #[error("rvod has been shut down: {0}")]
+    /// The communicator stopped while this op was pending: some rank called `shutdown()` or exited (the
+    /// message starts "rvod has been shut down"), or its process set was removed (the message says so).
+    #[error("{0}")]
     ShutDown(String),
     /// The same name is already in flight on this rank.
     #[error(

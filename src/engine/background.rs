@@ -71,6 +71,9 @@ pub(crate) fn run(shared: Arc<Shared>, transport: Box<dyn Transport>, config: Co
     state.fail_everything(stopped_because);
 }
 
+/// How the failure of an op pending when the job shut down begins.
+const SHUT_DOWN: &str = "rvod has been shut down: ";
+
 impl Loop {
     /// Runs until a coordinated shutdown (Ok, with the reason) or a fatal failure.
     fn run(&mut self) -> Result<String, EngineError> {
@@ -150,8 +153,8 @@ impl Loop {
             Some(StopReason::Removed) => {
                 format!("{} was removed (remove_process_set()) while this op was pending on it", self.shared.describe())
             }
-            Some(StopReason::Exiting) => "this process is exiting".into(),
-            _ => "this rank called shutdown()".into(),
+            Some(StopReason::Exiting) => format!("{SHUT_DOWN}this process is exiting"),
+            _ => format!("{SHUT_DOWN}this rank called shutdown()"),
         }
     }
 
@@ -166,6 +169,9 @@ impl Loop {
         let removed = ranks(StopReason::Removed);
         if !removed.is_empty() {
             parts.push(format!("{} removed {} (remove_process_set())", named(&removed), self.shared.describe()));
+            if removed.len() == by.len() {
+                return format!("{}; collectives cannot run on it after that", parts.join("; "));
+            }
         }
         let exited = ranks(StopReason::Exiting);
         if !exited.is_empty() {
@@ -175,7 +181,7 @@ impl Loop {
         if !stopped.is_empty() {
             parts.push(format!("{} called shutdown()", named(&stopped)));
         }
-        format!("{}; collectives cannot run after that", parts.join("; "))
+        format!("{SHUT_DOWN}{}; collectives cannot run after that", parts.join("; "))
     }
 
     /// Move submissions into the table; returns when the earliest of them arrived.
