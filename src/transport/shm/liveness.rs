@@ -24,7 +24,7 @@ pub fn monotonic_ms() -> u64 {
 /// when its heartbeat is stale (or nobody's is), else the rank with the stalest heartbeat. `me` is skipped.
 pub fn frozen_rank(me: usize, blame: usize, heartbeats: &[u64], now_ms: u64) -> usize {
     let stale = |beat: u64| now_ms.saturating_sub(beat) > STALE_HEARTBEAT_MS;
-    if heartbeats.get(blame).is_none_or(|&beat| stale(beat)) {
+    if heartbeats.get(blame).map_or(true, |&beat| stale(beat)) {
         return blame;
     }
     heartbeats
