@@ -6,7 +6,8 @@ Cases: rvod.keras allreduce and grouped_allreduce with op=Adasum (float16/32/64)
 TensorFlow 1 optimizers in a graph run by a Session (one step twice; backward_passes_per_step 2, where the
 first run is local only) and eagerly (minimize); Keras 3 optimizers eagerly (apply) and with
 backward_passes_per_step 2 (the accumulated gradients summed); on 3 ranks, Keras and TensorFlow 1 optimizers
-on the process set of ranks 0 and 1 (rank 2 takes its local step alone, also with Keras and op=Average);
+and DistributedGradientTape on the process set of ranks 0 and 1 (rank 2 takes its local step alone, also
+with Keras and op=Average, and the tape gives it its own gradient);
 Keras model.fit on the digits data with op=Adasum reaching well above chance with the same weights on every
 rank; refusals.
 """
@@ -146,6 +147,15 @@ if N >= 3:
                                        process_set=PAIR)
         opt.minimize(lambda: tf.reduce_sum(tf.square(w - target(R))), var_list=[w])
         np.testing.assert_allclose(w.numpy(), paired, rtol=1e-12, atol=1e-12)
+
+    with check("DistributedGradientTape(op=Adasum) on the process set of ranks 0 and 1"):
+        w = tf.Variable(W0, dtype=tf.float64)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.square(w - target(R)))
+        tape = hvd.DistributedGradientTape(tape, op=hvd.Adasum, process_set=PAIR)
+        (gradient,) = tape.gradient(loss, [w])
+        gradients = [2 * (W0 - target(r)) for r in ((0, 1) if R < 2 else (R,))]
+        np.testing.assert_allclose(gradient.numpy(), reference(gradients), rtol=1e-12, atol=1e-12)
 
 # Keras 3 model.fit on the digits data.
 with check("keras fit on digits"):
