@@ -5,7 +5,9 @@ at most 2.5x the time of Sum).
     rvodrun -np 4 python benches/adasum.py --mib 16 --calls 20
 
 Each op gets --warmup untimed calls, then --calls timed ones, alternating Sum and Adasum call by call so
-that both see the same machine load; rank 0 prints the median time per call of each and their ratio.
+that both see the same machine load; rank 0 prints the median time per call of each with its range, the
+ratio of the medians, and the median and range of the ratios of each Adasum call to the Sum call before it
+(on a shared machine the pairs see the most similar load).
 """
 
 import os
@@ -43,9 +45,11 @@ def main():
     if hvd.rank() == 0:
         median = {name: float(np.median(t)) for name, t in times.items()}
         for name, m in median.items():
-            print(f"{name:>6}: {m * 1e3:8.1f} ms per call ({args.mib:g} MiB float32, {hvd.size()} ranks, "
-                  f"{args.calls} calls)")
-        print(f"Adasum / Sum: {median['Adasum'] / median['Sum']:.2f}x")
+            print(f"{name:>6}: {m * 1e3:8.1f} ms per call [{min(times[name]) * 1e3:.1f}-{max(times[name]) * 1e3:.1f}] "
+                  f"({args.mib:g} MiB float32, {hvd.size()} ranks, {args.calls} calls)")
+        pairs = np.array(times["Adasum"]) / np.array(times["Sum"])
+        print(f"Adasum / Sum: {median['Adasum'] / median['Sum']:.2f}x (per pair of calls: median "
+              f"{np.median(pairs):.2f}x [{pairs.min():.2f}-{pairs.max():.2f}])")
     hvd.shutdown()
 
 

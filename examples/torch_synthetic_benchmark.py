@@ -1,11 +1,20 @@
 """Training throughput on synthetic data, measured the way Horovod's pytorch_synthetic_benchmark.py does.
 
-Every rank trains a small residual CNN (defined below, so nothing is downloaded) on one fixed random
-batch: a few warm-up batches, then ``--num-iters`` timed iterations of ``--num-batches-per-iter``
-batches each. Rank 0 prints images per second per rank for each iteration, their mean +- 1.96 standard
-deviations, and the total over all ranks. Run it with:
+Every rank trains a model on one fixed random batch: ``--num-warmup-batches`` warm-up batches, then
+``--num-iters`` timed iterations of ``--num-batches-per-iter`` batches each. Rank 0 prints images per second
+per rank for each iteration, their mean +- 1.96 standard deviations, and the total over all ranks. Run it
+with:
 
-    rvodrun -np 2 python examples/torch_synthetic_benchmark.py [--use-adasum]
+    rvodrun -np 2 python examples/torch_synthetic_benchmark.py [--use-adasum] [--fp16-allreduce]
+
+The command line is Horovod's (``--model``, ``--batch-size``, ``--num-warmup-batches``,
+``--num-batches-per-iter``, ``--num-iters``, ``--fp16-allreduce``, ``--use-adasum``, ``--no-cuda``, with its
+defaults) and so are the calls: plain SGD, batch norm layers that are ``hvd.SyncBatchNorm``, Horovod's
+learning-rate scaling. Two differences: the default ``--model`` is ``small_resnet``, a small residual CNN
+defined below, so that neither torchvision nor a GPU is needed (``--model resnet50`` or any other
+torchvision model name works where torchvision is installed), on ``--image-size`` images (32 x 32, Horovod's
+are 224 x 224); and rvod trains on the CPU, so ``--no-cuda`` changes nothing. ``--width`` and
+``--threads`` are rvod's.
 
 ``--use-adasum`` combines the parameter updates with Adasum instead of averaging gradients; as in
 Horovod, the learning rate is then not scaled by the number of ranks, except by the ranks per host where
@@ -26,14 +35,18 @@ import rvod.torch as hvd
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch-size", type=int, default=32, help="per-rank batch size")
-    parser.add_argument("--image-size", type=int, default=32)
-    parser.add_argument("--width", type=int, default=32, help="channels of the first stage")
-    parser.add_argument("--num-warmup-batches", type=int, default=5)
-    parser.add_argument("--num-batches-per-iter", type=int, default=5)
-    parser.add_argument("--num-iters", type=int, default=5)
     parser.add_argument("--fp16-allreduce", action="store_true", help="send gradients as float16")
+    parser.add_argument("--model", default="small_resnet",
+                        help="small_resnet (defined here) or the name of a torchvision model")
+    parser.add_argument("--batch-size", type=int, default=32, help="per-rank batch size")
+    parser.add_argument("--num-warmup-batches", type=int, default=10)
+    parser.add_argument("--num-batches-per-iter", type=int, default=10)
+    parser.add_argument("--num-iters", type=int, default=10)
+    parser.add_argument("--no-cuda", action="store_true", help="accepted for Horovod's command line; rvod "
+                        "trains on the CPU")
     parser.add_argument("--use-adasum", action="store_true", help="combine updates with Adasum")
+    parser.add_argument("--image-size", type=int, default=32)
+    parser.add_argument("--width", type=int, default=32, help="channels of small_resnet's first stage")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     return parser.parse_args(argv)
 
@@ -41,16 +54,16 @@ def parse_args(argv=None):
 class ResidualBlock(nn.Module):
     """Two 3x3 convolutions with batch norm and a shortcut (strided 1x1 when the shape changes)."""
 
-    def __init__(self, channels_in, channels_out, stride):
+    def __init__(self, channels_in, channels_out, stride, norm_layer=nn.BatchNorm2d):
         super().__init__()
         self.conv1 = nn.Conv2d(channels_in, channels_out, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(channels_out)
+        self.bn1 = norm_layer(channels_out)
         self.conv2 = nn.Conv2d(channels_out, channels_out, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(channels_out)
+        self.bn2 = norm_layer(channels_out)
         self.shortcut = nn.Identity()
         if stride != 1 or channels_in != channels_out:
             self.shortcut = nn.Sequential(nn.Conv2d(channels_in, channels_out, 1, stride, bias=False),
-                                          nn.BatchNorm2d(channels_out))
+                                          norm_layer(channels_out))
 
     def forward(self, x):
         y = F.relu(self.bn1(self.conv1(x)))
@@ -58,15 +71,16 @@ class ResidualBlock(nn.Module):
 
 
 class SmallResNet(nn.Module):
-    """A stem, three stages of two residual blocks (width, 2 x width, 4 x width channels) and a classifier."""
+    """A stem, three stages of two residual blocks (width, 2 x width, 4 x width channels) and a classifier;
+    ``norm_layer`` makes the batch norm layers (torchvision's argument)."""
 
-    def __init__(self, width=32, num_classes=100):
+    def __init__(self, width=32, num_classes=100, norm_layer=nn.BatchNorm2d):
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU())
+        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, 1, 1, bias=False), norm_layer(width), nn.ReLU())
         stages, channels = [], width
         for i, out in enumerate((width, 2 * width, 4 * width)):
             stride = 1 if i == 0 else 2
-            stages += [ResidualBlock(channels, out, stride), ResidualBlock(out, out, 1)]
+            stages += [ResidualBlock(channels, out, stride, norm_layer), ResidualBlock(out, out, 1, norm_layer)]
             channels = out
         self.stages = nn.Sequential(*stages)
         self.head = nn.Linear(channels, num_classes)
@@ -74,6 +88,20 @@ class SmallResNet(nn.Module):
     def forward(self, x):
         x = self.stages(self.stem(x))
         return self.head(F.adaptive_avg_pool2d(x, 1).flatten(1))
+
+
+def build_model(args):
+    """The model ``--model`` names, its batch norm layers synchronised across ranks as in Horovod's script."""
+    if args.model == "small_resnet":
+        return SmallResNet(args.width, norm_layer=hvd.SyncBatchNorm)
+    try:
+        from torchvision import models
+    except ImportError:
+        raise SystemExit(f"--model {args.model} needs torchvision (pip install torchvision); "
+                         "--model small_resnet does not") from None
+    if not callable(getattr(models, args.model, None)):
+        raise SystemExit(f"--model {args.model}: torchvision.models has no such model")
+    return getattr(models, args.model)(norm_layer=hvd.SyncBatchNorm)
 
 
 def synthetic_batch(batch_size, image_size, num_classes=100, seed=0):
@@ -89,13 +117,13 @@ def main():
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
-    model = SmallResNet(args.width)
+    model = build_model(args)
     lr_scaler = hvd.size()
     if args.use_adasum:
         # Adasum needs no larger learning rate, but the hierarchical one averages inside each host.
         hierarchical = hvd.cross_size() > 1 and hvd.local_size() > 1 and hvd.is_homogeneous()
         lr_scaler = hvd.local_size() if hierarchical else 1
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * lr_scaler, momentum=0.9)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * lr_scaler)
     compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                          compression=compression,
@@ -115,7 +143,8 @@ def main():
             print(text, flush=True)
 
     params = sum(p.numel() for p in model.parameters())
-    log(f"Model: SmallResNet(width={args.width}), {params / 1e6:.2f} M parameters; batch size {args.batch_size}, "
+    name = f"small_resnet(width={args.width})" if args.model == "small_resnet" else args.model
+    log(f"Model: {name}, {params / 1e6:.2f} M parameters; batch size {args.batch_size}, "
         f"images {args.image_size}x{args.image_size}; ranks: {hvd.size()}; "
         f"{'Adasum' if args.use_adasum else 'Average'}, lr {0.01 * lr_scaler:g}")
     log("Running warmup...")

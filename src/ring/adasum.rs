@@ -546,12 +546,13 @@ mod tests {
 
     #[test]
     fn orthogonal_vectors_add_and_equal_vectors_stay() {
-        for n in [2, 4] {
-            // Rank r holds e_r (orthogonal unit vectors): the result is their sum.
+        for n in 2..=5 {
+            // Rank r holds (r + 1) e_r: every pair is orthogonal (a·b = 0, both coefficients 1), and so is
+            // every partial sum to the vectors it has not met, so the result is the plain sum.
             let inputs: Vec<Vec<f64>> =
-                (0..n).map(|r| (0..n).map(|i| if i == r { 2.0 } else { 0.0 }).collect()).collect();
+                (0..n).map(|r| (0..n).map(|i| if i == r { (r + 1) as f64 } else { 0.0 }).collect()).collect();
             let got = decode(&run(n, DataType::Float64, &[n], &inputs)[0], DataType::Float64);
-            assert_eq!(got, vec![2.0; n], "n={n}");
+            assert_eq!(got, (1..=n).map(|i| i as f64).collect::<Vec<_>>(), "n={n}");
         }
         for n in 2..=5 {
             let same = values(7, 100, 1);
@@ -559,6 +560,54 @@ mod tests {
             let got = decode(&run(n, DataType::Float64, &[100], &inputs)[0], DataType::Float64);
             for (g, w) in got.iter().zip(&same) {
                 assert!((g - w).abs() < 1e-12, "n={n}: {g} vs {w}");
+            }
+        }
+    }
+
+    /// The weight of rank `r`'s multiple in the Adasum of parallel vectors `c_r a` over `n` ranks (`p` the
+    /// largest power of two `<= n`): each pair averages (see below), so a rank that the fold pairs up
+    /// (`r < n - p` or `r >= p`) counts `1 / 2p` and any other `1 / p`.
+    fn parallel_weight(r: usize, n: usize) -> f64 {
+        let p = 1usize << n.ilog2();
+        if r < n - p || r >= p {
+            0.5 / p as f64
+        } else {
+            1.0 / p as f64
+        }
+    }
+
+    #[test]
+    fn parallel_vectors_of_different_magnitudes_average() {
+        // b = c a with c != 0: a·b = c|a|², |b|² = c²|a|², so the coefficients are 1 - c/2 and 1 - 1/(2c),
+        // and (1 - c/2) a + (1 - 1/(2c)) c a = (1 + c)/2 a: the average of a and b, whatever c (also < 0).
+        for c in [3.0, 0.25, -2.0] {
+            let norm2 = 1.7;
+            let (ca, cb) = coefficients(c * norm2, norm2, c * c * norm2);
+            assert!((ca - (1.0 - c / 2.0)).abs() < 1e-15 && (cb - (1.0 - 0.5 / c)).abs() < 1e-15, "c={c}");
+            let a = values(3, 9, 2);
+            let b: Vec<f64> = a.iter().map(|x| c * x).collect();
+            for (got, x) in pair(&a, &b, &[9]).iter().zip(&a) {
+                assert!((got - (1.0 + c) / 2.0 * x).abs() < 1e-14, "c={c}: {got} vs {}", (1.0 + c) / 2.0 * x);
+            }
+        }
+        // Over n ranks, rank r holding (r + 1) a (and one tensor with a negative multiple), the tree of pair
+        // averages gives sum_r w_r c_r a: the plain mean of the c_r for a power of two.
+        let counts = [37usize, 5];
+        let a = values(11, 42, 3);
+        for n in 2..=5 {
+            let multiple = |r: usize, tensor: usize| if tensor == 1 && r == 1 { -2.0 } else { (r + 1) as f64 };
+            let inputs: Vec<Vec<f64>> = (0..n)
+                .map(|r| a.iter().enumerate().map(|(i, x)| multiple(r, usize::from(i >= counts[0])) * x).collect())
+                .collect();
+            let got = decode(&run(n, DataType::Float64, &counts, &inputs)[0], DataType::Float64);
+            for (i, (g, x)) in got.iter().zip(&a).enumerate() {
+                let tensor = usize::from(i >= counts[0]);
+                let scale: f64 = (0..n).map(|r| parallel_weight(r, n) * multiple(r, tensor)).sum();
+                assert!((g - scale * x).abs() < 1e-12, "n={n} element {i}: {g} vs {}", scale * x);
+            }
+            if n.is_power_of_two() {
+                let mean = (1..=n).sum::<usize>() as f64 / n as f64;
+                assert!((got[0] - mean * a[0]).abs() < 1e-12, "n={n}: the mean multiple");
             }
         }
     }

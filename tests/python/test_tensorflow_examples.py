@@ -52,9 +52,9 @@ ADASUM_FINAL = re.compile(r"^\[0\]<stdout>:Adasum on 2 ranks: test loss (\S+) af
 
 @pytest.mark.timeout(120)
 def test_adasum_small_model_example_converges_with_identical_parameters(run_rvodrun):
-    """Horovod's examples/adasum small-model experiment: a TensorFlow 1 graph with
-    DistributedOptimizer(op=Adasum) fits the quadratic on 2 ranks."""
-    result = run_rvodrun(["-np", "2", sys.executable, str(EXAMPLES / "adasum_small_model.py"), "--use-adasum",
+    """The small-model experiment with a TensorFlow 1 optimizer: a graph with DistributedOptimizer(op=Adasum)
+    fits the quadratic on 2 ranks."""
+    result = run_rvodrun(["-np", "2", sys.executable, str(EXAMPLES / "tensorflow_adasum_small_model.py"), "--use-adasum",
                           "--learning-rate", "0.5", "--steps", "100"], timeout=110)
     report = f"exit {result.returncode}\nstdout:\n{result.stdout[-5000:]}\nstderr:\n{result.stderr[-5000:]}"
     assert result.returncode == 0, report

@@ -79,13 +79,13 @@ class GradientReducer:
 
     def __init__(self, compression, sparse_as_dense, op, gradient_predivide_factor, num_groups, groups, process_set,
                  scale_local_gradients=True, postscale_factor=1.0, allow_adasum=False):
-        from rvod.common.process_sets import process_set_id_of
+        from rvod.common.process_sets import registered_id
 
         if isinstance(groups, (list, tuple)):
             groups = [[self.variable_key(v) for v in group] if isinstance(group, (list, tuple)) else group
                       for group in groups]
         self.reduction = Reduction(op, gradient_predivide_factor, num_groups, groups, postscale_factor, allow_adasum)
-        process_set_id_of(process_set)
+        registered_id(process_set)  # a rank outside the set reduces nothing, as in Horovod
         self.compression = compression
         self.sparse_as_dense = sparse_as_dense
         self.process_set = process_set

@@ -110,6 +110,16 @@ def process_set_id_of(process_set):
     """The engine id of a registered set this rank may run collectives on; raises otherwise."""
     if process_set is global_process_set and _rvod.is_initialized():
         return 0  # every rank belongs to the global set: the common case, decided without the topology
+    set_id = registered_id(process_set)
+    me = _rvod.topology()[0]
+    if me not in process_set.ranks:
+        raise ValueError(f"Rank {me} is not a member of the provided process set {process_set}.")
+    return set_id
+
+
+def registered_id(process_set):
+    """The engine id of a registered set, whether or not this rank is a member; raises for anything else
+    (for what wraps collectives and leaves the values of a rank outside the set as they are)."""
     if not isinstance(process_set, ProcessSet):
         raise TypeError(f"process_set must be a ProcessSet, got {type(process_set).__name__}")
     if not _rvod.is_initialized():
@@ -122,9 +132,6 @@ def process_set_id_of(process_set):
             f"{process_set}: Process set provided does not exist, or has not been registered; register the "
             "process set with init(process_sets=[...]) or add_process_set()."
         )
-    me = _rvod.topology()[0]
-    if me not in process_set.ranks:
-        raise ValueError(f"Rank {me} is not a member of the provided process set {process_set}.")
     return set_id
 
 

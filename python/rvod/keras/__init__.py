@@ -44,6 +44,15 @@ def allreduce(value, name=None, average=None, prescale_factor=1.0, postscale_fac
     return _np_ops.allreduce(_as_array(value), average, name, op, prescale_factor, postscale_factor)
 
 
+def grouped_allreduce(values, name=None, average=None, prescale_factor=1.0, postscale_factor=1.0, op=None,
+                      compression=Compression.none):
+    """The reductions of ``values`` (a list of tensors, arrays or numbers) across ranks as one fused unit, as
+    a list of NumPy arrays (default: Average). Horovod's Keras module has only ``allreduce``; this takes
+    the same arguments, as ``grouped_allreduce`` does in the other frameworks."""
+    return _np_ops.grouped_allreduce([_as_array(v) for v in values], average, name, op, prescale_factor,
+                                     postscale_factor)
+
+
 def allgather(value, name=None):
     """Every rank's ``value`` concatenated along the first dimension, as a NumPy array."""
     return _np_ops.allgather(_as_array(value), name)
@@ -83,7 +92,8 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None, compressio
 from rvod.common.basics import __all__ as _basics  # noqa: E402
 
 __all__ = _basics + [
-    "DistributedOptimizer", "broadcast_global_variables", "broadcast_variables", "allreduce", "allgather",
+    "DistributedOptimizer", "broadcast_global_variables", "broadcast_variables", "allreduce", "grouped_allreduce",
+    "allgather",
     "broadcast", "reducescatter", "load_model", "callbacks", "Compression", "ProcessSet", "global_process_set",
     "add_process_set", "remove_process_set", "Average", "Sum", "Adasum", "Min", "Max", "Product",
     "HorovodInternalError",

@@ -1,13 +1,14 @@
-"""Adasum through rvod.numpy and rvod.torch on 2, 3 or 4 ranks (rvodrun), against a NumPy reference of
-the formula and of the combination order (extra ranks folded into rank r - p first, then the
-power-of-two tree), computed on every rank from every rank's inputs (they depend only on the rank).
+"""Adasum through rvod.numpy and rvod.torch on 2 to 5 ranks (rvodrun), against a NumPy reference of the
+formula and of the combination order (extra ranks folded into rank r - p first, then the power-of-two
+tree), computed on every rank from every rank's inputs (they depend only on the rank).
 
 Cases: numpy allreduce of float16/float32/float64 (one large enough for the ring-sized path), torch
-allreduce/allreduce_ of float32 and bfloat16, pre/postscale, orthogonal and equal vectors, grouped
-allreduce (mixed dtypes) equal to per-tensor calls, a process set, refusals (integers, reducescatter);
-then torch's DistributedOptimizer(op=Adasum): one SGD step against the reference exactly, and (argument
-``train``) training an MLP on sklearn's digits (backward_passes_per_step 1 and 2) to well above chance with
-the same parameters on every rank.
+allreduce/allreduce_ of float32 and bfloat16, pre/postscale, orthogonal vectors (they add) and equal ones,
+parallel vectors of different magnitudes (the closed form below), grouped allreduce (mixed dtypes) equal to
+per-tensor calls, a process set, refusals (integers, reducescatter); then, with the argument ``train`` (3
+ranks), torch's DistributedOptimizer(op=Adasum): SGD steps against the reference exactly, on every rank and
+on the process set of ranks 0 and 1 (rank 2 stepping alone), and training an MLP on sklearn's digits
+(backward_passes_per_step 1 and 2) to well above chance with the same parameters on every rank.
 """
 
 import os
@@ -24,13 +25,25 @@ from _check import check, expect_error, finish
 torch.set_num_threads(1)
 
 START = time.perf_counter()
-# The ranks but rank 0 (rank 0 alone on one rank), registered at init.
+# The ranks but rank 0 (rank 0 alone on one rank), and from 3 ranks on ranks 0 and 1; registered at init.
 MEMBERS = list(range(1, int(os.environ["RVOD_SIZE"]))) or [0]
 SUBSET = hvd.ProcessSet(MEMBERS)
-hvd.init(process_sets=[SUBSET])
+PAIR = hvd.ProcessSet([0, 1])
+hvd.init(process_sets=[SUBSET] + ([PAIR] if int(os.environ["RVOD_SIZE"]) >= 3 else []))
 R, N = hvd.rank(), hvd.size()
+
+
 def data(rank, shape, dtype, salt):
     return np.random.default_rng([rank, salt]).standard_normal(shape).astype(dtype)
+
+
+def parallel_weights(n):
+    """Each rank's weight when rank r holds c_r a (every c_r != 0, no partial result zero): a pair of
+    parallel vectors a and c a averages, as a.b = c|a|^2 and |b|^2 = c^2|a|^2 give the coefficients
+    1 - c/2 and 1 - 1/(2c), and (1 - c/2) a + (1 - 1/(2c)) c a = (1 + c)/2 a. So with p the largest power
+    of two <= n, the ranks the fold pairs up (r < n - p, and r >= p) weigh 1/(2p) and the others 1/p."""
+    p = 1 << (n.bit_length() - 1)
+    return np.array([0.5 / p if r < n - p or r >= p else 1.0 / p for r in range(n)])
 
 
 def close(got, want, rtol, label):
@@ -56,8 +69,18 @@ with check("orthogonal vectors add, equal vectors stay"):
     orthogonal = np.zeros(N, dtype=np.float32)
     orthogonal[R] = R + 1
     assert np.array_equal(hnp.allreduce(orthogonal, op=hnp.Adasum), np.arange(1, N + 1, dtype=np.float32))
+    assert np.array_equal(reference(np.diag(np.arange(1.0, N + 1))), np.arange(1.0, N + 1))
     same = np.linspace(-1, 1, 11)
     assert np.allclose(hnp.allreduce(same, op=hnp.Adasum), same, rtol=0, atol=1e-14)
+
+with check("parallel vectors of different magnitudes: the weighted mean of the multiples"):
+    direction = data(0, (40,), np.float64, 60)
+    multiples = np.array([-2.0 if r == 1 else r + 1.0 for r in range(N)])
+    want = float(parallel_weights(N) @ multiples) * direction
+    if N in (2, 4):
+        assert np.isclose(parallel_weights(N) @ multiples, multiples.mean())
+    close(reference([c * direction for c in multiples]), want, 1e-13, "reference")
+    close(hnp.allreduce(multiples[R] * direction, op=hnp.Adasum, name="parallel"), want, 1e-12, "parallel")
 
 for salt, dtype in [(20, torch.float32), (21, torch.bfloat16)]:
     with check(f"torch {dtype}"):
@@ -143,6 +166,19 @@ if sys.argv[1:] == ["train"]:
         want = -reference([s.numpy() for s in slopes]) if N > 1 else -slopes[0].numpy()
         close(weights.detach().numpy(), want, 1e-12, "one step")
         expect_error(AssertionError, "Skipping synchronization is not supported", opt.skip_synchronize().__enter__)
+
+    if N >= 3:
+        with check("two SGD steps on the process set of ranks 0 and 1: rank 2 steps alone"):
+            weights = torch.nn.Parameter(torch.zeros(6, dtype=torch.float64))
+            opt = hvd.DistributedOptimizer(torch.optim.SGD([weights], lr=1.0), named_parameters=[("w.pair", weights)],
+                                           op=hvd.Adasum, process_set=PAIR)
+            slopes = [torch.from_numpy(data(r, (6,), np.float64, 51)) for r in range(N)]
+            for _ in range(2):
+                opt.zero_grad()
+                (weights * slopes[R]).sum().backward()
+                opt.step()
+            update = -reference([slopes[r].numpy() for r in (0, 1)]) if R in (0, 1) else -slopes[R].numpy()
+            close(weights.detach().numpy(), 2 * update, 1e-12, "process set")
 
     for passes, epochs in [(1, 4), (2, 4)]:
         with check(f"digits training, backward_passes_per_step={passes}"):
