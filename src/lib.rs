@@ -8,6 +8,9 @@
 //! Every knob is read once into a [`config::Config`]. Jobs that mpirun, srun or torchrun started (not
 //! rvodrun) meet through [`launch`]: rank 0 serves the rendezvous store.
 
+// No unwrap/expect where user input or a peer's bytes could reach them (DESIGN.md); tests may use them.
+#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
+
 pub mod config;
 pub mod coordinator;
 pub mod engine;
