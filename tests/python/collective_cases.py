@@ -22,7 +22,8 @@ RANK_COUNTS = (2, 3)
 OPS = ("sum", "average", "min", "max", "product")
 SCATTER_OPS = ("sum", "average")  # Horovod's reducescatter takes Sum and Average only
 FLOAT_SCALES = ((0.5, 4.0), (4.0, 0.25))
-INT_SCALES = ((2.0, 1.0), (1.0, 3.0))  # integer results stay exact: prescale multiplies, postscale by a whole number
+# Integer results stay exact: the factors are whole numbers.
+INT_SCALES = ((2.0, 1.0), (3.0, 1.0), (1.0, 3.0))
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,9 @@ class NumpyAdapter:
     def values(self, tensor):
         return np.array(tensor)
 
+    def address(self, tensor):
+        return tensor.ctypes.data
+
     def splits(self, splits):
         return np.array(splits, dtype=np.int32)
 
@@ -83,6 +86,9 @@ class TorchAdapter:
     def values(self, tensor):
         tensor = tensor.detach()
         return (tensor.float() if tensor.dtype == self.torch.bfloat16 else tensor).numpy().copy()
+
+    def address(self, tensor):
+        return tensor.data_ptr()
 
     def splits(self, splits):
         return self.torch.tensor(splits, dtype=self.torch.int32)
@@ -115,6 +121,9 @@ class TensorFlowAdapter:
         if tensor.dtype == self.tf.bfloat16:
             return self.tf.cast(tensor, self.tf.float64).numpy()
         return tensor.numpy()
+
+    def address(self, tensor):
+        return None  # immutable tensors: every op is out of place
 
     def splits(self, splits):
         return self.tf.constant(splits, dtype=self.tf.int32)
@@ -150,6 +159,9 @@ class MXNetAdapter:
         if np.dtype(tensor.dtype) == self.BFLOAT16:
             return np.zeros(tensor.shape) if tensor.size == 0 else tensor.astype(np.float32).asnumpy()
         return tensor.asnumpy()
+
+    def address(self, tensor):
+        return None  # MXNet's engine owns the memory; rvod.mxnet copies in place results back
 
     def splits(self, splits):
         return self.mx.nd.array(splits, dtype=np.int32)
@@ -258,13 +270,24 @@ def in_place(variant):
     return variant in ("inplace", "async-inplace")
 
 
-def check_input(checks, label, variant, result, tensor, dtype, before):
-    """In place, the op returns its input, which holds the result; otherwise the input keeps its values."""
+def call_on(variant, name, tensor, *args, **kwargs):
+    """`call`, and the address of `tensor`'s memory before the op (None where the framework has none)."""
+    address = A.address(tensor)
+    return call(variant, name, tensor, *args, **kwargs), address
+
+
+def check_input(checks, label, variant, result, tensor, dtype, before, address):
+    """In place, the op returns its input, which holds the result in the same memory (zero copy); otherwise
+    the input keeps its values and the result has memory of its own."""
     if in_place(variant):
         checks.true(f"{label}: the in-place op did not return its input", result is tensor)
+        if address is not None:
+            checks.true(f"{label}: the in-place result moved", A.address(tensor) == address)
     else:
         checks.true(f"{label}: the result is the input", result is not tensor)
         checks.equal(f"{label}: input", tensor, before, dtype)
+        if address is not None and before.size:
+            checks.true(f"{label}: the result shares the input's memory", A.address(result) != address)
 
 
 # ----------------------------------------------------------------------------------------------- bodies
@@ -285,12 +308,13 @@ def allreduce(case, checks):
     for shape in shapes:
         seed = 4 if scaled else 1
         x = mine(case.dtype, shape, seed, product)
-        out = call(case.variant, "allreduce", x, op=OP[case.op], prescale_factor=case.prescale,
-                   postscale_factor=case.postscale)
+        out, address = call_on(case.variant, "allreduce", x, op=OP[case.op], prescale_factor=case.prescale,
+                               postscale_factor=case.postscale)
         label = f"shape {shape}"
         checks.equal(label, out, expected_reduce(case.dtype, shape, case.op, seed, case.prescale, case.postscale),
                      case.dtype)
-        check_input(checks, label, case.variant, out, x, case.dtype, data(case.dtype, shape, R, seed, product))
+        check_input(checks, label, case.variant, out, x, case.dtype, data(case.dtype, shape, R, seed, product),
+                    address)
 
 
 def grouped_allreduce(case, checks):
@@ -298,13 +322,15 @@ def grouped_allreduce(case, checks):
     shapes = [(0,), (1,), (7,), (4097,)]
     product = case.op == "product"
     group = [mine(case.dtype, s, 3 + k, product) for k, s in enumerate(shapes)]
+    addresses = [A.address(x) for x in group]
     outs = call(case.variant, "grouped_allreduce", group, op=OP[case.op])
     checks.true(f"the result is a list of {len(group)}: {type(outs).__name__}",
                 isinstance(outs, list) and len(outs) == len(group))
-    for k, (shape, out, x) in enumerate(zip(shapes, outs, group)):
+    for k, (shape, out, x, address) in enumerate(zip(shapes, outs, group, addresses)):
         label = f"member {k} {shape}"
         checks.equal(label, out, expected_reduce(case.dtype, shape, case.op, 3 + k), case.dtype)
-        check_input(checks, label, case.variant, out, x, case.dtype, data(case.dtype, shape, R, 3 + k, product))
+        check_input(checks, label, case.variant, out, x, case.dtype, data(case.dtype, shape, R, 3 + k, product),
+                    address)
 
 
 def gathered_rows():
@@ -340,10 +366,10 @@ def broadcast(case, checks):
     shapes = [(5, 3)] + shapes_for(case.variant)
     for shape in shapes:
         x = mine(case.dtype, shape, 13)
-        out = call(case.variant, "broadcast", x, case.root)
+        out, address = call_on(case.variant, "broadcast", x, case.root)
         label = f"shape {shape}"
         checks.equal(label, out, data(case.dtype, shape, case.root, 13), case.dtype)
-        check_input(checks, label, case.variant, out, x, case.dtype, data(case.dtype, shape, R, 13))
+        check_input(checks, label, case.variant, out, x, case.dtype, data(case.dtype, shape, R, 13), address)
 
 
 # SPLITS[s][d]: the rows rank s sends to rank d (zeros included).
