@@ -16,10 +16,11 @@ import sys
 import tempfile
 import uuid
 from pathlib import Path
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import pytest
-from collective_cases import FRAMEWORKS, RANK_COUNTS, cases_for
+from collective_cases import FRAMEWORKS, cases_for
 from conftest import JOB_TAG_VARIABLE, RVOD_IMPORT_ROOT, RVODRUN, kill_tagged
 from jobs import WORKERS, failures
 
@@ -40,21 +41,24 @@ class Group(NamedTuple):
         return f"{self.framework}{transport}"
 
 
-def parameters(frameworks: list[str]) -> list:
-    """pytest.param(group, case id) for every case of `frameworks`, with ids like numpy-shm-allgather-..."""
+def parameters(frameworks: list[str], transports=None, rank_counts=None) -> list:
+    """pytest.param(group, case id) for every case of `frameworks` (over `transports` and with `rank_counts`
+    ranks, by default each framework's), with ids like numpy-shm-allgather-int8-3ranks."""
     params = []
     for framework in frameworks:
-        for transport in FRAMEWORKS[framework].transports:
-            for ranks in RANK_COUNTS:
+        for transport in transports or FRAMEWORKS[framework].transports:
+            for ranks in rank_counts or FRAMEWORKS[framework].rank_counts:
                 group = Group(framework, transport, ranks)
                 params += [pytest.param(group, case.id, id=f"{group.label}-{case.id}")
                            for case in cases_for(framework, ranks)]
     return params
 
 
-class JobResult(NamedTuple):
+@dataclass
+class JobResult:
     verdicts: dict[int, dict[str, dict]]  # rank -> case id -> {"failure": None or its text, "seconds": ...}
-    report: str
+    report: str  # how the job ended and its output: shown by the first item that misses a verdict
+    reported: bool = False
 
 
 def run_group(group: Group, case_ids: list[str]) -> JobResult:
@@ -109,7 +113,10 @@ def collective_jobs(request):
 
 def assert_case_passed(result: JobResult, group: Group, case: str) -> None:
     missing = [rank for rank in range(group.ranks) if case not in result.verdicts.get(rank, {})]
-    assert not missing, f"no verdict for {case} from ranks {missing}\n{result.report}"
+    if missing:
+        report = "(the job's output is in the first failure of this group)" if result.reported else result.report
+        result.reported = True
+        pytest.fail(f"no verdict for {case} from ranks {missing}\n{report}")
     failed = {rank: verdicts[case]["failure"] for rank, verdicts in result.verdicts.items()
               if verdicts[case]["failure"] is not None}
     assert not failed, "\n".join(f"rank {rank}:\n{text}" for rank, text in failed.items())

@@ -1,6 +1,6 @@
 """Every collective of rvod.numpy, rvod.torch and rvod.tensorflow, one test item per case of
-collective_cases.py: op x reduce op or root x dtype x variant x job size (2 and 3 ranks), for NumPy over
-shared memory and over TCP. `pytest -k allgather-int8-3ranks` runs the cases whose id contains it (in one
+collective_cases.py: op x reduce op or root x dtype x variant x job size (2 and 3 ranks; TensorFlow 2), for
+NumPy over shared memory and over TCP. `pytest -k allgather-int8-3ranks` runs the cases whose id contains it (in one
 small job per framework); a full run starts one rvodrun job per framework, transport and job size.
 rvod.mxnet runs the same cases in its own environment (test_mxnet_collective_cases.py).
 """

@@ -1,6 +1,6 @@
 """Every collective of rvod.mxnet, one test item per case of collective_cases.py (the cases the NumPy,
 PyTorch and TensorFlow shims run in test_collectives.py, less what MXNet 1.9 cannot express), in one
-rvodrun job per job size. Runs in the MXNet environment: scripts/run-mxnet-tests.sh.
+rvodrun job of 2 ranks. Runs in the MXNet environment: scripts/run-mxnet-tests.sh.
 """
 
 from __future__ import annotations

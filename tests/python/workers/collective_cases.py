@@ -28,7 +28,8 @@ from _check import say, wait_done  # noqa: E402
 from _expected import alltoall_blocks  # noqa: E402
 from collective_cases import FRAMEWORKS, case_table  # noqa: E402
 
-SHAPES = [(0,), (1,), (7,), (4097,), (3, 5, 2)]
+# Empty, fewer elements than ranks, many elements not a multiple of anything, several dimensions.
+SHAPES = [(0,), (1,), (4097,), (3, 5, 2)]
 
 
 # ------------------------------------------------------------------------------------------------ adapters
@@ -292,18 +293,18 @@ def check_input(checks, label, variant, result, tensor, dtype, before, address):
 
 # ----------------------------------------------------------------------------------------------- bodies
 
-def shapes_for(variant):
-    """Every shape (0-d where the framework has it) for the synchronous ops; two for the handle's path."""
+def shapes_for(variant, every):
+    """`every` shape (0-d too where the framework has it) for the synchronous ops; one for the handle's path."""
     if variant.startswith("async"):
-        return [(7,), (4097,)]
-    return SHAPES + ([()] if FRAMEWORKS[FRAMEWORK].zero_dim else [])
+        return [(7,)]
+    return every + ([()] if FRAMEWORKS[FRAMEWORK].zero_dim else [])
 
 
 def allreduce(case, checks):
     """The result's dtype, shape and values; the input kept (out of place) or overwritten and returned
     (in place). Scaled: one shape."""
     scaled = (case.prescale, case.postscale) != (1.0, 1.0)
-    shapes = [(4, 3)] if scaled else shapes_for(case.variant)
+    shapes = [(4, 3)] if scaled else shapes_for(case.variant, SHAPES)
     product = case.op == "product"
     for shape in shapes:
         seed = 4 if scaled else 1
@@ -362,8 +363,8 @@ def grouped_allgather(case, checks):
 
 
 def broadcast(case, checks):
-    """The root's values."""
-    shapes = [(5, 3)] + shapes_for(case.variant)
+    """The root's values (a broadcast moves bytes: an empty tensor, a matrix, a long vector)."""
+    shapes = shapes_for(case.variant, [(0,), (5, 3), (4097,)])
     for shape in shapes:
         x = mine(case.dtype, shape, 13)
         out, address = call_on(case.variant, "broadcast", x, case.root)
