@@ -1,6 +1,6 @@
 """The shared-memory transport in real multi-process jobs: more ranks than cores, and the fallback to TCP
-when the segment folder is too small. (The collective matrix and the killed/frozen-rank tests run over both
-transports in test_numpy_collectives.py and test_numpy_errors.py.)
+when the segment folder is too small. (The collective cases and the killed/frozen-rank tests run over both
+transports in test_collectives.py, test_numpy_collectives.py and test_numpy_errors.py.)
 """
 
 from __future__ import annotations

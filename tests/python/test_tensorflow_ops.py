@@ -1,7 +1,8 @@
 """Multi-process tests of rvod.tensorflow, run through rvodrun with 2 ranks (TensorFlow imports slowly, so
-one job checks everything): workers/tensorflow_ops.py checks every op eagerly and inside tf.function
-against exact values, the gradients Horovod defines, DistributedGradientTape, the broadcast helpers and
-objects, and the error cases."""
+one job checks everything): workers/tensorflow_ops.py checks what the collective cases (test_collectives.py,
+every op x dtype eagerly) leave out: every op and dtype inside tf.function, the one-off arguments eagerly and
+traced, the gradients Horovod defines, DistributedGradientTape, the broadcast helpers and objects, and the
+error cases."""
 
 from __future__ import annotations
 
@@ -14,6 +15,6 @@ pytest.importorskip("tensorflow", reason="rvod.tensorflow needs TensorFlow (pip 
 
 
 @pytest.mark.timeout(240)
-def test_every_op_eager_and_traced_gradients_tape_and_errors(run_rvodrun):
+def test_traced_ops_gradients_tape_and_errors(run_rvodrun):
     result = run_rvodrun(["-np", "2", sys.executable, str(WORKERS / "tensorflow_ops.py")], timeout=220)
-    assert_worker_job(result, {0: 44, 1: 44})
+    assert_worker_job(result, {0: 41, 1: 41})

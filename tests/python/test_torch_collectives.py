@@ -1,7 +1,9 @@
 """Multi-process tests of rvod.torch's ops, run through rvodrun with 2 and 3 ranks, and a job of size 1.
 
-workers/torch_collectives.py checks every op x dtype x variant, the gradient of every differentiable op,
-the error cases and join; workers/torch_single.py checks the DLPack adapter and size-1 behaviour.
+workers/torch_collectives.py checks what rvod.torch does beyond the collective cases of every shim
+(test_collectives.py runs every op x dtype x variant): the gradient of every differentiable op, the error
+cases, compression, sparse allreduce and join; workers/torch_single.py checks the DLPack adapter and size-1
+behaviour.
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ pytest.importorskip("torch", reason="rvod.torch needs PyTorch (pip install torch
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("size", [2, 3])
-def test_every_op_dtype_variant_gradient_and_error(run_rvodrun, size):
+def test_gradients_errors_and_torch_specifics(run_rvodrun, size):
     result = run_rvodrun(["-np", str(size), sys.executable, str(WORKERS / "torch_collectives.py")], timeout=100)
-    assert_worker_job(result, {rank: 321 for rank in range(size)})
+    assert_worker_job(result, {rank: 58 for rank in range(size)})
 
 
 @pytest.mark.timeout(60)

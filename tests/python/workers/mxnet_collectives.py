@@ -1,5 +1,7 @@
-"""Every rvod.mxnet collective x dtype x variant, the error cases, the object helpers, barrier and join,
-checked against exact expected values. Run by rvodrun with 2 ranks (any size works).
+"""What rvod.mxnet does beyond the collective cases every shim runs (collective_cases.py: every op x dtype
+x variant): the module surface, Horovod's positional argument orders, MXNet's asynchronous engine, mx.np
+arrays, the error cases, Adasum, the object helpers, barrier, join, re-init and process sets, checked
+against exact expected values. Run by rvodrun with 2 ranks (any size works).
 
 Each rank knows what every rank contributes (the data depend only on the rank, the dtype, the shape and a
 seed). Values are small integers, exact in every dtype including float16 and bfloat16, and sums are
@@ -11,7 +13,6 @@ import warnings
 import mxnet as mx
 import numpy as np
 from _check import check, expect_error, finish
-from _expected import alltoall_blocks
 
 import rvod.mxnet as hvd
 from rvod.exceptions import RvodInternalError, RvodMismatchError
@@ -20,11 +21,6 @@ hvd.init()
 R, N = hvd.rank(), hvd.size()
 
 BFLOAT16 = np.dtype([("bfloat16", np.uint16)])
-INTS = ["uint8", "int8", "int32", "int64"]
-FLOATS = ["float16", "bfloat16", "float32", "float64"]
-DTYPES = INTS + FLOATS
-OPS = {"Sum": hvd.Sum, "Average": hvd.Average, "Min": hvd.Min, "Max": hvd.Max, "Product": hvd.Product}
-SHAPES = [(0,), (1,), (7,), (3, 5, 2)]
 PRODUCT_VALUES = {True: [1, -2, 2, -1, 1, 3, -1], False: [1, 2, 3, 1, 2]}
 
 
@@ -118,42 +114,6 @@ with check("module surface: Horovod's mxnet names, topology, constants"):
 
 # ------------------------------------------------------------------------------------------------ allreduce
 
-for dtype in DTYPES:
-    for op_name, op in OPS.items():
-        product = op == hvd.Product
-        label = f"allreduce {dtype} {op_name}"
-        with check(label + ": out-of-place and in-place, every shape; grouped, grouped in-place"):
-            for shape in SHAPES:
-                x = mine(dtype, shape, 1, product)
-                expected = expected_reduce(dtype, shape, op, 1)
-                out = hvd.allreduce(x, op=op)
-                assert_nd(out, expected, dtype, f"{label} {shape}")
-                assert out is not x
-                assert_nd(x, contribution(dtype, shape, R, 1, product), dtype, "input unchanged")
-                assert hvd.allreduce_(x, op=op) is x
-                assert_nd(x, expected, dtype, f"{label} in-place {shape}")
-            group_shapes = [(0,), (1,), (7,), (4097,)]
-            group = [mine(dtype, s, 3 + k, product) for k, s in enumerate(group_shapes)]
-            expected = [expected_reduce(dtype, s, op, 3 + k) for k, s in enumerate(group_shapes)]
-            outs = hvd.grouped_allreduce(group, op=op, name=f"grouped.{dtype}.{op_name}")
-            assert isinstance(outs, list) and len(outs) == len(group)
-            for out, exp in zip(outs, expected):
-                assert_nd(out, exp, dtype, label + " grouped")
-            returned = hvd.grouped_allreduce_(group, op=op)
-            assert len(returned) == len(group) and all(a is b for a, b in zip(returned, group))
-            for out, exp in zip(group, expected):
-                assert_nd(out, exp, dtype, label + " grouped in-place")
-    pairs = [(0.5, 4.0), (4.0, 0.25)] if dtype in FLOATS else [(2.0, 1.0), (1.0, 3.0)]
-    with check(f"allreduce {dtype}: prescale and postscale factors, Sum and Average, in-place too"):
-        for pre, post in pairs:
-            for op in (hvd.Sum, hvd.Average):
-                x = mine(dtype, (4, 3), 4)
-                expected = expected_reduce(dtype, (4, 3), op, 4, pre, post)
-                out = hvd.allreduce(x, op=op, prescale_factor=pre, postscale_factor=post)
-                assert_nd(out, expected, dtype, f"pre={pre} post={post}")
-                hvd.allreduce_(x, op=op, prescale_factor=pre, postscale_factor=post)
-                assert_nd(x, expected, dtype, f"in-place pre={pre} post={post}")
-
 with check("allreduce: default op is Average; average= is deprecated but works; Horovod's positional order"):
     x = mx.nd.full((4,), 2.0 * N * (R + 1))
     assert_nd(hvd.allreduce(x), np.full((4,), float((N + 1) * N)), "float32", "default")
@@ -196,86 +156,29 @@ with check("mx.np arrays: results are mx.np.ndarray; 0-d arrays; in-place"):
     outs = hvd.grouped_allgather([mx.np.array([[R]]), mx.nd.array(np.zeros((R, 1))).as_np_ndarray()])
     assert all(isinstance(o, mx.np.ndarray) for o in outs) and outs[1].shape == (N * (N - 1) // 2, 1)
 
-# ------------------------------------------------------------------------------------------------ allgather
-
-ROWS = [2, 0] + [r + 1 for r in range(2, N)]
-for dtype in DTYPES:
-    with check(f"allgather {dtype}: rows per rank differ (one rank has none), trailing dims; grouped"):
-        for trailing in [(), (3,), (2, 2)]:
-            parts = [contribution(dtype, (ROWS[r], *trailing), r, 12) for r in range(N)]
-            x = nd(parts[R], dtype)
-            assert_nd(hvd.allgather(x), np.concatenate(parts), dtype, f"allgather {trailing}")
-            assert_nd(x, parts[R], dtype, "input unchanged")
-        shapes = [lambda r: (ROWS[r], 2), lambda r: (r + 1,), lambda r: (4097 if r == 0 else 1,)]
-        tensors = [nd(contribution(dtype, s(R), R, 13 + k), dtype) for k, s in enumerate(shapes)]
-        outs = hvd.grouped_allgather(tensors, name=f"grouped.{dtype}")
-        assert isinstance(outs, list) and len(outs) == len(shapes)
-        for k, (out, s) in enumerate(zip(outs, shapes)):
-            assert_nd(out, np.concatenate([contribution(dtype, s(r), r, 13 + k) for r in range(N)]), dtype, "grouped")
-
 # ------------------------------------------------------------------------------------------------ broadcast
 
-for dtype in DTYPES:
-    with check(f"broadcast {dtype}: every root, out-of-place and in-place, positional priority"):
-        for root in range(N):
-            x = mine(dtype, (5, 3), 15)
-            expected = contribution(dtype, (5, 3), root, 15)
-            out = hvd.broadcast(x, root, f"bc.{dtype}.{root}", 5)
-            assert_nd(out, expected, dtype, f"root {root}")
-            assert out is not x
-            assert_nd(x, contribution(dtype, (5, 3), R, 15), dtype, "input unchanged")
-            assert hvd.broadcast_(x, root_rank=root) is x
-            assert_nd(x, expected, dtype, f"in-place root {root}")
-        for shape in SHAPES:
-            assert_nd(hvd.broadcast(mine(dtype, shape, 16), N - 1), contribution(dtype, shape, N - 1, 16), dtype,
-                      f"shape {shape}")
-
-# ---------------------------------------------------------------------------------------- alltoall
-
-SPLITS = [[0, 3], [2, 1]] if N == 2 else [[(r + s) % 3 for s in range(N)] for r in range(N)]
-
-
-def alltoall_expected(dtype, splits_matrix, trailing, seed):
-    return np.concatenate(alltoall_blocks(lambda s: contribution(dtype, (sum(splits_matrix[s]), *trailing), s, seed), splits_matrix, R))
-
-
-for dtype in DTYPES:
-    with check(f"alltoall {dtype}: even split; list splits and NDArray splits return received splits"):
-        for trailing in [(), (2,)]:
-            even = [[2] * N for _ in range(N)]
-            out = hvd.alltoall(mine(dtype, (2 * N, *trailing), 18))
-            assert_nd(out, alltoall_expected(dtype, even, trailing, 18), dtype, f"even {trailing}")
-            x = mine(dtype, (sum(SPLITS[R]), *trailing), 19)
-            expected = alltoall_expected(dtype, SPLITS, trailing, 19)
-            received = np.array([SPLITS[s][R] for s in range(N)], dtype=np.float64)
-            for splits in (SPLITS[R], mx.nd.array(SPLITS[R], dtype=np.int32)):
-                result = hvd.alltoall(x, splits=splits)
-                assert isinstance(result, tuple) and len(result) == 2, type(result)
-                assert_nd(result[0], expected, dtype, f"splits {trailing}")
-                assert_nd(result[1], received, "int32", "received splits")
+with check("broadcast: Horovod's positional order (root, name, priority)"):
+    for root in range(N):
+        out = hvd.broadcast(mine("float32", (5, 3), 15), root, f"bc.positional.{root}", 5)
+        assert_nd(out, contribution("float32", (5, 3), root, 15), "float32", f"root {root}")
 
 # -------------------------------------------------------------------------------------------- reducescatter
 
 ROWS_RS = 2 * N + 1
-for dtype in DTYPES:
-    with check(f"reducescatter {dtype}: Sum and Average, scale factors, shapes; grouped; op second positionally"):
-        for op_name in ("Sum", "Average"):
-            op = OPS[op_name]
-            for pre, post in [(1.0, 1.0), (2.0, 1.0), (1.0, 3.0)]:
-                for shape in [(ROWS_RS,), (ROWS_RS, 3), (N, 2), (1, 2)]:
-                    x = mine(dtype, shape, 20)
-                    expected = expected_reduce(dtype, shape, op, 20, pre, post)[my_rows(shape[0])]
-                    out = hvd.reducescatter(x, op, prescale_factor=pre, postscale_factor=post)
-                    assert_nd(out, expected, dtype, f"{op_name} {shape} {pre} {post}")
-                    assert_nd(x, contribution(dtype, shape, R, 20), dtype, "input unchanged")
-        shapes = [(ROWS_RS, 2), (N * 3,), (4097,)]
-        tensors = [mine(dtype, s, 22 + k) for k, s in enumerate(shapes)]
-        outs = hvd.grouped_reducescatter(tensors)  # default: Average
-        for k, (out, s) in enumerate(zip(outs, shapes)):
-            assert_nd(out, expected_reduce(dtype, s, hvd.Average, 22 + k)[my_rows(s[0])], dtype, "grouped")
-        outs = hvd.grouped_reducescatter(tensors, hvd.Sum, f"grs.{dtype}", 1, hvd.global_process_set, 2.0)
-        for k, (out, s) in enumerate(zip(outs, shapes)):
-            assert_nd(out, expected_reduce(dtype, s, hvd.Sum, 22 + k, 2.0)[my_rows(s[0])], dtype, "positional")
+with check("reducescatter: op second positionally; grouped: default Average, Horovod's positional order"):
+    for op_name, op in (("Sum", hvd.Sum), ("Average", hvd.Average)):
+        x = mine("float32", (ROWS_RS, 3), 20)
+        expected = expected_reduce("float32", (ROWS_RS, 3), op, 20, 2.0)[my_rows(ROWS_RS)]
+        assert_nd(hvd.reducescatter(x, op, prescale_factor=2.0), expected, "float32", op_name)
+    shapes = [(ROWS_RS, 2), (N * 3,), (4097,)]
+    tensors = [mine("int32", s, 22 + k) for k, s in enumerate(shapes)]
+    outs = hvd.grouped_reducescatter(tensors)
+    for k, (out, s) in enumerate(zip(outs, shapes)):
+        assert_nd(out, expected_reduce("int32", s, hvd.Average, 22 + k)[my_rows(s[0])], "int32", "grouped")
+    outs = hvd.grouped_reducescatter(tensors, hvd.Sum, "grs.positional", 1, hvd.global_process_set, 2.0)
+    for k, (out, s) in enumerate(zip(outs, shapes)):
+        assert_nd(out, expected_reduce("int32", s, hvd.Sum, 22 + k, 2.0)[my_rows(s[0])], "int32", "positional")
 
 # -------------------------------------------------------------------------------------------------- errors
 

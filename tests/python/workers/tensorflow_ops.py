@@ -1,6 +1,8 @@
-"""Every rvod.tensorflow collective, eagerly and inside tf.function, checked against exact expected values;
-the gradients Horovod defines; DistributedGradientTape (dense, sparse, groups, compression, local sources);
-broadcast helpers and objects; mismatch and argument errors. Run by rvodrun with 2 ranks.
+"""rvod.tensorflow beyond the collective cases every shim runs eagerly (collective_cases.py: every op x
+dtype): every op and dtype inside a tf.function, the one-off arguments (scale factors, default op, names,
+0-d, compression, grouped, sparse, topology ops) eagerly and traced, the gradients Horovod defines;
+DistributedGradientTape (dense, sparse, groups, compression, local sources); broadcast helpers and objects;
+mismatch and argument errors; all checked against exact expected values. Run by rvodrun with 2 ranks.
 
 Each rank knows what every rank contributes (the data depend only on the rank, the dtype and the shape).
 Values are small integers, exact in every dtype, and sums are multiples of the job size, so Average
@@ -66,11 +68,23 @@ def both(fn):
 
 # -------------------------------------------------------------------------------------------- allreduce
 
-def allreduces():
+def every_dtype():
+    """Allreduce with every op, allgather and broadcast, in every dtype: the collective cases run these
+    eagerly (test_collectives.py), so they run here inside a tf.function only."""
     out = {}
     for dtype in NUMERIC:
         for op_name, op in OPS.items():
             out[f"{dtype.name} {op_name}"] = hvd.allreduce(tensor(dtype, 7, product=op == hvd.Product), op=op)
+    for dtype in NUMERIC + [tf.bool]:
+        mine = tf.cast(rows(R, R + 1, dtype), dtype)
+        out[f"allgather {dtype.name}"] = hvd.allgather(mine)
+        sent = mine if R == ROOT else tf.zeros([ROOT + 1, 2], dtype)
+        out[f"broadcast {dtype.name}"] = hvd.broadcast(sent, root_rank=ROOT)
+    return out
+
+
+def allreduces():
+    out = {}
     out["scaled"] = hvd.allreduce(tensor(tf.float32, 7), op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.25)
     out["default"] = hvd.allreduce(tensor(tf.float64, 7))
     out["named"] = hvd.allreduce(tensor(tf.int32, 3), op=hvd.Sum, name="named_allreduce")
@@ -84,11 +98,6 @@ def allreduces():
 
 
 for mode, out in both(allreduces).items():
-    with check(f"allreduce {mode}: every dtype and op"):
-        for dtype in NUMERIC:
-            for op_name, op in OPS.items():
-                assert_values(out[f"{dtype.name} {op_name}"], expected_reduce(dtype, 7, op), dtype,
-                              f"{mode} {dtype.name} {op_name}")
     with check(f"allreduce {mode}: factors, default Average, names, scalar, empty, compression"):
         assert_values(out["scaled"], expected_reduce(tf.float32, 7, hvd.Sum) / 2, tf.float32, "scaled")
         assert_values(out["default"], expected_reduce(tf.float64, 7, hvd.Average), tf.float64, "default")
@@ -116,11 +125,6 @@ ROOT = N - 1
 
 def movers():
     out = {}
-    for dtype in NUMERIC + [tf.bool]:
-        mine = tf.cast(rows(R, R + 1, dtype), dtype)
-        out[f"allgather {dtype.name}"] = hvd.allgather(mine)
-        sent = mine if R == ROOT else tf.zeros([ROOT + 1, 2], dtype)
-        out[f"broadcast {dtype.name}"] = hvd.broadcast(sent, root_rank=ROOT)
     out["grouped_allgather"] = hvd.grouped_allgather([tf.constant(rows(R, R + 1, tf.int32), tf.int32),
                                                       tf.fill([1], float(R))])
     sent = tf.constant(rows(R, sum(SPLITS), tf.float32), tf.float32)
@@ -146,14 +150,21 @@ def share(count, rank):
     return start, start + base + (1 if rank < extra else 0)
 
 
+traced = tf.function(every_dtype)()
+with check("allreduce in a tf.function: every dtype and op"):
+    for dtype in NUMERIC:
+        for op_name, op in OPS.items():
+            assert_values(traced[f"{dtype.name} {op_name}"], expected_reduce(dtype, 7, op), dtype,
+                          f"{dtype.name} {op_name}")
+with check("allgather in a tf.function: variable first dimension, every dtype"):
+    for dtype in NUMERIC + [tf.bool]:
+        expected = np.concatenate([rows(r, r + 1, dtype) for r in range(N)])
+        assert_values(traced[f"allgather {dtype.name}"], expected, dtype, f"allgather {dtype.name}")
+with check("broadcast in a tf.function: every dtype"):
+    for dtype in NUMERIC + [tf.bool]:
+        assert_values(traced[f"broadcast {dtype.name}"], rows(ROOT, ROOT + 1, dtype), dtype, f"bcast {dtype.name}")
+
 for mode, out in both(movers).items():
-    with check(f"allgather {mode}: variable first dimension, every dtype"):
-        for dtype in NUMERIC + [tf.bool]:
-            expected = np.concatenate([rows(r, r + 1, dtype) for r in range(N)])
-            assert_values(out[f"allgather {dtype.name}"], expected, dtype, f"allgather {dtype.name}")
-    with check(f"broadcast {mode}: every dtype"):
-        for dtype in NUMERIC + [tf.bool]:
-            assert_values(out[f"broadcast {dtype.name}"], rows(ROOT, ROOT + 1, dtype), dtype, f"bcast {dtype.name}")
     with check(f"grouped_allgather {mode}"):
         first, second = out["grouped_allgather"]
         assert_values(first, np.concatenate([rows(r, r + 1, tf.int32) for r in range(N)]), tf.int32, "first")
