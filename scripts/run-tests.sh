@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup-system.sh
-WHEEL=$(bash scripts/setup-env.sh pytest pytest-timeout scikit-learn torch "tensorflow-cpu==2.21.*" "keras>=3.3" mpi4py ray pyspark ruff mypy | tail -n 1)
+WHEEL=$(bash scripts/setup-env.sh pytest pytest-timeout scikit-learn torch "tensorflow-cpu==2.21.*" "keras>=3.3" mpi4py "ray[train]" pyspark ruff mypy | tail -n 1)
 VENV=${RVOD_VENV:-.venv}
 
 bash scripts/check-house.sh "$VENV/bin/python"

@@ -128,3 +128,38 @@ def test_arguments_are_checked_before_anything_starts():
     bundles, strategy, bundle_of = executor._bundles()
     assert (bundles, strategy, bundle_of) == ([{"CPU": 6}, {"CPU": 6}], "STRICT_SPREAD", [0, 0, 0, 1, 1, 1])
     assert settings.engine_env() == {"RVOD_START_TIMEOUT": "5"}
+
+
+def _train_loop(config):
+    """Writes what rvod gave this worker to a file per rank (every worker of the test runs on this machine)."""
+    import json
+
+    import numpy as np
+    import ray.train
+
+    import rvod.numpy as hvd
+
+    hvd.init()
+    total = hvd.allreduce(np.array([hvd.rank() + 1.0]), op=hvd.Sum, name="train.sum")
+    seen = {"sum": float(total[0]), "topology": [hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size()],
+            "ray_rank": ray.train.get_context().get_world_rank()}
+    (Path(config["out"]) / f"rank{hvd.rank()}.json").write_text(json.dumps(seen))
+    hvd.shutdown()
+
+
+@pytest.mark.timeout(240)
+def test_ray_train_runs_rvod_collectives_through_rvod_config(local_ray, tmp_path):
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+
+    from rvod.ray.train import RvodConfig
+
+    import json
+
+    trainer = DataParallelTrainer(_train_loop, train_loop_config={"out": str(tmp_path)},
+                                  backend_config=RvodConfig(timeout_s=30), scaling_config=ScalingConfig(num_workers=2),
+                                  run_config=RunConfig(storage_path=str(tmp_path / "storage"), name="rvod"))
+    result = trainer.fit()
+    assert result.error is None, result.error
+    seen = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert seen == [{"sum": 3.0, "topology": [rank, 2, rank, 2], "ray_rank": rank} for rank in range(2)]
