@@ -1,6 +1,7 @@
 """rvod.spark.run on Spark in local-cluster mode (a master, a worker and two executors of 2 cores each, in
-JVMs this module starts): every op on 2 and 3 ranks, torch training equal to rvodrun's, failures named by
-rank with no rank left behind, and a run after a failure."""
+JVMs this module starts; RVOD_TEST_SPARK_MASTER=local[4] runs the same tests in one JVM): every op on 2
+and 3 ranks, torch training equal to rvodrun's, failures named by rank with no rank left behind, and a run
+after a failure."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ def spark():
     os.environ["PYSPARK_PYTHON"] = sys.executable  # the executors' Python: this one, where rvod is installed
     from pyspark.sql import SparkSession
 
-    session = (SparkSession.builder.master("local-cluster[2,2,512]").appName("rvod-tests")
+    master = os.environ.get("RVOD_TEST_SPARK_MASTER", "local-cluster[2,2,512]")  # local[4]: one JVM, faster
+    session = (SparkSession.builder.master(master).appName("rvod-tests")
                .config("spark.ui.enabled", "false").config("spark.executor.memory", "512m")
                .config("spark.driver.memory", "512m").getOrCreate())
     session.sparkContext.setLogLevel("ERROR")
