@@ -1,5 +1,7 @@
 """rvod.runner.cluster_job: the topology of ranks placed by a cluster engine (Ray, Spark), without one."""
 
+import socket
+
 from rvod.runner.cluster_job import call, failure_message, slots_for_hosts, store_address
 
 
@@ -25,7 +27,7 @@ def test_the_store_listens_on_loopback_only_when_every_rank_is_on_one_host():
 def test_a_raising_function_comes_back_as_its_traceback_with_the_rank():
     assert call(3, lambda a, b: a + b, (1,), {"b": 2}) == (True, 3)
     succeeded, failure = call(3, lambda: 1 / 0, (), {})
-    assert not succeeded and failure.rank == 3 and not failure.secondary
+    assert not succeeded and failure.rank == 3 and not failure.secondary and failure.host == socket.gethostname()
     assert failure.detail.startswith("rank 3 raised:\nTraceback")
     assert "ZeroDivisionError: division by zero" in failure.detail
 
@@ -40,6 +42,6 @@ def test_the_failure_shown_is_the_first_that_another_rank_did_not_cause():
     _, cause = call(1, lambda: [][1], (), {})
     assert consequence.secondary
     message = failure_message("where", [consequence, cause])
-    assert message.startswith("where: rank 1 failed: rank 1 raised:\nTraceback")
+    assert message.startswith(f"where: rank 1 on {socket.gethostname()} failed: rank 1 raised:\nTraceback")
     assert "IndexError" in message and message.endswith("where: rank(s) [0] failed too")
-    assert failure_message("where", [consequence]).startswith("where: rank 0 failed")
+    assert failure_message("where", [consequence]).startswith("where: rank 0 on ")

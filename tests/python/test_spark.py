@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import sys
 import time
 import uuid
@@ -78,7 +79,7 @@ def test_a_failing_rank_is_named_no_rank_is_left_and_the_next_run_works(spark):
         rvod.spark.run(cluster_fns.fail_on_rank_one, num_proc=2, env={"RVOD_TEST_JOB_TAG": tag})
     took = time.monotonic() - started
     message = str(failure.value)
-    assert "rvod.spark.run: rank 1 failed: rank 1 raised:" in message
+    assert re.search(r"^rvod\.spark\.run: rank 1 on \S+ failed: rank 1 raised:", message), message
     assert "Traceback (most recent call last)" in message and "ValueError: rank one fails on purpose" in message
     assert "the Spark job was cancelled" in message
     assert took < 60, f"rank 0 waited in a collective for ever: the failure took {took:.0f} s to report"
@@ -91,7 +92,7 @@ def test_a_failing_rank_is_named_no_rank_is_left_and_the_next_run_works(spark):
 
 @pytest.mark.timeout(240)
 def test_a_rank_whose_process_dies_is_named(spark):
-    with pytest.raises(RuntimeError, match=r"rank 1 failed: rank 1's process exited with status 3 before "
+    with pytest.raises(RuntimeError, match=r"rank 1 on \S+ failed: rank 1's process exited with status 3 before "
                                            r"returning a result"):
         rvod.spark.run(cluster_fns.exit_on_rank_one, num_proc=2)
     assert rvod.spark.run(lambda: 5, num_proc=3) == [5, 5, 5]

@@ -11,6 +11,7 @@ rank; ``start()`` may then be called again.
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -138,6 +139,7 @@ class RayExecutor:
         self.use_gpu = use_gpu
         self.gpus_per_worker = (gpus_per_worker or 1) if use_gpu else 0
         self.workers: list[Any] = []
+        self._hosts: list[str] = []  # host name of each rank's node
         self._placement_group = None
 
     def _bundles(self) -> tuple[list[dict[str, float]], str, list[int]]:
@@ -192,6 +194,7 @@ class RayExecutor:
             self.workers = [created[i] for i in order]
             places = [places[i] for i in order]
             hosts = [f"{hostname}/{node[:8]}" for node, _, hostname in places]
+            self._hosts = [f"{hostname} ({address})" for _, address, hostname in places]
             slots = cluster_job.slots_for_hosts(hosts)
             address = cluster_job.store_address(hosts, places[0][1])
             secret = cluster_job.new_secret()
@@ -267,6 +270,8 @@ class RayExecutor:
                 except BaseException as error:  # noqa: BLE001 - what Ray could not even hand back
                     failures.append(cluster_job.Failure(rank, f"{type(error).__name__}: {error}"))
         if failures:
+            failures = [failure if failure.host else dataclasses.replace(failure, host=self._hosts[failure.rank])
+                        for failure in failures]
             self.shutdown()
             raise RuntimeError(f"{cluster_job.failure_message(WHERE, failures)}\n"
                                f"{WHERE}: every worker was stopped; call start() to run again")

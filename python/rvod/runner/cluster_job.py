@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import socket
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -88,11 +89,13 @@ def apply_env(env: Mapping[str, str]) -> None:
 
 @dataclass(frozen=True)
 class Failure:
-    """How one rank failed. ``secondary``: it failed because another rank did (a collective broke)."""
+    """How one rank failed, on which host. ``secondary``: it failed because another rank did (a collective
+    broke)."""
 
     rank: int
     detail: str
     secondary: bool = False
+    host: str = ""
 
 
 def call(rank: int, fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[bool, Any]:
@@ -103,13 +106,14 @@ def call(rank: int, fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping
         return True, fn(*args, **kwargs)
     except BaseException as error:  # noqa: BLE001 - whatever the function raised goes back to the caller
         return False, Failure(rank, f"rank {rank} raised:\n{traceback.format_exc()}",
-                              secondary=isinstance(error, RvodInternalError))
+                              secondary=isinstance(error, RvodInternalError), host=socket.gethostname())
 
 
 def failure_message(where: str, failures: Sequence[Failure]) -> str:
     """The failure to show (the first that is not a consequence of another), naming the other failed ranks."""
     chosen = min(failures, key=lambda failure: failure.secondary)
-    text = f"{where}: rank {chosen.rank} failed: {chosen.detail}"
+    on = f" on {chosen.host}" if chosen.host else ""
+    text = f"{where}: rank {chosen.rank}{on} failed: {chosen.detail}"
     others = sorted(failure.rank for failure in failures if failure is not chosen)
     if others:
         text += f"\n{where}: rank(s) {others} failed too"

@@ -14,6 +14,7 @@ import ctypes
 import os
 import pickle
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -58,7 +59,8 @@ def run_rank(rank: int, payload: bytes, env: Mapping[str, str], workdir: str,
         how = f"was killed by signal {-status}" if status < 0 else f"exited with status {status}"
         from rvod.runner.cluster_job import Failure
 
-        succeeded, value = False, Failure(rank, f"rank {rank}'s process {how} before returning a result")
+        succeeded, value = False, Failure(rank, f"rank {rank}'s process {how} before returning a result",
+                                          host=socket.gethostname())
     return succeeded, value, stdout, stderr
 
 
@@ -74,7 +76,9 @@ def main(payload_path: str, result_path: str) -> int:
     try:
         data = cloudpickle.dumps(outcome)
     except Exception as error:  # noqa: BLE001 - a result that cannot be pickled is this rank's failure
-        data = cloudpickle.dumps((False, cluster_job.Failure(rank, f"rank {rank}'s result cannot be pickled: {error!r}")))
+        failure = cluster_job.Failure(rank, f"rank {rank}'s result cannot be pickled: {error!r}",
+                                      host=socket.gethostname())
+        data = cloudpickle.dumps((False, failure))
     with open(result_path + ".part", "wb") as file:
         file.write(data)
     os.replace(result_path + ".part", result_path)
