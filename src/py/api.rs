@@ -127,7 +127,8 @@ pub fn init(
     let (hosted, _) = served.map_err(to_py_err)?;
     // An init that timed out waiting for ranks that never came keeps its generation: every rank that
     // came timed out too, so all of them (and the late ones) meet again in the same scope on re-init.
-    let generation = state().generation;
+    // An elastic job's ranks meet in the round its driver assigned (ranks started later have had fewer inits).
+    let generation = config.elastic_round.unwrap_or(state().generation);
     let (done, mut started) = std::sync::mpsc::channel();
     std::thread::Builder::new()
         .name("rvod-init".into())
