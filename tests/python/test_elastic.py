@@ -180,3 +180,20 @@ def test_blacklisted_hosts_come_back_after_their_cooldown(job_env, tmp_path):
     assert len(recoveries) == 3
     print(f"death to training resumed: {', '.join(f'{r * 1000:.0f} ms' for r in recoveries)}; "
           f"p50 {sorted(recoveries)[1] * 1000:.0f} ms")
+
+
+@pytest.mark.timeout(240)
+def test_a_worker_dying_while_the_job_re_forms_still_ends_in_a_running_job(job_env, tmp_path):
+    """(f) rank 3 dies mid-epoch; while the other three re-form, the one on 127.0.0.1 dies after every worker
+    of the new world was ready but before its engine started. The two left time out of that world's start
+    (--start-timeout 5), join the next one and finish with every sample counted once."""
+    job = ElasticJob(job_env, tmp_path, f"localhost:2\n127.0.0.1:1\n{HOSTS[2]}:1\n",
+                     ["--min-np", "2", "--start-timeout", "5"], ELASTIC_KILL="1:3:5", ELASTIC_KILL_AT_INIT="2:2",
+                     ELASTIC_SAMPLES="48")
+    assert job.finish(220) == 0, job.report()
+    assert_every_sample_once_per_epoch(tmp_path, 3, 48)
+    worlds = assert_worlds_start_in_step(tmp_path)
+    assert sorted(worlds) == [1, 3] and worlds[3][0]["size"] == 2, job.report()
+    assert [(k["round"], k["rank"]) for k in read(tmp_path, "kills.jsonl")] == [(1, 3), (2, 2)]
+    assert "world 3 (failure): 2 ranks on localhost" in job.stderr
+    assert "world 2 failed to start" in job.stderr

@@ -6,7 +6,9 @@ often each sample was trained on; at the end of each epoch rank 0 writes it to O
 rank writes a line to OUT/starts.jsonl each time the training function starts (after the state was
 synchronised): its world, rank, size, epoch, batch and a checksum of its parameters. With ELASTIC_KILL set
 to "round:rank:steps[,...]" the rank so placed kills itself with SIGKILL after that many steps in that world,
-after writing the time to OUT/kills.jsonl. Calls of state.restore() are logged to OUT/restores.jsonl.
+after writing the time to OUT/kills.jsonl; with ELASTIC_KILL_AT_INIT="round:rank[,...]" the rank so placed
+kills itself as it joins that world, after every worker of it was ready but before its engine starts.
+Calls of state.restore() are logged to OUT/restores.jsonl.
 """
 
 import json
@@ -16,6 +18,7 @@ import time
 
 import torch
 
+import rvod.common.elastic
 import rvod.torch as hvd
 
 OUT = os.environ["ELASTIC_OUT"]
@@ -25,6 +28,8 @@ BATCH = 2
 COMMIT_EVERY = int(os.environ.get("ELASTIC_COMMIT_EVERY", "2"))
 STEP_SECONDS = float(os.environ.get("ELASTIC_STEP_SECONDS", "0.05"))
 KILLS = [tuple(int(x) for x in spec.split(":")) for spec in os.environ.get("ELASTIC_KILL", "").split(",") if spec]
+KILLS_AT_INIT = [tuple(int(x) for x in spec.split(":"))
+                 for spec in os.environ.get("ELASTIC_KILL_AT_INIT", "").split(",") if spec]
 
 
 def record(name, **fields):
@@ -42,6 +47,18 @@ class Samples(torch.utils.data.Dataset):
         return index, x, x.sum(dim=0, keepdim=True) * 0.5
 
 
+join_world = rvod.common.elastic.before_init
+
+
+def join_world_or_die():
+    join_world()
+    placed = (int(os.environ["RVOD_ELASTIC_ROUND"]), int(os.environ["RVOD_RANK"]))
+    if placed in KILLS_AT_INIT:
+        record("kills.jsonl", round=placed[0], rank=placed[1], epoch=None, batch=None)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+rvod.common.elastic.before_init = join_world_or_die
 torch.manual_seed(0)
 torch.set_num_threads(1)
 hvd.init()
