@@ -197,3 +197,25 @@ def test_a_worker_dying_while_the_job_re_forms_still_ends_in_a_running_job(job_e
     assert [(k["round"], k["rank"]) for k in read(tmp_path, "kills.jsonl")] == [(1, 3), (2, 2)]
     assert "world 3 (failure): 2 ranks on localhost" in job.stderr
     assert "world 2 failed to start" in job.stderr
+
+
+@pytest.mark.timeout(300)
+def test_keras_fit_goes_on_after_a_worker_dies(job_env, tmp_path):
+    """Keras 3 (TensorFlow backend) model.fit under hvd.elastic.run: rank 1 is killed in epoch 1; the two
+    left restore the last commit and finish the remaining epochs with identical weights."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("".join(f"{host}:1\n" for host in HOSTS))
+    env = dict(job_env, ELASTIC_OUT=str(tmp_path), ELASTIC_KILL="1:1:1:2", KERAS_BACKEND="tensorflow",
+               TF_CPP_MIN_LOG_LEVEL="3")
+    command = [sys.executable, *RVODRUN, "--min-np", "2", "--host-discovery-script", f"cat {hosts}",
+               sys.executable, str(WORKER.with_name("elastic_keras.py"))]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=280)
+    report = f"stdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-6000:]}"
+    assert result.returncode == 0, report
+    starts = read(tmp_path, "starts.jsonl")
+    assert sorted((s["round"], s["rank"], s["size"]) for s in starts) == [
+        (1, 0, 3), (1, 1, 3), (1, 2, 3), (2, 0, 2), (2, 1, 2)], report
+    second = [s for s in starts if s["round"] == 2]
+    assert {s["epoch"] for s in second} == {1} and len({s["params"] for s in second}) == 1
+    done = read(tmp_path, "done.jsonl")
+    assert len(done) == 2 and {d["epoch"] for d in done} == {3} and len({d["params"] for d in done}) == 1
