@@ -114,7 +114,7 @@ def test_added_host_joins_from_the_committed_state(job_env, tmp_path):
     sample is still counted once."""
     job = ElasticJob(job_env, tmp_path, "localhost:2\n", ["--min-np", "2", "--max-np", "3"], ELASTIC_SAMPLES="48")
     job.wait_for("progress.jsonl", progressed, 90)
-    added_at = time.monotonic()
+    added_at, added_wall = time.monotonic(), time.time()
     job.set_hosts("localhost:2\n127.0.0.1:1\n")
     assert job.finish(150) == 0, job.report()
     assert_every_sample_once_per_epoch(tmp_path, 3, 48)
@@ -128,6 +128,7 @@ def test_added_host_joins_from_the_committed_state(job_env, tmp_path):
     done = read(tmp_path, "done.jsonl")
     assert len(done) == 3 and len({d["params"] for d in done}) == 1
     assert time.monotonic() - added_at < 120
+    print(f"host added to training on it: {min(s['time'] for s in worlds[2]) - added_wall:.2f} s")
 
 
 @pytest.mark.timeout(180)
@@ -219,3 +220,14 @@ def test_keras_fit_goes_on_after_a_worker_dies(job_env, tmp_path):
     assert {s["epoch"] for s in second} == {1} and len({s["params"] for s in second}) == 1
     done = read(tmp_path, "done.jsonl")
     assert len(done) == 2 and {d["epoch"] for d in done} == {3} and len({d["params"] for d in done}) == 1
+
+
+@pytest.mark.timeout(120)
+def test_reset_limit_ends_the_job_with_the_reason(job_env, tmp_path):
+    """--reset-limit 0: the first death needs a reset the limit does not allow; rvodrun says so and exits 1."""
+    job = ElasticJob(job_env, tmp_path, "".join(f"{host}:1\n" for host in HOSTS), ["--min-np", "2", "--reset-limit", "0"],
+                     ELASTIC_KILL="1:1:3")
+    assert job.finish(100) == 1, job.report()
+    assert ("rvodrun: elastic job failed: the job needed a new world (failure) after 0 resets, and --reset-limit "
+            "is 0") in job.stderr, job.report()
+    assert not read(tmp_path, "done.jsonl")

@@ -154,3 +154,25 @@ def test_plan_keeps_survivors_first_and_fills_free_slots_up_to_max_np():
     assert kept == [first, second] and added == ["c", "c"]
     job.hosts = {"a": 2}
     assert job._plan(0.0) is None  # a is blacklisted, b and c are gone: fewer than --min-np
+
+
+def test_tensorflow_state_commits_restores_and_syncs_variables():
+    tf = pytest.importorskip("tensorflow")
+    import rvod.tensorflow as hvd
+
+    hvd.init()
+    try:
+        weights = tf.Variable([1.0, 2.0])
+        state = hvd.elastic.TensorFlowState([weights], epoch=0)
+        weights.assign([3.0, 4.0])
+        state.epoch = 1
+        state.commit()
+        weights.assign([5.0, 6.0])
+        state.epoch = 2
+        state.restore()
+        assert weights.numpy().tolist() == [3.0, 4.0] and state.epoch == 1
+        state.sync()  # one rank: its own values
+        assert weights.numpy().tolist() == [3.0, 4.0] and state.epoch == 1
+        assert hvd.elastic.TensorFlowKerasState.__name__ == "KerasState"
+    finally:
+        hvd.shutdown()
