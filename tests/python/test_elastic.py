@@ -144,7 +144,7 @@ def test_removed_host_interrupts_without_restoring(job_env, tmp_path):
     assert sorted(worlds) == [1, 2] and worlds[2][0]["size"] == 2, job.report()
     assert not read(tmp_path, "restores.jsonl")
     assert "world 2 (removed): 2 ranks on localhost" in job.stderr
-    assert "has no place in the new world 2 (its host was removed); exiting" in job.stderr
+    assert "has no place in the new world 2 (its host was removed or blacklisted); exiting" in job.stderr
     done = read(tmp_path, "done.jsonl")
     assert len(done) == 2 and len({d["params"] for d in done}) == 1
 
@@ -169,9 +169,9 @@ def test_blacklisted_hosts_come_back_after_their_cooldown(job_env, tmp_path):
     to training resuming (the first training start after it)."""
     job = ElasticJob(job_env, tmp_path, "".join(f"{host}:1\n" for host in HOSTS),
                      ["--min-np", "2", "--blacklist-cooldown-range", "1", "1"],
-                     ELASTIC_KILL="1:1:3,3:1:3,5:1:3", ELASTIC_SAMPLES="48", ELASTIC_EPOCHS="6")
+                     ELASTIC_KILL="1:1:3,3:1:3,5:1:3", ELASTIC_SAMPLES="48", ELASTIC_EPOCHS="12")
     assert job.finish(220) == 0, job.report()
-    assert_every_sample_once_per_epoch(tmp_path, 6, 48)
+    assert_every_sample_once_per_epoch(tmp_path, 12, 48)
     worlds = assert_worlds_start_in_step(tmp_path)
     sizes = [worlds[r][0]["size"] for r in sorted(worlds)]
     assert sizes[:6] == [3, 2, 3, 2, 3, 2], (sizes, job.report())

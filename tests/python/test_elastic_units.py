@@ -156,6 +156,7 @@ def test_plan_keeps_survivors_first_and_fills_free_slots_up_to_max_np():
     assert job._plan(0.0) is None  # a is blacklisted, b and c are gone: fewer than --min-np
 
 
+@pytest.mark.timeout(120)
 def test_tensorflow_state_commits_restores_and_syncs_variables():
     tf = pytest.importorskip("tensorflow")
     import rvod.tensorflow as hvd
@@ -176,3 +177,22 @@ def test_tensorflow_state_commits_restores_and_syncs_variables():
         assert hvd.elastic.TensorFlowKerasState.__name__ == "KerasState"
     finally:
         hvd.shutdown()
+
+
+def test_elastic_flags_become_settings_or_a_clear_error():
+    from rvod.runner.cli import build_parser, parse_args
+
+    def settings(*flags):
+        return driver.elastic_settings(parse_args(build_parser(), [*flags, "true"]), None)
+
+    chosen = settings("--min-num-proc", "2", "--max-num-proc", "4", "--host-discovery-script", "./hosts.sh",
+                      "--slots-per-host", "3", "--reset-limit", "5", "--blacklist-cooldown-range", "10", "20")
+    assert (chosen.min_np, chosen.max_np, chosen.discovery_script, chosen.slots_per_host, chosen.reset_limit,
+            chosen.cooldown_range, chosen.elastic_timeout) == (2, 4, "./hosts.sh", 3, 5, (10, 20), 600.0)
+    assert settings("-np", "3", "--host-discovery-script", "x", "--elastic-timeout", "30").min_np == 3
+    with pytest.raises(ValueError, match="--max-np at least --min-np"):
+        settings("--min-np", "3", "--max-np", "2", "--host-discovery-script", "x")
+    with pytest.raises(ValueError, match="needs 0 <= MIN <= MAX, got 20 10"):
+        settings("--min-np", "1", "--host-discovery-script", "x", "--blacklist-cooldown-range", "20", "10")
+    with pytest.raises(ValueError, match="needs --host-discovery-script"):
+        settings("--min-np", "1")

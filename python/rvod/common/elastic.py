@@ -111,7 +111,7 @@ class _DriverLink:
             place = json.loads(assignment)
             if place.get("leave"):
                 print(f"rvod elastic: worker {self.worker} has no place in the new world {round_} "
-                      "(its host was removed); exiting", file=sys.stderr, flush=True)
+                      "(its host was removed or blacklisted); exiting", file=sys.stderr, flush=True)
                 sys.stdout.flush()
                 os._exit(0)  # the engine is shut down already; the script's own exit would try to train on
             self._store.set(f"elastic/round/{round_}/ready/{self.worker}", b"1")
