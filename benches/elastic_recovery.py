@@ -38,6 +38,17 @@ def make_model(torch):
     return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
 
 
+def step(torch, out, world, die, model, optimizer, x, y):
+    """One training step, or (``die``) this worker's death by SIGKILL, recorded first."""
+    if die:
+        record(out, "kills.jsonl", world=world)
+        os.kill(os.getpid(), signal.SIGKILL)
+    optimizer.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    optimizer.step()
+    time.sleep(0.02)
+
+
 def rvod_worker(out, steps, kills):
     import torch
 
@@ -57,13 +68,7 @@ def rvod_worker(out, steps, kills):
         record(out, "starts.jsonl", world=world, rank=hvd.rank())
         in_world = 0
         while state.step < steps:
-            if hvd.rank() == 1 and world in kills and in_world == 5:
-                record(out, "kills.jsonl", world=world)
-                os.kill(os.getpid(), signal.SIGKILL)
-            optimizer.zero_grad()
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            optimizer.step()
-            time.sleep(0.02)
+            step(torch, out, world, hvd.rank() == 1 and world in kills and in_world == 5, model, optimizer, x, y)
             state.step += 1
             in_world += 1
             state.commit()
@@ -82,14 +87,8 @@ def torchrun_worker(out, steps, kills):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
     record(out, "starts.jsonl", world=restart, rank=dist.get_rank())
-    for step in range(steps):
-        if dist.get_rank() == 1 and restart < kills and step == 5:
-            record(out, "kills.jsonl", world=restart)
-            os.kill(os.getpid(), signal.SIGKILL)
-        optimizer.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        optimizer.step()
-        time.sleep(0.02)
+    for done in range(steps):
+        step(torch, out, restart, dist.get_rank() == 1 and restart < kills and done == 5, model, optimizer, x, y)
     dist.destroy_process_group()
 
 
