@@ -196,3 +196,19 @@ def test_elastic_flags_become_settings_or_a_clear_error():
         settings("--min-np", "1", "--host-discovery-script", "x", "--blacklist-cooldown-range", "20", "10")
     with pytest.raises(ValueError, match="needs --host-discovery-script"):
         settings("--min-np", "1")
+
+
+@pytest.mark.timeout(60)
+def test_object_state_needs_no_framework_and_syncs_from_rank_0():
+    from rvod.common import basics
+
+    basics.init()
+    try:
+        state = elastic.ObjectState(epoch=3, history=[1])
+        state.epoch = 4
+        state.commit()
+        state.history.append(2)
+        state.sync()  # one rank: rank 0's commit
+        assert (state.epoch, state.history) == (4, [1])
+    finally:
+        basics.shutdown()

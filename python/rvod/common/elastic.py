@@ -146,11 +146,16 @@ def before_init() -> None:
 class State:
     """State that is committed, restored and synchronised across the ranks of an elastic job.
 
-    ``bcast_object(obj, root_rank, name)`` and ``get_rank()`` come from the framework shim, which is the
-    only difference between frameworks here.
+    ``bcast_object(obj, root_rank, name)`` and ``get_rank()`` may come from the framework shim; by default
+    they are rvod.common's ``broadcast_object`` and ``rank``.
     """
 
-    def __init__(self, bcast_object, get_rank):
+    def __init__(self, bcast_object=None, get_rank=None):
+        if bcast_object is None or get_rank is None:
+            from rvod.common import basics, objects
+
+            bcast_object = bcast_object or objects.broadcast_object
+            get_rank = get_rank or basics.rank
         self._bcast_object = bcast_object
         self._rank = get_rank
         self._reset_callbacks = []
@@ -200,9 +205,10 @@ class State:
 
 
 class ObjectState(State):
-    """State made of plain Python objects given as keyword arguments, reachable as attributes."""
+    """State made of plain Python objects given as keyword arguments, reachable as attributes
+    (``hvd.elastic.ObjectState(epoch=0, batch=0)``)."""
 
-    def __init__(self, bcast_object, get_rank, **kwargs):
+    def __init__(self, bcast_object=None, get_rank=None, **kwargs):
         self._saved_state = kwargs
         self._set_attrs()
         super().__init__(bcast_object=bcast_object, get_rank=get_rank)

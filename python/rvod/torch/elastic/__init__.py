@@ -6,20 +6,12 @@ PyTorch's: ``TorchState`` (model, optimizer, ``ElasticSampler`` and any named ob
 
 import functools
 
-from rvod.common.elastic import ObjectState as _ObjectState, State, reset_engine, run_fn
+from rvod.common.elastic import ObjectState, State, reset_engine, run_fn
 from rvod.torch.elastic.sampler import ElasticSampler
 from rvod.torch.elastic.state import TorchState
-from rvod.torch.functions import broadcast_object
-from rvod.torch.mpi_ops import init, rank, shutdown
+from rvod.torch.mpi_ops import init, shutdown
 
 __all__ = ["ElasticSampler", "ObjectState", "State", "TorchState", "run"]
-
-
-class ObjectState(_ObjectState):
-    """Plain Python objects (keyword arguments) committed, restored and synchronised from rank 0."""
-
-    def __init__(self, **kwargs):
-        super().__init__(bcast_object=broadcast_object, get_rank=rank, **kwargs)
 
 
 def run(func):
