@@ -8,6 +8,8 @@ script prints the hosts file, which a test rewrites to add or remove hosts while
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -16,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import RVODRUN
+from conftest import JOB_TAG_VARIABLE, RVODRUN, tagged_pids
 
 WORKER = Path(__file__).resolve().parent / "workers" / "elastic_torch.py"
 HOSTS = ["localhost", "127.0.0.1", socket.gethostname()]
@@ -231,3 +233,42 @@ def test_reset_limit_ends_the_job_with_the_reason(job_env, tmp_path):
     assert ("rvodrun: elastic job failed: the job needed a new world (failure) after 0 resets, and --reset-limit "
             "is 0") in job.stderr, job.report()
     assert not read(tmp_path, "done.jsonl")
+
+
+def _worker_pid(tag: str, worker_id: int) -> int | None:
+    """The pid of elastic worker `worker_id` of the job tagged `tag`."""
+    for pid in tagged_pids(tag):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RVOD_ELASTIC_WORKER_ID={worker_id}".encode() in environ:
+            return pid
+    return None
+
+
+@pytest.mark.timeout(240)
+def test_elastic_synthetic_benchmark_example_survives_kill_9(job_env, tmp_path):
+    """examples/torch_synthetic_benchmark_elastic.py (written as Horovod's elastic benchmark is) on 3 ranks:
+    kill -9 of a worker from outside during the benchmark; the job ends on 2 ranks, every iteration recorded
+    once."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("".join(f"{host}:1\n" for host in HOSTS))
+    example = Path(__file__).resolve().parents[2] / "examples" / "torch_synthetic_benchmark_elastic.py"
+    stdout, stderr = (tmp_path / "stdout").open("w"), (tmp_path / "stderr").open("w")
+    job = subprocess.Popen(
+        [sys.executable, *RVODRUN, "--min-np", "2", "--host-discovery-script", f"cat {hosts}", sys.executable,
+         str(example), "--width", "8", "--image-size", "16", "--batch-size", "8", "--num-warmup-batches", "2",
+         "--num-batches-per-iter", "4", "--num-iters", "12"], env=job_env, stdout=stdout, stderr=stderr)
+    deadline = time.monotonic() + 150
+    while "Iter #2:" not in (tmp_path / "stdout").read_text():
+        assert job.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr").read_text()[-4000:]
+        time.sleep(0.05)
+    pid = _worker_pid(job_env[JOB_TAG_VARIABLE], 2)
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    assert job.wait(timeout=150) == 0, (tmp_path / "stderr").read_text()[-4000:]
+    out = (tmp_path / "stdout").read_text()
+    assert "[0]<stdout>:Training on 2 ranks" in out, out
+    assert "[0]<stdout>:Iterations recorded: 12" in out and "Total img/sec on 2 rank(s)" in out, out
+    assert "worker 2 (rank 1 on 127.0.0.1) was killed by signal SIGKILL" in (tmp_path / "stderr").read_text()
