@@ -86,6 +86,10 @@ pub struct Config {
     pub timeline: Option<String>,
     /// `RVOD_TIMELINE_MARK_CYCLES`: mark each negotiation round with `CYCLE_START`.
     pub timeline_mark_cycles: bool,
+    /// `RVOD_ELASTIC_ROUND`: the world an elastic job's driver assigned this rank to. Ranks meet in the
+    /// store under this round instead of their own count of inits, so a rank started for a re-formed world
+    /// meets ranks that have been through several; `None` outside elastic jobs.
+    pub elastic_round: Option<u64>,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -297,6 +301,10 @@ impl Config {
             launch,
             timeline: env.string("TIMELINE").filter(|path| !path.is_empty()),
             timeline_mark_cycles: env.flag("TIMELINE_MARK_CYCLES")?,
+            elastic_round: match env.raw("ELASTIC_ROUND") {
+                None => None,
+                Some(_) => Some(env.usize("ELASTIC_ROUND", 0)? as u64),
+            },
         })
     }
 }
@@ -432,6 +440,13 @@ mod tests {
     fn config(vars: &[(&str, &str)]) -> Result<Config, ConfigError> {
         let map: HashMap<String, String> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
         Config::from_lookup(move |name| map.get(name).cloned())
+    }
+
+    #[test]
+    fn elastic_round_is_read_when_set() {
+        assert_eq!(config(&[]).unwrap().elastic_round, None);
+        assert_eq!(config(&[("RVOD_ELASTIC_ROUND", "7")]).unwrap().elastic_round, Some(7));
+        assert_eq!(config(&[("RVOD_ELASTIC_ROUND", "x")]).unwrap_err().name, "RVOD_ELASTIC_ROUND");
     }
 
     #[test]

@@ -31,7 +31,9 @@ class RvodTimeoutError(RvodInternalError):
 
 
 class HostsUpdatedInterrupt(RvodError, RuntimeError):
-    """The set of hosts of an elastic job changed; training state is restored and synchronised."""
+    """The hosts of an elastic job changed (raised by ``state.commit()`` / ``check_host_updates()`` on every rank
+    at once): ``hvd.elastic.run`` resets the job to its new world without restoring the last commit, and
+    synchronises the state from rank 0 unless hosts were only removed (``skip_sync``)."""
 
     def __init__(self, skip_sync=False):
         super().__init__("hosts updated")

@@ -128,8 +128,9 @@ pub fn init(
     // The generation names the rendezvous scope; it is used up only once every rank has met in it (see
     // `Engine::meet`). An init that failed before (a bad setting, a store address that does not resolve, a
     // rank that never came) keeps it: every rank meets again in the same scope on re-init, whichever of
-    // them failed and however.
-    let generation = state().generation;
+    // them failed and however. An elastic job's ranks meet in the round its driver assigned (ranks started
+    // later have had fewer inits).
+    let generation = config.elastic_round.unwrap_or(state().generation);
     let (done, mut started) = std::sync::mpsc::channel();
     std::thread::Builder::new()
         .name("rvod-init".into())

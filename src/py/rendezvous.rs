@@ -91,6 +91,13 @@ impl StoreClient {
         py.allow_threads(|| client.get(key, timeout)).map_err(|e| runtime_error(e.to_string()))
     }
 
+    /// The value of `key`, or None when no client set it within `timeout` seconds (0: look once).
+    fn try_get(&mut self, py: Python<'_>, key: &str, timeout: f64) -> PyResult<Option<Vec<u8>>> {
+        let timeout = timeout_from_seconds(timeout)?;
+        let client = self.connected()?;
+        py.allow_threads(|| client.try_get(key, timeout)).map_err(|e| runtime_error(e.to_string()))
+    }
+
     fn close(&mut self) {
         self.client = None;
     }

@@ -213,7 +213,8 @@ def test_rvod_run_on_this_machine(job_env):
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == [
         "[(1, 3), (4, 3), (9, 3)]",
-        "refused: --min-np selects elastic training, which rvod.run does not support yet",
+        "refused: --min-np selects elastic training, which rvod.run does not support; run the script with rvodrun "
+        "--min-np/--host-discovery-script instead",
     ]
 
 

@@ -4,7 +4,7 @@ import atexit
 import os
 
 from rvod import _rvod
-from rvod.common import naming, process_sets as _process_sets
+from rvod.common import elastic as _elastic, naming, process_sets as _process_sets
 
 # What every shim re-exports (``from rvod.common.basics import *``).
 __all__ = [
@@ -32,6 +32,8 @@ def init(comm=None, process_sets=None):
     if _rvod.is_initialized():
         return
     static_sets = _process_sets.static_sets_for_init(process_sets)
+    if _elastic.in_elastic_job():
+        _elastic.before_init()  # the rank and size are those of the world the elastic driver formed
     dynamic = isinstance(process_sets, str) and process_sets == "dynamic"
     _rvod.init([ps.ranks for ps in static_sets], _mpi_for_init(comm), dynamic_process_sets=dynamic)
     _topology = _rvod.topology()

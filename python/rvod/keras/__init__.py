@@ -15,7 +15,7 @@ from rvod.common.basics import *  # noqa: F401,F403  (the basics, re-exported)
 from rvod.common.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from rvod.common.reduce_ops import Adasum, Average, Max, Min, Product, Sum
 from rvod.exceptions import HorovodInternalError, RvodInternalError, RvodMismatchError, RvodTimeoutError  # noqa: F401
-from rvod.keras import callbacks
+from rvod.keras import callbacks, elastic
 from rvod.keras.callbacks import broadcast_variables
 from rvod.keras.compression import Compression
 from rvod.keras.optimizer import DistributedOptimizer
@@ -96,5 +96,5 @@ __all__ = _basics + [
     "allgather",
     "broadcast", "reducescatter", "load_model", "callbacks", "Compression", "ProcessSet", "global_process_set",
     "add_process_set", "remove_process_set", "Average", "Sum", "Adasum", "Min", "Max", "Product",
-    "HorovodInternalError",
+    "HorovodInternalError", "elastic",
 ]

@@ -77,17 +77,6 @@ REFUSED = {
     "torus_allreduce": "--torus-allreduce is NCCL's torus allreduce for GPU clusters, which rvod does not have; "
                        "rvod picks its own algorithm (see --hierarchical-allreduce)",
     "autotune": "--autotune: rvod has no autotuner yet; set --fusion-threshold-mb and --cycle-time-ms yourself",
-    "min_num_proc": "--min-np selects elastic training, which rvodrun does not support yet",
-    "max_num_proc": "--max-np is an elastic-training flag, and rvodrun does not support elastic training yet",
-    "slots_per_host": "--slots-per-host is an elastic-training flag, and rvodrun does not support elastic "
-                      "training yet; give slots with -H host:slots or a hostfile",
-    "elastic_timeout": "--elastic-timeout is an elastic-training flag, and rvodrun does not support elastic "
-                       "training yet",
-    "reset_limit": "--reset-limit is an elastic-training flag, and rvodrun does not support elastic training yet",
-    "cooldown_range": "--blacklist-cooldown-range is an elastic-training flag, and rvodrun does not support "
-                      "elastic training yet",
-    "host_discovery_script": "--host-discovery-script selects elastic training, which rvodrun does not support "
-                             "yet; list the hosts with -H or --hostfile",
     "num_nccl_streams": "--num-nccl-streams: rvod does not run NCCL operations yet, so there are no NCCL "
                         "streams to set",
     "use_jsrun": "--jsrun launches through LSF's jsrun, which rvodrun does not support; use -H/--hostfile "
@@ -142,7 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     hosts.add_argument("-hostfile", "--hostfile", metavar="FILE",
                        help='file with one "<host> slots=<n>" per line; "#" starts a comment')
     hosts.add_argument("--host-discovery-script", dest="host_discovery_script", metavar="SCRIPT",
-                       help="(elastic training: not supported by rvodrun yet)")
+                       help="elastic training: a program printing the available hosts, one 'host[:slots]' a "
+                            "line; rvodrun reruns it every second and grows or shrinks the job to match")
 
     controller = parser.add_argument_group("controller").add_mutually_exclusive_group()
     controller.add_argument("--gloo", dest="use_gloo", action="store_true",
@@ -192,13 +182,22 @@ def build_parser() -> argparse.ArgumentParser:
     autotune.add_argument("--autotune-gaussian-process-noise", dest="autotune_gaussian_process_noise",
                           type=_unit_interval, metavar="F")
 
-    elastic = parser.add_argument_group("elastic (not supported by rvodrun yet: each of these is refused)")
-    elastic.add_argument("--min-np", "--min-num-proc", dest="min_num_proc", type=int, metavar="N")
-    elastic.add_argument("--max-np", "--max-num-proc", dest="max_num_proc", type=int, metavar="N")
-    elastic.add_argument("--slots-per-host", dest="slots_per_host", type=int, metavar="N")
-    elastic.add_argument("--elastic-timeout", dest="elastic_timeout", type=int, metavar="SECONDS")
-    elastic.add_argument("--reset-limit", dest="reset_limit", type=int, metavar="N")
-    elastic.add_argument("--blacklist-cooldown-range", dest="cooldown_range", type=int, nargs=2, metavar=("MIN", "MAX"))
+    elastic = parser.add_argument_group("elastic training (any of --min-np, --max-np, --host-discovery-script "
+                                        "selects it; the script uses rvod's hvd.elastic API)")
+    elastic.add_argument("--min-np", "--min-num-proc", dest="min_num_proc", type=_positive_int, metavar="N",
+                         help="fewest workers the job runs with (default: -np)")
+    elastic.add_argument("--max-np", "--max-num-proc", dest="max_num_proc", type=_positive_int, metavar="N",
+                         help="most workers the job grows to (default: every slot discovered)")
+    elastic.add_argument("--slots-per-host", dest="slots_per_host", type=_positive_int, metavar="N",
+                         help="slots of a discovered host whose line gives no count (default 1)")
+    elastic.add_argument("--elastic-timeout", dest="elastic_timeout", type=_non_negative(float), metavar="SECONDS",
+                         help="how long the job waits for --min-np slots before it fails (default 600)")
+    elastic.add_argument("--reset-limit", dest="reset_limit", type=_non_negative(int), metavar="N",
+                         help="fail the job instead of resetting it more than N times (default: no limit)")
+    elastic.add_argument("--blacklist-cooldown-range", dest="cooldown_range", type=_non_negative(int), nargs=2,
+                         metavar=("MIN", "MAX"),
+                         help="a host whose worker failed is left out for a random MIN..MAX seconds (doubling "
+                              "with each failure) instead of for good")
 
     timeline = parser.add_argument_group("timeline")
     timeline.add_argument("--timeline-filename", dest="timeline_filename", metavar="FILE",
@@ -283,7 +282,9 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
         if getattr(options, dest) is not None and not options.use_mpi:
             parser.error(f"{flag} is for mpirun, which rvodrun only uses with --mpi; add --mpi to launch "
                          "through mpirun")
-    if options.num_proc is None:
+    elastic = any(getattr(options, dest) is not None for dest in
+                  ("min_num_proc", "max_num_proc", "host_discovery_script"))
+    if options.num_proc is None and not elastic:
         parser.error("-np/--num-proc is required")
     if not options.command:
         parser.error("no command given: rvodrun -np N [options] command [args ...]")

@@ -191,6 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     if options.check_build:
         print(build_report())
         return 0
+    from rvod.runner import elastic
+
+    if elastic.is_elastic(options):
+        return _run_elastic(parser, options)
     try:
         plan = plan_job(options)
         command = resolve_command(options.command)
@@ -209,6 +213,34 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with job:
             return job.run(command)
+    except store.StoreUnavailable as error:
+        print(f"rvodrun: {error}", file=sys.stderr)
+        return 1
+
+
+def _run_elastic(parser: argparse.ArgumentParser, options: argparse.Namespace) -> int:
+    """An elastic job (--min-np, --max-np or --host-discovery-script): see rvod.runner.elastic."""
+    from rvod.runner import elastic
+
+    if options.use_mpi:
+        parser.error("elastic training starts and restarts workers itself; it cannot run under --mpi")
+    try:
+        fixed = None
+        if options.host_discovery_script is None and (options.hosts is not None or options.hostfile is not None):
+            fixed = _hosts(options)
+        settings = elastic.elastic_settings(options, fixed)
+        command = resolve_command(options.command)
+        nics = list(options.nics or [])
+        for nic in nics:
+            network.interface_address(nic)
+    except ValueError as error:
+        parser.error(str(error))
+    ssh = SshSettings(port=options.ssh_port, identity_file=options.ssh_identity_file,
+                      config_file=options.ssh_config_file or os.environ.get("RVOD_SSH_CONFIG_FILE") or None,
+                      connect_timeout=start_timeout(options))
+    driver = elastic.ElasticDriver(options, settings, command, engine_env(options), ssh, nics)
+    try:
+        return driver.run()
     except store.StoreUnavailable as error:
         print(f"rvodrun: {error}", file=sys.stderr)
         return 1

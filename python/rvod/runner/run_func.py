@@ -70,7 +70,7 @@ def run(
     import cloudpickle
 
     from rvod.runner import launch, mpi
-    from rvod.runner.cli import REFUSED, build_parser
+    from rvod.runner.cli import build_parser
 
     num_proc = _deprecated_alias("np", "num_proc", np, num_proc)
     min_num_proc = _deprecated_alias("min_np", "min_num_proc", min_np, min_num_proc)
@@ -98,7 +98,10 @@ def run(
               "host_discovery_script": host_discovery_script}
     for dest, value in values.items():
         if value is not None:
-            raise ValueError(REFUSED[dest].replace("rvodrun", "rvod.run"))
+            flag = "--" + dest.replace("_num_proc", "-np").replace("_", "-").replace("cooldown-range",
+                                                                                     "blacklist-cooldown-range")
+            raise ValueError(f"{flag} selects elastic training, which rvod.run does not support; run the script "
+                             "with rvodrun --min-np/--host-discovery-script instead")
     options.hosts, options.hostfile = hosts, hostfile
     options.start_timeout = start_timeout
     options.ssh_port, options.ssh_identity_file = ssh_port, ssh_identity_file

@@ -74,7 +74,7 @@ def _say(text: str) -> None:
     write_line(sys.stderr, f"rvodrun: {text}")
 
 
-class _Worker:
+class WorkerProcess:
     def __init__(self, spec: WorkerSpec, process: subprocess.Popen[bytes]):
         self.rank = spec.rank
         self.hostname = spec.hostname
@@ -86,7 +86,7 @@ class _Worker:
         self._exited_at: float | None = None
 
     @classmethod
-    def start(cls, spec: WorkerSpec, *, timestamp: bool = False) -> _Worker:
+    def start(cls, spec: WorkerSpec, *, timestamp: bool = False) -> WorkerProcess:
         copies: tuple[IO[bytes] | None, IO[bytes] | None] = (None, None)
         if spec.output_dir is not None:
             spec.output_dir.mkdir(parents=True, exist_ok=True)
@@ -208,12 +208,12 @@ class Supervisor:
         if threading.current_thread() is threading.main_thread():
             for signum in _FORWARDED_SIGNALS:
                 previous_handlers[signum] = signal.signal(signum, lambda number, _frame: received.append(number))
-        workers: list[_Worker] = []
+        workers: list[WorkerProcess] = []
         try:
             exit_code = 0
             for spec in specs:
                 try:
-                    worker = _Worker.start(spec, timestamp=self._timestamp)
+                    worker = WorkerProcess.start(spec, timestamp=self._timestamp)
                 except OSError as error:
                     self.failure = f"cannot start rank {spec.rank} ({shlex.join(spec.command)}): {error}"
                     _say(self.failure)
@@ -228,13 +228,13 @@ class Supervisor:
             for signum, handler in previous_handlers.items():
                 signal.signal(signum, handler)
 
-    def _stop(self, workers: list[_Worker], signum: int) -> float:
+    def _stop(self, workers: list[WorkerProcess], signum: int) -> float:
         """Sends `signum` to the workers' groups; returns when to escalate to SIGKILL."""
         for worker in workers:
             worker.signal_group(signum)
         return time.monotonic() + self._grace_seconds
 
-    def _watch(self, workers: list[_Worker], received: list[int], exit_code: int) -> int:
+    def _watch(self, workers: list[WorkerProcess], received: list[int], exit_code: int) -> int:
         """Waits until every worker has exited; a non-zero `exit_code` means the job is already failing."""
         running = list(workers)
         stopping = exit_code != 0
@@ -271,7 +271,7 @@ class Supervisor:
                 kill_at = None
         return exit_code
 
-    def _clear_groups(self, workers: list[_Worker]) -> None:
+    def _clear_groups(self, workers: list[WorkerProcess]) -> None:
         """Stops whatever is left in the workers' process groups, such as children a worker left behind."""
         alive = [worker for worker in workers if worker.group_alive()]
         self._stop(alive, signal.SIGTERM)

@@ -74,6 +74,10 @@ def __getattr__(name):
         from rvod.tensorflow.sync_batch_norm import SyncBatchNormalization
 
         return SyncBatchNormalization
+    if name == "elastic":
+        import rvod.tensorflow.elastic as elastic
+
+        return elastic
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -82,4 +86,5 @@ __all__ = _ops_names + [
     "broadcast_global_variables", "HorovodInternalError", "RvodInternalError", "RvodMismatchError",
     "RvodTimeoutError", "MismatchError", "DistributedGradientTape", "PartialDistributedGradientTape",
     "DistributedOptimizer", "BroadcastGlobalVariablesHook", "SyncBatchNormalization", "mpi_ops",
+    "elastic",
 ]

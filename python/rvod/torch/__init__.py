@@ -72,6 +72,7 @@ from rvod.torch.mpi_ops import (
 )
 from rvod.torch.optimizer import DistributedOptimizer
 from rvod.torch.sync_batch_norm import SyncBatchNorm
+from rvod.torch import elastic  # noqa: E402  (hvd.elastic; needs the names above)
 
 __all__ = [
     "Compression", "allgather_object", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters",
@@ -85,5 +86,5 @@ __all__ = [
     "gloo_enabled", "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built",
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "Average", "Sum", "Adasum",
     "Min", "Max", "Product", "HorovodInternalError", "DistributedOptimizer", "SyncBatchNorm", "mpi_ops",
-    "RvodInternalError", "RvodMismatchError", "RvodTimeoutError",
+    "RvodInternalError", "RvodMismatchError", "RvodTimeoutError", "elastic",
 ]

@@ -250,6 +250,14 @@ class _DistributedOptimizer:
             self._delay[p] = self.backward_passes_per_step
         self._synchronized = True
 
+    def _forget_reductions(self):
+        """Elastic reset: the reductions in flight died with the old world; start the next step afresh."""
+        self._pending.clear()
+        self._group_ready.clear()
+        for p in self._delay:
+            self._delay[p] = self.backward_passes_per_step
+        self._synchronized = False
+
     @contextlib.contextmanager
     def skip_synchronize(self):
         """Inside this block ``step()`` does not synchronize (call ``synchronize()`` yourself first)."""

@@ -1,0 +1,117 @@
+"""``TorchState``: a model, an optimizer, samplers and named objects, committed and restored together."""
+
+import copy
+
+import torch
+
+from rvod.common.elastic import ObjectState
+from rvod.torch.elastic.sampler import ElasticSampler
+from rvod.torch.functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from rvod.torch.mpi_ops import rank
+
+
+class _Handler:
+    def __init__(self, value):
+        self.value = value
+        self.save()
+
+    def set_value(self, value):
+        self.value = value
+        self.save()
+
+    def reset(self):
+        pass
+
+
+class _StateDictHandler(_Handler):
+    """A module or optimizer: committed as a copy of its ``state_dict``."""
+
+    def save(self):
+        self._saved = copy.deepcopy(self.value.state_dict())
+
+    def restore(self):
+        self.value.load_state_dict(self._saved)
+
+
+class _ModelHandler(_StateDictHandler):
+    def sync(self):
+        broadcast_parameters(self.value.state_dict(), root_rank=0)
+
+
+class _OptimizerHandler(_StateDictHandler):
+    def sync(self):
+        broadcast_optimizer_state(self.value, root_rank=0)
+
+    def reset(self):
+        forget = getattr(self.value, "_forget_reductions", None)  # a DistributedOptimizer
+        if forget is not None:
+            forget()
+
+
+class _SamplerHandler(_Handler):
+    def save(self):
+        self._saved = copy.deepcopy(self.value.state_dict())
+
+    def restore(self):
+        self.value.load_state_dict(copy.deepcopy(self._saved))
+
+    def sync(self):
+        self.value.load_state_dict(broadcast_object(self.value.state_dict(), 0, name="elastic.sampler"))
+
+    def reset(self):
+        self.value.reset()
+
+
+def _handler_for(value):
+    if isinstance(value, torch.nn.Module):
+        return _ModelHandler(value)
+    if isinstance(value, torch.optim.Optimizer):
+        return _OptimizerHandler(value)
+    if isinstance(value, ElasticSampler):
+        return _SamplerHandler(value)
+    return None
+
+
+class TorchState(ObjectState):
+    """State of a PyTorch training loop: ``model``, ``optimizer`` and keyword arguments. Modules, optimizers
+    and ``ElasticSampler``s among them are saved with their ``state_dict`` and synchronised by broadcast;
+    anything else is a Python object deep-copied on commit and broadcast from rank 0."""
+
+    def __init__(self, model=None, optimizer=None, **kwargs):
+        kwargs.update(model=model, optimizer=optimizer)
+        handlers, objects = {}, {}
+        for name, value in kwargs.items():
+            handler = _handler_for(value)
+            if handler is not None:
+                handlers[name] = handler
+            elif value is not None or name not in ("model", "optimizer"):
+                objects[name] = value
+        object.__setattr__(self, "_handlers", handlers)
+        for name, handler in handlers.items():
+            object.__setattr__(self, name, handler.value)
+        super().__init__(bcast_object=broadcast_object, get_rank=rank, **objects)
+
+    def __setattr__(self, name, value):
+        handlers = self.__dict__.get("_handlers", {})
+        if name in handlers:
+            handlers[name].set_value(value)
+        object.__setattr__(self, name, value)
+
+    def save(self):
+        for handler in self._handlers.values():
+            handler.save()
+        super().save()
+
+    def restore(self):
+        for handler in self._handlers.values():
+            handler.restore()
+        super().restore()
+
+    def sync(self):
+        for handler in self._handlers.values():
+            handler.sync()
+        super().sync()
+
+    def reset(self):
+        for handler in self._handlers.values():
+            handler.reset()

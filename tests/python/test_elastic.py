@@ -1,0 +1,274 @@
+"""Elastic training under faults: rvodrun --host-discovery-script with PyTorch workers (workers/elastic_torch.py).
+
+The "hosts" are names that all mean this machine (localhost, 127.0.0.1, its host name): rvodrun starts
+their workers directly, and the engine treats them as different hosts (TCP between them). A discovery
+script prints the hosts file, which a test rewrites to add or remove hosts while the job runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import JOB_TAG_VARIABLE, RVODRUN, tagged_pids
+
+WORKER = Path(__file__).resolve().parent / "workers" / "elastic_torch.py"
+HOSTS = ["localhost", "127.0.0.1", socket.gethostname()]
+
+
+def read(out: Path, name: str) -> list[dict]:
+    path = out / name
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+class ElasticJob:
+    """rvodrun running workers/elastic_torch.py with the hosts in `out/hosts`."""
+
+    def __init__(self, job_env: dict[str, str], out: Path, hosts: str, flags: list[str], **settings: str):
+        self.out = out
+        self.hosts_file = out / "hosts"
+        self.set_hosts(hosts)
+        env = dict(job_env, ELASTIC_OUT=str(out), **settings)
+        command = [sys.executable, *RVODRUN, *flags, "--host-discovery-script", f"cat {self.hosts_file}",
+                   sys.executable, str(WORKER)]
+        self.process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                        errors="replace")
+
+    def set_hosts(self, text: str) -> None:
+        self.hosts_file.with_suffix(".new").write_text(text)
+        self.hosts_file.with_suffix(".new").replace(self.hosts_file)
+
+    def wait_for(self, name: str, predicate, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not any(predicate(entry) for entry in read(self.out, name)):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.finish(5)
+                pytest.fail(f"no {name} entry as expected\n{self.report()}")
+            time.sleep(0.05)
+
+    def finish(self, timeout: float) -> int:
+        try:
+            self.stdout, self.stderr = self.process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.stdout, self.stderr = self.process.communicate()
+            pytest.fail(f"rvodrun did not finish within {timeout} s\n{self.report()}")
+        return self.process.returncode
+
+    def report(self) -> str:
+        return f"stdout:\n{getattr(self, 'stdout', '')[-4000:]}\nstderr:\n{getattr(self, 'stderr', '')[-6000:]}"
+
+
+def assert_every_sample_once_per_epoch(out: Path, epochs: int, samples: int) -> None:
+    records = read(out, "epochs.jsonl")
+    assert [r["epoch"] for r in records] == list(range(epochs)), records
+    for record in records:
+        assert record["counts"] == [1.0] * samples, f"epoch {record['epoch']}: {record['counts']}"
+
+
+def assert_worlds_start_in_step(out: Path) -> dict[int, list[dict]]:
+    """Within each world, every rank started training from the same state; returns round -> starts."""
+    worlds: dict[int, list[dict]] = {}
+    for start in read(out, "starts.jsonl"):
+        worlds.setdefault(start["round"], []).append(start)
+    for round_, starts in worlds.items():
+        assert sorted(s["rank"] for s in starts) == list(range(starts[0]["size"])), (round_, starts)
+        fields = [(s["params"], s["epoch"], s["batch"], s["processed"], s["counted"]) for s in starts]
+        assert len(set(fields)) == 1, (round_, starts)
+    return worlds
+
+
+@pytest.mark.timeout(180)
+def test_killed_worker_training_goes_on_from_the_commit_with_every_sample_once(job_env, tmp_path):
+    """(a) kill -9 of rank 1 in the middle of epoch 1: the other two ranks restore the last commit, form a
+    world of 2 and finish; every sample of every epoch is counted exactly once by the committed state."""
+    job = ElasticJob(job_env, tmp_path, "".join(f"{host}:1\n" for host in HOSTS), ["--min-np", "2"],
+                     ELASTIC_KILL="1:1:5")
+    assert job.finish(150) == 0, job.report()
+    assert_every_sample_once_per_epoch(tmp_path, 3, 24)
+    kills = read(tmp_path, "kills.jsonl")
+    assert [(k["round"], k["epoch"]) for k in kills] == [(1, 1)]
+    worlds = assert_worlds_start_in_step(tmp_path)
+    assert sorted(worlds) == [1, 2] and worlds[2][0]["size"] == 2
+    assert {(s["epoch"], s["batch"]) for s in worlds[2]} == {(1, 0)}  # the last commit: epoch 1's start
+    assert sorted(r["round"] for r in read(tmp_path, "restores.jsonl")) == [1, 1]
+    done = read(tmp_path, "done.jsonl")
+    assert len(done) == 2 and len({d["params"] for d in done}) == 1
+    assert "worker 2 (rank 1 on 127.0.0.1) was killed by signal SIGKILL; host 127.0.0.1 is blacklisted" in job.stderr
+
+
+def progressed(entry: dict) -> bool:
+    return entry["batch"] >= 2
+
+
+@pytest.mark.timeout(180)
+def test_added_host_joins_from_the_committed_state(job_env, tmp_path):
+    """(b) the discovery script adds a host: the job grows to 3 ranks; the new rank starts with the
+    committed parameters, epoch and batch of the others (horovod#2844), nothing is restored, and every
+    sample is still counted once."""
+    job = ElasticJob(job_env, tmp_path, "localhost:2\n", ["--min-np", "2", "--max-np", "3"], ELASTIC_SAMPLES="48")
+    job.wait_for("progress.jsonl", progressed, 90)
+    added_at, added_wall = time.monotonic(), time.time()
+    job.set_hosts("localhost:2\n127.0.0.1:1\n")
+    assert job.finish(150) == 0, job.report()
+    assert_every_sample_once_per_epoch(tmp_path, 3, 48)
+    worlds = assert_worlds_start_in_step(tmp_path)
+    assert sorted(worlds) == [1, 2], job.report()
+    assert worlds[2][0]["size"] == 3
+    last_commit = [p for p in read(tmp_path, "progress.jsonl") if p["round"] == 1][-1]
+    assert (worlds[2][0]["epoch"], worlds[2][0]["batch"]) == (last_commit["epoch"], last_commit["batch"])
+    assert not read(tmp_path, "restores.jsonl")
+    assert "world 2 (added): 3 ranks on 127.0.0.1, localhost; 1 started" in job.stderr
+    done = read(tmp_path, "done.jsonl")
+    assert len(done) == 3 and len({d["params"] for d in done}) == 1
+    assert time.monotonic() - added_at < 120
+    print(f"host added to training on it: {min(s['time'] for s in worlds[2]) - added_wall:.2f} s")
+
+
+@pytest.mark.timeout(180)
+def test_removed_host_interrupts_without_restoring(job_env, tmp_path):
+    """(c) the discovery script drops a host: HostsUpdatedInterrupt at the next commit, no restore, its
+    worker leaves with status 0, the other two go on from where they were."""
+    job = ElasticJob(job_env, tmp_path, "localhost:2\n127.0.0.1:1\n", ["--min-np", "2"], ELASTIC_SAMPLES="48")
+    job.wait_for("progress.jsonl", progressed, 90)
+    job.set_hosts("localhost:2\n")
+    assert job.finish(150) == 0, job.report()
+    assert_every_sample_once_per_epoch(tmp_path, 3, 48)
+    worlds = assert_worlds_start_in_step(tmp_path)
+    assert sorted(worlds) == [1, 2] and worlds[2][0]["size"] == 2, job.report()
+    assert not read(tmp_path, "restores.jsonl")
+    assert "world 2 (removed): 2 ranks on localhost" in job.stderr
+    assert "has no place in the new world 2 (its host was removed or blacklisted); exiting" in job.stderr
+    done = read(tmp_path, "done.jsonl")
+    assert len(done) == 2 and len({d["params"] for d in done}) == 1
+
+
+@pytest.mark.timeout(120)
+def test_below_min_np_past_the_elastic_timeout_fails_clearly(job_env, tmp_path):
+    """(e) one of two single-slot hosts dies with --min-np 2: after --elastic-timeout, a clear error and a
+    non-zero exit, nothing left running."""
+    job = ElasticJob(job_env, tmp_path, "localhost:1\n127.0.0.1:1\n", ["--min-np", "2", "--elastic-timeout", "3"],
+                     ELASTIC_KILL="1:1:3")
+    returncode = job.finish(100)
+    assert returncode == 1, job.report()
+    assert ("rvodrun: elastic job failed: only 1 usable slots (localhost:1) for 3 s (--elastic-timeout), fewer "
+            "than --min-np 2") in job.stderr, job.report()
+    assert not read(tmp_path, "done.jsonl")
+
+
+@pytest.mark.timeout(240)
+def test_blacklisted_hosts_come_back_after_their_cooldown(job_env, tmp_path):
+    """(d) three kills, each blacklisting its host for the cooldown (1 s, doubling): after each the job goes
+    on with 2 ranks, then grows back to 3 when the host's cooldown ends. Prints the time from each death
+    to training resuming (the first training start after it)."""
+    job = ElasticJob(job_env, tmp_path, "".join(f"{host}:1\n" for host in HOSTS),
+                     ["--min-np", "2", "--blacklist-cooldown-range", "1", "1"],
+                     ELASTIC_KILL="1:1:3,3:1:3,5:1:3", ELASTIC_SAMPLES="48", ELASTIC_EPOCHS="12")
+    assert job.finish(220) == 0, job.report()
+    assert_every_sample_once_per_epoch(tmp_path, 12, 48)
+    worlds = assert_worlds_start_in_step(tmp_path)
+    sizes = [worlds[r][0]["size"] for r in sorted(worlds)]
+    assert sizes[:6] == [3, 2, 3, 2, 3, 2], (sizes, job.report())
+    assert job.stderr.count("is blacklisted for") == 3
+    starts = sorted(s["time"] for s in read(tmp_path, "starts.jsonl"))
+    recoveries = [min(t for t in starts if t > kill["time"]) - kill["time"] for kill in read(tmp_path, "kills.jsonl")]
+    assert len(recoveries) == 3
+    print(f"death to training resumed: {', '.join(f'{r * 1000:.0f} ms' for r in recoveries)}; "
+          f"p50 {sorted(recoveries)[1] * 1000:.0f} ms")
+
+
+@pytest.mark.timeout(240)
+def test_a_worker_dying_while_the_job_re_forms_still_ends_in_a_running_job(job_env, tmp_path):
+    """(f) rank 3 dies mid-epoch; while the other three re-form, the one on 127.0.0.1 dies after every worker
+    of the new world was ready but before its engine started. The two left time out of that world's start
+    (--start-timeout 5), join the next one and finish with every sample counted once."""
+    job = ElasticJob(job_env, tmp_path, f"localhost:2\n127.0.0.1:1\n{HOSTS[2]}:1\n",
+                     ["--min-np", "2", "--start-timeout", "5"], ELASTIC_KILL="1:3:5", ELASTIC_KILL_AT_INIT="2:2",
+                     ELASTIC_SAMPLES="48")
+    assert job.finish(220) == 0, job.report()
+    assert_every_sample_once_per_epoch(tmp_path, 3, 48)
+    worlds = assert_worlds_start_in_step(tmp_path)
+    assert sorted(worlds) == [1, 3] and worlds[3][0]["size"] == 2, job.report()
+    assert [(k["round"], k["rank"]) for k in read(tmp_path, "kills.jsonl")] == [(1, 3), (2, 2)]
+    assert "world 3 (failure): 2 ranks on localhost" in job.stderr
+    assert "world 2 failed to start" in job.stderr
+
+
+@pytest.mark.timeout(300)
+def test_keras_fit_goes_on_after_a_worker_dies(job_env, tmp_path):
+    """Keras 3 (TensorFlow backend) model.fit under hvd.elastic.run: rank 1 is killed in epoch 1; the two
+    left restore the last commit and finish the remaining epochs with identical weights."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("".join(f"{host}:1\n" for host in HOSTS))
+    env = dict(job_env, ELASTIC_OUT=str(tmp_path), ELASTIC_KILL="1:1:1:2", KERAS_BACKEND="tensorflow",
+               TF_CPP_MIN_LOG_LEVEL="3")
+    command = [sys.executable, *RVODRUN, "--min-np", "2", "--host-discovery-script", f"cat {hosts}",
+               sys.executable, str(WORKER.with_name("elastic_keras.py"))]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=280)
+    report = f"stdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-6000:]}"
+    assert result.returncode == 0, report
+    starts = read(tmp_path, "starts.jsonl")
+    assert sorted((s["round"], s["rank"], s["size"]) for s in starts) == [
+        (1, 0, 3), (1, 1, 3), (1, 2, 3), (2, 0, 2), (2, 1, 2)], report
+    second = [s for s in starts if s["round"] == 2]
+    assert {s["epoch"] for s in second} == {1} and len({s["params"] for s in second}) == 1
+    done = read(tmp_path, "done.jsonl")
+    assert len(done) == 2 and {d["epoch"] for d in done} == {3} and len({d["params"] for d in done}) == 1
+
+
+@pytest.mark.timeout(120)
+def test_reset_limit_ends_the_job_with_the_reason(job_env, tmp_path):
+    """--reset-limit 0: the first death needs a reset the limit does not allow; rvodrun says so and exits 1."""
+    job = ElasticJob(job_env, tmp_path, "".join(f"{host}:1\n" for host in HOSTS), ["--min-np", "2", "--reset-limit", "0"],
+                     ELASTIC_KILL="1:1:3")
+    assert job.finish(100) == 1, job.report()
+    assert ("rvodrun: elastic job failed: the job needed a new world (failure) after 0 resets, and --reset-limit "
+            "is 0") in job.stderr, job.report()
+    assert not read(tmp_path, "done.jsonl")
+
+
+def _worker_pid(tag: str, worker_id: int) -> int | None:
+    """The pid of elastic worker `worker_id` of the job tagged `tag`."""
+    for pid in tagged_pids(tag):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RVOD_ELASTIC_WORKER_ID={worker_id}".encode() in environ:
+            return pid
+    return None
+
+
+@pytest.mark.timeout(240)
+def test_elastic_synthetic_benchmark_example_survives_kill_9(job_env, tmp_path):
+    """examples/torch_synthetic_benchmark_elastic.py (written as Horovod's elastic benchmark is) on 3 ranks:
+    kill -9 of a worker from outside during the benchmark; the job ends on 2 ranks, every iteration recorded
+    once."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("".join(f"{host}:1\n" for host in HOSTS))
+    example = Path(__file__).resolve().parents[2] / "examples" / "torch_synthetic_benchmark_elastic.py"
+    stdout, stderr = (tmp_path / "stdout").open("w"), (tmp_path / "stderr").open("w")
+    job = subprocess.Popen(
+        [sys.executable, *RVODRUN, "--min-np", "2", "--host-discovery-script", f"cat {hosts}", sys.executable,
+         str(example), "--width", "8", "--image-size", "16", "--batch-size", "8", "--num-warmup-batches", "2",
+         "--num-batches-per-iter", "4", "--num-iters", "12"], env=job_env, stdout=stdout, stderr=stderr)
+    deadline = time.monotonic() + 150
+    while "Iter #2:" not in (tmp_path / "stdout").read_text():
+        assert job.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr").read_text()[-4000:]
+        time.sleep(0.05)
+    pid = _worker_pid(job_env[JOB_TAG_VARIABLE], 2)
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    assert job.wait(timeout=150) == 0, (tmp_path / "stderr").read_text()[-4000:]
+    out = (tmp_path / "stdout").read_text()
+    assert "[0]<stdout>:Training on 2 ranks" in out, out
+    assert "[0]<stdout>:Iterations recorded: 12" in out and "Total img/sec on 2 rank(s)" in out, out
+    assert "worker 2 (rank 1 on 127.0.0.1) was killed by signal SIGKILL" in (tmp_path / "stderr").read_text()

@@ -1,0 +1,214 @@
+"""Elastic training's pure parts, in this process: the run loop's reaction to each error, ObjectState's commit
+and restore, ElasticSampler's split of an epoch over changing worlds, and the driver's discovery parsing,
+blacklist, placement and topology. The jobs themselves are in test_elastic.py."""
+
+from __future__ import annotations
+
+import argparse
+import types
+
+import pytest
+
+pytest.importorskip("rvod._rvod")
+
+from rvod.common import elastic  # noqa: E402
+from rvod.exceptions import HostsUpdatedInterrupt, RvodInternalError, RvodMismatchError  # noqa: E402
+from rvod.runner import elastic as driver  # noqa: E402
+
+
+class RecordingState(elastic.ObjectState):
+    def __init__(self, log, **kwargs):
+        self.log = log
+        super().__init__(bcast_object=lambda obj, root, name: obj, get_rank=lambda: 0, **kwargs)
+
+    def sync(self):
+        self.log.append("sync")
+        super().sync()
+
+    def restore(self):
+        self.log.append("restore")
+        super().restore()
+
+
+def test_run_restores_after_a_failure_and_not_after_a_host_change():
+    log = []
+    state = RecordingState(log, steps=[])
+    errors = [RvodInternalError("peer died"), HostsUpdatedInterrupt(skip_sync=True), HostsUpdatedInterrupt(False)]
+
+    def train(state, scale):
+        state.steps.append(scale)
+        log.append(f"train{len(state.steps)}")
+        if errors:
+            raise errors.pop(0)
+        return len(state.steps)
+
+    state.register_reset_callbacks([lambda: log.append("callback")])
+    result = elastic.run_fn(train, reset=lambda: log.append("reset"))(state, 2)
+    # Nothing is committed here, so a restore or a sync (from rank 0's commit) empties the list again; a
+    # change that only removed hosts keeps what the function had done.
+    assert log == ["sync", "train1", "restore", "reset", "callback",  # failure: restore the commit
+                   "sync", "train1", "reset", "callback",  # hosts only removed: no restore, no sync
+                   "train2", "reset", "callback",  # hosts added: no restore, then sync
+                   "sync", "train1"]
+    assert result == 1
+
+
+def test_a_mismatch_is_not_retried():
+    state = RecordingState([], value=1)
+
+    def train(state):
+        raise RvodMismatchError("shapes differ")
+
+    with pytest.raises(RvodMismatchError):
+        elastic.run_fn(train, reset=lambda: None)(state)
+
+
+def test_object_state_commits_copies_and_restores_them():
+    state = RecordingState([], counter=[0, 0], epoch=0)
+    state.counter[0] += 5
+    state.epoch = 2
+    state.commit()
+    state.counter[1] += 7  # changed in place after the commit
+    state.epoch = 3
+    state.restore()
+    assert (state.counter, state.epoch) == ([5, 0], 2)
+
+
+def test_sampler_splits_what_is_left_when_the_world_changes(monkeypatch):
+    torch = pytest.importorskip("torch")
+    from rvod.torch.elastic import sampler as sampler_module
+
+    world = {"rank": 0, "size": 3}
+    monkeypatch.setattr(sampler_module, "rank", lambda: world["rank"])
+    monkeypatch.setattr(sampler_module, "size", lambda: world["size"])
+    dataset = torch.utils.data.TensorDataset(torch.arange(11))
+    sampler = sampler_module.ElasticSampler(dataset, shuffle=True, seed=4)
+    assert len(sampler) == 4  # 11 samples over 3 ranks, padded to 12
+    first = [sampler.get_indices(0, 2, r) for r in range(3)]
+    assert sorted(sum(first, [])) == sorted(set(sum(first, []))) and len(sum(first, [])) == 6
+    sampler.record_batch(0, 2)  # every rank's batch 0, as every rank records it
+    assert sampler.processed_indices == set(sum(first, []))
+
+    world.update(rank=1, size=2)
+    sampler.reset()
+    left = sorted(set(range(11)) - sampler.processed_indices)
+    assert sorted(sampler.remaining_indices) == left
+    seen = [i for r in range(2) for b in range(len(sampler)) for i in sampler.get_indices(b, 1, r)]
+    assert sorted(seen) == left  # padding left out: each remaining sample once
+    assert len(list(iter(sampler))) == len(sampler) == 3
+
+    state = sampler.state_dict()
+    sampler.set_epoch(1)
+    assert sampler.processed_indices == set() and len(sampler.remaining_indices) == 11
+    sampler.load_state_dict(state)
+    assert sorted(sampler.remaining_indices) == left
+
+
+def test_discovery_output_is_parsed_with_default_slots():
+    assert driver.parse_discovery_output("a:2\n\n# comment\nb\nc:1 # spare\n", 3) == {"a": 2, "b": 3, "c": 1}
+    assert driver.parse_discovery_output("a\n", None) == {"a": 1}
+    with pytest.raises(ValueError, match=r"line 2: expected 'host' or 'host:slots' with slots >= 1, got 'b:0'"):
+        driver.parse_discovery_output("a:1\nb:0\n", None)
+
+
+def test_blacklist_cooldown_doubles_and_without_a_range_lasts_for_good():
+    forever = driver.Blacklist(None)
+    assert forever.add("a", 100.0) == "host a is blacklisted"
+    assert forever.blocked("a", 1e12) and forever.for_good("a") and not forever.blocked("b", 0.0)
+    cooling = driver.Blacklist((2, 2))
+    assert cooling.add("a", 100.0) == "host a is blacklisted for 2.0 s (failure 1)"
+    assert cooling.blocked("a", 101.9) and not cooling.blocked("a", 102.1)
+    assert cooling.add("a", 200.0) == "host a is blacklisted for 4.0 s (failure 2)"
+    assert cooling.blocked("a", 203.9) and not cooling.blocked("a", 204.1) and not cooling.for_good("a")
+
+
+def test_topology_of_a_world_with_interleaved_hosts():
+    slots = driver.topology([(7, "a"), (3, "b"), (9, "a")])
+    assert [(s.rank, s.size, s.hostname, s.local_rank, s.local_size, s.cross_rank, s.cross_size)
+            for s in (slots[7], slots[3], slots[9])] == [
+        (0, 3, "a", 0, 2, 0, 2), (1, 3, "b", 0, 1, 1, 2), (2, 3, "a", 1, 2, 0, 1)]
+
+
+def _driver(min_np, max_np, hosts):
+    settings = driver.ElasticSettings(min_np=min_np, max_np=max_np, discovery_script=None, fixed_hosts=None,
+                                      slots_per_host=None, elastic_timeout=1.0, reset_limit=None,
+                                      cooldown_range=None)
+    job = driver.ElasticDriver(argparse.Namespace(), settings, ["true"], {}, None, [])
+    job.hosts = hosts
+    return job
+
+
+def _worker(job, worker_id, host, rank):
+    process = types.SimpleNamespace(returncode=None)
+    job.workers.append(driver._ElasticWorker(worker_id, host, process, rank=rank))
+    return job.workers[-1]
+
+
+def test_plan_keeps_survivors_first_and_fills_free_slots_up_to_max_np():
+    job = _driver(2, 4, {"a": 2, "b": 1, "c": 3})
+    second, first = _worker(job, 2, "b", 1), _worker(job, 1, "c", 0)
+    kept, added = job._plan(0.0)
+    assert kept == [first, second] and added == ["a", "a"]
+    job.blacklist.add("a", 0.0)
+    kept, added = job._plan(0.0)
+    assert kept == [first, second] and added == ["c", "c"]
+    job.hosts = {"a": 2}
+    assert job._plan(0.0) is None  # a is blacklisted, b and c are gone: fewer than --min-np
+
+
+@pytest.mark.timeout(120)
+def test_tensorflow_state_commits_restores_and_syncs_variables():
+    tf = pytest.importorskip("tensorflow")
+    import rvod.tensorflow as hvd
+
+    hvd.init()
+    try:
+        weights = tf.Variable([1.0, 2.0])
+        state = hvd.elastic.TensorFlowState([weights], epoch=0)
+        weights.assign([3.0, 4.0])
+        state.epoch = 1
+        state.commit()
+        weights.assign([5.0, 6.0])
+        state.epoch = 2
+        state.restore()
+        assert weights.numpy().tolist() == [3.0, 4.0] and state.epoch == 1
+        state.sync()  # one rank: its own values
+        assert weights.numpy().tolist() == [3.0, 4.0] and state.epoch == 1
+        assert hvd.elastic.TensorFlowKerasState.__name__ == "KerasState"
+    finally:
+        hvd.shutdown()
+
+
+def test_elastic_flags_become_settings_or_a_clear_error():
+    from rvod.runner.cli import build_parser, parse_args
+
+    def settings(*flags):
+        return driver.elastic_settings(parse_args(build_parser(), [*flags, "true"]), None)
+
+    chosen = settings("--min-num-proc", "2", "--max-num-proc", "4", "--host-discovery-script", "./hosts.sh",
+                      "--slots-per-host", "3", "--reset-limit", "5", "--blacklist-cooldown-range", "10", "20")
+    assert (chosen.min_np, chosen.max_np, chosen.discovery_script, chosen.slots_per_host, chosen.reset_limit,
+            chosen.cooldown_range, chosen.elastic_timeout) == (2, 4, "./hosts.sh", 3, 5, (10, 20), 600.0)
+    assert settings("-np", "3", "--host-discovery-script", "x", "--elastic-timeout", "30").min_np == 3
+    with pytest.raises(ValueError, match="--max-np at least --min-np"):
+        settings("--min-np", "3", "--max-np", "2", "--host-discovery-script", "x")
+    with pytest.raises(ValueError, match="needs 0 <= MIN <= MAX, got 20 10"):
+        settings("--min-np", "1", "--host-discovery-script", "x", "--blacklist-cooldown-range", "20", "10")
+    with pytest.raises(ValueError, match="needs --host-discovery-script"):
+        settings("--min-np", "1")
+
+
+@pytest.mark.timeout(60)
+def test_object_state_needs_no_framework_and_syncs_from_rank_0():
+    from rvod.common import basics
+
+    basics.init()
+    try:
+        state = elastic.ObjectState(epoch=3, history=[1])
+        state.epoch = 4
+        state.commit()
+        state.history.append(2)
+        state.sync()  # one rank: rank 0's commit
+        assert (state.epoch, state.history) == (4, [1])
+    finally:
+        basics.shutdown()

@@ -1,0 +1,127 @@
+"""An elastic PyTorch training job for tests/python/test_elastic.py, run by rvodrun in elastic mode.
+
+A linear model trains on NUM_SAMPLES samples split by ElasticSampler, for EPOCHS epochs, committing every
+COMMIT_EVERY batches. A per-sample counter in the committed state counts (allreduced over the ranks) how
+often each sample was trained on; at the end of each epoch rank 0 writes it to OUT/epochs.jsonl. Every
+rank writes a line to OUT/starts.jsonl each time the training function starts (after the state was
+synchronised): its world, rank, size, epoch, batch and a checksum of its parameters. With ELASTIC_KILL set
+to "round:rank:steps[,...]" the rank so placed kills itself with SIGKILL after that many steps in that world,
+after writing the time to OUT/kills.jsonl; with ELASTIC_KILL_AT_INIT="round:rank[,...]" the rank so placed
+kills itself as it joins that world, after every worker of it was ready but before its engine starts.
+Calls of state.restore() are logged to OUT/restores.jsonl.
+"""
+
+import json
+import os
+import signal
+import time
+
+import torch
+
+import rvod.common.elastic
+import rvod.torch as hvd
+
+OUT = os.environ["ELASTIC_OUT"]
+NUM_SAMPLES = int(os.environ.get("ELASTIC_SAMPLES", "24"))
+EPOCHS = int(os.environ.get("ELASTIC_EPOCHS", "3"))
+BATCH = 2
+COMMIT_EVERY = int(os.environ.get("ELASTIC_COMMIT_EVERY", "2"))
+STEP_SECONDS = float(os.environ.get("ELASTIC_STEP_SECONDS", "0.05"))
+KILLS = [tuple(int(x) for x in spec.split(":")) for spec in os.environ.get("ELASTIC_KILL", "").split(",") if spec]
+KILLS_AT_INIT = [tuple(int(x) for x in spec.split(":"))
+                 for spec in os.environ.get("ELASTIC_KILL_AT_INIT", "").split(",") if spec]
+
+
+def record(name, **fields):
+    fields.update(time=time.time(), pid=os.getpid())
+    with open(os.path.join(OUT, name), "a") as file:
+        file.write(json.dumps(fields) + "\n")
+
+
+class Samples(torch.utils.data.Dataset):
+    def __len__(self):
+        return NUM_SAMPLES
+
+    def __getitem__(self, index):
+        x = torch.tensor([index / NUM_SAMPLES, 1.0, (index % 3) / 3.0, 0.5])
+        return index, x, x.sum(dim=0, keepdim=True) * 0.5
+
+
+join_world = rvod.common.elastic.before_init
+
+
+def join_world_or_die():
+    join_world()
+    placed = (int(os.environ["RVOD_ELASTIC_ROUND"]), int(os.environ["RVOD_RANK"]))
+    if placed in KILLS_AT_INIT:
+        record("kills.jsonl", round=placed[0], rank=placed[1], epoch=None, batch=None)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+rvod.common.elastic.before_init = join_world_or_die
+torch.manual_seed(0)
+torch.set_num_threads(1)
+hvd.init()
+dataset = Samples()
+model = torch.nn.Linear(4, 1)
+optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                     named_parameters=model.named_parameters())
+sampler = hvd.elastic.ElasticSampler(dataset, shuffle=True, seed=1)
+state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, batch=0,
+                               counter=torch.zeros(NUM_SAMPLES))
+
+restore = state.restore
+
+
+def logged_restore():
+    record("restores.jsonl", round=world(), rank=hvd.rank())
+    restore()
+
+
+state.restore = logged_restore
+
+
+def checksum():
+    return float(sum(p.detach().double().sum() for p in model.parameters()))
+
+
+def world():
+    return int(os.environ.get("RVOD_ELASTIC_ROUND", "0"))
+
+
+@hvd.elastic.run
+def train(state):
+    record("starts.jsonl", round=world(), rank=hvd.rank(), size=hvd.size(), epoch=state.epoch, batch=state.batch,
+           params=checksum(), processed=len(sampler.processed_indices), counted=float(state.counter.sum()))
+    steps = 0
+    while state.epoch < EPOCHS:
+        loader = torch.utils.data.DataLoader(dataset, batch_size=BATCH, sampler=sampler)
+        for batch_idx, (_, x, y) in enumerate(loader):
+            if (world(), hvd.rank(), steps) in KILLS:
+                record("kills.jsonl", round=world(), rank=hvd.rank(), epoch=state.epoch, batch=state.batch)
+                os.kill(os.getpid(), signal.SIGKILL)
+            steps += 1
+            time.sleep(STEP_SECONDS)
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+            counts = torch.zeros(NUM_SAMPLES)
+            counts[sampler.get_indices(batch_idx, BATCH)] += 1
+            state.counter += hvd.allreduce(counts, op=hvd.Sum, name="sample_counts")
+            sampler.record_batch(batch_idx, BATCH)
+            state.batch += 1
+            if state.batch % COMMIT_EVERY == 0:
+                if hvd.rank() == 0:
+                    record("progress.jsonl", round=world(), size=hvd.size(), epoch=state.epoch, batch=state.batch)
+                state.commit()
+        if hvd.rank() == 0:
+            record("epochs.jsonl", epoch=state.epoch, counts=state.counter.tolist(), size=hvd.size())
+        state.epoch += 1
+        state.batch = 0
+        state.counter = torch.zeros(NUM_SAMPLES)
+        sampler.set_epoch(state.epoch)
+        state.commit()
+
+
+train(state)
+record("done.jsonl", round=world(), rank=hvd.rank(), size=hvd.size(), params=checksum())
