@@ -165,11 +165,14 @@ def test_prefix_output_with_timestamp(job_env):
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="--mpi needs Open MPI's mpirun (scripts/setup-system.sh)")
 def test_mpi_launches_through_mpirun(job_env):
     result = rvodrun(["--mpi", "-np", "2", PYTHON, "-c", textwrap.dedent("""
+        import sys
         import numpy as np
         import rvod.numpy as hvd
         hvd.init()
         total = hvd.allreduce(np.array([hvd.rank() + 1.0]), op=hvd.Sum)[0]
-        print(f"rank {hvd.rank()} local {hvd.local_rank()} of {hvd.local_size()} total {total}")
+        # One write per line: mpirun tags what each write brings, so a separate newline could join two ranks' lines.
+        sys.stdout.write(f"rank {hvd.rank()} local {hvd.local_rank()} of {hvd.local_size()} total {total}\n")
+        sys.stdout.flush()
     """)], env=job_env)
     assert result.returncode == 0, result.stderr
     for rank in (0, 1):

@@ -22,7 +22,9 @@ def thread_name(tid):
 
 engine = [int(tid) for tid in os.listdir("/proc/self/task") if thread_name(tid) == "rvod-set0"]
 assert len(engine) == 1, engine
-print(f"rank {hvd.rank()}: engine {sorted(os.sched_getaffinity(engine[0]))} "
-      f"main {sorted(os.sched_getaffinity(threading.get_native_id()))}",
-      flush=True)
+report = (f"rank {hvd.rank()}: engine {sorted(os.sched_getaffinity(engine[0]))} "
+          f"main {sorted(os.sched_getaffinity(threading.get_native_id()))}")
+# No rank shuts down (which ends every rank's engine thread) before every rank has looked at its own.
+hvd.barrier()
+print(report, flush=True)
 hvd.shutdown()
