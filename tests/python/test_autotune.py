@@ -1,0 +1,85 @@
+"""Autotune on 2 ranks under rvodrun (RVOD_AUTOTUNE and rvodrun's --autotune* flags): the log's columns
+and closing line, every rank applying the same values after the same round, allreduce results exact while
+the knobs change, and a fusion threshold the user set staying fixed. Worker: workers/autotune.py.
+About 20 s in all."""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+
+import pytest
+from jobs import WORKERS
+
+WORKER = str(WORKERS / "autotune.py")
+COLUMNS = ["sample", "phase", "fusion_threshold_bytes", "cycle_time_ms", "cache_enabled", "hierarchical_allreduce",
+           "hierarchical_allgather", "steps", "bytes", "seconds", "score_bytes_per_s", "chosen_because", "next"]
+# 1 warm-up, the defaults, 5 more Bayesian samples (6 with the defaults), a baseline and the cache toggled.
+SAMPLE_FLAGS = ["--autotune-warmup-samples", "1", "--autotune-steps-per-sample", "3",
+                "--autotune-bayes-opt-max-samples", "6"]
+EXPECTED_PHASES = ["warm-up", "defaults"] + ["bayes"] * 5 + ["categorical"] * 2
+STEPS = 80
+
+
+def run_job(run_rvodrun, tmp_path, extra_flags=()):
+    log = tmp_path / "autotune.csv"
+    result = run_rvodrun(["-np", "2", "--autotune", "--autotune-log-file", str(log), *SAMPLE_FLAGS, *extra_flags,
+                          sys.executable, WORKER, str(tmp_path), str(STEPS)], timeout=100)
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    lines = log.read_text().splitlines()
+    rows = list(csv.DictReader(line for line in lines if not line.startswith("#")))
+    return lines, rows, ranks
+
+
+def as_row_values(applied):
+    return (str(applied["fusion_threshold"]), f"{applied['cycle_time_ms']:.3f}", str(applied["cache_enabled"]).lower())
+
+
+@pytest.mark.timeout(120)
+def test_autotune_logs_each_sample_and_every_rank_applies_the_same_values(run_rvodrun, tmp_path):
+    lines, rows, ranks = run_job(run_rvodrun, tmp_path)
+    assert lines[0].split(",") == COLUMNS
+    assert [row["phase"] for row in rows] == EXPECTED_PHASES
+    assert [int(row["sample"]) for row in rows] == list(range(len(EXPECTED_PHASES)))
+    assert all(row["steps"] == "3" and float(row["score_bytes_per_s"]) > 0 and int(row["bytes"]) > 0
+               for row in rows), rows
+    assert rows[2]["chosen_because"] == "initial probe 1 of 4"
+    assert rows[6]["chosen_because"].startswith("largest expected improvement: "), rows[6]
+    assert rows[7]["chosen_because"].startswith("categorical sweep: baseline"), rows[7]
+    assert rows[8]["chosen_because"] == "categorical sweep: response cache toggled"
+    assert rows[8]["cache_enabled"] == "false" and rows[7]["cache_enabled"] == "true"
+    assert all(row["next"] == following["chosen_because"] for row, following in zip(rows, rows[1:]))
+    best = lines[-1]
+    assert best.startswith("# best: fusion_threshold_bytes=") and "improvement_over_defaults=" in best, best
+
+    # Lockstep: both ranks applied the same values after the same rounds; results were exact throughout.
+    assert ranks[0]["wrong"] == [] and ranks[1]["wrong"] == [], ranks
+    applied = ranks[0]["applied"]
+    assert applied == ranks[1]["applied"]
+    rounds = [a["round"] for a in applied]
+    assert rounds == sorted(set(rounds)) and rounds[0] >= 1, rounds
+    # The defaults first, with the 128 MiB default capped to the 2-rank staging area (64 MiB).
+    assert applied[0]["fusion_threshold"] == 64 << 20 and applied[0]["cycle_time_ms"] == pytest.approx(1.0)
+    assert all(a["fusion_threshold"] <= 64 << 20 for a in applied)
+    assert all(a["hierarchical_allreduce"] is None and a["hierarchical_allgather"] is None for a in applied)
+    # Every sample measured values some rank applied, and the last values applied are the best ones.
+    tried = {as_row_values(a) for a in applied}
+    assert all((row["fusion_threshold_bytes"], row["cycle_time_ms"], row["cache_enabled"]) in tried for row in rows)
+    final = applied[-1]
+    assert best.startswith(f"# best: fusion_threshold_bytes={final['fusion_threshold']} "
+                           f"cycle_time_ms={final['cycle_time_ms']:.3f} "
+                           f"cache_enabled={str(final['cache_enabled']).lower()} "), (best, final)
+
+
+@pytest.mark.timeout(120)
+def test_a_fusion_threshold_the_user_set_is_not_tuned(run_rvodrun, tmp_path):
+    lines, rows, ranks = run_job(run_rvodrun, tmp_path, ["--fusion-threshold-mb", "1"])
+    assert [row["phase"] for row in rows] == EXPECTED_PHASES
+    assert {row["fusion_threshold_bytes"] for row in rows} == {str(1 << 20)}
+    assert len({row["cycle_time_ms"] for row in rows}) > 2, "the cycle time is still tuned"
+    assert ranks[0]["wrong"] == [] and ranks[1]["wrong"] == []
+    assert ranks[0]["applied"] == ranks[1]["applied"]
+    assert {a["fusion_threshold"] for a in ranks[0]["applied"]} == {1 << 20}
+    assert lines[-1].startswith(f"# best: fusion_threshold_bytes={1 << 20} "), lines[-1]
