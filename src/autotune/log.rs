@@ -4,8 +4,10 @@
 //! Columns: `sample` (0, 1, ...), `phase` (`warm-up`, `defaults`, `bayes`, `categorical`), the values
 //! tried (`fusion_threshold_bytes`, `cycle_time_ms`, `cache_enabled`, `hierarchical_allreduce`,
 //! `hierarchical_allgather`; the last two `auto` when the executor chooses), the measurement (`steps`,
-//! `bytes`, `seconds`, `score_bytes_per_s`), `chosen_because` (why these values were tried: warm-up,
-//! the defaults, an initial probe, the expected improvement that picked them, a categorical sweep step) and
+//! `bytes`, `seconds`, `score_bytes_per_s`: the median of the sample's pieces, see
+//! [`crate::autotune::manager`]), `chosen_because` (why these values were tried: warm-up, the defaults, an
+//! initial probe, the expected improvement that picked them, a sweep step: the baseline at the best point,
+//! the defaults again, a categorical knob flipped) and
 //! `next` (why the next sample's values were chosen, the same words as the next row's `chosen_because`).
 //! Rows are flushed as they are written, so the file is readable while the job runs.
 

@@ -4,9 +4,13 @@
 //! Order of samples: warm-up (discarded) at the defaults; the defaults, measured; then, if the fusion
 //! threshold or the cycle time is free, Bayesian optimisation over the free ones (four initial probes, then
 //! the points of largest expected improvement) until `RVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES` samples,
-//! the defaults included; then a categorical sweep starting from the best point: a baseline measured
-//! there again (a fair comparison: the best of many noisy samples is optimistic), then each free
-//! categorical knob flipped in turn, kept when it beats the best so far. The best values stay applied.
+//! the defaults included; then a sweep starting from the best point: a baseline measured there again (the
+//! best of many noisy samples is optimistic), the defaults measured again next to it, then each free
+//! categorical knob flipped in turn, kept when it beats the best so far. The best values stay applied, and
+//! the closing line compares them with the defaults' latest measurement.
+//!
+//! A sample's score is the median of the throughputs of its pieces (up to 5, of equal steps), so a burst
+//! of load during one piece does not decide it.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -37,7 +41,7 @@ enum Dim {
 /// A categorical knob the sweep may flip, and the value it tries.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Flip {
-    CacheOff,
+    CacheToggle,
     HierarchicalAllreduce(bool),
     HierarchicalAllgather(bool),
 }
@@ -46,7 +50,7 @@ impl Flip {
     fn apply(self, v: &TunedValues) -> TunedValues {
         let mut v = v.clone();
         match self {
-            Flip::CacheOff => v.cache_enabled = !v.cache_enabled,
+            Flip::CacheToggle => v.cache_enabled = !v.cache_enabled,
             Flip::HierarchicalAllreduce(on) => v.hierarchical_allreduce = Some(on),
             Flip::HierarchicalAllgather(on) => v.hierarchical_allgather = Some(on),
         }
@@ -55,7 +59,7 @@ impl Flip {
 
     fn describe(self) -> String {
         match self {
-            Flip::CacheOff => "categorical sweep: response cache toggled".into(),
+            Flip::CacheToggle => "categorical sweep: response cache toggled".into(),
             Flip::HierarchicalAllreduce(on) => format!("categorical sweep: hierarchical allreduce {on}"),
             Flip::HierarchicalAllgather(on) => format!("categorical sweep: hierarchical allgather {on}"),
         }
@@ -83,17 +87,44 @@ impl Phase {
     }
 }
 
+/// A sample is cut into up to this many pieces of equal steps (Horovod takes the median of 5 too).
+const PIECES: usize = 5;
+
 /// What the current sample has seen since the values it measures were applied.
 struct Sample {
     started: Instant,
     bytes: u64,
     reductions: HashMap<String, usize>,
     steps: usize,
+    /// The piece in progress: when it started and the bytes it reduced; the throughput of each one done.
+    piece_started: Instant,
+    piece_bytes: u64,
+    pieces: Vec<f64>,
 }
 
 impl Sample {
     fn new(started: Instant) -> Self {
-        Sample { started, bytes: 0, reductions: HashMap::new(), steps: 0 }
+        Sample {
+            started,
+            bytes: 0,
+            reductions: HashMap::new(),
+            steps: 0,
+            piece_started: started,
+            piece_bytes: 0,
+            pieces: Vec::new(),
+        }
+    }
+
+    /// The sample's score: the median of its pieces' throughputs, so a burst of load on the machine
+    /// during one piece does not decide the sample.
+    fn score(&self) -> f64 {
+        let mut pieces = self.pieces.clone();
+        pieces.sort_by(f64::total_cmp);
+        match pieces.len() {
+            0 => 0.0,
+            n if n % 2 == 1 => pieces[n / 2],
+            n => (pieces[n / 2 - 1] + pieces[n / 2]) / 2.0,
+        }
     }
 }
 
@@ -121,7 +152,10 @@ pub struct ParameterManager {
     sample: Option<Sample>,
     samples_taken: usize,
     announce: Option<TunedValues>,
+    /// The defaults' score: first their own sample, then their re-measurement in the sweep, if any.
     defaults_score: f64,
+    /// The sweep still has to measure the defaults again.
+    defaults_again: bool,
     sweep_best: Option<(TunedValues, f64)>,
     outcome: Option<Outcome>,
     log: Option<TuneLog>,
@@ -143,7 +177,7 @@ impl ParameterManager {
             .collect();
         let mut flips = Vec::new();
         if !fixed.cache {
-            flips.push(Flip::CacheOff);
+            flips.push(Flip::CacheToggle);
         }
         if spans_hosts && !fixed.hierarchical_allreduce {
             flips.extend([Flip::HierarchicalAllreduce(true), Flip::HierarchicalAllreduce(false)]);
@@ -176,6 +210,7 @@ impl ParameterManager {
             sample: None,
             samples_taken: 0,
             defaults_score: 0.0,
+            defaults_again: false,
             sweep_best: None,
             outcome: None,
             log,
@@ -220,14 +255,26 @@ impl ParameterManager {
             if response.kind != CollectiveKind::Allreduce || response.error.is_some() {
                 continue;
             }
-            sample.bytes = sample.bytes.saturating_add(response.tensor_bytes() as u64);
+            let bytes = response.tensor_bytes() as u64;
+            sample.bytes = sample.bytes.saturating_add(bytes);
+            sample.piece_bytes = sample.piece_bytes.saturating_add(bytes);
             for entry in &response.entries {
                 let seen = sample.reductions.entry(entry.name.clone()).or_insert(0);
                 *seen += 1;
                 sample.steps = sample.steps.max(*seen);
             }
         }
-        if sample.steps >= self.settings.steps_per_sample {
+        // Piece k of P ends once k/P of the sample's steps are done.
+        let steps = self.settings.steps_per_sample;
+        let pieces = PIECES.min(steps).max(1);
+        let piece_end = (sample.pieces.len() + 1) * steps;
+        if sample.steps * pieces >= piece_end {
+            let seconds = now.saturating_duration_since(sample.piece_started).as_secs_f64().max(1e-9);
+            sample.pieces.push(sample.piece_bytes as f64 / seconds);
+            sample.piece_started = now;
+            sample.piece_bytes = 0;
+        }
+        if sample.steps >= steps {
             self.finish_sample(now);
         }
     }
@@ -235,7 +282,7 @@ impl ParameterManager {
     fn finish_sample(&mut self, now: Instant) {
         let Some(sample) = self.sample.take() else { return };
         let seconds = now.saturating_duration_since(sample.started).as_secs_f64().max(1e-9);
-        let score = sample.bytes as f64 / seconds;
+        let score = sample.score();
         let measured = self.current.clone();
         let phase = self.phase;
         let (next, next_because) = self.decide(score);
@@ -323,24 +370,32 @@ impl ParameterManager {
         }
     }
 
-    /// Categorical sweep from `base`: first a baseline there (skipped when nothing is left to flip).
+    /// The final sweep from `base`, the best Bayesian point: a baseline measured there, the defaults measured
+    /// again next to it (when they differ), then each categorical flip. Measurements taken minutes apart on a
+    /// shared machine differ by more than the knobs do, so the best values are chosen, and compared with the
+    /// defaults, among measurements taken close together.
     fn start_sweep(&mut self, base: TunedValues) -> (TunedValues, String) {
         self.phase = Phase::Sweep;
-        if self.flips.is_empty() {
-            // Nothing categorical to try: the best point stands on its Bayesian score (or the defaults').
-            let score = self.optimizer.best().map_or(self.defaults_score, |(_, y)| y);
-            self.sweep_best = Some((base.clone(), score));
+        self.sweep_best = None;
+        self.defaults_again = base != self.defaults;
+        if self.flips.is_empty() && !self.defaults_again {
+            // The defaults stand, on their own measurement.
+            self.sweep_best = Some((base.clone(), self.defaults_score));
             self.phase = Phase::Done;
             return (base, "best values found".into());
         }
-        self.sweep_best = None;
         (base, "categorical sweep: baseline at the best fusion threshold and cycle time".into())
     }
 
     fn next_sweep(&mut self, score: f64) -> (TunedValues, String) {
-        let improved = self.sweep_best.as_ref().map_or(true, |(_, best)| score > *best);
-        if improved {
+        if self.current == self.defaults {
+            self.defaults_score = score;
+        }
+        if self.sweep_best.as_ref().map_or(true, |(_, best)| score > *best) {
             self.sweep_best = Some((self.current.clone(), score));
+        }
+        if std::mem::take(&mut self.defaults_again) {
+            return (self.defaults.clone(), "categorical sweep: the defaults again for comparison".into());
         }
         let best = self.sweep_best.as_ref().map_or_else(|| self.current.clone(), |(v, _)| v.clone());
         while !self.flips.is_empty() {

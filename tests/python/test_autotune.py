@@ -15,10 +15,11 @@ from jobs import WORKERS
 WORKER = str(WORKERS / "autotune.py")
 COLUMNS = ["sample", "phase", "fusion_threshold_bytes", "cycle_time_ms", "cache_enabled", "hierarchical_allreduce",
            "hierarchical_allgather", "steps", "bytes", "seconds", "score_bytes_per_s", "chosen_because", "next"]
-# 1 warm-up, the defaults, 5 more Bayesian samples (6 with the defaults), a baseline and the cache toggled.
+# 1 warm-up, the defaults, 5 more Bayesian samples (6 with the defaults), then the sweep: a baseline at the
+# best point, the defaults again (unless they are the best point) and the cache toggled.
 SAMPLE_FLAGS = ["--autotune-warmup-samples", "1", "--autotune-steps-per-sample", "3",
                 "--autotune-bayes-opt-max-samples", "6"]
-EXPECTED_PHASES = ["warm-up", "defaults"] + ["bayes"] * 5 + ["categorical"] * 2
+TUNING_PHASES = ["warm-up", "defaults"] + ["bayes"] * 5
 STEPS = 80
 
 
@@ -33,6 +34,23 @@ def run_job(run_rvodrun, tmp_path, extra_flags=()):
     return lines, rows, ranks
 
 
+def assert_phases_and_sweep(rows, default_fusion):
+    """The phases in order, and the sweep's steps with their reasons; returns the sweep's rows."""
+    phases = [row["phase"] for row in rows]
+    assert phases[:len(TUNING_PHASES)] == TUNING_PHASES, phases
+    sweep = rows[len(TUNING_PHASES):]
+    assert [row["phase"] for row in sweep] == ["categorical"] * len(sweep) and len(sweep) in (2, 3), phases
+    reasons = [row["chosen_because"] for row in sweep]
+    assert reasons[0] == "categorical sweep: baseline at the best fusion threshold and cycle time", reasons
+    assert reasons[-1] == "categorical sweep: response cache toggled", reasons
+    if len(sweep) == 3:
+        assert reasons[1] == "categorical sweep: the defaults again for comparison", reasons
+        assert (sweep[1]["fusion_threshold_bytes"], sweep[1]["cycle_time_ms"], sweep[1]["cache_enabled"]) == \
+            (str(default_fusion), "1.000", "true")
+    assert sweep[0]["cache_enabled"] == "true" and sweep[-1]["cache_enabled"] == "false"
+    return sweep
+
+
 def as_row_values(applied):
     return (str(applied["fusion_threshold"]), f"{applied['cycle_time_ms']:.3f}", str(applied["cache_enabled"]).lower())
 
@@ -41,15 +59,12 @@ def as_row_values(applied):
 def test_autotune_logs_each_sample_and_every_rank_applies_the_same_values(run_rvodrun, tmp_path):
     lines, rows, ranks = run_job(run_rvodrun, tmp_path)
     assert lines[0].split(",") == COLUMNS
-    assert [row["phase"] for row in rows] == EXPECTED_PHASES
-    assert [int(row["sample"]) for row in rows] == list(range(len(EXPECTED_PHASES)))
+    assert_phases_and_sweep(rows, 64 << 20)
+    assert [int(row["sample"]) for row in rows] == list(range(len(rows)))
     assert all(row["steps"] == "3" and float(row["score_bytes_per_s"]) > 0 and int(row["bytes"]) > 0
                for row in rows), rows
     assert rows[2]["chosen_because"] == "initial probe 1 of 4"
     assert rows[6]["chosen_because"].startswith("largest expected improvement: "), rows[6]
-    assert rows[7]["chosen_because"].startswith("categorical sweep: baseline"), rows[7]
-    assert rows[8]["chosen_because"] == "categorical sweep: response cache toggled"
-    assert rows[8]["cache_enabled"] == "false" and rows[7]["cache_enabled"] == "true"
     assert all(row["next"] == following["chosen_because"] for row, following in zip(rows, rows[1:]))
     best = lines[-1]
     assert best.startswith("# best: fusion_threshold_bytes=") and "improvement_over_defaults=" in best, best
@@ -76,7 +91,7 @@ def test_autotune_logs_each_sample_and_every_rank_applies_the_same_values(run_rv
 @pytest.mark.timeout(120)
 def test_a_fusion_threshold_the_user_set_is_not_tuned(run_rvodrun, tmp_path):
     lines, rows, ranks = run_job(run_rvodrun, tmp_path, ["--fusion-threshold-mb", "1"])
-    assert [row["phase"] for row in rows] == EXPECTED_PHASES
+    assert_phases_and_sweep(rows, 1 << 20)
     assert {row["fusion_threshold_bytes"] for row in rows} == {str(1 << 20)}
     assert len({row["cycle_time_ms"] for row in rows}) > 2, "the cycle time is still tuned"
     assert ranks[0]["wrong"] == [] and ranks[1]["wrong"] == []

@@ -90,11 +90,22 @@ fn tunes_fusion_threshold_and_cycle_time_jointly_to_the_known_maximum() {
     assert_eq!(lines[0], crate::autotune::log::HEADER);
     let rows: Vec<Vec<&str>> = lines[1..lines.len() - 1].iter().map(|l| l.split(',').collect()).collect();
     let phases: Vec<&str> = rows.iter().map(|r| r[1]).collect();
-    // 2 warm-up, the defaults, 19 more Bayesian samples (20 with the defaults), baseline, cache toggled.
+    // 2 warm-up, the defaults, 19 more Bayesian samples (20 with the defaults), then the sweep: baseline,
+    // the defaults again, cache toggled.
     assert_eq!(phases.iter().filter(|p| **p == "warm-up").count(), 2);
     assert_eq!(phases.iter().filter(|p| **p == "defaults").count(), 1);
     assert_eq!(phases.iter().filter(|p| **p == "bayes").count(), 19);
-    assert_eq!(phases.iter().filter(|p| **p == "categorical").count(), 2);
+    assert_eq!(phases.iter().filter(|p| **p == "categorical").count(), 3);
+    let sweep: Vec<&str> = rows[rows.len() - 3..].iter().map(|r| r[11]).collect();
+    assert_eq!(
+        sweep,
+        [
+            "categorical sweep: baseline at the best fusion threshold and cycle time",
+            "categorical sweep: the defaults again for comparison",
+            "categorical sweep: response cache toggled"
+        ]
+    );
+    assert_eq!(rows[rows.len() - 2][2], (64 * MIB).to_string(), "the defaults, capped, measured again");
     assert!(rows.iter().all(|r| r.len() == 13), "13 columns in every row");
     assert!(rows.iter().any(|r| r[11].starts_with("largest expected improvement")), "EI choices are logged");
     assert!(rows.iter().any(|r| r[11].starts_with("categorical sweep")));
@@ -163,4 +174,30 @@ fn other_collectives_and_failed_responses_do_not_count() {
     }
     assert!(manager.take_announcement().is_none());
     assert_eq!(manager.samples_taken, 0);
+}
+
+#[test]
+fn a_slow_moment_inside_a_sample_does_not_decide_its_score() {
+    let dir = std::env::temp_dir().join(format!("rvod-autotune-pieces-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let log = dir.join("pieces.csv");
+    let settings =
+        AutotuneConfig { warmup_samples: 1, steps_per_sample: 5, ..settings(FixedKnobs::default(), Some(log.clone())) };
+    let mut manager = ParameterManager::new(settings, defaults(), None, false);
+    let values = manager.take_announcement().unwrap();
+    let mut now = Instant::now();
+    manager.applied_at(&values, now);
+    let response = step_response();
+    for step in 0..5 {
+        // One step in five is 100 times slower: the mean throughput halves, the median does not move.
+        now += Duration::from_millis(if step == 2 { 100 } else { 1 });
+        manager.record_at([&response], now);
+    }
+    let text = std::fs::read_to_string(&log).unwrap();
+    let row: Vec<&str> = text.lines().nth(1).unwrap().split(',').collect();
+    let per_step = response.tensor_bytes() as f64 / 1e-3;
+    let score: f64 = row[10].parse().unwrap();
+    assert!((score / per_step - 1.0).abs() < 1e-6, "score {score} vs {per_step} bytes/s per fast step");
+    assert_eq!((row[7], row[8]), ("5", (5 * response.tensor_bytes()).to_string().as_str()));
+    std::fs::remove_dir_all(&dir).unwrap();
 }
