@@ -1,7 +1,8 @@
 """Autotune on 2 ranks under rvodrun (RVOD_AUTOTUNE and rvodrun's --autotune* flags): the log's columns
 and closing line, every rank applying the same values after the same round, allreduce results exact while
-the knobs change, and a fusion threshold the user set staying fixed. Worker: workers/autotune.py.
-About 20 s in all."""
+the knobs change, and a fusion threshold the user set staying fixed; on 4 ranks across two fake hosts, the
+sweep of the hierarchical algorithms. Worker: workers/autotune.py.
+About 11 s in all."""
 
 from __future__ import annotations
 
@@ -98,3 +99,34 @@ def test_a_fusion_threshold_the_user_set_is_not_tuned(run_rvodrun, tmp_path):
     assert ranks[0]["applied"] == ranks[1]["applied"]
     assert {a["fusion_threshold"] for a in ranks[0]["applied"]} == {1 << 20}
     assert lines[-1].startswith(f"# best: fusion_threshold_bytes={1 << 20} "), lines[-1]
+
+
+@pytest.mark.timeout(150)
+def test_across_hosts_the_sweep_tries_the_hierarchical_algorithms(job_env, tmp_path):
+    """4 ranks on two fake hosts (see test_hierarchical.py): the categorical sweep flips hierarchical
+    allreduce and allgather on and off, every rank applies each flip after the same round, results stay exact."""
+    from test_hierarchical import FakeHostsJob
+
+    out = tmp_path / "applied"
+    out.mkdir()
+    log = tmp_path / "autotune.csv"
+    settings = {"RVOD_AUTOTUNE": "1", "RVOD_AUTOTUNE_LOG": str(log), "RVOD_AUTOTUNE_WARMUP_SAMPLES": "0",
+                "RVOD_AUTOTUNE_STEPS_PER_SAMPLE": "3", "RVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": "2"}
+    job = FakeHostsJob("hosta:2,hostb:2", job_env, 4, [sys.executable, WORKER, str(out), str(STEPS)], tmp_path,
+                       settings=settings)
+    with job:
+        job.start()
+        results = job.wait(timeout=130)
+        report = job.report()
+    assert all(res.returncode == 0 for res in results.values()), report
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+    assert all(rank["wrong"] == [] for rank in ranks), ranks
+    assert all(rank["applied"] == ranks[0]["applied"] for rank in ranks)
+    rows = list(csv.DictReader(line for line in log.read_text().splitlines() if not line.startswith("#")))
+    reasons = [row["chosen_because"] for row in rows]
+    for flip in ("hierarchical allreduce true", "hierarchical allreduce false", "hierarchical allgather true",
+                 "hierarchical allgather false"):
+        assert f"categorical sweep: {flip}" in reasons, reasons
+    assert {row["hierarchical_allreduce"] for row in rows} == {"auto", "true", "false"}, rows
+    assert {a["hierarchical_allreduce"] for a in ranks[0]["applied"]} >= {True, False}
+    assert log.read_text().splitlines()[-1].startswith("# best: "), log.read_text()
