@@ -259,9 +259,18 @@ impl ParameterManager {
             sample.bytes = sample.bytes.saturating_add(bytes);
             sample.piece_bytes = sample.piece_bytes.saturating_add(bytes);
             for entry in &response.entries {
-                let seen = sample.reductions.entry(entry.name.clone()).or_insert(0);
-                *seen += 1;
-                sample.steps = sample.steps.max(*seen);
+                // Looked up before inserting: a name is copied once per sample, not once per reduction.
+                let seen = match sample.reductions.get_mut(entry.name.as_str()) {
+                    Some(seen) => {
+                        *seen += 1;
+                        *seen
+                    }
+                    None => {
+                        sample.reductions.insert(entry.name.clone(), 1);
+                        1
+                    }
+                };
+                sample.steps = sample.steps.max(seen);
             }
         }
         // Piece k of P ends once k/P of the sample's steps are done.
