@@ -37,7 +37,9 @@ def mean_cpu(seconds):
     return hvd.allreduce(torch.tensor([seconds]), op=hvd.Average, name="timeline_cost.cpu").item()
 
 
-def training(steps):
+def mlp_training_step():
+    """A training step of a small MLP with rvod.torch's DistributedOptimizer (10 gradient tensors); also used
+    by benches/autotune.py."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512),
                           nn.ReLU(), nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 10))
@@ -51,6 +53,11 @@ def training(steps):
         F.cross_entropy(model(x), y).backward()
         optimizer.step()
 
+    return step
+
+
+def training(steps):
+    step = mlp_training_step()
     for _ in range(5):
         step()
     times = []

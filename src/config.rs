@@ -90,6 +90,35 @@ pub struct Config {
     /// store under this round instead of their own count of inits, so a rank started for a re-formed world
     /// meets ranks that have been through several; `None` outside elastic jobs.
     pub elastic_round: Option<u64>,
+    /// `RVOD_AUTOTUNE`: tune the knobs the user left unset while the job runs (see [`crate::autotune`]).
+    pub autotune: Option<AutotuneConfig>,
+}
+
+/// How the autotuner samples (`RVOD_AUTOTUNE_*`, Horovod's defaults) and which knobs the user pinned.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AutotuneConfig {
+    /// `RVOD_AUTOTUNE_LOG`: the CSV file rank 0 writes, one row per sample.
+    pub log: Option<std::path::PathBuf>,
+    /// `RVOD_AUTOTUNE_WARMUP_SAMPLES`: samples measured and discarded before tuning starts.
+    pub warmup_samples: usize,
+    /// `RVOD_AUTOTUNE_STEPS_PER_SAMPLE`: steps (see [`crate::autotune`]) each sample spans.
+    pub steps_per_sample: usize,
+    /// `RVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES`: samples spent on fusion threshold and cycle time.
+    pub bayes_opt_max_samples: usize,
+    /// `RVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE`: the Gaussian process's noise, in [0, 1].
+    pub gaussian_process_noise: f64,
+    /// Knobs whose variable is set: they keep the user's value.
+    pub fixed: FixedKnobs,
+}
+
+/// Which tunable knobs the user set explicitly (their variable is present).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FixedKnobs {
+    pub fusion_threshold: bool,
+    pub cycle_time: bool,
+    pub cache: bool,
+    pub hierarchical_allreduce: bool,
+    pub hierarchical_allgather: bool,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -105,6 +134,10 @@ pub const DEFAULT_CYCLE_TIME_MS: f64 = 1.0;
 pub const DEFAULT_CACHE_CAPACITY: usize = 1024;
 pub const DEFAULT_TIMEOUT_SECONDS: f64 = 60.0;
 pub const DEFAULT_STALL_CHECK_SECONDS: f64 = 60.0;
+pub const DEFAULT_AUTOTUNE_WARMUP_SAMPLES: usize = 3;
+pub const DEFAULT_AUTOTUNE_STEPS_PER_SAMPLE: usize = 10;
+pub const DEFAULT_AUTOTUNE_BAYES_OPT_MAX_SAMPLES: usize = 20;
+pub const DEFAULT_AUTOTUNE_GAUSSIAN_PROCESS_NOISE: f64 = 0.8;
 
 /// Reads variables through a lookup function so tests need not touch the process environment.
 struct EnvReader<F: Fn(&str) -> Option<String>> {
@@ -305,8 +338,38 @@ impl Config {
                 None => None,
                 Some(_) => Some(env.usize("ELASTIC_ROUND", 0)? as u64),
             },
+            autotune: autotune(&env)?,
         })
     }
+}
+
+/// `AUTOTUNE` (Horovod's flag rule) and its sampling knobs; the knobs are checked only when it is on.
+fn autotune<F: Fn(&str) -> Option<String>>(env: &EnvReader<F>) -> Result<Option<AutotuneConfig>, ConfigError> {
+    if !env.flag("AUTOTUNE")? {
+        return Ok(None);
+    }
+    let noise = match env.raw("AUTOTUNE_GAUSSIAN_PROCESS_NOISE") {
+        None => DEFAULT_AUTOTUNE_GAUSSIAN_PROCESS_NOISE,
+        Some((name, value)) => match value.parse::<f64>() {
+            Ok(v) if (0.0..=1.0).contains(&v) => v,
+            _ => return Err(EnvReader::<F>::error(name, value, "expected a number in [0, 1]")),
+        },
+    };
+    let set = |key: &str| env.raw(key).is_some();
+    Ok(Some(AutotuneConfig {
+        log: env.string("AUTOTUNE_LOG").map(Into::into),
+        warmup_samples: env.usize("AUTOTUNE_WARMUP_SAMPLES", DEFAULT_AUTOTUNE_WARMUP_SAMPLES)?,
+        steps_per_sample: env.usize("AUTOTUNE_STEPS_PER_SAMPLE", DEFAULT_AUTOTUNE_STEPS_PER_SAMPLE)?.max(1),
+        bayes_opt_max_samples: env.usize("AUTOTUNE_BAYES_OPT_MAX_SAMPLES", DEFAULT_AUTOTUNE_BAYES_OPT_MAX_SAMPLES)?,
+        gaussian_process_noise: noise,
+        fixed: FixedKnobs {
+            fusion_threshold: set("FUSION_THRESHOLD"),
+            cycle_time: set("CYCLE_TIME"),
+            cache: set("CACHE_CAPACITY"),
+            hierarchical_allreduce: set("HIERARCHICAL_ALLREDUCE"),
+            hierarchical_allgather: set("HIERARCHICAL_ALLGATHER"),
+        },
+    }))
 }
 
 /// `IFACE_ADDR` (an IP address), else `NETWORK_INTERFACE` or Horovod's `HOROVOD_GLOO_IFACE` (comma-separated
@@ -594,6 +657,44 @@ mod tests {
         assert_eq!(err.name, "HOROVOD_FUSION_THRESHOLD");
         let err = config(&[("RVOD_RANK", "3"), ("RVOD_SIZE", "2")]).unwrap_err();
         assert!(err.reason.contains("smaller"));
+    }
+
+    #[test]
+    fn autotune_settings() {
+        assert_eq!(config(&[]).unwrap().autotune, None);
+        assert_eq!(config(&[("RVOD_AUTOTUNE", "0"), ("RVOD_AUTOTUNE_WARMUP_SAMPLES", "x")]).unwrap().autotune, None);
+        let a = config(&[("HOROVOD_AUTOTUNE", "1")]).unwrap().autotune.unwrap();
+        assert_eq!(
+            (a.log, a.warmup_samples, a.steps_per_sample, a.bayes_opt_max_samples, a.gaussian_process_noise),
+            (None, 3, 10, 20, 0.8)
+        );
+        assert_eq!(a.fixed, FixedKnobs::default());
+        let a = config(&[
+            ("RVOD_AUTOTUNE", "true"),
+            ("HOROVOD_AUTOTUNE_LOG", "/tmp/a.csv"),
+            ("RVOD_AUTOTUNE_WARMUP_SAMPLES", "0"),
+            ("HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE", "4"),
+            ("RVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES", "9"),
+            ("RVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE", "0.25"),
+            ("HOROVOD_FUSION_THRESHOLD", "1048576"),
+            ("RVOD_CACHE_CAPACITY", "16"),
+        ])
+        .unwrap()
+        .autotune
+        .unwrap();
+        assert_eq!(a.log, Some(std::path::PathBuf::from("/tmp/a.csv")));
+        assert_eq!((a.warmup_samples, a.steps_per_sample, a.bayes_opt_max_samples), (0, 4, 9));
+        assert_eq!(a.gaussian_process_noise, 0.25);
+        assert_eq!(
+            a.fixed,
+            FixedKnobs { fusion_threshold: true, cache: true, ..FixedKnobs::default() },
+            "only the knobs whose variable is present are fixed"
+        );
+        let bad = config(&[("RVOD_AUTOTUNE", "1"), ("RVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE", "1.5")]).unwrap_err();
+        assert_eq!((bad.name.as_str(), bad.value.as_str()), ("RVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE", "1.5"));
+        let bad = config(&[("RVOD_AUTOTUNE", "1"), ("HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE", "-2")]).unwrap_err();
+        assert_eq!(bad.name, "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE");
+        assert_eq!(config(&[("RVOD_AUTOTUNE", "often")]).unwrap_err().name, "RVOD_AUTOTUNE");
     }
 
     #[test]

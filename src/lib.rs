@@ -6,11 +6,13 @@
 //! the collective algorithms ([`ring`]) over a [`transport`] (TCP between processes, an in-memory one for
 //! tests), and completes the caller's handle with the result or a precise error ([`error`]).
 //! Every knob is read once into a [`config::Config`]. Jobs that mpirun, srun or torchrun started (not
-//! rvodrun) meet through [`launch`]: rank 0 serves the rendezvous store.
+//! rvodrun) meet through [`launch`]: rank 0 serves the rendezvous store. With `RVOD_AUTOTUNE`, rank 0
+//! tunes the fusion threshold, cycle time and categorical knobs while the job runs ([`autotune`]).
 
 // No unwrap/expect where user input or a peer's bytes could reach them (DESIGN.md); tests may use them.
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
 
+pub mod autotune;
 pub mod config;
 pub mod coordinator;
 pub mod engine;

@@ -296,18 +296,11 @@ mod tests {
 
     fn response(kind: CollectiveKind, names: &[&str]) -> Response {
         Response {
-            kind,
             entries: names
                 .iter()
                 .map(|name| ResponseEntry { name: (*name).into(), shape: vec![4], per_rank: vec![], packed: false })
                 .collect(),
-            dtype: DataType::Float32,
-            reduce_op: ReduceOp::Sum,
-            root_rank: -1,
-            prescale: 1.0,
-            postscale: 1.0,
-            error: None,
-            last_joined_rank: -1,
+            ..Response::for_one_tensor(kind, "", DataType::Float32, 4)
         }
     }
 

@@ -122,6 +122,24 @@ impl Response {
 }
 
 #[cfg(test)]
+impl Response {
+    /// A successful response for one tensor named `name` of `elements` values (for tests).
+    pub(crate) fn for_one_tensor(kind: CollectiveKind, name: &str, dtype: DataType, elements: i64) -> Response {
+        Response {
+            kind,
+            entries: vec![ResponseEntry { name: name.into(), shape: vec![elements], per_rank: vec![], packed: false }],
+            dtype,
+            reduce_op: ReduceOp::Sum,
+            root_rank: -1,
+            prescale: 1.0,
+            postscale: 1.0,
+            error: None,
+            last_joined_rank: -1,
+        }
+    }
+}
+
+#[cfg(test)]
 mod tests {
     use super::*;
 

@@ -7,11 +7,14 @@
 //! 2. Only if some rank has uncached requests (or an entry became invalid), workers send them to the
 //!    coordinator (rank 0), which answers everyone with the same [`ResponseList`].
 //! 3. Every rank updates its cache with the new responses in the same order, and fuses the list.
+//! 4. If the coordinator's header carried autotuned values, every rank applies the fusion threshold and the
+//!    response cache's state now, after fusing, so the next round uses them everywhere.
 //!
 //! A rank starts a round when it has new work; an idle rank joins when a peer's header arrives.
 
 use std::time::{Duration, Instant};
 
+use crate::autotune::TunedValues;
 use crate::coordinator::bitset::BitSet;
 use crate::coordinator::cache::{CacheLookup, ResponseCache, TensorParams};
 use crate::coordinator::codec::WireMessage;
@@ -49,11 +52,18 @@ pub struct RoundOutcome {
     pub responses: Vec<Response>,
     /// Ranks that asked to stop, and why; if any did, every rank leaves after running `responses`.
     pub shutdown_by: Vec<(usize, StopReason)>,
+    /// Autotuned values the coordinator announced this round; the negotiator has applied its own part
+    /// (fusion threshold, response cache), the caller applies the rest.
+    pub tuned: Option<TunedValues>,
 }
 
 pub struct Negotiator {
     cache: ResponseCache,
+    /// The configured cache capacity, restored when autotune turns the cache back on.
+    cache_capacity: usize,
     fusion_threshold: usize,
+    /// On the coordinator: autotuned values to send in the next header.
+    announcement: Option<TunedValues>,
     /// Cached entries pending longer than this are invalidated so the coordinator can report the stall.
     stall_check: Option<Duration>,
     coordinator: Option<MessageTable>,
@@ -112,7 +122,9 @@ impl Negotiator {
     ) -> Self {
         Negotiator {
             cache: ResponseCache::new(cache_capacity),
+            cache_capacity,
             fusion_threshold,
+            announcement: None,
             stall_check,
             coordinator: (rank == 0).then(|| MessageTable::new(global_ranks)),
             timeline: SetTimeline::default(),
@@ -128,6 +140,41 @@ impl Negotiator {
         self.coordinator.as_mut()
     }
 
+    /// On the coordinator: send `values` with the next round's header; every rank applies them when that
+    /// round ends (ignored on other ranks).
+    pub fn announce(&mut self, values: TunedValues) {
+        if self.coordinator.is_some() {
+            self.announcement = Some(values);
+        }
+    }
+
+    /// The fusion threshold the next round fuses with.
+    pub fn fusion_threshold(&self) -> usize {
+        self.fusion_threshold
+    }
+
+    /// Whether the response cache is in use.
+    pub fn cache_enabled(&self) -> bool {
+        self.cache.capacity() > 0
+    }
+
+    /// Apply the negotiation's part of autotuned values: the fusion threshold, and the cache on or off. A
+    /// cache turned off forgets its entries and this rank's pending hits go to the coordinator instead; one
+    /// turned on starts empty, as at start-up. Every rank does this at the same round, so caches agree.
+    fn apply(&mut self, values: &TunedValues, table: &mut impl PendingRequests) {
+        self.fusion_threshold = values.fusion_threshold;
+        if values.cache_enabled == self.cache_enabled() {
+            return;
+        }
+        let capacity = if values.cache_enabled { self.cache_capacity } else { 0 };
+        self.cache = ResponseCache::new(capacity);
+        table.for_each(|_, announcement| {
+            if let Announcement::CacheHit(_) = *announcement {
+                *announcement = Announcement::Unsent;
+            }
+        });
+    }
+
     /// Whether this rank should start a round even without new work (queued stall errors).
     pub fn wants_round(&self) -> bool {
         self.coordinator.as_ref().is_some_and(MessageTable::has_queued)
@@ -141,7 +188,8 @@ impl Negotiator {
         shutdown: Option<StopReason>,
     ) -> Result<RoundOutcome, TransportError> {
         let (me, n) = (t.rank(), t.size());
-        let header = self.local_header(table, shutdown);
+        let mut header = self.local_header(table, shutdown);
+        header.tuned = self.announcement.take();
 
         let header_bytes = header.to_bytes();
         for peer in (0..n).filter(|&p| p != me) {
@@ -247,7 +295,13 @@ impl Negotiator {
             responses.extend(new_responses);
         }
 
-        Ok(RoundOutcome { eager, responses: plan_fusion(responses, self.fusion_threshold), shutdown_by })
+        let responses = plan_fusion(responses, self.fusion_threshold);
+        // Only the coordinator decides; its header is the same on every rank.
+        let tuned = headers.first().and_then(|h| h.tuned.clone());
+        if let Some(values) = &tuned {
+            self.apply(values, table);
+        }
+        Ok(RoundOutcome { eager, responses, shutdown_by, tuned })
     }
 
     /// This rank's header: classify new requests against the cache and collect hits and invalid bits.
@@ -456,6 +510,46 @@ mod tests {
         let expected: Vec<Option<Vec<u8>>> = (1..=3u8).map(|fill| Some(vec![fill; 8])).collect();
         for contributions in outcomes {
             assert_eq!(contributions, expected, "every rank holds every contribution, in rank order");
+        }
+    }
+
+    #[test]
+    fn the_coordinators_tuned_values_apply_on_every_rank_when_the_round_ends() {
+        let tuned = TunedValues {
+            fusion_threshold: 4096,
+            cycle_time: Duration::from_micros(2500),
+            cache_enabled: false,
+            hierarchical_allreduce: Some(true),
+            hierarchical_allgather: None,
+        };
+        let outcomes = run_ranks(MemoryTransport::mesh(3), |t| {
+            let rank = t.rank();
+            let mut negotiator = negotiator(rank, 3);
+            let mut table = FakeTable::default();
+            table.submit(rank, "grad", 2, 1);
+            negotiator.round(t, &mut table, None).unwrap();
+            table.complete("grad");
+            // "grad" is cached now; rank 0 announces values with the next round, whose hit still runs eagerly
+            // under the old values (a worker's announcement is ignored).
+            negotiator.announce(TunedValues { fusion_threshold: 7, ..tuned.clone() });
+            if rank == 0 {
+                negotiator.announce(tuned.clone());
+            }
+            table.submit(rank, "grad", 2, 1);
+            let announced = negotiator.round(t, &mut table, None).unwrap();
+            assert_eq!(announced.eager.len(), 1, "rank {rank}: the cache served this round");
+            assert_eq!((negotiator.fusion_threshold(), negotiator.cache_enabled()), (4096, false));
+            table.complete("grad");
+            // With the cache off, the same tensor goes to the coordinator again.
+            table.submit(rank, "grad", 2, 1);
+            let after = negotiator.round(t, &mut table, None).unwrap();
+            assert!(after.eager.is_empty() && after.tuned.is_none(), "rank {rank}");
+            assert_eq!(names(&after.responses), ["grad"]);
+            assert_eq!(table.entries[0].1, Announcement::SentToCoordinator);
+            announced.tuned
+        });
+        for got in outcomes {
+            assert_eq!(got.as_ref(), Some(&tuned), "every rank got rank 0's values in the same round");
         }
     }
 

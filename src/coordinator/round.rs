@@ -2,13 +2,15 @@
 //!
 //! 1. Every rank sends every other rank a [`RoundHeader`]: its status flags and which response-cache
 //!    bits it hit or found invalid. Each rank ANDs the hit sets and ORs the invalid sets locally, so all
-//!    ranks reach the same verdict without a coordinator.
+//!    ranks reach the same verdict without a coordinator. With autotune on, the coordinator's header may
+//!    carry the values every rank applies when the round ends (see [`crate::autotune`]).
 //! 2. If any rank has uncached requests, workers send the coordinator a [`RequestList`].
 //! 3. The coordinator answers every rank with the same [`ResponseList`].
 //!
 //! All three are [`WireMessage`]s: framed with magic, kind and protocol version (see
 //! [`crate::coordinator::codec`]), so the protocol version lives in the frame, not in the structs.
 
+use crate::autotune::TunedValues;
 use crate::coordinator::bitset::BitSet;
 use crate::coordinator::codec::{DecodeError, MessageKind, Wire, WireMessage, WireReader, WireWriter};
 use crate::coordinator::message::{Request, Response};
@@ -20,7 +22,9 @@ const FLAG_JOINED: u8 = 1 << 2;
 const FLAG_EXITING: u8 = 1 << 3;
 /// With FLAG_SHUTDOWN: the process set is being removed (remove_process_set()).
 const FLAG_REMOVING: u8 = 1 << 4;
-const KNOWN_FLAGS: u8 = FLAG_SHUTDOWN | FLAG_HAS_UNCACHED | FLAG_JOINED | FLAG_EXITING | FLAG_REMOVING;
+/// The coordinator's header carries the autotuner's next values ([`TunedValues`]).
+const FLAG_TUNED: u8 = 1 << 5;
+const KNOWN_FLAGS: u8 = FLAG_SHUTDOWN | FLAG_HAS_UNCACHED | FLAG_JOINED | FLAG_EXITING | FLAG_REMOVING | FLAG_TUNED;
 
 /// Why a rank stops a communicator; the other ranks' errors say which.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -49,6 +53,8 @@ pub struct RoundHeader {
     /// The data of small cached allreduces, sent along with the header (ascending cache bit): when every
     /// rank sent its data for a tensor that all ranks hit, each reduces locally and no data round is needed.
     pub eager: Vec<EagerPayload>,
+    /// From the coordinator with autotune on: values every rank applies when this round ends.
+    pub tuned: Option<TunedValues>,
 }
 
 /// One tensor's data riding in a round header.
@@ -106,10 +112,16 @@ impl Wire for RoundHeader {
         if self.joined {
             flags |= FLAG_JOINED;
         }
+        if self.tuned.is_some() {
+            flags |= FLAG_TUNED;
+        }
         w.put_u8(flags);
         self.cache_hits.encode(w);
         self.invalid.encode(w);
         w.put_seq(&self.eager);
+        if let Some(tuned) = &self.tuned {
+            tuned.encode(w);
+        }
     }
 
     fn decode(r: &mut WireReader<'_>) -> Result<Self, DecodeError> {
@@ -131,6 +143,7 @@ impl Wire for RoundHeader {
             cache_hits: BitSet::decode(r)?,
             invalid: BitSet::decode(r)?,
             eager: r.seq("eager payloads")?,
+            tuned: if flags & FLAG_TUNED != 0 { Some(TunedValues::decode(r)?) } else { None },
         })
     }
 }
@@ -192,14 +205,27 @@ mod tests {
             Just(Some(StopReason::Exiting)),
             Just(Some(StopReason::Removed)),
         ];
-        (reason, any::<bool>(), any::<bool>(), arb_bitset(), arb_bitset(), eager).prop_map(
-            |(shutdown, has_uncached, joined, cache_hits, invalid, eager)| RoundHeader {
+        let tuned = prop::option::of((any::<u32>(), any::<u32>(), any::<bool>(), 0u8..3, 0u8..3).prop_map(
+            |(f, c, cache, ar, ag)| {
+                let choice = |c: u8| [None, Some(false), Some(true)][c as usize];
+                TunedValues {
+                    fusion_threshold: f as usize,
+                    cycle_time: std::time::Duration::from_micros(c as u64),
+                    cache_enabled: cache,
+                    hierarchical_allreduce: choice(ar),
+                    hierarchical_allgather: choice(ag),
+                }
+            },
+        ));
+        (reason, any::<bool>(), any::<bool>(), arb_bitset(), arb_bitset(), eager, tuned).prop_map(
+            |(shutdown, has_uncached, joined, cache_hits, invalid, eager, tuned)| RoundHeader {
                 shutdown,
                 has_uncached,
                 joined,
                 cache_hits,
                 invalid,
                 eager,
+                tuned,
             },
         )
     }

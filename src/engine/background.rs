@@ -1,16 +1,22 @@
 //! The background loop: wait (without spinning) for local work or a peer's round, run a negotiation
 //! round, execute what it agreed, complete handles. A transport failure stops the loop and fails every
 //! pending and later op with an error that names the peer.
+//!
+//! With autotune on, the global communicator's rank 0 also runs the parameter manager: it counts each
+//! round's allreduces, and its decisions go out with its next round header; every rank applies what the
+//! round carried when the round's work is done (see [`crate::autotune`]).
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::autotune::manager::ParameterManager;
+use crate::autotune::TunedValues;
 use crate::config::Config;
 use crate::coordinator::negotiation::Negotiator;
 use crate::coordinator::round::StopReason;
 use crate::coordinator::stall::StallClock;
-use crate::engine::communicator::Shared;
+use crate::engine::communicator::{AppliedValues, Shared};
 use crate::engine::execute::{execute_eager, Executor, HierarchyChoice, TensorResult};
 use crate::engine::table::{TensorEntry, TensorTable};
 use crate::error::EngineError;
@@ -36,9 +42,13 @@ struct Loop {
     negotiator: Negotiator,
     executor: Executor,
     stall_clock: Option<StallClock>,
+    /// Negotiation rounds run so far (the same count on every rank of the communicator).
+    rounds: u64,
+    /// The autotuner, on rank 0 of the global communicator with `RVOD_AUTOTUNE` on.
+    autotune: Option<ParameterManager>,
 }
 
-pub(crate) fn run(shared: Arc<Shared>, transport: Box<dyn Transport>, config: Config) {
+pub(crate) fn run(shared: Arc<Shared>, mut transport: Box<dyn Transport>, config: Config) {
     let negotiator = Negotiator::new(
         transport.rank(),
         shared.global_ranks.clone(),
@@ -51,7 +61,24 @@ pub(crate) fn run(shared: Arc<Shared>, transport: Box<dyn Transport>, config: Co
         allreduce: config.hierarchical_allreduce,
         allgather: config.hierarchical_allgather,
     });
+    let autotune = match &config.autotune {
+        Some(settings) if shared.set_id == 0 && transport.rank() == 0 && transport.size() > 1 => {
+            let initial = TunedValues {
+                fusion_threshold: config.fusion_threshold,
+                cycle_time: config.cycle_time,
+                cache_enabled: config.cache_capacity > 0,
+                hierarchical_allreduce: config.hierarchical_allreduce,
+                hierarchical_allgather: config.hierarchical_allgather,
+            };
+            // Every rank's staging area has the same size: a fused buffer up to it takes the staged path.
+            let staging = transport.staging().map(|s| s.area_len());
+            Some(ParameterManager::new(settings.clone(), initial, staging, config.topology.cross_size > 1))
+        }
+        _ => None,
+    };
     let mut state = Loop {
+        rounds: 0,
+        autotune,
         stall_clock: config.stall_check.map(StallClock::new),
         shared,
         transport,
@@ -113,6 +140,10 @@ impl Loop {
             }
 
             self.shared.timeline.cycle();
+            if let Some(values) = self.autotune.as_mut().and_then(ParameterManager::take_announcement) {
+                self.negotiator.announce(values);
+            }
+            self.rounds += 1;
             let outcome = match self.negotiator.round(&mut *self.transport, &mut self.table, stop) {
                 Ok(outcome) => outcome,
                 Err(_) if shutdown => return Ok(self.own_stop_reason(stop)),
@@ -137,6 +168,12 @@ impl Loop {
             for response in &outcome.responses {
                 self.execute(response, agreed)?;
             }
+            if let Some(values) = &outcome.tuned {
+                self.apply_tuned(values);
+            }
+            if let Some(manager) = self.autotune.as_mut() {
+                manager.record(outcome.eager.iter().map(|e| &e.response).chain(&outcome.responses));
+            }
             if !outcome.shutdown_by.is_empty() {
                 return Ok(if shutdown {
                     self.own_stop_reason(stop)
@@ -145,6 +182,26 @@ impl Loop {
                 });
             }
         }
+    }
+
+    /// The loop's part of autotuned values (the negotiator applied the fusion threshold and the cache).
+    fn apply_tuned(&mut self, values: &TunedValues) {
+        self.config.cycle_time = values.cycle_time;
+        self.executor.set_hierarchy(HierarchyChoice {
+            allreduce: values.hierarchical_allreduce,
+            allgather: values.hierarchical_allgather,
+        });
+        if let Some(manager) = self.autotune.as_mut() {
+            manager.applied(values);
+        }
+        tracing::debug!(
+            "autotune: rank {} applies {} after round {}",
+            self.config.topology.rank,
+            crate::autotune::log::describe(values),
+            self.rounds
+        );
+        let mut applied = self.shared.autotune_applied.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        applied.push(AppliedValues { round: self.rounds, values: values.clone() });
     }
 
     /// Why pending ops fail when this rank stopped the communicator.

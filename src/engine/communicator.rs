@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
+use crate::autotune::TunedValues;
 use crate::config::Config;
 use crate::coordinator::round::StopReason;
 use crate::engine::handles::HandleTable;
@@ -40,6 +41,16 @@ pub(crate) struct Shared {
     /// What the transport is ("shm", "tcp", ...), for diagnostics.
     pub(crate) transport_kind: &'static str,
     pub(crate) timeline: SetTimeline,
+    /// With autotune on: each set of tuned values this rank applied, with the round it applied them at.
+    pub(crate) autotune_applied: Mutex<Vec<AppliedValues>>,
+}
+
+/// Autotuned values as one rank applied them: after round `round` of its communicator (rounds are
+/// counted from 1 and run in lockstep, so every rank's numbers name the same rounds).
+#[derive(Clone, Debug, PartialEq)]
+pub struct AppliedValues {
+    pub round: u64,
+    pub values: TunedValues,
 }
 
 impl Shared {
@@ -95,6 +106,7 @@ impl Communicator {
             timeline: SetTimeline::new(timeline, set_id, &global_ranks, transport.kind()),
             global_ranks,
             transport_kind: transport.kind(),
+            autotune_applied: Mutex::new(Vec::new()),
         });
         shared.waker.set_doorbell(transport.doorbell());
         let thread_shared = Arc::clone(&shared);
@@ -122,6 +134,11 @@ impl Communicator {
 
     pub fn size(&self) -> usize {
         self.shared.global_ranks.len()
+    }
+
+    /// The autotuned values this rank applied so far, in order (empty with autotune off).
+    pub fn autotune_applied(&self) -> Vec<AppliedValues> {
+        self.shared.autotune_applied.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone()
     }
 
     /// Queue entries for the background thread, all or none (a group is negotiated in one round).

@@ -145,6 +145,11 @@ impl Executor {
         Executor { hierarchy, ..Executor::default() }
     }
 
+    /// Change the hierarchical choices (autotune; every rank does it at the same round).
+    pub fn set_hierarchy(&mut self, hierarchy: HierarchyChoice) {
+        self.hierarchy = hierarchy;
+    }
+
     fn fusion_buffer(&mut self, len: usize) -> &mut [u8] {
         let buffer = self.fusion_buffer.get_or_insert_with(|| AlignedBuffer::zeroed(len));
         buffer.ensure_len(len);

@@ -260,6 +260,13 @@ impl Engine {
         registry.get(set_id)?.communicator.as_ref().map(|c| c.transport_kind())
     }
 
+    /// The autotuned values this rank applied on the global process set, in order, with the rounds at which
+    /// it applied them (empty with autotune off).
+    pub fn autotune_applied(&self) -> Vec<communicator::AppliedValues> {
+        let registry = self.registry();
+        registry.get(0).and_then(|set| set.communicator.as_ref()).map_or_else(Vec::new, |c| c.autotune_applied())
+    }
+
     pub fn topology(&self) -> &Topology {
         &self.config.topology
     }

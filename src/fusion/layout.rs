@@ -65,7 +65,7 @@ pub(crate) fn aligned(bytes: usize) -> Option<usize> {
 mod tests {
     use super::*;
     use crate::coordinator::message::ResponseEntry;
-    use crate::types::{CollectiveKind, DataType, ReduceOp};
+    use crate::types::{CollectiveKind, DataType};
     use proptest::prelude::*;
 
     #[test]
@@ -95,15 +95,8 @@ mod tests {
         let entry =
             |name: &str, shape: Vec<i64>| ResponseEntry { name: name.into(), shape, per_rank: vec![], packed: false };
         let response = Response {
-            kind: CollectiveKind::Allreduce,
             entries: vec![entry("a", vec![3]), entry("b", vec![2, 5]), entry("scalar", vec![])],
-            dtype: DataType::Float64,
-            reduce_op: ReduceOp::Sum,
-            root_rank: -1,
-            prescale: 1.0,
-            postscale: 1.0,
-            error: None,
-            last_joined_rank: -1,
+            ..Response::for_one_tensor(CollectiveKind::Allreduce, "", DataType::Float64, 0)
         };
         let layout = FusionLayout::for_response(&response).unwrap();
         assert_eq!(

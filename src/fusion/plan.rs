@@ -101,23 +101,13 @@ mod tests {
     use std::collections::HashMap;
 
     use super::*;
-    use crate::coordinator::message::{ErrorKind, ResponseEntry};
+    use crate::coordinator::message::ErrorKind;
     use crate::fusion::layout::FusionLayout;
     use crate::types::{DataType, ReduceOp};
     use proptest::prelude::*;
 
     fn response(kind: CollectiveKind, name: &str, dtype: DataType, elements: i64) -> Response {
-        Response {
-            kind,
-            entries: vec![ResponseEntry { name: name.into(), shape: vec![elements], per_rank: vec![], packed: false }],
-            dtype,
-            reduce_op: ReduceOp::Sum,
-            root_rank: -1,
-            prescale: 1.0,
-            postscale: 1.0,
-            error: None,
-            last_joined_rank: -1,
-        }
+        Response::for_one_tensor(kind, name, dtype, elements)
     }
 
     fn f32_allreduce(name: &str, elements: i64) -> Response {

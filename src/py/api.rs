@@ -366,3 +366,25 @@ pub fn stop_timeline(py: Python<'_>) -> PyResult<()> {
     let engine = engine()?;
     py.allow_threads(|| engine.stop_timeline()).map_err(to_py_err)
 }
+
+/// The autotuned values this rank applied on the global process set, in order, as dicts with the round
+/// they were applied after (`round`, `fusion_threshold`, `cycle_time_ms`, `cache_enabled`,
+/// `hierarchical_allreduce`, `hierarchical_allgather`; the last two None when the executor chooses).
+/// Empty with autotune off. For tests and diagnosis: every rank's list is the same.
+#[pyfunction]
+pub fn autotune_applied(py: Python<'_>) -> PyResult<Vec<Bound<'_, PyDict>>> {
+    let applied = engine()?.autotune_applied();
+    applied
+        .into_iter()
+        .map(|a| {
+            let d = PyDict::new(py);
+            d.set_item("round", a.round)?;
+            d.set_item("fusion_threshold", a.values.fusion_threshold)?;
+            d.set_item("cycle_time_ms", a.values.cycle_time.as_secs_f64() * 1e3)?;
+            d.set_item("cache_enabled", a.values.cache_enabled)?;
+            d.set_item("hierarchical_allreduce", a.values.hierarchical_allreduce)?;
+            d.set_item("hierarchical_allgather", a.values.hierarchical_allgather)?;
+            Ok(d)
+        })
+        .collect()
+}

@@ -57,7 +57,7 @@ def test_every_horovodrun_flag_is_honoured_or_refused_with_a_reason(flag, tmp_pa
         assert "unrecognized arguments" not in error and "expected" not in error, error
         message = error.strip().splitlines()[-1]
         # A refusal names the flag and says why, in a sentence.
-        assert re.search(r"rvodrun: error: --[\w-]+.*(not support|which rvod|does not have|only uses|no autotuner|"
+        assert re.search(r"rvodrun: error: --[\w-]+.*(not support|which rvod|does not have|only uses|"
                          r"no NCCL|does not run)", message), message
     else:
         assert options.command == ["true"]
@@ -75,6 +75,24 @@ def test_refusals_and_flags_become_settings():
         "RVOD_TIMEOUT": "15", "RVOD_LOG_HIDE_TIME": "1", "RVOD_NETWORK_INTERFACE": "eth9,eth8",
         "RVOD_STALL_CHECK_DISABLE": "1", "RVOD_TIMELINE": "t.json", "RVOD_TIMELINE_MARK_CYCLES": "0",
     }
+
+
+def test_autotune_flags_become_settings_only_with_autotune(tmp_path):
+    tuning = ["--autotune-log-file", "tune.csv", "--autotune-warmup-samples", "1", "--autotune-steps-per-sample",
+              "4", "--autotune-bayes-opt-max-samples", "6", "--autotune-gaussian-process-noise", "0.5"]
+    options = parse_args(build_parser(), ["-np", "2", "--autotune", *tuning, "true"])
+    assert engine_env(options) == {
+        "RVOD_AUTOTUNE": "1", "RVOD_AUTOTUNE_LOG": "tune.csv", "RVOD_AUTOTUNE_WARMUP_SAMPLES": "1",
+        "RVOD_AUTOTUNE_STEPS_PER_SAMPLE": "4", "RVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": "6",
+        "RVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE": "0.5",
+    }
+    for without in (["--no-autotune"], []):
+        options = parse_args(build_parser(), ["-np", "2", *without, *tuning, "true"])
+        assert engine_env(options) == {}, without
+    config = tmp_path / "config.yaml"
+    config.write_text("autotune:\n  enabled: true\n  steps_per_sample: 7\n")
+    options = parse_args(build_parser(), ["-np", "2", "--config-file", str(config), "true"])
+    assert engine_env(options) == {"RVOD_AUTOTUNE": "1", "RVOD_AUTOTUNE_STEPS_PER_SAMPLE": "7"}
 
 
 def test_config_file_fills_what_the_command_line_left_unset(tmp_path):
@@ -122,7 +140,6 @@ def test_config_file_fills_what_the_command_line_left_unset(tmp_path):
     ("params:\n  fusion_thresh: 1\n", r"params.fusion_thresh: unknown key"),
     ("tuning:\n  x: 1\n", r"tuning: unknown section"),
     ("controller: nccl\n", r"controller must be gloo or mpi, got 'nccl'"),
-    ("autotune:\n  enabled: true\n", r"--autotune: rvod has no autotuner yet"),
     ("params: [1, 2\n", r"is not valid YAML"),
 ])
 def test_config_file_errors_name_the_key(tmp_path, capsys, text, message):

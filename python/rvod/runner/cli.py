@@ -76,7 +76,6 @@ class _ExtendAction(argparse.Action):
 REFUSED = {
     "torus_allreduce": "--torus-allreduce is NCCL's torus allreduce for GPU clusters, which rvod does not have; "
                        "rvod picks its own algorithm (see --hierarchical-allreduce)",
-    "autotune": "--autotune: rvod has no autotuner yet; set --fusion-threshold-mb and --cycle-time-ms yourself",
     "num_nccl_streams": "--num-nccl-streams: rvod does not run NCCL operations yet, so there are no NCCL "
                         "streams to set",
     "use_jsrun": "--jsrun launches through LSF's jsrun, which rvodrun does not support; use -H/--hostfile "
@@ -165,22 +164,25 @@ def build_parser() -> argparse.ArgumentParser:
     torus.add_argument("--no-torus-allreduce", dest="torus_allreduce", action="store_const", const=False,
                        help="accepted: rvod never uses a torus allreduce")
 
-    autotune = parser.add_argument_group("autotune (rvod has no autotuner: --autotune is refused; the other "
-                                         "flags only apply with it, as in horovodrun)")
+    autotune = parser.add_argument_group("autotune (tunes the fusion threshold, cycle time, response cache and, "
+                                         "across hosts, hierarchical algorithms the job leaves unset; the other "
+                                         "flags only apply with --autotune, as in horovodrun)")
     autotune_choice = autotune.add_mutually_exclusive_group()
     autotune_choice.add_argument("--autotune", dest="autotune", action="store_const", const=True,
-                                 help="(not supported)")
+                                 help="tune while the job runs (RVOD_AUTOTUNE=1)")
     autotune_choice.add_argument("--no-autotune", dest="autotune", action="store_const", const=False,
                                  help=argparse.SUPPRESS)
-    autotune.add_argument("--autotune-log-file", dest="autotune_log_file", metavar="FILE")
+    autotune.add_argument("--autotune-log-file", dest="autotune_log_file", metavar="FILE",
+                          help="CSV file rank 0 writes: one row per sample, then the best values")
     autotune.add_argument("--autotune-warmup-samples", dest="autotune_warmup_samples", type=_non_negative(int),
-                          metavar="N")
+                          metavar="N", help="samples discarded before tuning (default 3)")
     autotune.add_argument("--autotune-steps-per-sample", dest="autotune_steps_per_sample", type=_non_negative(int),
-                          metavar="N")
+                          metavar="N", help="steps (reductions of the same tensor) per sample (default 10)")
     autotune.add_argument("--autotune-bayes-opt-max-samples", dest="autotune_bayes_opt_max_samples",
-                          type=_non_negative(int), metavar="N")
+                          type=_non_negative(int), metavar="N",
+                          help="samples spent on fusion threshold and cycle time (default 20)")
     autotune.add_argument("--autotune-gaussian-process-noise", dest="autotune_gaussian_process_noise",
-                          type=_unit_interval, metavar="F")
+                          type=_unit_interval, metavar="F", help="the Gaussian process's noise in [0, 1] (default 0.8)")
 
     elastic = parser.add_argument_group("elastic training (any of --min-np, --max-np, --host-discovery-script "
                                         "selects it; the script uses rvod's hvd.elastic API)")
@@ -314,6 +316,16 @@ def engine_env(options: argparse.Namespace) -> dict[str, str]:
         env["RVOD_TIMELINE"] = options.timeline_filename
         if options.timeline_mark_cycles is not None:
             env["RVOD_TIMELINE_MARK_CYCLES"] = "1" if options.timeline_mark_cycles else "0"
+    if options.autotune:
+        env["RVOD_AUTOTUNE"] = "1"
+        for dest, name in (("autotune_log_file", "RVOD_AUTOTUNE_LOG"),
+                           ("autotune_warmup_samples", "RVOD_AUTOTUNE_WARMUP_SAMPLES"),
+                           ("autotune_steps_per_sample", "RVOD_AUTOTUNE_STEPS_PER_SAMPLE"),
+                           ("autotune_bayes_opt_max_samples", "RVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES")):
+            if getattr(options, dest) is not None:
+                env[name] = str(getattr(options, dest))
+        if options.autotune_gaussian_process_noise is not None:
+            env["RVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE"] = _format_number(options.autotune_gaussian_process_noise)
     if options.no_stall_check is not None:
         env["RVOD_STALL_CHECK_DISABLE"] = "1" if options.no_stall_check else "0"
     if options.stall_warning_seconds is not None:
