@@ -188,7 +188,7 @@ def test_mpi_launches_through_mpirun(job_env):
         hvd.init()
         total = hvd.allreduce(np.array([hvd.rank() + 1.0]), op=hvd.Sum)[0]
         # One write per line: mpirun tags what each write brings, so a separate newline could join two ranks' lines.
-        sys.stdout.write(f"rank {hvd.rank()} local {hvd.local_rank()} of {hvd.local_size()} total {total}\n")
+        sys.stdout.write(f"rank {hvd.rank()} local {hvd.local_rank()} of {hvd.local_size()} total {total}\\n")
         sys.stdout.flush()
     """)], env=job_env)
     assert result.returncode == 0, result.stderr
