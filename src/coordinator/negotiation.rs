@@ -198,7 +198,7 @@ impl Negotiator {
         let mut headers = Vec::with_capacity(n);
         for peer in 0..n {
             if peer == me {
-                headers.push(header.clone());
+                headers.push(std::mem::take(&mut header));
             } else {
                 headers.push(recv_message::<RoundHeader>(t, peer)?);
             }

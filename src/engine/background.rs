@@ -1,6 +1,7 @@
-//! The background loop: wait (without spinning) for local work or a peer's round, run a negotiation
-//! round, execute what it agreed, complete handles. A transport failure stops the loop and fails every
-//! pending and later op with an error that names the peer.
+//! The loop of a communicator, one [`Loop::step`] at a time: take local work, wait (without spinning) for
+//! it or for a peer's round, run a negotiation round, execute what it agreed, complete handles. A
+//! transport failure ends the loop and fails every pending and later op with an error that names the
+//! peer. Who runs the steps, the engine thread or a caller, is [`super::driver`]'s business.
 //!
 //! With autotune on, the global communicator's rank 0 also runs the parameter manager: it counts each
 //! round's allreduces, and its decisions go out with its next round header; every rank applies what the
@@ -28,13 +29,16 @@ const IDLE_WAIT: Duration = Duration::from_secs(1);
 /// When a peer starts a round while this rank has nothing pending, it usually means this rank is about
 /// to submit the same op. Waiting this long for that submission before answering turns two rounds (an
 /// empty one, then the real one) into one, which halves small-op latency in lockstep loops.
-const JOIN_GRACE: Duration = Duration::from_micros(200);
+pub(crate) const JOIN_GRACE: Duration = Duration::from_micros(200);
 
 /// While batching a burst (see `RVOD_CYCLE_TIME`), a pause this long between two submissions ends the burst:
 /// the round starts then instead of waiting out the whole cycle.
 const BURST_GAP: Duration = Duration::from_micros(100);
 
-struct Loop {
+/// How the failure of an op pending when the job shut down begins.
+const SHUT_DOWN: &str = "rvod has been shut down: ";
+
+pub(crate) struct Loop {
     shared: Arc<Shared>,
     transport: Box<dyn Transport>,
     config: Config,
@@ -46,142 +50,203 @@ struct Loop {
     rounds: u64,
     /// The autotuner, on rank 0 of the global communicator with `RVOD_AUTOTUNE` on.
     autotune: Option<ParameterManager>,
+    /// How the loop ended, once it has (a coordinated stop with its reason, or the failure); set by
+    /// whichever thread ran the last step, acted on by the engine thread.
+    finished: Option<Result<String, EngineError>>,
 }
 
-pub(crate) fn run(shared: Arc<Shared>, mut transport: Box<dyn Transport>, config: Config) {
-    let negotiator = Negotiator::new(
-        transport.rank(),
-        shared.global_ranks.clone(),
-        config.cache_capacity,
-        config.fusion_threshold,
-        config.stall_check,
-    )
-    .with_timeline(shared.timeline.clone());
-    let executor = Executor::new(HierarchyChoice {
-        allreduce: config.hierarchical_allreduce,
-        allgather: config.hierarchical_allgather,
-    });
-    let autotune = match &config.autotune {
-        Some(settings) if shared.set_id == 0 && transport.rank() == 0 && transport.size() > 1 => {
-            let initial = TunedValues {
-                fusion_threshold: config.fusion_threshold,
-                cycle_time: config.cycle_time,
-                cache_enabled: config.cache_capacity > 0,
-                hierarchical_allreduce: config.hierarchical_allreduce,
-                hierarchical_allgather: config.hierarchical_allgather,
-            };
-            // Every rank's staging area has the same size: a fused buffer up to it takes the staged path.
-            let staging = transport.staging().map(|s| s.area_len());
-            Some(ParameterManager::new(settings.clone(), initial, staging, config.topology.cross_size > 1))
-        }
-        _ => None,
-    };
-    let mut state = Loop {
-        rounds: 0,
-        autotune,
-        stall_clock: config.stall_check.map(StallClock::new),
-        shared,
-        transport,
-        config,
-        table: TensorTable::default(),
-        negotiator,
-        executor,
-    };
-    let stopped_because = match state.run() {
-        Ok(reason) => EngineError::ShutDown(reason),
-        Err(err) => {
-            tracing::error!("rank {}: {err}", state.config.topology.rank);
-            err
-        }
-    };
-    state.transport.close();
-    state.fail_everything(stopped_because);
+/// How a step may wait.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Mode {
+    /// Sleep in the transport until there is something to do (an engine thread whose transport has no
+    /// [`IdleWaiter`](crate::transport::IdleWaiter)).
+    Sleep,
+    /// Never sleep for work: return [`Step::Idle`] instead. With `answer_peers`, a round a peer started
+    /// is joined even when this rank has nothing pending; without, the step reports it and returns. With
+    /// `batch`, a burst of submissions is given up to a cycle time to fuse (see `RVOD_CYCLE_TIME`); a
+    /// caller running its own op does not wait for more.
+    Poll { answer_peers: bool, batch: bool },
 }
 
-/// How the failure of an op pending when the job shut down begins.
-const SHUT_DOWN: &str = "rvod has been shut down: ";
+/// What a step did.
+pub(crate) enum Step {
+    /// It ran a round or picked up work: step again.
+    Progress,
+    /// Nothing to do for up to `timeout`; `peer_waiting`: a peer started a round while this rank has
+    /// nothing pending (see [`JOIN_GRACE`]).
+    Idle { timeout: Duration, peer_waiting: bool },
+    /// The loop is over (see [`Loop::is_finished`]).
+    Finished,
+}
 
 impl Loop {
-    /// Runs until a coordinated shutdown (Ok, with the reason) or a fatal failure.
-    fn run(&mut self) -> Result<String, EngineError> {
-        loop {
-            let had_outstanding = !self.table.is_empty();
-            let mut first_new = self.take_inbox();
-            let stop = self.shared.stop_requested();
-            let shutdown = stop.is_some();
-            self.check_stalls();
-            crate::memory::trim_idle();
+    pub(crate) fn new(shared: Arc<Shared>, mut transport: Box<dyn Transport>, config: Config) -> Loop {
+        let negotiator = Negotiator::new(
+            transport.rank(),
+            shared.global_ranks.clone(),
+            config.cache_capacity,
+            config.fusion_threshold,
+            config.stall_check,
+        )
+        .with_timeline(shared.timeline.clone());
+        let executor = Executor::new(HierarchyChoice {
+            allreduce: config.hierarchical_allreduce,
+            allgather: config.hierarchical_allgather,
+        });
+        let autotune = match &config.autotune {
+            Some(settings) if shared.set_id == 0 && transport.rank() == 0 && transport.size() > 1 => {
+                let initial = TunedValues {
+                    fusion_threshold: config.fusion_threshold,
+                    cycle_time: config.cycle_time,
+                    cache_enabled: config.cache_capacity > 0,
+                    hierarchical_allreduce: config.hierarchical_allreduce,
+                    hierarchical_allgather: config.hierarchical_allgather,
+                };
+                // Every rank's staging area has the same size: a fused buffer up to it takes the staged path.
+                let staging = transport.staging().map(|s| s.area_len());
+                Some(ParameterManager::new(settings.clone(), initial, staging, config.topology.cross_size > 1))
+            }
+            _ => None,
+        };
+        Loop {
+            rounds: 0,
+            autotune,
+            stall_clock: config.stall_check.map(StallClock::new),
+            shared,
+            transport,
+            config,
+            table: TensorTable::default(),
+            negotiator,
+            executor,
+            finished: None,
+        }
+    }
 
-            let mut start = first_new.is_some() || shutdown || self.negotiator.wants_round();
-            if !start {
-                let activity = self.sleep_until_activity(self.idle_timeout());
-                match activity {
-                    Ok(Activity::Local) => {
-                        self.shared.waker.drain();
-                        continue;
-                    }
-                    Ok(Activity::Peer) => {
-                        start = true;
-                        if self.table.is_empty() {
-                            self.await_own_work(JOIN_GRACE)?;
-                        }
-                    }
-                    Ok(Activity::Idle) => start = self.cached_entry_stalled(),
-                    Err(e) => return Err(EngineError::transport("waiting for the other ranks", &e)),
+    /// One pass of the loop: take new submissions, maybe wait (see [`Mode`]), run a negotiation round and
+    /// what it agreed. A failure or a coordinated stop ends the loop ([`Step::Finished`]).
+    pub(crate) fn step(&mut self, mode: Mode) -> Step {
+        if self.finished.is_some() {
+            return Step::Finished;
+        }
+        match self.step_or_end(mode) {
+            Ok(Some(step)) => step,
+            Ok(None) => Step::Progress,
+            Err(end) => {
+                if let Err(err) = &end {
+                    tracing::error!("rank {}: {err}", self.config.topology.rank);
                 }
-                if !start {
-                    continue;
-                }
-            } else if had_outstanding && !shutdown && !self.config.cycle_time.is_zero() {
-                // Busy: give other tensors of this burst up to one cycle to arrive, so they fuse.
-                if let Some(first) = first_new.take() {
-                    self.batch_until(first + self.config.cycle_time)?;
-                }
-            }
-
-            self.shared.timeline.cycle();
-            if let Some(values) = self.autotune.as_mut().and_then(ParameterManager::take_announcement) {
-                self.negotiator.announce(values);
-            }
-            self.rounds += 1;
-            let outcome = match self.negotiator.round(&mut *self.transport, &mut self.table, stop) {
-                Ok(outcome) => outcome,
-                Err(_) if shutdown => return Ok(self.own_stop_reason(stop)),
-                Err(e) => return Err(EngineError::transport("negotiation", &e)),
-            };
-            let agreed = Instant::now();
-            for eager in &outcome.eager {
-                if let Some(name) = eager.response.entries.first().map(|e| e.name.clone()) {
-                    let mut entry = self.table.take(&name);
-                    let record = self.shared.timeline.op(
-                        &eager.response,
-                        [entry.as_ref().map(|e| e.submitted)].into_iter(),
-                        agreed,
-                    );
-                    let result = execute_eager(eager, entry.as_mut());
-                    record.finish();
-                    if let Some(entry) = entry {
-                        self.complete(entry, Ok(result));
-                    }
-                }
-            }
-            for response in &outcome.responses {
-                self.execute(response, agreed)?;
-            }
-            if let Some(values) = &outcome.tuned {
-                self.apply_tuned(values);
-            }
-            if let Some(manager) = self.autotune.as_mut() {
-                manager.record(outcome.eager.iter().map(|e| &e.response).chain(&outcome.responses));
-            }
-            if !outcome.shutdown_by.is_empty() {
-                return Ok(if shutdown {
-                    self.own_stop_reason(stop)
-                } else {
-                    self.peers_stop_reason(&outcome.shutdown_by)
-                });
+                self.finished = Some(end);
+                Step::Finished
             }
         }
+    }
+
+    /// [`step`](Self::step), with the end of the loop as the error: `Err(Ok(reason))` for a coordinated
+    /// stop, `Err(Err(_))` for a failure.
+    fn step_or_end(&mut self, mode: Mode) -> Result<Option<Step>, Result<String, EngineError>> {
+        let had_outstanding = !self.table.is_empty();
+        let mut first_new = self.take_inbox();
+        let stop = self.shared.stop_requested();
+        let shutdown = stop.is_some();
+        self.check_stalls();
+        crate::memory::trim_idle();
+
+        let mut start = first_new.is_some() || shutdown || self.negotiator.wants_round();
+        if !start {
+            let activity = match mode {
+                Mode::Sleep => self.sleep_until_activity(self.idle_timeout()),
+                Mode::Poll { .. } => self.transport.wait_for_activity(&self.shared.waker, Duration::ZERO),
+            };
+            match activity {
+                Ok(Activity::Local) => {
+                    self.shared.waker.drain();
+                    return Ok(None);
+                }
+                Ok(Activity::Peer) => {
+                    start = true;
+                    if self.table.is_empty() {
+                        match mode {
+                            Mode::Sleep => self.await_own_work(JOIN_GRACE).map_err(Err)?,
+                            Mode::Poll { answer_peers: true, .. } => {
+                                self.take_inbox();
+                            }
+                            Mode::Poll { answer_peers: false, .. } => {
+                                return Ok(Some(Step::Idle { timeout: JOIN_GRACE, peer_waiting: true }))
+                            }
+                        }
+                    }
+                }
+                Ok(Activity::Idle) => start = self.cached_entry_stalled(),
+                Err(e) => return Err(Err(EngineError::transport("waiting for the other ranks", &e))),
+            }
+            if !start {
+                return Ok(match mode {
+                    Mode::Sleep => None,
+                    Mode::Poll { .. } => Some(Step::Idle { timeout: self.idle_timeout(), peer_waiting: false }),
+                });
+            }
+        } else if had_outstanding
+            && !shutdown
+            && !self.config.cycle_time.is_zero()
+            && !matches!(mode, Mode::Poll { batch: false, .. })
+        {
+            // Busy: give other tensors of this burst up to one cycle to arrive, so they fuse.
+            if let Some(first) = first_new.take() {
+                self.batch_until(first + self.config.cycle_time).map_err(Err)?;
+            }
+        }
+
+        self.shared.timeline.cycle();
+        if let Some(values) = self.autotune.as_mut().and_then(ParameterManager::take_announcement) {
+            self.negotiator.announce(values);
+        }
+        self.rounds += 1;
+        let outcome = match self.negotiator.round(&mut *self.transport, &mut self.table, stop) {
+            Ok(outcome) => outcome,
+            Err(_) if shutdown => return Err(Ok(self.own_stop_reason(stop))),
+            Err(e) => return Err(Err(EngineError::transport("negotiation", &e))),
+        };
+        let agreed = Instant::now();
+        for eager in &outcome.eager {
+            if let Some(name) = eager.response.entries.first().map(|e| e.name.clone()) {
+                let mut entry = self.table.take(&name);
+                let record =
+                    self.shared.timeline.op(&eager.response, [entry.as_ref().map(|e| e.submitted)].into_iter(), agreed);
+                let result = execute_eager(eager, entry.as_mut());
+                record.finish();
+                if let Some(entry) = entry {
+                    self.complete(entry, Ok(result));
+                }
+            }
+        }
+        for response in &outcome.responses {
+            self.execute(response, agreed).map_err(Err)?;
+        }
+        if let Some(values) = &outcome.tuned {
+            self.apply_tuned(values);
+        }
+        if let Some(manager) = self.autotune.as_mut() {
+            manager.record(outcome.eager.iter().map(|e| &e.response).chain(&outcome.responses));
+        }
+        if !outcome.shutdown_by.is_empty() {
+            return Err(Ok(if shutdown {
+                self.own_stop_reason(stop)
+            } else {
+                self.peers_stop_reason(&outcome.shutdown_by)
+            }));
+        }
+        Ok(None)
+    }
+
+    /// After the loop finished: close the transport and fail everything still pending.
+    pub(crate) fn wind_up(&mut self) {
+        let stopped_because = match self.finished.take() {
+            Some(Ok(reason)) => EngineError::ShutDown(reason),
+            Some(Err(err)) => err,
+            None => EngineError::ShutDown(format!("{SHUT_DOWN}the engine thread stopped")),
+        };
+        self.transport.close();
+        self.fail_everything(stopped_because);
     }
 
     /// The loop's part of autotuned values (the negotiator applied the fusion threshold and the cache).

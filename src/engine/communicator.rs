@@ -9,9 +9,11 @@ use std::thread::JoinHandle;
 use crate::autotune::TunedValues;
 use crate::config::Config;
 use crate::coordinator::round::StopReason;
-use crate::engine::handles::HandleTable;
+use crate::engine::affinity;
+use crate::engine::background::Loop;
+use crate::engine::driver::Driver;
+use crate::engine::handles::{HandleId, HandleTable};
 use crate::engine::table::TensorEntry;
-use crate::engine::{affinity, background};
 use crate::error::EngineError;
 use crate::timeline::{SetTimeline, Timeline};
 use crate::transport::{Transport, Waker};
@@ -82,6 +84,7 @@ impl Shared {
 
 pub struct Communicator {
     shared: Arc<Shared>,
+    driver: Arc<Driver>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -109,17 +112,23 @@ impl Communicator {
             autotune_applied: Mutex::new(Vec::new()),
         });
         shared.waker.set_doorbell(transport.doorbell());
-        let thread_shared = Arc::clone(&shared);
-        let thread_config = config.clone();
+        let waiter = transport.idle_waiter();
+        let driver = Arc::new(Driver::new(
+            Loop::new(Arc::clone(&shared), transport, config.clone()),
+            waiter,
+            Arc::clone(&shared),
+        ));
+        let thread_driver = Arc::clone(&driver);
+        let affinity = config.thread_affinity;
         let name = format!("rvod-set{set_id}");
         let thread = std::thread::Builder::new()
             .name(name.clone())
             .spawn(move || {
-                affinity::apply(thread_config.thread_affinity, &name);
-                background::run(thread_shared, transport, thread_config)
+                affinity::apply(affinity, &name);
+                thread_driver.run_engine_thread()
             })
             .map_err(|e| EngineError::Init(format!("cannot start the engine thread: {e}")))?;
-        Ok(Communicator { shared, thread: Mutex::new(Some(thread)) })
+        Ok(Communicator { shared, driver, thread: Mutex::new(Some(thread)) })
     }
 
     /// This rank's position in the communicator.
@@ -141,8 +150,10 @@ impl Communicator {
         self.shared.autotune_applied.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone()
     }
 
-    /// Queue entries for the background thread, all or none (a group is negotiated in one round).
-    pub(crate) fn enqueue(&self, entries: Vec<TensorEntry>) -> Result<(), EngineError> {
+    /// Queue entries for the background thread, all or none (a group is negotiated in one round). With
+    /// `wake` false, the caller promises to call [`drive`](Self::drive) next, which runs them or wakes the
+    /// thread.
+    pub(crate) fn enqueue(&self, entries: Vec<TensorEntry>, wake: bool) -> Result<(), EngineError> {
         {
             let mut inbox = self.shared.inbox();
             if let Some(err) = &inbox.closed {
@@ -152,10 +163,27 @@ impl Communicator {
         }
         // Pairs with the background thread's store to `idle` before it re-checks the inbox (SeqCst on both
         // sides), so a submission is either seen by that check or wakes the thread.
-        if self.shared.idle.load(Ordering::SeqCst) {
+        if wake && self.shared.idle.load(Ordering::SeqCst) {
             self.shared.waker.wake();
         }
         Ok(())
+    }
+
+    /// Run the op `id`, queued with `enqueue(.., false)`, on this thread if the engine is idle (see
+    /// [`driver`](super::driver)); otherwise hand it to the engine thread. Call with the GIL released.
+    pub fn drive(&self, id: HandleId) {
+        self.driver.drive(id)
+    }
+
+    /// Steps of the loop run by callers instead of the engine thread so far (see [`driver`](super::driver)).
+    pub fn caller_rounds(&self) -> u64 {
+        self.driver.caller_rounds()
+    }
+
+    /// Wait up to `slice` for `id`, running the loop on this thread where that is allowed (see
+    /// [`driver`](super::driver)); returns at once where it is not. Call with the GIL released.
+    pub fn wait_driving(&self, id: HandleId, slice: std::time::Duration) {
+        self.driver.wait_driving(id, slice)
     }
 
     /// Coordinated stop: the other ranks of the set stop too (their errors say `why`); pending ops fail;

@@ -17,6 +17,8 @@ pub type HandleId = u64;
 const SPIN: Duration = Duration::from_micros(30);
 
 struct HandleState {
+    /// The process set the op runs on.
+    set: u32,
     /// Tensors (or barrier/join events) still to complete.
     remaining: usize,
     output: OpOutput,
@@ -80,7 +82,7 @@ impl HandleTable {
         t.next_id += 1;
         let id = t.next_id;
         let output = OpOutput { tensors: (0..tensors).map(|_| None).collect(), ..OpOutput::default() };
-        t.handles.insert(id, HandleState { remaining: parts.max(1), output, error: None });
+        t.handles.insert(id, HandleState { set, remaining: parts.max(1), output, error: None });
         Ok(id)
     }
 
@@ -132,6 +134,11 @@ impl HandleTable {
         }
     }
 
+    /// The process set of a handle still pending (`None` once it completed, or for an unknown handle).
+    pub fn pending_on(&self, id: HandleId) -> Option<u32> {
+        self.lock().handles.get(&id).filter(|s| s.remaining > 0).map(|s| s.set)
+    }
+
     pub fn is_done(&self, id: HandleId) -> Option<bool> {
         self.lock().handles.get(&id).map(|s| s.remaining == 0)
     }
@@ -161,6 +168,24 @@ impl HandleTable {
             let now = std::time::Instant::now();
             if now >= deadline {
                 return WaitOutcome::Pending;
+            }
+            t.sleepers += 1;
+            t = match self.completed.wait_timeout(t, deadline - now) {
+                Ok((guard, _)) => guard,
+                Err(poisoned) => poisoned.into_inner().0,
+            };
+            t.sleepers -= 1;
+        }
+    }
+
+    /// Sleep until `id` completes or `timeout` passes, leaving its result in the table.
+    pub fn wait_done(&self, id: HandleId, timeout: Duration) {
+        let deadline = std::time::Instant::now() + timeout;
+        let mut t = self.lock();
+        while t.handles.get(&id).is_some_and(|s| s.remaining > 0) {
+            let now = std::time::Instant::now();
+            if now >= deadline {
+                return;
             }
             t.sleepers += 1;
             t = match self.completed.wait_timeout(t, deadline - now) {

@@ -19,6 +19,7 @@ pub mod affinity;
 pub mod background;
 pub mod communicator;
 pub mod connect;
+pub mod driver;
 pub mod execute;
 pub mod fork;
 pub mod handles;
@@ -260,6 +261,13 @@ impl Engine {
         registry.get(set_id)?.communicator.as_ref().map(|c| c.transport_kind())
     }
 
+    /// Steps of process set `set_id`'s loop that callers ran themselves (see [`driver`]); `None` where this
+    /// rank is not a member.
+    pub fn caller_rounds(&self, set_id: u32) -> Option<u64> {
+        let registry = self.registry();
+        registry.get(set_id)?.communicator.as_ref().map(|c| c.caller_rounds())
+    }
+
     /// The autotuned values this rank applied on the global process set, in order, with the rounds at which
     /// it applied them (empty with autotune off).
     pub fn autotune_applied(&self) -> Vec<communicator::AppliedValues> {
@@ -298,7 +306,23 @@ impl Engine {
 
     /// Queue a collective on process set `set_id`. Fails at once (and queues nothing) on bad arguments, a
     /// name already in flight, or a stopped engine.
-    pub fn submit(&self, mut op: OpSubmission, set_id: u32) -> Result<HandleId, EngineError> {
+    pub fn submit(&self, op: OpSubmission, set_id: u32) -> Result<HandleId, EngineError> {
+        self.submit_to(op, set_id, true).map(|(id, _)| id)
+    }
+
+    /// [`submit`](Self::submit) for a caller that waits for the op at once: the engine thread is not woken;
+    /// the caller must pass the handle to the communicator's [`drive`](Communicator::drive) next (with
+    /// the GIL released), which may run the op on the caller's thread.
+    pub fn submit_to_drive(&self, op: OpSubmission, set_id: u32) -> Result<(HandleId, Arc<Communicator>), EngineError> {
+        self.submit_to(op, set_id, false)
+    }
+
+    fn submit_to(
+        &self,
+        mut op: OpSubmission,
+        set_id: u32,
+        wake: bool,
+    ) -> Result<(HandleId, Arc<Communicator>), EngineError> {
         if op.kind == CollectiveKind::Join && set_id != GLOBAL_PROCESS_SET {
             return Err(EngineError::InvalidArgument("join() works on the global process set only".into()));
         }
@@ -328,11 +352,11 @@ impl Engine {
         let slots = op.tensors.iter().map(|t| t.output_slots()).sum();
         let id = self.handles.register(op.kind.name(), set_id, &names, names.len(), slots)?;
         let entries = entries_for(op, id, local_rank as u32, &names);
-        if let Err(err) = communicator.enqueue(entries) {
+        if let Err(err) = communicator.enqueue(entries, wake) {
             self.handles.unregister(id, set_id, &names);
             return Err(err);
         }
-        Ok(id)
+        Ok((id, communicator))
     }
 
     /// `Some(true)` once the handle completed, `None` for an unknown handle.
@@ -342,7 +366,12 @@ impl Engine {
 
     /// Wait up to `slice` for a handle (callers loop, checking for interrupts in between).
     pub fn wait(&self, id: HandleId, slice: Duration) -> WaitOutcome {
-        self.handles.wait(id, slice)
+        let start = Instant::now();
+        let communicator = self.handles.pending_on(id).and_then(|set| self.registry().get(set)?.communicator.clone());
+        if let Some(communicator) = communicator {
+            communicator.wait_driving(id, slice);
+        }
+        self.handles.wait(id, slice.saturating_sub(start.elapsed()))
     }
 
     /// Forget a completed handle whose result nobody will collect.

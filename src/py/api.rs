@@ -221,9 +221,10 @@ fn import_input(object: &Bound<'_, PyAny>, in_place: bool, what: impl Fn() -> St
 /// native byte order (exact `numpy.ndarray`s), which the caller keeps alive until the handle completes. With `packed` (a grouped allreduce), `names` holds the group's one name and the
 /// tensors are packed into one per dtype (see `engine::packed`).
 #[pyfunction]
-#[pyo3(signature = (kind, names, capsules, in_place, reduce_op, prescale, postscale, root_rank, splits, process_set_id, packed=false))]
+#[pyo3(signature = (kind, names, capsules, in_place, reduce_op, prescale, postscale, root_rank, splits, process_set_id, packed=false, wait=false))]
 #[allow(clippy::too_many_arguments)]
 pub fn submit(
+    py: Python<'_>,
     kind: u8,
     names: Vec<String>,
     capsules: Vec<Bound<'_, PyAny>>,
@@ -235,6 +236,7 @@ pub fn submit(
     splits: Vec<i64>,
     process_set_id: u32,
     packed: bool,
+    wait: bool,
 ) -> PyResult<u64> {
     let kind =
         CollectiveKind::from_code(kind).ok_or_else(|| PyValueError::new_err(format!("unknown collective {kind}")))?;
@@ -251,7 +253,7 @@ pub fn submit(
         }
         let tensors = pack_group(name, members, in_place);
         let op = OpSubmission { kind, tensors, reduce_op, prescale, postscale, root_rank, splits };
-        return engine()?.submit(op, process_set_id).map_err(to_py_err);
+        return queue(py, &engine()?, op, process_set_id, wait);
     }
     if names.len() != capsules.len() {
         return Err(PyValueError::new_err("one name per tensor is required"));
@@ -270,9 +272,19 @@ pub fn submit(
         });
     }
     let op = OpSubmission { kind, tensors, reduce_op, prescale, postscale, root_rank, splits };
-    // Submitting never blocks (it queues and maybe wakes the engine), so the GIL is kept: releasing and
-    // re-taking it would cost more than the call.
-    engine.submit(op, process_set_id).map_err(to_py_err)
+    queue(py, &engine, op, process_set_id, wait)
+}
+
+/// Queue `op`. An async submission never blocks (it queues and maybe wakes the engine), so the GIL is
+/// kept: releasing and re-taking it would cost more than the call. With `wait` (the caller waits for the
+/// handle next), the op may run right here, with the GIL released (see `engine::driver`).
+fn queue(py: Python<'_>, engine: &Arc<Engine>, op: OpSubmission, process_set_id: u32, wait: bool) -> PyResult<u64> {
+    if !wait {
+        return engine.submit(op, process_set_id).map_err(to_py_err);
+    }
+    let (id, communicator) = engine.submit_to_drive(op, process_set_id).map_err(to_py_err)?;
+    py.allow_threads(|| communicator.drive(id));
+    Ok(id)
 }
 
 /// Register a process set at run time (every rank calls this, in the same order); returns its id.

@@ -12,7 +12,7 @@ use std::io;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use crate::transport::{Activity, Transport, TransportError, Waker};
+use crate::transport::{Activity, IdleWaiter, Transport, TransportError, Waker};
 
 /// How long a blocked receive waits for a peer that makes no progress, unless told otherwise.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
@@ -84,6 +84,15 @@ impl PieceSizes {
         let draw = self.state >> 8;
         let limit = if self.state % 3 == 0 { 1 + draw % MAX_TINY_PIECE_BYTES } else { 1 + draw % MAX_PIECE_BYTES };
         limit as usize
+    }
+}
+
+/// The idle waiter of a rank without peers: it waits for the waker alone.
+struct AloneWaiter;
+
+impl IdleWaiter for AloneWaiter {
+    fn wait(&self, waker: &Waker, timeout: Duration) {
+        waker.wait(timeout);
     }
 }
 
@@ -259,6 +268,12 @@ impl Transport for MemoryTransport {
             }
             drop(inbox.wait(state, (deadline - now).min(WAKER_POLL_INTERVAL)));
         }
+    }
+
+    fn idle_waiter(&self) -> Option<Box<dyn IdleWaiter>> {
+        // Without peers only the waker can wake an idle engine (a job of one rank); with peers the waits
+        // need the inboxes' locks, so the engine thread keeps the transport.
+        (self.inboxes.len() == 1).then(|| Box::new(AloneWaiter) as Box<dyn IdleWaiter>)
     }
 
     fn close(&mut self) {

@@ -120,6 +120,21 @@ pub trait Transport: Send {
     fn staging(&mut self) -> Option<&mut dyn Staging> {
         None
     }
+
+    /// A way to sleep until this transport may have activity without borrowing it (see [`IdleWaiter`]);
+    /// `None` where waiting needs the transport itself (then its engine thread keeps it while it sleeps).
+    fn idle_waiter(&self) -> Option<Box<dyn IdleWaiter>> {
+        None
+    }
+}
+
+/// Sleeps like [`Transport::wait_for_activity`] but without the transport, so that an idle engine thread
+/// can sleep while another thread (a caller running its own small op) uses the transport. It returns when
+/// the waker fires, a peer may have sent something, or `timeout` passes, and may return early for no
+/// reason: the engine thread then asks the transport itself (`wait_for_activity` with a zero timeout),
+/// which also checks what the waiter cannot (peers that died, bytes already taken out of a ring).
+pub trait IdleWaiter: Send + Sync {
+    fn wait(&self, waker: &Waker, timeout: Duration);
 }
 
 /// Staging areas: one region of memory per rank that every rank of the communicator can read (the

@@ -29,11 +29,11 @@ def _to_bytes(obj):
 
 
 def _broadcast(array, root_rank, name, process_set):
-    return ops.synchronize(ops.broadcast_async(_adapter, array, root_rank, name, process_set))
+    return ops.wait_for(ops.broadcast_async, _adapter, array, root_rank, name, process_set)
 
 
 def _allgather(array, name, process_set):
-    return ops.synchronize(ops.allgather_async(_adapter, array, name, process_set))
+    return ops.wait_for(ops.allgather_async, _adapter, array, name, process_set)
 
 
 def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):

@@ -5,6 +5,8 @@ capsules back into tensors; everything else (naming, argument checks, handles, k
 the engine is done with them, in-place write-back) happens here.
 """
 
+import threading
+
 from rvod import _rvod
 from rvod.common import naming
 from rvod.common.process_sets import global_process_set, process_set_id_of
@@ -62,6 +64,9 @@ class TensorAdapter:
 # pending ops then creates few objects for the garbage collector to trace again and again.
 _pending = {}
 
+# Set while ``wait_for`` submits: the engine may then run the op on this thread (see ``wait_for``).
+_waiting = threading.local()
+
 
 def _original(adapter, context, outputs, received_splits, last_joined):
     return context  # an in-place op: its input
@@ -115,10 +120,47 @@ def _group_names(prefix, name, count, process_set):
     return [naming.next_name(prefix, set_id) for _ in range(count)]
 
 
+def wait_for(start, *args, **kwargs):
+    """``synchronize(start(*args, **kwargs))`` for an ``*_async`` function ``start`` that returns the handle
+    of the one op it submits, telling the engine that the caller waits at once: an idle engine then runs
+    the op on this thread (GIL released) instead of handing it to its own thread and back, which is most
+    of the time of a small op; the result is built as soon as the op is done (see ``_track``)."""
+    _waiting.now = True
+    try:
+        handle = start(*args, **kwargs)
+    finally:
+        _waiting.now = False
+    if handle is _RAN:
+        result, _waiting.result = _waiting.result, None
+        return result
+    return synchronize(handle)
+
+
+# What ``_submit`` returns under ``wait_for``: the op ran and its result waits in ``_waiting.result``.
+_RAN = object()
+
+
+def _track(handle, pending):
+    """Remember a submitted op until ``synchronize``; under ``wait_for``, wait for it here instead."""
+    if not getattr(_waiting, "now", False):
+        _pending[handle] = pending
+        return handle
+    _waiting.now = False  # one op per wait_for
+    try:
+        outputs, received_splits, last_joined = _rvod.wait(handle)
+    except KeyboardInterrupt:
+        _pending[handle] = pending  # still running and may write into its tensors: keep them alive
+        raise
+    finish, adapter, context = pending[:3]
+    _waiting.result = finish(adapter, context, outputs, received_splits, last_joined)
+    return _RAN
+
+
 def _submit(kind, names, adapter, tensors, in_place, finish, context, op=Sum, prescale=1.0, postscale=1.0,
             root=-1, splits=(), process_set=global_process_set, packed=False):
     set_id = process_set_id_of(process_set)
-    submit_args = (in_place, op, float(prescale), float(postscale), int(root), list(splits), set_id, packed)
+    wait = getattr(_waiting, "now", False)
+    submit_args = (in_place, op, float(prescale), float(postscale), int(root), list(splits), set_id, packed, wait)
     capsules = adapter.export_unchecked(tensors, in_place)
     if capsules is not None:
         try:
@@ -126,8 +168,7 @@ def _submit(kind, names, adapter, tensors, in_place, finish, context, op=Sum, pr
         except (TypeError, ValueError):
             pass  # exported again below, tensor by tensor: that path copies what it can and explains the rest
         else:
-            _pending[handle] = (finish, adapter, context, tensors, capsules)
-            return handle
+            return _track(handle, (finish, adapter, context, tensors, capsules))
     capsules, holders = [], []
     export = adapter.export_for_write if in_place else adapter.export
     for tensor in tensors:
@@ -137,8 +178,7 @@ def _submit(kind, names, adapter, tensors, in_place, finish, context, op=Sum, pr
     if in_place and any(holder is not original for original, holder in zip(tensors, holders)):
         finish, context = _copied_back, (finish, context, tensors, holders)
     handle = _rvod.submit(kind, names, capsules, *submit_args)
-    _pending[handle] = (finish, adapter, context, tensors, capsules, holders)
-    return handle
+    return _track(handle, (finish, adapter, context, tensors, capsules, holders))
 
 
 def poll(handle):
@@ -242,7 +282,7 @@ def grouped_reducescatter_async(adapter, tensors, name=None, op=Average, process
 
 def barrier(process_set=global_process_set):
     """Block until every rank of the set reaches the barrier."""
-    handle = _rvod.submit(BARRIER, [], [], False, Sum, 1.0, 1.0, -1, [], process_set_id_of(process_set))
+    handle = _rvod.submit(BARRIER, [], [], False, Sum, 1.0, 1.0, -1, [], process_set_id_of(process_set), False, True)
     _pending[handle] = (_nothing, None, None)
     synchronize(handle)
 
@@ -250,6 +290,6 @@ def barrier(process_set=global_process_set):
 def join():
     """Signal that this rank has no more data; blocks until every rank has joined. Meanwhile allreduces
     submitted by other ranks complete with this rank contributing zeros. Returns the last rank to join."""
-    handle = _rvod.submit(JOIN, [], [], False, Sum, 1.0, 1.0, -1, [], 0)
+    handle = _rvod.submit(JOIN, [], [], False, Sum, 1.0, 1.0, -1, [], 0, False, True)
     _pending[handle] = (_last_joined, None, None)
     return synchronize(handle)

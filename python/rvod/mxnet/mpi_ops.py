@@ -52,31 +52,31 @@ def _tensor_list(tensors, what):
 def allreduce(tensor, average=None, name=None, priority=0, prescale_factor=1.0, postscale_factor=1.0,
               process_set=global_process_set, op=None):
     """Reduce ``tensor`` across ranks (default: Average) into a new NDArray; ``tensor`` is unchanged."""
-    return _synchronize(_ops.allreduce_async(adapter_for(tensor), tensor, average, name, op, prescale_factor,
-                                             postscale_factor, process_set))
+    return _ops.wait_for(_ops.allreduce_async, adapter_for(tensor), tensor, average, name, op, prescale_factor,
+                         postscale_factor, process_set)
 
 
 def allreduce_(tensor, average=None, name=None, priority=0, prescale_factor=1.0, postscale_factor=1.0,
                process_set=global_process_set, op=None):
     """Reduce ``tensor`` across ranks in place; returns it."""
-    return _synchronize(_ops.allreduce_async(adapter_for(tensor), tensor, average, name, op, prescale_factor,
-                                             postscale_factor, process_set, in_place=True))
+    return _ops.wait_for(_ops.allreduce_async, adapter_for(tensor), tensor, average, name, op, prescale_factor,
+                         postscale_factor, process_set, in_place=True)
 
 
 def grouped_allreduce(tensors, average=None, name=None, priority=0, prescale_factor=1.0, postscale_factor=1.0,
                       process_set=global_process_set, op=None):
     """Reduce a list of NDArrays as one unit (fused); returns a list of new NDArrays."""
     tensors = _tensor_list(tensors, "grouped_allreduce")
-    return _synchronize(_ops.grouped_allreduce_async(adapter_for(tensors), tensors, average, name, op,
-                                                     prescale_factor, postscale_factor, process_set))
+    return _ops.wait_for(_ops.grouped_allreduce_async, adapter_for(tensors), tensors, average, name, op,
+                         prescale_factor, postscale_factor, process_set)
 
 
 def grouped_allreduce_(tensors, average=None, name=None, priority=0, prescale_factor=1.0, postscale_factor=1.0,
                        process_set=global_process_set, op=None):
     """Reduce a list of NDArrays in place as one unit; returns the list."""
     tensors = _tensor_list(tensors, "grouped_allreduce_")
-    return _synchronize(_ops.grouped_allreduce_async(adapter_for(tensors), tensors, average, name, op,
-                                                     prescale_factor, postscale_factor, process_set, in_place=True))
+    return _ops.wait_for(_ops.grouped_allreduce_async, adapter_for(tensors), tensors, average, name, op,
+                         prescale_factor, postscale_factor, process_set, in_place=True)
 
 
 # ------------------------------------------------------------------------------------------------ allgather
@@ -84,13 +84,13 @@ def grouped_allreduce_(tensors, average=None, name=None, priority=0, prescale_fa
 
 def allgather(tensor, name=None, priority=0, process_set=global_process_set):
     """Concatenate every rank's ``tensor`` along dim 0 (first dimensions may differ)."""
-    return _synchronize(_ops.allgather_async(adapter_for(tensor), tensor, name, process_set))
+    return _ops.wait_for(_ops.allgather_async, adapter_for(tensor), tensor, name, process_set)
 
 
 def grouped_allgather(tensors, name=None, priority=0, process_set=global_process_set):
     """Allgather a list of NDArrays as one unit; returns a list."""
     tensors = _tensor_list(tensors, "grouped_allgather")
-    return _synchronize(_ops.grouped_allgather_async(adapter_for(tensors), tensors, name, process_set))
+    return _ops.wait_for(_ops.grouped_allgather_async, adapter_for(tensors), tensors, name, process_set)
 
 
 # ------------------------------------------------------------------------------------------------ broadcast
@@ -98,13 +98,13 @@ def grouped_allgather(tensors, name=None, priority=0, process_set=global_process
 
 def broadcast(tensor, root_rank, name=None, priority=0, process_set=global_process_set):
     """Return ``root_rank``'s ``tensor`` on every rank as a new NDArray (``root_rank`` is a global rank)."""
-    return _synchronize(_ops.broadcast_async(adapter_for(tensor), tensor, root_rank, name, process_set))
+    return _ops.wait_for(_ops.broadcast_async, adapter_for(tensor), tensor, root_rank, name, process_set)
 
 
 def broadcast_(tensor, root_rank, name=None, priority=0, process_set=global_process_set):
     """Overwrite ``tensor`` with ``root_rank``'s values; returns it."""
-    return _synchronize(_ops.broadcast_async(adapter_for(tensor), tensor, root_rank, name, process_set,
-                                             in_place=True))
+    return _ops.wait_for(_ops.broadcast_async, adapter_for(tensor), tensor, root_rank, name, process_set,
+                         in_place=True)
 
 
 # ---------------------------------------------------------------------------------- alltoall, reducescatter
@@ -149,16 +149,16 @@ def reducescatter(tensor, op=Average, name=None, priority=0, process_set=global_
                   postscale_factor=1.0):
     """Reduce across ranks, then give rank r its share of dim 0 (the first ranks take the extra rows).
     Only Average and Sum."""
-    return _synchronize(_ops.reducescatter_async(adapter_for(tensor), tensor, name, op, process_set,
-                                                 prescale_factor, postscale_factor))
+    return _ops.wait_for(_ops.reducescatter_async, adapter_for(tensor), tensor, name, op, process_set,
+                         prescale_factor, postscale_factor)
 
 
 def grouped_reducescatter(tensors, op=Average, name=None, priority=0, process_set=global_process_set,
                           prescale_factor=1.0, postscale_factor=1.0):
     """Reducescatter a list of NDArrays as one unit; returns a list."""
     tensors = _tensor_list(tensors, "grouped_reducescatter")
-    return _synchronize(_ops.grouped_reducescatter_async(adapter_for(tensors), tensors, name, op, process_set,
-                                                         prescale_factor, postscale_factor))
+    return _ops.wait_for(_ops.grouped_reducescatter_async, adapter_for(tensors), tensors, name, op, process_set,
+                         prescale_factor, postscale_factor)
 
 
 # ---------------------------------------------------------------------------------------- join and barrier

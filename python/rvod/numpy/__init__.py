@@ -32,7 +32,7 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
 def allreduce(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
               process_set=gps):
     """Reduce ``tensor`` across ranks (default: Average) into a new array."""
-    return synchronize(allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
+    return _ops.wait_for(allreduce_async, tensor, average, name, op, prescale_factor, postscale_factor, process_set)
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -44,7 +44,7 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                process_set=gps):
     """Reduce ``tensor`` across ranks in place; returns it."""
-    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
+    return _ops.wait_for(allreduce_async_, tensor, average, name, op, prescale_factor, postscale_factor, process_set)
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
@@ -56,8 +56,8 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
 def grouped_allreduce(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                       process_set=gps):
     """Reduce a list of arrays as one unit; returns a list of new arrays."""
-    return synchronize(grouped_allreduce_async(tensors, average, name, op, prescale_factor, postscale_factor,
-                                               process_set))
+    return _ops.wait_for(grouped_allreduce_async, tensors, average, name, op, prescale_factor, postscale_factor,
+                         process_set)
 
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
@@ -68,8 +68,8 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
 
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                        process_set=gps):
-    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
-                                                process_set))
+    return _ops.wait_for(grouped_allreduce_async_, tensors, average, name, op, prescale_factor, postscale_factor,
+                         process_set)
 
 
 def allgather_async(tensor, name=None, process_set=gps):
@@ -78,7 +78,7 @@ def allgather_async(tensor, name=None, process_set=gps):
 
 def allgather(tensor, name=None, process_set=gps):
     """Concatenate every rank's array along the first dimension (first dimensions may differ)."""
-    return synchronize(allgather_async(tensor, name, process_set))
+    return _ops.wait_for(allgather_async, tensor, name, process_set)
 
 
 def grouped_allgather_async(tensors, name=None, process_set=gps):
@@ -86,7 +86,7 @@ def grouped_allgather_async(tensors, name=None, process_set=gps):
 
 
 def grouped_allgather(tensors, name=None, process_set=gps):
-    return synchronize(grouped_allgather_async(tensors, name, process_set))
+    return _ops.wait_for(grouped_allgather_async, tensors, name, process_set)
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=gps):
@@ -95,7 +95,7 @@ def broadcast_async(tensor, root_rank, name=None, process_set=gps):
 
 def broadcast(tensor, root_rank, name=None, process_set=gps):
     """Return ``root_rank``'s array on every rank."""
-    return synchronize(broadcast_async(tensor, root_rank, name, process_set))
+    return _ops.wait_for(broadcast_async, tensor, root_rank, name, process_set)
 
 
 def broadcast_async_(tensor, root_rank, name=None, process_set=gps):
@@ -104,7 +104,7 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=gps):
 
 def broadcast_(tensor, root_rank, name=None, process_set=gps):
     """Overwrite ``tensor`` with ``root_rank``'s values; returns it."""
-    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+    return _ops.wait_for(broadcast_async_, tensor, root_rank, name, process_set)
 
 
 def alltoall_async(tensor, splits=None, name=None, process_set=gps):
@@ -114,7 +114,7 @@ def alltoall_async(tensor, splits=None, name=None, process_set=gps):
 def alltoall(tensor, splits=None, name=None, process_set=gps):
     """Send ``splits[i]`` rows of dim 0 to rank i (even split when None) and gather what others send.
     Returns the output, or ``(output, received_splits)`` when ``splits`` is given."""
-    return synchronize(alltoall_async(tensor, splits, name, process_set))
+    return _ops.wait_for(alltoall_async, tensor, splits, name, process_set)
 
 
 def reducescatter_async(tensor, name=None, op=Average, process_set=gps, prescale_factor=1.0,
@@ -124,7 +124,7 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=gps, prescale
 
 def reducescatter(tensor, name=None, op=Average, process_set=gps, prescale_factor=1.0, postscale_factor=1.0):
     """Reduce across ranks, then give rank r its share of dim 0 (the first ranks take the extra rows)."""
-    return synchronize(reducescatter_async(tensor, name, op, process_set, prescale_factor, postscale_factor))
+    return _ops.wait_for(reducescatter_async, tensor, name, op, process_set, prescale_factor, postscale_factor)
 
 
 def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=gps, prescale_factor=1.0,
@@ -135,6 +135,6 @@ def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=gps,
 
 def grouped_reducescatter(tensors, name=None, op=Average, process_set=gps, prescale_factor=1.0,
                           postscale_factor=1.0):
-    return synchronize(grouped_reducescatter_async(tensors, name, op, process_set, prescale_factor,
-                                                   postscale_factor))
+    return _ops.wait_for(grouped_reducescatter_async, tensors, name, op, process_set, prescale_factor,
+                         postscale_factor)
 

@@ -57,8 +57,8 @@ class HorovodAllreduce(torch.autograd.Function):
         ctx.op = resolve_op(op, average)
         ctx.factors = (prescale_factor, postscale_factor)
         ctx.process_set = process_set
-        return synchronize(allreduce_async(tensor, None, name, ctx.op, prescale_factor, postscale_factor,
-                                           process_set))
+        return _ops.wait_for(allreduce_async, tensor, None, name, ctx.op, prescale_factor, postscale_factor,
+                             process_set)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -75,8 +75,8 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
         reduced = HorovodAllreduce.apply(compressed, average, name, op, prescale_factor, postscale_factor,
                                          process_set)
     else:  # nothing to differentiate: skip autograd's bookkeeping (a few microseconds per call)
-        reduced = synchronize(allreduce_async(compressed, average, name, op, prescale_factor, postscale_factor,
-                                              process_set))
+        reduced = _ops.wait_for(allreduce_async, compressed, average, name, op, prescale_factor, postscale_factor,
+                                process_set)
     return compression.decompress(reduced, context)
 
 
@@ -90,7 +90,7 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                process_set=global_process_set):
     """Reduce ``tensor`` across ranks in place; returns it."""
-    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
+    return _ops.wait_for(allreduce_async_, tensor, average, name, op, prescale_factor, postscale_factor, process_set)
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -108,8 +108,8 @@ class HorovodGroupedAllreduce(torch.autograd.Function):
         ctx.op = resolve_op(op, average)
         ctx.factors = (prescale_factor, postscale_factor)
         ctx.process_set = process_set
-        return tuple(synchronize(grouped_allreduce_async(list(tensors), None, name, ctx.op, prescale_factor,
-                                                         postscale_factor, process_set)))
+        return tuple(_ops.wait_for(grouped_allreduce_async, list(tensors), None, name, ctx.op, prescale_factor,
+                                   postscale_factor, process_set))
 
     @staticmethod
     def backward(ctx, *grad_outputs):
@@ -140,8 +140,8 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                        process_set=global_process_set):
     """Reduce a list of tensors in place as one unit; returns the list."""
-    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
-                                                process_set))
+    return _ops.wait_for(grouped_allreduce_async_, tensors, average, name, op, prescale_factor, postscale_factor,
+                         process_set)
 
 
 def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
@@ -193,7 +193,7 @@ class HorovodAllgather(torch.autograd.Function):
     def forward(ctx, tensor, name, process_set):
         ctx.rows = tensor.shape[0] if tensor.dim() else 0
         ctx.process_set = process_set
-        return synchronize(allgather_async(tensor, name, process_set))
+        return _ops.wait_for(allgather_async, tensor, name, process_set)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -218,7 +218,7 @@ class HorovodGroupedAllgather(torch.autograd.Function):
     def forward(ctx, name, process_set, *tensors):
         ctx.rows = [t.shape[0] if t.dim() else 0 for t in tensors]
         ctx.process_set = process_set
-        return tuple(synchronize(grouped_allgather_async(list(tensors), name, process_set)))
+        return tuple(_ops.wait_for(grouped_allgather_async, list(tensors), name, process_set))
 
     @staticmethod
     def backward(ctx, *grad_outputs):
@@ -249,7 +249,7 @@ class HorovodBroadcast(torch.autograd.Function):
     def forward(ctx, tensor, root_rank, name, process_set):
         ctx.root_rank = root_rank
         ctx.process_set = process_set
-        return synchronize(broadcast_async(tensor, root_rank, name, process_set))
+        return _ops.wait_for(broadcast_async, tensor, root_rank, name, process_set)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -271,7 +271,7 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_se
 
 def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
     """Overwrite ``tensor`` with ``root_rank``'s values; returns it."""
-    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+    return _ops.wait_for(broadcast_async_, tensor, root_rank, name, process_set)
 
 
 # ------------------------------------------------------------------------------------------------- alltoall
@@ -306,7 +306,7 @@ class HorovodAlltoall(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, tensor, splits, name, process_set):
-        output, received_splits = synchronize(alltoall_async(tensor, splits, name, process_set))
+        output, received_splits = _ops.wait_for(alltoall_async, tensor, splits, name, process_set)
         ctx.received_splits = received_splits
         ctx.process_set = process_set
         ctx.mark_non_differentiable(received_splits)
@@ -348,8 +348,8 @@ class HorovodReducescatter(torch.autograd.Function):
         ctx.op = resolve_op(op, None)
         ctx.factors = (prescale_factor, postscale_factor)
         ctx.process_set = process_set
-        return synchronize(reducescatter_async(tensor, name, ctx.op, process_set, prescale_factor,
-                                               postscale_factor))
+        return _ops.wait_for(reducescatter_async, tensor, name, ctx.op, process_set, prescale_factor,
+                             postscale_factor)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -381,8 +381,8 @@ class HorovodGroupedReducescatter(torch.autograd.Function):
         ctx.op = resolve_op(op, None)
         ctx.factors = (prescale_factor, postscale_factor)
         ctx.process_set = process_set
-        return tuple(synchronize(grouped_reducescatter_async(list(tensors), name, ctx.op, process_set,
-                                                             prescale_factor, postscale_factor)))
+        return tuple(_ops.wait_for(grouped_reducescatter_async, list(tensors), name, ctx.op, process_set,
+                                   prescale_factor, postscale_factor))
 
     @staticmethod
     def backward(ctx, *grad_outputs):

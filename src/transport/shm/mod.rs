@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 
 use crate::transport::rendezvous::StoreClient;
 use crate::transport::spin;
-use crate::transport::{Activity, Doorbell, Staging, Transport, TransportError, Waker};
+use crate::transport::{Activity, Doorbell, IdleWaiter, Staging, Transport, TransportError, Waker};
 use layout::{Corrupt, Geometry, Layout};
 use liveness::Liveness;
 use segment::Segment;
@@ -62,6 +62,60 @@ pub struct ShmTransport {
     closed: bool,
     /// Steps of the staging protocol completed (mirrors this rank's `step` in the segment).
     step: u64,
+    /// When `wait_for_activity` last looked for dead peers.
+    last_liveness_check: Instant,
+}
+
+/// Waits for a peer's bytes or a closed peer on a rank's doorbell, needing only the mapping (see
+/// [`IdleWaiter`]): an idle engine sleeps in it while a caller may be using the transport.
+struct RingWaiter {
+    layout: Layout,
+    rank: usize,
+}
+
+impl RingWaiter {
+    /// Whether some peer sent bytes this rank has not read, or closed.
+    fn peer_activity(&self) -> bool {
+        let me = self.rank;
+        (0..self.layout.size()).any(|p| {
+            p != me
+                && (self.layout.channel(p, me).readable() > 0
+                    || self.layout.slot(p).closed.load(Ordering::Acquire) != 0)
+        })
+    }
+
+    /// Sleep until the waker fires, a peer shows activity, or `timeout` passes (at most [`SLEEP_SLICE`] per
+    /// futex wait, stamping this rank's heartbeat each time so peers see it is alive). With `spin`, first
+    /// check for a while without sleeping (the adaptive spin).
+    fn sleep(&self, waker: &Waker, timeout: Duration, spin: bool) {
+        let ready = || waker.is_signalled() || self.peer_activity();
+        if ready() || (spin && spin::spin_until(SPIN.min(timeout), ready)) {
+            return;
+        }
+        let deadline = Instant::now() + timeout;
+        let slot = self.layout.slot(self.rank);
+        loop {
+            slot.heartbeat.store(liveness::monotonic_ms(), Ordering::Relaxed);
+            let seq = slot.doorbell.load(Ordering::SeqCst);
+            if ready() {
+                return;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return;
+            }
+            slot.sleepers.fetch_add(1, Ordering::SeqCst);
+            futex::wait(&slot.doorbell, seq, left.min(SLEEP_SLICE));
+            slot.sleepers.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
+
+impl IdleWaiter for RingWaiter {
+    fn wait(&self, waker: &Waker, timeout: Duration) {
+        // Slices of at most SLEEP_SLICE, so the engine thread checks for dead peers that often.
+        self.sleep(waker, timeout.min(SLEEP_SLICE), true);
+    }
 }
 
 impl ShmTransport {
@@ -76,6 +130,7 @@ impl ShmTransport {
             timeout,
             closed: false,
             step: 0,
+            last_liveness_check: Instant::now(),
         }
     }
 
@@ -482,49 +537,34 @@ impl Transport for ShmTransport {
     }
 
     fn wait_for_activity(&mut self, waker: &Waker, timeout: Duration) -> Result<Activity, TransportError> {
-        let me = self.rank;
-        let size = self.layout.size();
-        let peer_activity = |l: &Layout, dead: &[bool]| {
-            (0..size).any(|p| {
-                p != me && (dead[p] || l.channel(p, me).readable() > 0 || l.slot(p).closed.load(Ordering::Acquire) != 0)
-            })
-        };
-        let verdict = |t: &ShmTransport| {
-            if waker.is_signalled() {
-                Some(Activity::Local)
-            } else if t.stash.iter().any(|s| !s.is_empty()) || peer_activity(&t.layout, &t.dead) {
-                Some(Activity::Peer)
-            } else {
-                None
-            }
-        };
-        if let Some(activity) = verdict(self) {
-            return Ok(activity);
-        }
         let deadline = Instant::now() + timeout;
-        if spin::spin_until(SPIN.min(timeout), || verdict(self).is_some()) {
-            return Ok(verdict(self).unwrap_or(Activity::Idle));
-        }
-        let mut last_check = Instant::now();
+        let mut spin = true;
         loop {
-            let slot = self.layout.slot(me);
-            slot.heartbeat.store(liveness::monotonic_ms(), Ordering::Relaxed);
-            let seq = slot.doorbell.load(Ordering::SeqCst);
-            if let Some(activity) = verdict(self) {
-                return Ok(activity);
+            if self.last_liveness_check.elapsed() >= SLEEP_SLICE {
+                self.last_liveness_check = Instant::now();
+                self.refresh_dead();
+            }
+            if waker.is_signalled() {
+                return Ok(Activity::Local);
+            }
+            if self.stash.iter().any(|s| !s.is_empty()) || self.dead.iter().any(|&d| d) {
+                return Ok(Activity::Peer);
+            }
+            let waiter = RingWaiter { layout: self.layout.clone(), rank: self.rank };
+            if waiter.peer_activity() {
+                return Ok(Activity::Peer);
             }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return Ok(Activity::Idle);
             }
-            slot.sleepers.fetch_add(1, Ordering::SeqCst);
-            futex::wait(&slot.doorbell, seq, left.min(SLEEP_SLICE));
-            slot.sleepers.fetch_sub(1, Ordering::SeqCst);
-            if last_check.elapsed() >= SLEEP_SLICE {
-                last_check = Instant::now();
-                self.refresh_dead();
-            }
+            waiter.sleep(waker, left.min(SLEEP_SLICE), spin);
+            spin = false;
         }
+    }
+
+    fn idle_waiter(&self) -> Option<Box<dyn IdleWaiter>> {
+        Some(Box::new(RingWaiter { layout: self.layout.clone(), rank: self.rank }))
     }
 
     /// Tell the peers, through this rank's slot, which rank to name: a peer that finds this rank closed
