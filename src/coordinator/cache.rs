@@ -268,8 +268,21 @@ impl ResponseCache {
 }
 
 fn is_cacheable(response: &Response) -> bool {
-    response.error.is_none()
-        && matches!(response.kind, CollectiveKind::Allreduce | CollectiveKind::Allgather | CollectiveKind::Alltoall)
+    response.error.is_none() && caches_kind(response.kind)
+}
+
+/// Whether responses of this kind are cached. Join is not: it is how ranks leave, and negotiates through the
+/// coordinator every time. A cached barrier is a round whose headers all announce it (no data moves).
+pub fn caches_kind(kind: CollectiveKind) -> bool {
+    matches!(
+        kind,
+        CollectiveKind::Allreduce
+            | CollectiveKind::Allgather
+            | CollectiveKind::Alltoall
+            | CollectiveKind::Broadcast
+            | CollectiveKind::Reducescatter
+            | CollectiveKind::Barrier
+    )
 }
 
 #[cfg(test)]
@@ -344,20 +357,24 @@ mod tests {
 
     #[test]
     fn uncacheable_responses_are_ignored() {
-        let mut cache = ResponseCache::new(4);
-        for kind in
-            [CollectiveKind::Broadcast, CollectiveKind::Reducescatter, CollectiveKind::Barrier, CollectiveKind::Join]
-        {
-            cache.put(&response(kind, &["x"]), |_| None);
-        }
+        let mut cache = ResponseCache::new(8);
+        cache.put(&response(CollectiveKind::Join, &["x"]), |_| None);
         let mut failed = response(CollectiveKind::Allreduce, &["y"]);
         failed.error = Some((ErrorKind::Mismatch, "shapes differ".into()));
         cache.put(&failed, |_| None);
         assert!(cache.is_empty());
-        for kind in [CollectiveKind::Allreduce, CollectiveKind::Allgather, CollectiveKind::Alltoall] {
+        let cached = [
+            CollectiveKind::Allreduce,
+            CollectiveKind::Allgather,
+            CollectiveKind::Alltoall,
+            CollectiveKind::Broadcast,
+            CollectiveKind::Reducescatter,
+            CollectiveKind::Barrier,
+        ];
+        for kind in cached {
             cache.put(&response(kind, &[kind.name()]), |_| None);
         }
-        assert_eq!(cache.len(), 3);
+        assert_eq!(cache.len(), cached.len());
     }
 
     #[test]

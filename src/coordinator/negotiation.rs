@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use crate::autotune::TunedValues;
 use crate::coordinator::bitset::BitSet;
-use crate::coordinator::cache::{CacheLookup, ResponseCache, TensorParams};
+use crate::coordinator::cache::{caches_kind, CacheLookup, ResponseCache, TensorParams};
 use crate::coordinator::codec::WireMessage;
 use crate::coordinator::message::Response;
 use crate::coordinator::message_table::MessageTable;
@@ -69,10 +69,6 @@ pub struct Negotiator {
     coordinator: Option<MessageTable>,
     /// Where the coordinator ticks each rank's readiness.
     timeline: SetTimeline,
-}
-
-fn is_cacheable(kind: CollectiveKind) -> bool {
-    matches!(kind, CollectiveKind::Allreduce | CollectiveKind::Allgather | CollectiveKind::Alltoall)
 }
 
 fn send_message(t: &mut dyn Transport, peer: usize, body: &[u8]) -> Result<(), TransportError> {
@@ -313,7 +309,7 @@ impl Negotiator {
         let forced = self.wants_round();
         let mut eager_bytes = 0;
         table.for_each(|entry, announcement| {
-            if *announcement == Announcement::Unsent && use_cache && is_cacheable(entry.request().kind) {
+            if *announcement == Announcement::Unsent && use_cache && caches_kind(entry.request().kind) {
                 match cache.lookup(entry.request()) {
                     CacheLookup::Hit(bit) => *announcement = Announcement::CacheHit(bit),
                     CacheLookup::Invalid(bit) => header.invalid.insert(bit),

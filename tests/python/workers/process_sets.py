@@ -586,7 +586,8 @@ def removal():
         assert hvd.remove_process_set(pair) is True
         if R == 2:
             start = time.monotonic()
-            message = expect_error(RvodInternalError, removed, hvd.synchronize, handle)
+            # Rank 0's removal may reach rank 2's engine before rank 2's own: then the error names rank 0 too.
+            message = expect_error(RvodInternalError, "^(rank 0 removed )?" + removed[1:], hvd.synchronize, handle)
             assert "called shutdown()" not in message, message
             assert time.monotonic() - start < 2.0, f"took {time.monotonic() - start:.2f} s"
     global_sum_works("an op failed by its set's removal")
