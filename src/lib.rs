@@ -18,6 +18,7 @@ pub mod coordinator;
 pub mod engine;
 pub mod error;
 pub mod fusion;
+pub mod gpu;
 pub mod launch;
 pub mod memory;
 pub mod ring;
