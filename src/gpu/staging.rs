@@ -144,6 +144,10 @@ impl<D: Device> HostStaging<D> {
 mod tests {
     use super::*;
     use crate::gpu::standin::{StandIn, BASE};
+    use crate::ring::{allgatherv, allreduce};
+    use crate::transport::memory::{run_ranks, MemoryTransport};
+    use crate::transport::Transport;
+    use crate::types::{Combine, DataType};
 
     fn f32s(values: &[f32]) -> Vec<u8> {
         values.iter().flat_map(|v| v.to_le_bytes()).collect()
@@ -232,6 +236,84 @@ mod tests {
         }
         let allocations: Vec<String> = device.log().into_iter().filter(|l| l.starts_with("alloc")).collect();
         assert_eq!(allocations, vec!["alloc pinned 16", "alloc pinned 64"]);
+    }
+
+    /// Each rank: a stand-in GPU whose framework kernel writes `values` into device memory at BASE, rvod's
+    /// staging, and this rank's transport as the host collective.
+    fn staged_on_every_rank<R: Send>(
+        ranks: usize,
+        body: impl Fn(&mut HostStaging<StandIn>, &crate::gpu::standin::StandInEvent, &mut MemoryTransport) -> R + Sync,
+    ) -> Vec<R> {
+        let mesh = MemoryTransport::mesh_with_timeout(ranks, std::time::Duration::from_secs(5));
+        run_ranks(mesh, |transport| {
+            let device = StandIn::with_memory(1 << 20);
+            let framework = device.new_stream();
+            let values: Vec<f32> = (0..ELEMENTS).map(|i| (transport.rank() * 1000 + i % 97) as f32).collect();
+            device.kernel(&framework, DevicePtr(BASE), &f32s(&values));
+            let ready = device.record(&framework).unwrap();
+            let stream = device.new_stream();
+            body(&mut HostStaging::new(device, stream), &ready, transport)
+        })
+    }
+
+    /// Not a multiple of anything, and above the ring threshold (the ring algorithm runs, not only recursive
+    /// doubling).
+    const ELEMENTS: usize = 20_011;
+
+    #[test]
+    fn staged_allreduce_and_allgather_over_rvods_own_collectives() {
+        let region = DeviceRegion { ptr: DevicePtr(BASE), len: ELEMENTS * 4 };
+        let sums = staged_on_every_rank(3, |staging, ready, transport| {
+            // SAFETY: the region lies inside the stand-in's memory.
+            unsafe {
+                staging.run(ready, &[region], &[region], |host: &mut [u8]| {
+                    allreduce(transport, host, DataType::Float32, Combine::Sum).map(|_| HostResult::InPlace)
+                })
+            }
+            .unwrap();
+            floats(&staging.device().read(region.ptr, region.len))
+        });
+        let expected: Vec<f32> = (0..ELEMENTS).map(|i| (3000 + 3 * (i % 97)) as f32).collect();
+        assert!(sums.iter().all(|s| *s == expected), "every rank's device holds the sum over 0+1000+2000");
+
+        let gathered = staged_on_every_rank(3, |staging, ready, transport| {
+            let rank = transport.rank();
+            let mine = DeviceRegion { ptr: DevicePtr(BASE), len: (rank + 1) * 4 }; // uneven first dimensions
+            let out = DeviceRegion { ptr: DevicePtr(BASE + 512 * 1024), len: 6 * 4 };
+            // SAFETY: the regions lie inside the stand-in's memory and do not overlap.
+            unsafe {
+                staging.run(ready, &[mine], &[out], |host: &mut [u8]| {
+                    let mut all = AlignedBuffer::zeroed(6 * 4);
+                    allgatherv(transport, host, all.as_mut_slice(), &[4, 8, 12]).map(|_| HostResult::New(all))
+                })
+            }
+            .unwrap();
+            floats(&staging.device().read(out.ptr, out.len))
+        });
+        assert!(gathered.iter().all(|g| *g == vec![0.0, 1000.0, 1001.0, 2000.0, 2001.0, 2002.0]), "{gathered:?}");
+    }
+
+    #[test]
+    fn a_peer_that_never_comes_fails_the_staged_op_and_nothing_is_copied_back() {
+        let region = DeviceRegion { ptr: DevicePtr(BASE), len: ELEMENTS * 4 };
+        let outcomes = staged_on_every_rank(3, |staging, ready, transport| {
+            if transport.rank() == 2 {
+                return None; // rank 2 leaves: its transport closes
+            }
+            // SAFETY: the region lies inside the stand-in's memory.
+            let result = unsafe {
+                staging.run(ready, &[region], &[region], |host: &mut [u8]| {
+                    allreduce(transport, host, DataType::Float32, Combine::Sum).map(|_| HostResult::InPlace)
+                })
+            };
+            let copied_back = staging.device().log().iter().any(|l| l.contains("to device"));
+            Some((result.map(|_| ()).map_err(|e| e.to_string()), copied_back))
+        });
+        for (rank, outcome) in outcomes.into_iter().take(2).enumerate() {
+            let (result, copied_back) = outcome.unwrap();
+            assert!(result.is_err(), "rank {rank} must fail, not hang or succeed");
+            assert!(!copied_back, "rank {rank} copied a partial result to the device");
+        }
     }
 
     #[test]
