@@ -74,6 +74,30 @@ def test_the_report_is_consistent_and_every_shim_answers_from_it():
             assert module.nccl_built is basics.nccl_built and module.cuda_built is basics.cuda_built
 
 
+def test_loading_is_lazy_and_cpu_paths_never_need_the_libraries():
+    code = """
+import numpy as np
+import rvod.numpy as hvd
+def loaded():
+    maps = open("/proc/self/maps").read()
+    return [name for name in ("libnccl", "libcudart") if name in maps]
+hvd.init()
+print("after init and an allreduce:", hvd.allreduce(np.ones(3, np.float32), name="x").tolist(), loaded())
+hvd.nccl_built()
+print("after nccl_built:", loaded())
+hvd.shutdown()
+"""
+    result = python(code)
+    assert result.returncode == 0, result.stderr
+    before, after = result.stdout.splitlines()
+    assert before == "after init and an allreduce: [1.0, 1.0, 1.0] []", "nothing GPU is loaded until asked"
+    expected = [name for name, found in (("libnccl", GPU["nccl_version"]), ("libcudart", GPU["cuda_runtime_version"]))
+                if found]
+    assert after == f"after nccl_built: {expected}"
+    missing = python(code, RVOD_NCCL_LIBRARY="/nonexistent/libnccl.so.2", RVOD_CUDA_LIBRARY="/nonexistent/x.so")
+    assert missing.returncode == 0 and missing.stdout.splitlines() == [before, "after nccl_built: []"], missing.stderr
+
+
 def _installed_package(*names: str) -> tuple[str, str] | None:
     for name in names:
         try:
