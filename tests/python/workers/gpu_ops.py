@@ -2,10 +2,14 @@
 
 Written for a machine with a GPU; never run on one yet (issue 20). Every rank uses GPU ``local_rank %
 device_count``: with one GPU, a job of 2 ranks shares it (host staging), a job of 1 rank has it alone (NCCL).
+With ``RVOD_TEST_GPU_OPS_DEVICE=cpu`` the same script runs on CPU tensors (less the stream-order case): a dry
+run of the script's own logic, which test_gpu.py does where there is no GPU.
 Sections: every op x dtype x variant; a stream-order case (a kernel writes the tensor on the current stream
 just before the allreduce); DistributedOptimizer training equivalence; SyncBatchNorm against BatchNorm on
 the concatenated batch.
 """
+
+import os
 
 import torch
 from _check import check, finish
@@ -14,8 +18,12 @@ import rvod.torch as hvd
 
 hvd.init()
 R, N = hvd.rank(), hvd.size()
-DEVICE = torch.device("cuda", hvd.local_rank() % torch.cuda.device_count())
-torch.cuda.set_device(DEVICE)
+ON_GPU = os.environ.get("RVOD_TEST_GPU_OPS_DEVICE", "cuda") == "cuda"
+if ON_GPU:
+    DEVICE = torch.device("cuda", hvd.local_rank() % torch.cuda.device_count())
+    torch.cuda.set_device(DEVICE)
+else:
+    DEVICE = torch.device("cpu")
 torch.manual_seed(1234 + R)
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8,
@@ -30,7 +38,7 @@ def values(shape, dtype, salt):
 
 
 def same(gpu_result, cpu_result, label):
-    assert gpu_result.device.type == "cuda", f"{label}: result on {gpu_result.device}"
+    assert gpu_result.device.type == DEVICE.type, f"{label}: result on {gpu_result.device}"
     assert gpu_result.dtype == cpu_result.dtype and gpu_result.shape == cpu_result.shape, label
     torch.testing.assert_close(gpu_result.cpu(), cpu_result, rtol=1e-2, atol=1e-2, msg=label)
 
@@ -89,7 +97,7 @@ for dtype in DTYPES:
             same(hvd.reducescatter(cpu.to(DEVICE), op=hvd.Sum, name=f"rs.{dtype}"), want, "reducescatter")
 
 with check("stream order: a kernel writes the tensor on the current stream just before the allreduce"):
-    for i in range(20):
+    for i in range(20 if ON_GPU else 0):
         x = torch.zeros(1 << 20, device=DEVICE)
         torch.cuda._sleep(1_000_000)  # keep the stream busy so a read that does not wait sees zeros
         x.add_(R + 1.0)
@@ -124,14 +132,15 @@ with check("DistributedOptimizer on GPU trains as one process on the whole batch
 with check("SyncBatchNorm on GPU equals BatchNorm on the concatenated batch"):
     generator = torch.Generator().manual_seed(5)
     full = torch.randn(3 * N, 4, 5, generator=generator).to(DEVICE).requires_grad_()
+    weights = torch.randn(3 * N, 4, 5, generator=generator).to(DEVICE)  # a loss whose input gradient is not ~0
     sync_bn = hvd.SyncBatchNorm(4).to(DEVICE)
     bn = torch.nn.BatchNorm1d(4).to(DEVICE)
     mine = full[3 * R:3 * R + 3].detach().clone().requires_grad_()
     out = sync_bn(mine)
     expected = bn(full)
     torch.testing.assert_close(out, expected[3 * R:3 * R + 3], rtol=1e-4, atol=1e-5)
-    out.sum().backward()
-    expected.sum().backward()
+    (out * weights[3 * R:3 * R + 3]).sum().backward()
+    (expected * weights).sum().backward()
     torch.testing.assert_close(mine.grad, full.grad[3 * R:3 * R + 3], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(sync_bn.running_mean, bn.running_mean, rtol=1e-4, atol=1e-5)
 
