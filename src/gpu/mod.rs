@@ -10,6 +10,7 @@
 //! - [`staging`]: host staging: device -> pinned host buffer -> rvod's host collective -> device, in
 //!   stream order, waiting only on events (never a device-wide synchronize).
 //! - [`choice`]: which of NCCL and host staging a process set uses, and the reason said in the log.
+//! - [`plan`]: the NCCL calls one agreed response takes on this rank, or why it goes through host staging.
 //! - [`cuda`], [`nccl`]: thin FFI wrappers over the loaded libraries. **Not yet run on a GPU**: they
 //!   are compiled, reviewed and their pure parts (error texts) unit-tested, but no test here has a device.
 //!
@@ -22,6 +23,7 @@ pub mod cuda;
 pub mod device;
 pub mod library;
 pub mod nccl;
+pub mod plan;
 pub mod staging;
 
 #[cfg(test)]

@@ -11,6 +11,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use crate::gpu::library::symbol;
+use crate::gpu::plan::NcclOp;
 use crate::types::{DataType, ReduceOp};
 
 type NcclStatus = c_int;
@@ -47,6 +48,10 @@ struct Functions {
     recv: unsafe extern "C" fn(*mut c_void, usize, c_int, c_int, RawComm, RawStream) -> NcclStatus,
     group_start: unsafe extern "C" fn() -> NcclStatus,
     group_end: unsafe extern "C" fn() -> NcclStatus,
+    /// Since NCCL 2.11: scaled sums (see `plan::NcclOp::PreMulSum`).
+    red_op_create_pre_mul_sum:
+        Option<unsafe extern "C" fn(*mut c_int, *mut c_void, c_int, c_int, RawComm) -> NcclStatus>,
+    red_op_destroy: Option<unsafe extern "C" fn(c_int, RawComm) -> NcclStatus>,
 }
 
 /// A loaded NCCL. Lives for the rest of the process (see `library::libraries`).
@@ -77,6 +82,8 @@ impl Nccl {
             recv: symbol(&lib, &path, "ncclRecv")?,
             group_start: symbol(&lib, &path, "ncclGroupStart")?,
             group_end: symbol(&lib, &path, "ncclGroupEnd")?,
+            red_op_create_pre_mul_sum: symbol(&lib, &path, "ncclRedOpCreatePreMulSum").ok(),
+            red_op_destroy: symbol(&lib, &path, "ncclRedOpDestroy").ok(),
         };
         let mut version: c_int = 0;
         // SAFETY: a valid out-pointer; needs no driver.
@@ -352,6 +359,28 @@ impl Communicator {
         result.and(ended)
     }
 
+    /// The reduction `op` as an `ncclRedOp_t` for tensors of `dtype`; a pre-multiplied sum is created on
+    /// this communicator and destroyed when the returned guard drops (after the call that uses it is enqueued).
+    pub fn reduction(&self, op: NcclOp, dtype: DataType) -> Result<Reduction<'_>, String> {
+        let factor = match op {
+            NcclOp::Builtin(code) => return Ok(Reduction { comm: self, code, custom: false }),
+            NcclOp::PreMulSum(factor) => factor,
+        };
+        let (Some(create), Some(_)) = (self.nccl.f.red_op_create_pre_mul_sum, self.nccl.f.red_op_destroy) else {
+            return Err(format!("NCCL {} lacks ncclRedOpCreatePreMulSum", version_text(self.nccl.version)));
+        };
+        let mut scalar = scalar_bytes(factor, dtype).ok_or_else(|| format!("no {dtype} scale factor in NCCL"))?;
+        let nccl_dtype = data_type(dtype).ok_or_else(|| format!("NCCL has no {dtype} type"))?;
+        let mut code: c_int = 0;
+        const HOST_IMMEDIATE: c_int = 1;
+        // SAFETY: a valid out-pointer, and `scalar` holds one value of `dtype`, read during the call
+        // (host-immediate residence).
+        let status =
+            unsafe { create(&mut code, scalar.as_mut_ptr() as *mut c_void, nccl_dtype, HOST_IMMEDIATE, self.comm) };
+        self.check(status, "ncclRedOpCreatePreMulSum")?;
+        Ok(Reduction { comm: self, code, custom: true })
+    }
+
     /// `ncclCommGetAsyncError`: an error NCCL hit in the background (a peer died, a link broke), if any.
     pub fn async_error(&self) -> Result<(), String> {
         let mut status: NcclStatus = SUCCESS;
@@ -372,6 +401,34 @@ impl Communicator {
             unsafe { (self.nccl.f.comm_abort)(self.comm) };
         }
     }
+}
+
+/// An `ncclRedOp_t` for one call; a custom one is destroyed on drop.
+pub struct Reduction<'a> {
+    comm: &'a Communicator,
+    pub code: c_int,
+    custom: bool,
+}
+
+impl Drop for Reduction<'_> {
+    fn drop(&mut self) {
+        if let (true, Some(destroy)) = (self.custom, self.comm.nccl.f.red_op_destroy) {
+            // SAFETY: created by ncclRedOpCreatePreMulSum on this live communicator, destroyed once.
+            unsafe { destroy(self.code, self.comm.comm) };
+        }
+    }
+}
+
+/// `factor` as one value of `dtype` in native byte order (what ncclRedOpCreatePreMulSum reads), for the
+/// floating-point types.
+pub fn scalar_bytes(factor: f64, dtype: DataType) -> Option<Vec<u8>> {
+    Some(match dtype {
+        DataType::Float16 => half::f16::from_f64(factor).to_ne_bytes().to_vec(),
+        DataType::Bfloat16 => half::bf16::from_f64(factor).to_ne_bytes().to_vec(),
+        DataType::Float32 => (factor as f32).to_ne_bytes().to_vec(),
+        DataType::Float64 => factor.to_ne_bytes().to_vec(),
+        _ => return None,
+    })
 }
 
 impl Drop for Communicator {
@@ -457,6 +514,15 @@ mod tests {
         assert_eq!(reduce_op(ReduceOp::Average, 2804), None, "before NCCL 2.10: Sum and a postscale");
         assert_eq!(reduce_op(ReduceOp::Min, 23007), Some(3));
         assert_eq!(reduce_op(ReduceOp::Adasum, 23007), None);
+    }
+
+    #[test]
+    fn scale_factors_are_written_in_the_tensors_type() {
+        assert_eq!(scalar_bytes(0.25, DataType::Float16), Some(half::f16::from_f32(0.25).to_ne_bytes().to_vec()));
+        assert_eq!(scalar_bytes(0.25, DataType::Bfloat16), Some(half::bf16::from_f32(0.25).to_ne_bytes().to_vec()));
+        assert_eq!(scalar_bytes(0.25, DataType::Float32), Some(0.25f32.to_ne_bytes().to_vec()));
+        assert_eq!(scalar_bytes(0.25, DataType::Float64), Some(0.25f64.to_ne_bytes().to_vec()));
+        assert_eq!(scalar_bytes(0.25, DataType::Int32), None);
     }
 
     #[test]
