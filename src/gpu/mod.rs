@@ -10,6 +10,7 @@
 //! - [`staging`]: host staging: device -> pinned host buffer -> rvod's host collective -> device, in
 //!   stream order, waiting only on events (never a device-wide synchronize).
 //! - [`choice`]: which of NCCL and host staging a process set uses, and the reason said in the log.
+//! - [`bootstrap`]: a process set's members agree on the route over their own transport (and NCCL's unique id).
 //! - [`plan`]: the NCCL calls one agreed response takes on this rank, or why it goes through host staging.
 //! - [`cuda`], [`nccl`]: thin FFI wrappers over the loaded libraries. **Not yet run on a GPU**: they
 //!   are compiled, reviewed and their pure parts (error texts) unit-tested, but no test here has a device.
@@ -18,6 +19,7 @@
 //! at submission with the reason (no driver, no NCCL found and where it was looked for, or this). Ranks
 //! already tell negotiation which device a tensor is on, so a CPU/GPU mix is a mismatch error.
 
+pub mod bootstrap;
 pub mod choice;
 pub mod cuda;
 pub mod device;
