@@ -92,6 +92,49 @@ pub struct Config {
     pub elastic_round: Option<u64>,
     /// `RVOD_AUTOTUNE`: tune the knobs the user left unset while the job runs (see [`crate::autotune`]).
     pub autotune: Option<AutotuneConfig>,
+    /// Where the CUDA runtime and NCCL come from and how GPU tensors travel (see [`crate::gpu`]).
+    pub gpu: GpuConfig,
+}
+
+/// `RVOD_GPU_TRANSPORT`: how collectives on GPU tensors travel.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum GpuTransport {
+    /// NCCL where every member of the process set has a GPU of its own, host staging otherwise.
+    #[default]
+    Auto,
+    /// NCCL only: an error where NCCL cannot serve the process set.
+    Nccl,
+    /// Always through pinned host memory and rvod's shared-memory or TCP collectives.
+    Host,
+}
+
+impl GpuTransport {
+    pub fn name(self) -> &'static str {
+        match self {
+            GpuTransport::Auto => "auto",
+            GpuTransport::Nccl => "nccl",
+            GpuTransport::Host => "host",
+        }
+    }
+}
+
+/// The GPU knobs. They are read by `init()` with the rest, and also on their own
+/// ([`GpuConfig::from_env`]) when `nccl_built()` or `rvodrun --check-build` asks before any `init()`.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct GpuConfig {
+    /// `RVOD_GPU_TRANSPORT`: `auto` (default), `nccl` or `host`.
+    pub transport: GpuTransport,
+    /// `RVOD_NCCL_LIBRARY`: the NCCL library to load (a path); when set, nothing else is tried.
+    pub nccl_library: Option<std::path::PathBuf>,
+    /// `RVOD_CUDA_LIBRARY`: the CUDA runtime library (libcudart) to load; when set, nothing else is tried.
+    pub cuda_library: Option<std::path::PathBuf>,
+}
+
+impl GpuConfig {
+    /// The GPU knobs alone, from the process environment.
+    pub fn from_env() -> Result<GpuConfig, ConfigError> {
+        gpu_config(&EnvReader { lookup: |name: &str| std::env::var(name).ok() })
+    }
 }
 
 /// How the autotuner samples (`RVOD_AUTOTUNE_*`, Horovod's defaults) and which knobs the user pinned.
@@ -339,8 +382,27 @@ impl Config {
                 Some(_) => Some(env.usize("ELASTIC_ROUND", 0)? as u64),
             },
             autotune: autotune(&env)?,
+            gpu: gpu_config(&env)?,
         })
     }
+}
+
+/// `GPU_TRANSPORT`, `NCCL_LIBRARY`, `CUDA_LIBRARY`.
+fn gpu_config<F: Fn(&str) -> Option<String>>(env: &EnvReader<F>) -> Result<GpuConfig, ConfigError> {
+    let transport = match env.raw("GPU_TRANSPORT") {
+        None => GpuTransport::Auto,
+        Some((name, value)) => match value.to_ascii_lowercase().as_str() {
+            "auto" => GpuTransport::Auto,
+            "nccl" => GpuTransport::Nccl,
+            "host" => GpuTransport::Host,
+            _ => return Err(EnvReader::<F>::error(name, value, "expected auto, nccl or host")),
+        },
+    };
+    Ok(GpuConfig {
+        transport,
+        nccl_library: env.string("NCCL_LIBRARY").map(Into::into),
+        cuda_library: env.string("CUDA_LIBRARY").map(Into::into),
+    })
 }
 
 /// `AUTOTUNE` (Horovod's flag rule) and its sampling knobs; the knobs are checked only when it is on.
@@ -695,6 +757,26 @@ mod tests {
         let bad = config(&[("RVOD_AUTOTUNE", "1"), ("HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE", "-2")]).unwrap_err();
         assert_eq!(bad.name, "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE");
         assert_eq!(config(&[("RVOD_AUTOTUNE", "often")]).unwrap_err().name, "RVOD_AUTOTUNE");
+    }
+
+    #[test]
+    fn gpu_settings() {
+        assert_eq!(config(&[]).unwrap().gpu, GpuConfig::default());
+        assert_eq!(GpuConfig::default().transport, GpuTransport::Auto);
+        let c = config(&[
+            ("RVOD_GPU_TRANSPORT", "Host"),
+            ("RVOD_NCCL_LIBRARY", "/opt/nccl/lib/libnccl.so.2"),
+            ("HOROVOD_CUDA_LIBRARY", "/usr/lib/libcudart.so.12"),
+        ])
+        .unwrap();
+        assert_eq!(c.gpu.transport, GpuTransport::Host);
+        assert_eq!(c.gpu.nccl_library, Some("/opt/nccl/lib/libnccl.so.2".into()));
+        assert_eq!(c.gpu.cuda_library, Some("/usr/lib/libcudart.so.12".into()));
+        assert_eq!(config(&[("RVOD_GPU_TRANSPORT", "nccl")]).unwrap().gpu.transport, GpuTransport::Nccl);
+        assert_eq!(config(&[("RVOD_GPU_TRANSPORT", "auto")]).unwrap().gpu.transport, GpuTransport::Auto);
+        let bad = config(&[("RVOD_GPU_TRANSPORT", "mpi")]).unwrap_err();
+        assert_eq!((bad.name.as_str(), bad.value.as_str()), ("RVOD_GPU_TRANSPORT", "mpi"));
+        assert!(bad.reason.contains("auto, nccl or host"), "{bad}");
     }
 
     #[test]

@@ -7,7 +7,8 @@
 //! tests), and completes the caller's handle with the result or a precise error ([`error`]).
 //! Every knob is read once into a [`config::Config`]. Jobs that mpirun, srun or torchrun started (not
 //! rvodrun) meet through [`launch`]: rank 0 serves the rendezvous store. With `RVOD_AUTOTUNE`, rank 0
-//! tunes the fusion threshold, cycle time and categorical knobs while the job runs ([`autotune`]).
+//! tunes the fusion threshold, cycle time and categorical knobs while the job runs ([`autotune`]). GPU
+//! libraries are loaded at run time and GPU tensors are refused for now; the GPU path's parts are in [`gpu`].
 
 // No unwrap/expect where user input or a peer's bytes could reach them (DESIGN.md); tests may use them.
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
@@ -18,6 +19,7 @@ pub mod coordinator;
 pub mod engine;
 pub mod error;
 pub mod fusion;
+pub mod gpu;
 pub mod launch;
 pub mod memory;
 pub mod ring;

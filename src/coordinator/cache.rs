@@ -37,6 +37,7 @@ pub struct TensorParams {
     pub postscale: f64,
     pub splits: Vec<i64>,
     pub parts: Vec<i64>,
+    pub device: i32,
 }
 
 impl TensorParams {
@@ -53,6 +54,9 @@ impl TensorParams {
             postscale: response.postscale,
             splits: Vec::new(),
             parts: Vec::new(),
+            // Responses do not carry devices: a joined rank that later submits a GPU tensor of this name
+            // misses the cache once and negotiates it.
+            device: crate::coordinator::message::CPU_DEVICE,
         }
     }
 
@@ -66,6 +70,7 @@ impl TensorParams {
             && self.postscale == req.postscale
             && self.splits == req.splits
             && self.parts == req.parts
+            && self.device == req.device
     }
 }
 
@@ -81,6 +86,7 @@ impl From<&Request> for TensorParams {
             postscale: req.postscale,
             splits: req.splits.clone(),
             parts: req.parts.clone(),
+            device: req.device,
         }
     }
 }
@@ -304,6 +310,7 @@ mod tests {
             postscale: 1.0,
             splits: vec![],
             parts: vec![],
+            device: crate::coordinator::message::CPU_DEVICE,
         }
     }
 
@@ -338,6 +345,8 @@ mod tests {
         let mut other_op = request("a", vec![4]);
         other_op.reduce_op = ReduceOp::Max;
         assert_eq!(cache.lookup(&other_op), CacheLookup::Invalid(0));
+        let on_gpu = Request { device: 0, ..request("a", vec![4]) };
+        assert_eq!(cache.lookup(&on_gpu), CacheLookup::Invalid(0), "a tensor that moved to a GPU is renegotiated");
         assert_eq!(cache.lookup(&request("b", vec![4])), CacheLookup::Miss);
         assert_eq!(cache.get(0).unwrap().entries[0].name, "a");
         assert!(cache.get(1).is_none());

@@ -22,7 +22,7 @@ use crate::types::{CollectiveKind, DataType, ReduceOp};
 pub const WIRE_MAGIC: u32 = u32::from_le_bytes(*b"RVOD");
 
 /// Version of this format; ranks speaking different versions refuse each other's messages.
-pub const PROTOCOL_VERSION: u16 = 5;
+pub const PROTOCOL_VERSION: u16 = 6;
 
 /// Why a peer's bytes could not be decoded.
 #[derive(Clone, Debug, Error, PartialEq, Eq)]
@@ -382,6 +382,7 @@ impl Wire for Request {
         w.put_f64(self.postscale);
         w.put_i64s(&self.splits);
         w.put_i64s(&self.parts);
+        w.put_i32(self.device);
     }
 
     fn decode(r: &mut WireReader<'_>) -> Result<Self, DecodeError> {
@@ -397,6 +398,7 @@ impl Wire for Request {
             postscale: r.f64("request postscale")?,
             splits: r.i64s("request splits")?,
             parts: r.i64s("request group parts")?,
+            device: r.i32("request device")?,
         })
     }
 }
@@ -475,9 +477,10 @@ pub(crate) mod tests {
             any::<f64>(),
             prop::collection::vec(any::<i64>(), 0..4),
             prop::collection::vec(any::<i64>(), 0..6),
+            -1i32..8,
         )
-            .prop_map(|(rank, kind, name, dtype, shape, op, root_rank, prescale, postscale, splits, parts)| {
-                Request {
+            .prop_map(
+                |(rank, kind, name, dtype, shape, op, root_rank, prescale, postscale, splits, parts, device)| Request {
                     rank,
                     kind: CollectiveKind::from_code(kind).unwrap(),
                     name,
@@ -489,8 +492,9 @@ pub(crate) mod tests {
                     postscale,
                     splits,
                     parts,
-                }
-            })
+                    device,
+                },
+            )
     }
 
     fn arb_entry() -> impl Strategy<Value = ResponseEntry> {
@@ -558,6 +562,7 @@ pub(crate) mod tests {
             postscale: 0.5,
             splits: vec![],
             parts: vec![],
+            device: -1,
         }
     }
 

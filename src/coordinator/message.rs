@@ -24,7 +24,12 @@ pub struct Request {
     /// A grouped allreduce packed into one tensor (see `engine::packed`): the shapes of its tensors in
     /// order, encoded by [`encode_part_shapes`]; `shape` is then the total element count. Empty otherwise.
     pub parts: Vec<i64>,
+    /// Where the tensor lives: [`CPU_DEVICE`], or the CUDA device ordinal. Ranks must agree on CPU vs GPU.
+    pub device: i32,
 }
+
+/// `Request::device` of a tensor in host memory (Horovod's `CPU_DEVICE_ID`).
+pub const CPU_DEVICE: i32 = -1;
 
 /// What kind of error a failed negotiation reports; decides the Python exception.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

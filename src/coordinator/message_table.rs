@@ -348,6 +348,7 @@ mod tests {
             postscale: 1.0,
             splits: Vec::new(),
             parts: Vec::new(),
+            device: crate::coordinator::message::CPU_DEVICE,
         }
     }
 

@@ -463,6 +463,7 @@ mod tests {
                 postscale: 1.0,
                 splits: vec![],
                 parts: vec![],
+                device: crate::coordinator::message::CPU_DEVICE,
             };
             let data = vec![fill; count as usize * 4];
             self.entries.push((FakeEntry { request, submitted: Instant::now(), data }, Announcement::Unsent));

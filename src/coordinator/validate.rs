@@ -3,7 +3,7 @@
 
 use std::fmt::Display;
 
-use crate::coordinator::message::{decode_part_shapes, ErrorKind, Request, Response, ResponseEntry};
+use crate::coordinator::message::{decode_part_shapes, ErrorKind, Request, Response, ResponseEntry, CPU_DEVICE};
 use crate::types::{CollectiveKind, ReduceOp};
 
 /// "rank 0 sent X; ranks 1, 2 sent Y", grouping ranks that agree. Values are listed in rank order; ranks
@@ -84,6 +84,26 @@ fn agree_on_group(
     Ok(())
 }
 
+/// Every rank's tensor is in host memory, or every rank's is on a GPU (each its own ordinal); otherwise
+/// Horovod's "Mismatched CPU/GPU device selection", naming each rank's device.
+fn agree_on_device(
+    requests: &[Request],
+    global_ranks: &[usize],
+    name: &str,
+    kind: CollectiveKind,
+) -> Result<(), String> {
+    let on_cpu = |r: &Request| r.device == CPU_DEVICE;
+    if requests.iter().all(on_cpu) || !requests.iter().any(on_cpu) {
+        return Ok(());
+    }
+    let global = |rank: u32| global_ranks.get(rank as usize).copied().unwrap_or(rank as usize);
+    let values: Vec<(usize, String)> = requests
+        .iter()
+        .map(|r| (global(r.rank), if on_cpu(r) { "CPU".to_string() } else { format!("GPU {}", r.device) }))
+        .collect();
+    Err(format!("Mismatched CPU/GPU device selection for {kind} of tensor '{name}': {}.", describe(&values)))
+}
+
 fn error_response(first: &Request, kind: ErrorKind, message: String) -> Response {
     Response {
         kind: first.kind,
@@ -125,6 +145,9 @@ pub fn construct_response(requests: &[Request], global_ranks: &[usize], any_join
         return mismatch(m);
     }
     if let Err(m) = agree(requests, global_ranks, "data types", name, kind, |r| r.dtype.name()) {
+        return mismatch(m);
+    }
+    if let Err(m) = agree_on_device(requests, global_ranks, name, kind) {
         return mismatch(m);
     }
     if any_joined && kind != CollectiveKind::Allreduce && kind != CollectiveKind::Barrier {
@@ -258,6 +281,7 @@ mod tests {
             postscale: 1.0,
             splits: Vec::new(),
             parts: Vec::new(),
+            device: CPU_DEVICE,
         }
     }
 
@@ -445,6 +469,33 @@ mod tests {
         }
         let r = construct_response(&[req(0, CollectiveKind::Allreduce, &[2])], &ranks(2), true);
         assert!(r.error.is_none());
+    }
+
+    #[test]
+    fn a_cpu_tensor_against_a_gpu_tensor_is_a_mismatch_naming_both() {
+        let on = |rank: u32, device: i32| Request { device, ..req(rank, CollectiveKind::Allreduce, &[2]) };
+        let r = construct_response(&[on(0, CPU_DEVICE), on(1, 0), on(2, 1)], &ranks(3), false);
+        assert_eq!(
+            r.error.unwrap(),
+            (
+                ErrorKind::Mismatch,
+                "Mismatched CPU/GPU device selection for allreduce of tensor 't': rank 0 sent CPU; rank 1 sent GPU 0; \
+                 rank 2 sent GPU 1."
+                    .into()
+            )
+        );
+        let r = construct_response(&[on(0, 0), on(1, CPU_DEVICE)], &[4, 6], false);
+        assert!(r.error.unwrap().1.contains("rank 4 sent GPU 0; rank 6 sent CPU"), "global ranks are named");
+        assert!(
+            construct_response(&[on(0, 0), on(1, 1)], &ranks(2), false).error.is_none(),
+            "each rank on its own GPU"
+        );
+        assert!(construct_response(&[on(0, 0), on(1, 0)], &ranks(2), false).error.is_none(), "two ranks on one GPU");
+        let broadcast =
+            |rank: u32, device: i32| Request { device, root_rank: 0, ..req(rank, CollectiveKind::Broadcast, &[2]) };
+        let message =
+            construct_response(&[broadcast(0, 3), broadcast(1, CPU_DEVICE)], &ranks(2), false).error.unwrap().1;
+        assert!(message.starts_with("Mismatched CPU/GPU device selection for broadcast"), "{message}");
     }
 
     #[test]

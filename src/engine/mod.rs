@@ -443,6 +443,9 @@ fn entries_for(op: OpSubmission, handle: HandleId, rank: u32, names: &[String]) 
         postscale: op.postscale,
         splits: op.splits.clone(),
         parts: Vec::new(),
+        // The engine runs collectives on host memory only (GPU tensors are refused at submission; see
+        // crate::gpu), so every request it makes is for the CPU.
+        device: crate::coordinator::message::CPU_DEVICE,
     };
     if op.tensors.is_empty() {
         // SAFETY: a zero-length view of no memory.

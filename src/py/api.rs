@@ -357,9 +357,9 @@ pub fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let info = PyDict::new(py);
     info.set_item("version", env!("CARGO_PKG_VERSION"))?;
     info.set_item("transports", vec!["tcp", "shm"])?;
-    info.set_item("nccl", false)?;
-    // What Horovod's `*_built()` functions report: this build links none of these libraries.
-    for library in ["mpi", "gloo", "cuda", "rocm", "ddl", "ccl"] {
+    // What Horovod's `*_built()` functions report: this build links none of these libraries. CUDA and NCCL
+    // are loaded at run time instead: `gpu_libraries()` says what was found.
+    for library in ["mpi", "gloo", "rocm", "ddl", "ccl"] {
         info.set_item(library, false)?;
     }
     Ok(info)

@@ -118,13 +118,13 @@ pub fn import_capsule(capsule: &Bound<'_, PyAny>, what: impl Fn() -> String) -> 
     let t = unsafe { &(*managed).dl_tensor };
     match t.device.device_type {
         DEVICE_CPU | DEVICE_CUDA_HOST => {}
-        DEVICE_CUDA => {
+        DEVICE_CUDA => return Err(crate::py::gpu::refuse_cuda_tensor(capsule.py(), &what(), t.device.device_id)),
+        other => {
             return Err(PyValueError::new_err(format!(
-                "{}: GPU tensors need an rvod build with NCCL support; this build handles CPU tensors only",
+                "{}: unsupported DLPack device type {other} (rvod takes CPU tensors, and CUDA ones where a GPU is                  usable)",
                 what()
             )))
         }
-        other => return Err(PyValueError::new_err(format!("{}: unsupported device type {other} (only CPU)", what()))),
     }
     let dtype = dtype_from_dlpack(t.dtype).ok_or_else(|| {
         PyValueError::new_err(format!(

@@ -6,6 +6,7 @@
 //! - [`ndarray`], [`buffer`]: NumPy arrays in without a capsule per array (NumPy's struct, the buffer
 //!   protocol).
 //! - [`error`]: engine errors as Python exceptions.
+//! - [`gpu`]: the GPU libraries found (`nccl_built()`, `--check-build`) and the refusal of GPU tensors.
 //! - [`rendezvous`]: the rendezvous server class used by `rvodrun`, and a client of it for `rvod.run`.
 
 pub mod api;
@@ -13,6 +14,7 @@ pub mod boundary;
 pub mod buffer;
 pub mod dlpack;
 pub mod error;
+pub mod gpu;
 pub mod ndarray;
 pub mod rendezvous;
 
@@ -36,6 +38,7 @@ fn _rvod(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(api::dynamic_process_sets, m)?)?;
     m.add_function(wrap_pyfunction!(api::transport_kind, m)?)?;
     m.add_function(wrap_pyfunction!(api::build_info, m)?)?;
+    m.add_function(wrap_pyfunction!(gpu::gpu_libraries, m)?)?;
     m.add_function(wrap_pyfunction!(api::start_timeline, m)?)?;
     m.add_function(wrap_pyfunction!(api::stop_timeline, m)?)?;
     m.add_function(wrap_pyfunction!(api::autotune_applied, m)?)?;

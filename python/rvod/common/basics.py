@@ -168,8 +168,14 @@ def gloo_built():
 
 
 def nccl_built():
-    """NCCL version code of the build, 0 when built without NCCL."""
-    return int(_BUILD["nccl"])
+    """The NCCL version code (``NCCL_VERSION_CODE``, e.g. 23007 for 2.30.7) of the libnccl this process
+    found and loaded, 0 when none was found.
+
+    rvod links no NCCL: on the first ask it looks at ``RVOD_NCCL_LIBRARY``, then the nvidia-nccl-cu12/cu13
+    Python packages, then the system (``rvodrun --check-build`` says where). A non-zero value says NCCL
+    is there, not that rvod runs GPU collectives: this version refuses GPU tensors (see README, GPU status).
+    """
+    return int(_rvod.gpu_libraries()["nccl_version"])
 
 
 def ddl_built():
@@ -181,7 +187,9 @@ def ccl_built():
 
 
 def cuda_built():
-    return bool(_BUILD["cuda"])
+    """True when this process found and loaded a CUDA runtime library (libcudart), on the first ask; it
+    says nothing of a driver or a device (``rvodrun --check-build`` does)."""
+    return bool(_rvod.gpu_libraries()["cuda_runtime_version"])
 
 
 def rocm_built():

@@ -35,8 +35,16 @@ class _CapsuleHolder:
         return (1, 0)
 
 
+# DLPack device types whose memory NumPy can read (CPU, CUDA host-pinned); others (CUDA, ROCm) are device memory.
+_HOST_DEVICES = (1, 3)
+
+
 class NumpyAdapter(TensorAdapter):
     def export(self, tensor):
+        if not isinstance(tensor, np.ndarray) and hasattr(tensor, "__dlpack_device__") and \
+                tensor.__dlpack_device__()[0] not in _HOST_DEVICES:
+            # Device memory (e.g. a CuPy array): the engine reads the device and says whether it can use it here.
+            return tensor.__dlpack__(), tensor
         array = tensor if isinstance(tensor, np.ndarray) else np.from_dlpack(tensor) if hasattr(
             tensor, "__dlpack__") else np.asarray(tensor)
         dtype = array.dtype

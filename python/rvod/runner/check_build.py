@@ -1,7 +1,9 @@
 """The --check-build report: which frameworks, controllers and tensor transports this rvod can use.
 
 Frameworks are looked up without being imported (importing TensorFlow alone takes seconds).
-Transports come from the native extension's `build_info()`.
+Transports come from the native extension's `build_info()`; the GPU libraries (loaded at run time, never
+linked) from its `gpu_libraries()`: where NCCL and the CUDA runtime were found, their versions, and the
+driver's answer (the device count, or why there is none).
 """
 
 from __future__ import annotations
@@ -32,6 +34,43 @@ def _native_build_info() -> tuple[dict[str, Any] | None, str]:
     return build_info(), ""
 
 
+def _native_gpu_libraries() -> tuple[dict[str, Any] | None, str]:
+    try:
+        from rvod._rvod import gpu_libraries
+
+        return gpu_libraries(), ""
+    except (ImportError, ValueError) as error:
+        return None, str(error)
+
+
+def _cuda_version(code: int) -> str:
+    return f"{code // 1000}.{code % 1000 // 10}"
+
+
+def gpu_lines(gpu: dict[str, Any]) -> list[str]:
+    """The GPU section: one line per library, the driver, the transport setting and what rvod runs."""
+    if gpu["nccl_version"]:
+        nccl = f"{gpu['nccl_version_text']} (version code {gpu['nccl_version']}) from {gpu['nccl_path']}"
+    else:
+        nccl = gpu["nccl_error"]
+    if gpu["cuda_runtime_version"]:
+        cuda = f"{_cuda_version(gpu['cuda_runtime_version'])} from {gpu['cuda_path']}"
+    else:
+        cuda = gpu["cuda_error"]
+    if gpu["device_count"]:
+        driver = f"CUDA {_cuda_version(gpu['cuda_driver_version'])}, {gpu['device_count']} device(s)"
+    else:
+        driver = gpu["device_error"]
+    collectives = "yes" if gpu["gpu_collectives"] else f"no: {gpu['unavailable']}"
+    return [
+        f"    NCCL: {nccl}",
+        f"    CUDA runtime: {cuda}",
+        f"    CUDA driver: {driver}",
+        f"    GPU transport (RVOD_GPU_TRANSPORT): {gpu['gpu_transport']}",
+        f"    Collectives on GPU tensors: {collectives}",
+    ]
+
+
 def package_version() -> str:
     from rvod import __version__
 
@@ -50,6 +89,9 @@ def build_report() -> str:
         lines += [
             _box("tcp" in transports, "TCP"),
             _box("shm" in transports, "shared memory"),
-            _box(bool(info.get("nccl", False)), "NCCL"),
         ]
+        gpu, problem = _native_gpu_libraries()
+        lines.append(_box(bool(gpu and gpu["gpu_collectives"]), "NCCL"))
+        lines += ["", "GPU libraries (loaded at run time):"]
+        lines += gpu_lines(gpu) if gpu is not None else [f"    (not read: {problem})"]
     return "\n".join(lines)

@@ -2,7 +2,8 @@
 
 The names are ``horovod.torch``'s (collectives on CPU tensors, DistributedOptimizer, broadcast helpers,
 Compression, SyncBatchNorm, the basics); rvod adds ``Compression.bf16`` and its own exception classes.
-GPU tensors need an rvod build with NCCL and are refused by this one with a clear error.
+CUDA tensors go to the engine, which says why it cannot run them here (no driver, no NCCL found and
+where it looked, or that this version runs no GPU collectives yet: README, "GPU status").
 """
 
 from rvod.exceptions import HorovodInternalError, RvodInternalError, RvodMismatchError, RvodTimeoutError

@@ -2,8 +2,10 @@
 
 A contiguous CPU tensor crosses without a copy (the engine reads, and for in-place ops writes, its memory);
 any other CPU tensor (transposed, strided, with the negative bit set) crosses as a private contiguous copy
-whose result is copied back. Tensors on other devices and dtypes the engine cannot exchange are refused
-with a ``ValueError`` before anything is sent.
+whose result is copied back. CUDA tensors cross as DLPack capsules of device memory: the engine reads the
+device and refuses them with the reason it cannot use them here (a ``ValueError`` naming the tensor; see
+``rvod.common.basics.nccl_built``). Tensors on other devices and dtypes the engine cannot exchange are
+refused with a ``ValueError`` before anything is sent.
 """
 
 import torch
@@ -25,10 +27,9 @@ def check_tensor(tensor, what="rvod"):
         raise TypeError(f"{what} expects a torch.Tensor, got {type(tensor).__name__}")
     if tensor.is_cpu and tensor.layout is torch.strided and tensor.dtype in _SUPPORTED_SET:
         return  # the common case, checked with cheap attributes only (this runs on every collective)
-    if tensor.device.type == "cuda":
-        raise ValueError(f"{what}: got a CUDA tensor ({tensor.device}); GPU support needs an rvod build with NCCL, "
-                         "and this build handles CPU tensors only. Move the tensor to the CPU with .cpu().")
-    if tensor.device.type != "cpu":
+    if tensor.device.type == "cuda" and tensor.layout is torch.strided and tensor.dtype in _SUPPORTED_SET:
+        return  # the engine reads the device from the capsule and says whether it can use it here
+    if tensor.device.type not in ("cpu", "cuda"):
         raise ValueError(f"{what}: tensors on device '{tensor.device.type}' are not supported; use CPU tensors")
     if tensor.layout != torch.strided:
         raise ValueError(f"{what}: {tensor.layout} tensors are not supported here; use sparse_allreduce_async "

@@ -35,7 +35,8 @@ synchronize = _ops.synchronize
 
 
 def _check_has_gpu():
-    """Whether this build can run collectives on GPU tensors (it needs NCCL; this build has none)."""
+    """Whether rvod runs collectives on GPU tensors here: not in this version, whatever NCCL and CUDA it
+    finds (``rvodrun --check-build`` says what it found; README, "GPU status")."""
     return False
 
 

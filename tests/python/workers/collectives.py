@@ -73,9 +73,10 @@ with check("topology"):
     assert hvd.is_homogeneous() is True
     assert (hvd.Average, hvd.Sum, hvd.Adasum, hvd.Min, hvd.Max, hvd.Product) == (0, 1, 2, 3, 4, 5)
     for probe in (hvd.mpi_built, hvd.mpi_enabled, hvd.gloo_built, hvd.gloo_enabled, hvd.ddl_built,
-                  hvd.ccl_built, hvd.cuda_built, hvd.rocm_built):
+                  hvd.ccl_built, hvd.rocm_built):
         assert probe() is False, probe.__name__
-    assert hvd.nccl_built() == 0
+    gpu = _rvod.gpu_libraries()  # CUDA and NCCL as found at run time (0 / False where they are not)
+    assert hvd.nccl_built() == gpu["nccl_version"] and hvd.cuda_built() is (gpu["cuda_runtime_version"] > 0)
 
 # ------------------------------------------------------------------------------------------------ allreduce
 

@@ -15,6 +15,7 @@ import numpy as np
 from _check import check, expect_error, finish
 
 import rvod.mxnet as hvd
+from rvod import _rvod
 from rvod.exceptions import RvodInternalError, RvodMismatchError
 
 hvd.init()
@@ -110,7 +111,8 @@ with check("module surface: Horovod's mxnet names, topology, constants"):
     assert hvd.HorovodInternalError is RvodInternalError and issubclass(RvodMismatchError, ValueError)
     assert (hvd.Average, hvd.Sum, hvd.Adasum, hvd.Min, hvd.Max, hvd.Product) == (0, 1, 2, 3, 4, 5)
     assert hvd.is_initialized() and hvd.size() == N and 0 <= R < N and hvd.local_rank() == R
-    assert hvd.nccl_built() == 0 and hvd.cuda_built() is False
+    gpu = _rvod.gpu_libraries()  # CUDA and NCCL as found at run time (0 / False where they are not)
+    assert hvd.nccl_built() == gpu["nccl_version"] and hvd.cuda_built() is (gpu["cuda_runtime_version"] > 0)
 
 # ------------------------------------------------------------------------------------------------ allreduce
 

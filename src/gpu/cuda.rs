@@ -1,0 +1,382 @@
+//! The CUDA runtime (libcudart), loaded at run time: the calls rvod makes, and [`CudaDevice`], the
+//! [`Device`] that host staging runs on a real GPU.
+//!
+//! **Not yet run on a GPU.** These wrappers are compiled and reviewed against the CUDA runtime API, and
+//! what runs without a driver (loading, `cudaRuntimeGetVersion`, `cudaDriverGetVersion`,
+//! `cudaGetDeviceCount`'s error, `cudaGetErrorString`) is exercised by the tests; the memory, stream and
+//! event calls have never executed on a device.
+//!
+//! Every call returns a `cudaError_t`; a non-zero one becomes a [`GpuError`] with the call, the device and
+//! CUDA's own name and text for the code.
+
+use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
+use std::path::PathBuf;
+
+use crate::gpu::device::{Device, DevicePtr, PinnedBuffer};
+use crate::gpu::library::symbol;
+use crate::gpu::GpuError;
+
+type CudaStatus = c_int;
+type RawStream = *mut c_void;
+type RawEvent = *mut c_void;
+
+const SUCCESS: CudaStatus = 0;
+const ERROR_INSUFFICIENT_DRIVER: CudaStatus = 35;
+const ERROR_NO_DEVICE: CudaStatus = 100;
+const MEMCPY_HOST_TO_DEVICE: c_int = 1;
+const MEMCPY_DEVICE_TO_HOST: c_int = 2;
+const STREAM_NON_BLOCKING: c_uint = 0x01;
+const EVENT_DISABLE_TIMING: c_uint = 0x02;
+
+/// The libcudart entry points rvod uses (signatures from cuda_runtime_api.h).
+struct Functions {
+    get_device_count: unsafe extern "C" fn(*mut c_int) -> CudaStatus,
+    runtime_get_version: unsafe extern "C" fn(*mut c_int) -> CudaStatus,
+    driver_get_version: unsafe extern "C" fn(*mut c_int) -> CudaStatus,
+    get_error_string: unsafe extern "C" fn(CudaStatus) -> *const c_char,
+    get_error_name: unsafe extern "C" fn(CudaStatus) -> *const c_char,
+    set_device: unsafe extern "C" fn(c_int) -> CudaStatus,
+    device_get_pci_bus_id: unsafe extern "C" fn(*mut c_char, c_int, c_int) -> CudaStatus,
+    malloc: unsafe extern "C" fn(*mut *mut c_void, usize) -> CudaStatus,
+    free: unsafe extern "C" fn(*mut c_void) -> CudaStatus,
+    malloc_host: unsafe extern "C" fn(*mut *mut c_void, usize) -> CudaStatus,
+    free_host: unsafe extern "C" fn(*mut c_void) -> CudaStatus,
+    memcpy_async: unsafe extern "C" fn(*mut c_void, *const c_void, usize, c_int, RawStream) -> CudaStatus,
+    stream_create_with_flags: unsafe extern "C" fn(*mut RawStream, c_uint) -> CudaStatus,
+    stream_destroy: unsafe extern "C" fn(RawStream) -> CudaStatus,
+    event_create_with_flags: unsafe extern "C" fn(*mut RawEvent, c_uint) -> CudaStatus,
+    event_destroy: unsafe extern "C" fn(RawEvent) -> CudaStatus,
+    event_record: unsafe extern "C" fn(RawEvent, RawStream) -> CudaStatus,
+    stream_wait_event: unsafe extern "C" fn(RawStream, RawEvent, c_uint) -> CudaStatus,
+    event_synchronize: unsafe extern "C" fn(RawEvent) -> CudaStatus,
+    event_query: unsafe extern "C" fn(RawEvent) -> CudaStatus,
+}
+
+/// A loaded CUDA runtime. Lives for the rest of the process (see `library::libraries`).
+pub struct CudaRuntime {
+    pub path: PathBuf,
+    /// `cudaRuntimeGetVersion`, e.g. 13020 for 13.2.
+    pub runtime_version: i32,
+    f: Functions,
+    _lib: libloading::Library,
+}
+
+impl CudaRuntime {
+    pub fn new(lib: libloading::Library, path: PathBuf) -> Result<CudaRuntime, String> {
+        let f = Functions {
+            get_device_count: symbol(&lib, &path, "cudaGetDeviceCount")?,
+            runtime_get_version: symbol(&lib, &path, "cudaRuntimeGetVersion")?,
+            driver_get_version: symbol(&lib, &path, "cudaDriverGetVersion")?,
+            get_error_string: symbol(&lib, &path, "cudaGetErrorString")?,
+            get_error_name: symbol(&lib, &path, "cudaGetErrorName")?,
+            set_device: symbol(&lib, &path, "cudaSetDevice")?,
+            device_get_pci_bus_id: symbol(&lib, &path, "cudaDeviceGetPCIBusId")?,
+            malloc: symbol(&lib, &path, "cudaMalloc")?,
+            free: symbol(&lib, &path, "cudaFree")?,
+            malloc_host: symbol(&lib, &path, "cudaMallocHost")?,
+            free_host: symbol(&lib, &path, "cudaFreeHost")?,
+            memcpy_async: symbol(&lib, &path, "cudaMemcpyAsync")?,
+            stream_create_with_flags: symbol(&lib, &path, "cudaStreamCreateWithFlags")?,
+            stream_destroy: symbol(&lib, &path, "cudaStreamDestroy")?,
+            event_create_with_flags: symbol(&lib, &path, "cudaEventCreateWithFlags")?,
+            event_destroy: symbol(&lib, &path, "cudaEventDestroy")?,
+            event_record: symbol(&lib, &path, "cudaEventRecord")?,
+            stream_wait_event: symbol(&lib, &path, "cudaStreamWaitEvent")?,
+            event_synchronize: symbol(&lib, &path, "cudaEventSynchronize")?,
+            event_query: symbol(&lib, &path, "cudaEventQuery")?,
+        };
+        let mut version: c_int = 0;
+        // SAFETY: a valid out-pointer; answers without a driver.
+        let status = unsafe { (f.runtime_get_version)(&mut version) };
+        if status != SUCCESS {
+            return Err(format!("{}: cudaRuntimeGetVersion returned {status}", path.display()));
+        }
+        Ok(CudaRuntime { path, runtime_version: version, f, _lib: lib })
+    }
+
+    /// CUDA's name and text for a status, e.g. "CUDA driver version is insufficient for CUDA runtime
+    /// version (cudaErrorInsufficientDriver)".
+    pub fn error_text(&self, status: c_int) -> String {
+        // SAFETY: both return pointers to static strings (or null for codes they do not know).
+        let (text, name) = unsafe { ((self.f.get_error_string)(status), (self.f.get_error_name)(status)) };
+        let read = |p: *const c_char| {
+            // SAFETY: non-null pointers from these calls are NUL-terminated static strings.
+            (!p.is_null()).then(|| unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
+        };
+        match (read(text), read(name)) {
+            (Some(text), Some(name)) => format!("{text} ({name})"),
+            (Some(text), None) | (None, Some(text)) => text,
+            (None, None) => format!("CUDA error {status}"),
+        }
+    }
+
+    /// The driver's CUDA version (e.g. 13000), or 0 when no driver is installed.
+    pub fn driver_version(&self) -> i32 {
+        let mut version: c_int = 0;
+        // SAFETY: a valid out-pointer.
+        let status = unsafe { (self.f.driver_get_version)(&mut version) };
+        if status == SUCCESS {
+            version
+        } else {
+            0
+        }
+    }
+
+    /// The number of GPUs, or why there are none to use (no driver, no device) in words.
+    pub fn device_count(&self) -> Result<i32, String> {
+        let mut count: c_int = 0;
+        // SAFETY: a valid out-pointer.
+        let status = unsafe { (self.f.get_device_count)(&mut count) };
+        match status {
+            SUCCESS if count > 0 => Ok(count),
+            SUCCESS => Err(device_count_error(ERROR_NO_DEVICE, "no CUDA-capable device is detected")),
+            _ => Err(device_count_error(status, &self.error_text(status))),
+        }
+    }
+
+    fn check(&self, status: CudaStatus, call: &str, device: i32) -> Result<(), GpuError> {
+        if status == SUCCESS {
+            return Ok(());
+        }
+        Err(GpuError { call: call.into(), device: format!("GPU {device}"), message: self.error_text(status) })
+    }
+}
+
+/// The words for `cudaGetDeviceCount`'s failure: what it means for the user first, then CUDA's text.
+pub fn device_count_error(status: i32, text: &str) -> String {
+    match status {
+        ERROR_INSUFFICIENT_DRIVER => format!("no CUDA driver: {text}"),
+        ERROR_NO_DEVICE => format!("no CUDA device: {text}"),
+        _ => format!("cudaGetDeviceCount failed: {text}"),
+    }
+}
+
+/// One GPU through the CUDA runtime. Streams and events are made on this device; the calls that create
+/// them make it the calling thread's current device first.
+pub struct CudaDevice {
+    rt: &'static CudaRuntime,
+    ordinal: i32,
+}
+
+pub struct CudaStream {
+    rt: &'static CudaRuntime,
+    raw: RawStream,
+}
+
+pub struct CudaEvent {
+    rt: &'static CudaRuntime,
+    raw: RawEvent,
+}
+
+/// Page-locked host memory from `cudaMallocHost`.
+pub struct CudaPinned {
+    rt: &'static CudaRuntime,
+    ptr: *mut u8,
+    len: usize,
+}
+
+/// Device memory from `cudaMalloc` (fusion buffers).
+pub struct DeviceMemory {
+    rt: &'static CudaRuntime,
+    pub ptr: DevicePtr,
+    pub len: usize,
+}
+
+// SAFETY: CUDA streams, events and allocations may be used from any host thread.
+unsafe impl Send for CudaStream {}
+unsafe impl Send for CudaEvent {}
+unsafe impl Send for CudaPinned {}
+unsafe impl Send for DeviceMemory {}
+
+impl CudaDevice {
+    pub fn new(rt: &'static CudaRuntime, ordinal: i32) -> Result<CudaDevice, GpuError> {
+        let device = CudaDevice { rt, ordinal };
+        device.make_current()?;
+        Ok(device)
+    }
+
+    pub fn ordinal(&self) -> i32 {
+        self.ordinal
+    }
+
+    /// `cudaSetDevice` for the calling thread.
+    pub fn make_current(&self) -> Result<(), GpuError> {
+        // SAFETY: plain call.
+        self.rt.check(unsafe { (self.rt.f.set_device)(self.ordinal) }, "cudaSetDevice", self.ordinal)
+    }
+
+    /// The PCI bus id (e.g. `0000:3b:00.0`) that identifies this GPU on its host, for the transport choice.
+    pub fn pci_bus_id(&self) -> Result<String, GpuError> {
+        let mut buffer: [c_char; 64] = [0; 64];
+        // SAFETY: the buffer holds 64 bytes, as passed.
+        let status = unsafe { (self.rt.f.device_get_pci_bus_id)(buffer.as_mut_ptr(), 64, self.ordinal) };
+        self.rt.check(status, "cudaDeviceGetPCIBusId", self.ordinal)?;
+        // SAFETY: on success the buffer holds a NUL-terminated string (it was zeroed, so it ends in NUL).
+        Ok(unsafe { CStr::from_ptr(buffer.as_ptr()) }.to_string_lossy().into_owned())
+    }
+
+    /// A stream that does not synchronize with the legacy default stream.
+    pub fn new_stream(&self) -> Result<CudaStream, GpuError> {
+        self.make_current()?;
+        let mut raw: RawStream = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer.
+        let status = unsafe { (self.rt.f.stream_create_with_flags)(&mut raw, STREAM_NON_BLOCKING) };
+        self.rt.check(status, "cudaStreamCreateWithFlags", self.ordinal)?;
+        Ok(CudaStream { rt: self.rt, raw })
+    }
+
+    /// `len` bytes of device memory (an out-of-memory error names the size).
+    pub fn alloc(&self, len: usize) -> Result<DeviceMemory, GpuError> {
+        self.make_current()?;
+        let mut ptr: *mut c_void = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer.
+        let status = unsafe { (self.rt.f.malloc)(&mut ptr, len) };
+        self.rt.check(status, &format!("cudaMalloc of {len} bytes"), self.ordinal)?;
+        Ok(DeviceMemory { rt: self.rt, ptr: DevicePtr(ptr as u64), len })
+    }
+
+    /// Whether the work before `event` has completed, without blocking (`cudaEventQuery`).
+    pub fn query(&self, event: &CudaEvent) -> Result<bool, GpuError> {
+        const NOT_READY: CudaStatus = 600;
+        // SAFETY: a live event.
+        match unsafe { (self.rt.f.event_query)(event.raw) } {
+            SUCCESS => Ok(true),
+            NOT_READY => Ok(false),
+            status => self.rt.check(status, "cudaEventQuery", self.ordinal).map(|_| false),
+        }
+    }
+
+    /// A stream the framework owns (e.g. `torch.cuda.current_stream().cuda_stream`), borrowed: never
+    /// destroyed by rvod.
+    ///
+    /// # Safety
+    /// `raw` must be a live stream of this device for as long as the returned value is used.
+    pub unsafe fn borrowed_stream(&self, raw: usize) -> std::mem::ManuallyDrop<CudaStream> {
+        std::mem::ManuallyDrop::new(CudaStream { rt: self.rt, raw: raw as RawStream })
+    }
+}
+
+impl CudaStream {
+    pub fn raw(&self) -> *mut c_void {
+        self.raw
+    }
+}
+
+impl Drop for CudaStream {
+    fn drop(&mut self) {
+        // SAFETY: created by cudaStreamCreateWithFlags; work already queued still completes.
+        unsafe { (self.rt.f.stream_destroy)(self.raw) };
+    }
+}
+
+impl Drop for CudaEvent {
+    fn drop(&mut self) {
+        // SAFETY: created by cudaEventCreateWithFlags.
+        unsafe { (self.rt.f.event_destroy)(self.raw) };
+    }
+}
+
+impl Drop for CudaPinned {
+    fn drop(&mut self) {
+        // SAFETY: allocated by cudaMallocHost; the staging code waits for every copy using it first.
+        unsafe { (self.rt.f.free_host)(self.ptr as *mut c_void) };
+    }
+}
+
+impl Drop for DeviceMemory {
+    fn drop(&mut self) {
+        // SAFETY: allocated by cudaMalloc; cudaFree waits for work using it.
+        unsafe { (self.rt.f.free)(self.ptr.0 as *mut c_void) };
+    }
+}
+
+impl PinnedBuffer for CudaPinned {
+    fn as_slice(&self) -> &[u8] {
+        // SAFETY: cudaMallocHost returned `len` bytes (a dangling non-null pointer is not used for len 0).
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+    fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as above; &mut self gives unique access.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl Device for CudaDevice {
+    type Stream = CudaStream;
+    type Event = CudaEvent;
+    type Pinned = CudaPinned;
+
+    fn name(&self) -> String {
+        format!("GPU {}", self.ordinal)
+    }
+
+    fn alloc_pinned(&self, len: usize) -> Result<CudaPinned, GpuError> {
+        self.make_current()?;
+        let mut ptr: *mut c_void = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer; len > 0 (staging asks for at least one byte).
+        let status = unsafe { (self.rt.f.malloc_host)(&mut ptr, len.max(1)) };
+        self.rt.check(status, &format!("cudaMallocHost of {len} bytes"), self.ordinal)?;
+        // cudaMallocHost does not promise zeroed memory; make it initialised for the slices above.
+        // SAFETY: ptr points at len writable bytes.
+        unsafe { std::ptr::write_bytes(ptr as *mut u8, 0, len) };
+        Ok(CudaPinned { rt: self.rt, ptr: ptr as *mut u8, len })
+    }
+
+    unsafe fn copy_to_host(&self, stream: &CudaStream, src: DevicePtr, dst: &mut [u8]) -> Result<(), GpuError> {
+        let (dst_ptr, len) = (dst.as_mut_ptr() as *mut c_void, dst.len());
+        // SAFETY: the caller guarantees src and keeps dst alive until the copy has completed.
+        let status = unsafe {
+            (self.rt.f.memcpy_async)(dst_ptr, src.0 as *const c_void, len, MEMCPY_DEVICE_TO_HOST, stream.raw)
+        };
+        self.rt.check(status, "cudaMemcpyAsync (device to host)", self.ordinal)
+    }
+
+    unsafe fn copy_to_device(&self, stream: &CudaStream, src: &[u8], dst: DevicePtr) -> Result<(), GpuError> {
+        let (src_ptr, len) = (src.as_ptr() as *const c_void, src.len());
+        // SAFETY: the caller guarantees dst and keeps src alive until the copy has completed.
+        let status =
+            unsafe { (self.rt.f.memcpy_async)(dst.0 as *mut c_void, src_ptr, len, MEMCPY_HOST_TO_DEVICE, stream.raw) };
+        self.rt.check(status, "cudaMemcpyAsync (host to device)", self.ordinal)
+    }
+
+    fn record(&self, stream: &CudaStream) -> Result<CudaEvent, GpuError> {
+        self.make_current()?;
+        let mut raw: RawEvent = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer.
+        let status = unsafe { (self.rt.f.event_create_with_flags)(&mut raw, EVENT_DISABLE_TIMING) };
+        self.rt.check(status, "cudaEventCreateWithFlags", self.ordinal)?;
+        let event = CudaEvent { rt: self.rt, raw };
+        // SAFETY: a live event and stream.
+        let status = unsafe { (self.rt.f.event_record)(event.raw, stream.raw) };
+        self.rt.check(status, "cudaEventRecord", self.ordinal)?;
+        Ok(event)
+    }
+
+    fn wait_event(&self, stream: &CudaStream, event: &CudaEvent) -> Result<(), GpuError> {
+        // SAFETY: a live stream and event.
+        let status = unsafe { (self.rt.f.stream_wait_event)(stream.raw, event.raw, 0) };
+        self.rt.check(status, "cudaStreamWaitEvent", self.ordinal)
+    }
+
+    fn synchronize(&self, event: &CudaEvent) -> Result<(), GpuError> {
+        // SAFETY: a live event.
+        let status = unsafe { (self.rt.f.event_synchronize)(event.raw) };
+        self.rt.check(status, "cudaEventSynchronize", self.ordinal)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_count_errors_say_what_is_missing_first() {
+        let text = "CUDA driver version is insufficient for CUDA runtime version (cudaErrorInsufficientDriver)";
+        assert_eq!(device_count_error(35, text), format!("no CUDA driver: {text}"));
+        assert_eq!(
+            device_count_error(100, "no CUDA-capable device is detected"),
+            "no CUDA device: no CUDA-capable device is detected"
+        );
+        assert_eq!(device_count_error(3, "initialization error"), "cudaGetDeviceCount failed: initialization error");
+    }
+}

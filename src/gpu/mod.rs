@@ -1,0 +1,47 @@
+//! GPU tensors: the CUDA runtime and NCCL, loaded at run time, and the two ways a collective on device
+//! memory can travel.
+//!
+//! One wheel serves machines with and without CUDA: nothing here is linked against CUDA. [`library`] finds
+//! and `dlopen`s libcudart and libnccl on first use (never at `import rvod`), and a machine without them, or
+//! without a driver, keeps every CPU path exactly as it was. What each part is:
+//!
+//! - [`device`]: the [`device::Device`] trait the GPU paths are written against (device pointers, pinned
+//!   host memory, streams, events), so the staging logic is tested with a CPU stand-in.
+//! - [`staging`]: host staging: device -> pinned host buffer -> rvod's host collective -> device, in
+//!   stream order, waiting only on events (never a device-wide synchronize).
+//! - [`choice`]: which of NCCL and host staging a process set uses, and the reason (for `--verbose` once the
+//!   engine runs GPU collectives; nothing logs it yet).
+//! - [`bootstrap`]: a process set's members agree on the route over their own transport (and NCCL's unique id).
+//! - [`plan`]: the NCCL calls one agreed response takes on this rank, or why it goes through host staging.
+//! - [`cuda`], [`nccl`]: thin FFI wrappers over the loaded libraries. **Not yet run on a GPU**: they
+//!   are compiled, reviewed and their pure parts (error texts) unit-tested, but no test here has a device.
+//!
+//! Status (issue 20): the engine does not yet execute collectives on GPU tensors; a CUDA tensor is refused
+//! at submission with the reason (no driver, no NCCL found and where it was looked for, or this). Requests
+//! carry the device and validation makes a CPU/GPU mix a mismatch error, but as the engine only submits CPU
+//! tensors today, only unit tests reach that check. Nothing outside this module calls staging, choice,
+//! bootstrap or plan yet: they are the pieces the engine's GPU path is to be built from.
+
+pub mod bootstrap;
+pub mod choice;
+pub mod cuda;
+pub mod device;
+pub mod library;
+pub mod nccl;
+pub mod plan;
+pub mod staging;
+
+#[cfg(test)]
+mod standin;
+
+/// What a GPU call failed with, in words that name the call, the device and the library's own message.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{call} failed on {device}: {message}")]
+pub struct GpuError {
+    /// The library function, e.g. `cudaMemcpyAsync`.
+    pub call: String,
+    /// The device, e.g. `GPU 0`.
+    pub device: String,
+    /// The library's own error text (with its code name where it has one).
+    pub message: String,
+}

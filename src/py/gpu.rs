@@ -1,0 +1,116 @@
+//! GPU libraries as Python sees them: `gpu_libraries()` (what `nccl_built()`, `cuda_built()` and
+//! `rvodrun --check-build` report) and the refusal of a GPU tensor with its reason.
+//!
+//! The NVIDIA Python packages' directories are found here, through `importlib` (no framework is imported),
+//! and handed to [`crate::gpu::library`], which loads the libraries on the first ask.
+
+use std::path::PathBuf;
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::config::GpuConfig;
+use crate::gpu::library::{libraries, GpuLibraries};
+use crate::gpu::nccl::version_text;
+
+/// The directories of the `nvidia` namespace package (where nvidia-nccl-cu12/cu13 and
+/// nvidia-cuda-runtime put their lib folders); empty when it is not installed.
+fn nvidia_dirs(py: Python<'_>) -> Vec<PathBuf> {
+    let found = (|| -> PyResult<Vec<PathBuf>> {
+        let spec = py.import("importlib.util")?.call_method1("find_spec", ("nvidia",))?;
+        if spec.is_none() {
+            return Ok(Vec::new());
+        }
+        let locations = spec.getattr("submodule_search_locations")?;
+        if locations.is_none() {
+            return Ok(Vec::new());
+        }
+        locations.try_iter()?.map(|dir| dir?.extract::<PathBuf>()).collect()
+    })();
+    found.unwrap_or_default()
+}
+
+/// This process's GPU libraries, loaded on the first call (with the GPU settings read then).
+pub fn loaded(py: Python<'_>) -> PyResult<&'static GpuLibraries> {
+    let config = GpuConfig::from_env().map_err(|e| PyValueError::new_err(e.to_string()))?;
+    let dirs = nvidia_dirs(py);
+    Ok(py.allow_threads(|| libraries(&config, &dirs)))
+}
+
+/// What was found: `nccl_version` (NCCL_VERSION_CODE, 0 when none), `nccl_version_text`, `nccl_path`,
+/// `nccl_error`; `cuda_runtime_version` (0 when none), `cuda_path`, `cuda_error`, `cuda_driver_version`
+/// (0 without a driver), `device_count` and `device_error` (why there is no device to use, e.g. "no CUDA
+/// driver: ..."); `gpu_transport` (RVOD_GPU_TRANSPORT); `gpu_collectives` (whether this build runs
+/// collectives on GPU tensors: not yet) and `unavailable` (the reason a GPU tensor is refused).
+#[pyfunction]
+pub fn gpu_libraries(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let libs = loaded(py)?;
+    let info = PyDict::new(py);
+    match &libs.nccl {
+        Ok(nccl) => {
+            info.set_item("nccl_version", nccl.version)?;
+            info.set_item("nccl_version_text", version_text(nccl.version))?;
+            info.set_item("nccl_path", nccl.path.display().to_string())?;
+            info.set_item("nccl_error", py.None())?;
+        }
+        Err(why) => {
+            info.set_item("nccl_version", 0)?;
+            info.set_item("nccl_version_text", py.None())?;
+            info.set_item("nccl_path", py.None())?;
+            info.set_item("nccl_error", why)?;
+        }
+    }
+    match &libs.cuda {
+        Ok(cuda) => {
+            info.set_item("cuda_runtime_version", cuda.runtime_version)?;
+            info.set_item("cuda_path", cuda.path.display().to_string())?;
+            info.set_item("cuda_error", py.None())?;
+            info.set_item("cuda_driver_version", cuda.driver_version())?;
+            match cuda.device_count() {
+                Ok(count) => {
+                    info.set_item("device_count", count)?;
+                    info.set_item("device_error", py.None())?;
+                }
+                Err(why) => {
+                    info.set_item("device_count", 0)?;
+                    info.set_item("device_error", why)?;
+                }
+            }
+        }
+        Err(why) => {
+            info.set_item("cuda_runtime_version", 0)?;
+            info.set_item("cuda_path", py.None())?;
+            info.set_item("cuda_error", why)?;
+            info.set_item("cuda_driver_version", 0)?;
+            info.set_item("device_count", 0)?;
+            info.set_item("device_error", why)?;
+        }
+    }
+    let config = GpuConfig::from_env().map_err(|e| PyValueError::new_err(e.to_string()))?;
+    info.set_item("gpu_transport", config.transport.name())?;
+    info.set_item("gpu_collectives", false)?;
+    info.set_item("unavailable", unavailable_reason(libs))?;
+    Ok(info)
+}
+
+/// Why a GPU tensor cannot be used here: what is missing, or that this build does not run GPU collectives.
+fn unavailable_reason(libs: &GpuLibraries) -> String {
+    libs.unavailable().unwrap_or_else(|| {
+        "this rvod version does not run collectives on GPU tensors yet (its NCCL and host-staging paths are built \
+         but have not run on a GPU)"
+            .to_string()
+    })
+}
+
+/// The error for a tensor on CUDA device `device`: which tensor, and why it cannot be used here.
+pub fn refuse_cuda_tensor(py: Python<'_>, what: &str, device: i32) -> PyErr {
+    let reason = match loaded(py) {
+        Ok(libs) => unavailable_reason(libs),
+        Err(error) => error.to_string(),
+    };
+    PyValueError::new_err(format!(
+        "{what}: the tensor is on CUDA device {device}, and rvod cannot run collectives on it here: {reason}. \
+         Move the tensor to the CPU (e.g. tensor.cpu())."
+    ))
+}

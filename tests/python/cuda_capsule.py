@@ -1,0 +1,43 @@
+"""A DLPack capsule of "device memory" on a CUDA device, made with ctypes: no GPU or driver is needed.
+
+The engine must refuse it by its device before reading a byte (its data pointer is not valid memory). Used by
+test_gpu.py, in a subprocess.
+"""
+
+import ctypes
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32), ("dtype", _DLDataType),
+                ("shape", ctypes.POINTER(ctypes.c_int64)), ("strides", ctypes.POINTER(ctypes.c_int64)),
+                ("byte_offset", ctypes.c_uint64)]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
+
+
+class FakeCudaArray:
+    """An array-like on CUDA device ``device`` as far as DLPack says (as a CuPy array would be)."""
+
+    def __init__(self, device=0):
+        self.shape = (ctypes.c_int64 * 1)(4)
+        self.managed = _DLManagedTensor(_DLTensor(0xDEAD0000, _DLDevice(2, device), 1, _DLDataType(2, 32, 1),
+                                                  self.shape, None, 0), None, None)
+        self.device = device
+
+    def __dlpack_device__(self):
+        return (2, self.device)
+
+    def __dlpack__(self, stream=None, **kwargs):
+        new = ctypes.pythonapi.PyCapsule_New
+        new.restype, new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+        return new(ctypes.addressof(self.managed), b"dltensor", None)
