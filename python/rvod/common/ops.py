@@ -140,9 +140,9 @@ def wait_for(start, *args, **kwargs):
 _RAN = object()
 
 
-def _track(handle, pending):
-    """Remember a submitted op until ``synchronize``; under ``wait_for``, wait for it here instead."""
-    if not getattr(_waiting, "now", False):
+def _track(handle, wait, pending):
+    """Remember a submitted op until ``synchronize``; under ``wait_for`` (``wait``), wait for it here instead."""
+    if not wait:
         _pending[handle] = pending
         return handle
     _waiting.now = False  # one op per wait_for
@@ -168,7 +168,7 @@ def _submit(kind, names, adapter, tensors, in_place, finish, context, op=Sum, pr
         except (TypeError, ValueError):
             pass  # exported again below, tensor by tensor: that path copies what it can and explains the rest
         else:
-            return _track(handle, (finish, adapter, context, tensors, capsules))
+            return _track(handle, wait, (finish, adapter, context, tensors, capsules))
     capsules, holders = [], []
     export = adapter.export_for_write if in_place else adapter.export
     for tensor in tensors:
@@ -178,7 +178,7 @@ def _submit(kind, names, adapter, tensors, in_place, finish, context, op=Sum, pr
     if in_place and any(holder is not original for original, holder in zip(tensors, holders)):
         finish, context = _copied_back, (finish, context, tensors, holders)
     handle = _rvod.submit(kind, names, capsules, *submit_args)
-    return _track(handle, (finish, adapter, context, tensors, capsules, holders))
+    return _track(handle, wait, (finish, adapter, context, tensors, capsules, holders))
 
 
 def poll(handle):
