@@ -19,7 +19,9 @@
 //! (allreduce includes Adasum, which is an allreduce with `ReduceOp::Adasum` here); broadcast,
 //! reducescatter, barrier and join are always negotiated.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
+
+use rustc_hash::FxHashMap as HashMap;
 
 use crate::coordinator::bitset::BitSet;
 use crate::coordinator::message::{Request, Response, ResponseEntry};
@@ -128,7 +130,7 @@ impl ResponseCache {
             capacity,
             slots: Vec::new(),
             free_bits: BTreeSet::new(),
-            bits_by_name: HashMap::new(),
+            bits_by_name: HashMap::default(),
             recency: BTreeMap::new(),
             next_stamp: 0,
             eviction_warned: false,

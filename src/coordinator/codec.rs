@@ -81,7 +81,8 @@ pub trait WireMessage: Wire {
 
     /// The framed encoding of this message.
     fn to_bytes(&self) -> Vec<u8> {
-        let mut w = WireWriter::new();
+        // Most messages are round headers of a few dozen bytes: one allocation, no regrowth.
+        let mut w = WireWriter { buf: Vec::with_capacity(128) };
         w.put_u32(WIRE_MAGIC);
         w.put_u8(Self::KIND as u8);
         w.put_u16(PROTOCOL_VERSION);

@@ -1,7 +1,9 @@
 //! The coordinator's message table (kept by rank 0 of the communicator): requests gathered from every
 //! rank until a tensor is ready everywhere, join bookkeeping, and stall detection.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
+
+use rustc_hash::FxHashMap as HashMap;
 use std::time::{Duration, Instant};
 
 use crate::coordinator::message::{ErrorKind, Request, Response, ResponseEntry};
@@ -45,7 +47,7 @@ impl MessageTable {
             size: global_ranks.len(),
             global_ranks,
             pending: BTreeMap::new(),
-            by_name: HashMap::new(),
+            by_name: HashMap::default(),
             next_arrival: 0,
             joined: BTreeSet::new(),
             last_joined: -1,

@@ -71,11 +71,16 @@ pub struct Negotiator {
     timeline: SetTimeline,
 }
 
-fn send_message(t: &mut dyn Transport, peer: usize, body: &[u8]) -> Result<(), TransportError> {
+/// `body` with its length in front, as `recv_message` reads it.
+fn framed(body: &[u8]) -> Vec<u8> {
     let mut frame = Vec::with_capacity(4 + body.len());
     frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
     frame.extend_from_slice(body);
-    t.send(peer, &frame)
+    frame
+}
+
+fn send_message(t: &mut dyn Transport, peer: usize, body: &[u8]) -> Result<(), TransportError> {
+    t.send(peer, &framed(body))
 }
 
 fn recv_message<M: WireMessage>(t: &mut dyn Transport, peer: usize) -> Result<M, TransportError> {
@@ -187,9 +192,9 @@ impl Negotiator {
         let mut header = self.local_header(table, shutdown);
         header.tuned = self.announcement.take();
 
-        let header_bytes = header.to_bytes();
+        let frame = framed(&header.to_bytes());
         for peer in (0..n).filter(|&p| p != me) {
-            send_message(t, peer, &header_bytes)?;
+            t.send(peer, &frame)?;
         }
         let mut headers = Vec::with_capacity(n);
         for peer in 0..n {

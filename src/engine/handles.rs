@@ -4,7 +4,7 @@
 //! variable. A name stays reserved from submission until its tensor completes, which is how a second
 //! in-flight op with the same name is refused.
 
-use std::collections::{HashMap, HashSet};
+use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -71,7 +71,7 @@ impl HandleTable {
         let duplicate = match names {
             [name] => in_flight.contains(name.as_str()).then_some(name),
             _ => {
-                let mut seen = HashSet::new();
+                let mut seen = HashSet::default();
                 names.iter().find(|&name| in_flight.contains(name.as_str()) || !seen.insert(name))
             }
         };

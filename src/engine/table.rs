@@ -2,7 +2,9 @@
 //! each one has got in negotiation. Iteration follows submission order, which keeps what a rank sends
 //! in a round deterministic.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
+
+use rustc_hash::FxHashMap as HashMap;
 use std::time::Instant;
 
 use crate::coordinator::message::Request;
