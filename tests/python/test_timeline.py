@@ -162,15 +162,23 @@ def test_timeline_calls_raise_as_in_horovod_when_not_initialized_or_not_enabled(
     assert not (tmp_path / "t.json").exists()
 
 
+def _steps_done(path):
+    """The step count a loop worker last wrote to ``path`` (0 before its first write, or while it rewrites)."""
+    try:
+        text = path.read_text().strip()  # read once: the worker may truncate the file between two reads
+    except FileNotFoundError:
+        return 0
+    return int(text) if text.isdigit() else 0
+
+
 def start_loop(job_env, tmp_path, path):
     job_env["RVOD_TIMELINE"] = str(path)
     command = [sys.executable, "-m", "rvod.runner", "-np", "2", sys.executable, WORKER, "loop", str(tmp_path)]
     process = subprocess.Popen(command, env=job_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        steps = [tmp_path / f"steps{r}" for r in (0, 1)]
-        if all(s.exists() and s.read_text().strip() and int(s.read_text()) >= 200 for s in steps) \
-                and _loop_ranks_on_disk(path) == {0, 1}:
+        steps = [_steps_done(tmp_path / f"steps{r}") for r in (0, 1)]
+        if all(done >= 200 for done in steps) and _loop_ranks_on_disk(path) == {0, 1}:
             # Both ranks' writers have flushed batches (they flush every 0.1 s) and are mid-write.
             return process
         assert process.poll() is None, process.communicate()
