@@ -5,8 +5,8 @@ simulated hosts, same run (issue 15's measurement).
 
 Three simulated hosts, one worker each, train the same small MLP: for rvod three names of this machine
 (localhost, 127.0.0.1, its host name) in an rvodrun host discovery script; for torchrun three agents
-(`torchrun --nnodes 2:3 --nproc-per-node 1`, c10d rendezvous), one per host. Two figures, each with every
-sample and the median:
+(`torchrun --nnodes 2:3 --nproc-per-node 1`, c10d rendezvous at a store of its own), one per host. Two
+figures, each with every sample and the median:
 - death to training resumed: rank 1 of a 3-worker world kills itself (SIGKILL) 5 steps into that world,
   --kills times. rvod (`--min-np 2 --blacklist-cooldown-range 1 1`): the survivors restore the last commit
   and go on as 2 ranks, and the job grows back to 3 once the host's cooldown ends, ready for the next kill.
@@ -154,28 +154,38 @@ def add_rvod_host(out, jobs):
 
 
 def _torchrun_agent(me, out, args, mode, port):
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2:3", "--nproc-per-node", "1",
+    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE: with the store shared (the default), an agent that was in an earlier
+    # round keeps that round's MASTER_ADDR and never publishes the new round's, so a joining agent waits for
+    # it until it times out (torch 2.15): torchrun cannot grow onto a new host without this opt-out.
+    command = ["env", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", sys.executable, "-m", "torch.distributed.run", "--nnodes", "2:3", "--nproc-per-node", "1",
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "bench",
-               "--rdzv-conf", "last_call_timeout=1", "--max-restarts", str(2 * args.kills + 2),
+               "--rdzv-conf", "last_call_timeout=1,is_host=false", "--max-restarts", str(2 * args.kills + 2),
                "--monitor-interval", "0.5", *worker_args(me, "torchrun", out, args, mode)]
     return _start(command)
 
 
 def torchrun_job(me, out, args, mode):
-    """One torchrun agent per simulated host (2 of them first in "add" mode)."""
+    """One torchrun agent per simulated host (2 of them first in "add" mode), meeting at a c10d rendezvous
+    store in a process of its own, as at a cluster's rendezvous endpoint (no agent's restart or exit
+    touches it)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     (out / "port").write_text(str(port))
-    return [_torchrun_agent(me, out, args, mode, port) for _ in range(3 if mode == "kill" else 2)]
+    store = _start([sys.executable, "-c", "import sys, time, torch.distributed as d; "
+                    "s = d.TCPStore('127.0.0.1', int(sys.argv[1]), is_master=True, wait_for_workers=False); "
+                    "print('ready', flush=True); time.sleep(100000)", str(port), str(out)], stdout=subprocess.PIPE)
+    assert store.stdout.readline().strip() == "ready", store.stderr.read()
+    store.service = True  # stopped when the agents end
+    return [store] + [_torchrun_agent(me, out, args, mode, port) for _ in range(3 if mode == "kill" else 2)]
 
 
 def add_torchrun_host(me, out, args, jobs):
     jobs.append(_torchrun_agent(me, out, args, "add", int((out / "port").read_text())))
 
 
-def _start(command):
-    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+def _start(command, stdout=subprocess.DEVNULL):
+    return subprocess.Popen(command, stdout=stdout, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
 
 
@@ -202,7 +212,7 @@ def run_job(name, start, out, args, mode, add=None):
     jobs = start(out, mode)
     appeared = None
     ended = "ended"
-    while any(job.poll() is None for job in jobs):
+    while any(job.poll() is None for job in jobs if not getattr(job, "service", False)):
         if time.monotonic() > deadline:
             for job in jobs:
                 if job.poll() is None:
@@ -215,7 +225,10 @@ def run_job(name, start, out, args, mode, add=None):
             appeared = time.time()
             add(out, jobs)
         time.sleep(0.05)
-    failed = [job for job in jobs if job.wait() != 0]
+    for job in jobs:
+        if getattr(job, "service", False):
+            os.killpg(job.pid, signal.SIGKILL)
+    failed = [job for job in jobs if job.wait() != 0 and not getattr(job, "service", False)]
     for job in failed:
         print(f"{name}: a process ended with {job.returncode}; the end of its stderr:\n{job.stderr.read()[-1500:]}",
               file=sys.stderr)
