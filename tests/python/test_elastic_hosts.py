@@ -76,3 +76,26 @@ def test_kill_9_of_a_worker_on_one_host_training_goes_on_on_the_others(job_env, 
     assert "world 2 (failure): 2 ranks on a, c" in job.stderr
     print(f"death to training resumed across hosts: {min(s['time'] for s in worlds[2]) - killed_at:.2f} s")
     assert cluster.wait_until_empty() == {}
+
+
+@pytest.mark.timeout(300)
+def test_host_appearing_grows_the_job_onto_it_from_the_committed_state(job_env, cluster, tmp_path):
+    """The discovery script adds host c to a job on a and b: the job grows to 3 ranks, the worker started
+    on c over ssh begins with the committed parameters, epoch and batch of the others, nothing is restored,
+    and every sample of every epoch is still counted once."""
+    job = ElasticJob(cluster.env(job_env), tmp_path, "a:1\nb:1\n", ["--min-np", "2", "--max-np", "3"],
+                     wrap=cluster.launch_args, ELASTIC_SAMPLES="48", ELASTIC_EPOCHS="4", ELASTIC_STEP_SECONDS="0.2")
+    job.wait_for("progress.jsonl", lambda entry: entry["batch"] >= 2, 180)
+    job.set_hosts("a:1\nb:1\nc:1\n")
+    assert job.finish(200) == 0, job.report()
+    assert_every_sample_once_per_epoch(tmp_path, 4, 48)
+    worlds = assert_worlds_start_in_step(tmp_path)
+    assert sorted(worlds) == [1, 2], job.report()
+    assert sorted((s["rank"], s["host"]) for s in worlds[2]) == [(0, "a"), (1, "b"), (2, "c")]
+    committed = [p for p in read(tmp_path, "progress.jsonl") if p["round"] == 1][-1]
+    assert (worlds[2][0]["epoch"], worlds[2][0]["batch"]) == (committed["epoch"], committed["batch"])
+    assert not read(tmp_path, "restores.jsonl")
+    assert "world 2 (added): 3 ranks on a, b, c; 1 started" in job.stderr, job.report()
+    done = read(tmp_path, "done.jsonl")
+    assert len(done) == 3 and len({d["params"] for d in done}) == 1
+    assert cluster.wait_until_empty() == {}

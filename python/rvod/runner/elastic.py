@@ -342,7 +342,11 @@ class ElasticDriver:
                 self.failure = f"rvodrun received {signal_name(signum)}"
                 _say(f"received {signal_name(signum)}, stopping the job")
                 return 128 + signum
-            for worker in [w for w in self.workers if not w.reported and w.process.finished()]:
+            # A remote worker's death is known from its host's status line before ssh exits and its output
+            # is drained (finished()); acting on it at once keeps the next world from planning around a
+            # dead worker whose host is not blacklisted yet.
+            for worker in [w for w in self.workers
+                           if not w.reported and (w.process.finished() or w.process.returncode is not None)]:
                 worker.reported = True
                 code = worker.process.returncode
                 where = f"worker {worker.id} (rank {worker.rank} on {worker.host})"
