@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("rvod._rvod")
 
-from rvod.common import elastic  # noqa: E402
+from rvod.common import elastic, elastic_variables  # noqa: E402
 from rvod.exceptions import HostsUpdatedInterrupt, RvodInternalError, RvodMismatchError  # noqa: E402
 from rvod.runner import elastic as driver  # noqa: E402
 
@@ -54,13 +54,49 @@ def test_run_restores_after_a_failure_and_not_after_a_host_change():
 
 
 def test_a_mismatch_is_not_retried():
-    state = RecordingState([], value=1)
+    """A mismatch is a bug in the script: not an RvodInternalError, so the loop lets it through, with no
+    restore and no reset, also when a framework wraps it."""
+    assert not issubclass(RvodMismatchError, RvodInternalError)
+    log = []
+    state = RecordingState(log, value=1)
 
     def train(state):
         raise RvodMismatchError("shapes differ")
 
     with pytest.raises(RvodMismatchError):
-        elastic.run_fn(train, reset=lambda: None)(state)
+        elastic.run_fn(train, reset=lambda: log.append("reset"))(state)
+
+    class WrappedError(Exception):
+        pass
+
+    def wrapped(state):
+        raise WrappedError("rvod.tensorflow.adapter.MismatchError: ranks disagree on the shape")
+
+    with pytest.raises(WrappedError):
+        elastic.run_fn(wrapped, reset=lambda: log.append("reset"), wrapping_errors=(WrappedError,))(state)
+    assert log == ["sync", "sync"]
+
+
+def test_a_framework_error_carrying_an_internal_error_is_recovered_from():
+    """TensorFlow reports an RvodInternalError raised inside a tf.function as its own error naming it: with
+    that type in wrapping_errors, the loop restores and resets as for the RvodInternalError itself."""
+
+    class OpError(Exception):
+        pass
+
+    log = []
+    state = RecordingState(log, value=1)
+    errors = [OpError("rvod.exceptions.RvodInternalError: allreduce 'g.0' failed: rank 1 closed its connection")]
+
+    def train(state):
+        if errors:
+            raise errors.pop()
+        return "done"
+
+    assert elastic.run_fn(train, reset=lambda: log.append("reset"), wrapping_errors=(OpError,))(state) == "done"
+    assert log == ["sync", "restore", "reset", "sync"]
+    with pytest.raises(OpError):
+        elastic.run_fn(lambda state: (_ for _ in ()).throw(OpError("RvodInternalError")), reset=lambda: None)(state)
 
 
 def test_object_state_commits_copies_and_restores_them():
@@ -174,7 +210,104 @@ def test_tensorflow_state_commits_restores_and_syncs_variables():
         assert weights.numpy().tolist() == [3.0, 4.0] and state.epoch == 1
         state.sync()  # one rank: its own values
         assert weights.numpy().tolist() == [3.0, 4.0] and state.epoch == 1
-        assert hvd.elastic.TensorFlowKerasState.__name__ == "KerasState"
+    finally:
+        hvd.shutdown()
+
+
+def _keras_model(keras, built=True):
+    layers = [keras.layers.Dense(3), keras.layers.Dense(1)]
+    return keras.Sequential(([keras.Input((4,))] if built else []) + layers)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("shim", ["tensorflow", "keras"])
+def test_keras_model_state_commits_restores_and_syncs_model_and_optimizer(monkeypatch, shim):
+    """rvod.tensorflow.elastic.TensorFlowKerasState and rvod.keras.elastic.KerasState (one logic, in
+    rvod.common.elastic.KerasModelState): Keras 3 builds an optimizer's variables at its first step, so the
+    state builds them when it is made (a rank that has not trained has them for sync() to fill), and
+    commits, restores and syncs the model's and the optimizer's variables with the named objects."""
+    monkeypatch.setenv("KERAS_BACKEND", "tensorflow")
+    tf = pytest.importorskip("tensorflow")
+    keras = pytest.importorskip("keras")
+    import importlib
+
+    import numpy as np
+
+    hvd = importlib.import_module(f"rvod.{shim}")
+    state_class = hvd.elastic.TensorFlowKerasState if shim == "tensorflow" else hvd.elastic.KerasState
+    assert issubclass(state_class, elastic_variables.KerasModelState)
+    hvd.init()
+    try:
+        with pytest.raises(ValueError, match="Model must be built first"):
+            state_class(_keras_model(keras, built=False), keras.optimizers.SGD(0.1))
+        model = _keras_model(keras)
+        optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
+        assert not optimizer.built
+        state = state_class(model, optimizer, epoch=0)
+        assert optimizer.built  # momentums and iteration count exist before the first step
+
+        def values():
+            return [np.array(keras.ops.convert_to_numpy(v)) for v in model.variables + list(optimizer.variables)]
+
+        def train_one_step():
+            x, y = tf.ones((2, 4)), tf.zeros((2, 1))
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((model(x) - y) ** 2)
+            optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+
+        train_one_step()
+        state.epoch = 1
+        state.commit()
+        committed = values()
+        train_one_step()
+        state.epoch = 2
+        assert any(not np.array_equal(a, b) for a, b in zip(values(), committed))
+        state.restore()
+        assert all(np.array_equal(a, b) for a, b in zip(values(), committed)) and state.epoch == 1
+        assert int(keras.ops.convert_to_numpy(optimizer.iterations)) == 1
+        train_one_step()
+        state.sync()  # one rank: its own values become the commit
+        assert int(keras.ops.convert_to_numpy(optimizer.iterations)) == 2
+        state.restore()
+        assert int(keras.ops.convert_to_numpy(optimizer.iterations)) == 2
+        compiled = _keras_model(keras)
+        compiled.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        assert state_class(compiled).optimizer is compiled.optimizer  # default: the model's optimizer
+    finally:
+        hvd.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_tensorflow_run_recovers_from_a_collective_failing_inside_a_tf_function():
+    """A collective that fails inside a tf.function reaches hvd.elastic.run as TensorFlow's error, which
+    names the RvodInternalError: the state is restored and the function runs again (in a one-rank job, the
+    reset restarts the engine)."""
+    tf = pytest.importorskip("tensorflow")
+    import rvod.tensorflow as hvd
+
+    def fail():
+        raise RvodInternalError("allreduce 'g.0' failed: rank 1 closed its connection")
+
+    @tf.function
+    def step():
+        return tf.py_function(fail, [], tf.float32)
+
+    hvd.init()
+    try:
+        weights = tf.Variable([1.0])
+        state = hvd.elastic.TensorFlowState([weights], runs=0)
+        runs = []
+
+        @hvd.elastic.run
+        def train(state):
+            runs.append(state.runs)
+            weights.assign([2.0])
+            state.runs += 1
+            if len(runs) == 1:
+                step()
+            return float(weights.numpy()[0])
+
+        assert train(state) == 2.0 and runs == [0, 0]
     finally:
         hvd.shutdown()
 
@@ -196,6 +329,25 @@ def test_elastic_flags_become_settings_or_a_clear_error():
         settings("--min-np", "1", "--host-discovery-script", "x", "--blacklist-cooldown-range", "20", "10")
     with pytest.raises(ValueError, match="needs --host-discovery-script"):
         settings("--min-np", "1")
+
+
+def test_elastic_timeout_defaults_to_the_environment(monkeypatch):
+    """horovodrun's --elastic-timeout defaults to HOROVOD_ELASTIC_TIMEOUT (rvod's name first), which is also
+    how rvod.run, which has no such argument, is given one."""
+    from rvod.runner.cli import build_parser, parse_args
+
+    def timeout(*flags):
+        return driver.elastic_settings(parse_args(build_parser(), [*flags, "--min-np", "1", "-H", "a:1", "true"]),
+                                       []).elastic_timeout
+
+    monkeypatch.delenv("RVOD_ELASTIC_TIMEOUT", raising=False)
+    monkeypatch.setenv("HOROVOD_ELASTIC_TIMEOUT", "45")
+    assert timeout() == 45.0
+    monkeypatch.setenv("RVOD_ELASTIC_TIMEOUT", "7.5")
+    assert (timeout(), timeout("--elastic-timeout", "3")) == (7.5, 3.0)
+    monkeypatch.setenv("RVOD_ELASTIC_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="RVOD_ELASTIC_TIMEOUT must be a number of seconds, got 'soon'"):
+        timeout()
 
 
 @pytest.mark.timeout(60)

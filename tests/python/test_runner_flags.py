@@ -225,6 +225,8 @@ def test_rvod_run_on_this_machine(job_env):
             return (hvd.rank() + base) ** 2, hvd.size()
 
         print(rvod.run(square_of_rank, args=(1,), num_proc=3))
+        # Elastic (min_num_proc) on a fixed set of hosts: the driver's world of 2.
+        print(rvod.run(square_of_rank, args=(1,), num_proc=2, min_num_proc=2, hosts="localhost:2"))
         try:
             rvod.run(square_of_rank, num_proc=2, min_num_proc=1)
         except ValueError as error:
@@ -233,8 +235,8 @@ def test_rvod_run_on_this_machine(job_env):
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == [
         "[(1, 3), (4, 3), (9, 3)]",
-        "refused: --min-np selects elastic training, which rvod.run does not support; run the script with rvodrun "
-        "--min-np/--host-discovery-script instead",
+        "[(1, 2), (4, 2)]",
+        "refused: elastic training needs --host-discovery-script (or -H/--hostfile for a fixed set of hosts)",
     ]
 
 

@@ -28,7 +28,7 @@ import os
 import sys
 import time
 
-from rvod.exceptions import HostsUpdatedInterrupt, RvodInternalError
+from rvod.exceptions import HostsUpdatedInterrupt, RvodInternalError, RvodMismatchError
 
 WORKER_ID = "RVOD_ELASTIC_WORKER_ID"
 ROUND = "RVOD_ELASTIC_ROUND"
@@ -230,16 +230,20 @@ class ObjectState(State):
             setattr(self, attr, copy.deepcopy(value))
 
 
+
 def reset_engine(shutdown, init):
     """The reset of every shim: stop this rank's engine, then start it in the next world."""
     shutdown()
     init()
 
 
-def run_fn(func, reset):
+def run_fn(func, reset, wrapping_errors=()):
     """Wraps ``func(state, ...)``: synchronise the state, run; on RvodInternalError restore the last commit
     and reset; on HostsUpdatedInterrupt reset without restoring (and skip the sync when hosts were only
-    removed). ``reset()`` shuts the engine down and starts it in the next world."""
+    removed). ``reset()`` shuts the engine down and starts it in the next world. ``wrapping_errors``: a
+    framework's exception types that carry an RvodInternalError raised inside its compiled code (TensorFlow
+    turns one raised in a ``tf.function`` into a ``tf.errors.OpError`` naming it); they count as one.
+    Anything else, RvodMismatchError included (a bug in the script), is not retried."""
 
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):
@@ -249,17 +253,26 @@ def run_fn(func, reset):
                 if not skip_sync:
                     state.sync()
                 return func(state, *args, **kwargs)
-            except RvodInternalError:
+            except HostsUpdatedInterrupt as interrupt:
+                skip_sync = interrupt.skip_sync
+            except Exception as error:
+                if not (isinstance(error, RvodInternalError) or _carries_internal_error(error, wrapping_errors)):
+                    raise
                 state.restore()
                 skip_sync = False
                 if in_elastic_job():
                     driver_link().request_reset()
-            except HostsUpdatedInterrupt as interrupt:
-                skip_sync = interrupt.skip_sync
             reset_until_running(reset)
             state.on_reset()
 
     return wrapper
+
+
+def _carries_internal_error(error, wrapping_errors) -> bool:
+    if not wrapping_errors or not isinstance(error, tuple(wrapping_errors)) or isinstance(error, RvodMismatchError):
+        return False
+    text = str(error)
+    return any(name in text for name in ("RvodInternalError", "RvodTimeoutError"))
 
 
 def reset_until_running(reset):

@@ -10,62 +10,31 @@ loop are ``rvod.common.elastic``'s.
 import functools
 
 import keras
-import numpy as np
 
 from rvod.common.basics import init, rank, shutdown
 from rvod.common.elastic import ObjectState, State, reset_engine, run_fn
+from rvod.common.elastic_variables import KerasModelState
 from rvod.common.objects import broadcast_object
-from rvod.keras.callbacks import _optimizer_variables, broadcast_variables
+from rvod.keras.callbacks import broadcast_variables
 
 __all__ = ["CommitStateCallback", "KerasState", "ObjectState", "State", "TensorFlowKerasState",
            "UpdateBatchStateCallback", "UpdateEpochStateCallback", "run"]
 
 
-def _values(variables):
-    return [np.array(keras.ops.convert_to_numpy(v), copy=True) for v in variables]
-
-
-class KerasState(ObjectState):
-    """A Keras model, its optimizer (default ``model.optimizer``) and keyword arguments, committed together.
-    ``backend`` is accepted for Horovod compatibility."""
+class KerasState(KerasModelState):
+    """A built Keras model, its optimizer (default ``model.optimizer``) and keyword arguments, committed
+    together (``rvod.common.elastic.KerasModelState`` on Keras 3's own ops, so any backend). ``backend`` is
+    accepted for Horovod compatibility."""
 
     def __init__(self, model, optimizer=None, backend=None, **kwargs):
-        self.model = model
-        self.optimizer = optimizer if optimizer is not None else model.optimizer
-        self.backend = backend
-        self._save_model()
-        super().__init__(bcast_object=broadcast_object, get_rank=rank, **kwargs)
+        super().__init__(model, optimizer=optimizer, backend=backend, bcast_object=broadcast_object, get_rank=rank,
+                         **kwargs)
 
-    def _variables(self):
-        if self.optimizer is not None and not self.optimizer.built and self.model.built:
-            # Ranks that have not trained yet build theirs, so every rank has the same variables to sync.
-            self.optimizer.build(self.model.trainable_variables)
-        return list(self.model.variables), _optimizer_variables(self.optimizer)
+    def _to_numpy(self, variable):
+        return keras.ops.convert_to_numpy(variable)
 
-    def _save_model(self):
-        model_vars, optimizer_vars = self._variables()
-        self._saved_model, self._saved_optimizer = _values(model_vars), _values(optimizer_vars)
-
-    def _load_model(self):
-        model_vars, optimizer_vars = self._variables()
-        for variables, saved in ((model_vars, self._saved_model), (optimizer_vars, self._saved_optimizer)):
-            if len(variables) == len(saved):
-                for variable, value in zip(variables, saved):
-                    variable.assign(value)
-
-    def save(self):
-        self._save_model()
-        super().save()
-
-    def restore(self):
-        self._load_model()
-        super().restore()
-
-    def sync(self):
-        model_vars, optimizer_vars = self._variables()
-        broadcast_variables(model_vars + optimizer_vars, 0)
-        self._save_model()
-        super().sync()
+    def _broadcast(self, variables):
+        broadcast_variables(variables, 0)
 
 
 TensorFlowKerasState = KerasState
@@ -119,5 +88,12 @@ class UpdateEpochStateCallback(keras.callbacks.Callback):
 
 
 def run(func):
-    """Decorator for ``func(state, ...)``: see ``rvod.common.elastic.run_fn``."""
-    return run_fn(func, functools.partial(reset_engine, shutdown, init))
+    """Decorator for ``func(state, ...)``: see ``rvod.common.elastic.run_fn``. On the TensorFlow backend a
+    collective that failed inside the compiled train step reaches it as a ``tf.errors.OpError`` naming the
+    RvodInternalError, and is recovered from as one."""
+    wrapping = ()
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        wrapping = (tf.errors.OpError,)
+    return run_fn(func, functools.partial(reset_engine, shutdown, init), wrapping)

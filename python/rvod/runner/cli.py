@@ -193,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     elastic.add_argument("--slots-per-host", dest="slots_per_host", type=_positive_int, metavar="N",
                          help="slots of a discovered host whose line gives no count (default 1)")
     elastic.add_argument("--elastic-timeout", dest="elastic_timeout", type=_non_negative(float), metavar="SECONDS",
-                         help="how long the job waits for --min-np slots before it fails (default 600)")
+                         help="how long the job waits for --min-np slots before it fails (default: RVOD_ELASTIC_TIMEOUT "
+                              "or HOROVOD_ELASTIC_TIMEOUT, else 600)")
     elastic.add_argument("--reset-limit", dest="reset_limit", type=_non_negative(int), metavar="N",
                          help="fail the job instead of resetting it more than N times (default: no limit)")
     elastic.add_argument("--blacklist-cooldown-range", dest="cooldown_range", type=_non_negative(int), nargs=2,

@@ -23,7 +23,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from rvod.runner import network, store
 from rvod.runner.hosts import Host, Slot, local_names
@@ -166,6 +168,7 @@ class ElasticDriver:
         self.hosts: dict[str, int] = {}
         self.workers: list[_ElasticWorker] = []
         self.world: _World | None = None
+        self.started_world: _World | None = None  # the newest world whose engines started
         self.round = 0
         self.resets = 0
         self.failure: str | None = None
@@ -290,7 +293,10 @@ class ElasticDriver:
 
     # -- the job -------------------------------------------------------------------------------------
 
-    def run(self) -> int:
+    def run(self, publish: Callable[[Any], None] | None = None, collect: Callable[[Any], None] | None = None) -> int:
+        """Runs the job to its end; returns its exit status. ``publish(store_client)`` runs once the store
+        serves, before any worker starts; ``collect(store_client)`` once the job's workers ended, while
+        the store still serves (rvod.run puts its function there and reads the results back)."""
         previous = {}
         if threading.current_thread() is threading.main_thread():
             for signum in _FORWARDED_SIGNALS:
@@ -304,7 +310,12 @@ class ElasticDriver:
 
                 self.port = server.port
                 client = StoreClient(self.rendezvous_addr, self.port, self.secret, 10.0)
-                return self._supervise(client)
+                if publish is not None:
+                    publish(client)
+                status = self._supervise(client)
+                if collect is not None:
+                    collect(client)
+                return status
             finally:
                 self._stop_all()
                 server.close()
@@ -331,7 +342,11 @@ class ElasticDriver:
                 self.failure = f"rvodrun received {signal_name(signum)}"
                 _say(f"received {signal_name(signum)}, stopping the job")
                 return 128 + signum
-            for worker in [w for w in self.workers if not w.reported and w.process.finished()]:
+            # A remote worker's death is known from its host's status line before ssh exits and its output
+            # is drained (finished()); acting on it at once keeps the next world from planning around a
+            # dead worker whose host is not blacklisted yet.
+            for worker in [w for w in self.workers
+                           if not w.reported and (w.process.finished() or w.process.returncode is not None)]:
                 worker.reported = True
                 code = worker.process.returncode
                 where = f"worker {worker.id} (rank {worker.rank} on {worker.host})"
@@ -398,6 +413,7 @@ class ElasticDriver:
         if len(world.ready) == len(world.members):
             client.set(f"elastic/round/{world.round}/go", b"1")
             world.started = True
+            self.started_world = world
             for worker in world.members:
                 worker.joined = True
 
@@ -445,7 +461,15 @@ def elastic_settings(options: argparse.Namespace, fixed_hosts: list[Host] | None
     cooldown = tuple(options.cooldown_range) if options.cooldown_range else None
     if cooldown is not None and not 0 <= cooldown[0] <= cooldown[1]:
         raise ValueError(f"--blacklist-cooldown-range MIN MAX needs 0 <= MIN <= MAX, got {cooldown[0]} {cooldown[1]}")
-    timeout = options.elastic_timeout if options.elastic_timeout is not None else DEFAULT_ELASTIC_TIMEOUT
+    timeout = options.elastic_timeout
+    for name in ("RVOD_ELASTIC_TIMEOUT", "HOROVOD_ELASTIC_TIMEOUT"):
+        if timeout is None and os.environ.get(name):
+            try:
+                timeout = float(os.environ[name])
+            except ValueError:
+                raise ValueError(f"{name} must be a number of seconds, got {os.environ[name]!r}") from None
+    if timeout is None:
+        timeout = DEFAULT_ELASTIC_TIMEOUT
     return ElasticSettings(min_np=min_np, max_np=max_np, discovery_script=options.host_discovery_script,
                            fixed_hosts=fixed_hosts, slots_per_host=options.slots_per_host,
                            elastic_timeout=float(timeout), reset_limit=options.reset_limit,

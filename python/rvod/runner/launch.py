@@ -220,30 +220,35 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_elastic(parser: argparse.ArgumentParser, options: argparse.Namespace) -> int:
     """An elastic job (--min-np, --max-np or --host-discovery-script): see rvod.runner.elastic."""
-    from rvod.runner import elastic
-
     if options.use_mpi:
         parser.error("elastic training starts and restarts workers itself; it cannot run under --mpi")
     try:
-        fixed = None
-        if options.host_discovery_script is None and (options.hosts is not None or options.hostfile is not None):
-            fixed = _hosts(options)
-        settings = elastic.elastic_settings(options, fixed)
-        command = resolve_command(options.command)
-        nics = list(options.nics or [])
-        for nic in nics:
-            network.interface_address(nic)
+        driver = elastic_driver(options, resolve_command(options.command))
     except ValueError as error:
         parser.error(str(error))
-    ssh = SshSettings(port=options.ssh_port, identity_file=options.ssh_identity_file,
-                      config_file=options.ssh_config_file or os.environ.get("RVOD_SSH_CONFIG_FILE") or None,
-                      connect_timeout=start_timeout(options))
-    driver = elastic.ElasticDriver(options, settings, command, engine_env(options), ssh, nics)
     try:
         return driver.run()
     except store.StoreUnavailable as error:
         print(f"rvodrun: {error}", file=sys.stderr)
         return 1
+
+
+def elastic_driver(options: argparse.Namespace, command: list[str]):
+    """The elastic driver of a job with these options running `command` on every worker (ValueError with a
+    sentence for the user when the options are wrong)."""
+    from rvod.runner import elastic
+
+    fixed = None
+    if options.host_discovery_script is None and (options.hosts is not None or options.hostfile is not None):
+        fixed = _hosts(options)
+    settings = elastic.elastic_settings(options, fixed)
+    nics = list(options.nics or [])
+    for nic in nics:
+        network.interface_address(nic)
+    ssh = SshSettings(port=options.ssh_port, identity_file=options.ssh_identity_file,
+                      config_file=options.ssh_config_file or os.environ.get("RVOD_SSH_CONFIG_FILE") or None,
+                      connect_timeout=start_timeout(options))
+    return elastic.ElasticDriver(options, settings, command, engine_env(options), ssh, nics)
 
 
 def run_commandline() -> None:

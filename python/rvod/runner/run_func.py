@@ -6,6 +6,11 @@ The job is an rvodrun job (the same placement, ssh launch, checks and supervisio
 function travels cloudpickled through the job's authenticated rendezvous store, and each rank puts back its
 result, or the traceback of what it raised. If any rank fails, `run` raises RuntimeError naming the rank,
 with its traceback (or how its process ended).
+
+With `min_num_proc`, `max_num_proc` or `host_discovery_script` the job is elastic: rvodrun's elastic driver
+(rvod.runner.elastic) starts, restarts and adds the workers, each running `run_task`; the function, which
+trains under `hvd.elastic.run`, comes back with the results of the ranks of the last world (each worker
+puts its result under the rank it has when the function returns).
 """
 
 from __future__ import annotations
@@ -63,13 +68,14 @@ def run(
 ) -> list[Any]:
     """Runs `func(*args, **kwargs)` on `num_proc` ranks placed on `hosts` (or `hostfile`; default this
     machine) and returns the list of their return values, rank 0 first. Arguments mean what horovod.run's
-    do; elastic ones (`min_num_proc`, `max_num_proc`, `slots`, `reset_limit`, `cooldown_range`,
-    `host_discovery_script`) are refused with a ValueError, as rvodrun refuses their flags. `use_mpi=True`
+    do. `min_num_proc`, `max_num_proc` or `host_discovery_script` make it an elastic job, as rvodrun's flags
+    do (with `slots`, `reset_limit`, `cooldown_range`): `func` trains under `hvd.elastic.run`, and the results
+    are those of the ranks of the world that finished. `use_mpi=True`
     starts the ranks with Open MPI's mpirun (ValueError where it is not installed), `mpi_args` being extra
     arguments for it."""
     import cloudpickle
 
-    from rvod.runner import launch, mpi
+    from rvod.runner import elastic, launch, mpi
     from rvod.runner.cli import build_parser
 
     num_proc = _deprecated_alias("np", "num_proc", np, num_proc)
@@ -93,15 +99,10 @@ def run(
     options = build_parser().parse_args(["-np", "1", "true"])
     options.num_proc = num_proc if num_proc is not None else 1
     options.command = []
-    values = {"min_num_proc": min_num_proc, "max_num_proc": max_num_proc, "slots_per_host": slots,
-              "reset_limit": reset_limit, "cooldown_range": cooldown_range,
-              "host_discovery_script": host_discovery_script}
-    for dest, value in values.items():
-        if value is not None:
-            flag = "--" + dest.replace("_num_proc", "-np").replace("_", "-").replace("cooldown-range",
-                                                                                     "blacklist-cooldown-range")
-            raise ValueError(f"{flag} selects elastic training, which rvod.run does not support; run the script "
-                             "with rvodrun --min-np/--host-discovery-script instead")
+    options.min_num_proc, options.max_num_proc = min_num_proc, max_num_proc
+    options.slots_per_host, options.reset_limit = slots, reset_limit
+    options.cooldown_range = tuple(cooldown_range) if cooldown_range is not None else None
+    options.host_discovery_script = host_discovery_script
     options.hosts, options.hostfile = hosts, hostfile
     options.start_timeout = start_timeout
     options.ssh_port, options.ssh_identity_file = ssh_port, ssh_identity_file
@@ -113,8 +114,13 @@ def run(
     if options.num_proc < 1:
         raise ValueError(f"num_proc must be at least 1, got {options.num_proc}")
 
-    plan = launch.plan_job(options)
     payload = cloudpickle.dumps((func, tuple(args), dict(kwargs or {})))
+    task = [executable or sys.executable, "-m", "rvod.runner.run_task"]
+    if elastic.is_elastic(options):
+        if use_mpi:
+            raise ValueError("elastic training starts and restarts workers itself; it cannot run under use_mpi")
+        return _run_elastic(launch.elastic_driver(options, task), payload)
+    plan = launch.plan_job(options)
     job = launch.Job(options, plan)
     if not use_mpi:
         job.check_hosts()  # mpirun reaches the hosts itself
@@ -124,7 +130,6 @@ def run(
         client = StoreClient(plan.rendezvous_addr, job.port, job.secret, _STORE_TIMEOUT_SECONDS)
         try:
             client.set(FUNCTION_KEY, payload)
-            task = [executable or sys.executable, "-m", "rvod.runner.run_task"]
             status = mpi.run_mpirun(job, task) if use_mpi else job.run(task)
             outcomes = {}
             for slot in plan.slots:
@@ -134,10 +139,38 @@ def run(
                     pass  # this rank put nothing back: it died, or was stopped
         finally:
             client.close()
+    return _results(outcomes, len(plan.slots), status, job.failure)
+
+
+def _run_elastic(driver, payload: bytes) -> list[Any]:
+    """An elastic job (rvodrun's driver, with rvod.runner.run_task on every worker): the results are those of
+    the ranks of the last world, which finished training; workers that died or left on the way put none."""
+    outcomes: dict[int, tuple[bool, Any]] = {}
+
+    def publish(client) -> None:
+        client.set(FUNCTION_KEY, payload)
+
+    def size() -> int:
+        # The workers that finish are those of the newest world that started (a newer one never started
+        # if training ended while it formed); a bigger, older world's ranks beyond it are not read.
+        return len(driver.started_world.members) if driver.started_world is not None else 0
+
+    def collect(client) -> None:
+        for rank in range(size()):
+            found = client.try_get(RESULT_KEY.format(rank=rank), 0.0)
+            if found is not None:
+                outcomes[rank] = pickle.loads(found)
+
+    status = driver.run(publish, collect)
+    return _results(outcomes, size() if status == 0 else len(outcomes), status, driver.failure)
+
+
+def _results(outcomes: dict[int, tuple[bool, Any]], size: int, status: int, failure: str | None) -> list[Any]:
+    """The ranks' results in rank order, or RuntimeError naming the rank that raised, or how the job failed."""
     for rank in sorted(outcomes):
         succeeded, value = outcomes[rank]
         if not succeeded:
             raise RuntimeError(f"rvod.run: rank {rank} raised an exception:\n{value}")
-    if status != 0 or len(outcomes) != len(plan.slots):
-        raise RuntimeError(f"rvod.run: the job failed ({job.failure or f'exit status {status}'})")
-    return [outcomes[rank][1] for rank in range(len(plan.slots))]
+    if status != 0 or len(outcomes) != size:
+        raise RuntimeError(f"rvod.run: the job failed ({failure or f'exit status {status}'})")
+    return [outcomes[rank][1] for rank in range(size)]

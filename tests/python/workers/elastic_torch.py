@@ -4,7 +4,7 @@ A linear model trains on NUM_SAMPLES samples split by ElasticSampler, for EPOCHS
 COMMIT_EVERY batches. A per-sample counter in the committed state counts (allreduced over the ranks) how
 often each sample was trained on; at the end of each epoch rank 0 writes it to OUT/epochs.jsonl. Every
 rank writes a line to OUT/starts.jsonl each time the training function starts (after the state was
-synchronised): its world, rank, size, epoch, batch and a checksum of its parameters. With ELASTIC_KILL set
+synchronised): its world, rank, size, host, epoch, batch and a checksum of its parameters. With ELASTIC_KILL set
 to "round:rank:steps[,...]" the rank so placed kills itself with SIGKILL after that many steps in that world,
 after writing the time to OUT/kills.jsonl; with ELASTIC_KILL_AT_INIT="round:rank[,...]" the rank so placed
 kills itself as it joins that world, after every worker of it was ready but before its engine starts.
@@ -91,7 +91,8 @@ def world():
 
 @hvd.elastic.run
 def train(state):
-    record("starts.jsonl", round=world(), rank=hvd.rank(), size=hvd.size(), epoch=state.epoch, batch=state.batch,
+    record("starts.jsonl", round=world(), rank=hvd.rank(), size=hvd.size(), host=os.environ.get("RVOD_HOSTNAME"),
+           epoch=state.epoch, batch=state.batch,
            params=checksum(), processed=len(sampler.processed_indices), counted=float(state.counter.sum()))
     steps = 0
     while state.epoch < EPOCHS:

@@ -1,0 +1,79 @@
+"""Elastic state made of framework variables, framework-neutral: ``VariablesState`` (NumPy copies of any
+variables with ``assign``) and ``KerasModelState`` (a Keras model with its optimizer), the logic of
+``rvod.tensorflow.elastic``'s and ``rvod.keras.elastic``'s states; each shim gives only how to read and
+broadcast its variables.
+
+Invariant: ``_tracked()`` lists the same variables in the same order on every rank, so ``sync()``'s
+broadcast from rank 0 matches them one to one (an optimizer that has no variables yet is built first).
+"""
+
+import numpy as np
+
+from rvod.common.elastic import ObjectState
+
+
+class VariablesState(ObjectState):
+    """Framework variables (anything with ``assign``) and keyword arguments, committed together: ``save()``
+    keeps NumPy copies of the variables' values, ``restore()`` assigns them back, ``sync()`` broadcasts rank
+    0's values. A shim gives ``_tracked()`` (the variables, in the same order on every rank),
+    ``_to_numpy(variable)`` and ``_broadcast(variables)`` (assign rank 0's values to them)."""
+
+    def __init__(self, bcast_object=None, get_rank=None, **kwargs):
+        self._save_variables()
+        super().__init__(bcast_object=bcast_object, get_rank=get_rank, **kwargs)
+
+    def _tracked(self):
+        raise NotImplementedError
+
+    def _to_numpy(self, variable):
+        raise NotImplementedError
+
+    def _broadcast(self, variables):
+        raise NotImplementedError
+
+    def _save_variables(self):
+        self._saved_values = [np.array(self._to_numpy(v), copy=True) for v in self._tracked()]
+
+    def save(self):
+        self._save_variables()
+        super().save()
+
+    def restore(self):
+        variables = self._tracked()
+        if len(variables) == len(self._saved_values):  # else nothing was committed for them yet
+            for variable, value in zip(variables, self._saved_values):
+                variable.assign(value)
+        super().restore()
+
+    def sync(self):
+        variables = self._tracked()
+        if variables:
+            self._broadcast(variables)
+        self._save_variables()
+        super().sync()
+
+
+class KerasModelState(VariablesState):
+    """A built Keras model (Keras 3, or TensorFlow's tf.keras), its optimizer (default ``model.optimizer``)
+    and keyword arguments, committed together: the logic of ``rvod.keras.elastic.KerasState`` and
+    ``rvod.tensorflow.elastic.TensorFlowKerasState``. The model must be built (Horovod's ValueError
+    otherwise). An optimizer that has not built its variables yet (Keras 3 builds them at the first step)
+    is built from the model's trainable variables when the state first needs them, so a rank that has not
+    trained yet, or joins a running job, has the same variables as rank 0 for ``sync()`` to fill."""
+
+    def __init__(self, model, optimizer=None, backend=None, bcast_object=None, get_rank=None, **kwargs):
+        if not getattr(model, "built", True):
+            raise ValueError("Model must be built first. Run `model.build(input_shape)`.")
+        self.model = model
+        self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
+        self.backend = backend
+        super().__init__(bcast_object=bcast_object, get_rank=get_rank, **kwargs)
+
+    def _tracked(self):
+        optimizer = self.optimizer
+        if optimizer is None:
+            return list(self.model.variables)
+        if not getattr(optimizer, "built", True):
+            optimizer.build(self.model.trainable_variables)
+        found = optimizer.variables
+        return list(self.model.variables) + list(found() if callable(found) else found)
