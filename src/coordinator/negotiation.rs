@@ -376,7 +376,10 @@ impl Negotiator {
                         if request.rank as usize != peer {
                             return Err(TransportError::Protocol {
                                 peer,
-                                detail: format!("request claims to come from rank {}", request.rank),
+                                detail: format!(
+                                    "its request says it comes from position {} of the communicator",
+                                    request.rank
+                                ),
                             });
                         }
                         self.timeline.tick(&request.name, request.kind, peer);
