@@ -297,23 +297,11 @@ pub fn caches_kind(kind: CollectiveKind) -> bool {
 mod tests {
     use super::*;
     use crate::coordinator::message::ErrorKind;
+    use crate::coordinator::test_requests::allreduce_request;
     use proptest::prelude::*;
 
     fn request(name: &str, shape: Vec<i64>) -> Request {
-        Request {
-            rank: 0,
-            kind: CollectiveKind::Allreduce,
-            name: name.into(),
-            dtype: DataType::Float32,
-            shape,
-            reduce_op: ReduceOp::Sum,
-            root_rank: -1,
-            prescale: 1.0,
-            postscale: 1.0,
-            splits: vec![],
-            parts: vec![],
-            device: crate::coordinator::message::CPU_DEVICE,
-        }
+        allreduce_request(0, name, &shape)
     }
 
     fn response(kind: CollectiveKind, names: &[&str]) -> Response {

@@ -336,22 +336,10 @@ fn stall_error(request: Request, message: String) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::coordinator::test_requests::allreduce_request;
 
     fn req(rank: u32, name: &str, kind: CollectiveKind) -> Request {
-        Request {
-            rank,
-            kind,
-            name: name.into(),
-            dtype: DataType::Float32,
-            shape: vec![2],
-            reduce_op: ReduceOp::Sum,
-            root_rank: -1,
-            prescale: 1.0,
-            postscale: 1.0,
-            splits: Vec::new(),
-            parts: Vec::new(),
-            device: crate::coordinator::message::CPU_DEVICE,
-        }
+        Request { kind, ..allreduce_request(rank, name, &[2]) }
     }
 
     #[test]

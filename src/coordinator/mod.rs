@@ -10,6 +10,7 @@
 //! - [`message_table`]: the coordinator's requests-so-far, join state and stall detection.
 //! - [`validate`]: every rank's requests for a tensor turned into one response or one error.
 //! - [`stall`]: the stall warning and its clock.
+//! - `test_requests` (tests only): the request the unit tests start from.
 //!
 //! Invariant: every rank applies the same responses, in the same order, to the same cache state.
 
@@ -22,4 +23,6 @@ pub mod negotiation;
 pub mod pending;
 pub mod round;
 pub mod stall;
+#[cfg(test)]
+pub mod test_requests;
 pub mod validate;

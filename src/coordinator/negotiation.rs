@@ -381,7 +381,10 @@ impl Negotiator {
                         if request.rank as usize != peer {
                             return Err(TransportError::Protocol {
                                 peer,
-                                detail: format!("request claims to come from rank {}", request.rank),
+                                detail: format!(
+                                    "its request says it comes from position {} of the communicator",
+                                    request.rank
+                                ),
                             });
                         }
                         self.timeline.tick(&request.name, request.kind, peer);
@@ -408,8 +411,8 @@ impl Negotiator {
 mod tests {
     use super::*;
     use crate::coordinator::message::{ErrorKind, Request};
+    use crate::coordinator::test_requests::allreduce_request;
     use crate::transport::memory::{run_ranks, MemoryTransport};
-    use crate::types::DataType;
 
     /// A table of pending requests without an engine: each rank's contribution is plain bytes.
     #[derive(Default)]
@@ -456,20 +459,7 @@ mod tests {
     impl FakeTable {
         /// Submit an allreduce of `count` float32 values, each byte of the contribution set to `fill`.
         fn submit(&mut self, rank: usize, name: &str, count: i64, fill: u8) {
-            let request = Request {
-                rank: rank as u32,
-                kind: CollectiveKind::Allreduce,
-                name: name.into(),
-                dtype: DataType::Float32,
-                shape: vec![count],
-                reduce_op: ReduceOp::Sum,
-                root_rank: -1,
-                prescale: 1.0,
-                postscale: 1.0,
-                splits: vec![],
-                parts: vec![],
-                device: crate::coordinator::message::CPU_DEVICE,
-            };
+            let request = allreduce_request(rank as u32, name, &[count]);
             let data = vec![fill; count as usize * 4];
             self.entries.push((FakeEntry { request, submitted: Instant::now(), data }, Announcement::Unsent));
         }

@@ -262,6 +262,7 @@ fn capitalise(word: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::coordinator::test_requests::allreduce_request;
     use crate::types::DataType;
 
     fn ranks(n: usize) -> Vec<usize> {
@@ -269,20 +270,7 @@ mod tests {
     }
 
     fn req(rank: u32, kind: CollectiveKind, shape: &[i64]) -> Request {
-        Request {
-            rank,
-            kind,
-            name: "t".into(),
-            dtype: DataType::Float32,
-            shape: shape.to_vec(),
-            reduce_op: ReduceOp::Sum,
-            root_rank: -1,
-            prescale: 1.0,
-            postscale: 1.0,
-            splits: Vec::new(),
-            parts: Vec::new(),
-            device: CPU_DEVICE,
-        }
+        Request { kind, ..allreduce_request(rank, "t", shape) }
     }
 
     #[test]

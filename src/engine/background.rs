@@ -21,7 +21,7 @@ use crate::engine::communicator::{AppliedValues, Shared};
 use crate::engine::execute::{execute_eager, Executor, HierarchyChoice, TensorResult};
 use crate::engine::table::{TensorEntry, TensorTable};
 use crate::error::EngineError;
-use crate::transport::{Activity, Transport};
+use crate::transport::{Activity, Transport, TransportError};
 
 /// How long an idle engine sleeps between checks when nothing else bounds the wait.
 const IDLE_WAIT: Duration = Duration::from_secs(1);
@@ -177,7 +177,7 @@ impl Loop {
                     }
                 }
                 Ok(Activity::Idle) => start = self.cached_entry_stalled(),
-                Err(e) => return Err(Err(EngineError::transport("waiting for the other ranks", &e))),
+                Err(e) => return Err(Err(self.transport_failure("waiting for the other ranks", e))),
             }
             if !start {
                 return Ok(match mode {
@@ -204,7 +204,7 @@ impl Loop {
         let outcome = match self.negotiator.round(&mut *self.transport, &mut self.table, stop) {
             Ok(outcome) => outcome,
             Err(_) if shutdown => return Err(Ok(self.own_stop_reason(stop))),
-            Err(e) => return Err(Err(EngineError::transport("negotiation", &e))),
+            Err(e) => return Err(Err(self.transport_failure("negotiation", e))),
         };
         let agreed = Instant::now();
         for eager in &outcome.eager {
@@ -267,6 +267,12 @@ impl Loop {
         );
         let mut applied = self.shared.autotune_applied.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         applied.push(AppliedValues { round: self.rounds, values: values.clone() });
+    }
+
+    /// The failure of `op` as users see it: the transport names the peer by its position in this
+    /// communicator, users know it by its global rank.
+    fn transport_failure(&self, op: impl Into<String>, e: TransportError) -> EngineError {
+        EngineError::transport(op, &e.renumbered(&self.shared.global_ranks))
     }
 
     /// Why pending ops fail when this rank stopped the communicator.
@@ -338,14 +344,14 @@ impl Loop {
                 }
                 Ok(Activity::Idle) => {}
                 Ok(Activity::Peer) => return Ok(()),
-                Err(e) => return Err(EngineError::transport("waiting for the other ranks", &e)),
+                Err(e) => return Err(self.transport_failure("waiting for the other ranks", e)),
             }
         }
     }
 
     /// Sleep until local work, a peer's round, or `timeout`. Submitters wake the thread only while it sleeps
     /// here; the inbox is checked again after announcing the sleep so no submission is missed.
-    fn sleep_until_activity(&mut self, timeout: Duration) -> Result<Activity, crate::transport::TransportError> {
+    fn sleep_until_activity(&mut self, timeout: Duration) -> Result<Activity, TransportError> {
         self.shared.idle.store(true, Ordering::SeqCst);
         let activity = if self.shared.inbox().entries.is_empty() {
             self.transport.wait_for_activity(&self.shared.waker, timeout)
@@ -418,13 +424,13 @@ impl Loop {
                 Ok(())
             }
             Err(e) => {
-                let err = EngineError::transport(
+                let err = self.transport_failure(
                     format!(
                         "{} of tensor '{}'",
                         response.kind,
                         response.entries.first().map(|e| e.name.as_str()).unwrap_or("")
                     ),
-                    &e,
+                    e,
                 );
                 for entry in entries.into_iter().flatten() {
                     self.complete(entry, Err(err.clone()));

@@ -13,7 +13,7 @@ use crate::transport::memory::MemoryTransport;
 use crate::transport::rendezvous::StoreClient;
 use crate::transport::shm::ShmTransport;
 use crate::transport::tcp::TcpTransport;
-use crate::transport::Transport;
+use crate::transport::{Transport, TransportError};
 
 fn resolve(host: &str, port: u16) -> Result<SocketAddr, EngineError> {
     (host, port)
@@ -60,10 +60,12 @@ pub fn connect_members(
         return Err(EngineError::Internal("a multi-rank communicator needs the rendezvous store".into()));
     };
     let secret = &rdv.secret;
-    let tcp_mesh = |store: &mut StoreClient, scope: &str, rank: usize, size: usize, linked: &[bool]| {
+    // Transports number peers by position; errors name them by global rank (`numbers[position]`).
+    let failed = |op: &str, numbers: &[usize], e: TransportError| EngineError::transport(op, &e.renumbered(numbers));
+    let tcp_mesh = |store: &mut StoreClient, scope: &str, numbers: &[usize], rank: usize, linked: &[bool]| {
         TcpTransport::connect_mesh_linked(
             rank,
-            size,
+            numbers.len(),
             store,
             scope,
             secret,
@@ -72,43 +74,38 @@ pub fn connect_members(
             config.timeout,
             linked,
         )
-        .map_err(|e| EngineError::transport("connecting to the other ranks", &e))
+        .map_err(|e| failed("connecting to the other ranks", numbers, e))
     };
     let everyone = vec![true; members.len()];
     if !config.shm {
-        return Ok(Box::new(tcp_mesh(store, scope, local_rank, members.len(), &everyone)?));
+        return Ok(Box::new(tcp_mesh(store, scope, members, local_rank, &everyone)?));
     }
     let layout = host_layout(store, scope, local_rank, members.len(), &config.topology.hostname, config.timeout)?;
     if layout.hosts() == 1 {
-        if let Some(shm) = shared_memory(config, store, scope, local_rank, members.len())? {
+        if let Some(shm) = shared_memory(config, store, scope, members, local_rank)? {
             return Ok(Box::new(shm));
         }
-        return Ok(Box::new(tcp_mesh(store, scope, local_rank, members.len(), &everyone)?));
+        return Ok(Box::new(tcp_mesh(store, scope, members, local_rank, &everyone)?));
     }
     let host = layout.host_of(local_rank);
     let host_members = layout.members(host).len();
     if (0..layout.hosts()).all(|h| layout.members(h).len() == 1) {
-        return Ok(Box::new(tcp_mesh(store, scope, local_rank, members.len(), &everyone)?));
+        return Ok(Box::new(tcp_mesh(store, scope, members, local_rank, &everyone)?));
     }
     // Spanning hosts: shared memory among this host's members, TCP to the members on other hosts.
     let local_scope = format!("{scope}/host{host}");
     let index = layout.local_index(local_rank);
+    let here: Vec<usize> = layout.members(host).iter().map(|&r| members[r]).collect();
     let local: Box<dyn Transport> = if host_members == 1 {
         Box::new(MemoryTransport::mesh(1).pop().ok_or_else(|| EngineError::Internal("no transport".into()))?)
     } else {
-        match shared_memory(config, store, &local_scope, index, host_members)? {
+        match shared_memory(config, store, &local_scope, &here, index)? {
             Some(shm) => Box::new(shm),
-            None => Box::new(tcp_mesh(
-                store,
-                &format!("{local_scope}/tcp"),
-                index,
-                host_members,
-                &vec![true; host_members],
-            )?),
+            None => Box::new(tcp_mesh(store, &format!("{local_scope}/tcp"), &here, index, &vec![true; host_members])?),
         }
     };
     let linked: Vec<bool> = (0..members.len()).map(|r| layout.host_of(r) != host).collect();
-    let remote = tcp_mesh(store, &format!("{scope}/cross"), local_rank, members.len(), &linked)?;
+    let remote = tcp_mesh(store, &format!("{scope}/cross"), members, local_rank, &linked)?;
     tracing::info!(
         "rank {me}: a communicator of {} ranks on {} hosts: {} here through {}, the others through TCP",
         members.len(),
@@ -117,21 +114,22 @@ pub fn connect_members(
         local.kind()
     );
     let composite = CompositeTransport::new(local_rank, layout, local, Box::new(remote))
-        .map_err(|e| EngineError::transport("connecting to the other ranks", &e))?;
+        .map_err(|e| failed("connecting to the other ranks", members, e))?;
     Ok(Box::new(composite))
 }
 
-/// The shared-memory mesh of `size` ranks on this host meeting in `scope`, or `None` where shared memory is
-/// unusable (every rank learns the same).
+/// The shared-memory mesh on this host of the ranks `numbers` (global ranks; this rank is at position `rank`)
+/// meeting in `scope`, or `None` where shared memory is unusable (every rank learns the same).
 fn shared_memory(
     config: &Config,
     store: &mut StoreClient,
     scope: &str,
+    numbers: &[usize],
     rank: usize,
-    size: usize,
 ) -> Result<Option<ShmTransport>, EngineError> {
+    let size = numbers.len();
     ShmTransport::connect_mesh(rank, size, store, scope, &config.shm_dir, config.fusion_threshold, config.timeout)
-        .map_err(|e| EngineError::transport("setting up shared memory with the other ranks", &e))
+        .map_err(|e| EngineError::transport("setting up shared memory with the other ranks", &e.renumbered(numbers)))
 }
 
 /// What identifies this machine: the launcher's host name plus the kernel's boot id, so that two machines
@@ -151,7 +149,7 @@ fn host_layout(
     hostname: &str,
     timeout: Duration,
 ) -> Result<HostLayout, EngineError> {
-    let fail = |e: crate::transport::TransportError| EngineError::transport("exchanging host names", &e);
+    let fail = |e: TransportError| EngineError::transport("exchanging host names", &e);
     store.set(&format!("{scope}/host/{local_rank}"), host_identity(hostname).as_bytes()).map_err(fail)?;
     let mut keys = Vec::with_capacity(size);
     for rank in 0..size {
@@ -167,7 +165,7 @@ pub fn all_hosts_equal(
     topo: &Topology,
     timeout: Duration,
 ) -> Result<bool, EngineError> {
-    let fail = |e: crate::transport::TransportError| EngineError::transport("exchanging host sizes", &e);
+    let fail = |e: TransportError| EngineError::transport("exchanging host sizes", &e);
     store.set(&format!("{scope}/local_size/{}", topo.rank), topo.local_size.to_string().as_bytes()).map_err(fail)?;
     let mut equal = true;
     for rank in 0..topo.size {

@@ -123,7 +123,7 @@ impl<'a> PartView<'a> {
     }
 
     fn named(&self, err: TransportError) -> TransportError {
-        rename(err, |p| self.names.get(p).copied().unwrap_or(p))
+        err.renumbered(&self.names)
     }
 }
 
@@ -177,17 +177,6 @@ impl Transport for PartView<'_> {
         } else {
             None
         }
-    }
-}
-
-/// `err` with its peer renumbered by `name`.
-fn rename(err: TransportError, name: impl Fn(usize) -> usize) -> TransportError {
-    match err {
-        TransportError::PeerClosed { peer } => TransportError::PeerClosed { peer: name(peer) },
-        TransportError::Timeout { peer, seconds } => TransportError::Timeout { peer: name(peer), seconds },
-        TransportError::Io { peer, source } => TransportError::Io { peer: name(peer), source },
-        TransportError::Protocol { peer, detail } => TransportError::Protocol { peer: name(peer), detail },
-        other @ TransportError::Setup(_) => other,
     }
 }
 
@@ -257,7 +246,7 @@ impl CompositeTransport {
     }
 
     fn local_error(&self, err: TransportError) -> TransportError {
-        rename(err, |p| self.local_members.get(p).copied().unwrap_or(p))
+        err.renumbered(&self.local_members)
     }
 }
 
@@ -356,7 +345,7 @@ impl CompositeTransport {
     ) -> Result<(), TransportError> {
         let (to_route, from_route) = (self.route(to)?, self.route(from)?);
         let names = &self.local_members;
-        let local_error = |e| rename(e, |p| names.get(p).copied().unwrap_or(p));
+        let local_error = |e: TransportError| e.renumbered(names);
         match (to_route, from_route) {
             (Route::Local(t), Route::Local(f)) => self.local.exchange(t, send, f, recv_len, sink).map_err(local_error),
             (Route::Remote(t), Route::Remote(f)) => self.remote.exchange(t, send, f, recv_len, sink),

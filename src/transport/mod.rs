@@ -39,8 +39,37 @@ pub enum TransportError {
     },
     #[error("connection set-up failed: {0}")]
     Setup(String),
+    #[error("connection set-up with rank {peer} failed: {detail}")]
+    Connect { peer: usize, detail: String },
+    #[error("connection set-up failed: {} did not connect in time", ranks_text(peers))]
+    NotConnected { peers: Vec<usize> },
     #[error("rank {peer} sent a malformed message: {detail}")]
     Protocol { peer: usize, detail: String },
+}
+
+impl TransportError {
+    /// The same error with its peer renumbered: peer `p` becomes `numbers[p]` (kept where `numbers` has no
+    /// entry). Turns a part's ranks into the whole communicator's, or a communicator's into global ranks.
+    pub fn renumbered(self, numbers: &[usize]) -> TransportError {
+        let number = |peer: usize| numbers.get(peer).copied().unwrap_or(peer);
+        match self {
+            TransportError::PeerClosed { peer } => TransportError::PeerClosed { peer: number(peer) },
+            TransportError::Timeout { peer, seconds } => TransportError::Timeout { peer: number(peer), seconds },
+            TransportError::Io { peer, source } => TransportError::Io { peer: number(peer), source },
+            TransportError::Protocol { peer, detail } => TransportError::Protocol { peer: number(peer), detail },
+            TransportError::Connect { peer, detail } => TransportError::Connect { peer: number(peer), detail },
+            TransportError::NotConnected { peers } => {
+                TransportError::NotConnected { peers: peers.into_iter().map(number).collect() }
+            }
+            other @ TransportError::Setup(_) => other,
+        }
+    }
+}
+
+/// "rank 2" or "ranks 1, 3".
+fn ranks_text(ranks: &[usize]) -> String {
+    let list: Vec<String> = ranks.iter().map(usize::to_string).collect();
+    format!("rank{} {}", if ranks.len() == 1 { "" } else { "s" }, list.join(", "))
 }
 
 /// Why [`Transport::wait_for_activity`] returned.
@@ -156,4 +185,28 @@ pub trait Staging {
     /// Wait until every other rank has completed `step`; fails like a receive if one dies, closes or
     /// makes no progress for the timeout.
     fn wait_for(&mut self, step: u64) -> Result<(), TransportError>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_process_sets_peer_is_named_by_its_global_rank() {
+        // Process set [1, 3]: communicator rank 1 is global rank 3.
+        let set = [1, 3];
+        let named = |e: TransportError| e.renumbered(&set).to_string();
+        assert_eq!(named(TransportError::PeerClosed { peer: 1 }), "rank 3 exited or closed its connection");
+        assert_eq!(named(TransportError::Timeout { peer: 0, seconds: 2.0 }), "no progress from rank 1 for 2.0 s");
+        let io = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset");
+        assert_eq!(named(TransportError::Io { peer: 1, source: io }), "I/O error with rank 3: reset");
+        let protocol = TransportError::Protocol { peer: 1, detail: "bad".into() };
+        assert_eq!(named(protocol), "rank 3 sent a malformed message: bad");
+        let connect = TransportError::Connect { peer: 0, detail: "refused".into() };
+        assert_eq!(named(connect), "connection set-up with rank 1 failed: refused");
+        let absent = TransportError::NotConnected { peers: vec![0, 1] };
+        assert_eq!(named(absent), "connection set-up failed: ranks 1, 3 did not connect in time");
+        assert_eq!(named(TransportError::Setup("x".into())), "connection set-up failed: x");
+        assert_eq!(named(TransportError::PeerClosed { peer: 5 }), "rank 5 exited or closed its connection");
+    }
 }

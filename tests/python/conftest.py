@@ -6,6 +6,7 @@ still carries the tag when the test ends (or times out) is killed, so a failing 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -51,6 +52,25 @@ def kill_tagged(tag: str) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+@contextlib.contextmanager
+def ray_token_auth_disabled() -> Iterator[None]:
+    """Every Ray cluster the tests start, or connect this process to, runs with ``RAY_AUTH_MODE=disabled``.
+    A process keeps the authentication mode of its first ``ray.init()`` (a new local cluster turns token
+    authentication on by default) for every later session: a driver still asking for tokens refuses the GCS
+    of a cluster started without them, the GCS takes the driver for dead and removes its actors before they
+    run (``ActorDiedError``: "all references to the actor were removed ... cancelled before it started
+    running"). That is how test_ray_nodes failed after test_ray in one pytest process."""
+    previous = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = previous
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
 """Multi-process tests of rvod.numpy's error behaviour: mismatches, duplicate names, ops before init,
-re-init, bad arguments, stalls, a rank killed or frozen mid-allreduce (over shared memory and TCP), strangers on the job's sockets, and
+re-init, bad arguments, stalls, a rank killed or frozen mid-allreduce (over shared memory and TCP; also inside a
+process set, named by its global rank), dtypes the engine cannot take, strangers on the job's sockets, and
 a job of size 1 without rvodrun. The worker side is workers/errors.py.
 """
 
@@ -86,6 +87,18 @@ def assert_transport(job: LocalJob, results, transport: str) -> None:
         assert f"TRANSPORT {transport}" in res.stdout, f"rank {rank} did not run over {transport}:\n{job.report()}"
 
 
+def kill_rank_two(job_env, tmp_path, shm_dir, transport: str, variant: list[str]) -> tuple[LocalJob, dict]:
+    """Runs workers/errors.py's ``kill SIGKILL *variant`` as a 3-rank job over `transport` with RVOD_TIMEOUT=10;
+    checks that rank 2 died of the SIGKILL; the job and the results of ranks 0 and 1."""
+    command = [PYTHON, ERRORS, "kill", "SIGKILL", *variant]
+    settings = {"RVOD_TIMEOUT": "10", **transport_settings(transport, shm_dir)}
+    with LocalJob(job_env, 3, command, tmp_path, settings=settings) as job:
+        job.start()
+        victim = job.wait(40, ranks=[2])[2]
+        assert victim.returncode == -9, job.report()
+        return job, job.wait(30, ranks=[0, 1])
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("transport, op", [("shm", "single"), ("shm", "grouped"), ("tcp", "single")])
 def test_killed_rank_fails_the_others_quickly(job_env, tmp_path, shm_dir, transport, op):
@@ -93,21 +106,27 @@ def test_killed_rank_fails_the_others_quickly(job_env, tmp_path, shm_dir, transp
     through the staging areas) is in flight: ranks 0 and 1 raise RvodInternalError naming rank 2 well within
     RVOD_TIMEOUT, and can still shut down. Over shared memory, nothing of the job is left in the segment
     folder afterwards (nor while it ran: segments are unlinked once mapped)."""
-    command = [PYTHON, ERRORS, "kill", "SIGKILL"] + (["grouped"] if op == "grouped" else [])
-    settings = {"RVOD_TIMEOUT": "10", **transport_settings(transport, shm_dir)}
-    with LocalJob(job_env, 3, command, tmp_path, settings=settings) as job:
-        job.start()
-        victim = job.wait(40, ranks=[2])[2]
-        assert victim.returncode == -9, job.report()
-        survivors = job.wait(30, ranks=[0, 1])
-        assert_transport(job, survivors, transport)
-        reports = survivor_reports(job, survivors)
+    job, survivors = kill_rank_two(job_env, tmp_path, shm_dir, transport, ["grouped"] if op == "grouped" else [])
+    assert_transport(job, survivors, transport)
+    reports = survivor_reports(job, survivors)
     for rank, (kind, seconds, message) in reports.items():
         assert kind in ("RvodInternalError", "RvodTimeoutError"), (rank, kind, message)
         assert seconds < 5.0, f"rank {rank} took {seconds} s to notice (RVOD_TIMEOUT=10): {message}"
         assert re.search(r"\brank 2\b", message), message
         assert "allreduce.fatal" in message, message
     assert list(shm_dir.iterdir()) == [], "the job left shared memory behind"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_killed_rank_inside_a_process_set_is_named_by_its_global_rank(job_env, tmp_path, shm_dir, transport):
+    """3 ranks, process set [1, 2]: rank 2 is SIGKILLed instead of joining an allreduce on the set. Rank 1 raises
+    RvodInternalError naming rank 2 (its global rank; it is rank 1 of the set's communicator), never rank 1."""
+    job, survivors = kill_rank_two(job_env, tmp_path, shm_dir, transport, ["in-set"])
+    assert "SURVIVOR" not in survivors[0].stdout, f"rank 0 is no member of the set:\n{job.report()}"
+    kind, _, message = survivor_reports(job, {1: survivors[1]})[1]
+    assert kind == "RvodInternalError", (kind, message)
+    assert re.search(r"\brank 2\b", message) and not re.search(r"\brank 1\b", message), message
 
 
 @pytest.mark.timeout(60)
@@ -196,3 +215,22 @@ def test_size_one_job_without_rvodrun(job_env, tmp_path):
     report = f"exit {result.returncode} after {time.monotonic() - start:.1f} s\n{result.stdout}\n{result.stderr}"
     assert result.returncode == 0, report
     assert re.search(r"^rank 0: \d+ checks passed, 0 failed$", result.stdout, re.MULTILINE), report
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("module, name", [("ml_dtypes", "bfloat16"), ("ml_dtypes", "float8_e4m3fn"), ("numpy", "uint32")])
+def test_arrays_of_dtypes_the_engine_cannot_take_raise_type_error_naming_the_dtype(job_env, tmp_path, module, name):
+    """An array whose dtype the engine cannot take (ml_dtypes' bfloat16, which NumPy cannot export by DLPack,
+    among them) raises TypeError naming the dtype and the supported ones, from every op, before anything is
+    sent (a job of size 1)."""
+    pytest.importorskip(module, reason=f"{module} is not installed (it comes with TensorFlow)")
+    env = {k: v for k, v in job_env.items() if not k.startswith(("RVOD_", "HOROVOD_")) or k == "RVOD_TEST_JOB_TAG"}
+    result = subprocess.run([sys.executable, ERRORS, "dtype", module, name], env=env, cwd=tmp_path,
+                            capture_output=True, text=True, timeout=45)
+    report = f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+    refused = re.findall(r"^REFUSED (\w+) (\w+) ?(.*)$", result.stdout, re.MULTILINE)
+    assert len(refused) == 7 and result.returncode == 0, report
+    for op, kind, message in refused:
+        assert kind == "TypeError", (op, kind, message)
+        message = ast.literal_eval(message)
+        assert f"dtype {name};" in message and "supported: " in message and "float32" in message, (op, message)

@@ -1,4 +1,5 @@
-"""rvod.ray.RayExecutor on a local Ray cluster this module starts (``ray.init(num_cpus=3)``): every op on 2
+"""rvod.ray.RayExecutor on a local Ray cluster this module starts (``ray.init(num_cpus=3)``, without token
+authentication like every Ray cluster of the tests: see conftest.ray_token_auth_disabled): every op on 2
 and 3 workers, torch training equal to rvodrun's, failures named by rank, and a run after a failure."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ ray = pytest.importorskip("ray", reason="rvod.ray needs Ray (pip install ray) to
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 import cluster_fns  # noqa: E402
+from conftest import ray_token_auth_disabled  # noqa: E402
 
 from rvod.ray import RayExecutor  # noqa: E402
 
@@ -23,9 +25,10 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    yield
-    ray.shutdown()
+    with ray_token_auth_disabled():
+        ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        yield
+        ray.shutdown()
 
 
 def started(workers: int, **start) -> RayExecutor:

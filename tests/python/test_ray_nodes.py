@@ -18,7 +18,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="rvod.ray needs Ray (pip install ray) to be tested")
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
-from conftest import JOB_TAG_VARIABLE, kill_tagged  # noqa: E402
+from conftest import JOB_TAG_VARIABLE, kill_tagged, ray_token_auth_disabled  # noqa: E402
 
 from rvod.ray import RayExecutor  # noqa: E402
 
@@ -35,14 +35,12 @@ def _free_port() -> int:
 def two_nodes(tmp_path_factory):
     tag = uuid.uuid4().hex
     port = _free_port()
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", **{JOB_TAG_VARIABLE: tag})
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", **{JOB_TAG_VARIABLE: tag})  # see ray_token_auth_disabled
     common = ["--block", "--num-cpus=2", "--disable-usage-stats"]
     head = subprocess.Popen([RAY, "start", "--head", f"--port={port}", "--include-dashboard=false",
                              f"--temp-dir={tmp_path_factory.mktemp('ray')}", *common], env=env,
                             start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     nodes = [head]
-    previous = os.environ.get("RAY_AUTH_MODE")
-    os.environ["RAY_AUTH_MODE"] = "disabled"
     try:
         deadline = time.monotonic() + 90
         while True:  # the head's GCS answers
@@ -54,13 +52,16 @@ def two_nodes(tmp_path_factory):
                 time.sleep(0.5)
         nodes.append(subprocess.Popen([RAY, "start", f"--address=127.0.0.1:{port}", *common], env=env,
                                       start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        ray.init(address=f"127.0.0.1:{port}", log_to_driver=False, configure_logging=False)
-        while len([node for node in ray.nodes() if node["Alive"]]) < 2:
-            assert time.monotonic() < deadline, "the second Ray node did not join"
-            time.sleep(0.5)
-        yield
+        with ray_token_auth_disabled():
+            ray.init(address=f"127.0.0.1:{port}", log_to_driver=False, configure_logging=False)
+            try:
+                while len([node for node in ray.nodes() if node["Alive"]]) < 2:
+                    assert time.monotonic() < deadline, "the second Ray node did not join"
+                    time.sleep(0.5)
+                yield
+            finally:
+                ray.shutdown()
     finally:
-        ray.shutdown()
         for node in reversed(nodes):
             os.killpg(node.pid, signal.SIGTERM)
             try:
@@ -68,10 +69,6 @@ def two_nodes(tmp_path_factory):
             except subprocess.TimeoutExpired:
                 os.killpg(node.pid, signal.SIGKILL)
         kill_tagged(tag)
-        if previous is None:
-            os.environ.pop("RAY_AUTH_MODE", None)
-        else:
-            os.environ["RAY_AUTH_MODE"] = previous
 
 
 def _topology_and_values():
@@ -90,8 +87,6 @@ def _topology_and_values():
         hvd.shutdown()
 
 
-@pytest.mark.skip(reason="a worker actor died in CI's run on a loaded 2-core machine (ray.exceptions.ActorDiedError); "
-                         "skipped until the cause is found, see the closing note of issue 16")
 @pytest.mark.timeout(240)
 def test_workers_of_a_node_are_its_local_ranks_and_collectives_cross_nodes(two_nodes):
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -3,8 +3,8 @@
 Plain ``ndarray``s go as they are: the engine reads them straight from NumPy's array struct, which costs far
 less than a DLPack capsule per array (it matters for a grouped allreduce of a thousand gradients). Anything else
 (subclasses, array-likes, non-contiguous or foreign-byte-order arrays, read-only arrays for in-place ops)
-crosses by DLPack, as a private contiguous copy where needed; dtypes the engine cannot reduce are refused
-with a ``TypeError`` before anything is sent.
+crosses by DLPack, as a private contiguous copy where needed; dtypes the engine cannot reduce, and bfloat16
+(which NumPy cannot export), are refused with a ``TypeError`` naming the dtype before anything is sent.
 """
 
 import numpy as np
@@ -18,6 +18,9 @@ _SUPPORTED_NAMES = ", ".join(d.name for d in _SUPPORTED)
 # (kind, itemsize) of the supported dtypes: a set lookup is far cheaper than comparing dtype objects (export
 # runs for every tensor of every collective), and it also accepts aliases such as longlong for int64.
 _SUPPORTED_KINDS = frozenset((d.kind, d.itemsize) for d in _SUPPORTED)
+# NumPy's bfloat16 (ml_dtypes') is a dtype NumPy itself cannot export by DLPack, so the engine never sees it.
+_BFLOAT16_HINT = (" (NumPy bfloat16 arrays, such as ml_dtypes', cannot be exported; send a framework tensor such as "
+                  "torch.bfloat16, or cast to float32)")
 
 
 class _CapsuleHolder:
@@ -50,8 +53,9 @@ class NumpyAdapter(TensorAdapter):
         dtype = array.dtype
         if not dtype.isnative:
             array = array.astype(dtype.newbyteorder("="))
-        if (dtype.kind, dtype.itemsize) not in _SUPPORTED_KINDS and dtype.name != "bfloat16":
-            raise TypeError(f"rvod cannot exchange arrays of dtype {array.dtype}; supported: {_SUPPORTED_NAMES}")
+        if (dtype.kind, dtype.itemsize) not in _SUPPORTED_KINDS:
+            raise TypeError(f"rvod cannot exchange arrays of dtype {array.dtype}; supported: {_SUPPORTED_NAMES}"
+                            f"{_BFLOAT16_HINT if dtype.name == 'bfloat16' else ''}")
         holder = array if array.flags.c_contiguous else np.ascontiguousarray(array)
         if not holder.flags.writeable:
             # DLPack cannot export read-only arrays; the engine reads a private copy instead.

@@ -573,7 +573,10 @@ impl Transport for ShmTransport {
         let (blamed, timed_out) = match cause {
             TransportError::PeerClosed { peer } | TransportError::Io { peer, .. } => (*peer, false),
             TransportError::Timeout { peer, .. } => (*peer, true),
-            TransportError::Setup(_) | TransportError::Protocol { .. } => return,
+            TransportError::Setup(_)
+            | TransportError::Connect { .. }
+            | TransportError::NotConnected { .. }
+            | TransportError::Protocol { .. } => return,
         };
         if blamed == self.rank || blamed >= self.layout.size() {
             return;

@@ -93,7 +93,10 @@ impl Cause {
         let (peer, timed_out) = match err {
             TransportError::PeerClosed { peer } | TransportError::Io { peer, .. } => (*peer, false),
             TransportError::Timeout { peer, .. } => (*peer, true),
-            TransportError::Setup(_) | TransportError::Protocol { .. } => return None,
+            TransportError::Setup(_)
+            | TransportError::Connect { .. }
+            | TransportError::NotConnected { .. }
+            | TransportError::Protocol { .. } => return None,
         };
         (peer != rank && peer < size).then_some(Cause { peer, timed_out })
     }

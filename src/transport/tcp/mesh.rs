@@ -69,7 +69,9 @@ impl TcpTransport {
             )));
         }
         let deadline = handshake::deadline_after(timeout);
-        let setup_error = |what: &str, err: io::Error| TransportError::Setup(format!("rank {rank}: {what}: {err}"));
+        // Set-up errors name no rank of their own: this rank raises them, and inside a process set its position
+        // here is not the rank users know.
+        let setup_error = |what: &str, err: io::Error| TransportError::Setup(format!("{what}: {err}"));
         let listener =
             TcpListener::bind((bind, 0)).map_err(|err| setup_error(&format!("cannot listen on {bind}"), err))?;
         let port = listener.local_addr().map_err(|err| setup_error("listener address", err))?.port();
@@ -91,14 +93,13 @@ impl TcpTransport {
                 abort.store(true, Ordering::SeqCst);
                 events.wake();
             }
-            let higher = acceptor
-                .join()
-                .unwrap_or_else(|_| Err(TransportError::Setup(format!("rank {rank}: the accepting thread panicked"))));
+            let higher =
+                acceptor.join().unwrap_or_else(|_| Err(TransportError::Setup("the accepting thread panicked".into())));
             (lower, higher)
         });
         drop(listener);
         for (peer, stream) in lower?.into_iter().chain(higher?) {
-            tune(&stream).map_err(|err| setup_error(&format!("socket options for rank {peer}"), err))?;
+            tune(&stream).map_err(|err| TransportError::Connect { peer, detail: format!("socket options: {err}") })?;
             links[peer] = Some(Link::new(stream));
         }
         Ok(TcpTransport::from_links(rank, links, timeout))
@@ -152,8 +153,7 @@ fn connect_lower(
     let claim = mesh_claim(mesh.rank, mesh.scope);
     let mut streams = Vec::with_capacity(mesh.rank);
     for peer in (0..mesh.rank).filter(|&peer| mesh.linked[peer]) {
-        let fail =
-            |detail: String| TransportError::Setup(format!("rank {} connecting to rank {peer}: {detail}", mesh.rank));
+        let fail = |detail: String| TransportError::Connect { peer, detail };
         let left = deadline.saturating_duration_since(Instant::now());
         let address = store.get(&address_key(mesh.scope, peer), left)?;
         let address = String::from_utf8(address).map_err(|_| fail("its published address is not text".into()))?;
@@ -190,7 +190,7 @@ fn accept_higher(
     abort: &AtomicBool,
 ) -> Result<Vec<(usize, TcpStream)>, TransportError> {
     let rank = mesh.rank;
-    let fail = |detail: String| TransportError::Setup(format!("rank {rank} accepting peers: {detail}"));
+    let fail = |detail: String| TransportError::Setup(format!("accepting the other ranks: {detail}"));
     listener.set_nonblocking(true).map_err(|err| fail(err.to_string()))?;
     let secret: Arc<[u8]> = mesh.secret.into();
     let scope: Arc<str> = mesh.scope.into();
@@ -216,11 +216,8 @@ fn accept_higher(
         }
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            let absent: Vec<String> = (rank + 1..mesh.size)
-                .filter(|&peer| mesh.linked[peer] && accepted[peer].is_none())
-                .map(|peer| peer.to_string())
-                .collect();
-            return Err(fail(format!("rank(s) {} did not connect in time", absent.join(", "))));
+            let peers = (rank + 1..mesh.size).filter(|&peer| mesh.linked[peer] && accepted[peer].is_none()).collect();
+            return Err(TransportError::NotConnected { peers });
         }
         let mut fds = [
             libc::pollfd { fd: listener.as_raw_fd(), events: libc::POLLIN, revents: 0 },

@@ -3,12 +3,15 @@
 - ``main`` (rvodrun, 3 ranks, RVOD_STALL_CHECK_TIME_SECONDS=2): ops before init; mismatches of shape, dtype,
   reduce op, root rank and scale factors; a duplicate in-flight name; arguments refused at submission;
   a stalled allreduce; init -> shutdown -> init with the unnamed-op counter reset.
-- ``kill SIGKILL|SIGSTOP [grouped]``: the last rank kills (or freezes) itself in the middle of a large allreduce
-  (a grouped one with ``grouped``); the
-  others report the error they got (``SURVIVOR <class> <seconds> <message>``).
+- ``kill SIGKILL|SIGSTOP [grouped|in-set]``: the last rank kills (or freezes) itself in the middle of a large
+  allreduce (a grouped one with ``grouped``; with ``in-set``, before submitting one on the process set [1, 2] of a
+  3-rank job, which rank 0 is no member of and sits out); the others report the error they got
+  (``SURVIVOR <class> <seconds> <message>``).
 - ``lifecycle`` (2 ranks): Ctrl-C while waiting; a peer that shuts down while this rank waits for it.
 - ``steps``: a few plain collectives with known results (used while strangers poke at the job).
 - ``single``: a job of size 1, started without rvodrun.
+- ``dtype MODULE NAME``: a job of size 1 without rvodrun offers an array of dtype ``MODULE.NAME`` (e.g.
+  ``ml_dtypes bfloat16``) to each op and prints what each raised (``REFUSED <op> <class> <message>``).
 """
 
 import os
@@ -247,8 +250,24 @@ def main():
     finish(R)
 
 
+def survivor_report(fatal):
+    """Runs `fatal` (a collective that fails) and prints the error it raised and when; whether it is an
+    RvodInternalError."""
+    start = time.monotonic()
+    try:
+        fatal()
+    except RvodError as error:
+        elapsed = time.monotonic() - start
+        print(f"SURVIVOR {type(error).__name__} {elapsed:.2f} {str(error)!r}", flush=True)
+        return isinstance(error, RvodInternalError)
+    print("SURVIVOR no error", flush=True)
+    return False
+
+
 def kill():
-    hvd.init()
+    in_set = sys.argv[3:] == ["in-set"]
+    process_set = hvd.ProcessSet([1, 2]) if in_set else hvd.global_process_set
+    hvd.init(process_sets=[process_set] if in_set else None)
     rank, size = hvd.rank(), hvd.size()
     from rvod import _rvod
 
@@ -259,29 +278,32 @@ def kill():
         out = hvd.allreduce(big, op=hvd.Sum, name=f"step{step}")
         assert out[0] == size and out[-1] == size
         print(f"step {step} ok", flush=True)
-    if sys.argv[3:] == ["grouped"]:
-        # 64 MiB in 16 tensors: over shared memory a grouped allreduce runs through the staging areas, fast
-        # enough (tens of ms) that the victim dies 5 ms in, while packing or reducing.
-        handle = hvd.grouped_allreduce_async(np.split(big[: 16 << 20], 16), op=hvd.Sum, name="fatal")
-        delay = 0.005
+    if in_set:
+        # The victim dies before submitting (a set of two finishes 128 MiB over shared memory within 50 ms), so
+        # rank 1 fails waiting for it; rank 0, no member, sits it out until the victim has died.
+        if rank == victim:
+            os.kill(os.getpid(), getattr(signal, sys.argv[2]))
+        if rank == 0:
+            time.sleep(2.0)
+            is_internal = True
+        else:
+            fatal = lambda: hvd.allreduce(big, op=hvd.Sum, name="fatal", process_set=process_set)  # noqa: E731
+            is_internal = survivor_report(fatal)
     else:
-        handle = hvd.allreduce_async(big, op=hvd.Sum, name="fatal")
-        delay = 0.05
-    start = time.monotonic()
-    if rank == victim:
-        time.sleep(delay)
-        # SIGKILL: the connections close at once. SIGSTOP: the rank goes silent with its connections open
-        # (the test kills it later), so only the RVOD_TIMEOUT deadline can notice.
-        os.kill(os.getpid(), getattr(signal, sys.argv[2]))
-    try:
-        hvd.synchronize(handle)
-    except RvodError as error:
-        elapsed = time.monotonic() - start
-        print(f"SURVIVOR {type(error).__name__} {elapsed:.2f} {str(error)!r}", flush=True)
-        is_internal = isinstance(error, RvodInternalError)
-    else:
-        print("SURVIVOR no error", flush=True)
-        is_internal = False
+        if sys.argv[3:] == ["grouped"]:
+            # 64 MiB in 16 tensors: over shared memory a grouped allreduce runs through the staging areas, fast
+            # enough (tens of ms) that the victim dies 5 ms in, while packing or reducing.
+            handle = hvd.grouped_allreduce_async(np.split(big[: 16 << 20], 16), op=hvd.Sum, name="fatal")
+            delay = 0.005
+        else:
+            handle = hvd.allreduce_async(big, op=hvd.Sum, name="fatal")
+            delay = 0.05
+        if rank == victim:
+            time.sleep(delay)
+            # SIGKILL: the connections close at once. SIGSTOP: the rank goes silent with its connections open
+            # (the test kills it later), so only the RVOD_TIMEOUT deadline can notice.
+            os.kill(os.getpid(), getattr(signal, sys.argv[2]))
+        is_internal = survivor_report(lambda: hvd.synchronize(handle))
     start = time.monotonic()
     try:
         hvd.allreduce(np.ones(2, dtype=np.float32), name="after")
@@ -390,4 +412,28 @@ def single():
     finish(0)
 
 
-{"main": main, "kill": kill, "lifecycle": lifecycle, "steps": steps, "single": single}[MODE]()
+def dtype():
+    import importlib
+
+    array = np.ones(4, dtype=getattr(importlib.import_module(sys.argv[2]), sys.argv[3]))
+    hvd.init()
+    calls = {
+        "allreduce": lambda: hvd.allreduce(array, op=hvd.Sum),
+        "allreduce_": lambda: hvd.allreduce_(array, op=hvd.Sum),
+        "grouped_allreduce": lambda: hvd.grouped_allreduce([array]),
+        "allgather": lambda: hvd.allgather(array),
+        "broadcast": lambda: hvd.broadcast(array, 0),
+        "alltoall": lambda: hvd.alltoall(array),
+        "reducescatter": lambda: hvd.reducescatter(array),
+    }
+    for op, call in calls.items():
+        try:
+            call()
+        except Exception as error:  # noqa: BLE001 -- the test checks which class it was
+            print(f"REFUSED {op} {type(error).__name__} {str(error)!r}", flush=True)
+        else:
+            print(f"REFUSED {op} nothing", flush=True)
+    hvd.shutdown()
+
+
+{"main": main, "kill": kill, "lifecycle": lifecycle, "steps": steps, "single": single, "dtype": dtype}[MODE]()

@@ -5,9 +5,10 @@
   gives ids 1..k in order; every op (allreduce with every variant, allgather, broadcast, alltoall,
   reducescatter, barrier, broadcast_object) on the even set [0, 2], the odd set [1, 3] and the odd-sized
   set [0, 1, 2], against exact values; ranks outside a set refused at once; the same name in flight in
-  two sets; a mismatch inside a set; add_process_set refused without dynamic mode; and last, the two
-  disjoint sets at the same time while rank 3 sleeps ~4.5 s: the even set finishes its work while rank 1
-  waits, and the odd set's coordinator (rank 1) warns about the stall naming set 2 and rank 3.
+  two sets; mismatches inside the sets [0, 1, 2] and [1, 3], named by global rank; add_process_set refused
+  without dynamic mode; and last, the two disjoint sets at the same time while rank 3 sleeps ~4.5 s: the even
+  set finishes its work while rank 1 waits, and the odd set's coordinator (rank 1) warns about the stall naming
+  set 2 and rank 3.
 - ``dynamic`` (3 ranks): mismatched static sets at init; add refused without dynamic mode, allowed with
   RVOD_DYNAMIC_PROCESS_SETS=1, HOROVOD_DYNAMIC_PROCESS_SETS=1 and init(process_sets="dynamic") (for that
   init only, leaving os.environ alone), refused with -1 or 0, a value that is no flag refused by init; add (a
@@ -349,6 +350,14 @@ def static():
                 message
             out = hvd.allreduce(np.ones(2), op=hvd.Sum, name="trio.after.mismatch", process_set=trio)
             assert_equal(out, np.full(2, 3.0), "after the mismatch")
+    if odd.included():
+        # In [1, 3] a rank's position in the set is not its rank: the message must say 1 and 3, never 0.
+        with check("a mismatch inside the odd set names global ranks 1 and 3, not positions 0 and 1"):
+            message = expect_error(RvodMismatchError, "dtype|data type", hvd.allreduce,
+                                   np.ones(2, dtype=np.float32 if R == 1 else np.float64), name="odd.mismatch",
+                                   process_set=odd)
+            assert re.search(r"\brank 1 sent float32; rank 3 sent float64\b", message), message
+            assert not re.search(r"\brank 0\b", message), message
 
     with check("add_process_set without dynamic mode raises ValueError naming RVOD_DYNAMIC_PROCESS_SETS"):
         assert not os.environ.get("RVOD_DYNAMIC_PROCESS_SETS") and not os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS")
