@@ -121,13 +121,18 @@ impl Communicator {
         let thread_driver = Arc::clone(&driver);
         let affinity = config.thread_affinity;
         let name = format!("rvod-set{set_id}");
+        let (started, on_started) = std::sync::mpsc::channel();
         let thread = std::thread::Builder::new()
             .name(name.clone())
             .spawn(move || {
                 affinity::apply(affinity, &name);
+                let _ = started.send(());
                 thread_driver.run_engine_thread()
             })
             .map_err(|e| EngineError::Init(format!("cannot start the engine thread: {e}")))?;
+        // Callers may run the first ops themselves before the engine thread is ever scheduled: wait until it
+        // is named and pinned, so that what init() leaves behind is the same whoever runs first.
+        let _ = on_started.recv();
         Ok(Communicator { shared, driver, thread: Mutex::new(Some(thread)) })
     }
 
