@@ -172,6 +172,9 @@ pub struct ConfigError {
     pub reason: String,
 }
 
+/// Longest duration a setting in seconds can ask for (about 31 years): far beyond any job, far below where
+/// `Instant + Duration` overflows.
+const MAX_SECONDS: f64 = 1e9;
 pub const DEFAULT_FUSION_THRESHOLD: usize = 128 * 1024 * 1024;
 pub const DEFAULT_CYCLE_TIME_MS: f64 = 1.0;
 pub const DEFAULT_CACHE_CAPACITY: usize = 1024;
@@ -214,11 +217,13 @@ impl<F: Fn(&str) -> Option<String>> EnvReader<F> {
         }
     }
 
+    /// A duration in seconds. Values above [`MAX_SECONDS`] (users write `1e12` for "never") are taken as
+    /// that, so that turning them into a `Duration` or adding them to an `Instant` cannot overflow.
     fn seconds(&self, key: &str, default: f64) -> Result<f64, ConfigError> {
         match self.raw(key) {
             None => Ok(default),
             Some((name, value)) => match value.parse::<f64>() {
-                Ok(v) if v.is_finite() && v >= 0.0 => Ok(v),
+                Ok(v) if v.is_finite() && v >= 0.0 => Ok(v.min(MAX_SECONDS)),
                 _ => Err(Self::error(name, value, "expected a non-negative number")),
             },
         }
@@ -628,6 +633,25 @@ mod tests {
         assert_eq!((c.timeout, c.start_timeout), (Duration::from_secs(5), Duration::from_secs(30)));
         assert_eq!(c.stall_check, Some(Duration::from_secs(60)));
         assert_eq!(c.stall_shutdown, None);
+    }
+
+    #[test]
+    fn huge_durations_are_capped_instead_of_overflowing() {
+        // Finite and non-negative, so accepted; before the cap, 1e300 made Duration::from_secs_f64 panic and
+        // 1e18 made every `Instant::now() + timeout` panic.
+        for huge in ["1e300", "1e18", "18446744073709551616"] {
+            let c = config(&[
+                ("RVOD_TIMEOUT", huge),
+                ("RVOD_START_TIMEOUT", huge),
+                ("RVOD_STALL_CHECK_TIME_SECONDS", huge),
+                ("RVOD_CYCLE_TIME", huge),
+            ])
+            .unwrap();
+            let cap = Duration::from_secs_f64(MAX_SECONDS);
+            assert_eq!((c.timeout, c.start_timeout, c.stall_check), (cap, cap, Some(cap)), "{huge}");
+            assert_eq!(c.cycle_time, cap / 1000, "{huge}");
+            assert!(std::time::Instant::now().checked_add(c.timeout).is_some(), "{huge}");
+        }
     }
 
     #[test]

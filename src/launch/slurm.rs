@@ -91,7 +91,7 @@ pub fn expand_tasks_per_node(value: &str) -> Result<Vec<usize>, String> {
         };
         let count = count.parse::<usize>().map_err(|_| bad(part))?;
         let repeat = repeat.parse::<usize>().map_err(|_| bad(part))?;
-        if counts.len() + repeat > MAX_HOSTS {
+        if repeat > MAX_HOSTS - counts.len() {
             return Err(bad(part));
         }
         counts.extend(std::iter::repeat(count).take(repeat));
@@ -130,5 +130,8 @@ mod tests {
         assert_eq!(expand_tasks_per_node("4").unwrap(), [4]);
         assert!(expand_tasks_per_node("2(x").is_err());
         assert!(expand_tasks_per_node("x").is_err());
+        // A repeat count near usize::MAX is refused, not wrapped past the limit (user input from Slurm's env).
+        assert!(expand_tasks_per_node(&format!("2(x{})", usize::MAX)).is_err());
+        assert!(expand_tasks_per_node(&format!("1,2(x{})", usize::MAX)).is_err());
     }
 }
