@@ -84,7 +84,9 @@ pub fn check(op: &OpSubmission, size: usize) -> Result<(), EngineError> {
                     if op.splits.iter().any(|&s| s < 0) {
                         return invalid("alltoall splits must not be negative.".into());
                     }
-                    if op.splits.iter().sum::<i64>() > dim0 {
+                    // Checked: splits near i64::MAX would wrap to a small sum in a release build.
+                    let total = op.splits.iter().try_fold(0i64, |sum, &s| sum.checked_add(s));
+                    if total.map_or(true, |total| total > dim0) {
                         return invalid("Sum of splits entries is greater than the first dimension of tensor.".into());
                     }
                 }
@@ -93,4 +95,38 @@ pub fn check(op: &OpSubmission, size: usize) -> Result<(), EngineError> {
         _ => {}
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::submission::TensorSubmission;
+    use crate::tensor::RawTensor;
+    use crate::types::DataType;
+
+    fn alltoall(data: &mut [u8], rows: i64, splits: Vec<i64>) -> OpSubmission {
+        let mut op = OpSubmission::new(CollectiveKind::Alltoall);
+        // SAFETY: `data` outlives the submission, which is only checked, never run.
+        let input = unsafe { RawTensor::new(data.as_mut_ptr(), data.len()) };
+        op.tensors.push(TensorSubmission {
+            name: "a2a".into(),
+            dtype: DataType::Uint8,
+            shape: vec![rows],
+            input,
+            in_place: false,
+            packed: None,
+        });
+        op.splits = splits;
+        op
+    }
+
+    #[test]
+    fn alltoall_splits_that_overflow_are_refused() {
+        let mut data = vec![0u8; 4];
+        assert!(check(&alltoall(&mut data, 4, vec![1, 3]), 2).is_ok());
+        let err = check(&alltoall(&mut data, 4, vec![i64::MAX, i64::MAX]), 2).unwrap_err().to_string();
+        assert!(err.contains("Sum of splits entries is greater than the first dimension"), "{err}");
+        let err = check(&alltoall(&mut data, 4, vec![i64::MAX, 3]), 2).unwrap_err().to_string();
+        assert!(err.contains("Sum of splits entries"), "{err}");
+    }
 }
