@@ -145,7 +145,10 @@ pub fn import_capsule(capsule: &Bound<'_, PyAny>, what: impl Fn() -> String) -> 
     if shape.iter().any(|&d| d < 0) {
         return Err(PyValueError::new_err(format!("{}: negative dimension in shape {shape:?}", what())));
     }
-    let elements: usize = shape.iter().map(|&d| d as usize).product();
+    // Checked: a producer's shape is not trusted to describe an allocation that fits in the address space.
+    let too_large =
+        || PyValueError::new_err(format!("{}: shape {shape:?} describes more bytes than fit in memory", what()));
+    let elements = shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d as usize)).ok_or_else(too_large)?;
     if !t.strides.is_null() && elements > 1 {
         // SAFETY: strides points at ndim i64 values when non-null.
         let strides = unsafe { std::slice::from_raw_parts(t.strides, ndim) };
@@ -154,10 +157,10 @@ pub fn import_capsule(capsule: &Bound<'_, PyAny>, what: impl Fn() -> String) -> 
             if *dim != 1 && *stride != expected {
                 return Err(PyValueError::new_err(format!("{}: Tensor is required to be contiguous.", what())));
             }
-            expected *= dim;
+            expected = expected.saturating_mul(*dim);
         }
     }
-    let len = elements * dtype.size();
+    let len = elements.checked_mul(dtype.size()).ok_or_else(too_large)?;
     let data = if len == 0 {
         std::ptr::null_mut()
     } else {

@@ -26,16 +26,18 @@ class _DLManagedTensor(ctypes.Structure):
 
 
 class FakeCudaArray:
-    """An array-like on CUDA device ``device`` as far as DLPack says (as a CuPy array would be)."""
+    """An array-like on CUDA device ``device`` as far as DLPack says (as a CuPy array would be); with
+    ``device_type=1`` a CPU array whose ``shape`` is whatever the test claims (its data is never valid)."""
 
-    def __init__(self, device=0):
-        self.shape = (ctypes.c_int64 * 1)(4)
-        self.managed = _DLManagedTensor(_DLTensor(0xDEAD0000, _DLDevice(2, device), 1, _DLDataType(2, 32, 1),
-                                                  self.shape, None, 0), None, None)
+    def __init__(self, device=0, shape=(4,), device_type=2):
+        self.shape = (ctypes.c_int64 * len(shape))(*shape)
+        self.managed = _DLManagedTensor(_DLTensor(0xDEAD0000, _DLDevice(device_type, device), len(shape),
+                                                  _DLDataType(2, 32, 1), self.shape, None, 0), None, None)
         self.device = device
+        self.device_type = device_type
 
     def __dlpack_device__(self):
-        return (2, self.device)
+        return (self.device_type, self.device)
 
     def __dlpack__(self, stream=None, **kwargs):
         new = ctypes.pythonapi.PyCapsule_New

@@ -206,6 +206,39 @@ hvd.shutdown()
     assert lines[2] == "after: [1.0, 1.0, 1.0]", "the engine keeps working after the refusal"
 
 
+@pytest.mark.timeout(60)
+def test_a_dlpack_shape_too_large_for_memory_is_refused_not_wrapped():
+    """A capsule whose shape's byte count overflows is a ValueError naming it, at the engine's boundary (NumPy
+    and torch refuse such capsules themselves; before, the engine's length wrapped to a small number)."""
+    code = f"""
+import sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+import numpy as np
+import rvod.numpy as hvd
+from rvod import _rvod
+from rvod.common import ops
+from cuda_capsule import FakeCudaArray
+hvd.init()
+for shape in ((2**40, 2**40), (2**62, 1), (2**31, 2**31, 2**31)):
+    capsule = FakeCudaArray(shape=shape, device_type=1).__dlpack__()
+    try:
+        _rvod.submit(ops.ALLREDUCE, ["huge"], [capsule], False, 1, 1.0, 1.0, -1, [], 0)
+    except ValueError as error:
+        print(type(error).__name__, error)
+    else:
+        print("no error")
+print("after:", hvd.allreduce(np.ones(2, np.float32), name="cpu").tolist())
+hvd.shutdown()
+"""
+    result = python(code)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    for line in lines[:3]:
+        assert re.match(r"ValueError allreduce '[^']*huge': shape \[.*\] describes more bytes than fit in memory$",
+                        line), line
+    assert lines[3] == "after: [1.0, 1.0]", "the engine keeps working after the refusal"
+
+
 # --- on a GPU -------------------------------------------------------------------------------------------
 
 GPU_OPS = str(WORKERS / "gpu_ops.py")
