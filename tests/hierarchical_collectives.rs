@@ -293,9 +293,9 @@ fn broadcast_alltoall_and_reducescatter_across_hosts() {
             ring::alltoallv(t, &send, &send_bytes, &mut recv, &recv_bytes).unwrap();
             out.push(recv);
             let elems = [3usize, 0, 70_001, 5];
-            let mut scratch = input(DataType::Int32, me, elems.iter().sum());
+            let contribution = input(DataType::Int32, me, elems.iter().sum());
             let mut mine = vec![0u8; elems[me] * 4];
-            ring::reducescatter(t, &mut scratch, &elems, DataType::Int32, Combine::Sum, &mut mine).unwrap();
+            ring::reducescatter(t, &contribution, &elems, DataType::Int32, Combine::Sum, &mut mine).unwrap();
             out.push(mine);
             out
         });

@@ -144,6 +144,54 @@ fn allreduce_large_buffers() {
     });
 }
 
+/// Out of place: `dst` gets exactly the in-place result (bit for bit, every dtype)
+/// and `src` is left untouched, on both sides of the two-rank pipeline's threshold (above it the two-rank
+/// shared-memory case reads `src` and writes `dst` piece by piece) and for odd element counts.
+#[test]
+fn allreduce_into_matches_in_place_and_leaves_the_source() {
+    over_every_transport(|| {
+        for n in 1..=3 {
+            for (dtype, count) in [(DataType::Float32, 7), (DataType::Float32, 300_007), (DataType::Int16, 700_001)] {
+                for combine in COMBINES {
+                    let results = on_ranks(n, |t| {
+                        let src = input(dtype, t.rank(), count);
+                        let mut dst = vec![0xa5u8; src.len()];
+                        allreduce_into(t, &src, &mut dst, dtype, combine).unwrap();
+                        (src == input(dtype, t.rank(), count), dst)
+                    });
+                    let want = expected(dtype, combine, n, 0..count);
+                    for (rank, (src_kept, got)) in results.iter().enumerate() {
+                        assert!(src_kept, "allreduce_into n={n} {dtype} {combine:?}: rank {rank}'s source changed");
+                        assert!(
+                            got == &want,
+                            "allreduce_into n={n} {dtype} {combine:?} count={count}: rank {rank} differs"
+                        );
+                    }
+                }
+            }
+        }
+        let results = on_ranks(2, |t| {
+            // No NaNs: which operand's NaN payload a sum keeps may differ from call to call (LLVM treats fadd
+            // as commutative), in place as well; every rank still gets the same bits.
+            let src = random_f32(t.rank(), 600_001, false);
+            let mut in_place = src.clone();
+            allreduce(t, &mut in_place, DataType::Float32, Combine::Sum).unwrap();
+            let mut dst = vec![0u8; src.len()];
+            allreduce_into(t, &src, &mut dst, DataType::Float32, Combine::Sum).unwrap();
+            (in_place, dst)
+        });
+        for (rank, (in_place, out)) in results.iter().enumerate() {
+            assert!(in_place == out, "rank {rank}: out-of-place bits differ from in-place");
+            assert!(out == &results[0].1, "rank {rank}: out-of-place bits differ from rank 0");
+        }
+        let errors = on_ranks(2, |t| allreduce_into(t, &[0; 8], &mut [0; 4], DataType::Float32, Combine::Sum));
+        for error in errors {
+            let message = error.unwrap_err().to_string();
+            assert!(message.contains("the source has 8 bytes and the destination 4"), "{message}");
+        }
+    });
+}
+
 /// Pseudo-random floats of many magnitudes (and, with `nans`, NaNs with rank-specific payloads), where
 /// summation order changes the rounding, so only a deterministic algorithm gives every rank the same bits.
 fn random_f32(rank: usize, count: usize, nans: bool) -> Vec<u8> {
@@ -205,9 +253,10 @@ fn reducescatter_even_and_uneven_blocks() {
                             let count: usize = elems_per_rank.iter().sum();
                             let results = on_ranks(n, |t| {
                                 let rank = t.rank();
-                                let mut buf = input(dtype, rank, count);
+                                let buf = input(dtype, rank, count);
                                 let mut out = vec![0xAA; elems_per_rank[rank] * dtype.size()];
-                                reducescatter(t, &mut buf, &elems_per_rank, dtype, combine, &mut out).unwrap();
+                                reducescatter(t, &buf, &elems_per_rank, dtype, combine, &mut out).unwrap();
+                                assert!(buf == input(dtype, rank, count), "rank {rank}'s input changed");
                                 out
                             });
                             let mut start = 0;
@@ -235,9 +284,10 @@ fn reducescatter_large_buffer() {
             let elems_per_rank: Vec<usize> = (0..n).map(|r| segment_bounds(BIG_SIZE, n, r).1).collect();
             let results = on_ranks(n, |t| {
                 let rank = t.rank();
-                let mut buf = input(DataType::Float32, rank, BIG_SIZE);
+                let buf = input(DataType::Float32, rank, BIG_SIZE);
                 let mut out = vec![0; elems_per_rank[rank] * 4];
-                reducescatter(t, &mut buf, &elems_per_rank, DataType::Float32, Combine::Sum, &mut out).unwrap();
+                reducescatter(t, &buf, &elems_per_rank, DataType::Float32, Combine::Sum, &mut out).unwrap();
+                assert!(buf == input(DataType::Float32, rank, BIG_SIZE), "rank {rank}'s input changed");
                 out
             });
             let mut start = 0;
@@ -331,7 +381,7 @@ fn inconsistent_arguments_are_errors_not_panics() {
             let allreduce_error = allreduce(t, &mut odd, DataType::Float32, Combine::Sum);
             let broadcast_error = broadcast(t, &mut odd, 2);
             let mut out = vec![0u8; 4];
-            let reducescatter_error = reducescatter(t, &mut odd, &[1, 1], DataType::Float32, Combine::Sum, &mut out);
+            let reducescatter_error = reducescatter(t, &odd, &[1, 1], DataType::Float32, Combine::Sum, &mut out);
             let allgather_error = allgatherv(t, &[1, 2, 3], &mut out, &[2, 2]);
             let alltoall_error = alltoallv(t, &[1], &[1], &mut out, &[1, 1]);
             [allreduce_error, broadcast_error, reducescatter_error, allgather_error, alltoall_error]

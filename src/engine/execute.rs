@@ -59,10 +59,12 @@ fn hierarchical_pays(forced: Option<bool>, layout: &HostLayout, bytes: usize) ->
     applies && forced.unwrap_or(bytes > ring::RING_THRESHOLD_BYTES)
 }
 
-/// Allreduce `buf` with the algorithm `forced` and the communicator's layout call for.
+/// Allreduce `buf` with the algorithm `forced` and the communicator's layout call for; with a `src`, out of
+/// place: `buf` gets the result of reducing `src`, which is left as it is.
 fn allreduce_buffer(
     t: &mut dyn Transport,
     forced: Option<bool>,
+    src: Option<&[u8]>,
     buf: &mut [u8],
     dtype: DataType,
     combine: Combine,
@@ -71,11 +73,17 @@ fn allreduce_buffer(
     if let Some(parts) = t.hosts() {
         if hierarchical_pays(forced, parts.layout, buf.len()) {
             tracing::debug!("hierarchical allreduce of {} bytes over {} hosts", buf.len(), parts.layout.hosts());
+            if let Some(src) = src {
+                buf.copy_from_slice(src);
+            }
             let mut on_step = hierarchical_steps(&parts, phases);
             return ring::hierarchical::allreduce(parts, buf, dtype, combine, &mut on_step);
         }
     }
-    ring::allreduce(t, buf, dtype, combine)?;
+    match src {
+        Some(src) => ring::allreduce_into(t, src, buf, dtype, combine)?,
+        None => ring::allreduce(t, buf, dtype, combine)?,
+    }
     phases.mark_collective();
     Ok(())
 }
@@ -229,16 +237,26 @@ impl Executor {
         let plain_single = matches!(response.entries.as_slice(), [spec] if !spec.packed);
         let staged = staging_pays(t, total, plain_single);
         if let ([entry], [spec], true, false) = (&mut *entries, response.entries.as_slice(), plain_single, staged) {
-            // One tensor: reduce straight in its output, no fusion buffer.
+            // One tensor: reduce straight in its output, no fusion buffer. Out of place and unscaled, the
+            // input is read where it is (no copy into the output first).
             let len = spec.num_elements() * dtype.size();
             let mut owned = None;
+            let mut src = None;
             let buf: &mut [u8] = match entry {
                 Some(e) if e.in_place => e.input.as_mut_slice(),
-                Some(e) => owned.insert(AlignedBuffer::from_slice(e.input.as_slice())).as_mut_slice(),
+                Some(e) => {
+                    let copy = if response.prescale == 1.0 {
+                        src = Some(e.input.as_slice());
+                        AlignedBuffer::for_overwrite(len)
+                    } else {
+                        AlignedBuffer::from_slice(e.input.as_slice())
+                    };
+                    owned.insert(copy).as_mut_slice()
+                }
                 None => owned.insert(AlignedBuffer::zeroed(len)).as_mut_slice(),
             };
             ring::scale_in_place(buf, dtype, response.prescale);
-            allreduce_buffer(t, forced, buf, dtype, combine, phases)?;
+            allreduce_buffer(t, forced, src, buf, dtype, combine, phases)?;
             ring::scale_in_place(buf, dtype, postscale);
             let out = match (entry, owned) {
                 (Some(e), Some(b)) if !e.in_place => output(b, spec.shape.clone(), dtype),
@@ -290,7 +308,7 @@ impl Executor {
         gather(&tensors, slots, 0, buffer);
         ring::scale_in_place(buffer, dtype, prescale);
         phases.mark(Stage::MemcpyInFusionBuffer);
-        allreduce_buffer(t, forced, buffer, dtype, combine, phases)?;
+        allreduce_buffer(t, forced, None, buffer, dtype, combine, phases)?;
         ring::scale_in_place(buffer, dtype, postscale);
         scatter(&mut tensors, slots, 0, buffer);
         phases.mark(Stage::MemcpyOutFusionBuffer);
@@ -569,17 +587,15 @@ fn reducescatter(
     let row_elements = shape_elements(shape.get(1..).unwrap_or(&[]));
     let rows_of = |r: usize| dim0 / size + usize::from(r < dim0 % size);
     let elems_per_rank: Vec<usize> = (0..size).map(|r| rows_of(r) * row_elements).collect();
-    let mut scratch = AlignedBuffer::from_slice(entry.input.as_slice());
-    ring::scale_in_place(scratch.as_mut_slice(), dtype, response.prescale);
+    // The input is read where it is, unless it must be scaled first.
+    let scaled = (response.prescale != 1.0).then(|| {
+        let mut copy = AlignedBuffer::from_slice(entry.input.as_slice());
+        ring::scale_in_place(copy.as_mut_slice(), dtype, response.prescale);
+        copy
+    });
+    let input = scaled.as_ref().map_or(entry.input.as_slice(), AlignedBuffer::as_slice);
     let mut out = AlignedBuffer::for_overwrite(elems_per_rank[rank] * dtype.size());
-    ring::reducescatter(
-        t,
-        scratch.as_mut_slice(),
-        &elems_per_rank,
-        dtype,
-        combine_of(response.reduce_op),
-        out.as_mut_slice(),
-    )?;
+    ring::reducescatter(t, input, &elems_per_rank, dtype, combine_of(response.reduce_op), out.as_mut_slice())?;
     ring::scale_in_place(out.as_mut_slice(), dtype, postscale_of(response, size));
     let mut out_shape = shape.clone();
     if let Some(first) = out_shape.first_mut() {

@@ -40,18 +40,57 @@ pub fn allreduce(
     dtype: DataType,
     combine: Combine,
 ) -> Result<(), TransportError> {
-    let n = t.size();
-    if buf.len() % dtype.size() != 0 {
-        let detail = format!("{} bytes is not a whole number of {dtype} elements", buf.len());
+    check_whole_elements(t, buf.len(), dtype)?;
+    if t.size() == 2 && buf.len() >= PIPELINE_THRESHOLD_BYTES && t.kind() == "shm" {
+        return two_ranks_pipelined(t, None, buf, dtype, combine);
+    }
+    allreduce_general(t, buf, dtype, combine)
+}
+
+/// Combine `src` element-wise across all ranks into `dst` (of the same length), leaving `src` as it is:
+/// the same bits as copying `src` into `dst` and reducing in place. Two ranks over shared memory read
+/// `src` and write `dst` piece by piece, so the result costs no pass of its own over memory (a 64 MiB
+/// copy takes about as long as the collective); every other case copies first.
+pub fn allreduce_into(
+    t: &mut dyn Transport,
+    src: &[u8],
+    dst: &mut [u8],
+    dtype: DataType,
+    combine: Combine,
+) -> Result<(), TransportError> {
+    if src.len() != dst.len() {
+        let detail = format!("the source has {} bytes and the destination {}", src.len(), dst.len());
         return Err(invalid_argument(t.rank(), "allreduce", detail));
     }
+    check_whole_elements(t, src.len(), dtype)?;
+    if t.size() == 2 && src.len() >= PIPELINE_THRESHOLD_BYTES && t.kind() == "shm" {
+        return two_ranks_pipelined(t, Some(src), dst, dtype, combine);
+    }
+    dst.copy_from_slice(src);
+    allreduce_general(t, dst, dtype, combine)
+}
+
+fn check_whole_elements(t: &dyn Transport, len: usize, dtype: DataType) -> Result<(), TransportError> {
+    if len % dtype.size() != 0 {
+        let detail = format!("{len} bytes is not a whole number of {dtype} elements");
+        return Err(invalid_argument(t.rank(), "allreduce", detail));
+    }
+    Ok(())
+}
+
+/// Every case but the two-rank pipeline, in place.
+fn allreduce_general(
+    t: &mut dyn Transport,
+    buf: &mut [u8],
+    dtype: DataType,
+    combine: Combine,
+) -> Result<(), TransportError> {
+    let n = t.size();
     if n <= 1 || buf.is_empty() {
         return Ok(());
     }
     if buf.len() <= RING_THRESHOLD_BYTES {
         recursive_doubling(t, buf, dtype, combine)
-    } else if n == 2 && buf.len() >= PIPELINE_THRESHOLD_BYTES && t.kind() == "shm" {
-        two_ranks_pipelined(t, buf, dtype, combine)
     } else {
         let blocks = Blocks::even(buf.len() / dtype.size(), n, dtype.size());
         reduce_scatter_ring(t, buf, &blocks, dtype, combine)?;
@@ -64,9 +103,11 @@ pub fn allreduce(
 /// its buffer, then at once sends that reduced piece back (still in cache) and stores the peer's reduced
 /// piece. The ring's allgather phase would read the reduced half back from memory; this saves that pass
 /// (4 instead of 5 half-buffer passes over DRAM per rank). Each half is reduced once, by its owner, so both
-/// ranks end with the same bits.
+/// ranks end with the same bits. With a separate `src`, the raw pieces are read from it and this rank's
+/// half is combined from it into `buf` as the peer's piece arrives.
 fn two_ranks_pipelined(
     t: &mut dyn Transport,
+    src: Option<&[u8]>,
     buf: &mut [u8],
     dtype: DataType,
     combine: Combine,
@@ -76,14 +117,20 @@ fn two_ranks_pipelined(
     let half = buf.len() / dtype.size() / 2 * dtype.size();
     let (first, second) = buf.split_at_mut(half);
     let (mine, theirs) = if rank == 0 { (first, second) } else { (second, first) };
+    let src_halves = src.map(|s| s.split_at(half)).map(|(a, b)| if rank == 0 { (a, b) } else { (b, a) });
     let piece = PIPELINE_PIECE_BYTES - PIPELINE_PIECE_BYTES % dtype.size();
     let bounds = |len: usize, i: usize| (len.min(i * piece), len.min((i + 1) * piece));
     let steps = mine.len().max(theirs.len()).div_ceil(piece);
     for i in 0..steps {
         let (m0, m1) = bounds(mine.len(), i);
         let (t0, t1) = bounds(theirs.len(), i);
-        let mut reducer = StreamingReducer::new(&mut mine[m0..m1], dtype, combine);
-        t.exchange(peer, &theirs[t0..t1], peer, m1 - m0, &mut |_, bytes| reducer.accept(bytes))?;
+        let (raw_theirs, mut reducer) = match src_halves {
+            Some((src_mine, src_theirs)) => {
+                (&src_theirs[t0..t1], StreamingReducer::from_base(&src_mine[m0..m1], &mut mine[m0..m1], dtype, combine))
+            }
+            None => (&theirs[t0..t1], StreamingReducer::new(&mut mine[m0..m1], dtype, combine)),
+        };
+        t.exchange(peer, raw_theirs, peer, m1 - m0, &mut |_, bytes| reducer.accept(bytes))?;
         let theirs_piece = &mut theirs[t0..t1];
         t.exchange(peer, &mine[m0..m1], peer, t1 - t0, &mut |offset, bytes| {
             theirs_piece[offset..offset + bytes.len()].copy_from_slice(bytes)

@@ -28,7 +28,7 @@ mod streaming;
 
 pub use adasum::adasum_allreduce;
 pub use allgather::allgatherv;
-pub use allreduce::{allreduce, RING_THRESHOLD_BYTES};
+pub use allreduce::{allreduce, allreduce_into, RING_THRESHOLD_BYTES};
 pub use alltoall::alltoallv;
 pub use broadcast::{broadcast, BROADCAST_CHAIN_THRESHOLD_BYTES, BROADCAST_CHUNK_BYTES};
 pub use chunks::{segment_bounds, Blocks};

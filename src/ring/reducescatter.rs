@@ -2,22 +2,26 @@
 //! element-wise combination of all of them.
 //!
 //! Ring algorithm: `n - 1` steps, each sending one (partially reduced) block to the right neighbour while
-//! the left neighbour's block streams in and is combined into the local copy as its bytes arrive, so no
-//! message is ever staged whole. Each block is combined in a fixed chain order, so its result does not
-//! depend on timing. `reduce_scatter_ring` is also the first half of the large-message allreduce.
+//! the left neighbour's block streams in and is combined with this rank's own block of the input as its
+//! bytes arrive, so no message is ever staged whole and the input is never copied or changed. Partial
+//! results pass through two block-sized scratch buffers (none with two ranks); the last step writes the
+//! finished block straight into the output. Each block is combined in a fixed chain order, so its result
+//! does not depend on timing. `reduce_scatter_ring`, the in-place form, is also the first half of the
+//! large-message allreduce.
 
 use crate::ring::args::{expect_len, invalid_argument};
 use crate::ring::chunks::{reduce_scatter_step, Blocks};
 use crate::ring::disjoint::read_write_pair;
 use crate::ring::streaming::StreamingReducer;
+use crate::tensor::AlignedBuffer;
 use crate::transport::{Transport, TransportError};
 use crate::types::{Combine, DataType};
 
 /// Combine `input` across ranks and leave rank `r`'s block (`elems_per_rank[r]` elements, the blocks laid
-/// out in rank order in `input`) in `out`. `input` is used as scratch and holds garbage afterwards.
+/// out in rank order in `input`) in `out`. `input` is only read.
 pub fn reducescatter(
     t: &mut dyn Transport,
-    input: &mut [u8],
+    input: &[u8],
     elems_per_rank: &[usize],
     dtype: DataType,
     combine: Combine,
@@ -30,15 +34,48 @@ pub fn reducescatter(
         .ok_or_else(|| invalid_argument(rank, OP, "per-rank element counts overflow".to_string()))?;
     expect_len(rank, OP, "input length in bytes", input.len(), blocks.total())?;
     expect_len(rank, OP, "output length in bytes", out.len(), blocks.len(rank))?;
-    if t.size() > 1 && blocks.total() > 0 {
-        reduce_scatter_ring(t, input, &blocks, dtype, combine)?;
+    if t.size() == 1 || blocks.total() == 0 {
+        out.copy_from_slice(&input[blocks.range(rank)]);
+        return Ok(());
     }
-    out.copy_from_slice(&input[blocks.range(rank)]);
+    reduce_scatter_ring_into(t, input, &blocks, dtype, combine, out)
+}
+
+/// The ring reduce-scatter of `input` (only read) into `out`, this rank's block of the result.
+fn reduce_scatter_ring_into(
+    t: &mut dyn Transport,
+    input: &[u8],
+    blocks: &Blocks,
+    dtype: DataType,
+    combine: Combine,
+    out: &mut [u8],
+) -> Result<(), TransportError> {
+    let (rank, n) = (t.rank(), t.size());
+    let right = (rank + 1) % n;
+    let left = (rank + n - 1) % n;
+    // Step s reduces into scratch s % 2 what step s + 1 sends on; the last step reduces into `out`.
+    let largest = if n > 2 { (0..n).map(|b| blocks.len(b)).max().unwrap_or(0) } else { 0 };
+    let mut scratch = [AlignedBuffer::for_overwrite(largest), AlignedBuffer::for_overwrite(largest)];
+    for step in 0..n - 1 {
+        let (send_block, recv_block) = reduce_scatter_step(rank, n, step);
+        let (even, odd) = scratch.split_at_mut(1);
+        let (reduced_before, reducing_now) = if step % 2 == 0 {
+            (odd[0].as_mut_slice(), even[0].as_mut_slice())
+        } else {
+            (even[0].as_mut_slice(), odd[0].as_mut_slice())
+        };
+        let outgoing: &[u8] =
+            if step == 0 { &input[blocks.range(send_block)] } else { &reduced_before[..blocks.len(send_block)] };
+        let target: &mut [u8] = if step == n - 2 { &mut *out } else { &mut reducing_now[..blocks.len(recv_block)] };
+        let mut reducer = StreamingReducer::from_base(&input[blocks.range(recv_block)], target, dtype, combine);
+        t.exchange(right, outgoing, left, blocks.len(recv_block), &mut |_, piece| reducer.accept(piece))?;
+    }
     Ok(())
 }
 
-/// The ring reduce-scatter over `buf` split into `blocks` (one per rank, lengths whole elements). On return
-/// block `rank` of `buf` holds the combination of every rank's block; other blocks hold partial results.
+/// The ring reduce-scatter over `buf` split into `blocks` (one per rank, lengths whole elements), in place.
+/// On return block `rank` of `buf` holds the combination of every rank's block; other blocks hold partial
+/// results.
 pub(crate) fn reduce_scatter_ring(
     t: &mut dyn Transport,
     buf: &mut [u8],
@@ -71,9 +108,9 @@ mod tests {
     fn each_rank_gets_its_reduced_block() {
         let elems_per_rank = [2, 0, 3];
         let results = run_ranks(MemoryTransport::mesh(3), |t| {
-            let mut input: Vec<u8> = (0..5).map(|i| (i * 10 + t.rank()) as u8).collect();
+            let input: Vec<u8> = (0..5).map(|i| (i * 10 + t.rank()) as u8).collect();
             let mut out = vec![0; elems_per_rank[t.rank()]];
-            reducescatter(t, &mut input, &elems_per_rank, DataType::Uint8, Combine::Max, &mut out).unwrap();
+            reducescatter(t, &input, &elems_per_rank, DataType::Uint8, Combine::Max, &mut out).unwrap();
             out
         });
         assert_eq!(results, vec![vec![2, 12], vec![], vec![22, 32, 42]]);
@@ -82,7 +119,7 @@ mod tests {
     #[test]
     fn mismatched_output_is_rejected() {
         let results = run_ranks(MemoryTransport::mesh(1), |t| {
-            reducescatter(t, &mut [0; 4], &[4], DataType::Uint8, Combine::Sum, &mut [0; 3])
+            reducescatter(t, &[0; 4], &[4], DataType::Uint8, Combine::Sum, &mut [0; 3])
         });
         assert!(matches!(&results[0], Err(TransportError::Io { .. })));
     }

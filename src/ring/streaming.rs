@@ -9,9 +9,14 @@ use crate::types::{Combine, DataType};
 /// Largest element size of any [`DataType`].
 const MAX_ELEMENT_BYTES: usize = 8;
 
-/// Consumes the pieces of one incoming message, in order, combining them into `dst` element-wise.
+/// Bytes of `base` copied into `dst` at a time just before they are combined, so they are still in L1.
+const BASE_BLOCK_BYTES: usize = 4096;
+
+/// Consumes the pieces of one incoming message, in order, combining them into `dst` element-wise
+/// (`dst ⊕ piece`, or with a `base`, `base ⊕ piece` written to `dst`).
 pub(crate) struct StreamingReducer<'a> {
     dst: &'a mut [u8],
+    base: Option<&'a [u8]>,
     dtype: DataType,
     combine: Combine,
     /// Bytes of `dst` already combined.
@@ -22,7 +27,19 @@ pub(crate) struct StreamingReducer<'a> {
 
 impl<'a> StreamingReducer<'a> {
     pub(crate) fn new(dst: &'a mut [u8], dtype: DataType, combine: Combine) -> StreamingReducer<'a> {
-        StreamingReducer { dst, dtype, combine, done: 0, carry: [0; MAX_ELEMENT_BYTES], carry_len: 0 }
+        StreamingReducer { dst, base: None, dtype, combine, done: 0, carry: [0; MAX_ELEMENT_BYTES], carry_len: 0 }
+    }
+
+    /// Write `base ⊕ message` to `dst` (of `base`'s length), leaving `base` as it is.
+    pub(crate) fn from_base(
+        base: &'a [u8],
+        dst: &'a mut [u8],
+        dtype: DataType,
+        combine: Combine,
+    ) -> StreamingReducer<'a> {
+        let dst_len = dst.len().min(base.len());
+        let dst = &mut dst[..dst_len];
+        StreamingReducer { dst, base: Some(base), dtype, combine, done: 0, carry: [0; MAX_ELEMENT_BYTES], carry_len: 0 }
     }
 
     /// Combine the next piece of the message into `dst`. Bytes beyond `dst`'s length are ignored.
@@ -50,7 +67,22 @@ impl<'a> StreamingReducer<'a> {
     fn combine_whole(&mut self, elements: &[u8]) {
         // `done <= dst.len()` always holds: it only ever advances by at most the room left.
         let len = elements.len().min(self.dst.len() - self.done);
-        reduce_into(&mut self.dst[self.done..self.done + len], &elements[..len], self.dtype, self.combine);
+        let dst = &mut self.dst[self.done..self.done + len];
+        match self.base {
+            None => reduce_into(dst, &elements[..len], self.dtype, self.combine),
+            Some(base) => {
+                let base = &base[self.done..self.done + len];
+                // Whole elements per block: 4096 is a multiple of every element size.
+                for ((d, b), e) in dst
+                    .chunks_mut(BASE_BLOCK_BYTES)
+                    .zip(base.chunks(BASE_BLOCK_BYTES))
+                    .zip(elements[..len].chunks(BASE_BLOCK_BYTES))
+                {
+                    d.copy_from_slice(b);
+                    reduce_into(d, e, self.dtype, self.combine);
+                }
+            }
+        }
         self.done += len;
     }
 }
