@@ -90,11 +90,22 @@ impl AlignedBuffer {
         Self::allocated(len)
     }
 
-    /// A buffer holding a copy of `bytes`.
+    /// A buffer holding a copy of `bytes` (a small one is not zeroed first: the copy fills it whole).
     pub fn from_slice(bytes: &[u8]) -> AlignedBuffer {
-        let mut buf = AlignedBuffer::for_overwrite(bytes.len());
-        buf.as_mut_slice().copy_from_slice(bytes);
-        buf
+        let len = bytes.len();
+        if len >= memory::LARGE || len == 0 {
+            let mut buf = AlignedBuffer::for_overwrite(len);
+            buf.as_mut_slice().copy_from_slice(bytes);
+            return buf;
+        }
+        let layout = Self::layout(len);
+        // SAFETY: layout has non-zero size.
+        let raw = unsafe { alloc::alloc(layout) };
+        let Some(ptr) = NonNull::new(raw) else { alloc::handle_alloc_error(layout) };
+        // SAFETY: `ptr` is a fresh allocation of `len` bytes, disjoint from `bytes`; after the copy every byte
+        // is initialised, before anything reads it.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), ptr.as_ptr(), len) };
+        AlignedBuffer { ptr, len, mapped: 0 }
     }
 
     fn allocated(len: usize) -> AlignedBuffer {

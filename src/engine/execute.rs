@@ -434,6 +434,11 @@ pub fn execute_eager(eager: &EagerAllreduce, entry: Option<&mut TensorEntry>) ->
     let combine = combine_of(response.reduce_op);
     let mut sum: Option<AlignedBuffer> = None;
     for contribution in &eager.contributions {
+        if let (Some(acc), Some(data), true) = (sum.as_mut(), contribution, response.prescale == 1.0) {
+            // Unscaled: combined straight from the header's bytes, no copy.
+            ring::reduce_into(acc.as_mut_slice(), data, dtype, combine);
+            continue;
+        }
         let mut part = match contribution {
             Some(data) => AlignedBuffer::from_slice(data),
             None => AlignedBuffer::zeroed(len),

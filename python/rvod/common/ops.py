@@ -64,8 +64,16 @@ class TensorAdapter:
 # pending ops then creates few objects for the garbage collector to trace again and again.
 _pending = {}
 
-# Set while ``wait_for`` submits: the engine may then run the op on this thread (see ``wait_for``).
-_waiting = threading.local()
+class _WaitState(threading.local):
+    """Per thread: ``now`` is set while ``wait_for`` submits (the engine may then run the op on this thread),
+    ``result`` holds the result of the op it ran. Class-level defaults: reading an attribute a thread never
+    set would otherwise raise and catch an AttributeError inside ``getattr`` on every asynchronous op."""
+
+    now = False
+    result = None
+
+
+_waiting = _WaitState()
 
 
 def _original(adapter, context, outputs, received_splits, last_joined):
@@ -159,7 +167,7 @@ def _track(handle, wait, pending):
 def _submit(kind, names, adapter, tensors, in_place, finish, context, op=Sum, prescale=1.0, postscale=1.0,
             root=-1, splits=(), process_set=global_process_set, packed=False):
     set_id = process_set_id_of(process_set)
-    wait = getattr(_waiting, "now", False)
+    wait = _waiting.now
     submit_args = (in_place, op, float(prescale), float(postscale), int(root), list(splits), set_id, packed, wait)
     capsules = adapter.export_unchecked(tensors, in_place)
     if capsules is not None:
