@@ -97,7 +97,7 @@ pub fn adasum_allreduce_hierarchical(
     let width = local.size();
     let blocks = Blocks::even(bounds.total(), width, size);
     if width > 1 {
-        reduce_scatter_ring(&mut local, buf, &blocks, dtype, Combine::Sum)?;
+        reduce_scatter_ring(&mut local, None, buf, &blocks, dtype, Combine::Sum)?;
     }
     let range = blocks.range(local.rank());
     let base = range.start / size;

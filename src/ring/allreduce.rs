@@ -49,8 +49,9 @@ pub fn allreduce(
 
 /// Combine `src` element-wise across all ranks into `dst` (of the same length), leaving `src` as it is:
 /// the same bits as copying `src` into `dst` and reducing in place. Two ranks over shared memory read
-/// `src` and write `dst` piece by piece, so the result costs no pass of its own over memory (a 64 MiB
-/// copy takes about as long as the collective); every other case copies first.
+/// `src` and write `dst` piece by piece, and the ring reads `src` in its reduce-scatter, so the result costs
+/// no pass of its own over memory (a 64 MiB copy takes about as long as the collective); small buffers are
+/// copied first.
 pub fn allreduce_into(
     t: &mut dyn Transport,
     src: &[u8],
@@ -63,8 +64,15 @@ pub fn allreduce_into(
         return Err(invalid_argument(t.rank(), "allreduce", detail));
     }
     check_whole_elements(t, src.len(), dtype)?;
-    if t.size() == 2 && src.len() >= PIPELINE_THRESHOLD_BYTES && t.kind() == "shm" {
+    let n = t.size();
+    if n == 2 && src.len() >= PIPELINE_THRESHOLD_BYTES && t.kind() == "shm" {
         return two_ranks_pipelined(t, Some(src), dst, dtype, combine);
+    }
+    if n > 1 && src.len() > RING_THRESHOLD_BYTES {
+        // The ring's reduce-scatter reads `src` and writes every block but one; the allgather the rest.
+        let blocks = Blocks::even(src.len() / dtype.size(), n, dtype.size());
+        reduce_scatter_ring(t, Some(src), dst, &blocks, dtype, combine)?;
+        return allgather_ring(t, dst, &blocks);
     }
     dst.copy_from_slice(src);
     allreduce_general(t, dst, dtype, combine)
@@ -93,7 +101,7 @@ fn allreduce_general(
         recursive_doubling(t, buf, dtype, combine)
     } else {
         let blocks = Blocks::even(buf.len() / dtype.size(), n, dtype.size());
-        reduce_scatter_ring(t, buf, &blocks, dtype, combine)?;
+        reduce_scatter_ring(t, None, buf, &blocks, dtype, combine)?;
         allgather_ring(t, buf, &blocks)
     }
 }

@@ -136,7 +136,7 @@ fn feed_pipeline<'b>(
 ) -> Result<(), TransportError> {
     let mut in_flight = 0;
     for chunk in buf.chunks_mut(piece) {
-        reduce_scatter_ring(local, chunk, &(pipeline.blocks_of)(chunk), dtype, combine)?;
+        reduce_scatter_ring(local, None, chunk, &(pipeline.blocks_of)(chunk), dtype, combine)?;
         on_step(Step::LocalReduceScatter);
         pipeline.to_cross.send(chunk).map_err(|_| helper_gone(local.rank()))?;
         in_flight += 1;
@@ -180,7 +180,7 @@ fn allreduce_piece(
     on_step: &mut dyn FnMut(Step),
 ) -> Result<(), TransportError> {
     if local.size() > 1 {
-        reduce_scatter_ring(local, buf, blocks, dtype, combine)?;
+        reduce_scatter_ring(local, None, buf, blocks, dtype, combine)?;
         on_step(Step::LocalReduceScatter);
     }
     flat_allreduce(cross, &mut buf[blocks.range(local.rank())], dtype, combine)?;

@@ -73,11 +73,15 @@ fn reduce_scatter_ring_into(
     Ok(())
 }
 
-/// The ring reduce-scatter over `buf` split into `blocks` (one per rank, lengths whole elements), in place.
-/// On return block `rank` of `buf` holds the combination of every rank's block; other blocks hold partial
-/// results.
+/// The ring reduce-scatter over `buf` split into `blocks` (one per rank, lengths whole elements), in place;
+/// with a `src`, out of place: `src` holds this rank's contribution and is only read, and the blocks this
+/// rank combines are written to `buf` (each block is combined here before it is sent on, so every block
+/// sent after the first step is already in `buf`). On return block `rank` of `buf` holds the combination
+/// of every rank's block; the blocks this rank combined on the way hold partial results, and with a `src`
+/// the one block it never combines is left as it was.
 pub(crate) fn reduce_scatter_ring(
     t: &mut dyn Transport,
+    src: Option<&[u8]>,
     buf: &mut [u8],
     blocks: &Blocks,
     dtype: DataType,
@@ -93,7 +97,13 @@ pub(crate) fn reduce_scatter_ring(
                 invalid_argument(rank, "reduce-scatter", "ring blocks overlap or overrun the buffer".into())
             })?;
         let incoming_len = incoming.len();
-        let mut reducer = StreamingReducer::new(incoming, dtype, combine);
+        let (outgoing, mut reducer) = match src {
+            Some(src) => {
+                let outgoing = if step == 0 { &src[blocks.range(send_block)] } else { outgoing };
+                (outgoing, StreamingReducer::from_base(&src[blocks.range(recv_block)], incoming, dtype, combine))
+            }
+            None => (outgoing, StreamingReducer::new(incoming, dtype, combine)),
+        };
         t.exchange(right, outgoing, left, incoming_len, &mut |_, piece| reducer.accept(piece))?;
     }
     Ok(())
