@@ -5,7 +5,7 @@ capsules back into tensors; everything else (naming, argument checks, handles, k
 the engine is done with them, in-place write-back) happens here.
 """
 
-import threading
+from threading import get_ident
 
 from rvod import _rvod
 from rvod.common import naming
@@ -64,16 +64,20 @@ class TensorAdapter:
 # pending ops then creates few objects for the garbage collector to trace again and again.
 _pending = {}
 
-class _WaitState(threading.local):
-    """Per thread: ``now`` is set while ``wait_for`` submits (the engine may then run the op on this thread),
-    ``result`` holds the result of the op it ran. Class-level defaults: reading an attribute a thread never
-    set would otherwise raise and catch an AttributeError inside ``getattr`` on every asynchronous op."""
-
-    now = False
-    result = None
+# The thread inside ``wait_for``, whose next op may run on that thread (see ``wait_for``); None when none.
+# A plain global compared with the thread's id rather than a thread-local (each attribute access of a
+# threading.local costs ~0.5k instructions, and a small op made seven). Two threads in ``wait_for`` at
+# once: one finds the other's id here, and its op takes the asynchronous path (same result, a little later).
+_waiter = None
 
 
-_waiting = _WaitState()
+class _Ran:
+    """What ``_submit`` returns under ``wait_for``: the op ran to completion; ``result`` is its result."""
+
+    __slots__ = ("result",)
+
+    def __init__(self, result):
+        self.result = result
 
 
 def _original(adapter, context, outputs, received_splits, last_joined):
@@ -133,41 +137,42 @@ def wait_for(start, *args, **kwargs):
     of the one op it submits, telling the engine that the caller waits at once: an idle engine then runs
     the op on this thread (GIL released) instead of handing it to its own thread and back, which is most
     of the time of a small op; the result is built as soon as the op is done (see ``_track``)."""
-    _waiting.now = True
+    global _waiter
+    me = get_ident()
+    _waiter = me
     try:
         handle = start(*args, **kwargs)
-    finally:
-        _waiting.now = False
-    if handle is _RAN:
-        result, _waiting.result = _waiting.result, None
-        return result
+    except BaseException:
+        if _waiter == me:
+            _waiter = None
+        raise
+    if type(handle) is _Ran:
+        return handle.result
+    if _waiter == me:
+        _waiter = None
     return synchronize(handle)
-
-
-# What ``_submit`` returns under ``wait_for``: the op ran and its result waits in ``_waiting.result``.
-_RAN = object()
 
 
 def _track(handle, wait, pending):
     """Remember a submitted op until ``synchronize``; under ``wait_for`` (``wait``), wait for it here instead."""
+    global _waiter
     if not wait:
         _pending[handle] = pending
         return handle
-    _waiting.now = False  # one op per wait_for
+    _waiter = None  # one op per wait_for
     try:
         outputs, received_splits, last_joined = _rvod.wait(handle)
     except KeyboardInterrupt:
         _pending[handle] = pending  # still running and may write into its tensors: keep them alive
         raise
     finish, adapter, context = pending[:3]
-    _waiting.result = finish(adapter, context, outputs, received_splits, last_joined)
-    return _RAN
+    return _Ran(finish(adapter, context, outputs, received_splits, last_joined))
 
 
 def _submit(kind, names, adapter, tensors, in_place, finish, context, op=Sum, prescale=1.0, postscale=1.0,
             root=-1, splits=(), process_set=global_process_set, packed=False):
     set_id = process_set_id_of(process_set)
-    wait = _waiting.now
+    wait = _waiter is not None and _waiter == get_ident()
     submit_args = (in_place, op, float(prescale), float(postscale), int(root), list(splits), set_id, packed, wait)
     capsules = adapter.export_unchecked(tensors, in_place)
     if capsules is not None:
