@@ -4,7 +4,7 @@
 //! Order of samples: warm-up (discarded) at the defaults; the defaults, measured; then, if the fusion
 //! threshold or the cycle time is free, Bayesian optimisation over the free ones (four initial probes, then
 //! the points of largest expected improvement) until `RVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES` samples,
-//! the defaults included; then a sweep starting from the best point: a baseline measured there again (the
+//! the defaults included; then a sweep starting from the point the model predicts best: a baseline measured there again (the
 //! best of many noisy samples is optimistic), the defaults measured again next to it, then each free
 //! categorical knob flipped in turn, kept when it beats the best so far. The best values stay applied, and
 //! the closing line compares them with the defaults' latest measurement.
@@ -362,7 +362,12 @@ impl ParameterManager {
 
     fn next_bayes(&mut self) -> (TunedValues, String) {
         if self.optimizer.samples() >= self.settings.bayes_opt_max_samples {
-            let best = self.optimizer.best().map(|(x, _)| self.values_at(x)).unwrap_or_else(|| self.defaults.clone());
+            // The point the model predicts best, not the luckiest sample (see `best_predicted`).
+            let best = self
+                .optimizer
+                .best_predicted()
+                .map(|(x, _)| self.values_at(&x))
+                .unwrap_or_else(|| self.defaults.clone());
             return self.start_sweep(best);
         }
         if self.probes_used < PROBES.len() {
