@@ -1,6 +1,6 @@
 """Autotune against a grid search over the same knobs, in the same job (a report, not a test).
 
-    python benches/autotune.py [--rounds 20] [--block 10] [--workloads burst training] [--out DIR]
+    python benches/autotune.py [--rounds 60] [--block 10] [--workloads burst training] [--out DIR]
 
 One 2-rank rvodrun job per workload, started with --autotune (default sampling: 3 warm-up samples, 10 steps
 per sample, 20 Bayesian samples). In that job:
@@ -178,7 +178,7 @@ def driver(args):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=20, help="blocks per configuration (the median is taken)")
+    parser.add_argument("--rounds", type=int, default=60, help="blocks per configuration (the median is taken)")
     parser.add_argument("--block", type=int, default=10, help="timed steps per block")
     parser.add_argument("--workloads", nargs="+", default=["burst", "training"], choices=["burst", "training"])
     parser.add_argument("--out", help="directory for the logs and results (default: a new temporary one)")
