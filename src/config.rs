@@ -185,6 +185,12 @@ pub const DEFAULT_AUTOTUNE_STEPS_PER_SAMPLE: usize = 10;
 pub const DEFAULT_AUTOTUNE_BAYES_OPT_MAX_SAMPLES: usize = 20;
 pub const DEFAULT_AUTOTUNE_GAUSSIAN_PROCESS_NOISE: f64 = 0.8;
 
+/// A cycle time given in milliseconds at run time (the private `_rvod._set_tuned_values` hook), checked as
+/// `RVOD_CYCLE_TIME` is: `None` unless finite and non-negative; capped as that variable is.
+pub fn cycle_time_from_ms(ms: f64) -> Option<Duration> {
+    (ms.is_finite() && ms >= 0.0).then(|| Duration::from_secs_f64(ms.min(MAX_SECONDS) / 1000.0))
+}
+
 /// Reads variables through a lookup function so tests need not touch the process environment.
 struct EnvReader<F: Fn(&str) -> Option<String>> {
     lookup: F,
@@ -651,6 +657,16 @@ mod tests {
             assert_eq!((c.timeout, c.start_timeout, c.stall_check), (cap, cap, Some(cap)), "{huge}");
             assert_eq!(c.cycle_time, cap / 1000, "{huge}");
             assert!(std::time::Instant::now().checked_add(c.timeout).is_some(), "{huge}");
+        }
+    }
+
+    #[test]
+    fn a_cycle_time_set_at_run_time_is_checked_and_capped_as_the_variable_is() {
+        assert_eq!(cycle_time_from_ms(0.2), Some(Duration::from_micros(200)));
+        assert_eq!(cycle_time_from_ms(0.0), Some(Duration::ZERO));
+        assert_eq!(cycle_time_from_ms(1e300), Some(Duration::from_secs_f64(MAX_SECONDS) / 1000));
+        for bad in [-1.0, f64::NAN, f64::INFINITY, f64::NEG_INFINITY] {
+            assert_eq!(cycle_time_from_ms(bad), None, "{bad}");
         }
     }
 

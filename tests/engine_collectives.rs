@@ -306,3 +306,36 @@ fn evictions_do_not_strand_pending_cache_hits() {
         }
     });
 }
+
+#[test]
+fn values_set_by_hand_on_rank_0_apply_on_every_rank_after_the_same_round() {
+    use rvod::autotune::RequestedValues;
+    over_every_transport(|| {
+        let (engines, _server) = start_job(2, &[]);
+        let mine =
+            RequestedValues { fusion_threshold: 1 << 20, cycle_time: Duration::from_micros(200), cache_enabled: false };
+        let applied = on_every_rank(&engines, |rank, engine| {
+            // Only rank 0's request counts; rank 1's differs to show it.
+            let request =
+                if rank == 0 { mine.clone() } else { RequestedValues { fusion_threshold: 7, ..mine.clone() } };
+            assert!(engine.request_tuned_values(request));
+            for step in 0..3 {
+                let mut data = f32_bytes(&[rank as f32 + step as f32; 5]);
+                let id = engine.submit(allreduce("x", &mut data, 5, ReduceOp::Sum), 0).unwrap();
+                let out = wait(engine, id).unwrap();
+                let got = as_f32(out.tensors[0].as_ref().unwrap().buffer.as_slice());
+                assert_eq!(got, vec![1.0 + 2.0 * step as f32; 5], "rank {rank} step {step}");
+            }
+            engine.autotune_applied()
+        });
+        assert_eq!(applied[0], applied[1], "both ranks applied the same values after the same round");
+        assert_eq!(applied[0].len(), 1, "{:?}", applied[0]);
+        let values = &applied[0][0].values;
+        assert_eq!(
+            (values.fusion_threshold, values.cycle_time, values.cache_enabled),
+            (1 << 20, mine.cycle_time, false)
+        );
+        assert_eq!((values.hierarchical_allreduce, values.hierarchical_allgather), (None, None));
+        assert!(applied[0][0].round >= 1);
+    });
+}

@@ -93,6 +93,17 @@ impl BayesianOptimizer {
         self.xs.iter().zip(&self.ys).max_by(|a, b| a.1.total_cmp(b.1)).map(|(x, y)| (x.as_slice(), *y))
     }
 
+    /// The sampled point the model predicts best, and that prediction: with noisy samples the luckiest
+    /// measurement is an optimistic pick (of 20 samples whose noise exceeds the knobs' effect, the highest is
+    /// mostly noise), while the model's mean there also weighs the samples around it. The best sample where
+    /// no model can be fitted.
+    pub fn best_predicted(&self) -> Option<(Vec<f64>, f64)> {
+        let Some(gp) = GaussianProcess::fit(&self.xs, &self.ys, self.noise) else {
+            return self.best().map(|(x, y)| (x.to_vec(), y));
+        };
+        self.xs.iter().map(|x| (x.clone(), gp.predict(x).0)).max_by(|a, b| a.1.total_cmp(&b.1))
+    }
+
     /// The point with the largest expected improvement; `None` before the first sample.
     pub fn propose(&self) -> Option<Proposal> {
         let gp = GaussianProcess::fit(&self.xs, &self.ys, self.noise)?;
@@ -173,6 +184,33 @@ mod tests {
     fn finds_the_maximum_in_one_dimension() {
         let (x, y) = optimise(&[0.7], &[vec![0.1], vec![0.4]], 10, 0.05);
         assert!((x[0] - 0.7).abs() < 0.05 && y > 995.0, "best {x:?} scored {y}");
+    }
+
+    #[test]
+    fn the_best_predicted_point_is_not_a_lucky_outlier() {
+        // Scores peak around 0.7; one sample at 0.05, between two poor ones, measured high by luck.
+        let mut opt = BayesianOptimizer::new(1, 0.8);
+        for (x, y) in [
+            (0.0, 700.0),
+            (0.05, 1060.0),
+            (0.1, 690.0),
+            (0.4, 850.0),
+            (0.6, 980.0),
+            (0.65, 1010.0),
+            (0.7, 1020.0),
+            (0.75, 1000.0),
+            (0.9, 900.0),
+        ] {
+            opt.add_sample(vec![x], y);
+        }
+        assert_eq!(opt.best().map(|(x, _)| x[0]), Some(0.05), "the luckiest sample");
+        let (x, predicted) = opt.best_predicted().unwrap();
+        assert!((0.6..=0.75).contains(&x[0]), "picked {x:?} (predicted {predicted})");
+        assert!(predicted < 1060.0);
+        // Without a model (no finite scores to fit), the best sample.
+        let mut lone = BayesianOptimizer::new(1, 0.8);
+        lone.add_sample(vec![0.3], f64::NAN);
+        assert!(lone.best_predicted().is_some_and(|(x, y)| x == [0.3] && y.is_nan()));
     }
 
     #[test]

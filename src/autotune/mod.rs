@@ -18,6 +18,10 @@
 //! that same round; every rank, rank 0 included, applies the values when that round ends, so the next
 //! round plans fusion, consults the cache and picks algorithms with the same values everywhere.
 //! With autotune off nothing here runs and headers carry no extra byte.
+//!
+//! The same path carries values set by hand at run time ([`RequestedValues`], the private
+//! `_rvod._set_tuned_values` hook that benchmarks use to compare settings inside one job): rank 0's request
+//! rides in its next round header, with autotune on or off, and every rank applies it when that round ends.
 
 pub mod bayesian;
 pub mod gaussian_process;
@@ -39,6 +43,18 @@ pub struct TunedValues {
     /// Forced on or off, or left to the executor (`None`), as `RVOD_HIERARCHICAL_*`.
     pub hierarchical_allreduce: Option<bool>,
     pub hierarchical_allgather: Option<bool>,
+}
+
+/// Knobs set by hand at run time (`_rvod._set_tuned_values`). Only rank 0's request counts: its loop sends it
+/// as [`TunedValues`] (the hierarchical choices as they stand) in its next round header on the global
+/// communicator, in a round that carries no announcement of the autotuner's, and every rank applies it when
+/// that round ends; other ranks' requests are dropped. A tuning still in progress would announce its own
+/// next values over it, so it is meant for after tuning is done or for autotune off.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RequestedValues {
+    pub fusion_threshold: usize,
+    pub cycle_time: Duration,
+    pub cache_enabled: bool,
 }
 
 fn encode_choice(choice: Option<bool>) -> u8 {

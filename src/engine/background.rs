@@ -5,7 +5,8 @@
 //!
 //! With autotune on, the global communicator's rank 0 also runs the parameter manager: it counts each
 //! round's allreduces, and its decisions go out with its next round header; every rank applies what the
-//! round carried when the round's work is done (see [`crate::autotune`]).
+//! round carried when the round's work is done (see [`crate::autotune`]). Values set by hand at run time
+//! ([`crate::autotune::RequestedValues`]) go out the same way, on rank 0, in a round without an announcement.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -199,6 +200,15 @@ impl Loop {
         self.shared.timeline.cycle();
         if let Some(values) = self.autotune.as_mut().and_then(ParameterManager::take_announcement) {
             self.negotiator.announce(values);
+        } else if let Some(requested) = self.shared.take_requested_values() {
+            // Values set by hand take the same path as the autotuner's (only the coordinator's count).
+            self.negotiator.announce(TunedValues {
+                fusion_threshold: requested.fusion_threshold,
+                cycle_time: requested.cycle_time,
+                cache_enabled: requested.cache_enabled,
+                hierarchical_allreduce: self.config.hierarchical_allreduce,
+                hierarchical_allgather: self.config.hierarchical_allgather,
+            });
         }
         self.rounds += 1;
         let outcome = match self.negotiator.round(&mut *self.transport, &mut self.table, stop) {
@@ -252,6 +262,8 @@ impl Loop {
     /// The loop's part of autotuned values (the negotiator applied the fusion threshold and the cache).
     fn apply_tuned(&mut self, values: &TunedValues) {
         self.config.cycle_time = values.cycle_time;
+        self.config.hierarchical_allreduce = values.hierarchical_allreduce;
+        self.config.hierarchical_allgather = values.hierarchical_allgather;
         self.executor.set_hierarchy(HierarchyChoice {
             allreduce: values.hierarchical_allreduce,
             allgather: values.hierarchical_allgather,

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
-use crate::autotune::TunedValues;
+use crate::autotune::{RequestedValues, TunedValues};
 use crate::config::Config;
 use crate::coordinator::round::StopReason;
 use crate::engine::affinity;
@@ -45,6 +45,8 @@ pub(crate) struct Shared {
     pub(crate) timeline: SetTimeline,
     /// With autotune on: each set of tuned values this rank applied, with the round it applied them at.
     pub(crate) autotune_applied: Mutex<Vec<AppliedValues>>,
+    /// Values set by hand, waiting for the loop's next round (see [`RequestedValues`]).
+    requested_values: Mutex<Option<RequestedValues>>,
 }
 
 /// Autotuned values as one rank applied them: after round `round` of its communicator (rounds are
@@ -58,6 +60,11 @@ pub struct AppliedValues {
 impl Shared {
     pub(crate) fn inbox(&self) -> MutexGuard<'_, Inbox> {
         self.inbox.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Values set by hand that the loop has not sent yet (taken once).
+    pub(crate) fn take_requested_values(&self) -> Option<RequestedValues> {
+        self.requested_values.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).take()
     }
 
     /// Why this rank asked its communicator to stop, if it did.
@@ -110,6 +117,7 @@ impl Communicator {
             global_ranks,
             transport_kind: transport.kind(),
             autotune_applied: Mutex::new(Vec::new()),
+            requested_values: Mutex::new(None),
         });
         shared.waker.set_doorbell(transport.doorbell());
         let waiter = transport.idle_waiter();
@@ -153,6 +161,12 @@ impl Communicator {
     /// The autotuned values this rank applied so far, in order (empty with autotune off).
     pub fn autotune_applied(&self) -> Vec<AppliedValues> {
         self.shared.autotune_applied.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone()
+    }
+
+    /// Ask for `values` to be applied on every rank (see [`RequestedValues`]): the loop's next round sends
+    /// them, on rank 0; a later request replaces one not sent yet.
+    pub fn request_values(&self, values: RequestedValues) {
+        *self.shared.requested_values.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(values);
     }
 
     /// Queue entries for the background thread, all or none (a group is negotiated in one round). With

@@ -269,10 +269,19 @@ impl Engine {
     }
 
     /// The autotuned values this rank applied on the global process set, in order, with the rounds at which
-    /// it applied them (empty with autotune off).
+    /// it applied them (empty with autotune off, unless values were set by hand).
     pub fn autotune_applied(&self) -> Vec<communicator::AppliedValues> {
         let registry = self.registry();
         registry.get(0).and_then(|set| set.communicator.as_ref()).map_or_else(Vec::new, |c| c.autotune_applied())
+    }
+
+    /// Apply `values` on every rank of the global process set from the end of its next round on, as the
+    /// autotuner applies its values (see [`crate::autotune::RequestedValues`]; only rank 0's request counts).
+    /// Shown by [`autotune_applied`](Self::autotune_applied) like the autotuner's. False where this rank has
+    /// no global communicator.
+    pub fn request_tuned_values(&self, values: crate::autotune::RequestedValues) -> bool {
+        let registry = self.registry();
+        registry.get(0).and_then(|set| set.communicator.as_ref()).map(|c| c.request_values(values)).is_some()
     }
 
     pub fn topology(&self) -> &Topology {

@@ -379,10 +379,33 @@ pub fn stop_timeline(py: Python<'_>) -> PyResult<()> {
     py.allow_threads(|| engine.stop_timeline()).map_err(to_py_err)
 }
 
+/// Private, for benchmarks that compare settings inside one job (benches/autotune.py): from the end of the
+/// global process set's next round on, every rank fuses up to `fusion_threshold` bytes, batches for
+/// `cycle_time_ms` and uses the response cache or not, applied through the path autotune's values take
+/// (rank 0's round header; see `crate::autotune::RequestedValues`). Call it on every rank at the same step
+/// with the same values: only rank 0's call counts. The values apply when the next round that rank 0 takes
+/// part in ends; after one collective completes everywhere, the collectives submitted next run with them.
+/// They show in `autotune_applied()`. Meant for autotune off or after its closing line: a tuning in
+/// progress announces its own values over them. ValueError for a negative or non-finite cycle time.
+#[pyfunction]
+#[pyo3(name = "_set_tuned_values")]
+pub fn set_tuned_values(fusion_threshold: usize, cycle_time_ms: f64, cache_enabled: bool) -> PyResult<()> {
+    let cycle_time = crate::config::cycle_time_from_ms(cycle_time_ms).ok_or_else(|| {
+        PyValueError::new_err(format!("cycle_time_ms must be a non-negative number, got {cycle_time_ms}"))
+    })?;
+    let requested = crate::autotune::RequestedValues { fusion_threshold, cycle_time, cache_enabled };
+    if engine()?.request_tuned_values(requested) {
+        Ok(())
+    } else {
+        Err(PyValueError::new_err("this rank has no global process set"))
+    }
+}
+
 /// The autotuned values this rank applied on the global process set, in order, as dicts with the round
 /// they were applied after (`round`, `fusion_threshold`, `cycle_time_ms`, `cache_enabled`,
 /// `hierarchical_allreduce`, `hierarchical_allgather`; the last two None when the executor chooses).
-/// Empty with autotune off. For tests and diagnosis: every rank's list is the same.
+/// Empty with autotune off, unless `_set_tuned_values` set some. For tests and diagnosis: every rank's list is
+/// the same.
 #[pyfunction]
 pub fn autotune_applied(py: Python<'_>) -> PyResult<Vec<Bound<'_, PyDict>>> {
     let applied = engine()?.autotune_applied();

@@ -42,6 +42,7 @@ fn _rvod(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(api::start_timeline, m)?)?;
     m.add_function(wrap_pyfunction!(api::stop_timeline, m)?)?;
     m.add_function(wrap_pyfunction!(api::autotune_applied, m)?)?;
+    m.add_function(wrap_pyfunction!(api::set_tuned_values, m)?)?;
     m.add_function(wrap_pyfunction!(dlpack::relabel_bool_as_uint8, m)?)?;
     m.add_class::<rendezvous::RendezvousServer>()?;
     m.add_class::<rendezvous::StoreClient>()?;

@@ -1,8 +1,9 @@
 """Autotune on 2 ranks under rvodrun (RVOD_AUTOTUNE and rvodrun's --autotune* flags): the log's columns
 and closing line, every rank applying the same values after the same round, allreduce results exact while
 the knobs change, and a fusion threshold the user set staying fixed; on 4 ranks across two fake hosts, the
-sweep of the hierarchical algorithms. Worker: workers/autotune.py.
-About 11 s in all."""
+sweep of the hierarchical algorithms; the private hook `_rvod._set_tuned_values` (benches/autotune.py's) applying
+values set by hand on every rank after the same round. Worker: workers/autotune.py.
+About 13 s in all."""
 
 from __future__ import annotations
 
@@ -40,8 +41,13 @@ def assert_phases_and_sweep(rows, default_fusion):
     phases = [row["phase"] for row in rows]
     assert phases[:len(TUNING_PHASES)] == TUNING_PHASES, phases
     sweep = rows[len(TUNING_PHASES):]
-    assert [row["phase"] for row in sweep] == ["categorical"] * len(sweep) and len(sweep) in (2, 3), phases
     reasons = [row["chosen_because"] for row in sweep]
+    if reasons[-2:] == ["categorical sweep: the best values again before the flip is kept",
+                        "categorical sweep: the flip again to confirm it"]:
+        # The cache toggled won its sample: measured again next to the best values (the manager's Confirm).
+        assert sweep[-2]["cache_enabled"] == "true" and sweep[-1]["cache_enabled"] == "false", sweep
+        sweep, reasons = sweep[:-2], reasons[:-2]
+    assert [row["phase"] for row in sweep] == ["categorical"] * len(sweep) and len(sweep) in (2, 3), phases
     assert reasons[0] == "categorical sweep: baseline at the best fusion threshold and cycle time", reasons
     assert reasons[-1] == "categorical sweep: response cache toggled", reasons
     if len(sweep) == 3:
@@ -130,3 +136,26 @@ def test_across_hosts_the_sweep_tries_the_hierarchical_algorithms(job_env, tmp_p
     assert {row["hierarchical_allreduce"] for row in rows} == {"auto", "true", "false"}, rows
     assert {a["hierarchical_allreduce"] for a in ranks[0]["applied"]} >= {True, False}
     assert log.read_text().splitlines()[-1].startswith("# best: "), log.read_text()
+
+
+@pytest.mark.timeout(90)
+def test_values_set_by_hand_apply_on_every_rank_after_the_same_round(run_rvodrun, tmp_path):
+    """The private hook benches/autotune.py uses to compare settings in one job (autotune off here): each
+    setting rank 0 asks for is applied by both ranks after the same round, before the step after the one it
+    was asked at is done (rank 1's different requests are ignored), and results stay exact."""
+    result = run_rvodrun(["-np", "2", sys.executable, WORKER, str(tmp_path), "4", "by-hand"], timeout=80)
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0]["wrong"] == [] and ranks[1]["wrong"] == [], ranks
+    applied = ranks[0]["applied"]
+    assert applied == ranks[1]["applied"], ranks
+    assert [(a["fusion_threshold"], round(a["cycle_time_ms"], 3), a["cache_enabled"]) for a in applied] == \
+        [(1 << 20, 0.2, True), (0, 5.0, False), (64 << 20, 1.0, True)], applied
+    assert all(a["hierarchical_allreduce"] is None and a["hierarchical_allgather"] is None for a in applied)
+    rounds = [a["round"] for a in applied]
+    assert rounds == sorted(set(rounds)) and rounds[0] >= 1, rounds
+    # After setting k's second step every rank has applied k + 1 sets of values (the first step's collectives
+    # complete in the round that carries them, or in a later one).
+    for rank in ranks:
+        assert rank["seen"][1::2] == [1, 2, 3], rank["seen"]
+    assert all(len(rank["errors"]) == 3 and all("cycle_time_ms" in e for e in rank["errors"]) for rank in ranks)

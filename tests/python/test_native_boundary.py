@@ -50,7 +50,8 @@ def stub_names(body) -> dict[str, ast.AST]:
 
 
 def exported_names(namespace) -> set[str]:
-    return {name for name in vars(namespace) if not name.startswith("_")}
+    """Names besides Python's own dunders: private hooks (``_set_tuned_values``) are checked too."""
+    return {name for name in vars(namespace) if not name.startswith("__")}
 
 
 def stub_parameters(function: ast.FunctionDef, skip_first: bool) -> list[tuple[str, object]]:

@@ -161,6 +161,42 @@ fn the_cache_is_turned_off_when_that_scores_better() {
 }
 
 #[test]
+fn a_flip_that_wins_one_lucky_sample_is_measured_again_and_dropped() {
+    // With the cache off, the first sample's steps run 30% faster than the cache-on surface, every later one
+    // 20% slower: one sample alone would keep the cache off.
+    let cache_off_steps = std::cell::Cell::new(0usize);
+    let mut manager = ParameterManager::new(settings(FixedKnobs::default(), None), defaults(), None, false);
+    let announced = run(&mut manager, |v| {
+        let on = surface(&TunedValues { cache_enabled: true, ..v.clone() });
+        if v.cache_enabled {
+            return on;
+        }
+        cache_off_steps.set(cache_off_steps.get() + 1);
+        on * if cache_off_steps.get() <= 3 { 1.3 } else { 0.8 }
+    });
+    let outcome = manager.outcome().unwrap();
+    assert!(outcome.best.cache_enabled, "{outcome:?}");
+    // The sweep's tail: the flip, the best values again, the flip again, then the best values stay applied.
+    let cache = |v: &TunedValues| v.cache_enabled;
+    let tail: Vec<bool> = announced.iter().rev().take(4).rev().map(cache).collect();
+    assert_eq!(tail, [false, true, false, true], "{announced:?}");
+    assert_eq!(outcome.best, *announced.last().unwrap());
+}
+
+#[test]
+fn a_flip_that_wins_twice_is_kept() {
+    let mut manager = ParameterManager::new(settings(FixedKnobs::default(), None), defaults(), None, false);
+    let announced = run(&mut manager, |v| {
+        let on = surface(&TunedValues { cache_enabled: true, ..v.clone() });
+        on * if v.cache_enabled { 1.0 } else { 1.2 }
+    });
+    let outcome = manager.outcome().unwrap();
+    assert!(!outcome.best.cache_enabled, "{outcome:?}");
+    let tail: Vec<bool> = announced.iter().rev().take(3).rev().map(|v| v.cache_enabled).collect();
+    assert_eq!(tail, [false, true, false], "the flip, the best values again, the flip again: {announced:?}");
+}
+
+#[test]
 fn other_collectives_and_failed_responses_do_not_count() {
     let mut manager = ParameterManager::new(settings(FixedKnobs::default(), None), defaults(), None, false);
     let values = manager.take_announcement().unwrap();
