@@ -7,8 +7,9 @@
 //! - Blocks of [`LARGE`] bytes or more are mapped directly, aligned to 2 MiB and sized in whole 2 MiB
 //!   steps, and advised as transparent huge pages (`MADV_HUGEPAGE`; kernels in `madvise` mode then
 //!   fault them in 2 MiB at a time, 512x fewer faults).
-//! - A freed block goes back to a bounded pool (`RVOD_BUFFER_POOL_MB`, default 256; 0 turns pooling off)
-//!   and the next request of the same size reuses it, already faulted in. The contents of a reused block
+//! - A freed block goes back to a bounded pool (`RVOD_BUFFER_POOL_MB`, default 256; 0 turns pooling off;
+//!   the blocks freed longest ago make room for it) and the next request of the same size reuses it,
+//!   already faulted in. The contents of a reused block
 //!   are stale, which is why only buffers the engine overwrites whole ask for one
 //!   ([`crate::tensor::AlignedBuffer::for_overwrite`]); zeroed buffers are always fresh mappings. Blocks
 //!   not reused for [`IDLE`] are unmapped by [`trim_idle`], which the engine's loop calls as it runs, so a
@@ -64,14 +65,18 @@ impl Pool {
         Some(self.free.swap_remove(found).block)
     }
 
-    /// Keep `block` if there is room; else it comes back to be unmapped.
-    fn put(&mut self, block: Block, now: Instant) -> Option<Block> {
-        if self.bytes + block.capacity > self.limit {
-            return Some(block);
+    /// Keep `block`, making room by giving up the blocks freed longest ago (the newest is the likeliest to
+    /// be asked for next: the same op again); what is given up, or `block` itself when it is larger than the
+    /// limit, comes back to be unmapped.
+    fn put(&mut self, block: Block, now: Instant) -> Vec<Block> {
+        if block.capacity > self.limit {
+            return vec![block];
         }
+        let (capacity, limit) = (block.capacity, self.limit);
+        let evicted = self.evict_oldest_until(|bytes| bytes + capacity <= limit);
         self.bytes += block.capacity;
         self.free.push(Pooled { block, freed: now });
-        None
+        evicted
     }
 
     /// The blocks freed at least `age` before `now`, removed from the pool.
@@ -89,8 +94,13 @@ impl Pool {
     /// Lower or raise the bound; the oldest blocks over the new bound come back to be unmapped.
     fn set_limit(&mut self, limit: usize) -> Vec<Block> {
         self.limit = limit;
+        self.evict_oldest_until(|bytes| bytes <= limit)
+    }
+
+    /// Remove the blocks freed longest ago until `fits(bytes held)`, oldest first.
+    fn evict_oldest_until(&mut self, fits: impl Fn(usize) -> bool) -> Vec<Block> {
         let mut evicted = Vec::new();
-        while self.bytes > limit && !self.free.is_empty() {
+        while !fits(self.bytes) && !self.free.is_empty() {
             let oldest = self.free.remove(0);
             self.bytes -= oldest.block.capacity;
             evicted.push(oldest.block);
@@ -133,10 +143,11 @@ pub fn map_zeroed(len: usize) -> Option<Block> {
     map(capacity_for(len))
 }
 
-/// Return a block: kept for reuse while the pool has room, else unmapped.
+/// Return a block: kept for reuse (the blocks freed longest ago are unmapped to make room for it), or
+/// unmapped when it is larger than the pool's bound.
 pub fn give_back(block: Block) {
-    let refused = pool().put(block, Instant::now());
-    refused.into_iter().for_each(unmap);
+    let unneeded = pool().put(block, Instant::now());
+    unneeded.into_iter().for_each(unmap);
 }
 
 /// Unmap pooled blocks that have not been reused for [`IDLE`]. Cheap when there are none.
@@ -226,14 +237,14 @@ mod tests {
         let t0 = Instant::now();
         let block = map(4 << 20).unwrap();
         let address = block.ptr;
-        assert!(pool.put(block, t0).is_none());
-        assert!(pool.put(map(8 << 20).unwrap(), t0 + Duration::from_secs(5)).is_none());
+        assert!(pool.put(block, t0).is_empty());
+        assert!(pool.put(map(8 << 20).unwrap(), t0 + Duration::from_secs(5)).is_empty());
         assert_eq!(pool.bytes(), 12 << 20);
         assert!(pool.take(2 << 20).is_none(), "no block of another size is handed out");
         let again = pool.take(4 << 20).unwrap();
         assert_eq!(again.ptr, address, "the same size reuses the freed block");
         assert_eq!(pool.bytes(), 8 << 20);
-        assert!(pool.put(again, t0 + Duration::from_secs(6)).is_none());
+        assert!(pool.put(again, t0 + Duration::from_secs(6)).is_empty());
         let stale = pool.older_than(Duration::from_secs(3), t0 + Duration::from_secs(8));
         assert_eq!(stale.iter().map(|b| b.capacity).collect::<Vec<_>>(), vec![8 << 20]);
         assert_eq!(pool.bytes(), 4 << 20);
@@ -243,18 +254,33 @@ mod tests {
     }
 
     #[test]
-    fn the_pool_never_holds_more_than_its_limit() {
+    fn the_pool_never_holds_more_than_its_limit_and_keeps_the_newest() {
         let mut pool = Pool::new(6 << 20);
         let now = Instant::now();
-        let refused: Vec<Block> = (0..4).filter_map(|_| pool.put(map(2 << 20).unwrap(), now)).collect();
-        assert_eq!((refused.len(), pool.bytes()), (1, 6 << 20));
-        refused.into_iter().for_each(unmap);
-        let evicted = pool.set_limit(2 << 20);
-        assert_eq!((evicted.len(), pool.bytes()), (2, 2 << 20));
+        let blocks: Vec<Block> = (0..4).map(|_| map(2 << 20).unwrap()).collect();
+        let (first, last) = (blocks[0].ptr, blocks[3].ptr);
+        let evicted: Vec<Block> = blocks.into_iter().flat_map(|b| pool.put(b, now)).collect();
+        assert_eq!((evicted.len(), pool.bytes()), (1, 6 << 20));
+        assert_eq!(evicted[0].ptr, first, "the block freed longest ago makes room");
         evicted.into_iter().for_each(unmap);
+        // A block as large as the whole bound replaces everything pooled (a 256 MiB result under the default
+        // 256 MiB bound used to be refused, and so faulted in afresh, whenever anything else was pooled).
+        let evicted = pool.put(map(6 << 20).unwrap(), now);
+        assert_eq!((evicted.len(), pool.bytes()), (3, 6 << 20));
+        assert!(evicted.iter().any(|b| b.ptr == last));
+        evicted.into_iter().for_each(unmap);
+        let too_large = pool.put(map(8 << 20).unwrap(), now);
+        assert_eq!((too_large.len(), pool.bytes()), (1, 6 << 20), "a block over the bound is not pooled");
+        too_large.into_iter().for_each(unmap);
+        let evicted = pool.set_limit(2 << 20);
+        assert_eq!((evicted.len(), pool.bytes()), (1, 0));
+        evicted.into_iter().for_each(unmap);
+        pool.put(map(2 << 20).unwrap(), now).into_iter().for_each(unmap);
+        assert_eq!(pool.bytes(), 2 << 20);
         pool.set_limit(0).into_iter().for_each(unmap);
         assert_eq!(pool.bytes(), 0);
-        let block = pool.put(map(2 << 20).unwrap(), now).expect("a zero limit turns pooling off");
-        unmap(block);
+        let refused = pool.put(map(2 << 20).unwrap(), now);
+        assert_eq!(refused.len(), 1, "a zero limit turns pooling off");
+        refused.into_iter().for_each(unmap);
     }
 }

@@ -273,7 +273,7 @@ def kill():
 
     print(f"TRANSPORT {_rvod.transport_kind()}", flush=True)
     victim = size - 1
-    big = np.ones(32 << 20, dtype=np.float32)  # 128 MiB: takes far longer than the 50 ms before the kill
+    big = np.ones(32 << 20, dtype=np.float32)  # 128 MiB: takes far longer than the 10 ms before the kill
     for step in range(2):
         out = hvd.allreduce(big, op=hvd.Sum, name=f"step{step}")
         assert out[0] == size and out[-1] == size
@@ -296,8 +296,10 @@ def kill():
             handle = hvd.grouped_allreduce_async(np.split(big[: 16 << 20], 16), op=hvd.Sum, name="fatal")
             delay = 0.005
         else:
+            # 128 MiB on 3 ranks: tens of ms over shared memory on a quiet machine (out-of-place results no
+            # longer copy their input first; with 50 ms here a fast run finished on rank 0 before the kill).
             handle = hvd.allreduce_async(big, op=hvd.Sum, name="fatal")
-            delay = 0.05
+            delay = 0.01
         if rank == victim:
             time.sleep(delay)
             # SIGKILL: the connections close at once. SIGSTOP: the rank goes silent with its connections open
