@@ -19,6 +19,7 @@ __all__ = [
     "is_initialized",
     "topology",
     "submit",
+    "run",
     "poll",
     "wait",
     "add_process_set",
@@ -67,6 +68,17 @@ def submit(
     packed: bool = False,
     wait: bool = False,
 ) -> int: ...
+def run(
+    kind: int,
+    name: str,
+    array: Any | None,
+    in_place: bool,
+    reduce_op: int,
+    prescale: float,
+    postscale: float,
+    root_rank: int,
+    process_set_id: int,
+) -> Any: ...
 def poll(handle: int) -> bool: ...
 def wait(handle: int) -> tuple[list[Any | None], list[int] | None, int | None]: ...
 def add_process_set(ranks: Sequence[int]) -> int: ...

@@ -83,6 +83,18 @@ impl FromIterator<usize> for BitSet {
     }
 }
 
+impl BitSet {
+    /// Write the encoding of the set holding `bit` alone (as `encode` would), without building the set.
+    pub fn encode_single(w: &mut WireWriter, bit: usize) {
+        let word = bit / 64;
+        w.put_u64(word as u64 + 1);
+        for _ in 0..word {
+            w.put_u64(0);
+        }
+        w.put_u64(1 << (bit % 64));
+    }
+}
+
 impl Wire for BitSet {
     fn encode(&self, w: &mut WireWriter) {
         w.put_u64s(&self.words);

@@ -63,17 +63,48 @@ impl TensorParams {
     }
 
     fn matches(&self, req: &Request) -> bool {
-        self.kind == req.kind
-            && self.dtype == req.dtype
-            && self.shape == req.shape
-            && self.reduce_op == req.reduce_op
-            && self.root_rank == req.root_rank
-            && self.prescale == req.prescale
-            && self.postscale == req.postscale
-            && self.splits == req.splits
-            && self.parts == req.parts
-            && self.device == req.device
+        self.matches_view(&ParamsView {
+            kind: req.kind,
+            dtype: req.dtype,
+            shape: &req.shape,
+            reduce_op: req.reduce_op,
+            root_rank: req.root_rank,
+            prescale: req.prescale,
+            postscale: req.postscale,
+            splits: &req.splits,
+            parts: &req.parts,
+            device: req.device,
+        })
     }
+
+    fn matches_view(&self, v: &ParamsView<'_>) -> bool {
+        self.kind == v.kind
+            && self.dtype == v.dtype
+            && self.shape == v.shape
+            && self.reduce_op == v.reduce_op
+            && self.root_rank == v.root_rank
+            && self.prescale == v.prescale
+            && self.postscale == v.postscale
+            && self.splits == v.splits
+            && self.parts == v.parts
+            && self.device == v.device
+    }
+}
+
+/// A request's parameters, borrowed: what the fast lane (`engine::fast_lane`) looks up without building a
+/// [`Request`].
+#[derive(Clone, Copy, Debug)]
+pub struct ParamsView<'a> {
+    pub kind: CollectiveKind,
+    pub dtype: DataType,
+    pub shape: &'a [i64],
+    pub reduce_op: ReduceOp,
+    pub root_rank: i32,
+    pub prescale: f64,
+    pub postscale: f64,
+    pub splits: &'a [i64],
+    pub parts: &'a [i64],
+    pub device: i32,
 }
 
 impl From<&Request> for TensorParams {
@@ -151,11 +182,20 @@ impl ResponseCache {
     }
 
     pub fn lookup(&self, req: &Request) -> CacheLookup {
-        let Some(&bit) = self.bits_by_name.get(&req.name) else {
+        self.lookup_by(&req.name, |params| params.matches(req))
+    }
+
+    /// [`lookup`](Self::lookup) of the tensor `name` submitted with `params`.
+    pub fn lookup_view(&self, name: &str, params: &ParamsView<'_>) -> CacheLookup {
+        self.lookup_by(name, |cached| cached.matches_view(params))
+    }
+
+    fn lookup_by(&self, name: &str, matches: impl FnOnce(&TensorParams) -> bool) -> CacheLookup {
+        let Some(&bit) = self.bits_by_name.get(name) else {
             return CacheLookup::Miss;
         };
         match self.slots.get(bit).and_then(Option::as_ref) {
-            Some(cached) if cached.params.matches(req) => CacheLookup::Hit(bit),
+            Some(cached) if matches(&cached.params) => CacheLookup::Hit(bit),
             Some(_) => CacheLookup::Invalid(bit),
             None => CacheLookup::Miss,
         }

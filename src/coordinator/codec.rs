@@ -22,7 +22,7 @@ use crate::types::{CollectiveKind, DataType, ReduceOp};
 pub const WIRE_MAGIC: u32 = u32::from_le_bytes(*b"RVOD");
 
 /// Version of this format; ranks speaking different versions refuse each other's messages.
-pub const PROTOCOL_VERSION: u16 = 6;
+pub const PROTOCOL_VERSION: u16 = 7;
 
 /// Why a peer's bytes could not be decoded.
 #[derive(Clone, Debug, Error, PartialEq, Eq)]
@@ -83,11 +83,16 @@ pub trait WireMessage: Wire {
     fn to_bytes(&self) -> Vec<u8> {
         // Most messages are round headers of a few dozen bytes: one allocation, no regrowth.
         let mut w = WireWriter { buf: Vec::with_capacity(128) };
+        Self::put_head(&mut w);
+        self.encode(&mut w);
+        w.into_bytes()
+    }
+
+    /// What precedes the body of a framed message: magic, kind and version.
+    fn put_head(w: &mut WireWriter) {
         w.put_u32(WIRE_MAGIC);
         w.put_u8(Self::KIND as u8);
         w.put_u16(PROTOCOL_VERSION);
-        self.encode(&mut w);
-        w.into_bytes()
     }
 
     /// Decodes a framed message that must fill `bytes` exactly.
@@ -120,6 +125,12 @@ pub struct WireWriter {
 impl WireWriter {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A writer appending to `buf` after clearing it (its allocation is reused).
+    pub fn reusing(mut buf: Vec<u8>) -> Self {
+        buf.clear();
+        WireWriter { buf }
     }
 
     pub fn into_bytes(self) -> Vec<u8> {

@@ -16,8 +16,8 @@ use std::time::{Duration, Instant};
 
 use crate::autotune::TunedValues;
 use crate::coordinator::bitset::BitSet;
-use crate::coordinator::cache::{caches_kind, CacheLookup, ResponseCache, TensorParams};
-use crate::coordinator::codec::WireMessage;
+use crate::coordinator::cache::{caches_kind, CacheLookup, ParamsView, ResponseCache, TensorParams};
+use crate::coordinator::codec::{WireMessage, WireWriter};
 use crate::coordinator::message::Response;
 use crate::coordinator::message_table::MessageTable;
 use crate::coordinator::pending::{Announcement, PendingRequest, PendingRequests};
@@ -30,24 +30,37 @@ use crate::types::{CollectiveKind, ReduceOp};
 /// Control messages larger than this are treated as corrupt.
 const MAX_CONTROL_MESSAGE: usize = 256 * 1024 * 1024;
 
-/// Cached allreduces up to this size travel inside the round header (see [`EagerAllreduce`]).
-const EAGER_TENSOR_BYTES: usize = 4096;
+/// Cached allreduces and broadcasts up to this size travel inside the round header (see [`EagerOp`]).
+pub const EAGER_TENSOR_BYTES: usize = 4096;
 /// At most this much eager data rides in one header, so headers stay small.
-const EAGER_HEADER_BYTES: usize = 64 * 1024;
+pub const EAGER_HEADER_BYTES: usize = 64 * 1024;
 
-/// A small allreduce whose data every rank already received with the round headers: each rank reduces
-/// the contributions locally, in rank order, so all get identical bits and no data exchange is needed.
-pub struct EagerAllreduce {
+/// A small allreduce or broadcast whose data every rank already received with the round headers: each rank
+/// reduces the contributions locally, in rank order (an allreduce), or takes the root's (a broadcast), so all
+/// get identical bits and no data exchange is needed.
+pub struct EagerOp {
     /// The single-tensor cached response.
     pub response: Response,
     /// Each rank's contribution in rank order; `None` for a joined rank (it contributes zeros).
     pub contributions: Vec<Option<Vec<u8>>>,
 }
 
+/// Whether a cached tensor of `kind` with `bytes` of data rides in the round headers when every rank hits
+/// it: a small allreduce (Adasum excepted: it is not a rank-order fold of the contributions, it always runs
+/// its tree) or a small broadcast (every rank sends its data; all take the root's).
+pub fn rides_in_header(kind: CollectiveKind, reduce_op: ReduceOp, bytes: usize) -> bool {
+    let eager_kind = match kind {
+        CollectiveKind::Allreduce => reduce_op != ReduceOp::Adasum,
+        CollectiveKind::Broadcast => true,
+        _ => false,
+    };
+    eager_kind && bytes <= EAGER_TENSOR_BYTES
+}
+
 /// What a round decided.
 pub struct RoundOutcome {
-    /// Small allreduces already complete in data (run them locally, in any order).
-    pub eager: Vec<EagerAllreduce>,
+    /// Small allreduces and broadcasts already complete in data (run them locally, in any order).
+    pub eager: Vec<EagerOp>,
     /// Responses to run now, fused, identical on every rank.
     pub responses: Vec<Response>,
     /// Ranks that asked to stop, and why; if any did, every rank leaves after running `responses`.
@@ -84,23 +97,62 @@ fn send_message(t: &mut dyn Transport, peer: usize, body: &[u8]) -> Result<(), T
 }
 
 fn recv_message<M: WireMessage>(t: &mut dyn Transport, peer: usize) -> Result<M, TransportError> {
+    let mut body = Vec::new();
+    recv_body(t, peer, &mut body)?;
+    decode_message(peer, &body)
+}
+
+/// Receive `peer`'s next message into `body` (resized to it), undecoded.
+pub fn recv_body(t: &mut dyn Transport, peer: usize, body: &mut Vec<u8>) -> Result<(), TransportError> {
     let mut len = [0u8; 4];
     t.recv(peer, &mut len)?;
     let len = u32::from_le_bytes(len) as usize;
     if len > MAX_CONTROL_MESSAGE {
         return Err(TransportError::Protocol { peer, detail: format!("control message of {len} bytes") });
     }
-    let mut body = vec![0u8; len];
-    t.recv(peer, &mut body)?;
-    M::from_bytes(&body).map_err(|e| TransportError::Protocol { peer, detail: e.to_string() })
+    body.resize(len, 0);
+    t.recv(peer, body)
+}
+
+/// Decode `peer`'s message `body`; what does not decode is a protocol error naming the peer.
+pub fn decode_message<M: WireMessage>(peer: usize, body: &[u8]) -> Result<M, TransportError> {
+    M::from_bytes(body).map_err(|e| TransportError::Protocol { peer, detail: e.to_string() })
+}
+
+/// What [`Negotiator::round`] sends for [`RoundHeader::single_hit`]`(bit, data)`, byte for byte, written
+/// into `frame` (its allocation reused): the fast lane's header (see `engine::fast_lane`).
+pub fn frame_single_hit(frame: Vec<u8>, bit: usize, data: Option<&[u8]>) -> Vec<u8> {
+    let mut w = WireWriter::reusing(frame);
+    w.put_u32(0); // the body's length, written below
+    RoundHeader::put_head(&mut w);
+    RoundHeader::encode_single_hit(&mut w, bit, data);
+    let mut frame = w.into_bytes();
+    let body_len = frame.len() as u32 - 4;
+    frame[..4].copy_from_slice(&body_len.to_le_bytes());
+    frame
+}
+
+/// Send `header` to every other rank and receive theirs: every rank's header, in rank order.
+pub fn exchange_headers(t: &mut dyn Transport, mut header: RoundHeader) -> Result<Vec<RoundHeader>, TransportError> {
+    let (me, n) = (t.rank(), t.size());
+    let frame = framed(&header.to_bytes());
+    for peer in (0..n).filter(|&p| p != me) {
+        t.send(peer, &frame)?;
+    }
+    let mut headers = Vec::with_capacity(n);
+    for peer in 0..n {
+        if peer == me {
+            headers.push(std::mem::take(&mut header));
+        } else {
+            headers.push(recv_message::<RoundHeader>(t, peer)?);
+        }
+    }
+    Ok(headers)
 }
 
 /// Every rank's contribution to the cached tensor at `bit` if all of them sent it in their headers (a
 /// joined rank contributes zeros); `None` when some rank did not, or sent the wrong size.
 fn eager_contributions(headers: &[RoundHeader], bit: usize, bytes: usize) -> Option<Vec<Option<Vec<u8>>>> {
-    if bytes > EAGER_TENSOR_BYTES {
-        return None;
-    }
     headers
         .iter()
         .map(|h| match h.eager.iter().find(|p| p.bit == bit as u64) {
@@ -176,6 +228,27 @@ impl Negotiator {
         });
     }
 
+    /// The cache bit of a tensor `name` submitted with `params` when a round announcing that hit alone would
+    /// be decided without the coordinator (see `engine::fast_lane`): the cache serves it, and this rank has
+    /// nothing else to say in a round (no autotuned values to announce, no queued errors, no requests the
+    /// coordinator holds for other ranks). `None` otherwise.
+    pub fn steady_hit(&self, name: &str, params: &ParamsView<'_>) -> Option<usize> {
+        let quiet = self.announcement.is_none() && self.coordinator.as_ref().map_or(true, |c| !c.has_pending());
+        if !quiet || self.wants_round() || !caches_kind(params.kind) {
+            return None;
+        }
+        match self.cache.lookup_view(name, params) {
+            CacheLookup::Hit(bit) => Some(bit),
+            CacheLookup::Invalid(_) | CacheLookup::Miss => None,
+        }
+    }
+
+    /// Record a round that ran only the steady hit at `bit` (every rank announced it and nothing else), as
+    /// [`decide`](Self::decide) records it: the hit is the cache's most recent entry.
+    pub fn ran_steady_hit(&mut self, bit: usize) {
+        self.cache.touch(bit);
+    }
+
     /// Whether this rank should start a round even without new work (queued stall errors).
     pub fn wants_round(&self) -> bool {
         self.coordinator.as_ref().is_some_and(MessageTable::has_queued)
@@ -188,23 +261,22 @@ impl Negotiator {
         table: &mut impl PendingRequests,
         shutdown: Option<StopReason>,
     ) -> Result<RoundOutcome, TransportError> {
-        let (me, n) = (t.rank(), t.size());
         let mut header = self.local_header(table, shutdown);
         header.tuned = self.announcement.take();
+        let headers = exchange_headers(t, header)?;
+        self.decide(t, table, headers)
+    }
 
-        let frame = framed(&header.to_bytes());
-        for peer in (0..n).filter(|&p| p != me) {
-            t.send(peer, &frame)?;
-        }
-        let mut headers = Vec::with_capacity(n);
-        for peer in 0..n {
-            if peer == me {
-                headers.push(std::mem::take(&mut header));
-            } else {
-                headers.push(recv_message::<RoundHeader>(t, peer)?);
-            }
-        }
-
+    /// The rest of a round once every rank's header is in (`headers[r]` from communicator rank `r`, this
+    /// rank's own among them): the verdict on cache hits and invalid bits, the slow path if any rank needs
+    /// it, fusion, autotuned values. The same headers give the same verdict on every rank.
+    pub fn decide(
+        &mut self,
+        t: &mut dyn Transport,
+        table: &mut impl PendingRequests,
+        headers: Vec<RoundHeader>,
+    ) -> Result<RoundOutcome, TransportError> {
+        let n = headers.len();
         let shutdown_by: Vec<(usize, StopReason)> =
             (0..n).filter_map(|r| headers[r].shutdown.map(|why| (r, why))).collect();
         let any_shutdown = !shutdown_by.is_empty();
@@ -251,8 +323,12 @@ impl Negotiator {
         let mut eager = Vec::new();
         for bit in common.iter_ones().filter(|b| !invalid.contains(*b)) {
             if let Some(cached) = self.cache.get(bit) {
-                match eager_contributions(&headers, bit, cached.tensor_bytes()) {
-                    Some(contributions) => eager.push(EagerAllreduce { response: cached.clone(), contributions }),
+                let bytes = cached.tensor_bytes();
+                let eager_data = rides_in_header(cached.kind, cached.reduce_op, bytes)
+                    .then(|| eager_contributions(&headers, bit, bytes))
+                    .flatten();
+                match eager_data {
+                    Some(contributions) => eager.push(EagerOp { response: cached.clone(), contributions }),
                     None => responses.push(cached.clone()),
                 }
                 self.cache.touch(bit);
@@ -329,10 +405,8 @@ impl Negotiator {
                     } else {
                         header.cache_hits.insert(bit);
                         let len = entry.contribution_len();
-                        // Adasum is not a rank-order fold of the contributions: it always runs its tree.
-                        if entry.request().kind == CollectiveKind::Allreduce
-                            && entry.request().reduce_op != ReduceOp::Adasum
-                            && len <= EAGER_TENSOR_BYTES
+                        let request = entry.request();
+                        if rides_in_header(request.kind, request.reduce_op, len)
                             && eager_bytes + len <= EAGER_HEADER_BYTES
                         {
                             eager_bytes += len;
@@ -606,6 +680,25 @@ mod tests {
         assert_eq!(eager_contributions(&all, 3, 4), None, "wrong size");
         let with_joined = [header(false, &[(3, &[1, 2])]), header(true, &[])];
         assert_eq!(eager_contributions(&with_joined, 3, 2), Some(vec![Some(vec![1, 2]), None]));
-        assert_eq!(eager_contributions(&with_joined, 3, EAGER_TENSOR_BYTES + 1), None);
+    }
+
+    #[test]
+    fn a_single_hit_frame_is_what_a_round_sends_for_that_header() {
+        for (bit, data) in [(0, None), (5, Some(&[1u8, 2, 3][..])), (200, Some(&[][..])), (64, None)] {
+            let reused = vec![9u8; 300];
+            let frame = frame_single_hit(reused, bit, data);
+            assert_eq!(frame, framed(&RoundHeader::single_hit(bit, data).to_bytes()), "bit {bit}");
+        }
+    }
+
+    #[test]
+    fn small_allreduces_and_broadcasts_ride_in_headers() {
+        assert!(rides_in_header(CollectiveKind::Allreduce, ReduceOp::Sum, EAGER_TENSOR_BYTES));
+        assert!(rides_in_header(CollectiveKind::Broadcast, ReduceOp::Sum, 8));
+        assert!(!rides_in_header(CollectiveKind::Allreduce, ReduceOp::Sum, EAGER_TENSOR_BYTES + 1));
+        assert!(!rides_in_header(CollectiveKind::Broadcast, ReduceOp::Sum, EAGER_TENSOR_BYTES + 1));
+        assert!(!rides_in_header(CollectiveKind::Allreduce, ReduceOp::Adasum, 4), "Adasum runs its tree");
+        assert!(!rides_in_header(CollectiveKind::Allgather, ReduceOp::Sum, 4));
+        assert!(!rides_in_header(CollectiveKind::Barrier, ReduceOp::Sum, 0));
     }
 }

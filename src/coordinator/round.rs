@@ -64,10 +64,16 @@ pub struct EagerPayload {
     pub data: Vec<u8>,
 }
 
+impl EagerPayload {
+    fn encode_borrowed(w: &mut WireWriter, bit: u64, data: &[u8]) {
+        w.put_u64(bit);
+        w.put_bytes(data);
+    }
+}
+
 impl Wire for EagerPayload {
     fn encode(&self, w: &mut WireWriter) {
-        w.put_u64(self.bit);
-        w.put_bytes(&self.data);
+        EagerPayload::encode_borrowed(w, self.bit, &self.data);
     }
 
     fn decode(r: &mut WireReader<'_>) -> Result<Self, DecodeError> {
@@ -78,6 +84,30 @@ impl Wire for EagerPayload {
 impl RoundHeader {
     pub fn has_invalid(&self) -> bool {
         !self.invalid.is_empty()
+    }
+
+    /// The header of a rank whose only news is the cache hit `bit`, with `data` riding along when given.
+    pub fn single_hit(bit: usize, data: Option<&[u8]>) -> RoundHeader {
+        RoundHeader {
+            cache_hits: std::iter::once(bit).collect(),
+            eager: data.map(|data| EagerPayload { bit: bit as u64, data: data.to_vec() }).into_iter().collect(),
+            ..RoundHeader::default()
+        }
+    }
+
+    /// Write the body of [`single_hit`](Self::single_hit)`(bit, data)` as `encode` would, without building
+    /// the header (the fast lane, `engine::fast_lane`, sends it on every op).
+    pub fn encode_single_hit(w: &mut WireWriter, bit: usize, data: Option<&[u8]>) {
+        w.put_u8(0);
+        BitSet::encode_single(w, bit);
+        BitSet::new().encode(w);
+        match data {
+            Some(data) => {
+                w.put_u64(1);
+                EagerPayload::encode_borrowed(w, bit as u64, data);
+            }
+            None => w.put_u64(0),
+        }
     }
 }
 
@@ -293,6 +323,20 @@ mod tests {
                 let _ = RequestList::from_bytes(&bytes);
                 let _ = ResponseList::from_bytes(&bytes);
             }
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn a_single_hit_encodes_as_the_header_it_stands_for(
+            bit in 0usize..1000,
+            data in prop::option::of(prop::collection::vec(any::<u8>(), 0..64)),
+        ) {
+            let mut w = WireWriter::new();
+            RoundHeader::put_head(&mut w);
+            RoundHeader::encode_single_hit(&mut w, bit, data.as_deref());
+            let header = RoundHeader::single_hit(bit, data.as_deref());
+            prop_assert_eq!(w.into_bytes(), header.to_bytes());
         }
     }
 

@@ -15,14 +15,15 @@ use std::time::{Duration, Instant};
 use crate::autotune::manager::ParameterManager;
 use crate::autotune::TunedValues;
 use crate::config::Config;
-use crate::coordinator::negotiation::Negotiator;
-use crate::coordinator::round::StopReason;
+use crate::coordinator::negotiation::{Negotiator, RoundOutcome};
+use crate::coordinator::round::{RoundHeader, StopReason};
 use crate::coordinator::stall::StallClock;
 use crate::engine::communicator::{AppliedValues, Shared};
 use crate::engine::execute::{execute_eager, Executor, HierarchyChoice, TensorResult};
 use crate::engine::table::{TensorEntry, TensorTable};
 use crate::error::EngineError;
 use crate::transport::{Activity, Transport, TransportError};
+use crate::types::CollectiveKind;
 
 /// How long an idle engine sleeps between checks when nothing else bounds the wait.
 const IDLE_WAIT: Duration = Duration::from_secs(1);
@@ -40,20 +41,22 @@ const BURST_GAP: Duration = Duration::from_micros(100);
 const SHUT_DOWN: &str = "rvod has been shut down: ";
 
 pub(crate) struct Loop {
-    shared: Arc<Shared>,
-    transport: Box<dyn Transport>,
-    config: Config,
-    table: TensorTable,
-    negotiator: Negotiator,
+    pub(super) shared: Arc<Shared>,
+    pub(super) transport: Box<dyn Transport>,
+    pub(super) config: Config,
+    pub(super) table: TensorTable,
+    pub(super) negotiator: Negotiator,
     executor: Executor,
     stall_clock: Option<StallClock>,
     /// Negotiation rounds run so far (the same count on every rank of the communicator).
-    rounds: u64,
+    pub(super) rounds: u64,
     /// The autotuner, on rank 0 of the global communicator with `RVOD_AUTOTUNE` on.
-    autotune: Option<ParameterManager>,
+    pub(super) autotune: Option<ParameterManager>,
     /// How the loop ended, once it has (a coordinated stop with its reason, or the failure); set by
     /// whichever thread ran the last step, acted on by the engine thread.
-    finished: Option<Result<String, EngineError>>,
+    pub(super) finished: Option<Result<String, EngineError>>,
+    /// Buffers of the fast lane (see [`super::fast_lane`]).
+    pub(super) fast: crate::engine::fast_lane::Scratch,
 }
 
 /// How a step may wait.
@@ -120,6 +123,7 @@ impl Loop {
             negotiator,
             executor,
             finished: None,
+            fast: Default::default(),
         }
     }
 
@@ -129,7 +133,13 @@ impl Loop {
         if self.finished.is_some() {
             return Step::Finished;
         }
-        match self.step_or_end(mode) {
+        let result = self.step_or_end(mode);
+        self.end_step(result)
+    }
+
+    /// What a step came to; a failure or a coordinated stop ends the loop.
+    fn end_step(&mut self, result: Result<Option<Step>, Result<String, EngineError>>) -> Step {
+        match result {
             Ok(Some(step)) => step,
             Ok(None) => Step::Progress,
             Err(end) => {
@@ -140,6 +150,11 @@ impl Loop {
                 Step::Finished
             }
         }
+    }
+
+    /// Whether the loop has ended (the engine thread winds it up).
+    pub(crate) fn is_finished(&self) -> bool {
+        self.finished.is_some()
     }
 
     /// [`step`](Self::step), with the end of the loop as the error: `Err(Ok(reason))` for a coordinated
@@ -216,6 +231,30 @@ impl Loop {
             Err(_) if shutdown => return Err(Ok(self.own_stop_reason(stop))),
             Err(e) => return Err(Err(self.transport_failure("negotiation", e))),
         };
+        self.run_outcome(outcome, stop)?;
+        Ok(None)
+    }
+
+    /// Finish a round whose headers were exchanged outside [`step`](Self::step) (see
+    /// [`super::fast_lane`]): decide it and run what was agreed, ending the loop as `step` does on a failure
+    /// or a coordinated stop. `headers[r]` is communicator rank `r`'s header, this rank's own among them.
+    pub(super) fn finish_round(&mut self, headers: Vec<RoundHeader>) -> Step {
+        self.rounds += 1;
+        let ended = match self.negotiator.decide(&mut *self.transport, &mut self.table, headers) {
+            Ok(outcome) => self.run_outcome(outcome, None).map(|()| None),
+            Err(e) => Err(Err(self.transport_failure("negotiation", e))),
+        };
+        self.end_step(ended)
+    }
+
+    /// Run what a round agreed: its eager ops, its responses, autotuned values; a coordinated stop ends the
+    /// loop (`Err(Ok(reason))`), as does a transport failure (`Err(Err(_))`).
+    fn run_outcome(
+        &mut self,
+        outcome: RoundOutcome,
+        stop: Option<StopReason>,
+    ) -> Result<(), Result<String, EngineError>> {
+        let shutdown = stop.is_some();
         let agreed = Instant::now();
         for eager in &outcome.eager {
             if let Some(name) = eager.response.entries.first().map(|e| e.name.clone()) {
@@ -225,7 +264,7 @@ impl Loop {
                 let result = execute_eager(eager, entry.as_mut());
                 record.finish();
                 if let Some(entry) = entry {
-                    self.complete(entry, Ok(result));
+                    self.complete(entry, result);
                 }
             }
         }
@@ -245,7 +284,7 @@ impl Loop {
                 self.peers_stop_reason(&outcome.shutdown_by)
             }));
         }
-        Ok(None)
+        Ok(())
     }
 
     /// After the loop finished: close the transport and fail everything still pending.
@@ -283,7 +322,7 @@ impl Loop {
 
     /// The failure of `op` as users see it: the transport names the peer by its position in this
     /// communicator, users know it by its global rank.
-    fn transport_failure(&self, op: impl Into<String>, e: TransportError) -> EngineError {
+    pub(super) fn transport_failure(&self, op: impl Into<String>, e: TransportError) -> EngineError {
         EngineError::transport(op, &e.renumbered(&self.shared.global_ranks))
     }
 
@@ -496,19 +535,19 @@ impl Loop {
             std::mem::take(&mut inbox.entries)
         };
         for entry in self.table.drain().into_iter().chain(queued) {
-            let own = naming_tensor(&err, &entry);
+            let own = naming_tensor(&err, entry.request.kind, &entry.request.name);
             self.complete(entry, Err(own));
         }
     }
 }
 
-/// The engine-wide failure `err` as seen by one pending tensor: a transport failure names the tensor too.
-fn naming_tensor(err: &EngineError, entry: &TensorEntry) -> EngineError {
+/// The engine-wide failure `err` as seen by the pending `kind` of tensor `name`: a transport failure names
+/// the tensor too.
+pub(super) fn naming_tensor(err: &EngineError, kind: CollectiveKind, name: &str) -> EngineError {
     match err {
-        EngineError::Transport { op, cause } => EngineError::Transport {
-            op: format!("{} of tensor '{}' ({op})", entry.request.kind, entry.request.name),
-            cause: cause.clone(),
-        },
+        EngineError::Transport { op, cause } => {
+            EngineError::Transport { op: format!("{kind} of tensor '{name}' ({op})"), cause: cause.clone() }
+        }
         other => other.clone(),
     }
 }

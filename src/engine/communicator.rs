@@ -12,6 +12,7 @@ use crate::coordinator::round::StopReason;
 use crate::engine::affinity;
 use crate::engine::background::Loop;
 use crate::engine::driver::Driver;
+use crate::engine::fast_lane::{SmallOp, SmallOutcome};
 use crate::engine::handles::{HandleId, HandleTable};
 use crate::engine::table::TensorEntry;
 use crate::error::EngineError;
@@ -60,6 +61,11 @@ pub struct AppliedValues {
 impl Shared {
     pub(crate) fn inbox(&self) -> MutexGuard<'_, Inbox> {
         self.inbox.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Whether values set by hand wait to be sent.
+    pub(crate) fn has_requested_values(&self) -> bool {
+        self.requested_values.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).is_some()
     }
 
     /// Values set by hand that the loop has not sent yet (taken once).
@@ -192,6 +198,12 @@ impl Communicator {
     /// [`driver`](super::driver)); otherwise hand it to the engine thread. Call with the GIL released.
     pub fn drive(&self, id: HandleId) {
         self.driver.drive(id)
+    }
+
+    /// Run `op` on this thread by the fast lane if it can run there now (see [`fast_lane`](super::fast_lane));
+    /// `out` receives an out-of-place result. Call with the GIL released.
+    pub fn run_small<'a>(&self, op: SmallOp<'a>, out: &mut [u8]) -> SmallOutcome<'a> {
+        self.driver.run_small(op, out)
     }
 
     /// Steps of the loop run by callers instead of the engine thread so far (see [`driver`](super::driver)).

@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 
 use crate::engine::background::{Loop, Mode, Step, JOIN_GRACE};
 use crate::engine::communicator::Shared;
+use crate::engine::fast_lane::{SmallOp, SmallOutcome};
 use crate::engine::handles::HandleId;
 use crate::transport::IdleWaiter;
 
@@ -166,6 +167,32 @@ impl Driver {
         if matches!(driven, Driven::Busy | Driven::Ended) {
             self.shared.waker.wake();
         }
+    }
+
+    /// Run `op` on this thread by the fast lane (see [`super::fast_lane`]) if callers may run the loop and it
+    /// is free; otherwise it is not run. `out` receives an out-of-place result.
+    pub(crate) fn run_small<'a>(&self, op: SmallOp<'a>, out: &mut [u8]) -> SmallOutcome<'a> {
+        if self.waiter.is_none() {
+            return SmallOutcome::NotRun(op);
+        }
+        let mut the_loop = match self.the_loop.try_lock() {
+            Ok(the_loop) => the_loop,
+            Err(TryLockError::WouldBlock) => return SmallOutcome::NotRun(op),
+            Err(TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
+        };
+        self.drivers.fetch_add(1, Ordering::SeqCst);
+        let outcome = the_loop.run_small(op, out);
+        let ended = the_loop.is_finished();
+        drop(the_loop);
+        if !matches!(outcome, SmallOutcome::NotRun(_)) {
+            self.caller_rounds.fetch_add(1, Ordering::Relaxed);
+        }
+        self.leave();
+        if ended {
+            // The engine thread winds the loop up.
+            self.shared.waker.wake();
+        }
+        outcome
     }
 
     /// Wait up to `slice` for `id`, running the loop whenever it is free and sleeping on the transport in

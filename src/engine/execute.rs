@@ -7,7 +7,7 @@
 //! per-tensor result.
 
 use crate::coordinator::message::{shape_elements, Response};
-use crate::coordinator::negotiation::EagerAllreduce;
+use crate::coordinator::negotiation::EagerOp;
 use crate::engine::sink::TensorIo;
 use crate::engine::submission::OutputTensor;
 use crate::engine::table::TensorEntry;
@@ -122,7 +122,7 @@ fn adasum_buffer(
     ring::adasum_allreduce(t, buf, dtype, counts, scratch)
 }
 
-fn combine_of(op: ReduceOp) -> Combine {
+pub(crate) fn combine_of(op: ReduceOp) -> Combine {
     match op {
         ReduceOp::Min => Combine::Min,
         ReduceOp::Max => Combine::Max,
@@ -132,10 +132,16 @@ fn combine_of(op: ReduceOp) -> Combine {
 }
 
 fn postscale_of(response: &Response, size: usize) -> f64 {
-    if response.reduce_op == ReduceOp::Average {
-        response.postscale / size as f64
+    effective_postscale(response.reduce_op, response.postscale, size)
+}
+
+/// The factor a reduction's result is scaled by on `size` ranks: the postscale factor, divided by `size`
+/// for an average.
+pub(crate) fn effective_postscale(reduce_op: ReduceOp, postscale: f64, size: usize) -> f64 {
+    if reduce_op == ReduceOp::Average {
+        postscale / size as f64
     } else {
-        response.postscale
+        postscale
     }
 }
 
@@ -425,33 +431,33 @@ fn scatter(tensors: &mut [TensorIo<'_>], slots: &[FusionSlot], offset: usize, by
     }
 }
 
-/// Finish an allreduce whose every contribution arrived with the round headers: reduce them locally in
-/// rank order (identical bits on every rank), scale, and write the result.
-pub fn execute_eager(eager: &EagerAllreduce, entry: Option<&mut TensorEntry>) -> TensorResult {
+/// Finish an allreduce or broadcast whose every contribution arrived with the round headers: reduce them
+/// locally in rank order, or take the root's (identical bits on every rank), and write the result.
+pub fn execute_eager(eager: &EagerOp, entry: Option<&mut TensorEntry>) -> Result<TensorResult, EngineError> {
     let response = &eager.response;
     let dtype = response.dtype;
     let len = response.tensor_bytes();
-    let combine = combine_of(response.reduce_op);
-    let mut sum: Option<AlignedBuffer> = None;
-    for contribution in &eager.contributions {
-        if let (Some(acc), Some(data), true) = (sum.as_mut(), contribution, response.prescale == 1.0) {
-            // Unscaled: combined straight from the header's bytes, no copy.
-            ring::reduce_into(acc.as_mut_slice(), data, dtype, combine);
-            continue;
-        }
-        let mut part = match contribution {
-            Some(data) => AlignedBuffer::from_slice(data),
-            None => AlignedBuffer::zeroed(len),
+    let mut result = AlignedBuffer::for_overwrite(len);
+    if response.kind == CollectiveKind::Broadcast {
+        let root = usize::try_from(response.root_rank).ok().and_then(|root| eager.contributions.get(root));
+        let Some(Some(data)) = root else {
+            return Err(EngineError::Internal(format!(
+                "broadcast of '{}': the root's data did not come with its round header",
+                response.entries.first().map_or("", |e| e.name.as_str())
+            )));
         };
-        ring::scale_in_place(part.as_mut_slice(), dtype, response.prescale);
-        match sum.as_mut() {
-            None => sum = Some(part),
-            Some(acc) => ring::reduce_into(acc.as_mut_slice(), part.as_slice(), dtype, combine),
-        }
+        result.as_mut_slice().copy_from_slice(data);
+    } else {
+        fold_contributions(
+            eager.contributions.iter().map(Option::as_deref),
+            dtype,
+            combine_of(response.reduce_op),
+            response.prescale,
+            postscale_of(response, eager.contributions.len()),
+            result.as_mut_slice(),
+        );
     }
-    let mut result = sum.unwrap_or_else(|| AlignedBuffer::zeroed(len));
-    ring::scale_in_place(result.as_mut_slice(), dtype, postscale_of(response, eager.contributions.len()));
-    match entry {
+    Ok(match entry {
         Some(e) if e.packed.is_none() && !e.in_place => {
             let shape = response.entries.first().map(|e| e.shape.clone()).unwrap_or_default();
             TensorResult { output: output(result, shape, dtype), ..TensorResult::default() }
@@ -461,7 +467,49 @@ pub fn execute_eager(eager: &EagerAllreduce, entry: Option<&mut TensorEntry>) ->
             io.write(0, result.as_slice());
             io.finish()
         }
+    })
+}
+
+/// A small allreduce's result from every rank's contribution in rank order (`None`: a joined rank's
+/// zeros), into `out`: each contribution scaled by `prescale`, combined in rank order, the result scaled by
+/// `postscale`. Every rank folds the same bytes in the same order, so all get identical bits; rounds and
+/// the fast lane ([`super::fast_lane`]) both fold with this.
+pub fn fold_contributions<'a>(
+    contributions: impl IntoIterator<Item = Option<&'a [u8]>>,
+    dtype: DataType,
+    combine: Combine,
+    prescale: f64,
+    postscale: f64,
+    out: &mut [u8],
+) {
+    let mut first = true;
+    for contribution in contributions {
+        if first {
+            match contribution {
+                Some(data) => out.copy_from_slice(data),
+                None => out.fill(0),
+            }
+            ring::scale_in_place(out, dtype, prescale);
+            first = false;
+            continue;
+        }
+        match contribution {
+            // Unscaled: combined straight from the header's bytes, no copy.
+            Some(data) if prescale == 1.0 => ring::reduce_into(out, data, dtype, combine),
+            _ => {
+                let mut part = match contribution {
+                    Some(data) => AlignedBuffer::from_slice(data),
+                    None => AlignedBuffer::zeroed(out.len()),
+                };
+                ring::scale_in_place(part.as_mut_slice(), dtype, prescale);
+                ring::reduce_into(out, part.as_slice(), dtype, combine);
+            }
+        }
     }
+    if first {
+        out.fill(0);
+    }
+    ring::scale_in_place(out, dtype, postscale);
 }
 
 /// Run a one-tensor collective for each entry (these kinds are never fused).

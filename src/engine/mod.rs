@@ -21,6 +21,7 @@ pub mod communicator;
 pub mod connect;
 pub mod driver;
 pub mod execute;
+pub mod fast_lane;
 pub mod fork;
 pub mod handles;
 pub mod meet;
@@ -45,6 +46,7 @@ use crate::transport::rendezvous::StoreClient;
 use crate::types::{CollectiveKind, DataType};
 
 use communicator::Communicator;
+use fast_lane::{SmallOp, SmallOutcome};
 use handles::{HandleId, HandleTable, WaitOutcome};
 use process_sets::{ProcessSetEntry, ProcessSetRegistry};
 use submission::OpSubmission;
@@ -366,6 +368,29 @@ impl Engine {
             return Err(err);
         }
         Ok((id, communicator))
+    }
+
+    /// Run `op` (its root, for a broadcast, a global rank) on this thread by the fast lane of process set
+    /// `set_id` if it can run there now (see [`fast_lane`]); `NotRun` hands it back, unsent, for
+    /// [`submit_to_drive`](Self::submit_to_drive) (which reports what is wrong with it, if anything). `out`
+    /// receives an out-of-place result. Call with the GIL released.
+    pub fn run_small<'a>(&self, mut op: SmallOp<'a>, set_id: u32, out: &mut [u8]) -> SmallOutcome<'a> {
+        let Ok(communicator) = self.communicator_for(set_id, op.kind) else { return SmallOutcome::NotRun(op) };
+        let global_root = op.root_rank;
+        if op.kind == CollectiveKind::Broadcast {
+            let root = usize::try_from(global_root).ok().and_then(|root| communicator.local_rank_of(root));
+            match root {
+                Some(local) => op.root_rank = local as i32,
+                None => return SmallOutcome::NotRun(op),
+            }
+        }
+        match communicator.run_small(op, out) {
+            SmallOutcome::NotRun(mut op) => {
+                op.root_rank = global_root;
+                SmallOutcome::NotRun(op)
+            }
+            outcome => outcome,
+        }
     }
 
     /// `Some(true)` once the handle completed, `None` for an unknown handle.

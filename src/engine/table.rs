@@ -66,11 +66,16 @@ pub struct TensorTable {
 
 impl TensorTable {
     pub fn insert(&mut self, entry: TensorEntry) {
+        self.insert_announced(entry, Announcement::Unsent);
+    }
+
+    /// Insert an entry that already stands at `announcement` (the fast lane's op, announced as a cache hit).
+    pub fn insert_announced(&mut self, entry: TensorEntry, announcement: Announcement) {
         let name = entry.request.name.clone();
         let sequence = self.next_sequence;
         self.next_sequence += 1;
         self.order.insert(sequence, name.clone());
-        self.slots.insert(name, Slot { sequence, entry, announcement: Announcement::Unsent });
+        self.slots.insert(name, Slot { sequence, entry, announcement });
     }
 
     pub fn is_empty(&self) -> bool {

@@ -9,9 +9,13 @@ use std::time::Duration;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
+use pyo3::IntoPyObjectExt;
 
 use crate::config::Config;
+use crate::coordinator::message_table::BARRIER_NAME;
+use crate::coordinator::negotiation::EAGER_TENSOR_BYTES;
 use crate::coordinator::round::StopReason;
+use crate::engine::fast_lane::{SmallOp, SmallOutcome};
 use crate::engine::handles::WaitOutcome;
 use crate::engine::packed::{pack_group, GroupMember};
 use crate::engine::submission::{OpSubmission, TensorSubmission};
@@ -20,8 +24,9 @@ use crate::error::EngineError;
 use crate::launch::meet::{self, HostedStore, Offer};
 use crate::py::dlpack::{export_capsule, import_capsule, is_capsule, ImportedTensor};
 use crate::py::error::to_py_err;
-use crate::py::ndarray::import_array;
-use crate::types::{CollectiveKind, ReduceOp};
+use crate::py::ndarray::{empty_like, import_array};
+use crate::tensor::RawTensor;
+use crate::types::{CollectiveKind, DataType, ReduceOp};
 
 /// How long one wait slice lasts before checking for signals.
 const WAIT_SLICE: Duration = Duration::from_millis(50);
@@ -273,6 +278,93 @@ pub fn submit(
     }
     let op = OpSubmission { kind, tensors, reduce_op, prescale, postscale, root_rank, splits };
     queue(py, &engine, op, process_set_id, wait)
+}
+
+thread_local! {
+    /// Where the fast lane leaves an out-of-place result on this thread (at most a header's worth of data).
+    static SMALL_RESULT: std::cell::RefCell<Vec<u8>> = std::cell::RefCell::new(vec![0; EAGER_TENSOR_BYTES]);
+}
+
+/// Run a synchronous collective on an exact `numpy.ndarray`, or a barrier (`array` None). In steady state
+/// (a small cached op, nothing else pending) it runs right here, with the GIL released, as one exchange of
+/// round headers (see `engine::fast_lane`); otherwise it is submitted as `submit(..., wait=True)` submits it.
+/// Returns None (done: in place, or a barrier), a new array (done: the out-of-place result), an int (the
+/// handle to `wait` for; the caller keeps `array` alive until then), or `NotImplemented` when `array` is
+/// not one the engine reads as it is (nothing was submitted: export it and call `submit`).
+#[pyfunction]
+#[pyo3(signature = (kind, name, array, in_place, reduce_op, prescale, postscale, root_rank, process_set_id))]
+#[allow(clippy::too_many_arguments)]
+pub fn run<'py>(
+    py: Python<'py>,
+    kind: u8,
+    name: &str,
+    array: Option<&Bound<'py, PyAny>>,
+    in_place: bool,
+    reduce_op: u8,
+    prescale: f64,
+    postscale: f64,
+    root_rank: i32,
+    process_set_id: u32,
+) -> PyResult<Bound<'py, PyAny>> {
+    let kind =
+        CollectiveKind::from_code(kind).ok_or_else(|| PyValueError::new_err(format!("unknown collective {kind}")))?;
+    let reduce_op = ReduceOp::from_code(reduce_op)
+        .ok_or_else(|| PyValueError::new_err(format!("unknown reduce op {reduce_op}")))?;
+    let engine = engine()?;
+    // A barrier is matched by the engine's own name for it, as `submit` does.
+    let name = if kind == CollectiveKind::Barrier { BARRIER_NAME } else { name };
+    let imported = match array {
+        Some(array) => match import_array(array, in_place, || format!("{kind} '{name}'")) {
+            Ok(imported) => Some(imported),
+            Err(_) => return Ok(py.NotImplemented().into_bound(py)),
+        },
+        None => None,
+    };
+    let (input, dtype, shape) = match imported {
+        Some(ImportedTensor { tensor, dtype, shape }) => (tensor, dtype, shape),
+        // SAFETY: a zero-length view of no memory.
+        None => (unsafe { RawTensor::new(std::ptr::null_mut(), 0) }, DataType::Uint8, Vec::new()),
+    };
+    let op = SmallOp { kind, name, dtype, shape: &shape, input, in_place, reduce_op, prescale, postscale, root_rank };
+    let outcome = py.allow_threads(|| {
+        SMALL_RESULT.with(|out| engine.run_small(op, process_set_id, out.borrow_mut().as_mut_slice()))
+    });
+    match outcome {
+        SmallOutcome::Done => match array {
+            Some(array) if !in_place => {
+                let (result, mut memory) = empty_like(array)?;
+                let len = memory.len();
+                SMALL_RESULT.with(|out| memory.as_mut_slice().copy_from_slice(&out.borrow()[..len]));
+                Ok(result)
+            }
+            _ => Ok(py.None().into_bound(py)),
+        },
+        SmallOutcome::Queued(handle) => handle.into_bound_py_any(py),
+        SmallOutcome::Failed(err) => Err(to_py_err(err)),
+        SmallOutcome::NotRun(op) => {
+            let tensors = match array {
+                Some(_) => vec![TensorSubmission {
+                    name: name.to_string(),
+                    dtype: op.dtype,
+                    shape: op.shape.to_vec(),
+                    input: op.input,
+                    in_place,
+                    packed: None,
+                }],
+                None => Vec::new(),
+            };
+            let submission = OpSubmission {
+                kind,
+                tensors,
+                reduce_op,
+                prescale,
+                postscale,
+                root_rank: op.root_rank,
+                splits: Vec::new(),
+            };
+            queue(py, &engine, submission, process_set_id, true)?.into_bound_py_any(py)
+        }
+    }
 }
 
 /// Queue `op`. An async submission never blocks (it queues and maybe wakes the engine), so the GIL is

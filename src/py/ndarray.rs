@@ -9,6 +9,10 @@
 //! protocol's answer for a real array; if they ever disagree, every array goes through the buffer
 //! protocol instead. Only objects whose type is exactly `numpy.ndarray` are read at all (an array's
 //! memory cannot move while it is referenced, so no view of it needs to be held).
+//!
+//! Results come out the same way: [`empty_like`] makes a new array through NumPy's C API (its function
+//! table, `_ARRAY_API`, whose slots NumPy keeps stable across versions), checked once per process against
+//! what `numpy.empty_like` makes, with `numpy.empty_like` itself as the fallback.
 
 use std::ffi::{c_char, c_int, c_void};
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -154,4 +158,61 @@ pub fn import_array(array: &Bound<'_, PyAny>, writable: bool, what: impl Fn() ->
         }
     }
     Ok(by_buffer)
+}
+
+/// `PyArray_NewLikeArray(prototype, order, descr, subok)`: slot 277 of NumPy's C API table since NumPy 1.6.
+type NewLikeArray = unsafe extern "C" fn(*mut ffi::PyObject, c_int, *mut c_void, c_int) -> *mut ffi::PyObject;
+const NEW_LIKE_ARRAY_SLOT: usize = 277;
+const NPY_CORDER: c_int = 0;
+
+/// NumPy's C API table, found once (None where it cannot be found or its arrays were refused once).
+static ARRAY_API: GILOnceCell<Option<usize>> = GILOnceCell::new();
+static CREATION: AtomicU8 = AtomicU8::new(LAYOUT_UNCHECKED);
+
+fn array_api(py: Python<'_>) -> Option<*const *const c_void> {
+    let table = ARRAY_API.get_or_init(py, || {
+        let module = py.import("numpy._core._multiarray_umath").or_else(|_| py.import("numpy.core._multiarray_umath"));
+        let capsule = module.and_then(|m| m.getattr("_ARRAY_API")).ok()?;
+        let capsule = capsule.downcast::<pyo3::types::PyCapsule>().ok()?;
+        let table = capsule.pointer();
+        (!table.is_null()).then_some(table as usize)
+    });
+    table.map(|t| t as *const *const c_void)
+}
+
+/// A new, uninitialised, C-contiguous array with the dtype and shape of `prototype` (an exact ndarray):
+/// `numpy.empty_like(prototype)` without the call through Python. Returns it with its memory.
+pub fn empty_like<'py>(prototype: &Bound<'py, PyAny>) -> PyResult<(Bound<'py, PyAny>, RawTensor)> {
+    let py = prototype.py();
+    let what = || "result array".to_string();
+    let api = array_api(py).filter(|_| CREATION.load(Ordering::Relaxed) != LAYOUT_REFUSED);
+    if let Some(api) = api {
+        // SAFETY: `api` is NumPy's function table (a capsule NumPy exports for compiled extensions); the slot
+        // holds PyArray_NewLikeArray, whose signature has not changed since NumPy 1.6. `prototype` is an
+        // ndarray; a null descr keeps its dtype; the result is a new reference or null with an exception set.
+        let made = unsafe {
+            let new_like: NewLikeArray = std::mem::transmute(*api.add(NEW_LIKE_ARRAY_SLOT));
+            let raw = new_like(prototype.as_ptr(), NPY_CORDER, std::ptr::null_mut(), 0);
+            Bound::from_owned_ptr_or_err(py, raw)
+        };
+        if let Ok(array) = made {
+            if CREATION.load(Ordering::Relaxed) == LAYOUT_TRUSTED {
+                let memory = import_array(&array, true, what)?;
+                return Ok((array, memory.tensor));
+            }
+            let expected = import_array(prototype, false, what)?;
+            match import_array(&array, true, what) {
+                Ok(got) if got.dtype == expected.dtype && got.shape == expected.shape => {
+                    CREATION.store(LAYOUT_TRUSTED, Ordering::Relaxed);
+                    return Ok((array, got.tensor));
+                }
+                _ => {}
+            }
+        }
+        tracing::warn!("NumPy's C API did not make the expected array; results are made by numpy.empty_like");
+        CREATION.store(LAYOUT_REFUSED, Ordering::Relaxed);
+    }
+    let array = py.import("numpy")?.getattr("empty_like")?.call1((prototype,))?;
+    let memory = import_array(&array, true, what)?;
+    Ok((array, memory.tensor))
 }

@@ -67,6 +67,12 @@ class NumpyAdapter(TensorAdapter):
         # array may mean more than its memory says; lists, scalars), which then comes back through export().
         return tensors
 
+    def as_ndarray(self, tensor):
+        return tensor if type(tensor) is np.ndarray else None
+
+    def from_ndarray(self, array):
+        return array
+
     def from_dlpack(self, capsule):
         if _rvod.relabel_bool_as_uint8(capsule):  # NumPy < 1.25 imports no DLPack bool: uint8, viewed as bool
             return np.from_dlpack(_CapsuleHolder(capsule)).view(np.bool_)

@@ -41,6 +41,17 @@ class TensorAdapter:
         sees exactly (no lazy negation or conjugation bits)."""
         return None
 
+    def as_ndarray(self, tensor):
+        """An exact ``numpy.ndarray`` sharing ``tensor``'s memory and holding its values, found cheaply, or
+        ``None`` (then the op takes the ``export`` path). The engine takes the array as it is or refuses it
+        (a dtype it cannot reduce, non-contiguous or read-only memory) without sending anything; a refused
+        one is exported with ``export``, which copies or explains."""
+        return None
+
+    def from_ndarray(self, array):
+        """A framework tensor viewing ``array``, a result the engine made (no copy)."""
+        raise NotImplementedError
+
     def from_dlpack(self, capsule):
         """A framework tensor viewing the engine-owned memory of ``capsule`` (no copy)."""
         raise NotImplementedError
@@ -169,10 +180,29 @@ def _track(handle, wait, pending):
     return _Ran(finish(adapter, context, outputs, received_splits, last_joined))
 
 
+def _run_now(kind, name, adapter, tensor, in_place, finish, op=Sum, prescale=1.0, postscale=1.0, root=-1,
+             process_set=global_process_set):
+    """Run one op on ``tensor`` and return its result (``finish``'s). An exact ndarray from the adapter goes to
+    ``_rvod.run``, which runs a small op in steady state as one exchange with the peers, on this thread;
+    otherwise the op is submitted and waited for, as ``wait_for`` does."""
+    array = adapter.as_ndarray(tensor)
+    if array is not None:
+        result = _rvod.run(kind, name, array, in_place, op, float(prescale), float(postscale), int(root),
+                           process_set_id_of(process_set))
+        if type(result) is int:  # submitted: wait for it, keeping the memory alive until it completes
+            _pending[result] = (finish, adapter, tensor, tensor, array)
+            return synchronize(result)
+        if result is not NotImplemented:
+            return tensor if in_place else adapter.from_ndarray(result)
+    return _submit(kind, [name], adapter, [tensor], in_place, finish, tensor, op=op, prescale=prescale,
+                   postscale=postscale, root=root, process_set=process_set, wait=True).result
+
+
 def _submit(kind, names, adapter, tensors, in_place, finish, context, op=Sum, prescale=1.0, postscale=1.0,
-            root=-1, splits=(), process_set=global_process_set, packed=False):
+            root=-1, splits=(), process_set=global_process_set, packed=False, wait=None):
     set_id = process_set_id_of(process_set)
-    wait = _waiter is not None and _waiter == get_ident()
+    if wait is None:
+        wait = _waiter is not None and _waiter == get_ident()
     submit_args = (in_place, op, float(prescale), float(postscale), int(root), list(splits), set_id, packed, wait)
     capsules = adapter.export_unchecked(tensors, in_place)
     if capsules is not None:
@@ -228,6 +258,15 @@ def allreduce_async(adapter, tensor, average=None, name=None, op=None, prescale_
                    op=op, prescale=prescale_factor, postscale=postscale_factor, process_set=process_set)
 
 
+def allreduce(adapter, tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+              process_set=global_process_set, in_place=False):
+    """``synchronize(allreduce_async(...))``: the result, ``tensor`` itself when ``in_place``."""
+    op = resolve_op(op, average)
+    return _run_now(ALLREDUCE, _prefixed("allreduce", name, process_set), adapter, tensor, in_place,
+                    _original if in_place else _new_tensor, op, prescale_factor, postscale_factor,
+                    process_set=process_set)
+
+
 def grouped_allreduce_async(adapter, tensors, average=None, name=None, op=None, prescale_factor=1.0,
                             postscale_factor=1.0, process_set=global_process_set, in_place=False):
     op = resolve_op(op, average)
@@ -265,6 +304,12 @@ def broadcast_async(adapter, tensor, root_rank, name=None, process_set=global_pr
                    _original if in_place else _new_tensor, tensor, root=root_rank, process_set=process_set)
 
 
+def broadcast(adapter, tensor, root_rank, name=None, process_set=global_process_set, in_place=False):
+    """``synchronize(broadcast_async(...))``: the result, ``tensor`` itself when ``in_place``."""
+    return _run_now(BROADCAST, _prefixed("broadcast", name, process_set), adapter, tensor, in_place,
+                    _original if in_place else _new_tensor, root=root_rank, process_set=process_set)
+
+
 def alltoall_async(adapter, tensor, splits=None, name=None, process_set=global_process_set, with_splits=None):
     """The result is ``(output, received_splits)`` when ``splits`` is given (or ``with_splits`` is true),
     else the output alone."""
@@ -295,9 +340,10 @@ def grouped_reducescatter_async(adapter, tensors, name=None, op=Average, process
 
 def barrier(process_set=global_process_set):
     """Block until every rank of the set reaches the barrier."""
-    handle = _rvod.submit(BARRIER, [], [], False, Sum, 1.0, 1.0, -1, [], process_set_id_of(process_set), False, True)
-    _pending[handle] = (_nothing, None, None)
-    synchronize(handle)
+    handle = _rvod.run(BARRIER, "", None, False, Sum, 1.0, 1.0, -1, process_set_id_of(process_set))
+    if handle is not None:  # submitted, not run at once: wait for it
+        _pending[handle] = (_nothing, None, None)
+        synchronize(handle)
 
 
 def join():

@@ -32,7 +32,7 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
 def allreduce(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
               process_set=gps):
     """Reduce ``tensor`` across ranks (default: Average) into a new array."""
-    return _ops.wait_for(allreduce_async, tensor, average, name, op, prescale_factor, postscale_factor, process_set)
+    return _ops.allreduce(_adapter, tensor, average, name, op, prescale_factor, postscale_factor, process_set)
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -44,7 +44,8 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                process_set=gps):
     """Reduce ``tensor`` across ranks in place; returns it."""
-    return _ops.wait_for(allreduce_async_, tensor, average, name, op, prescale_factor, postscale_factor, process_set)
+    return _ops.allreduce(_adapter, tensor, average, name, op, prescale_factor, postscale_factor, process_set,
+                          in_place=True)
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
@@ -95,7 +96,7 @@ def broadcast_async(tensor, root_rank, name=None, process_set=gps):
 
 def broadcast(tensor, root_rank, name=None, process_set=gps):
     """Return ``root_rank``'s array on every rank."""
-    return _ops.wait_for(broadcast_async, tensor, root_rank, name, process_set)
+    return _ops.broadcast(_adapter, tensor, root_rank, name, process_set)
 
 
 def broadcast_async_(tensor, root_rank, name=None, process_set=gps):
@@ -104,7 +105,7 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=gps):
 
 def broadcast_(tensor, root_rank, name=None, process_set=gps):
     """Overwrite ``tensor`` with ``root_rank``'s values; returns it."""
-    return _ops.wait_for(broadcast_async_, tensor, root_rank, name, process_set)
+    return _ops.broadcast(_adapter, tensor, root_rank, name, process_set, in_place=True)
 
 
 def alltoall_async(tensor, splits=None, name=None, process_set=gps):

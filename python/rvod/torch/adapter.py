@@ -55,6 +55,17 @@ class TorchAdapter(TensorAdapter):
         except Exception:  # noqa: BLE001 - not a tensor, or one DLPack cannot describe (sparse, meta, ...)
             return None  # export() explains
 
+    def as_ndarray(self, tensor):
+        try:
+            if tensor.requires_grad:
+                return None  # numpy() refuses it; export() detaches it
+            return tensor.numpy()  # a view of the tensor's memory
+        except Exception:  # noqa: BLE001 - nothing numpy() can view (CUDA, bfloat16, sparse, neg bit, not a tensor)
+            return None
+
+    def from_ndarray(self, array):
+        return torch.from_numpy(array)
+
     def from_dlpack(self, capsule):
         return dlpack.from_dlpack(capsule)
 

@@ -58,8 +58,7 @@ class HorovodAllreduce(torch.autograd.Function):
         ctx.op = resolve_op(op, average)
         ctx.factors = (prescale_factor, postscale_factor)
         ctx.process_set = process_set
-        return _ops.wait_for(allreduce_async, tensor, None, name, ctx.op, prescale_factor, postscale_factor,
-                             process_set)
+        return _ops.allreduce(_adapter, tensor, None, name, ctx.op, prescale_factor, postscale_factor, process_set)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -76,8 +75,8 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
         reduced = HorovodAllreduce.apply(compressed, average, name, op, prescale_factor, postscale_factor,
                                          process_set)
     else:  # nothing to differentiate: skip autograd's bookkeeping (a few microseconds per call)
-        reduced = _ops.wait_for(allreduce_async, compressed, average, name, op, prescale_factor, postscale_factor,
-                                process_set)
+        reduced = _ops.allreduce(_adapter, compressed, average, name, op, prescale_factor, postscale_factor,
+                                 process_set)
     return compression.decompress(reduced, context)
 
 
@@ -91,7 +90,8 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                process_set=global_process_set):
     """Reduce ``tensor`` across ranks in place; returns it."""
-    return _ops.wait_for(allreduce_async_, tensor, average, name, op, prescale_factor, postscale_factor, process_set)
+    return _ops.allreduce(_adapter, tensor, average, name, op, prescale_factor, postscale_factor, process_set,
+                          in_place=True)
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -250,7 +250,7 @@ class HorovodBroadcast(torch.autograd.Function):
     def forward(ctx, tensor, root_rank, name, process_set):
         ctx.root_rank = root_rank
         ctx.process_set = process_set
-        return _ops.wait_for(broadcast_async, tensor, root_rank, name, process_set)
+        return _ops.broadcast(_adapter, tensor, root_rank, name, process_set)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -262,7 +262,9 @@ class HorovodBroadcast(torch.autograd.Function):
 
 def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
     """Return ``root_rank``'s ``tensor`` on every rank (``root_rank`` is a global rank); differentiable."""
-    return HorovodBroadcast.apply(tensor, root_rank, name, process_set)
+    if isinstance(tensor, torch.Tensor) and tensor.requires_grad and torch.is_grad_enabled():
+        return HorovodBroadcast.apply(tensor, root_rank, name, process_set)
+    return _ops.broadcast(_adapter, tensor, root_rank, name, process_set)  # nothing to differentiate
 
 
 def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set):
@@ -272,7 +274,7 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_se
 
 def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
     """Overwrite ``tensor`` with ``root_rank``'s values; returns it."""
-    return _ops.wait_for(broadcast_async_, tensor, root_rank, name, process_set)
+    return _ops.broadcast(_adapter, tensor, root_rank, name, process_set, in_place=True)
 
 
 # ------------------------------------------------------------------------------------------------- alltoall

@@ -1,0 +1,268 @@
+//! The fast lane: a small synchronous collective run by its caller as one exchange of round headers,
+//! without the handle and tensor tables.
+//!
+//! In steady state a script's small synchronous ops (a metric's allreduce, a barrier, a small broadcast)
+//! are response-cache hits whose data rides in the round header (see [`rides_in_header`]): the round is
+//! the whole op. The fast lane runs that round directly. It sends the header the ordinary round would send
+//! for this op alone ([`frame_single_hit`]: the one hit, its data), and compares each peer's header with
+//! its own byte for byte, the data aside. When every peer's says the same (every rank is in the same
+//! steady state), the verdict needs no decoding: the op is complete, folded from the headers' data as the
+//! round's eager path folds it ([`fold_contributions`]), so every rank gets the same bits whichever path it
+//! took. Anything else (a peer with other work or a different op, a stop, a join, an invalid bit, autotuned
+//! values) and the headers are decoded and decided by the ordinary round, with this op put in the tables
+//! as the hit it announced: the fast lane sends nothing the ordinary round would not, so ranks on either
+//! path work together, and every check the round makes (mismatches, stalls, shutdown) still happens.
+//!
+//! It runs where callers may run the loop ([`super::driver`]: shared memory, one-rank jobs), when this
+//! rank has nothing else pending or to announce, records no timeline and runs no autotuner; otherwise the
+//! op is not run ([`SmallOutcome::NotRun`]) and the caller submits it as usual.
+
+use std::time::Instant;
+
+use crate::coordinator::cache::ParamsView;
+use crate::coordinator::message::{Request, CPU_DEVICE};
+use crate::coordinator::negotiation::{decode_message, frame_single_hit, recv_body, rides_in_header};
+use crate::coordinator::pending::Announcement;
+use crate::coordinator::round::RoundHeader;
+use crate::engine::background::{naming_tensor, Loop};
+use crate::engine::execute::{combine_of, effective_postscale, fold_contributions};
+use crate::engine::handles::HandleId;
+use crate::engine::table::TensorEntry;
+use crate::error::EngineError;
+use crate::tensor::RawTensor;
+use crate::transport::{Transport, TransportError};
+use crate::types::{CollectiveKind, DataType, ReduceOp};
+
+/// A small synchronous collective: an allreduce or broadcast small enough to ride in the round header, or
+/// a barrier.
+#[derive(Debug)]
+pub struct SmallOp<'a> {
+    pub kind: CollectiveKind,
+    /// The name ranks match it by (`BARRIER_NAME` for a barrier).
+    pub name: &'a str,
+    pub dtype: DataType,
+    pub shape: &'a [i64],
+    /// The caller's tensor (empty for a barrier); an in-place op's result is written into it.
+    pub input: RawTensor,
+    pub in_place: bool,
+    pub reduce_op: ReduceOp,
+    pub prescale: f64,
+    pub postscale: f64,
+    /// A broadcast's root as a communicator rank; -1 otherwise.
+    pub root_rank: i32,
+}
+
+/// What became of a [`SmallOp`].
+#[derive(Debug)]
+pub enum SmallOutcome<'a> {
+    /// Complete on this rank; an out-of-place result is in the caller's `out`.
+    Done,
+    /// Not run and nothing sent: submit it the ordinary way.
+    NotRun(SmallOp<'a>),
+    /// The headers showed more than this op: it is in the ordinary tables now, under this handle.
+    Queued(HandleId),
+    /// The exchange failed, which ends the loop; this op's error.
+    Failed(EngineError),
+}
+
+/// Buffers the fast lane reuses from op to op: its header frame and the peers' header bodies.
+#[derive(Default)]
+pub struct Scratch {
+    frame: Vec<u8>,
+    bodies: Vec<Vec<u8>>,
+}
+
+impl SmallOp<'_> {
+    fn params(&self) -> ParamsView<'_> {
+        ParamsView {
+            kind: self.kind,
+            dtype: self.dtype,
+            shape: self.shape,
+            reduce_op: self.reduce_op,
+            root_rank: self.root_rank,
+            prescale: self.prescale,
+            postscale: self.postscale,
+            splits: &[],
+            parts: &[],
+            device: CPU_DEVICE,
+        }
+    }
+
+    /// The data that rides in its header: the tensor, except for a barrier.
+    fn payload(&self) -> Option<&[u8]> {
+        (self.kind != CollectiveKind::Barrier).then(|| self.input.as_slice())
+    }
+
+    /// Whether its data, if any, rides in the header.
+    fn rides(&self) -> bool {
+        self.kind == CollectiveKind::Barrier || rides_in_header(self.kind, self.reduce_op, self.input.len())
+    }
+
+    /// The request the ordinary path would have made for it on communicator rank `rank`.
+    fn request(&self, rank: u32) -> Request {
+        Request {
+            rank,
+            kind: self.kind,
+            name: self.name.to_string(),
+            dtype: self.dtype,
+            shape: self.shape.to_vec(),
+            reduce_op: self.reduce_op,
+            root_rank: self.root_rank,
+            prescale: self.prescale,
+            postscale: self.postscale,
+            splits: Vec::new(),
+            parts: Vec::new(),
+            device: CPU_DEVICE,
+        }
+    }
+}
+
+/// Send `frame` to every other rank and receive each one's next message into `bodies[peer]`.
+fn exchange_frames(t: &mut dyn Transport, frame: &[u8], bodies: &mut [Vec<u8>]) -> Result<(), TransportError> {
+    let me = t.rank();
+    for peer in (0..t.size()).filter(|&p| p != me) {
+        t.send(peer, frame)?;
+    }
+    for peer in (0..t.size()).filter(|&p| p != me) {
+        recv_body(t, peer, &mut bodies[peer])?;
+    }
+    Ok(())
+}
+
+impl Loop {
+    /// Run `op` as one exchange of headers if this rank is in steady state (see the module doc); `out`
+    /// (at least the op's size) receives an out-of-place result.
+    pub(crate) fn run_small<'a>(&mut self, op: SmallOp<'a>, out: &mut [u8]) -> SmallOutcome<'a> {
+        let Some(bit) = self.steady_bit(&op) else { return SmallOutcome::NotRun(op) };
+        let me = self.transport.rank();
+        let mut scratch = std::mem::take(&mut self.fast);
+        scratch.frame = frame_single_hit(std::mem::take(&mut scratch.frame), bit, op.payload());
+        scratch.bodies.resize_with(self.transport.size(), Vec::new);
+        let outcome = match exchange_frames(&mut *self.transport, &scratch.frame, &mut scratch.bodies) {
+            Err(e) => self.fail_small(&op, e),
+            Ok(()) if every_peer_said_the_same(&scratch, me, op.input.len()) => {
+                let mut op = op;
+                self.complete_small(&mut op, &scratch, out);
+                self.negotiator.ran_steady_hit(bit);
+                self.rounds += 1;
+                SmallOutcome::Done
+            }
+            Ok(()) => self.queue_small(op, bit, &scratch),
+        };
+        self.fast = scratch;
+        outcome
+    }
+
+    /// The cache bit `op` hits if this rank may run it by the fast lane.
+    fn steady_bit(&self, op: &SmallOp<'_>) -> Option<usize> {
+        let idle = self.finished.is_none()
+            && self.autotune.is_none()
+            && self.table.is_empty()
+            && !self.shared.timeline.is_on()
+            && self.shared.stop_requested().is_none()
+            && self.shared.inbox().entries.is_empty()
+            && !self.shared.has_requested_values();
+        if !(idle && op.rides()) {
+            return None;
+        }
+        self.negotiator.steady_hit(op.name, &op.params())
+    }
+
+    /// Every peer sent the header this rank sent, and the same amount of data: write the result (into `out`,
+    /// or into the input for an in-place op).
+    fn complete_small(&self, op: &mut SmallOp<'_>, scratch: &Scratch, out: &mut [u8]) {
+        let (me, n) = (self.transport.rank(), self.transport.size());
+        let len = op.input.len();
+        let data_at = scratch.frame.len() - 4 - len;
+        let peer_data = |rank: usize| scratch.bodies.get(rank).and_then(|body| body.get(data_at..));
+        match op.kind {
+            CollectiveKind::Allreduce => {
+                let out = &mut out[..len];
+                let input = op.input.as_slice();
+                let contributions = (0..n).map(|rank| if rank == me { Some(input) } else { peer_data(rank) });
+                let postscale = effective_postscale(op.reduce_op, op.postscale, n);
+                fold_contributions(contributions, op.dtype, combine_of(op.reduce_op), op.prescale, postscale, out);
+                if op.in_place {
+                    op.input.as_mut_slice().copy_from_slice(out);
+                }
+            }
+            CollectiveKind::Broadcast => match usize::try_from(op.root_rank).ok().filter(|&root| root != me) {
+                // The root's tensor already holds the result.
+                None if op.in_place => {}
+                None => out[..len].copy_from_slice(op.input.as_slice()),
+                Some(root) => {
+                    if let Some(data) = peer_data(root) {
+                        let dst = if op.in_place { op.input.as_mut_slice() } else { &mut out[..len] };
+                        dst.copy_from_slice(data);
+                    }
+                }
+            },
+            _ => {}
+        }
+    }
+
+    /// The headers said more than this op: decode them, put the op in the tables as the hit it announced,
+    /// and let the ordinary round decide (it may complete the op right away, or leave it for later rounds).
+    fn queue_small<'a>(&mut self, op: SmallOp<'_>, bit: usize, scratch: &Scratch) -> SmallOutcome<'a> {
+        let (me, n) = (self.transport.rank(), self.transport.size());
+        let mut headers = Vec::with_capacity(n);
+        for peer in 0..n {
+            if peer == me {
+                headers.push(RoundHeader::single_hit(bit, op.payload()));
+                continue;
+            }
+            match decode_message::<RoundHeader>(peer, &scratch.bodies[peer]) {
+                Ok(header) => headers.push(header),
+                Err(e) => return self.fail_small(&op, e),
+            }
+        }
+        let handles = &self.shared.handles;
+        let slots = usize::from(op.kind != CollectiveKind::Barrier);
+        let names = [op.name.to_string()];
+        // A second op of this name submitted by another thread just now holds the name: this one runs anyway.
+        let registered = handles
+            .register(op.kind.name(), self.shared.set_id, &names, 1, slots)
+            .or_else(|_| handles.register(op.kind.name(), self.shared.set_id, &[], 1, slots));
+        let handle = match registered {
+            Ok(handle) => handle,
+            Err(err) => {
+                self.finished = Some(Err(err.clone()));
+                return SmallOutcome::Failed(err);
+            }
+        };
+        let entry = TensorEntry {
+            handle,
+            index: 0,
+            request: op.request(me as u32),
+            input: op.input,
+            in_place: op.in_place,
+            submitted: Instant::now(),
+            packed: None,
+        };
+        self.table.insert_announced(entry, Announcement::CacheHit(bit));
+        // A round that ends the loop fails what is pending, this op included, when the loop winds up.
+        self.finish_round(headers);
+        SmallOutcome::Queued(handle)
+    }
+
+    /// The exchange failed: the loop ends as a failed round ends it; the op fails with the error.
+    fn fail_small<'a>(&mut self, op: &SmallOp<'_>, e: TransportError) -> SmallOutcome<'a> {
+        let err = self.transport_failure("negotiation", e);
+        tracing::error!("rank {}: {err}", self.config.topology.rank);
+        let own = naming_tensor(&err, op.kind, op.name);
+        self.finished = Some(Err(err));
+        SmallOutcome::Failed(own)
+    }
+}
+
+/// Whether every peer's header body is this rank's own (in `scratch.frame`, after its length) but for
+/// the last `data_len` bytes, its data.
+fn every_peer_said_the_same(scratch: &Scratch, me: usize, data_len: usize) -> bool {
+    let own = &scratch.frame[4..];
+    let same_until = own.len() - data_len;
+    scratch
+        .bodies
+        .iter()
+        .enumerate()
+        .all(|(peer, body)| peer == me || (body.len() == own.len() && body[..same_until] == own[..same_until]))
+}
