@@ -365,7 +365,7 @@ impl Loop {
 
     /// Move submissions into the table; returns when the earliest of them arrived.
     fn take_inbox(&mut self) -> Option<Instant> {
-        let entries = std::mem::take(&mut self.shared.inbox().entries);
+        let entries = self.shared.take_queued();
         let first = entries.iter().map(|e| e.submitted).min();
         for entry in entries {
             self.table.insert(entry);
@@ -404,7 +404,7 @@ impl Loop {
     /// here; the inbox is checked again after announcing the sleep so no submission is missed.
     fn sleep_until_activity(&mut self, timeout: Duration) -> Result<Activity, TransportError> {
         self.shared.idle.store(true, Ordering::SeqCst);
-        let activity = if self.shared.inbox().entries.is_empty() {
+        let activity = if !self.shared.has_queued() {
             self.transport.wait_for_activity(&self.shared.waker, timeout)
         } else {
             Ok(Activity::Local)
@@ -416,7 +416,7 @@ impl Loop {
     /// Wait up to `grace` for a local submission (a peer is already waiting for this rank's header).
     fn await_own_work(&mut self, grace: Duration) -> Result<(), EngineError> {
         self.shared.idle.store(true, Ordering::SeqCst);
-        let pending = !self.shared.inbox().entries.is_empty() || self.shared.waker.wait(grace);
+        let pending = self.shared.has_queued() || self.shared.waker.wait(grace);
         self.shared.idle.store(false, Ordering::SeqCst);
         if pending {
             self.shared.waker.drain();
@@ -529,11 +529,7 @@ impl Loop {
 
     /// Close the inbox and fail every entry still pending with `err`.
     fn fail_everything(&mut self, err: EngineError) {
-        let queued = {
-            let mut inbox = self.shared.inbox();
-            inbox.closed = Some(err.clone());
-            std::mem::take(&mut inbox.entries)
-        };
+        let queued = self.shared.close_inbox(err.clone());
         for entry in self.table.drain().into_iter().chain(queued) {
             let own = naming_tensor(&err, entry.request.kind, &entry.request.name);
             self.complete(entry, Err(own));

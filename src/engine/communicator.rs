@@ -18,6 +18,7 @@ use crate::engine::table::TensorEntry;
 use crate::error::EngineError;
 use crate::timeline::{SetTimeline, Timeline};
 use crate::transport::{Transport, Waker};
+use crate::types::CollectiveKind;
 
 /// Submissions waiting for the background thread, and whether it still takes them.
 #[derive(Default)]
@@ -48,6 +49,10 @@ pub(crate) struct Shared {
     pub(crate) autotune_applied: Mutex<Vec<AppliedValues>>,
     /// Values set by hand, waiting for the loop's next round (see [`RequestedValues`]).
     requested_values: Mutex<Option<RequestedValues>>,
+    /// Whether `requested_values` holds some, readable without its lock.
+    values_requested: AtomicBool,
+    /// Whether the inbox holds entries, readable without its lock (set and cleared under it).
+    queued: AtomicBool,
 }
 
 /// Autotuned values as one rank applied them: after round `round` of its communicator (rounds are
@@ -59,18 +64,44 @@ pub struct AppliedValues {
 }
 
 impl Shared {
-    pub(crate) fn inbox(&self) -> MutexGuard<'_, Inbox> {
+    fn inbox(&self) -> MutexGuard<'_, Inbox> {
         self.inbox.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     /// Whether values set by hand wait to be sent.
     pub(crate) fn has_requested_values(&self) -> bool {
-        self.requested_values.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).is_some()
+        self.values_requested.load(Ordering::Acquire)
     }
 
     /// Values set by hand that the loop has not sent yet (taken once).
     pub(crate) fn take_requested_values(&self) -> Option<RequestedValues> {
-        self.requested_values.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).take()
+        if !self.has_requested_values() {
+            return None;
+        }
+        let mut requested = self.requested_values.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        self.values_requested.store(false, Ordering::Release);
+        requested.take()
+    }
+
+    /// Whether submissions wait in the inbox (a glance without its lock: one arriving right after counts as
+    /// arriving later).
+    pub(crate) fn has_queued(&self) -> bool {
+        self.queued.load(Ordering::SeqCst)
+    }
+
+    /// Take every queued submission, in submission order.
+    pub(crate) fn take_queued(&self) -> Vec<TensorEntry> {
+        let mut inbox = self.inbox();
+        self.queued.store(false, Ordering::SeqCst);
+        std::mem::take(&mut inbox.entries)
+    }
+
+    /// Refuse later submissions with `err`; returns what was queued.
+    pub(crate) fn close_inbox(&self, err: EngineError) -> Vec<TensorEntry> {
+        let mut inbox = self.inbox();
+        inbox.closed = Some(err);
+        self.queued.store(false, Ordering::SeqCst);
+        std::mem::take(&mut inbox.entries)
     }
 
     /// Why this rank asked its communicator to stop, if it did.
@@ -124,6 +155,8 @@ impl Communicator {
             transport_kind: transport.kind(),
             autotune_applied: Mutex::new(Vec::new()),
             requested_values: Mutex::new(None),
+            values_requested: AtomicBool::new(false),
+            queued: AtomicBool::new(false),
         });
         shared.waker.set_doorbell(transport.doorbell());
         let waiter = transport.idle_waiter();
@@ -172,7 +205,9 @@ impl Communicator {
     /// Ask for `values` to be applied on every rank (see [`RequestedValues`]): the loop's next round sends
     /// them, on rank 0; a later request replaces one not sent yet.
     pub fn request_values(&self, values: RequestedValues) {
-        *self.shared.requested_values.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(values);
+        let mut requested = self.shared.requested_values.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        *requested = Some(values);
+        self.shared.values_requested.store(true, Ordering::Release);
     }
 
     /// Queue entries for the background thread, all or none (a group is negotiated in one round). With
@@ -185,6 +220,8 @@ impl Communicator {
                 return Err(err.clone());
             }
             inbox.entries.extend(entries);
+            // SeqCst: pairs with the engine thread's store to `idle` before it looks at this (see below).
+            self.shared.queued.store(true, Ordering::SeqCst);
         }
         // Pairs with the background thread's store to `idle` before it re-checks the inbox (SeqCst on both
         // sides), so a submission is either seen by that check or wakes the thread.
@@ -200,10 +237,30 @@ impl Communicator {
         self.driver.drive(id)
     }
 
-    /// Run `op` on this thread by the fast lane if it can run there now (see [`fast_lane`](super::fast_lane));
-    /// `out` receives an out-of-place result. Call with the GIL released.
-    pub fn run_small<'a>(&self, op: SmallOp<'a>, out: &mut [u8]) -> SmallOutcome<'a> {
-        self.driver.run_small(op, out)
+    /// Run `op` (its root, for a broadcast, a global rank) on this thread by the fast lane if it can run
+    /// there now (see [`fast_lane`](super::fast_lane)); `NotRun` hands it back as it came. `out` receives an
+    /// out-of-place result. Call with the GIL released, unless [`peers_sent`](Self::peers_sent).
+    pub fn run_small<'a>(&self, mut op: SmallOp<'a>, out: &mut [u8]) -> SmallOutcome<'a> {
+        let global_root = op.root_rank;
+        if op.kind == CollectiveKind::Broadcast {
+            match usize::try_from(global_root).ok().and_then(|root| self.local_rank_of(root)) {
+                Some(local) => op.root_rank = local as i32,
+                None => return SmallOutcome::NotRun(op),
+            }
+        }
+        match self.driver.run_small(op, out) {
+            SmallOutcome::NotRun(mut op) => {
+                op.root_rank = global_root;
+                SmallOutcome::NotRun(op)
+            }
+            outcome => outcome,
+        }
+    }
+
+    /// Whether every peer has already sent this rank its next header: a fast-lane op is then not expected
+    /// to wait for them (and may run without releasing the GIL).
+    pub fn peers_sent(&self) -> bool {
+        self.driver.peers_sent()
     }
 
     /// Steps of the loop run by callers instead of the engine thread so far (see [`driver`](super::driver)).

@@ -9,7 +9,7 @@
 //! of a 4-byte allreduce).
 //!
 //! The engine thread runs the loop when no caller does: it steps, and sleeps on the transport when there is
-//! nothing to do. While callers drive, and for [`PARK`] after the last one left, it sleeps on the waker
+//! nothing to do. While callers drive, and until a whole [`PARK`] passes without one, it sleeps on the waker
 //! alone, so that peers publishing bytes do not wake it (waking it would cost every publish a futex
 //! wake-up and this rank's caller a context switch); a submission or a stop still wakes it at once, and a
 //! peer's round that no caller answers is answered when the park ends. Over TCP the engine thread keeps the
@@ -31,7 +31,7 @@ use crate::transport::IdleWaiter;
 
 /// Most steps a caller runs before it lets go of the loop and looks at its op again.
 const MAX_CALLER_STEPS: usize = 8;
-/// How long the engine thread leaves the transport to callers after the last one left (see the module doc).
+/// How long the engine thread sleeps at a time while it leaves the transport to callers (see the module doc).
 const PARK: Duration = Duration::from_millis(1);
 /// Longest sleep of a waiting caller on the transport before it checks its op again (another thread may
 /// have completed it without ringing).
@@ -45,11 +45,10 @@ pub(crate) struct Driver {
     /// `Some` where callers may run the loop (see the module doc).
     waiter: Option<Box<dyn IdleWaiter>>,
     shared: Arc<Shared>,
-    /// Callers driving the loop now.
+    /// Callers waiting for their ops and driving the loop now (the fast lane is not counted: see `run_small`).
     drivers: AtomicUsize,
-    /// When the last caller stopped driving, in microseconds since `epoch` (0: never).
-    last_drive_us: AtomicU64,
-    epoch: Instant,
+    /// Bumped whenever a caller stops driving: the engine thread parks while it moves (see `callers_active`).
+    drives: AtomicU64,
     /// Rounds callers ran (for diagnostics and tests: how often small ops avoided the hand-off).
     caller_rounds: AtomicU64,
 }
@@ -73,18 +72,13 @@ impl Driver {
             waiter,
             shared,
             drivers: AtomicUsize::new(0),
-            last_drive_us: AtomicU64::new(0),
-            epoch: Instant::now(),
+            drives: AtomicU64::new(0),
             caller_rounds: AtomicU64::new(0),
         }
     }
 
     fn lock(&self) -> MutexGuard<'_, Loop> {
         self.the_loop.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-
-    fn now_us(&self) -> u64 {
-        (self.epoch.elapsed().as_micros() as u64).max(1)
     }
 
     /// The engine thread: step until the loop ends, then close the transport and fail what is pending.
@@ -96,13 +90,14 @@ impl Driver {
             return;
         };
         let mut answer_peers = false;
+        let mut drives_seen = self.drives.load(Ordering::SeqCst);
         loop {
-            if let Some(park) = self.park_time() {
+            if self.callers_active(&mut drives_seen) {
                 self.sleep(|| {
-                    self.shared.waker.wait(park);
+                    self.shared.waker.wait(PARK);
                 });
-                if !self.shared.waker.is_signalled() && self.park_time().is_some() {
-                    continue;
+                if !self.shared.waker.is_signalled() {
+                    continue; // park again while callers keep driving
                 }
             }
             let mut the_loop = self.lock();
@@ -119,7 +114,7 @@ impl Driver {
                             // A peer started a round: give this rank's own op (about to be submitted, in a
                             // lockstep loop) the chance to join it, by the engine or by its caller.
                             self.shared.waker.wait(JOIN_GRACE);
-                        } else if self.park_time().is_none() {
+                        } else if !self.callers_active(&mut drives_seen.clone()) {
                             waiter.wait(&self.shared.waker, timeout);
                         }
                     });
@@ -129,14 +124,13 @@ impl Driver {
         }
     }
 
-    /// How long the engine thread should leave the transport to callers (see the module doc).
-    fn park_time(&self) -> Option<Duration> {
-        if self.drivers.load(Ordering::SeqCst) > 0 {
-            return Some(PARK);
-        }
-        let last = self.last_drive_us.load(Ordering::SeqCst);
-        let since = Duration::from_micros(self.now_us().saturating_sub(last));
-        (last != 0 && since < PARK).then(|| PARK - since)
+    /// Whether the engine thread should leave the transport to callers (see the module doc): some drive the
+    /// loop now, or some drove it since the engine thread last looked (`seen`, updated).
+    fn callers_active(&self, seen: &mut u64) -> bool {
+        let drives = self.drives.load(Ordering::SeqCst);
+        let moved = drives != *seen;
+        *seen = drives;
+        moved || self.drivers.load(Ordering::SeqCst) > 0
     }
 
     /// Sleep with `how`, announced as idle so that submissions wake the engine thread; a submission made
@@ -144,7 +138,7 @@ impl Driver {
     /// `Communicator::enqueue`).
     fn sleep(&self, how: impl FnOnce()) {
         self.shared.idle.store(true, Ordering::SeqCst);
-        if self.shared.inbox().entries.is_empty() {
+        if !self.shared.has_queued() {
             how();
         }
         self.shared.idle.store(false, Ordering::SeqCst);
@@ -169,6 +163,12 @@ impl Driver {
         }
     }
 
+    /// Whether every peer has already sent this rank something (the next round's header, in a lockstep
+    /// loop), so that a fast-lane op started now is not expected to wait for them.
+    pub(crate) fn peers_sent(&self) -> bool {
+        self.waiter.as_deref().is_some_and(IdleWaiter::every_peer_sent)
+    }
+
     /// Run `op` on this thread by the fast lane (see [`super::fast_lane`]) if callers may run the loop and it
     /// is free; otherwise it is not run. `out` receives an out-of-place result.
     pub(crate) fn run_small<'a>(&self, op: SmallOp<'a>, out: &mut [u8]) -> SmallOutcome<'a> {
@@ -180,14 +180,16 @@ impl Driver {
             Err(TryLockError::WouldBlock) => return SmallOutcome::NotRun(op),
             Err(TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
         };
-        self.drivers.fetch_add(1, Ordering::SeqCst);
         let outcome = the_loop.run_small(op, out);
         let ended = the_loop.is_finished();
-        drop(the_loop);
         if !matches!(outcome, SmallOutcome::NotRun(_)) {
-            self.caller_rounds.fetch_add(1, Ordering::Relaxed);
+            self.count_caller_round();
         }
-        self.leave();
+        // Not counted in `drivers`, and `drives` bumped by a plain load and store under the loop's lock: the
+        // engine thread parks on `drives` moving (and meets the lock if it woke meanwhile), so an op costs no
+        // atomic read-modify-write here. A bump lost to a waiting caller's at the same moment still moves it.
+        self.drives.store(self.drives.load(Ordering::Relaxed).wrapping_add(1), Ordering::Release);
+        drop(the_loop);
         if ended {
             // The engine thread winds the loop up.
             self.shared.waker.wake();
@@ -233,7 +235,7 @@ impl Driver {
         for _ in 0..MAX_CALLER_STEPS {
             let step = the_loop.step(Mode::Poll { answer_peers: true, batch: false });
             if matches!(step, Step::Progress) {
-                self.caller_rounds.fetch_add(1, Ordering::Relaxed);
+                self.count_caller_round();
             }
             match step {
                 Step::Progress if self.shared.handles.is_done(id) == Some(false) => {}
@@ -249,6 +251,11 @@ impl Driver {
         }
     }
 
+    /// Count a round a caller ran; only a holder of the loop's lock calls this, so a load and a store suffice.
+    fn count_caller_round(&self) {
+        self.caller_rounds.store(self.caller_rounds.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+    }
+
     /// Steps that made progress run by callers so far.
     pub(crate) fn caller_rounds(&self) -> u64 {
         self.caller_rounds.load(Ordering::Relaxed)
@@ -256,7 +263,7 @@ impl Driver {
 
     /// A caller stops driving.
     fn leave(&self) {
-        self.last_drive_us.store(self.now_us(), Ordering::SeqCst);
+        self.drives.fetch_add(1, Ordering::SeqCst);
         self.drivers.fetch_sub(1, Ordering::SeqCst);
     }
 }

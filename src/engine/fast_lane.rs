@@ -160,7 +160,7 @@ impl Loop {
             && self.table.is_empty()
             && !self.shared.timeline.is_on()
             && self.shared.stop_requested().is_none()
-            && self.shared.inbox().entries.is_empty()
+            && !self.shared.has_queued()
             && !self.shared.has_requested_values();
         if !(idle && op.rides()) {
             return None;

@@ -46,7 +46,6 @@ use crate::transport::rendezvous::StoreClient;
 use crate::types::{CollectiveKind, DataType};
 
 use communicator::Communicator;
-use fast_lane::{SmallOp, SmallOutcome};
 use handles::{HandleId, HandleTable, WaitOutcome};
 use process_sets::{ProcessSetEntry, ProcessSetRegistry};
 use submission::OpSubmission;
@@ -66,6 +65,9 @@ pub struct Engine {
     /// Where this rank's data listeners bind (None in a job of size 1).
     data_addr: Option<std::net::IpAddr>,
     timeline: Timeline,
+    /// The global set's communicator, also in the registry: the fast lane reaches it without the registry's
+    /// lock. It is never removed; after shutdown it is stopped, and refuses ops as the registry would.
+    global: std::sync::OnceLock<Arc<Communicator>>,
 }
 
 fn sorted_unique(ranks: &[usize]) -> Vec<usize> {
@@ -133,6 +135,7 @@ impl Meeting {
             homogeneous,
             data_addr,
             config,
+            global: std::sync::OnceLock::new(),
         };
         engine.register((0..topo.size).collect())?;
         for ranks in static_sets {
@@ -159,7 +162,13 @@ impl Engine {
         }
         let communicator = if ranks.contains(&me) {
             match self.start_communicator(id, sequence, &ranks) {
-                Ok(communicator) => Some(Arc::new(communicator)),
+                Ok(communicator) => {
+                    let communicator = Arc::new(communicator);
+                    if id == GLOBAL_PROCESS_SET {
+                        let _ = self.global.set(Arc::clone(&communicator));
+                    }
+                    Some(communicator)
+                }
                 Err(err) => {
                     self.registry().release(id);
                     return Err(err);
@@ -370,26 +379,13 @@ impl Engine {
         Ok((id, communicator))
     }
 
-    /// Run `op` (its root, for a broadcast, a global rank) on this thread by the fast lane of process set
-    /// `set_id` if it can run there now (see [`fast_lane`]); `NotRun` hands it back, unsent, for
-    /// [`submit_to_drive`](Self::submit_to_drive) (which reports what is wrong with it, if anything). `out`
-    /// receives an out-of-place result. Call with the GIL released.
-    pub fn run_small<'a>(&self, mut op: SmallOp<'a>, set_id: u32, out: &mut [u8]) -> SmallOutcome<'a> {
-        let Ok(communicator) = self.communicator_for(set_id, op.kind) else { return SmallOutcome::NotRun(op) };
-        let global_root = op.root_rank;
-        if op.kind == CollectiveKind::Broadcast {
-            let root = usize::try_from(global_root).ok().and_then(|root| communicator.local_rank_of(root));
-            match root {
-                Some(local) => op.root_rank = local as i32,
-                None => return SmallOutcome::NotRun(op),
-            }
-        }
-        match communicator.run_small(op, out) {
-            SmallOutcome::NotRun(mut op) => {
-                op.root_rank = global_root;
-                SmallOutcome::NotRun(op)
-            }
-            outcome => outcome,
+    /// The communicator of process set `set_id` on this rank, for its fast lane (see [`fast_lane`]): the
+    /// global set's without the registry's lock. `None` where this rank has none (the ordinary submission
+    /// then says why).
+    pub fn fast_lane(&self, set_id: u32) -> Option<CommunicatorRef<'_>> {
+        match (set_id, self.global.get()) {
+            (GLOBAL_PROCESS_SET, Some(global)) => Some(CommunicatorRef::Global(global)),
+            _ => self.registry().get(set_id)?.communicator.clone().map(CommunicatorRef::Registered),
         }
     }
 
@@ -447,6 +443,23 @@ impl Engine {
         }
         self.timeline.stop();
         Ok(())
+    }
+}
+
+/// A communicator of this engine: the global set's, borrowed, or another set's.
+pub enum CommunicatorRef<'a> {
+    Global(&'a Arc<Communicator>),
+    Registered(Arc<Communicator>),
+}
+
+impl std::ops::Deref for CommunicatorRef<'_> {
+    type Target = Communicator;
+
+    fn deref(&self) -> &Communicator {
+        match self {
+            CommunicatorRef::Global(communicator) => communicator,
+            CommunicatorRef::Registered(communicator) => communicator,
+        }
     }
 }
 

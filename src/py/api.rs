@@ -3,6 +3,8 @@
 //! The engine of this process lives here (one per process, replaced on re-init). Blocking work runs with
 //! the GIL released; waits wake every few milliseconds to turn Ctrl-C into `KeyboardInterrupt`.
 
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -49,6 +51,35 @@ fn state() -> MutexGuard<'static, ProcessState> {
 fn engine() -> PyResult<Arc<Engine>> {
     refuse_if_forked()?;
     state().engine.clone().ok_or_else(|| to_py_err(EngineError::NotInitialized))
+}
+
+/// Bumped (under the state's lock) whenever the engine is set or taken, so that a thread's cached handle
+/// on it (see [`with_engine`]) knows it is stale.
+static ENGINE_EPOCH: AtomicU64 = AtomicU64::new(0);
+
+thread_local! {
+    /// The engine this thread last used, and the epoch it was current in.
+    static ENGINE_SEEN: RefCell<Option<(u64, Arc<Engine>)>> = const { RefCell::new(None) };
+}
+
+/// Call `f` with the engine, as [`engine`] finds it, without the process-wide lock while the engine has
+/// not changed since this thread last used it (the path of every small op).
+fn with_engine<R>(f: impl FnOnce(&Arc<Engine>) -> PyResult<R>) -> PyResult<R> {
+    refuse_if_forked()?;
+    let epoch = ENGINE_EPOCH.load(Ordering::Acquire);
+    ENGINE_SEEN.with(|seen| {
+        let Ok(mut seen) = seen.try_borrow_mut() else {
+            return f(&engine()?); // re-entered while in use on this thread: the plain way
+        };
+        if !matches!(&*seen, Some((at, _)) if *at == epoch) {
+            *seen = None;
+            *seen = Some((epoch, engine()?));
+        }
+        match &*seen {
+            Some((_, engine)) => f(engine),
+            None => Err(to_py_err(EngineError::NotInitialized)),
+        }
+    })
 }
 
 /// In a process forked from a running rank, every use of the job is refused (see `engine::fork`).
@@ -163,6 +194,7 @@ pub fn init(
                 let (engine, hosted) = result.map_err(to_py_err)?;
                 fork::engine_started(engine.topology().rank);
                 state.engine = Some(Arc::new(engine));
+                ENGINE_EPOCH.fetch_add(1, Ordering::Release);
                 state.hosted = hosted;
                 return Ok(());
             }
@@ -190,6 +222,7 @@ pub fn shutdown(py: Python<'_>, exiting: bool) {
     py.allow_threads(|| {
         let (engine, hosted) = {
             let mut state = state();
+            ENGINE_EPOCH.fetch_add(1, Ordering::Release);
             (state.engine.take(), state.hosted.take())
         };
         if let Some(engine) = engine {
@@ -310,7 +343,26 @@ pub fn run<'py>(
         CollectiveKind::from_code(kind).ok_or_else(|| PyValueError::new_err(format!("unknown collective {kind}")))?;
     let reduce_op = ReduceOp::from_code(reduce_op)
         .ok_or_else(|| PyValueError::new_err(format!("unknown reduce op {reduce_op}")))?;
-    let engine = engine()?;
+    with_engine(|engine| {
+        run_with(py, engine, kind, name, array, in_place, reduce_op, prescale, postscale, root_rank, process_set_id)
+    })
+}
+
+/// [`run`] on `engine`, with its codes read.
+#[allow(clippy::too_many_arguments)]
+fn run_with<'py>(
+    py: Python<'py>,
+    engine: &Arc<Engine>,
+    kind: CollectiveKind,
+    name: &str,
+    array: Option<&Bound<'py, PyAny>>,
+    in_place: bool,
+    reduce_op: ReduceOp,
+    prescale: f64,
+    postscale: f64,
+    root_rank: i32,
+    process_set_id: u32,
+) -> PyResult<Bound<'py, PyAny>> {
     // A barrier is matched by the engine's own name for it, as `submit` does.
     let name = if kind == CollectiveKind::Barrier { BARRIER_NAME } else { name };
     let imported = match array {
@@ -326,9 +378,17 @@ pub fn run<'py>(
         None => (unsafe { RawTensor::new(std::ptr::null_mut(), 0) }, DataType::Uint8, Vec::new()),
     };
     let op = SmallOp { kind, name, dtype, shape: &shape, input, in_place, reduce_op, prescale, postscale, root_rank };
-    let outcome = py.allow_threads(|| {
-        SMALL_RESULT.with(|out| engine.run_small(op, process_set_id, out.borrow_mut().as_mut_slice()))
-    });
+    let outcome = match engine.fast_lane(process_set_id) {
+        // Every peer's header is in: the op is not expected to wait, so the GIL stays (releasing and taking
+        // it back would cost more than the op). Otherwise the wait runs without it.
+        Some(communicator) if communicator.peers_sent() => {
+            SMALL_RESULT.with(|out| communicator.run_small(op, out.borrow_mut().as_mut_slice()))
+        }
+        Some(communicator) => {
+            py.allow_threads(|| SMALL_RESULT.with(|out| communicator.run_small(op, out.borrow_mut().as_mut_slice())))
+        }
+        None => SmallOutcome::NotRun(op),
+    };
     match outcome {
         SmallOutcome::Done => match array {
             Some(array) if !in_place => {
@@ -362,7 +422,7 @@ pub fn run<'py>(
                 root_rank: op.root_rank,
                 splits: Vec::new(),
             };
-            queue(py, &engine, submission, process_set_id, true)?.into_bound_py_any(py)
+            queue(py, engine, submission, process_set_id, true)?.into_bound_py_any(py)
         }
     }
 }

@@ -94,6 +94,10 @@ impl IdleWaiter for AloneWaiter {
     fn wait(&self, waker: &Waker, timeout: Duration) {
         waker.wait(timeout);
     }
+
+    fn every_peer_sent(&self) -> bool {
+        true // there are none
+    }
 }
 
 /// One rank's end of an in-process mesh.

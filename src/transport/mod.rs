@@ -164,6 +164,12 @@ pub trait Transport: Send {
 /// which also checks what the waiter cannot (peers that died, bytes already taken out of a ring).
 pub trait IdleWaiter: Send + Sync {
     fn wait(&self, waker: &Waker, timeout: Duration);
+
+    /// Whether every peer has sent this rank bytes it has not read yet (a glance: the answer may be stale
+    /// by the time it is used). A caller whose peers all sent can expect its next exchange not to wait.
+    fn every_peer_sent(&self) -> bool {
+        false
+    }
 }
 
 /// Staging areas: one region of memory per rank that every rank of the communicator can read (the

@@ -37,9 +37,30 @@ pub fn spin_until(window: Duration, mut ready: impl FnMut() -> bool) -> bool {
     }
 }
 
-/// Check `ready` repeatedly for up to `window`, yielding in between, whatever earlier spins did.
+/// How long [`spin_for`] checks without yielding first: about one shared-memory round trip, the time a
+/// peer that is already running takes to answer. A yield costs a system call and a pass through the
+/// scheduler (~0.5-1 us here), so yielding from the first check made a waiting rank notice its peer's bytes
+/// late; a peer that is not running (more ranks than cores) costs this rank at most this much.
+const PAUSE_WINDOW: Duration = Duration::from_micros(2);
+/// Checks between clock reads while pausing.
+const PAUSES_PER_CLOCK_READ: u32 = 16;
+
+/// Check `ready` repeatedly for up to `window`, whatever earlier spins did: without yielding for the first
+/// [`PAUSE_WINDOW`], then yielding the CPU between checks.
 pub fn spin_for(window: Duration, mut ready: impl FnMut() -> bool) -> bool {
     let start = Instant::now();
+    let pause_until = PAUSE_WINDOW.min(window);
+    'pausing: loop {
+        for _ in 0..PAUSES_PER_CLOCK_READ {
+            if ready() {
+                return true;
+            }
+            std::hint::spin_loop();
+        }
+        if start.elapsed() >= pause_until {
+            break 'pausing;
+        }
+    }
     loop {
         if ready() {
             return true;

@@ -41,6 +41,10 @@ class TensorAdapter:
         sees exactly (no lazy negation or conjugation bits)."""
         return None
 
+    # Whether the framework's tensors go to the engine as they are (NumPy's: the engine takes exact ndarrays
+    # and refuses anything else without sending anything); otherwise ``as_ndarray`` converts them.
+    tensors_are_ndarrays = False
+
     def as_ndarray(self, tensor):
         """An exact ``numpy.ndarray`` sharing ``tensor``'s memory and holding its values, found cheaply, or
         ``None`` (then the op takes the ``export`` path). The engine takes the array as it is or refuses it
@@ -68,6 +72,8 @@ class TensorAdapter:
         """What alltoall returns as the received splits, given them as a list of ints."""
         return splits
 
+
+_run = _rvod.run  # bound once: the path of every small synchronous op
 
 # An op in flight: handle -> (finish, adapter, context, *keepalive). ``finish(adapter, context, outputs,
 # received_splits, last_joined)`` builds its result; the rest (inputs, capsules, copies) must stay alive
@@ -180,22 +186,26 @@ def _track(handle, wait, pending):
     return _Ran(finish(adapter, context, outputs, received_splits, last_joined))
 
 
-def _run_now(kind, name, adapter, tensor, in_place, finish, op=Sum, prescale=1.0, postscale=1.0, root=-1,
-             process_set=global_process_set):
-    """Run one op on ``tensor`` and return its result (``finish``'s). An exact ndarray from the adapter goes to
-    ``_rvod.run``, which runs a small op in steady state as one exchange with the peers, on this thread;
-    otherwise the op is submitted and waited for, as ``wait_for`` does."""
-    array = adapter.as_ndarray(tensor)
+def _run_now(kind, name, adapter, tensor, in_place, op, prescale, postscale, root, process_set):
+    """Run one op on ``tensor`` and return its result (``tensor`` itself when ``in_place``). An exact ndarray
+    from the adapter goes to ``_rvod.run``, which runs a small op in steady state as one exchange with the
+    peers, on this thread; otherwise the op is submitted and waited for, as ``wait_for`` does. (The path of
+    every small synchronous op: positional arguments, few calls.)"""
+    array = tensor if adapter.tensors_are_ndarrays else adapter.as_ndarray(tensor)
     if array is not None:
-        result = _rvod.run(kind, name, array, in_place, op, float(prescale), float(postscale), int(root),
-                           process_set_id_of(process_set))
+        # Every rank belongs to the global set; the engine itself refuses ops before init().
+        set_id = 0 if process_set is global_process_set else process_set_id_of(process_set)
+        result = _run(kind, name, array, in_place, op, prescale, postscale, root, set_id)
+        if result is None:
+            return tensor  # done in place
         if type(result) is int:  # submitted: wait for it, keeping the memory alive until it completes
-            _pending[result] = (finish, adapter, tensor, tensor, array)
+            _pending[result] = (_original if in_place else _new_tensor, adapter, tensor, tensor, array)
             return synchronize(result)
         if result is not NotImplemented:
-            return tensor if in_place else adapter.from_ndarray(result)
-    return _submit(kind, [name], adapter, [tensor], in_place, finish, tensor, op=op, prescale=prescale,
-                   postscale=postscale, root=root, process_set=process_set, wait=True).result
+            return adapter.from_ndarray(result)
+    return _submit(kind, [name], adapter, [tensor], in_place, _original if in_place else _new_tensor, tensor,
+                   op=op, prescale=prescale, postscale=postscale, root=root, process_set=process_set,
+                   wait=True).result
 
 
 def _submit(kind, names, adapter, tensors, in_place, finish, context, op=Sum, prescale=1.0, postscale=1.0,
@@ -262,9 +272,9 @@ def allreduce(adapter, tensor, average=None, name=None, op=None, prescale_factor
               process_set=global_process_set, in_place=False):
     """``synchronize(allreduce_async(...))``: the result, ``tensor`` itself when ``in_place``."""
     op = resolve_op(op, average)
-    return _run_now(ALLREDUCE, _prefixed("allreduce", name, process_set), adapter, tensor, in_place,
-                    _original if in_place else _new_tensor, op, prescale_factor, postscale_factor,
-                    process_set=process_set)
+    name = f"allreduce.{name}" if name is not None else _prefixed("allreduce", None, process_set)
+    return _run_now(ALLREDUCE, name, adapter, tensor, in_place, op, prescale_factor, postscale_factor, -1,
+                    process_set)
 
 
 def grouped_allreduce_async(adapter, tensors, average=None, name=None, op=None, prescale_factor=1.0,
@@ -306,8 +316,8 @@ def broadcast_async(adapter, tensor, root_rank, name=None, process_set=global_pr
 
 def broadcast(adapter, tensor, root_rank, name=None, process_set=global_process_set, in_place=False):
     """``synchronize(broadcast_async(...))``: the result, ``tensor`` itself when ``in_place``."""
-    return _run_now(BROADCAST, _prefixed("broadcast", name, process_set), adapter, tensor, in_place,
-                    _original if in_place else _new_tensor, root=root_rank, process_set=process_set)
+    name = f"broadcast.{name}" if name is not None else _prefixed("broadcast", None, process_set)
+    return _run_now(BROADCAST, name, adapter, tensor, in_place, Sum, 1.0, 1.0, root_rank, process_set)
 
 
 def alltoall_async(adapter, tensor, splits=None, name=None, process_set=global_process_set, with_splits=None):
@@ -340,7 +350,8 @@ def grouped_reducescatter_async(adapter, tensors, name=None, op=Average, process
 
 def barrier(process_set=global_process_set):
     """Block until every rank of the set reaches the barrier."""
-    handle = _rvod.run(BARRIER, "", None, False, Sum, 1.0, 1.0, -1, process_set_id_of(process_set))
+    set_id = 0 if process_set is global_process_set else process_set_id_of(process_set)
+    handle = _rvod.run(BARRIER, "", None, False, Sum, 1.0, 1.0, -1, set_id)
     if handle is not None:  # submitted, not run at once: wait for it
         _pending[handle] = (_nothing, None, None)
         synchronize(handle)

@@ -90,8 +90,7 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                process_set=global_process_set):
     """Reduce ``tensor`` across ranks in place; returns it."""
-    return _ops.allreduce(_adapter, tensor, average, name, op, prescale_factor, postscale_factor, process_set,
-                          in_place=True)
+    return _ops.allreduce(_adapter, tensor, average, name, op, prescale_factor, postscale_factor, process_set, True)
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -274,7 +273,7 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_se
 
 def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
     """Overwrite ``tensor`` with ``root_rank``'s values; returns it."""
-    return _ops.broadcast(_adapter, tensor, root_rank, name, process_set, in_place=True)
+    return _ops.broadcast(_adapter, tensor, root_rank, name, process_set, True)
 
 
 # ------------------------------------------------------------------------------------------------- alltoall

@@ -12,16 +12,19 @@
 //! the sender) and `tail` (bytes ever consumed, advanced only by the receiver) on separate cache lines,
 //! then `capacity` bytes of data. Bytes in `[tail, head)` belong to the receiver, the rest to the sender.
 //!
-//! Every rank has a doorbell: a futex word bumped after anything another party may be waiting for
-//! (bytes arrived, space freed, a peer closed, local work submitted). A rank about to sleep registers in
-//! `sleepers`, so a ringer issues the wake-up syscall only when somebody actually sleeps.
+//! Every rank has a doorbell: a futex word rung after anything another party may be waiting for (bytes
+//! arrived, space freed, a peer closed, local work submitted). A rank about to sleep registers in
+//! `sleepers` before it looks at its condition a last time ([`RankSlot::sleep_unless`]), and a ringer
+//! bumps the word and makes the wake-up syscall only when somebody sleeps ([`Layout::ring`]): while every
+//! rank is awake (a lockstep loop of small ops), ringing writes nothing another core has to give up.
 //!
 //! Staging areas are the fusion buffers: each rank writes its contribution to a collective into its own
 //! area, and every rank reads the others' areas directly (see `ring::staged`). A rank's `step` counter says
 //! how far it has got through that protocol; it only ever grows.
 
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use super::futex;
 use super::segment::Segment;
@@ -54,6 +57,21 @@ pub struct RankSlot {
     /// Why this rank gave up, set before `closed` (see `ShmTransport::note_failure`): 0 for nothing said,
     /// else the blamed rank plus one, shifted left once, the low bit set for a time-out.
     pub cause: AtomicU64,
+}
+
+impl RankSlot {
+    /// Sleep on this slot's doorbell for at most `timeout` unless `ready()`. Registered as a sleeper before
+    /// `ready` is checked, so whatever a ringer published before ringing is either seen by that check or
+    /// rings this sleep awake (see [`Layout::ring`]).
+    pub fn sleep_unless(&self, timeout: Duration, ready: impl FnOnce() -> bool) {
+        self.sleepers.fetch_add(1, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
+        let seq = self.doorbell.load(Ordering::SeqCst);
+        if !ready() {
+            futex::wait(&self.doorbell, seq, timeout);
+        }
+        self.sleepers.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 #[repr(C, align(64))]
@@ -223,11 +241,14 @@ impl Layout {
         }
     }
 
-    /// Tell `rank` that something it may be waiting for happened.
+    /// Tell `rank` that something it may be waiting for happened (published before this call). The fence
+    /// pairs with the one in [`RankSlot::sleep_unless`]: either this sees the sleeper registered, or the
+    /// sleeper's last check sees what was published. With nobody asleep, nothing is written.
     pub fn ring(&self, rank: usize) {
         let slot = self.slot(rank);
-        slot.doorbell.fetch_add(1, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
         if slot.sleepers.load(Ordering::SeqCst) > 0 {
+            slot.doorbell.fetch_add(1, Ordering::SeqCst);
             futex::wake_all(&slot.doorbell);
         }
     }
@@ -261,10 +282,18 @@ impl Channel<'_> {
     }
 
     /// Sender: copy as much of `data` as fits (at most `limit` bytes) and publish it. Returns the count.
-    pub fn write(&self, data: &[u8], limit: usize) -> Result<usize, Corrupt> {
+    /// `tail_seen` is the receiver's cursor as this sender last read it: room is judged by it first, and the
+    /// cursor (a line the receiver writes) is read again only when that leaves too little, so a small message
+    /// into a ring with room costs no read of the receiver's line.
+    pub fn write(&self, data: &[u8], limit: usize, tail_seen: &mut u64) -> Result<usize, Corrupt> {
         let head = self.head.load(Ordering::Relaxed);
-        let free = self.capacity - self.used(head, self.tail.load(Ordering::Acquire))?;
-        let n = free.min(data.len()).min(limit);
+        let wanted = data.len().min(limit);
+        let mut free = self.capacity - self.used(head, *tail_seen)?;
+        if free < wanted {
+            *tail_seen = self.tail.load(Ordering::Acquire);
+            free = self.capacity - self.used(head, *tail_seen)?;
+        }
+        let n = free.min(wanted);
         if n == 0 {
             return Ok(0);
         }
@@ -275,19 +304,23 @@ impl Channel<'_> {
         // (`first <= capacity - start`, `n - first <= capacity`).
         unsafe {
             std::ptr::copy_nonoverlapping(data.as_ptr(), self.data.add(start), first);
-            std::ptr::copy_nonoverlapping(data.as_ptr().add(first), self.data, n - first);
+            if n > first {
+                std::ptr::copy_nonoverlapping(data.as_ptr().add(first), self.data, n - first);
+            }
         }
         self.head.store(head + n as u64, Ordering::Release);
         Ok(n)
     }
 
     /// Receiver: hand up to `limit` unread bytes to `consume` (in one or two pieces, straight out of shared
-    /// memory), then release them to the sender. Returns the count.
-    pub fn read(&self, limit: usize, consume: &mut dyn FnMut(&[u8])) -> Result<usize, Corrupt> {
+    /// memory), then release them to the sender. Returns the count, and whether the ring was full before:
+    /// only then can the sender be waiting for room (it waits only on a full ring), and need a ring.
+    pub fn read(&self, limit: usize, consume: &mut dyn FnMut(&[u8])) -> Result<(usize, bool), Corrupt> {
         let tail = self.tail.load(Ordering::Relaxed);
-        let n = self.used(self.head.load(Ordering::Acquire), tail)?.min(limit);
+        let used = self.used(self.head.load(Ordering::Acquire), tail)?;
+        let n = used.min(limit);
         if n == 0 {
-            return Ok(0);
+            return Ok((0, false));
         }
         let start = (tail % self.capacity as u64) as usize;
         let first = n.min(self.capacity - start);
@@ -300,7 +333,7 @@ impl Channel<'_> {
             }
         }
         self.tail.store(tail + n as u64, Ordering::Release);
-        Ok(n)
+        Ok((n, used == self.capacity))
     }
 }
 
@@ -369,13 +402,17 @@ mod tests {
         let ch = layout.channel(0, 1);
         let mut received = Vec::new();
         let data: Vec<u8> = (0..20_000u32).map(|i| (i % 251) as u8).collect();
-        let mut sent = 0;
+        let (mut sent, mut tail_seen, mut fills) = (0, 0, 0);
         while received.len() < data.len() {
-            sent += ch.write(&data[sent..], 3000).unwrap();
-            ch.read(1700, &mut |piece| received.extend_from_slice(piece)).unwrap();
+            sent += ch.write(&data[sent..], 3000, &mut tail_seen).unwrap();
+            let full = ch.readable() == PAGE;
+            let (_, was_full) = ch.read(1700, &mut |piece| received.extend_from_slice(piece)).unwrap();
+            assert_eq!(was_full, full);
+            fills += usize::from(full);
             assert!(ch.writable() + ch.readable() == PAGE);
         }
         assert_eq!(received, data);
+        assert!(fills > 0, "the ring filled up on the way");
     }
 
     #[test]
@@ -391,7 +428,8 @@ mod tests {
             ch.tail.store(tail, Ordering::Relaxed);
             assert!(ch.readable() > 0 && ch.writable() > 0, "a corrupt channel must wake its waiter");
             assert_eq!(ch.read(usize::MAX, &mut |_| panic!("read from a corrupt ring")), Err(Corrupt { head, tail }));
-            assert_eq!(ch.write(&[1, 2, 3], 3), Err(Corrupt { head, tail }));
+            let mut tail_seen = tail;
+            assert_eq!(ch.write(&[1, 2, 3], 3, &mut tail_seen), Err(Corrupt { head, tail }));
         }
     }
 }

@@ -58,6 +58,8 @@ pub struct ShmTransport {
     dead: Vec<bool>,
     /// Bytes taken out of a peer's ring while a send waited for space; they precede the ring's bytes.
     stash: Vec<VecDeque<u8>>,
+    /// Each peer's read cursor on the channel to it, as this rank last read it (see `Channel::write`).
+    tails_seen: Vec<u64>,
     timeout: Duration,
     closed: bool,
     /// Steps of the staging protocol completed (mirrors this rank's `step` in the segment).
@@ -96,7 +98,6 @@ impl RingWaiter {
         let slot = self.layout.slot(self.rank);
         loop {
             slot.heartbeat.store(liveness::monotonic_ms(), Ordering::Relaxed);
-            let seq = slot.doorbell.load(Ordering::SeqCst);
             if ready() {
                 return;
             }
@@ -104,9 +105,7 @@ impl RingWaiter {
             if left.is_zero() {
                 return;
             }
-            slot.sleepers.fetch_add(1, Ordering::SeqCst);
-            futex::wait(&slot.doorbell, seq, left.min(SLEEP_SLICE));
-            slot.sleepers.fetch_sub(1, Ordering::SeqCst);
+            slot.sleep_unless(left.min(SLEEP_SLICE), ready);
         }
     }
 }
@@ -115,6 +114,11 @@ impl IdleWaiter for RingWaiter {
     fn wait(&self, waker: &Waker, timeout: Duration) {
         // Slices of at most SLEEP_SLICE, so the engine thread checks for dead peers that often.
         self.sleep(waker, timeout.min(SLEEP_SLICE), true);
+    }
+
+    fn every_peer_sent(&self) -> bool {
+        let me = self.rank;
+        (0..self.layout.size()).all(|p| p == me || self.layout.channel(p, me).readable() > 0)
     }
 }
 
@@ -127,6 +131,7 @@ impl ShmTransport {
             liveness: Liveness::watch(pids),
             dead: vec![false; size],
             stash: vec![VecDeque::new(); size],
+            tails_seen: vec![0; size],
             timeout,
             closed: false,
             step: 0,
@@ -357,7 +362,8 @@ impl ShmTransport {
         if self.peer_closed(to) {
             return Err(self.closed_error(to));
         }
-        let n = self.layout.channel(self.rank, to).write(data, PIECE_BYTES).map_err(|c| corrupt(to, &c))?;
+        let tail_seen = &mut self.tails_seen[to];
+        let n = self.layout.channel(self.rank, to).write(data, PIECE_BYTES, tail_seen).map_err(|c| corrupt(to, &c))?;
         if n > 0 {
             self.layout.ring(to);
         }
@@ -379,10 +385,11 @@ impl ShmTransport {
             return Ok(n);
         }
         let channel = self.layout.channel(from, self.rank);
-        let n = channel.read(limit, consume).map_err(|c| corrupt(from, &c))?;
-        if n > 0 {
+        let (n, was_full) = channel.read(limit, consume).map_err(|c| corrupt(from, &c))?;
+        if was_full {
             self.layout.ring(from);
-        } else if self.peer_closed(from) && channel.readable() == 0 {
+        }
+        if n == 0 && self.peer_closed(from) && channel.readable() == 0 {
             return Err(self.closed_error(from));
         }
         Ok(n)
@@ -394,15 +401,15 @@ impl ShmTransport {
         let mut moved = false;
         for peer in (0..self.layout.size()).filter(|&p| p != self.rank && Some(p) != except) {
             let stash = &mut self.stash[peer];
-            let n = self
+            let (n, was_full) = self
                 .layout
                 .channel(peer, self.rank)
                 .read(usize::MAX, &mut |piece| stash.extend(piece))
                 .map_err(|c| corrupt(peer, &c))?;
-            if n > 0 {
+            if was_full {
                 self.layout.ring(peer);
-                moved = true;
             }
+            moved |= n > 0;
         }
         Ok(moved)
     }
@@ -423,13 +430,10 @@ impl ShmTransport {
         loop {
             let slot = self.layout.slot(me);
             slot.heartbeat.store(liveness::monotonic_ms(), Ordering::Relaxed);
-            let seq = slot.doorbell.load(Ordering::SeqCst);
             if stop(&self.layout) {
                 return Ok(());
             }
-            slot.sleepers.fetch_add(1, Ordering::SeqCst);
-            futex::wait(&slot.doorbell, seq, SLEEP_SLICE);
-            slot.sleepers.fetch_sub(1, Ordering::SeqCst);
+            slot.sleep_unless(SLEEP_SLICE, || stop(&self.layout));
             if last_check.elapsed() >= SLEEP_SLICE {
                 last_check = Instant::now();
                 // Any dead peer dooms the collective (and the one we wait on may be waiting for it).
