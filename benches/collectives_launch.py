@@ -98,6 +98,12 @@ def _wait_all(procs, timeout):
 def _start(impl, np_, args, env, log, rvodrun):
     """The processes of one job: one launcher (rvodrun, horovodrun) or one process per gloo rank."""
     popen = dict(stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    if impl in ("horovod",) + tuple(RVOD_SHM):
+        # The fusion phase cycles through 1,024 tensor names and a barrier: one more than the default response
+        # cache holds, and a least-recently-used cache then misses every lookup (both say so in a warning).
+        # Sized for the run, as a user with that many tensors would.
+        env.setdefault("RVOD_CACHE_CAPACITY", "4096")
+        env.setdefault("HOROVOD_CACHE_CAPACITY", "4096")
     if impl in RVOD_SHM:
         env["RVOD_SHM"] = RVOD_SHM[impl]
         return [subprocess.Popen([find_rvodrun(rvodrun), "-np", str(np_)] + args, env=env, **popen)]

@@ -143,6 +143,19 @@ impl HandleTable {
         self.lock().handles.get(&id).map(|s| s.remaining == 0)
     }
 
+    /// The result of `id` if it has completed (the handle is then removed), without waiting.
+    pub fn take_done(&self, id: HandleId) -> Option<Result<OpOutput, EngineError>> {
+        let mut t = self.lock();
+        if t.handles.get(&id)?.remaining > 0 {
+            return None;
+        }
+        let state = t.handles.remove(&id)?;
+        Some(match state.error {
+            Some(e) => Err(e),
+            None => Ok(state.output),
+        })
+    }
+
     /// Wait up to `slice` for `id`; a finished handle is removed and its result returned. Small ops often
     /// finish within microseconds, so the caller first checks for [`SPIN`] (yielding the CPU between
     /// checks) before sleeping: being woken from a sleep costs more than that on a VM.

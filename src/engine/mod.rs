@@ -394,6 +394,11 @@ impl Engine {
         self.handles.is_done(id)
     }
 
+    /// The result of handle `id` if it has completed (it is then forgotten), without waiting.
+    pub fn take_done(&self, id: HandleId) -> Option<Result<submission::OpOutput, EngineError>> {
+        self.handles.take_done(id)
+    }
+
     /// Wait up to `slice` for a handle (callers loop, checking for interrupts in between).
     pub fn wait(&self, id: HandleId, slice: Duration) -> WaitOutcome {
         let start = Instant::now();

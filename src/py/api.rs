@@ -20,7 +20,7 @@ use crate::coordinator::round::StopReason;
 use crate::engine::fast_lane::{SmallOp, SmallOutcome};
 use crate::engine::handles::WaitOutcome;
 use crate::engine::packed::{pack_group, GroupMember};
-use crate::engine::submission::{OpSubmission, TensorSubmission};
+use crate::engine::submission::{OpOutput, OpSubmission, TensorSubmission};
 use crate::engine::{fork, Engine};
 use crate::error::EngineError;
 use crate::launch::meet::{self, HostedStore, Offer};
@@ -291,12 +291,11 @@ pub fn submit(
         }
         let tensors = pack_group(name, members, in_place);
         let op = OpSubmission { kind, tensors, reduce_op, prescale, postscale, root_rank, splits };
-        return queue(py, &engine()?, op, process_set_id, wait);
+        return with_engine(|engine| queue(py, engine, op, process_set_id, wait));
     }
     if names.len() != capsules.len() {
         return Err(PyValueError::new_err("one name per tensor is required"));
     }
-    let engine = engine()?;
     let mut tensors = Vec::with_capacity(capsules.len());
     for (name, capsule) in names.into_iter().zip(&capsules) {
         let imported = import_input(capsule, in_place, || format!("{kind} '{name}'"))?;
@@ -310,7 +309,7 @@ pub fn submit(
         });
     }
     let op = OpSubmission { kind, tensors, reduce_op, prescale, postscale, root_rank, splits };
-    queue(py, &engine, op, process_set_id, wait)
+    with_engine(|engine| queue(py, engine, op, process_set_id, wait))
 }
 
 thread_local! {
@@ -476,31 +475,40 @@ pub fn process_sets() -> PyResult<Vec<(u32, Vec<usize>)>> {
 /// True once the handle completed (its result is then ready for `wait`).
 #[pyfunction]
 pub fn poll(handle: u64) -> PyResult<bool> {
-    engine()?.poll(handle).ok_or_else(|| PyValueError::new_err(format!("unknown handle {handle}")))
+    with_engine(|engine| engine.poll(handle).ok_or_else(|| PyValueError::new_err(format!("unknown handle {handle}"))))
 }
 
 /// Block until the handle completes (GIL released). Returns (outputs, received_splits, last_joined_rank):
 /// one DLPack capsule per tensor, or None where the result was written in place.
 #[pyfunction]
 pub fn wait(py: Python<'_>, handle: u64) -> PyResult<Bound<'_, PyTuple>> {
-    let engine = engine()?;
-    loop {
-        match py.allow_threads(|| engine.wait(handle, WAIT_SLICE)) {
-            WaitOutcome::Pending => py.check_signals()?,
-            WaitOutcome::Unknown => return Err(PyValueError::new_err(format!("unknown handle {handle}"))),
-            WaitOutcome::Done(Err(e)) => return Err(to_py_err(e)),
-            WaitOutcome::Done(Ok(output)) => {
-                let outputs = PyList::empty(py);
-                for tensor in output.tensors {
-                    match tensor {
-                        Some(t) => outputs.append(export_capsule(py, t.buffer, t.shape, t.dtype)?)?,
-                        None => outputs.append(py.None())?,
-                    }
+    with_engine(|engine| {
+        // A handle already complete (most of a burst's, by the time they are waited for) is taken at once,
+        // with the GIL held: releasing it would cost more than the rest.
+        match engine.take_done(handle) {
+            Some(result) => wait_result(py, result),
+            None => loop {
+                match py.allow_threads(|| engine.wait(handle, WAIT_SLICE)) {
+                    WaitOutcome::Pending => py.check_signals()?,
+                    WaitOutcome::Unknown => return Err(PyValueError::new_err(format!("unknown handle {handle}"))),
+                    WaitOutcome::Done(result) => return wait_result(py, result),
                 }
-                return (outputs, output.received_splits, output.last_joined_rank).into_pyobject(py);
-            }
+            },
+        }
+    })
+}
+
+/// What `wait` returns for a completed op.
+fn wait_result(py: Python<'_>, result: Result<OpOutput, EngineError>) -> PyResult<Bound<'_, PyTuple>> {
+    let output = result.map_err(to_py_err)?;
+    let outputs = PyList::empty(py);
+    for tensor in output.tensors {
+        match tensor {
+            Some(t) => outputs.append(export_capsule(py, t.buffer, t.shape, t.dtype)?)?,
+            None => outputs.append(py.None())?,
         }
     }
+    (outputs, output.received_splits, output.last_joined_rank).into_pyobject(py)
 }
 
 /// What this build contains, for `rvodrun --check-build` and `hvd.*_built()`.

@@ -73,7 +73,10 @@ class TensorAdapter:
         return splits
 
 
-_run = _rvod.run  # bound once: the path of every small synchronous op
+# Bound once: the paths of every small synchronous op and of every submission.
+_run = _rvod.run
+_submit_native = _rvod.submit
+_wait = _rvod.wait
 
 # An op in flight: handle -> (finish, adapter, context, *keepalive). ``finish(adapter, context, outputs,
 # received_splits, last_joined)`` builds its result; the rest (inputs, capsules, copies) must stay alive
@@ -210,17 +213,21 @@ def _run_now(kind, name, adapter, tensor, in_place, op, prescale, postscale, roo
 
 def _submit(kind, names, adapter, tensors, in_place, finish, context, op=Sum, prescale=1.0, postscale=1.0,
             root=-1, splits=(), process_set=global_process_set, packed=False, wait=None):
-    set_id = process_set_id_of(process_set)
+    # Every rank belongs to the global set; the engine itself refuses ops before init().
+    set_id = 0 if process_set is global_process_set else process_set_id_of(process_set)
     if wait is None:
         wait = _waiter is not None and _waiter == get_ident()
-    submit_args = (in_place, op, float(prescale), float(postscale), int(root), list(splits), set_id, packed, wait)
     capsules = adapter.export_unchecked(tensors, in_place)
     if capsules is not None:
         try:
-            handle = _rvod.submit(kind, names, capsules, *submit_args)
+            handle = _submit_native(kind, names, capsules, in_place, op, prescale, postscale, root, splits, set_id,
+                                    packed, wait)
         except (TypeError, ValueError):
             pass  # exported again below, tensor by tensor: that path copies what it can and explains the rest
         else:
+            if not wait:  # the common case, inline: a burst submits a thousand of these
+                _pending[handle] = (finish, adapter, context, tensors, capsules)
+                return handle
             return _track(handle, wait, (finish, adapter, context, tensors, capsules))
     capsules, holders = [], []
     export = adapter.export_for_write if in_place else adapter.export
@@ -230,7 +237,8 @@ def _submit(kind, names, adapter, tensors, in_place, finish, context, op=Sum, pr
         holders.append(holder)
     if in_place and any(holder is not original for original, holder in zip(tensors, holders)):
         finish, context = _copied_back, (finish, context, tensors, holders)
-    handle = _rvod.submit(kind, names, capsules, *submit_args)
+    handle = _submit_native(kind, names, capsules, in_place, op, prescale, postscale, root, splits, set_id, packed,
+                            wait)
     return _track(handle, wait, (finish, adapter, context, tensors, capsules, holders))
 
 
@@ -247,7 +255,7 @@ def synchronize(handle):
     if pending is None:
         return None
     try:
-        outputs, received_splits, last_joined = _rvod.wait(handle)
+        outputs, received_splits, last_joined = _wait(handle)
     except KeyboardInterrupt:
         # The op is still running and may write into its tensors: keep them alive.
         raise
@@ -255,17 +263,15 @@ def synchronize(handle):
         del _pending[handle]
         raise
     del _pending[handle]
-    finish, adapter, context = pending[:3]
-    return finish(adapter, context, outputs, received_splits, last_joined)
+    return pending[0](pending[1], pending[2], outputs, received_splits, last_joined)
 
 
 def allreduce_async(adapter, tensor, average=None, name=None, op=None, prescale_factor=1.0,
                     postscale_factor=1.0, process_set=global_process_set, in_place=False):
     op = resolve_op(op, average)
-    names = [_prefixed("allreduce", name, process_set)]
-    finish = _original if in_place else _new_tensor
-    return _submit(ALLREDUCE, names, adapter, [tensor], in_place, finish, tensor,
-                   op=op, prescale=prescale_factor, postscale=postscale_factor, process_set=process_set)
+    name = f"allreduce.{name}" if name is not None else _prefixed("allreduce", None, process_set)
+    return _submit(ALLREDUCE, [name], adapter, [tensor], in_place, _original if in_place else _new_tensor, tensor,
+                   op, prescale_factor, postscale_factor, -1, (), process_set)
 
 
 def allreduce(adapter, tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -311,13 +317,13 @@ def grouped_allgather_async(adapter, tensors, name=None, process_set=global_proc
 
 def broadcast_async(adapter, tensor, root_rank, name=None, process_set=global_process_set, in_place=False):
     return _submit(BROADCAST, [_prefixed("broadcast", name, process_set)], adapter, [tensor], in_place,
-                   _original if in_place else _new_tensor, tensor, root=root_rank, process_set=process_set)
+                   _original if in_place else _new_tensor, tensor, root=int(root_rank), process_set=process_set)
 
 
 def broadcast(adapter, tensor, root_rank, name=None, process_set=global_process_set, in_place=False):
     """``synchronize(broadcast_async(...))``: the result, ``tensor`` itself when ``in_place``."""
     name = f"broadcast.{name}" if name is not None else _prefixed("broadcast", None, process_set)
-    return _run_now(BROADCAST, name, adapter, tensor, in_place, Sum, 1.0, 1.0, root_rank, process_set)
+    return _run_now(BROADCAST, name, adapter, tensor, in_place, Sum, 1.0, 1.0, int(root_rank), process_set)
 
 
 def alltoall_async(adapter, tensor, splits=None, name=None, process_set=global_process_set, with_splits=None):

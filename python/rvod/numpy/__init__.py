@@ -38,7 +38,7 @@ def allreduce(tensor, average=None, name=None, op=None, prescale_factor=1.0, pos
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                      process_set=gps):
     return _ops.allreduce_async(_adapter, tensor, average, name, op, prescale_factor, postscale_factor,
-                                process_set, in_place=True)
+                                process_set, True)
 
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,

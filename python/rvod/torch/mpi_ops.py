@@ -84,7 +84,7 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
                      process_set=global_process_set):
     """Start reducing ``tensor`` in place; returns a handle."""
     return _ops.allreduce_async(_adapter, tensor, average, name, op, prescale_factor, postscale_factor,
-                                process_set, in_place=True)
+                                process_set, True)
 
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
