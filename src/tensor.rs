@@ -58,6 +58,42 @@ impl RawTensor {
     }
 }
 
+/// Results at least this large are written with [`copy_streaming`]: larger than a core's L2, they go out to
+/// memory before anyone reads them anyway. Smaller ones stay in cache for their reader.
+pub const STREAMING_MIN_BYTES: usize = 4 << 20;
+
+/// Copy `src` into `dst` (of the same length) with stores that go around the caches where the CPU has
+/// them (x86-64's non-temporal stores): for results written whole and not read again soon, such as a
+/// large out-of-place result, which then costs no read of the destination's old contents first. Short
+/// copies and the unaligned ends are ordinary copies.
+pub fn copy_streaming(dst: &mut [u8], src: &[u8]) {
+    assert_eq!(dst.len(), src.len(), "copy_streaming needs equal lengths");
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
+        const LANE: usize = 16;
+        if dst.len() >= 4 * LANE {
+            let head = dst.as_ptr().align_offset(LANE).min(dst.len());
+            let body = (dst.len() - head) / LANE * LANE;
+            dst[..head].copy_from_slice(&src[..head]);
+            // SAFETY: `dst[head..head + body]` is 16-byte aligned and `body` a multiple of 16, inside `dst`;
+            // every load reads 16 bytes inside `src` (unaligned loads allowed); SSE2 is part of x86-64. The
+            // fence orders the streaming stores before anything this thread does next (publishing the result).
+            unsafe {
+                let d = dst.as_mut_ptr().add(head) as *mut __m128i;
+                let s = src.as_ptr().add(head) as *const __m128i;
+                for i in 0..body / LANE {
+                    _mm_stream_si128(d.add(i), _mm_loadu_si128(s.add(i)));
+                }
+                _mm_sfence();
+            }
+            dst[head + body..].copy_from_slice(&src[head + body..]);
+            return;
+        }
+    }
+    dst.copy_from_slice(src);
+}
+
 /// A 64-byte aligned buffer owned by the engine (outputs, fusion buffers, scratch). Large ones are mappings
 /// from [`crate::memory`] (huge-page advised, recycled through its pool); small ones come from the global
 /// allocator.

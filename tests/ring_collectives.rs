@@ -308,6 +308,45 @@ fn reducescatter_large_buffer() {
     });
 }
 
+/// Results of at least `rvod::tensor::STREAMING_MIN_BYTES` are written with streaming stores: the
+/// out-of-place allreduce, reducescatter and allgather of such sizes, with odd lengths (unaligned ends).
+#[test]
+fn large_results_written_around_the_cache_are_right() {
+    const COUNT: usize = 2_500_007; // float32 elements: 10 MB
+    over_every_transport(|| {
+        for n in [2, 3] {
+            let elems_per_rank: Vec<usize> = (0..n).map(|r| segment_bounds(COUNT, n, r).1).collect();
+            let bytes_per_rank: Vec<usize> = (0..n).map(|r| 5_000_011 + 13 * r).collect();
+            let results = on_ranks(n, |t| {
+                let rank = t.rank();
+                let src = input(DataType::Float32, rank, COUNT);
+                let mut reduced = vec![0xa5u8; src.len()];
+                allreduce_into(t, &src, &mut reduced, DataType::Float32, Combine::Sum).unwrap();
+                let mut scattered = vec![0xa5u8; elems_per_rank[rank] * 4];
+                reducescatter(t, &src, &elems_per_rank, DataType::Float32, Combine::Max, &mut scattered).unwrap();
+                let send = rank_bytes(rank, 3, bytes_per_rank[rank]);
+                let mut gathered = vec![0xa5u8; bytes_per_rank.iter().sum()];
+                allgatherv(t, &send, &mut gathered, &bytes_per_rank).unwrap();
+                assert!(src == input(DataType::Float32, rank, COUNT), "rank {rank}'s input changed");
+                (reduced, scattered, gathered)
+            });
+            let gathered: Vec<u8> = (0..n).flat_map(|r| rank_bytes(r, 3, bytes_per_rank[r])).collect();
+            let mut start = 0;
+            for (rank, (reduced, scattered, got)) in results.iter().enumerate() {
+                assert!(
+                    reduced == &expected(DataType::Float32, Combine::Sum, n, 0..COUNT),
+                    "n={n} allreduce rank {rank}"
+                );
+                let end = start + elems_per_rank[rank];
+                let want = expected(DataType::Float32, Combine::Max, n, start..end);
+                assert!(scattered == &want, "n={n} reducescatter rank {rank}");
+                start = end;
+                assert!(got == &gathered, "n={n} allgatherv rank {rank}");
+            }
+        }
+    });
+}
+
 fn rank_bytes(rank: usize, salt: usize, len: usize) -> Vec<u8> {
     (0..len).map(|j| ((rank * 31 + salt * 17 + j) % 251) as u8).collect()
 }

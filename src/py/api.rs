@@ -225,6 +225,8 @@ pub fn shutdown(py: Python<'_>, exiting: bool) {
             ENGINE_EPOCH.fetch_add(1, Ordering::Release);
             (state.engine.take(), state.hosted.take())
         };
+        // This thread's handle on it goes now (other threads drop theirs on their next call).
+        ENGINE_SEEN.with(|seen| seen.try_borrow_mut().map(|mut seen| *seen = None).ok());
         if let Some(engine) = engine {
             fork::engine_stopped();
             engine.shutdown(if exiting { StopReason::Exiting } else { StopReason::Shutdown });
@@ -317,7 +319,8 @@ thread_local! {
     static SMALL_RESULT: std::cell::RefCell<Vec<u8>> = std::cell::RefCell::new(vec![0; EAGER_TENSOR_BYTES]);
 }
 
-/// Run a synchronous collective on an exact `numpy.ndarray`, or a barrier (`array` None). In steady state
+/// Run a synchronous collective on an exact `numpy.ndarray`, or a barrier (`array` None), named
+/// `<kind>.<name>` as `submit`'s names are (`name` is the user's name, or `noname.<n>`). In steady state
 /// (a small cached op, nothing else pending) it runs right here, with the GIL released, as one exchange of
 /// round headers (see `engine::fast_lane`); otherwise it is submitted as `submit(..., wait=True)` submits it.
 /// Returns None (done: in place, or a barrier), a new array (done: the out-of-place result), an int (the
@@ -363,7 +366,13 @@ fn run_with<'py>(
     process_set_id: u32,
 ) -> PyResult<Bound<'py, PyAny>> {
     // A barrier is matched by the engine's own name for it, as `submit` does.
-    let name = if kind == CollectiveKind::Barrier { BARRIER_NAME } else { name };
+    let full_name;
+    let name = if kind == CollectiveKind::Barrier {
+        BARRIER_NAME
+    } else {
+        full_name = [kind.name(), ".", name].concat();
+        &full_name
+    };
     let imported = match array {
         Some(array) => match import_array(array, in_place, || format!("{kind} '{name}'")) {
             Ok(imported) => Some(imported),

@@ -7,6 +7,8 @@
 use crate::ring::args::{expect_len, invalid_argument};
 use crate::ring::chunks::{allgather_step, Blocks};
 use crate::ring::disjoint::read_write_pair;
+use crate::ring::pieces::exchange_in_pieces;
+use crate::tensor::{copy_streaming, STREAMING_MIN_BYTES};
 use crate::transport::{Transport, TransportError};
 
 /// Gather every rank's `send` into `recv` in rank order; rank `r` contributes `bytes_per_rank[r]` bytes
@@ -24,15 +26,28 @@ pub fn allgatherv(
         .ok_or_else(|| invalid_argument(rank, OP, "per-rank byte counts overflow".to_string()))?;
     expect_len(rank, OP, "send length in bytes", send.len(), blocks.len(rank))?;
     expect_len(rank, OP, "receive length in bytes", recv.len(), blocks.total())?;
-    recv[blocks.range(rank)].copy_from_slice(send);
+    // A large `recv` is a result nobody reads before the op completes: written with streaming stores (see
+    // `copy_streaming`), its old contents are never read.
+    let streaming = blocks.total() >= STREAMING_MIN_BYTES;
+    let own = &mut recv[blocks.range(rank)];
+    if streaming {
+        copy_streaming(own, send);
+    } else {
+        own.copy_from_slice(send);
+    }
     if t.size() > 1 && blocks.total() > 0 {
-        allgather_ring(t, recv, &blocks)?;
+        ring(t, recv, &blocks, streaming)?;
     }
     Ok(())
 }
 
 /// The ring allgather over `buf` split into `blocks`, where block `rank` is already in place.
 pub(crate) fn allgather_ring(t: &mut dyn Transport, buf: &mut [u8], blocks: &Blocks) -> Result<(), TransportError> {
+    ring(t, buf, blocks, false)
+}
+
+/// [`allgather_ring`], writing what arrives with streaming stores if `streaming`.
+fn ring(t: &mut dyn Transport, buf: &mut [u8], blocks: &Blocks, streaming: bool) -> Result<(), TransportError> {
     let (rank, n) = (t.rank(), t.size());
     let right = (rank + 1) % n;
     let left = (rank + n - 1) % n;
@@ -40,7 +55,15 @@ pub(crate) fn allgather_ring(t: &mut dyn Transport, buf: &mut [u8], blocks: &Blo
         let (send_block, recv_block) = allgather_step(rank, n, step);
         let (outgoing, incoming) = read_write_pair(buf, blocks.range(send_block), blocks.range(recv_block))
             .ok_or_else(|| invalid_argument(rank, "allgather", "ring blocks overlap or overrun the buffer".into()))?;
-        t.sendrecv(right, outgoing, left, incoming)?;
+        let incoming_len = incoming.len();
+        exchange_in_pieces(t, right, outgoing, left, incoming_len, &mut |offset, piece| {
+            let dst = &mut incoming[offset..offset + piece.len()];
+            if streaming {
+                copy_streaming(dst, piece);
+            } else {
+                dst.copy_from_slice(piece);
+            }
+        })?;
     }
     Ok(())
 }

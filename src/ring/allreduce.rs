@@ -12,9 +12,11 @@
 use crate::ring::allgather::allgather_ring;
 use crate::ring::args::invalid_argument;
 use crate::ring::chunks::Blocks;
+use crate::ring::pieces::PIECE_BYTES;
 use crate::ring::reduce::reduce_into;
 use crate::ring::reducescatter::reduce_scatter_ring;
 use crate::ring::streaming::StreamingReducer;
+use crate::tensor::{copy_streaming, STREAMING_MIN_BYTES};
 use crate::transport::{Transport, TransportError};
 use crate::types::{Combine, DataType};
 
@@ -31,7 +33,7 @@ pub const PIPELINE_THRESHOLD_BYTES: usize = 1 << 20;
 /// Piece of the pipelined two-rank allreduce: small enough that a reduced piece is still in cache when it
 /// is sent back, large enough that the two hand-offs per piece cost little (a few microseconds over
 /// shared memory, which is why TCP, with ~22 us per hand-off, keeps the ring).
-const PIPELINE_PIECE_BYTES: usize = 256 * 1024;
+const PIPELINE_PIECE_BYTES: usize = PIECE_BYTES;
 
 /// Combine `buf` element-wise across all ranks, in place.
 pub fn allreduce(
@@ -122,6 +124,7 @@ fn two_ranks_pipelined(
 ) -> Result<(), TransportError> {
     let rank = t.rank();
     let peer = 1 - rank;
+    let buf_len = buf.len();
     let half = buf.len() / dtype.size() / 2 * dtype.size();
     let (first, second) = buf.split_at_mut(half);
     let (mine, theirs) = if rank == 0 { (first, second) } else { (second, first) };
@@ -129,20 +132,34 @@ fn two_ranks_pipelined(
     let piece = PIPELINE_PIECE_BYTES - PIPELINE_PIECE_BYTES % dtype.size();
     let bounds = |len: usize, i: usize| (len.min(i * piece), len.min((i + 1) * piece));
     let steps = mine.len().max(theirs.len()).div_ceil(piece);
+    // Out of place and large, this rank's reduced piece is made in a scratch piece (in cache), sent from
+    // there, and written to the result with streaming stores, as the peer's piece is: the result's memory
+    // is never read. Smaller results are written in place, and stay in cache for their reader.
+    let streaming = src_halves.is_some() && buf_len >= STREAMING_MIN_BYTES;
+    let mut scratch = if streaming { vec![0u8; piece.min(mine.len())] } else { Vec::new() };
     for i in 0..steps {
         let (m0, m1) = bounds(mine.len(), i);
         let (t0, t1) = bounds(theirs.len(), i);
         let (raw_theirs, mut reducer) = match src_halves {
             Some((src_mine, src_theirs)) => {
-                (&src_theirs[t0..t1], StreamingReducer::from_base(&src_mine[m0..m1], &mut mine[m0..m1], dtype, combine))
+                let target = if streaming { &mut scratch[..m1 - m0] } else { &mut mine[m0..m1] };
+                (&src_theirs[t0..t1], StreamingReducer::from_base(&src_mine[m0..m1], target, dtype, combine))
             }
             None => (&theirs[t0..t1], StreamingReducer::new(&mut mine[m0..m1], dtype, combine)),
         };
         t.exchange(peer, raw_theirs, peer, m1 - m0, &mut |_, bytes| reducer.accept(bytes))?;
         let theirs_piece = &mut theirs[t0..t1];
-        t.exchange(peer, &mine[m0..m1], peer, t1 - t0, &mut |offset, bytes| {
-            theirs_piece[offset..offset + bytes.len()].copy_from_slice(bytes)
-        })?;
+        if streaming {
+            let reduced = &scratch[..m1 - m0];
+            t.exchange(peer, reduced, peer, t1 - t0, &mut |offset, bytes| {
+                copy_streaming(&mut theirs_piece[offset..offset + bytes.len()], bytes)
+            })?;
+            copy_streaming(&mut mine[m0..m1], reduced);
+        } else {
+            t.exchange(peer, &mine[m0..m1], peer, t1 - t0, &mut |offset, bytes| {
+                theirs_piece[offset..offset + bytes.len()].copy_from_slice(bytes)
+            })?;
+        }
     }
     Ok(())
 }

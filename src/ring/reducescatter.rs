@@ -12,8 +12,9 @@
 use crate::ring::args::{expect_len, invalid_argument};
 use crate::ring::chunks::{reduce_scatter_step, Blocks};
 use crate::ring::disjoint::read_write_pair;
+use crate::ring::pieces::exchange_in_pieces;
 use crate::ring::streaming::StreamingReducer;
-use crate::tensor::AlignedBuffer;
+use crate::tensor::{AlignedBuffer, STREAMING_MIN_BYTES};
 use crate::transport::{Transport, TransportError};
 use crate::types::{Combine, DataType};
 
@@ -56,6 +57,8 @@ fn reduce_scatter_ring_into(
     // Step s reduces into scratch s % 2 what step s + 1 sends on; the last step reduces into `out`.
     let largest = if n > 2 { (0..n).map(|b| blocks.len(b)).max().unwrap_or(0) } else { 0 };
     let mut scratch = [AlignedBuffer::for_overwrite(largest), AlignedBuffer::for_overwrite(largest)];
+    // A large result, nobody reads before the op completes, is written with streaming stores.
+    let streaming = out.len() >= STREAMING_MIN_BYTES;
     for step in 0..n - 1 {
         let (send_block, recv_block) = reduce_scatter_step(rank, n, step);
         let (even, odd) = scratch.split_at_mut(1);
@@ -67,8 +70,13 @@ fn reduce_scatter_ring_into(
         let outgoing: &[u8] =
             if step == 0 { &input[blocks.range(send_block)] } else { &reduced_before[..blocks.len(send_block)] };
         let target: &mut [u8] = if step == n - 2 { &mut *out } else { &mut reducing_now[..blocks.len(recv_block)] };
-        let mut reducer = StreamingReducer::from_base(&input[blocks.range(recv_block)], target, dtype, combine);
-        t.exchange(right, outgoing, left, blocks.len(recv_block), &mut |_, piece| reducer.accept(piece))?;
+        let base = &input[blocks.range(recv_block)];
+        let mut reducer = if step == n - 2 && streaming {
+            StreamingReducer::from_base_streaming(base, target, dtype, combine)
+        } else {
+            StreamingReducer::from_base(base, target, dtype, combine)
+        };
+        exchange_in_pieces(t, right, outgoing, left, blocks.len(recv_block), &mut |_, piece| reducer.accept(piece))?;
     }
     Ok(())
 }
@@ -104,7 +112,7 @@ pub(crate) fn reduce_scatter_ring(
             }
             None => (outgoing, StreamingReducer::new(incoming, dtype, combine)),
         };
-        t.exchange(right, outgoing, left, incoming_len, &mut |_, piece| reducer.accept(piece))?;
+        exchange_in_pieces(t, right, outgoing, left, incoming_len, &mut |_, piece| reducer.accept(piece))?;
     }
     Ok(())
 }

@@ -4,6 +4,7 @@
 //! small carry buffer until the element is whole. Nothing larger than one element is ever staged.
 
 use crate::ring::reduce::reduce_into;
+use crate::tensor::copy_streaming;
 use crate::types::{Combine, DataType};
 
 /// Largest element size of any [`DataType`].
@@ -17,6 +18,8 @@ const BASE_BLOCK_BYTES: usize = 4096;
 pub(crate) struct StreamingReducer<'a> {
     dst: &'a mut [u8],
     base: Option<&'a [u8]>,
+    /// With a base: write results with streaming stores (see [`from_base_streaming`](Self::from_base_streaming)).
+    streaming: bool,
     dtype: DataType,
     combine: Combine,
     /// Bytes of `dst` already combined.
@@ -27,7 +30,12 @@ pub(crate) struct StreamingReducer<'a> {
 
 impl<'a> StreamingReducer<'a> {
     pub(crate) fn new(dst: &'a mut [u8], dtype: DataType, combine: Combine) -> StreamingReducer<'a> {
-        StreamingReducer { dst, base: None, dtype, combine, done: 0, carry: [0; MAX_ELEMENT_BYTES], carry_len: 0 }
+        StreamingReducer::with(dst, None, dtype, combine)
+    }
+
+    fn with(dst: &'a mut [u8], base: Option<&'a [u8]>, dtype: DataType, combine: Combine) -> StreamingReducer<'a> {
+        let (streaming, done, carry, carry_len) = (false, 0, [0; MAX_ELEMENT_BYTES], 0);
+        StreamingReducer { dst, base, streaming, dtype, combine, done, carry, carry_len }
     }
 
     /// Write `base ⊕ message` to `dst` (of `base`'s length), leaving `base` as it is.
@@ -38,8 +46,18 @@ impl<'a> StreamingReducer<'a> {
         combine: Combine,
     ) -> StreamingReducer<'a> {
         let dst_len = dst.len().min(base.len());
-        let dst = &mut dst[..dst_len];
-        StreamingReducer { dst, base: Some(base), dtype, combine, done: 0, carry: [0; MAX_ELEMENT_BYTES], carry_len: 0 }
+        StreamingReducer::with(&mut dst[..dst_len], Some(base), dtype, combine)
+    }
+
+    /// [`from_base`](Self::from_base) for a `dst` nobody reads soon (a large result): each block is combined
+    /// in cache and written with streaming stores, so `dst`'s old contents are never read.
+    pub(crate) fn from_base_streaming(
+        base: &'a [u8],
+        dst: &'a mut [u8],
+        dtype: DataType,
+        combine: Combine,
+    ) -> StreamingReducer<'a> {
+        StreamingReducer { streaming: true, ..Self::from_base(base, dst, dtype, combine) }
     }
 
     /// Combine the next piece of the message into `dst`. Bytes beyond `dst`'s length are ignored.
@@ -72,14 +90,22 @@ impl<'a> StreamingReducer<'a> {
             None => reduce_into(dst, &elements[..len], self.dtype, self.combine),
             Some(base) => {
                 let base = &base[self.done..self.done + len];
+                let mut block = [0u8; BASE_BLOCK_BYTES];
                 // Whole elements per block: 4096 is a multiple of every element size.
                 for ((d, b), e) in dst
                     .chunks_mut(BASE_BLOCK_BYTES)
                     .zip(base.chunks(BASE_BLOCK_BYTES))
                     .zip(elements[..len].chunks(BASE_BLOCK_BYTES))
                 {
-                    d.copy_from_slice(b);
-                    reduce_into(d, e, self.dtype, self.combine);
+                    if self.streaming {
+                        let block = &mut block[..d.len()];
+                        block.copy_from_slice(b);
+                        reduce_into(block, e, self.dtype, self.combine);
+                        copy_streaming(d, block);
+                    } else {
+                        d.copy_from_slice(b);
+                        reduce_into(d, e, self.dtype, self.combine);
+                    }
                 }
             }
         }

@@ -114,6 +114,12 @@ pub trait Transport: Send {
         sink: &mut dyn FnMut(usize, &[u8]),
     ) -> Result<(), TransportError>;
 
+    /// Copy the next `buf.len()` bytes from `peer` into `buf` without consuming them, if they have all
+    /// arrived; false (and nothing copied) otherwise, or where the transport cannot look ahead.
+    fn peek(&mut self, _peer: usize, _buf: &mut [u8]) -> bool {
+        false
+    }
+
     /// Convenience: full-duplex exchange straight into `recv`.
     fn sendrecv(&mut self, to: usize, send: &[u8], from: usize, recv: &mut [u8]) -> Result<(), TransportError> {
         let len = recv.len();

@@ -9,7 +9,12 @@ _counters = collections.defaultdict(lambda: itertools.count(1))
 
 
 def next_name(prefix, process_set_id=0):
-    return f"{prefix}.noname.{next(_counters[process_set_id])}"
+    return f"{prefix}.{next_suffix(process_set_id)}"
+
+
+def next_suffix(process_set_id=0):
+    """``next_name`` without its prefix, ``noname.<n>``, for callers that prefix names elsewhere."""
+    return f"noname.{next(_counters[process_set_id])}"
 
 
 def reset():

@@ -17,6 +17,7 @@ ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, BARRIER, JOIN = (
     _rvod.COLLECTIVE_KINDS[kind]
     for kind in ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "barrier", "join")
 )
+_KIND_NAMES = {code: kind for kind, code in _rvod.COLLECTIVE_KINDS.items()}
 
 
 class TensorAdapter:
@@ -190,10 +191,11 @@ def _track(handle, wait, pending):
 
 
 def _run_now(kind, name, adapter, tensor, in_place, op, prescale, postscale, root, process_set):
-    """Run one op on ``tensor`` and return its result (``tensor`` itself when ``in_place``). An exact ndarray
-    from the adapter goes to ``_rvod.run``, which runs a small op in steady state as one exchange with the
-    peers, on this thread; otherwise the op is submitted and waited for, as ``wait_for`` does. (The path of
-    every small synchronous op: positional arguments, few calls.)"""
+    """Run one op on ``tensor`` and return its result (``tensor`` itself when ``in_place``); ``name`` is the
+    user's, or ``noname.<n>``, which the engine prefixes with the kind. The path of every small synchronous
+    op, written for few Python calls: an exact ndarray from the adapter goes to ``_rvod.run``, which runs a
+    small op in steady state as one exchange with the peers, on this thread, and returns its result;
+    otherwise the op is submitted and waited for, as ``wait_for`` does."""
     array = tensor if adapter.tensors_are_ndarrays else adapter.as_ndarray(tensor)
     if array is not None:
         # Every rank belongs to the global set; the engine itself refuses ops before init().
@@ -206,9 +208,9 @@ def _run_now(kind, name, adapter, tensor, in_place, op, prescale, postscale, roo
             return synchronize(result)
         if result is not NotImplemented:
             return adapter.from_ndarray(result)
-    return _submit(kind, [name], adapter, [tensor], in_place, _original if in_place else _new_tensor, tensor,
-                   op=op, prescale=prescale, postscale=postscale, root=root, process_set=process_set,
-                   wait=True).result
+    return _submit(kind, [f"{_KIND_NAMES[kind]}.{name}"], adapter, [tensor], in_place,
+                   _original if in_place else _new_tensor, tensor, op=op, prescale=prescale, postscale=postscale,
+                   root=int(root), process_set=process_set, wait=True).result
 
 
 def _submit(kind, names, adapter, tensors, in_place, finish, context, op=Sum, prescale=1.0, postscale=1.0,
@@ -278,7 +280,8 @@ def allreduce(adapter, tensor, average=None, name=None, op=None, prescale_factor
               process_set=global_process_set, in_place=False):
     """``synchronize(allreduce_async(...))``: the result, ``tensor`` itself when ``in_place``."""
     op = resolve_op(op, average)
-    name = f"allreduce.{name}" if name is not None else _prefixed("allreduce", None, process_set)
+    if name is None:
+        name = naming.next_suffix(process_set_id_of(process_set))
     return _run_now(ALLREDUCE, name, adapter, tensor, in_place, op, prescale_factor, postscale_factor, -1,
                     process_set)
 
@@ -322,8 +325,9 @@ def broadcast_async(adapter, tensor, root_rank, name=None, process_set=global_pr
 
 def broadcast(adapter, tensor, root_rank, name=None, process_set=global_process_set, in_place=False):
     """``synchronize(broadcast_async(...))``: the result, ``tensor`` itself when ``in_place``."""
-    name = f"broadcast.{name}" if name is not None else _prefixed("broadcast", None, process_set)
-    return _run_now(BROADCAST, name, adapter, tensor, in_place, Sum, 1.0, 1.0, int(root_rank), process_set)
+    if name is None:
+        name = naming.next_suffix(process_set_id_of(process_set))
+    return _run_now(BROADCAST, name, adapter, tensor, in_place, Sum, 1.0, 1.0, root_rank, process_set)
 
 
 def alltoall_async(adapter, tensor, splits=None, name=None, process_set=global_process_set, with_splits=None):

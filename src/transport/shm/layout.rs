@@ -312,15 +312,32 @@ impl Channel<'_> {
         Ok(n)
     }
 
-    /// Receiver: hand up to `limit` unread bytes to `consume` (in one or two pieces, straight out of shared
-    /// memory), then release them to the sender. Returns the count, and whether the ring was full before:
-    /// only then can the sender be waiting for room (it waits only on a full ring), and need a ring.
-    pub fn read(&self, limit: usize, consume: &mut dyn FnMut(&[u8])) -> Result<(usize, bool), Corrupt> {
+    /// Receiver: copy the next `buf.len()` unread bytes into `buf` without consuming them, if that many are
+    /// there; false otherwise (also for inconsistent cursors, which `read` then reports).
+    pub fn peek(&self, buf: &mut [u8]) -> bool {
         let tail = self.tail.load(Ordering::Relaxed);
-        let used = self.used(self.head.load(Ordering::Acquire), tail)?;
-        let n = used.min(limit);
+        match self.used(self.head.load(Ordering::Acquire), tail) {
+            Ok(used) if used >= buf.len() => {}
+            _ => return false,
+        }
+        let start = (tail % self.capacity as u64) as usize;
+        let first = buf.len().min(self.capacity - start);
+        // SAFETY: `[tail, tail + buf.len())` was published by the sender (Acquire above, checked against the
+        // cursors) and stays until this receiver advances `tail`; both pieces lie inside the data area.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.data.add(start), buf.as_mut_ptr(), first);
+            std::ptr::copy_nonoverlapping(self.data, buf.as_mut_ptr().add(first), buf.len() - first);
+        }
+        true
+    }
+
+    /// Receiver: hand up to `limit` unread bytes to `consume` (in one or two pieces, straight out of shared
+    /// memory), then release them to the sender. Returns the count.
+    pub fn read(&self, limit: usize, consume: &mut dyn FnMut(&[u8])) -> Result<usize, Corrupt> {
+        let tail = self.tail.load(Ordering::Relaxed);
+        let n = self.used(self.head.load(Ordering::Acquire), tail)?.min(limit);
         if n == 0 {
-            return Ok((0, false));
+            return Ok(0);
         }
         let start = (tail % self.capacity as u64) as usize;
         let first = n.min(self.capacity - start);
@@ -333,7 +350,7 @@ impl Channel<'_> {
             }
         }
         self.tail.store(tail + n as u64, Ordering::Release);
-        Ok((n, used == self.capacity))
+        Ok(n)
     }
 }
 
@@ -402,17 +419,96 @@ mod tests {
         let ch = layout.channel(0, 1);
         let mut received = Vec::new();
         let data: Vec<u8> = (0..20_000u32).map(|i| (i % 251) as u8).collect();
-        let (mut sent, mut tail_seen, mut fills) = (0, 0, 0);
+        let (mut sent, mut tail_seen) = (0, 0);
         while received.len() < data.len() {
             sent += ch.write(&data[sent..], 3000, &mut tail_seen).unwrap();
-            let full = ch.readable() == PAGE;
-            let (_, was_full) = ch.read(1700, &mut |piece| received.extend_from_slice(piece)).unwrap();
-            assert_eq!(was_full, full);
-            fills += usize::from(full);
+            ch.read(1700, &mut |piece| received.extend_from_slice(piece)).unwrap();
             assert!(ch.writable() + ch.readable() == PAGE);
         }
         assert_eq!(received, data);
-        assert!(fills > 0, "the ring filled up on the way");
+    }
+
+    /// A sender blocked on a full ring and a receiver waiting for bytes, each asleep on its doorbell with a
+    /// timeout far longer than the test, are always rung awake: no wake-up is lost between a sleeper's last
+    /// look and its sleep (see `RankSlot::sleep_unless` and `Layout::ring`).
+    #[test]
+    fn sleepers_on_a_full_or_empty_ring_are_always_rung_awake() {
+        let geometry = Geometry { size: 2, capacity: PAGE, staging: 0 };
+        let segment = Arc::new(Segment::create(&std::env::temp_dir(), segment_len(&geometry)).unwrap());
+        segment.unlink();
+        let layout = Layout::initialise(segment, geometry);
+        let data: Vec<u8> = (0..4_000_000u32).map(|i| (i % 253) as u8).collect();
+        let forever = Duration::from_secs(60);
+        let start = std::time::Instant::now();
+        let received = std::thread::scope(|s| {
+            let sender = s.spawn(|| {
+                let ch = layout.channel(0, 1);
+                let (mut sent, mut tail_seen) = (0, 0);
+                while sent < data.len() {
+                    let n = ch.write(&data[sent..], 3000, &mut tail_seen).unwrap();
+                    if n > 0 {
+                        sent += n;
+                        layout.ring(1);
+                    } else {
+                        layout.slot(0).sleep_unless(forever, || ch.writable() > 0);
+                    }
+                }
+            });
+            let ch = layout.channel(0, 1);
+            let mut received = Vec::with_capacity(data.len());
+            while received.len() < data.len() {
+                let n = ch.read(1700, &mut |piece| received.extend_from_slice(piece)).unwrap();
+                if n > 0 {
+                    layout.ring(0);
+                } else {
+                    layout.slot(1).sleep_unless(forever, || ch.readable() > 0);
+                }
+            }
+            sender.join().unwrap();
+            received
+        });
+        assert!(received == data);
+        assert!(start.elapsed() < Duration::from_secs(30), "a wake-up was lost: {:?}", start.elapsed());
+    }
+
+    /// The one interleaving that loses a wake-up, made to happen: the ringer publishes and rings right after
+    /// the sleeper's last look (inside its `ready`, which has already seen nothing). The sleeper registered
+    /// first, so the ring bumps the doorbell and the sleep returns at once instead of after its timeout.
+    #[test]
+    fn a_ring_between_the_last_look_and_the_sleep_is_not_lost() {
+        let geometry = Geometry { size: 2, capacity: PAGE, staging: 0 };
+        let segment = Arc::new(Segment::create(&std::env::temp_dir(), segment_len(&geometry)).unwrap());
+        segment.unlink();
+        let layout = Layout::initialise(segment, geometry);
+        let start = std::time::Instant::now();
+        layout.slot(1).sleep_unless(Duration::from_secs(10), || {
+            layout.ring(1);
+            false
+        });
+        assert!(start.elapsed() < Duration::from_secs(5), "the ring was lost: slept {:?}", start.elapsed());
+        assert_eq!(layout.slot(1).sleepers.load(Ordering::SeqCst), 0, "the sleeper unregistered");
+    }
+
+    #[test]
+    fn peeking_copies_what_has_arrived_and_consumes_nothing() {
+        let geometry = Geometry { size: 2, capacity: PAGE, staging: 0 };
+        let segment = Arc::new(Segment::create(&std::env::temp_dir(), segment_len(&geometry)).unwrap());
+        segment.unlink();
+        let layout = Layout::initialise(segment, geometry);
+        let ch = layout.channel(1, 0);
+        let mut tail_seen = 0;
+        // Wrap the cursors near the end of the ring, so a peek spans the wrap.
+        let filler = vec![7u8; PAGE - 3];
+        ch.write(&filler, PAGE, &mut tail_seen).unwrap();
+        ch.read(PAGE, &mut |_| {}).unwrap();
+        ch.write(&[1, 2, 3, 4, 5, 6], 6, &mut tail_seen).unwrap();
+        let mut four = [0u8; 4];
+        assert!(ch.peek(&mut four));
+        assert_eq!(four, [1, 2, 3, 4]);
+        assert!(!ch.peek(&mut [0u8; 7]), "only 6 bytes have arrived");
+        let mut all = Vec::new();
+        assert_eq!(ch.read(PAGE, &mut |piece| all.extend_from_slice(piece)).unwrap(), 6);
+        assert_eq!(all, [1, 2, 3, 4, 5, 6], "peeking consumed nothing");
     }
 
     #[test]

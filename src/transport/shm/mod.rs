@@ -385,8 +385,8 @@ impl ShmTransport {
             return Ok(n);
         }
         let channel = self.layout.channel(from, self.rank);
-        let (n, was_full) = channel.read(limit, consume).map_err(|c| corrupt(from, &c))?;
-        if was_full {
+        let n = channel.read(limit, consume).map_err(|c| corrupt(from, &c))?;
+        if n > 0 {
             self.layout.ring(from);
         }
         if n == 0 && self.peer_closed(from) && channel.readable() == 0 {
@@ -401,15 +401,15 @@ impl ShmTransport {
         let mut moved = false;
         for peer in (0..self.layout.size()).filter(|&p| p != self.rank && Some(p) != except) {
             let stash = &mut self.stash[peer];
-            let (n, was_full) = self
+            let n = self
                 .layout
                 .channel(peer, self.rank)
                 .read(usize::MAX, &mut |piece| stash.extend(piece))
                 .map_err(|c| corrupt(peer, &c))?;
-            if was_full {
+            if n > 0 {
                 self.layout.ring(peer);
+                moved = true;
             }
-            moved |= n > 0;
         }
         Ok(moved)
     }
@@ -493,6 +493,21 @@ impl Transport for ShmTransport {
 
     fn recv(&mut self, peer: usize, buf: &mut [u8]) -> Result<(), TransportError> {
         self.sendrecv(peer, &[], peer, buf)
+    }
+
+    fn peek(&mut self, peer: usize, buf: &mut [u8]) -> bool {
+        let stash = &self.stash[peer];
+        if !stash.is_empty() {
+            // Bytes taken out of the ring earlier come first; a look ahead stays within them.
+            if stash.len() < buf.len() {
+                return false;
+            }
+            for (dst, src) in buf.iter_mut().zip(stash) {
+                *dst = *src;
+            }
+            return true;
+        }
+        peer != self.rank && peer < self.layout.size() && self.layout.channel(peer, self.rank).peek(buf)
     }
 
     fn exchange(
