@@ -21,6 +21,10 @@ struct HandleState {
     set: u32,
     /// Tensors (or barrier/join events) still to complete.
     remaining: usize,
+    /// Threads asleep waiting for this handle: its completion wakes them (and only a waited-for handle's
+    /// completion signals the condition variable: a thread waiting on one op of a burst is not woken by
+    /// each of the others).
+    waiters: usize,
     output: OpOutput,
     error: Option<EngineError>,
 }
@@ -31,8 +35,6 @@ struct Table {
     handles: HashMap<HandleId, HandleState>,
     /// Names of the tensors in flight, per process set id.
     names_in_flight: HashMap<u32, HashSet<String>>,
-    /// Threads sleeping in `wait`: completions signal the condition variable only when there are some.
-    sleepers: usize,
 }
 
 #[derive(Default)]
@@ -82,7 +84,7 @@ impl HandleTable {
         t.next_id += 1;
         let id = t.next_id;
         let output = OpOutput { tensors: (0..tensors).map(|_| None).collect(), ..OpOutput::default() };
-        t.handles.insert(id, HandleState { set, remaining: parts.max(1), output, error: None });
+        t.handles.insert(id, HandleState { set, remaining: parts.max(1), waiters: 0, output, error: None });
         Ok(id)
     }
 
@@ -112,7 +114,6 @@ impl HandleTable {
         if let (Some(name), Some(in_flight)) = (name, t.names_in_flight.get_mut(&set)) {
             in_flight.remove(name);
         }
-        let sleepers = t.sleepers;
         if let Some(state) = t.handles.get_mut(&id) {
             match result {
                 Ok(out) => {
@@ -128,7 +129,7 @@ impl HandleTable {
                 }
             }
             state.remaining = state.remaining.saturating_sub(1);
-            if state.remaining == 0 && sleepers > 0 {
+            if state.remaining == 0 && state.waiters > 0 {
                 self.completed.notify_all();
             }
         }
@@ -182,12 +183,7 @@ impl HandleTable {
             if now >= deadline {
                 return WaitOutcome::Pending;
             }
-            t.sleepers += 1;
-            t = match self.completed.wait_timeout(t, deadline - now) {
-                Ok((guard, _)) => guard,
-                Err(poisoned) => poisoned.into_inner().0,
-            };
-            t.sleepers -= 1;
+            t = self.sleep_on(t, id, deadline - now);
         }
     }
 
@@ -200,13 +196,23 @@ impl HandleTable {
             if now >= deadline {
                 return;
             }
-            t.sleepers += 1;
-            t = match self.completed.wait_timeout(t, deadline - now) {
-                Ok((guard, _)) => guard,
-                Err(poisoned) => poisoned.into_inner().0,
-            };
-            t.sleepers -= 1;
+            t = self.sleep_on(t, id, deadline - now);
         }
+    }
+
+    /// Sleep up to `timeout` as a waiter of pending handle `id` (its completion wakes this thread).
+    fn sleep_on<'a>(&'a self, mut t: MutexGuard<'a, Table>, id: HandleId, timeout: Duration) -> MutexGuard<'a, Table> {
+        if let Some(state) = t.handles.get_mut(&id) {
+            state.waiters += 1;
+        }
+        t = match self.completed.wait_timeout(t, timeout) {
+            Ok((guard, _)) => guard,
+            Err(poisoned) => poisoned.into_inner().0,
+        };
+        if let Some(state) = t.handles.get_mut(&id) {
+            state.waiters -= 1;
+        }
+        t
     }
 
     /// Forget a handle the caller no longer wants (its result is dropped when it completes).

@@ -7,7 +7,6 @@
 use crate::ring::args::{expect_len, invalid_argument};
 use crate::ring::chunks::{allgather_step, Blocks};
 use crate::ring::disjoint::read_write_pair;
-use crate::ring::pieces::exchange_in_pieces;
 use crate::tensor::{copy_streaming, STREAMING_MIN_BYTES};
 use crate::transport::{Transport, TransportError};
 
@@ -56,7 +55,7 @@ fn ring(t: &mut dyn Transport, buf: &mut [u8], blocks: &Blocks, streaming: bool)
         let (outgoing, incoming) = read_write_pair(buf, blocks.range(send_block), blocks.range(recv_block))
             .ok_or_else(|| invalid_argument(rank, "allgather", "ring blocks overlap or overrun the buffer".into()))?;
         let incoming_len = incoming.len();
-        exchange_in_pieces(t, right, outgoing, left, incoming_len, &mut |offset, piece| {
+        t.exchange(right, outgoing, left, incoming_len, &mut |offset, piece| {
             let dst = &mut incoming[offset..offset + piece.len()];
             if streaming {
                 copy_streaming(dst, piece);

@@ -12,7 +12,6 @@
 use crate::ring::allgather::allgather_ring;
 use crate::ring::args::invalid_argument;
 use crate::ring::chunks::Blocks;
-use crate::ring::pieces::PIECE_BYTES;
 use crate::ring::reduce::reduce_into;
 use crate::ring::reducescatter::reduce_scatter_ring;
 use crate::ring::streaming::StreamingReducer;
@@ -33,7 +32,7 @@ pub const PIPELINE_THRESHOLD_BYTES: usize = 1 << 20;
 /// Piece of the pipelined two-rank allreduce: small enough that a reduced piece is still in cache when it
 /// is sent back, large enough that the two hand-offs per piece cost little (a few microseconds over
 /// shared memory, which is why TCP, with ~22 us per hand-off, keeps the ring).
-const PIPELINE_PIECE_BYTES: usize = PIECE_BYTES;
+const PIPELINE_PIECE_BYTES: usize = 256 * 1024;
 
 /// Combine `buf` element-wise across all ranks, in place.
 pub fn allreduce(

@@ -21,7 +21,6 @@ pub mod broadcast;
 pub mod chunks;
 mod disjoint;
 pub mod hierarchical;
-mod pieces;
 pub mod reduce;
 pub mod reducescatter;
 pub mod staged;

@@ -12,7 +12,6 @@
 use crate::ring::args::{expect_len, invalid_argument};
 use crate::ring::chunks::{reduce_scatter_step, Blocks};
 use crate::ring::disjoint::read_write_pair;
-use crate::ring::pieces::exchange_in_pieces;
 use crate::ring::streaming::StreamingReducer;
 use crate::tensor::{AlignedBuffer, STREAMING_MIN_BYTES};
 use crate::transport::{Transport, TransportError};
@@ -76,7 +75,7 @@ fn reduce_scatter_ring_into(
         } else {
             StreamingReducer::from_base(base, target, dtype, combine)
         };
-        exchange_in_pieces(t, right, outgoing, left, blocks.len(recv_block), &mut |_, piece| reducer.accept(piece))?;
+        t.exchange(right, outgoing, left, blocks.len(recv_block), &mut |_, piece| reducer.accept(piece))?;
     }
     Ok(())
 }
@@ -112,7 +111,7 @@ pub(crate) fn reduce_scatter_ring(
             }
             None => (outgoing, StreamingReducer::new(incoming, dtype, combine)),
         };
-        exchange_in_pieces(t, right, outgoing, left, incoming_len, &mut |_, piece| reducer.accept(piece))?;
+        t.exchange(right, outgoing, left, incoming_len, &mut |_, piece| reducer.accept(piece))?;
     }
     Ok(())
 }
