@@ -20,6 +20,7 @@ use crate::coordinator::round::{RoundHeader, StopReason};
 use crate::coordinator::stall::StallClock;
 use crate::engine::communicator::{AppliedValues, Shared};
 use crate::engine::execute::{execute_eager, Executor, HierarchyChoice, TensorResult};
+use crate::engine::handles::{CompletedPart, PartResult};
 use crate::engine::table::{TensorEntry, TensorTable};
 use crate::error::EngineError;
 use crate::transport::{Activity, Transport, TransportError};
@@ -467,11 +468,8 @@ impl Loop {
         record.finish();
         match outcome {
             Ok(results) => {
-                for (entry, result) in entries.into_iter().zip(results) {
-                    if let Some(entry) = entry {
-                        self.complete(entry, result);
-                    }
-                }
+                let parts = entries.into_iter().zip(results).filter_map(|(e, result)| Some(completed(e?, result)));
+                self.shared.handles.complete(self.shared.set_id, parts);
                 Ok(())
             }
             Err(e) => {
@@ -483,58 +481,38 @@ impl Loop {
                     ),
                     e,
                 );
-                for entry in entries.into_iter().flatten() {
-                    self.complete(entry, Err(err.clone()));
-                }
+                let parts = entries.into_iter().flatten().map(|entry| completed(entry, Err(err.clone())));
+                self.shared.handles.complete(self.shared.set_id, parts);
                 Err(err)
             }
         }
     }
 
     fn complete(&self, entry: TensorEntry, result: Result<TensorResult, EngineError>) {
-        let name = entry.request.name;
-        let set = self.shared.set_id;
-        match result {
-            Ok(TensorResult { members, .. }) if entry.packed.is_some() => {
-                self.shared.handles.complete_part(entry.handle, set, Some(&name), None, Ok(None), |out| {
-                    for (index, output) in members {
-                        if let Some(slot) = out.tensors.get_mut(index) {
-                            *slot = output;
-                        }
-                    }
-                });
-            }
-            Ok(TensorResult { output, received_splits, last_joined_rank, .. }) => {
-                self.shared.handles.complete_part(
-                    entry.handle,
-                    set,
-                    Some(&name),
-                    Some(entry.index),
-                    Ok(output),
-                    |out| {
-                        if received_splits.is_some() {
-                            out.received_splits = received_splits;
-                        }
-                        if last_joined_rank.is_some() {
-                            out.last_joined_rank = last_joined_rank;
-                        }
-                    },
-                );
-            }
-            Err(e) => {
-                self.shared.handles.complete_part(entry.handle, set, Some(&name), Some(entry.index), Err(e), |_| {})
-            }
-        }
+        self.shared.handles.complete(self.shared.set_id, [completed(entry, result)]);
     }
 
     /// Close the inbox and fail every entry still pending with `err`.
     fn fail_everything(&mut self, err: EngineError) {
         let queued = self.shared.close_inbox(err.clone());
-        for entry in self.table.drain().into_iter().chain(queued) {
+        let parts = self.table.drain().into_iter().chain(queued).map(|entry| {
             let own = naming_tensor(&err, entry.request.kind, &entry.request.name);
-            self.complete(entry, Err(own));
-        }
+            completed(entry, Err(own))
+        });
+        self.shared.handles.complete(self.shared.set_id, parts);
     }
+}
+
+/// What a finished table entry gives its op.
+fn completed(entry: TensorEntry, result: Result<TensorResult, EngineError>) -> CompletedPart {
+    let result = match result {
+        Ok(TensorResult { members, .. }) if entry.packed.is_some() => PartResult::Members(members),
+        Ok(TensorResult { output, received_splits, last_joined_rank, .. }) => {
+            PartResult::Tensor { index: entry.index, output, received_splits, last_joined_rank }
+        }
+        Err(e) => PartResult::Failed(e),
+    };
+    CompletedPart { id: entry.handle, name: entry.request.name, result }
 }
 
 /// The engine-wide failure `err` as seen by the pending `kind` of tensor `name`: a transport failure names

@@ -61,7 +61,8 @@ pub enum SmallOutcome<'a> {
     NotRun(SmallOp<'a>),
     /// The headers showed more than this op: it is in the ordinary tables now, under this handle.
     Queued(HandleId),
-    /// The exchange failed, which ends the loop; this op's error.
+    /// This op's error: the exchange failed, which ends the loop, or another thread has an op of the same
+    /// name in flight.
     Failed(EngineError),
 }
 
@@ -216,17 +217,14 @@ impl Loop {
                 Err(e) => return self.fail_small(&op, e),
             }
         }
-        let handles = &self.shared.handles;
         let slots = usize::from(op.kind != CollectiveKind::Barrier);
         let names = [op.name.to_string()];
-        // A second op of this name submitted by another thread just now holds the name: this one runs anyway.
-        let registered = handles
-            .register(op.kind.name(), self.shared.set_id, &names, 1, slots)
-            .or_else(|_| handles.register(op.kind.name(), self.shared.set_id, &[], 1, slots));
-        let handle = match registered {
+        let handle = match self.shared.handles.register(op.kind.name(), self.shared.set_id, &names, 1, slots) {
             Ok(handle) => handle,
             Err(err) => {
-                self.finished = Some(Err(err.clone()));
+                // Another thread submitted an op of this name meanwhile, which holds the name: this one
+                // fails as a second op of a name in flight does, and the round goes on without it.
+                self.finish_round(headers);
                 return SmallOutcome::Failed(err);
             }
         };

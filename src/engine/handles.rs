@@ -43,6 +43,29 @@ pub struct HandleTable {
     completed: Condvar,
 }
 
+/// One completed part of op `id`: the tensor `name` (or barrier or join event) and what it gives the op.
+pub struct CompletedPart {
+    pub id: HandleId,
+    pub name: String,
+    pub result: PartResult,
+}
+
+/// What a completed part gives its op.
+pub enum PartResult {
+    /// The result for output slot `index` (`None` where it was written in place), with alltoall's received
+    /// splits and join's last rank where the op has them.
+    Tensor {
+        index: usize,
+        output: Option<OutputTensor>,
+        received_splits: Option<Vec<i64>>,
+        last_joined_rank: Option<i32>,
+    },
+    /// A packed group's results, each with its output slot.
+    Members(Vec<(usize, Option<OutputTensor>)>),
+    /// The op fails with this error (its first error is the one reported).
+    Failed(EngineError),
+}
+
 /// Outcome of [`HandleTable::wait`].
 pub enum WaitOutcome {
     Done(Result<OpOutput, EngineError>),
@@ -99,39 +122,47 @@ impl HandleTable {
         }
     }
 
-    /// Record one completed part of `id` (the tensor `name` of process set `set`, output slot `index`; a
-    /// part that fills no single slot passes `None` and fills slots in `apply`).
-    pub fn complete_part(
-        &self,
-        id: HandleId,
-        set: u32,
-        name: Option<&str>,
-        index: Option<usize>,
-        result: Result<Option<OutputTensor>, EngineError>,
-        apply: impl FnOnce(&mut OpOutput),
-    ) {
+    /// Record completed parts of ops of process set `set`, under one lock (a fused response completes
+    /// hundreds of tensors at once): each part's name is free again in the set, and an op whose parts are
+    /// all in is complete.
+    pub fn complete(&self, set: u32, parts: impl IntoIterator<Item = CompletedPart>) {
         let mut t = self.lock();
-        if let (Some(name), Some(in_flight)) = (name, t.names_in_flight.get_mut(&set)) {
-            in_flight.remove(name);
-        }
-        if let Some(state) = t.handles.get_mut(&id) {
-            match result {
-                Ok(out) => {
-                    if let Some(slot) = index.and_then(|i| state.output.tensors.get_mut(i)) {
-                        *slot = out;
+        let mut wake = false;
+        for part in parts {
+            if let Some(in_flight) = t.names_in_flight.get_mut(&set) {
+                in_flight.remove(part.name.as_str());
+            }
+            let Some(state) = t.handles.get_mut(&part.id) else { continue };
+            match part.result {
+                PartResult::Tensor { index, output, received_splits, last_joined_rank } => {
+                    if let Some(slot) = state.output.tensors.get_mut(index) {
+                        *slot = output;
                     }
-                    apply(&mut state.output);
+                    if received_splits.is_some() {
+                        state.output.received_splits = received_splits;
+                    }
+                    if last_joined_rank.is_some() {
+                        state.output.last_joined_rank = last_joined_rank;
+                    }
                 }
-                Err(e) => {
+                PartResult::Members(members) => {
+                    for (index, output) in members {
+                        if let Some(slot) = state.output.tensors.get_mut(index) {
+                            *slot = output;
+                        }
+                    }
+                }
+                PartResult::Failed(e) => {
                     if state.error.is_none() {
                         state.error = Some(e);
                     }
                 }
             }
             state.remaining = state.remaining.saturating_sub(1);
-            if state.remaining == 0 && state.waiters > 0 {
-                self.completed.notify_all();
-            }
+            wake |= state.remaining == 0 && state.waiters > 0;
+        }
+        if wake {
+            self.completed.notify_all();
         }
     }
 
@@ -236,7 +267,8 @@ mod tests {
         assert!(matches!(err, EngineError::DuplicateName { .. }));
         let other_set = t.register("allreduce", 1, &["x".into()], 1, 1).unwrap();
         assert_eq!(t.is_done(a), Some(false));
-        t.complete_part(a, 0, Some("x"), Some(0), Ok(None), |_| {});
+        let done = PartResult::Tensor { index: 0, output: None, received_splits: None, last_joined_rank: None };
+        t.complete(0, [CompletedPart { id: a, name: "x".into(), result: done }]);
         assert_eq!(t.is_done(a), Some(true));
         assert!(matches!(t.wait(a, Duration::ZERO), WaitOutcome::Done(Ok(_))));
         assert!(matches!(t.wait(a, Duration::ZERO), WaitOutcome::Unknown));
@@ -256,7 +288,8 @@ mod tests {
         let t = HandleTable::default();
         let a = t.register("barrier", 0, &[], 1, 0).unwrap();
         assert!(matches!(t.wait(a, Duration::from_millis(5)), WaitOutcome::Pending));
-        t.complete_part(a, 0, None, Some(0), Err(EngineError::Internal("boom".into())), |_| {});
+        let failed = PartResult::Failed(EngineError::Internal("boom".into()));
+        t.complete(0, [CompletedPart { id: a, name: String::new(), result: failed }]);
         match t.wait(a, Duration::ZERO) {
             WaitOutcome::Done(Err(EngineError::Internal(m))) => assert_eq!(m, "boom"),
             _ => panic!("expected the error"),

@@ -50,17 +50,12 @@ impl PendingRequest for TensorEntry {
     }
 }
 
-struct Slot {
-    sequence: u64,
-    entry: TensorEntry,
-    announcement: Announcement,
-}
-
-/// Tensors in negotiation on this rank.
+/// Tensors in negotiation on this rank: each entry, with its announcement, under its submission number
+/// (so iterating is in submission order), and its name's number.
 #[derive(Default)]
 pub struct TensorTable {
-    slots: HashMap<String, Slot>,
-    order: BTreeMap<u64, String>,
+    entries: BTreeMap<u64, (TensorEntry, Announcement)>,
+    sequence_of: HashMap<String, u64>,
     next_sequence: u64,
 }
 
@@ -71,39 +66,40 @@ impl TensorTable {
 
     /// Insert an entry that already stands at `announcement` (the fast lane's op, announced as a cache hit).
     pub fn insert_announced(&mut self, entry: TensorEntry, announcement: Announcement) {
-        let name = entry.request.name.clone();
         let sequence = self.next_sequence;
         self.next_sequence += 1;
-        self.order.insert(sequence, name.clone());
-        self.slots.insert(name, Slot { sequence, entry, announcement });
+        // A name is in the table at most once (the handle table refuses a second one in flight).
+        if let Some(replaced) = self.sequence_of.insert(entry.request.name.clone(), sequence) {
+            self.entries.remove(&replaced);
+        }
+        self.entries.insert(sequence, (entry, announcement));
     }
 
     pub fn is_empty(&self) -> bool {
-        self.slots.is_empty()
+        self.entries.is_empty()
     }
 
     pub fn take(&mut self, name: &str) -> Option<TensorEntry> {
-        let slot = self.slots.remove(name)?;
-        self.order.remove(&slot.sequence);
-        Some(slot.entry)
+        let sequence = self.sequence_of.remove(name)?;
+        self.entries.remove(&sequence).map(|(entry, _)| entry)
     }
 
     /// Everything left, in submission order (used to fail them all).
     pub fn drain(&mut self) -> Vec<TensorEntry> {
-        let order = std::mem::take(&mut self.order);
-        order.into_values().filter_map(|name| self.slots.remove(&name).map(|s| s.entry)).collect()
+        self.sequence_of.clear();
+        std::mem::take(&mut self.entries).into_values().map(|(entry, _)| entry).collect()
     }
 
     pub fn announcement(&self, name: &str) -> Option<Announcement> {
-        self.slots.get(name).map(|s| s.announcement)
+        self.entries.get(self.sequence_of.get(name)?).map(|(_, announcement)| *announcement)
     }
 
     /// The oldest submission time among entries in `state`, if any.
     pub fn oldest_cache_hit(&self) -> Option<Instant> {
-        self.slots
+        self.entries
             .values()
-            .filter(|s| matches!(s.announcement, Announcement::CacheHit(_)))
-            .map(|s| s.entry.submitted)
+            .filter(|(_, announcement)| matches!(announcement, Announcement::CacheHit(_)))
+            .map(|(entry, _)| entry.submitted)
             .min()
     }
 }
@@ -112,18 +108,16 @@ impl PendingRequests for TensorTable {
     type Entry = TensorEntry;
 
     fn for_each(&mut self, mut visit: impl FnMut(&TensorEntry, &mut Announcement)) {
-        for name in self.order.values() {
-            if let Some(slot) = self.slots.get_mut(name) {
-                visit(&slot.entry, &mut slot.announcement);
-            }
+        for (entry, announcement) in self.entries.values_mut() {
+            visit(entry, announcement);
         }
     }
 
     fn request(&self, name: &str) -> Option<&Request> {
-        self.slots.get(name).map(|s| &s.entry.request)
+        self.entries.get(self.sequence_of.get(name)?).map(|(entry, _)| &entry.request)
     }
 
     fn has_join(&self) -> bool {
-        self.slots.values().any(|s| s.entry.request.kind == CollectiveKind::Join)
+        self.entries.values().any(|(entry, _)| entry.request.kind == CollectiveKind::Join)
     }
 }
