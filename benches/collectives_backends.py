@@ -3,7 +3,9 @@
 - `rvod-shm`, `rvod-tcp`: rvod through its public NumPy API (`rvod.numpy`), started by `rvodrun` with
   RVOD_SHM=1 / RVOD_SHM=0; the backend checks that `rvod._rvod.transport_kind()` is the transport the
   implementation claims, so a fallback cannot pass TCP numbers off as shared memory. The small-latency phase
-  also times `rvod.torch.allreduce` on a torch tensor (`torch_allreduce`), the call a PyTorch user makes.
+  also times `rvod.torch.allreduce` on a torch tensor (`torch_allreduce`), the call a PyTorch user makes, and
+  the many-small-tensors step has a third way through `rvod.torch` (`torch_async_then_synchronize`: the same
+  buffers viewed as torch tensors), where torch is installed.
 - `gloo`: `torch.distributed` with the gloo backend.
 - `horovod`: `horovod.torch` on torch CPU tensors, started by `horovodrun` (only where Horovod is importable).
 - `mpi`: MPI itself through mpi4py on NumPy arrays (`Allreduce`, `Iallreduce` + `Waitall`, `Allgather`, `Bcast`,
@@ -19,6 +21,7 @@ the same way for everyone.
 Every Horovod-API op carries a fixed name, so from the second call on the response cache serves it.
 """
 
+import importlib.util
 import os
 import time
 
@@ -95,6 +98,8 @@ class HorovodApiBackend:
 
 class RvodBackend(HorovodApiBackend):
     tensors = "numpy"
+    fused_variants = HorovodApiBackend.fused_variants + (
+        ("torch_async_then_synchronize",) if importlib.util.find_spec("torch") is not None else ())
 
     def __init__(self, name, expected_transport):
         import rvod._rvod
@@ -106,6 +111,7 @@ class RvodBackend(HorovodApiBackend):
             raise SystemExit(f"{name}: the job runs over {self.transport!r}, not {expected_transport!r} "
                              f"(RVOD_SHM={os.environ.get('RVOD_SHM')!r})")
         self._torch_hvd = None
+        self._torch_views = None  # (the arrays, torch views of them) for the fused step's torch way
 
     def new_buffer(self, count):
         import numpy as np
@@ -114,13 +120,35 @@ class RvodBackend(HorovodApiBackend):
         buf.fill(0.0)  # fault every page in now, outside any timed region
         return buf
 
-    def torch_allreduce(self, buf, name):
-        """`rvod.torch.allreduce` on a torch tensor: the small-allreduce call of a PyTorch training script."""
+    def _torch(self):
         if self._torch_hvd is None:
             import rvod.torch
 
             self._torch_hvd = rvod.torch  # shares the engine rvod.numpy started
-        return self._torch_hvd.allreduce(buf, name=name, op=self._torch_hvd.Sum)
+        return self._torch_hvd
+
+    def torch_allreduce(self, buf, name):
+        """`rvod.torch.allreduce` on a torch tensor: the small-allreduce call of a PyTorch training script."""
+        hvd = self._torch()
+        return hvd.allreduce(buf, name=name, op=hvd.Sum)
+
+    def fused_step(self, tensors, names, variant):
+        """The Horovod API's ways on NumPy arrays, and `torch_async_then_synchronize`: `rvod.torch`'s
+        `allreduce_async_` per tensor then `synchronize`, on torch views of the same arrays (made once)."""
+        if variant != "torch_async_then_synchronize":
+            return super().fused_step(tensors, names, variant)
+        hvd = self._torch()
+        if self._torch_views is None or self._torch_views[0] is not tensors:
+            import torch
+
+            self._torch_views = (tensors, [torch.from_numpy(t) for t in tensors])
+        views = self._torch_views[1]
+        t0 = time.perf_counter()
+        handles = [hvd.allreduce_async_(t, name=n, op=hvd.Sum) for t, n in zip(views, names)]
+        submitted = time.perf_counter() - t0
+        for h in handles:
+            hvd.synchronize(h)
+        return submitted
 
 
 class HorovodBackend(HorovodApiBackend):

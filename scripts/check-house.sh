@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 PYTHON=${1:-${RVOD_VENV:-.venv}/bin/python}
 
 echo "== house rules: rustfmt"
-cargo fmt --check >/dev/null || { echo "rustfmt: these files are not formatted (run cargo fmt):"; cargo fmt --check -l; exit 1; }
+cargo fmt --check >/dev/null || { echo "rustfmt: these files are not formatted (run cargo fmt):"; cargo fmt -- --check -l; exit 1; }
 echo "== house rules: clippy"
 # One pass: src/lib.rs denies unwrap/expect in the library outside its unit tests.
 cargo clippy --quiet --all-targets --features python -- -D warnings

@@ -257,6 +257,27 @@ fn import_input(object: &Bound<'_, PyAny>, in_place: bool, what: impl Fn() -> St
     }
 }
 
+/// The collective kind and reduce op a Python call names by their codes.
+fn read_codes(kind: u8, reduce_op: u8) -> PyResult<(CollectiveKind, ReduceOp)> {
+    let kind =
+        CollectiveKind::from_code(kind).ok_or_else(|| PyValueError::new_err(format!("unknown collective {kind}")))?;
+    let reduce_op = ReduceOp::from_code(reduce_op)
+        .ok_or_else(|| PyValueError::new_err(format!("unknown reduce op {reduce_op}")))?;
+    Ok((kind, reduce_op))
+}
+
+/// An imported tensor submitted as it is (not a member of a packed group).
+fn whole_tensor(name: String, imported: ImportedTensor, in_place: bool) -> TensorSubmission {
+    TensorSubmission {
+        name,
+        dtype: imported.dtype,
+        shape: imported.shape,
+        input: imported.tensor,
+        in_place,
+        packed: None,
+    }
+}
+
 /// Queue a collective; returns its handle. `capsules` are DLPack capsules, or C-contiguous arrays of
 /// native byte order (exact `numpy.ndarray`s), which the caller keeps alive until the handle completes. With `packed` (a grouped allreduce), `names` holds the group's one name and the
 /// tensors are packed into one per dtype (see `engine::packed`).
@@ -278,10 +299,7 @@ pub fn submit(
     packed: bool,
     wait: bool,
 ) -> PyResult<u64> {
-    let kind =
-        CollectiveKind::from_code(kind).ok_or_else(|| PyValueError::new_err(format!("unknown collective {kind}")))?;
-    let reduce_op = ReduceOp::from_code(reduce_op)
-        .ok_or_else(|| PyValueError::new_err(format!("unknown reduce op {reduce_op}")))?;
+    let (kind, reduce_op) = read_codes(kind, reduce_op)?;
     if packed {
         let (Some(name), true) = (names.first(), names.len() == 1 && kind == CollectiveKind::Allreduce) else {
             return Err(PyValueError::new_err("a packed submission is one allreduce group with one name"));
@@ -301,17 +319,43 @@ pub fn submit(
     let mut tensors = Vec::with_capacity(capsules.len());
     for (name, capsule) in names.into_iter().zip(&capsules) {
         let imported = import_input(capsule, in_place, || format!("{kind} '{name}'"))?;
-        tensors.push(TensorSubmission {
-            name,
-            dtype: imported.dtype,
-            shape: imported.shape,
-            input: imported.tensor,
-            in_place,
-            packed: None,
-        });
+        tensors.push(whole_tensor(name, imported, in_place));
     }
     let op = OpSubmission { kind, tensors, reduce_op, prescale, postscale, root_rank, splits };
     with_engine(|engine| queue(py, engine, op, process_set_id, wait))
+}
+
+/// Queue an asynchronous collective of one tensor named `<kind>.<name>` (as [`run`] names ops; `name` is the
+/// user's name, or `noname.<n>`); returns its handle. `tensor` is an exact `numpy.ndarray` or a `dltensor`
+/// capsule, which the caller keeps alive until the handle completes. `submit` with one name and one tensor,
+/// for the path a burst of a thousand small ops takes: no lists on either side. Returns `NotImplemented`
+/// when `tensor` is not one the engine reads as it is (nothing was submitted: export it and call `submit`).
+#[pyfunction]
+#[pyo3(signature = (kind, name, tensor, in_place, reduce_op, prescale, postscale, root_rank, process_set_id))]
+#[allow(clippy::too_many_arguments)]
+pub fn submit_one<'py>(
+    py: Python<'py>,
+    kind: u8,
+    name: &str,
+    tensor: &Bound<'py, PyAny>,
+    in_place: bool,
+    reduce_op: u8,
+    prescale: f64,
+    postscale: f64,
+    root_rank: i32,
+    process_set_id: u32,
+) -> PyResult<Bound<'py, PyAny>> {
+    let (kind, reduce_op) = read_codes(kind, reduce_op)?;
+    if matches!(kind, CollectiveKind::Barrier | CollectiveKind::Join) {
+        return Err(PyValueError::new_err(format!("{kind} takes no tensor")));
+    }
+    let name = [kind.name(), ".", name].concat();
+    let Ok(imported) = import_input(tensor, in_place, || format!("{kind} '{name}'")) else {
+        return Ok(py.NotImplemented().into_bound(py));
+    };
+    let tensors = vec![whole_tensor(name, imported, in_place)];
+    let op = OpSubmission { kind, tensors, reduce_op, prescale, postscale, root_rank, splits: Vec::new() };
+    with_engine(|engine| queue(py, engine, op, process_set_id, false))?.into_bound_py_any(py)
 }
 
 thread_local! {
@@ -341,10 +385,7 @@ pub fn run<'py>(
     root_rank: i32,
     process_set_id: u32,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let kind =
-        CollectiveKind::from_code(kind).ok_or_else(|| PyValueError::new_err(format!("unknown collective {kind}")))?;
-    let reduce_op = ReduceOp::from_code(reduce_op)
-        .ok_or_else(|| PyValueError::new_err(format!("unknown reduce op {reduce_op}")))?;
+    let (kind, reduce_op) = read_codes(kind, reduce_op)?;
     with_engine(|engine| {
         run_with(py, engine, kind, name, array, in_place, reduce_op, prescale, postscale, root_rank, process_set_id)
     })
@@ -411,14 +452,10 @@ fn run_with<'py>(
         SmallOutcome::Failed(err) => Err(to_py_err(err)),
         SmallOutcome::NotRun(op) => {
             let tensors = match array {
-                Some(_) => vec![TensorSubmission {
-                    name: name.to_string(),
-                    dtype: op.dtype,
-                    shape: op.shape.to_vec(),
-                    input: op.input,
-                    in_place,
-                    packed: None,
-                }],
+                Some(_) => {
+                    let imported = ImportedTensor { tensor: op.input, dtype: op.dtype, shape: op.shape.to_vec() };
+                    vec![whole_tensor(name.to_string(), imported, in_place)]
+                }
                 None => Vec::new(),
             };
             let submission = OpSubmission {

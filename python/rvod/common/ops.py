@@ -42,6 +42,12 @@ class TensorAdapter:
         sees exactly (no lazy negation or conjugation bits)."""
         return None
 
+    def export_one(self, tensor):
+        """``export_unchecked([tensor], ...)``'s one capsule (or ``None``), without the lists: the path of an
+        asynchronous op on one tensor, which a burst takes a thousand times. The engine refuses what it
+        cannot take as it is, and the op then goes through ``export``."""
+        return None
+
     # Whether the framework's tensors go to the engine as they are (NumPy's: the engine takes exact ndarrays
     # and refuses anything else without sending anything); otherwise ``as_ndarray`` converts them.
     tensors_are_ndarrays = False
@@ -77,6 +83,7 @@ class TensorAdapter:
 # Bound once: the paths of every small synchronous op and of every submission.
 _run = _rvod.run
 _submit_native = _rvod.submit
+_submit_one_native = _rvod.submit_one
 _wait = _rvod.wait
 
 # An op in flight: handle -> (finish, adapter, context, *keepalive). ``finish(adapter, context, outputs,
@@ -244,6 +251,26 @@ def _submit(kind, names, adapter, tensors, in_place, finish, context, op=Sum, pr
     return _track(handle, wait, (finish, adapter, context, tensors, capsules, holders))
 
 
+def _submit_one(kind, name, adapter, tensor, in_place, finish, op=Sum, prescale=1.0, postscale=1.0, root=-1,
+                process_set=global_process_set):
+    """Submit an asynchronous op on one tensor, named ``<kind>.<name>`` (``name``: the user's, or
+    ``noname.<n>``); returns its handle. The path of every ``*_async`` call on one tensor, written for a burst:
+    one native call and one tuple per op (``_submit``'s lists, per-op records and argument tuples cost a
+    thousand-op burst of torch tensors ~20% of its time, a tenth of it in the garbage collector). Whatever
+    the engine cannot take as it is (and ops under ``wait_for``) goes through ``_submit``."""
+    if _waiter is None:
+        exported = tensor if adapter.tensors_are_ndarrays else adapter.export_one(tensor)
+        if exported is not None:
+            # Every rank belongs to the global set; the engine itself refuses ops before init().
+            set_id = 0 if process_set is global_process_set else process_set_id_of(process_set)
+            handle = _submit_one_native(kind, name, exported, in_place, op, prescale, postscale, root, set_id)
+            if handle is not NotImplemented:
+                _pending[handle] = (finish, adapter, tensor, exported)
+                return handle
+    return _submit(kind, [f"{_KIND_NAMES[kind]}.{name}"], adapter, [tensor], in_place, finish, tensor, op, prescale,
+                   postscale, root, (), process_set)
+
+
 def poll(handle):
     """True when the op behind ``handle`` has completed (never blocks)."""
     if handle not in _pending:
@@ -271,9 +298,10 @@ def synchronize(handle):
 def allreduce_async(adapter, tensor, average=None, name=None, op=None, prescale_factor=1.0,
                     postscale_factor=1.0, process_set=global_process_set, in_place=False):
     op = resolve_op(op, average)
-    name = f"allreduce.{name}" if name is not None else _prefixed("allreduce", None, process_set)
-    return _submit(ALLREDUCE, [name], adapter, [tensor], in_place, _original if in_place else _new_tensor, tensor,
-                   op, prescale_factor, postscale_factor, -1, (), process_set)
+    if name is None:
+        name = naming.next_suffix(process_set_id_of(process_set))
+    return _submit_one(ALLREDUCE, name, adapter, tensor, in_place, _original if in_place else _new_tensor, op,
+                       prescale_factor, postscale_factor, -1, process_set)
 
 
 def allreduce(adapter, tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -306,8 +334,9 @@ def grouped_allreduce_async(adapter, tensors, average=None, name=None, op=None, 
 
 
 def allgather_async(adapter, tensor, name=None, process_set=global_process_set):
-    return _submit(ALLGATHER, [_prefixed("allgather", name, process_set)], adapter, [tensor], False,
-                   _new_tensor, None, process_set=process_set)
+    if name is None:
+        name = naming.next_suffix(process_set_id_of(process_set))
+    return _submit_one(ALLGATHER, name, adapter, tensor, False, _new_tensor, process_set=process_set)
 
 
 def grouped_allgather_async(adapter, tensors, name=None, process_set=global_process_set):
@@ -319,8 +348,10 @@ def grouped_allgather_async(adapter, tensors, name=None, process_set=global_proc
 
 
 def broadcast_async(adapter, tensor, root_rank, name=None, process_set=global_process_set, in_place=False):
-    return _submit(BROADCAST, [_prefixed("broadcast", name, process_set)], adapter, [tensor], in_place,
-                   _original if in_place else _new_tensor, tensor, root=int(root_rank), process_set=process_set)
+    if name is None:
+        name = naming.next_suffix(process_set_id_of(process_set))
+    return _submit_one(BROADCAST, name, adapter, tensor, in_place, _original if in_place else _new_tensor,
+                       root=int(root_rank), process_set=process_set)
 
 
 def broadcast(adapter, tensor, root_rank, name=None, process_set=global_process_set, in_place=False):
@@ -342,9 +373,10 @@ def alltoall_async(adapter, tensor, splits=None, name=None, process_set=global_p
 def reducescatter_async(adapter, tensor, name=None, op=Average, process_set=global_process_set,
                         prescale_factor=1.0, postscale_factor=1.0):
     op = resolve_op(op, None)
-    return _submit(REDUCESCATTER, [_prefixed("reducescatter", name, process_set)], adapter, [tensor], False,
-                   _new_tensor, None, op=op, prescale=prescale_factor, postscale=postscale_factor,
-                   process_set=process_set)
+    if name is None:
+        name = naming.next_suffix(process_set_id_of(process_set))
+    return _submit_one(REDUCESCATTER, name, adapter, tensor, False, _new_tensor, op, prescale_factor,
+                       postscale_factor, process_set=process_set)
 
 
 def grouped_reducescatter_async(adapter, tensors, name=None, op=Average, process_set=global_process_set,

@@ -13,6 +13,8 @@ from torch.utils import dlpack
 
 from rvod.common.ops import TensorAdapter
 
+_to_dlpack = dlpack.to_dlpack
+
 SUPPORTED_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
                     torch.float32, torch.float64, torch.bool) + ((torch.uint16,) if hasattr(torch, "uint16") else ())
 _SUPPORTED_NAMES = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
@@ -52,6 +54,12 @@ class TorchAdapter(TensorAdapter):
             if any(map(torch.Tensor.is_neg, tensors)):
                 return None  # DLPack cannot carry the negative bit
             return list(map(dlpack.to_dlpack, tensors))
+        except Exception:  # noqa: BLE001 - not a tensor, or one DLPack cannot describe (sparse, meta, ...)
+            return None  # export() explains
+
+    def export_one(self, tensor):
+        try:
+            return None if tensor.is_neg() else _to_dlpack(tensor)  # DLPack cannot carry the negative bit
         except Exception:  # noqa: BLE001 - not a tensor, or one DLPack cannot describe (sparse, meta, ...)
             return None  # export() explains
 

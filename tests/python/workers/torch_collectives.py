@@ -142,6 +142,41 @@ with check("grouped allreduce: mixed dtypes, non-contiguous and negative-view me
     assert_tensor(negative.resolve_neg(), expected_reduce(torch.float32, (6,), hvd.Sum, 51), "negative-view member")
     assert torch.equal(wants_grad.detach(), expected_reduce(torch.float32, (4,), hvd.Sum, 52)), wants_grad
 
+with check("async ops on one tensor: tensors DLPack cannot carry as they are take the careful path"):
+    # One-tensor async ops hand DLPack capsules straight to the engine; a transposed tensor, a negative
+    # view and one that needs grad must still come out right, in place and not, and unnamed ops match.
+    def transposed(seed):
+        return contribution(torch.float32, (3, 4), R, seed).clone().t()
+
+    def negative(seed):
+        view = torch.zeros(5)._neg_view()
+        view.copy_(contribution(torch.float32, (5,), R, seed))
+        return view
+
+    in_place = [transposed(60), negative(61), contribution(torch.float32, (4,), R, 62).requires_grad_(),
+                contribution(torch.int32, (7,), R, 63)]
+    handles = [hvd.allreduce_async_(t, op=hvd.Sum) for t in in_place]
+    out_of_place = hvd.allreduce_async(negative(64), op=hvd.Sum, name="async.negative")
+    gathered = hvd.allgather_async(negative(65))
+    scattered = hvd.reducescatter_async(transposed(66), op=hvd.Sum)
+    broadcast_view = torch.full((3,), float(R))._neg_view()
+    broadcast = hvd.broadcast_async_(broadcast_view, root_rank=N - 1)
+    results = [hvd.synchronize(h) for h in handles]
+    assert all(result is t for result, t in zip(results, in_place)), "in-place results are their inputs"
+    assert_tensor(in_place[0], expected_reduce(torch.float32, (3, 4), hvd.Sum, 60).t(), "transposed, in place")
+    assert_tensor(in_place[1].resolve_neg(), expected_reduce(torch.float32, (5,), hvd.Sum, 61), "negative, in place")
+    assert torch.equal(in_place[2].detach(), expected_reduce(torch.float32, (4,), hvd.Sum, 62)), in_place[2]
+    assert_tensor(in_place[3], expected_reduce(torch.int32, (7,), hvd.Sum, 63), "plain, in place")
+    assert_tensor(hvd.synchronize(out_of_place), expected_reduce(torch.float32, (5,), hvd.Sum, 64),
+                  "negative view, out of place")
+    assert_tensor(hvd.synchronize(gathered), torch.cat([contribution(torch.float32, (5,), r, 65) for r in range(N)]),
+                  "negative view, allgather")
+    rows = expected_reduce(torch.float32, (3, 4), hvd.Sum, 66).t().contiguous()
+    shares = [4 // N + (1 if r < 4 % N else 0) for r in range(N)]
+    assert_tensor(hvd.synchronize(scattered), rows[sum(shares[:R]):sum(shares[:R + 1])], "transposed, reducescatter")
+    assert hvd.synchronize(broadcast) is broadcast_view
+    assert_tensor(broadcast_view.resolve_neg(), torch.full((3,), -float(N - 1)), "negative view, broadcast")
+
 with check("allreduce: default op is Average; average= is deprecated but works; 0-d tensors"):
     x = torch.full((4,), 2.0 * N * (R + 1))
     assert_tensor(hvd.allreduce(x), torch.full((4,), float((N + 1) * N)), "default")
