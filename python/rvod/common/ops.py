@@ -202,19 +202,28 @@ def _run_now(kind, name, adapter, tensor, in_place, op, prescale, postscale, roo
     user's, or ``noname.<n>``, which the engine prefixes with the kind. The path of every small synchronous
     op, written for few Python calls: an exact ndarray from the adapter goes to ``_rvod.run``, which runs a
     small op in steady state as one exchange with the peers, on this thread, and returns its result;
-    otherwise the op is submitted and waited for, as ``wait_for`` does."""
+    otherwise the op is submitted and waited for, as ``wait_for`` does. (``allreduce`` and ``broadcast`` call
+    ``_rvod.run`` themselves for NumPy on the global set, and ``_ran`` with what it returned.)"""
     array = tensor if adapter.tensors_are_ndarrays else adapter.as_ndarray(tensor)
-    if array is not None:
-        # Every rank belongs to the global set; the engine itself refuses ops before init().
-        set_id = 0 if process_set is global_process_set else process_set_id_of(process_set)
-        result = _run(kind, name, array, in_place, op, prescale, postscale, root, set_id)
-        if result is None:
-            return tensor  # done in place
-        if type(result) is int:  # submitted: wait for it, keeping the memory alive until it completes
-            _pending[result] = (_original if in_place else _new_tensor, adapter, tensor, tensor, array)
-            return synchronize(result)
-        if result is not NotImplemented:
-            return adapter.from_ndarray(result)
+    if array is None:
+        return _submit(kind, [f"{_KIND_NAMES[kind]}.{name}"], adapter, [tensor], in_place,
+                       _original if in_place else _new_tensor, tensor, op=op, prescale=prescale, postscale=postscale,
+                       root=int(root), process_set=process_set, wait=True).result
+    # Every rank belongs to the global set; the engine itself refuses ops before init().
+    set_id = 0 if process_set is global_process_set else process_set_id_of(process_set)
+    result = _run(kind, name, array, in_place, op, prescale, postscale, root, set_id)
+    return _ran(result, kind, name, adapter, tensor, array, in_place, op, prescale, postscale, root, process_set)
+
+
+def _ran(result, kind, name, adapter, tensor, array, in_place, op, prescale, postscale, root, process_set):
+    """The op's result from what ``_rvod.run`` returned for ``array`` (``tensor`` as an ndarray)."""
+    if result is None:
+        return tensor  # done in place
+    if type(result) is int:  # submitted: wait for it, keeping the memory alive until it completes
+        _pending[result] = (_original if in_place else _new_tensor, adapter, tensor, tensor, array)
+        return synchronize(result)
+    if result is not NotImplemented:
+        return adapter.from_ndarray(result)
     return _submit(kind, [f"{_KIND_NAMES[kind]}.{name}"], adapter, [tensor], in_place,
                    _original if in_place else _new_tensor, tensor, op=op, prescale=prescale, postscale=postscale,
                    root=int(root), process_set=process_set, wait=True).result
@@ -310,6 +319,15 @@ def allreduce(adapter, tensor, average=None, name=None, op=None, prescale_factor
     op = resolve_op(op, average)
     if name is None:
         name = naming.next_suffix(process_set_id_of(process_set))
+    if adapter.tensors_are_ndarrays and process_set is global_process_set:
+        # A small allreduce in a loop costs a few hundred nanoseconds: every Python call shows (see _run_now).
+        result = _run(ALLREDUCE, name, tensor, in_place, op, prescale_factor, postscale_factor, -1, 0)
+        if result is None:
+            return tensor
+        if type(result) is not int and result is not NotImplemented:
+            return result  # the new array: an ndarray adapter's tensor as it is
+        return _ran(result, ALLREDUCE, name, adapter, tensor, tensor, in_place, op, prescale_factor,
+                    postscale_factor, -1, process_set)
     return _run_now(ALLREDUCE, name, adapter, tensor, in_place, op, prescale_factor, postscale_factor, -1,
                     process_set)
 
@@ -358,6 +376,11 @@ def broadcast(adapter, tensor, root_rank, name=None, process_set=global_process_
     """``synchronize(broadcast_async(...))``: the result, ``tensor`` itself when ``in_place``."""
     if name is None:
         name = naming.next_suffix(process_set_id_of(process_set))
+    if adapter.tensors_are_ndarrays and process_set is global_process_set:  # as allreduce's
+        result = _run(BROADCAST, name, tensor, in_place, Sum, 1.0, 1.0, root_rank, 0)
+        if result is None:
+            return tensor
+        return _ran(result, BROADCAST, name, adapter, tensor, tensor, in_place, Sum, 1.0, 1.0, root_rank, process_set)
     return _run_now(BROADCAST, name, adapter, tensor, in_place, Sum, 1.0, 1.0, root_rank, process_set)
 
 
