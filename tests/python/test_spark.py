@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import os
 import re
+import subprocess
 import sys
 import time
 import uuid
@@ -88,6 +89,27 @@ def test_a_failing_rank_is_named_no_rank_is_left_and_the_next_run_works(spark):
         time.sleep(0.5)
     assert tagged_pids(tag) == [], "rank 0's process outlived the cancelled Spark job"
     cluster_fns.assert_collectives(rvod.spark.run(cluster_fns.collectives, num_proc=2))
+
+
+def test_folders_of_killed_tasks_are_removed_by_the_next_task(tmp_path):
+    """A task Spark kills runs no cleanup: its rank folder stays until a later task finds its process gone."""
+    from rvod.spark import rank_process
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    orphan = tmp_path / f"rvod-spark-{gone.pid}-rank0-abc123"
+    orphan.mkdir()
+    (orphan / "rank0.payload").write_bytes(b"left behind")
+    in_use = tmp_path / f"rvod-spark-{os.getpid()}-rank1-def456"
+    in_use.mkdir()
+    unrelated = tmp_path / f"rvod-spark-rank0-{gone.pid}"
+    unrelated.mkdir()
+    assert rank_process.remove_orphaned_workdirs(str(tmp_path)) == [str(orphan)]
+    assert not orphan.exists() and in_use.is_dir() and unrelated.is_dir()
+    with rank_process.workdir(2) as folder:
+        assert Path(folder).name.startswith(f"rvod-spark-{os.getpid()}-rank2-")
+        assert folder not in rank_process.remove_orphaned_workdirs() and Path(folder).is_dir()
+    assert not Path(folder).exists()
 
 
 @pytest.mark.timeout(240)

@@ -13,14 +13,59 @@ from __future__ import annotations
 import ctypes
 import os
 import pickle
+import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Mapping
 from typing import Any
 
 _PR_SET_PDEATHSIG = 1
+
+# A rank's folder (payload, result, captured output) is named after the task's process, so a later task can
+# tell a folder left behind by a task Spark killed (no Python cleanup runs then) from one still in use.
+_WORKDIR_PREFIX = "rvod-spark-"
+_WORKDIR_NAME = re.compile(re.escape(_WORKDIR_PREFIX) + r"(\d+)-rank\d+-[^/]+")
+
+
+def workdir(rank: int) -> tempfile.TemporaryDirectory[str]:
+    """A private folder for ``rank``'s files, removed when the context ends; first removes the folders of
+    tasks whose process is gone."""
+    remove_orphaned_workdirs()
+    return tempfile.TemporaryDirectory(prefix=f"{_WORKDIR_PREFIX}{os.getpid()}-rank{rank}-")
+
+
+def remove_orphaned_workdirs(root: str | None = None) -> list[str]:
+    """Remove the rank folders in ``root`` (default: the temporary directory) whose task process no longer
+    exists; returns their paths. Another user's folders, and those of live processes, are left alone."""
+    root = tempfile.gettempdir() if root is None else root
+    removed = []
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return removed
+    for entry in entries:
+        match = _WORKDIR_NAME.fullmatch(entry.name)
+        if match is None or _alive(int(match.group(1))) or not entry.is_dir(follow_symlinks=False):
+            continue
+        if entry.stat(follow_symlinks=False).st_uid != os.geteuid():
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)
+        removed.append(entry.path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 def _die_with_parent() -> None:

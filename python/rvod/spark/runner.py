@@ -15,7 +15,6 @@ from __future__ import annotations
 import datetime
 import os
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -61,7 +60,7 @@ def _rank_task(payload: bytes, secret: bytes, settings: dict[str, str], user_env
             slot = cluster_job.slots_for_hosts(hosts)[rank]
             env = {**os.environ, **user_env,
                    **cluster_job.rank_env(slot, address=address, port=port, secret=secret, settings=settings)}
-            with tempfile.TemporaryDirectory(prefix=f"rvod-spark-rank{rank}-") as workdir:
+            with rank_process.workdir(rank) as workdir:
                 succeeded, value, out, err = rank_process.run_rank(rank, payload, env, workdir, capture)
             reports.add([(rank, succeeded, None if succeeded else value)])
             if succeeded:
