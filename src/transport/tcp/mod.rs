@@ -72,6 +72,10 @@ fn poll_once(fds: &mut [libc::pollfd], timeout: Duration) -> io::Result<Option<u
 
 const ALERT: libc::c_short = libc::POLLHUP | libc::POLLERR;
 
+/// The longest a timed-out operation waits for the silent peer's cause before naming that peer (a quarter of
+/// the timeout when that is shorter).
+const CAUSE_GRACE: Duration = Duration::from_secs(1);
+
 /// How long a wait checks for readiness without sleeping before it blocks in `poll` (see
 /// [`spin`](crate::transport::spin)).
 const SPIN: Duration = Duration::from_micros(50);
@@ -139,10 +143,41 @@ impl TcpTransport {
             TransportError::PeerClosed { peer } | TransportError::Io { peer, .. } => {
                 self.cause_given_by(*peer).map_or(err, |cause| cause.error(self.timeout))
             }
+            TransportError::Timeout { peer, .. } => {
+                // The silent peer may itself be waiting on a third rank and time out at about the same moment
+                // (ranks stall together when one freezes): give the word it sends as it closes a moment to
+                // arrive, so that every survivor names the frozen rank, not the survivor it waited on.
+                self.await_cause(*peer, (self.timeout / 4).min(CAUSE_GRACE));
+                self.cause_given_by(*peer).map_or(err, |cause| cause.error(self.timeout))
+            }
             _ => err,
         };
         self.note_failure(&err);
         Err(err)
+    }
+
+    /// Wait up to `grace` for `peer`'s urgent byte (its cause, sent as it closes), or for its connection to
+    /// end or break without one; whatever arrived is left in the link for [`Self::cause_given_by`].
+    fn await_cause(&mut self, peer: usize, grace: Duration) {
+        let Some(link) = self.links.get_mut(peer).and_then(Option::as_mut) else { return };
+        let deadline = Instant::now() + grace;
+        while link.urgent.is_none() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return;
+            }
+            let mut fds = [libc::pollfd { fd: link.stream.as_raw_fd(), events: libc::POLLPRI, revents: 0 }];
+            match poll_once(&mut fds, left) {
+                Ok(Some(ready)) if ready > 0 => {
+                    link.take_urgent(fds[0].revents);
+                    if link.urgent.is_none() {
+                        return; // the connection ended or broke, or its urgent mark was already read past
+                    }
+                }
+                Ok(_) => {}
+                Err(_) => return,
+            }
+        }
     }
 
     /// The cause `peer` gave for closing its connection to this rank, when it names a third rank.

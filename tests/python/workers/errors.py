@@ -290,13 +290,13 @@ def kill():
             fatal = lambda: hvd.allreduce(big, op=hvd.Sum, name="fatal", process_set=process_set)  # noqa: E731
             is_internal = survivor_report(fatal)
     else:
-        if sys.argv[2] == "SIGKILL":
-            # Every rank submits the doomed op within microseconds of the others, so the victim dies while
-            # its data moves, not while a late rank is still negotiating it (a rank still freeing the last
-            # 128 MiB result could start more than the delay below after the victim). Not before a freeze:
-            # over TCP, ranks stalled at the same moment time out at the same moment, and the one waiting on
-            # a survivor may give up before that survivor's word naming the frozen rank reaches it.
-            hvd.barrier()
+        # Every rank submits the doomed op within microseconds of the others, so the victim dies or freezes
+        # while its data moves, not while a late rank is still negotiating it (a rank still freeing the last
+        # 128 MiB result could start more than the delay below after the victim; over TCP a survivor that
+        # had waited on another survivor since long before could then time out a second or more before that
+        # survivor's word naming the frozen rank was sent). Ranks that stall together time out together, and
+        # a TCP survivor timing out on a silent peer waits a moment for that peer's word (see TcpTransport).
+        hvd.barrier()
         if sys.argv[3:] == ["grouped"]:
             # 64 MiB in 16 tensors: over shared memory a grouped allreduce runs through the staging areas, fast
             # enough (tens of ms) that the victim dies 5 ms in, while packing or reducing.
