@@ -369,55 +369,6 @@ impl ShmTransport {
         })
     }
 
-    /// One exchange as a whole: the send runs at most EXCHANGE_WINDOW ahead of the receive while bytes
-    /// are still to come; `sink` gets offsets from the start of this piece.
-    fn exchange_piece(
-        &mut self,
-        to: usize,
-        send: &[u8],
-        from: usize,
-        recv_len: usize,
-        sink: &mut dyn FnMut(usize, &[u8]),
-    ) -> Result<(), TransportError> {
-        let me = self.rank;
-        let (mut sent, mut got) = (0, 0);
-        loop {
-            let mut progressed = false;
-            // While bytes are still to come, the send runs at most EXCHANGE_WINDOW ahead of them.
-            let send_limit = if got < recv_len { send.len().min(got + EXCHANGE_WINDOW) } else { send.len() };
-            if sent < send_limit {
-                let n = self.push(to, &send[sent..send_limit])?;
-                sent += n;
-                progressed |= n > 0;
-            }
-            while got < recv_len {
-                let mut offset = got;
-                let n = self.pop(from, recv_len - got, &mut |piece| {
-                    sink(offset, piece);
-                    offset += piece.len();
-                })?;
-                if n == 0 {
-                    break;
-                }
-                got += n;
-                progressed = true;
-            }
-            if sent == send.len() && got == recv_len {
-                return Ok(());
-            }
-            if !(progressed || sent < send_limit && self.relieve(Some(from))?) {
-                let (sending, receiving) = (sent < send_limit, got < recv_len);
-                let blame = if receiving { from } else { to };
-                self.block(blame, |l| {
-                    (sending && l.channel(me, to).writable() > 0) || (receiving && l.channel(from, me).readable() > 0)
-                })?;
-                if sending && blame != to && self.peer_closed(to) {
-                    return Err(self.closed_error(to));
-                }
-            }
-        }
-    }
-
     /// Copy what fits of `data` into `to`'s ring (one piece at most).
     fn push(&mut self, to: usize, data: &[u8]) -> Result<usize, TransportError> {
         if self.peer_closed(to) {
@@ -579,14 +530,58 @@ impl Transport for ShmTransport {
         recv_len: usize,
         sink: &mut dyn FnMut(usize, &[u8]),
     ) -> Result<(), TransportError> {
-        // Long exchanges go as consecutive exchanges of EXCHANGE_PIECE bytes each way (see there).
-        let pieces = send.len().max(recv_len).div_ceil(EXCHANGE_PIECE).max(1);
-        for i in 0..pieces {
-            let (s0, s1) = (send.len().min(i * EXCHANGE_PIECE), send.len().min((i + 1) * EXCHANGE_PIECE));
-            let (r0, r1) = (recv_len.min(i * EXCHANGE_PIECE), recv_len.min((i + 1) * EXCHANGE_PIECE));
-            self.exchange_piece(to, &send[s0..s1], from, r1 - r0, &mut |offset, bytes| sink(r0 + offset, bytes))?;
+        let me = self.rank;
+        let (mut sent, mut got) = (0, 0);
+        // Long exchanges go as consecutive exchanges of EXCHANGE_PIECE bytes each way (see there): piece
+        // `piece` is sent and received whole before the next one starts.
+        let mut piece = 0;
+        loop {
+            let (send_start, recv_start) =
+                (send.len().min(piece * EXCHANGE_PIECE), recv_len.min(piece * EXCHANGE_PIECE));
+            let (send_end, recv_end) =
+                (send.len().min((piece + 1) * EXCHANGE_PIECE), recv_len.min((piece + 1) * EXCHANGE_PIECE));
+            if sent == send_end && got == recv_end {
+                if sent == send.len() && got == recv_len {
+                    return Ok(());
+                }
+                piece += 1;
+                continue;
+            }
+            let mut progressed = false;
+            // While bytes of the piece are still to come, its send runs at most EXCHANGE_WINDOW ahead of them.
+            let send_limit =
+                if got < recv_end { send_end.min(send_start + (got - recv_start) + EXCHANGE_WINDOW) } else { send_end };
+            if sent < send_limit {
+                let n = self.push(to, &send[sent..send_limit])?;
+                sent += n;
+                progressed |= n > 0;
+            }
+            while got < recv_end {
+                let mut offset = got;
+                let n = self.pop(from, recv_end - got, &mut |bytes| {
+                    sink(offset, bytes);
+                    offset += bytes.len();
+                })?;
+                if n == 0 {
+                    break;
+                }
+                got += n;
+                progressed = true;
+            }
+            if sent == send_end && got == recv_end {
+                continue;
+            }
+            if !(progressed || sent < send_limit && self.relieve(Some(from))?) {
+                let (sending, receiving) = (sent < send_limit, got < recv_end);
+                let blame = if receiving { from } else { to };
+                self.block(blame, |l| {
+                    (sending && l.channel(me, to).writable() > 0) || (receiving && l.channel(from, me).readable() > 0)
+                })?;
+                if sending && blame != to && self.peer_closed(to) {
+                    return Err(self.closed_error(to));
+                }
+            }
         }
-        Ok(())
     }
 
     fn wait_for_activity(&mut self, waker: &Waker, timeout: Duration) -> Result<Activity, TransportError> {
