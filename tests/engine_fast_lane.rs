@@ -50,6 +50,10 @@ impl Small {
         Small { kind: CollectiveKind::Broadcast, root, ..Small::allreduce(name, values) }
     }
 
+    fn allgather(name: &'static str, values: &[f32]) -> Small {
+        Small { kind: CollectiveKind::Allgather, ..Small::allreduce(name, values) }
+    }
+
     fn barrier() -> Small {
         Small { kind: CollectiveKind::Barrier, name: BARRIER_NAME, data: Vec::new(), ..Small::allreduce("", &[]) }
     }
@@ -110,7 +114,8 @@ fn run(engine: &Engine, op: &mut Small) -> (Result<Vec<u8>, EngineError>, Path) 
     };
     let communicator = engine.fast_lane(0).expect("a member of the global set");
     let (handle, path) = match communicator.run_small(small, &mut out) {
-        SmallOutcome::Done => {
+        SmallOutcome::Done(result_len) => {
+            out.truncate(result_len);
             let result = if op.in_place { op.data.clone() } else { out };
             return (Ok(result), Path::FastLane);
         }
@@ -171,6 +176,9 @@ fn step_ops(rank: usize, step: usize) -> Vec<Small> {
         Small::broadcast("bcast", &[r * 10.0 + s], 0),
         broadcast_in_place,
         Small::barrier(),
+        Small::allgather("gathered", &[r, s, -1.5]),
+        // As many rows as rank + 1: the headers differ in length, so the ordinary round completes it.
+        Small::allgather("uneven", &vec![r * 10.0 + s; rank + 1]),
     ]
 }
 
@@ -185,7 +193,7 @@ fn steady_small_ops_take_the_fast_lane_and_give_the_ordinary_paths_bits() {
                 .map(|mut op| run_ordinarily(engine, &mut op).unwrap())
                 .collect()
         });
-        let fast = AtomicUsize::new(0);
+        let (fast, fast_allgathers) = (AtomicUsize::new(0), AtomicUsize::new(0));
         let got: Vec<Vec<Vec<u8>>> = on_every_rank(&engines, |rank, engine| {
             (0..20)
                 .flat_map(|step| step_ops(rank, step))
@@ -193,11 +201,16 @@ fn steady_small_ops_take_the_fast_lane_and_give_the_ordinary_paths_bits() {
                     let (result, path) = run(engine, &mut op);
                     if path == Path::FastLane {
                         fast.fetch_add(1, Ordering::Relaxed);
+                        if op.kind == CollectiveKind::Allgather {
+                            fast_allgathers.fetch_add(1, Ordering::Relaxed);
+                        }
                     }
                     result.unwrap()
                 })
                 .collect()
         });
+        let fast_allgathers = fast_allgathers.load(Ordering::Relaxed);
+        assert!(fast_allgathers >= n * 10, "{n} ranks: only {fast_allgathers} allgathers took the fast lane");
         assert_eq!(got, expected, "{n} ranks: the fast lane's results are the ordinary path's, bit for bit");
         let ops = n * 20 * step_ops(0, 0).len();
         let fast = fast.load(Ordering::Relaxed);
@@ -206,6 +219,17 @@ fn steady_small_ops_take_the_fast_lane_and_give_the_ordinary_paths_bits() {
             // Every rank got the root's values from the broadcasts.
             assert_eq!(got[rank][4], got[0][4]);
             assert_eq!(as_f32(&got[rank][5]), vec![1.0, 0.0, 1.0]);
+        }
+        let per_step = step_ops(0, 0).len();
+        for (rank, results) in got.iter().enumerate() {
+            for step in [0, 19] {
+                // Every rank's rows in rank order, also where the ranks have different numbers of rows.
+                let s = step as f32;
+                let gathered: Vec<f32> = (0..n).flat_map(|r| [r as f32, s, -1.5]).collect();
+                assert_eq!(as_f32(&results[step * per_step + 7]), gathered, "{n} ranks, rank {rank}, step {step}");
+                let uneven: Vec<f32> = (0..n).flat_map(|r| vec![r as f32 * 10.0 + s; r + 1]).collect();
+                assert_eq!(as_f32(&results[step * per_step + 8]), uneven, "{n} ranks, rank {rank}, step {step}");
+            }
         }
     }
 }

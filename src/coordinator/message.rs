@@ -70,6 +70,21 @@ impl ResponseEntry {
     pub fn num_elements(&self) -> usize {
         shape_elements(&self.shape)
     }
+
+    /// An allgather's contribution of each rank in bytes: its rows times the bytes of one row.
+    pub fn allgather_bytes_per_rank(&self, dtype: DataType) -> Vec<usize> {
+        let row = shape_elements(self.shape.get(1..).unwrap_or(&[])).saturating_mul(dtype.size());
+        self.per_rank.iter().map(|&rows| (rows.max(0) as usize).saturating_mul(row)).collect()
+    }
+
+    /// An allgather's result shape: every rank's rows, then the rows' dimensions.
+    pub fn allgather_shape(&self) -> Vec<i64> {
+        let mut shape = self.shape.clone();
+        if let Some(first) = shape.first_mut() {
+            *first = self.per_rank.iter().sum();
+        }
+        shape
+    }
 }
 
 /// The shapes of a packed group's tensors as one list: each shape's dimension count, then its dimensions.

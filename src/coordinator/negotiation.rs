@@ -30,14 +30,16 @@ use crate::types::{CollectiveKind, ReduceOp};
 /// Control messages larger than this are treated as corrupt.
 const MAX_CONTROL_MESSAGE: usize = 256 * 1024 * 1024;
 
-/// Cached allreduces and broadcasts up to this size travel inside the round header (see [`EagerOp`]).
+/// Cached allreduces, broadcasts and allgathers whose contribution is at most this size travel inside the
+/// round header (see [`EagerOp`]).
 pub const EAGER_TENSOR_BYTES: usize = 4096;
 /// At most this much eager data rides in one header, so headers stay small.
 pub const EAGER_HEADER_BYTES: usize = 64 * 1024;
 
-/// A small allreduce or broadcast whose data every rank already received with the round headers: each rank
-/// reduces the contributions locally, in rank order (an allreduce), or takes the root's (a broadcast), so all
-/// get identical bits and no data exchange is needed.
+/// A small allreduce, broadcast or allgather whose data every rank already received with the round headers:
+/// each rank reduces the contributions locally, in rank order (an allreduce), takes the root's (a broadcast)
+/// or concatenates them in rank order (an allgather), so all get identical bits and no data exchange is
+/// needed.
 pub struct EagerOp {
     /// The single-tensor cached response.
     pub response: Response,
@@ -45,13 +47,14 @@ pub struct EagerOp {
     pub contributions: Vec<Option<Vec<u8>>>,
 }
 
-/// Whether a cached tensor of `kind` with `bytes` of data rides in the round headers when every rank hits
-/// it: a small allreduce (Adasum excepted: it is not a rank-order fold of the contributions, it always runs
-/// its tree) or a small broadcast (every rank sends its data; all take the root's).
+/// Whether a cached tensor of `kind` with `bytes` of data (this rank's contribution) rides in the round
+/// headers when every rank hits it: a small allreduce (Adasum excepted: it is not a rank-order fold of the
+/// contributions, it always runs its tree), a small broadcast (every rank sends its data; all take the
+/// root's) or a small allgather (every rank's rows, concatenated in rank order).
 pub fn rides_in_header(kind: CollectiveKind, reduce_op: ReduceOp, bytes: usize) -> bool {
     let eager_kind = match kind {
         CollectiveKind::Allreduce => reduce_op != ReduceOp::Adasum,
-        CollectiveKind::Broadcast => true,
+        CollectiveKind::Broadcast | CollectiveKind::Allgather => true,
         _ => false,
     };
     eager_kind && bytes <= EAGER_TENSOR_BYTES
@@ -164,15 +167,30 @@ pub fn exchange_headers(t: &mut dyn Transport, mut header: RoundHeader) -> Resul
     Ok(headers)
 }
 
-/// Every rank's contribution to the cached tensor at `bit` if all of them sent it in their headers (a
-/// joined rank contributes zeros); `None` when some rank did not, or sent the wrong size.
-fn eager_contributions(headers: &[RoundHeader], bit: usize, bytes: usize) -> Option<Vec<Option<Vec<u8>>>> {
+/// Every rank's contribution to `cached` (the cached tensor at `bit`) if all of them sent it in their headers,
+/// each of the size the response says; `None` when some rank did not, sent another size, or the tensor does
+/// not ride in headers. A joined rank contributes zeros to an allreduce; an allgather, which a joined rank
+/// cannot join, is left to the ordinary path then (which reports it).
+fn eager_contributions(headers: &[RoundHeader], bit: usize, cached: &Response) -> Option<Vec<Option<Vec<u8>>>> {
+    let allgather = cached.kind == CollectiveKind::Allgather;
+    // An allgather's contributions differ in size from rank to rank; the others' are all the tensor's.
+    let (per_rank, tensor_bytes) = match cached.entries.first() {
+        Some(spec) if allgather => (spec.allgather_bytes_per_rank(cached.dtype), 0),
+        _ => (Vec::new(), cached.tensor_bytes()),
+    };
+    let bytes_of = |rank: usize| if allgather { per_rank.get(rank).copied() } else { Some(tensor_bytes) };
+    let rides = |rank| bytes_of(rank).is_some_and(|bytes| rides_in_header(cached.kind, cached.reduce_op, bytes));
+    if !(0..headers.len()).all(rides) {
+        return None;
+    }
     headers
         .iter()
-        .map(|h| match h.eager.iter().find(|p| p.bit == bit as u64) {
+        .enumerate()
+        .map(|(rank, h)| (h, bytes_of(rank).unwrap_or_default()))
+        .map(|(h, bytes)| match h.eager.iter().find(|p| p.bit == bit as u64) {
             Some(p) if p.data.len() == bytes => Some(Some(p.data.clone())),
             Some(_) => None,
-            None if h.joined => Some(None),
+            None if h.joined && !allgather => Some(None),
             None => None,
         })
         .collect()
@@ -337,11 +355,7 @@ impl Negotiator {
         let mut eager = Vec::new();
         for bit in common.iter_ones().filter(|b| !invalid.contains(*b)) {
             if let Some(cached) = self.cache.get(bit) {
-                let bytes = cached.tensor_bytes();
-                let eager_data = rides_in_header(cached.kind, cached.reduce_op, bytes)
-                    .then(|| eager_contributions(&headers, bit, bytes))
-                    .flatten();
-                match eager_data {
+                match eager_contributions(&headers, bit, cached) {
                     Some(contributions) => eager.push(EagerOp { response: cached.clone(), contributions }),
                     None => responses.push(cached.clone()),
                 }
@@ -594,6 +608,39 @@ mod tests {
     }
 
     #[test]
+    fn a_cached_allgather_rides_in_headers_with_each_ranks_rows() {
+        let outcomes = run_ranks(MemoryTransport::mesh(3), |t| {
+            let rank = t.rank();
+            let mut negotiator = negotiator(rank, 3);
+            let mut table = FakeTable::default();
+            // Rank r gathers r + 1 rows of two float32 values, each byte set to r + 1.
+            let submit = |table: &mut FakeTable| {
+                let rows = rank as i64 + 1;
+                let request =
+                    Request { kind: CollectiveKind::Allgather, ..allreduce_request(rank as u32, "rows", &[rows, 2]) };
+                let data = vec![rank as u8 + 1; rows as usize * 8];
+                table.entries.push((FakeEntry { request, submitted: Instant::now(), data }, Announcement::Unsent));
+            };
+            submit(&mut table);
+            let first = negotiator.round(t, &mut table, None).unwrap();
+            assert_eq!(names(&first.responses), ["rows"], "rank {rank}");
+            assert!(first.eager.is_empty());
+            table.complete("rows");
+            submit(&mut table);
+            let second = negotiator.round(t, &mut table, None).unwrap();
+            assert!(second.responses.is_empty(), "rank {rank}: every rank hit the cache");
+            assert_eq!(second.eager.len(), 1, "rank {rank}");
+            let spec = &second.eager[0].response.entries[0];
+            assert_eq!(spec.allgather_shape(), [6, 2], "rank {rank}");
+            second.eager[0].contributions.clone()
+        });
+        let expected: Vec<Option<Vec<u8>>> = (0..3u8).map(|r| Some(vec![r + 1; (r as usize + 1) * 8])).collect();
+        for contributions in outcomes {
+            assert_eq!(contributions, expected, "every rank holds every rank's rows, in rank order");
+        }
+    }
+
+    #[test]
     fn the_coordinators_tuned_values_apply_on_every_rank_when_the_round_ends() {
         let tuned = TunedValues {
             fusion_threshold: 4096,
@@ -686,14 +733,36 @@ mod tests {
         }
     }
 
+    /// A cached response for a tensor of `bytes` uint8 values; for an allgather, `rows` are every rank's.
+    fn cached(kind: CollectiveKind, bytes: i64, rows: &[i64]) -> Response {
+        let mut response = Response::for_one_tensor(kind, "t", crate::types::DataType::Uint8, bytes);
+        response.entries[0].per_rank = rows.to_vec();
+        response
+    }
+
     #[test]
     fn eager_only_when_every_active_rank_sent_the_right_size() {
+        let allreduce = |bytes| cached(CollectiveKind::Allreduce, bytes, &[]);
         let all = [header(false, &[(3, &[1, 2])]), header(false, &[(1, &[9]), (3, &[3, 4])])];
-        assert_eq!(eager_contributions(&all, 3, 2), Some(vec![Some(vec![1, 2]), Some(vec![3, 4])]));
-        assert_eq!(eager_contributions(&all, 1, 1), None, "rank 0 did not send bit 1");
-        assert_eq!(eager_contributions(&all, 3, 4), None, "wrong size");
+        assert_eq!(eager_contributions(&all, 3, &allreduce(2)), Some(vec![Some(vec![1, 2]), Some(vec![3, 4])]));
+        assert_eq!(eager_contributions(&all, 1, &allreduce(1)), None, "rank 0 did not send bit 1");
+        assert_eq!(eager_contributions(&all, 3, &allreduce(4)), None, "wrong size");
         let with_joined = [header(false, &[(3, &[1, 2])]), header(true, &[])];
-        assert_eq!(eager_contributions(&with_joined, 3, 2), Some(vec![Some(vec![1, 2]), None]));
+        assert_eq!(eager_contributions(&with_joined, 3, &allreduce(2)), Some(vec![Some(vec![1, 2]), None]));
+        let large = [header(false, &[(3, &[0; 4097])]), header(false, &[(3, &[0; 4097])])];
+        assert_eq!(eager_contributions(&large, 3, &allreduce(4097)), None, "too large to ride");
+    }
+
+    #[test]
+    fn an_eager_allgather_takes_each_ranks_rows_and_no_joined_rank() {
+        // Rows of one byte (shape [rows]): rank 0 has one row, rank 1 two.
+        let allgather = |rows: &[i64]| cached(CollectiveKind::Allgather, rows[0], rows);
+        let all = [header(false, &[(3, &[1])]), header(false, &[(3, &[2, 3])])];
+        assert_eq!(eager_contributions(&all, 3, &allgather(&[1, 2])), Some(vec![Some(vec![1]), Some(vec![2, 3])]));
+        assert_eq!(eager_contributions(&all, 3, &allgather(&[2, 1])), None, "rows differ from the response's");
+        assert_eq!(eager_contributions(&all, 3, &allgather(&[1])), None, "one rank's rows missing");
+        let with_joined = [header(false, &[(3, &[1])]), header(true, &[])];
+        assert_eq!(eager_contributions(&with_joined, 3, &allgather(&[1, 0])), None, "a joined rank cannot gather");
     }
 
     #[test]
@@ -744,13 +813,15 @@ mod tests {
     }
 
     #[test]
-    fn small_allreduces_and_broadcasts_ride_in_headers() {
+    fn small_allreduces_broadcasts_and_allgathers_ride_in_headers() {
         assert!(rides_in_header(CollectiveKind::Allreduce, ReduceOp::Sum, EAGER_TENSOR_BYTES));
         assert!(rides_in_header(CollectiveKind::Broadcast, ReduceOp::Sum, 8));
         assert!(!rides_in_header(CollectiveKind::Allreduce, ReduceOp::Sum, EAGER_TENSOR_BYTES + 1));
         assert!(!rides_in_header(CollectiveKind::Broadcast, ReduceOp::Sum, EAGER_TENSOR_BYTES + 1));
         assert!(!rides_in_header(CollectiveKind::Allreduce, ReduceOp::Adasum, 4), "Adasum runs its tree");
-        assert!(!rides_in_header(CollectiveKind::Allgather, ReduceOp::Sum, 4));
+        assert!(rides_in_header(CollectiveKind::Allgather, ReduceOp::Sum, EAGER_TENSOR_BYTES));
+        assert!(!rides_in_header(CollectiveKind::Allgather, ReduceOp::Sum, EAGER_TENSOR_BYTES + 1));
+        assert!(!rides_in_header(CollectiveKind::Reducescatter, ReduceOp::Sum, 4));
         assert!(!rides_in_header(CollectiveKind::Barrier, ReduceOp::Sum, 0));
     }
 }

@@ -239,8 +239,8 @@ impl Communicator {
 
     /// Run `op` (its root, for a broadcast, a global rank) on this thread by the fast lane if it can run
     /// there now (see [`fast_lane`](super::fast_lane)); `NotRun` hands it back as it came. `out` receives an
-    /// out-of-place result. Call with the GIL released, unless [`peers_sent`](Self::peers_sent).
-    pub fn run_small<'a>(&self, mut op: SmallOp<'a>, out: &mut [u8]) -> SmallOutcome<'a> {
+    /// out-of-place result (grown to its size if shorter). Call with the GIL released, unless [`peers_sent`](Self::peers_sent).
+    pub fn run_small<'a>(&self, mut op: SmallOp<'a>, out: &mut Vec<u8>) -> SmallOutcome<'a> {
         let global_root = op.root_rank;
         if op.kind == CollectiveKind::Broadcast {
             match usize::try_from(global_root).ok().and_then(|root| self.local_rank_of(root)) {

@@ -171,7 +171,7 @@ impl Driver {
 
     /// Run `op` on this thread by the fast lane (see [`super::fast_lane`]) if callers may run the loop and it
     /// is free; otherwise it is not run. `out` receives an out-of-place result.
-    pub(crate) fn run_small<'a>(&self, op: SmallOp<'a>, out: &mut [u8]) -> SmallOutcome<'a> {
+    pub(crate) fn run_small<'a>(&self, op: SmallOp<'a>, out: &mut Vec<u8>) -> SmallOutcome<'a> {
         if self.waiter.is_none() {
             return SmallOutcome::NotRun(op);
         }

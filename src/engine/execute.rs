@@ -431,11 +431,26 @@ fn scatter(tensors: &mut [TensorIo<'_>], slots: &[FusionSlot], offset: usize, by
     }
 }
 
-/// Finish an allreduce or broadcast whose every contribution arrived with the round headers: reduce them
-/// locally in rank order, or take the root's (identical bits on every rank), and write the result.
+/// Finish an allreduce, broadcast or allgather whose every contribution arrived with the round headers:
+/// reduce them locally in rank order, take the root's, or concatenate them in rank order (identical bits on
+/// every rank), and write the result.
 pub fn execute_eager(eager: &EagerOp, entry: Option<&mut TensorEntry>) -> Result<TensorResult, EngineError> {
     let response = &eager.response;
     let dtype = response.dtype;
+    let name = || response.entries.first().map_or("", |e| e.name.as_str());
+    if response.kind == CollectiveKind::Allgather {
+        let spec = response.entries.first();
+        let parts: Option<Vec<&[u8]>> = eager.contributions.iter().map(Option::as_deref).collect();
+        let (Some(spec), Some(parts)) = (spec, parts) else {
+            return Err(EngineError::Internal(format!(
+                "allgather of '{}': a rank's data did not come with its round header",
+                name()
+            )));
+        };
+        let mut result = AlignedBuffer::for_overwrite(parts.iter().map(|p| p.len()).sum());
+        concatenate(parts, result.as_mut_slice());
+        return Ok(TensorResult { output: output(result, spec.allgather_shape(), dtype), ..TensorResult::default() });
+    }
     let len = response.tensor_bytes();
     let mut result = AlignedBuffer::for_overwrite(len);
     if response.kind == CollectiveKind::Broadcast {
@@ -443,7 +458,7 @@ pub fn execute_eager(eager: &EagerOp, entry: Option<&mut TensorEntry>) -> Result
         let Some(Some(data)) = root else {
             return Err(EngineError::Internal(format!(
                 "broadcast of '{}': the root's data did not come with its round header",
-                response.entries.first().map_or("", |e| e.name.as_str())
+                name()
             )));
         };
         result.as_mut_slice().copy_from_slice(data);
@@ -468,6 +483,16 @@ pub fn execute_eager(eager: &EagerOp, entry: Option<&mut TensorEntry>) -> Result
             io.finish()
         }
     })
+}
+
+/// `parts` one after another into `out` (their total length): a small allgather's result from every rank's
+/// contribution in rank order; rounds and the fast lane ([`super::fast_lane`]) both build it with this.
+pub fn concatenate<'a>(parts: impl IntoIterator<Item = &'a [u8]>, out: &mut [u8]) {
+    let mut at = 0;
+    for part in parts {
+        out[at..at + part.len()].copy_from_slice(part);
+        at += part.len();
+    }
 }
 
 /// A small allreduce's result from every rank's contribution in rank order (`None`: a joined rank's
@@ -536,9 +561,7 @@ fn allgather(
 ) -> Result<Result<TensorResult, EngineError>, TransportError> {
     let spec = &response.entries[0];
     let dtype = response.dtype;
-    let row = row_bytes(&spec.shape, dtype);
-    let bytes_per_rank: Vec<usize> = spec.per_rank.iter().map(|&rows| rows.max(0) as usize * row).collect();
-    let total_rows: i64 = spec.per_rank.iter().sum();
+    let bytes_per_rank = spec.allgather_bytes_per_rank(dtype);
     let mut out = AlignedBuffer::for_overwrite(bytes_per_rank.iter().sum());
     let hierarchical = t.hosts().map(|parts| hierarchical_pays(forced, parts.layout, out.len()));
     match (hierarchical, t.hosts()) {
@@ -558,11 +581,7 @@ fn allgather(
             phases.mark_collective();
         }
     }
-    let mut shape = spec.shape.clone();
-    if let Some(first) = shape.first_mut() {
-        *first = total_rows;
-    }
-    Ok(Ok(TensorResult { output: output(out, shape, dtype), ..TensorResult::default() }))
+    Ok(Ok(TensorResult { output: output(out, spec.allgather_shape(), dtype), ..TensorResult::default() }))
 }
 
 fn broadcast(

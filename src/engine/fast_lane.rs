@@ -1,14 +1,14 @@
 //! The fast lane: a small synchronous collective run by its caller as one exchange of round headers,
 //! without the handle and tensor tables.
 //!
-//! In steady state a script's small synchronous ops (a metric's allreduce, a barrier, a small broadcast)
-//! are response-cache hits whose data rides in the round header (see [`rides_in_header`]): the round is
-//! the whole op. The fast lane runs that round directly. It sends the header the ordinary round would send
+//! In steady state a script's small synchronous ops (a metric's allreduce, a barrier, a small broadcast or
+//! allgather) are response-cache hits whose data rides in the round header (see [`rides_in_header`]): the
+//! round is the whole op. The fast lane runs that round directly. It sends the header the ordinary round would send
 //! for this op alone ([`frame_single_hit`]: the one hit, its data), and compares each peer's header with
 //! its own byte for byte, the data aside. When every peer's says the same (every rank is in the same
 //! steady state), the verdict needs no decoding: the op is complete, folded from the headers' data as the
-//! round's eager path folds it ([`fold_contributions`]), so every rank gets the same bits whichever path it
-//! took. Anything else (a peer with other work or a different op, a stop, a join, an invalid bit, autotuned
+//! round's eager path folds it ([`fold_contributions`], or [`concatenate`] for an allgather), so every rank
+//! gets the same bits whichever path it took. Anything else (a peer with other work or a different op, a stop, a join, an invalid bit, autotuned
 //! values) and the headers are decoded and decided by the ordinary round, with this op put in the tables
 //! as the hit it announced: the fast lane sends nothing the ordinary round would not, so ranks on either
 //! path work together, and every check the round makes (mismatches, stalls, shutdown) still happens.
@@ -25,7 +25,7 @@ use crate::coordinator::negotiation::{decode_message, frame_single_hit, recv_bod
 use crate::coordinator::pending::Announcement;
 use crate::coordinator::round::RoundHeader;
 use crate::engine::background::{naming_tensor, Loop};
-use crate::engine::execute::{combine_of, effective_postscale, fold_contributions};
+use crate::engine::execute::{combine_of, concatenate, effective_postscale, fold_contributions};
 use crate::engine::handles::HandleId;
 use crate::engine::table::TensorEntry;
 use crate::error::EngineError;
@@ -33,8 +33,8 @@ use crate::tensor::RawTensor;
 use crate::transport::{Transport, TransportError};
 use crate::types::{CollectiveKind, DataType, ReduceOp};
 
-/// A small synchronous collective: an allreduce or broadcast small enough to ride in the round header, or
-/// a barrier.
+/// A small synchronous collective: an allreduce, broadcast or allgather small enough to ride in the round
+/// header, or a barrier.
 #[derive(Debug)]
 pub struct SmallOp<'a> {
     pub kind: CollectiveKind,
@@ -55,8 +55,8 @@ pub struct SmallOp<'a> {
 /// What became of a [`SmallOp`].
 #[derive(Debug)]
 pub enum SmallOutcome<'a> {
-    /// Complete on this rank; an out-of-place result is in the caller's `out`.
-    Done,
+    /// Complete on this rank; an out-of-place result of this many bytes is at the start of the caller's `out`.
+    Done(usize),
     /// Not run and nothing sent: submit it the ordinary way.
     NotRun(SmallOp<'a>),
     /// The headers showed more than this op: it is in the ordinary tables now, under this handle.
@@ -94,9 +94,14 @@ impl SmallOp<'_> {
         (self.kind != CollectiveKind::Barrier).then(|| self.input.as_slice())
     }
 
-    /// Whether its data, if any, rides in the header.
+    /// Whether its data, if any, rides in the header. An allgather's result is read as every rank's rows
+    /// (all as many as this rank's, see [`Loop::complete_small`]), which takes rows of at least one byte.
     fn rides(&self) -> bool {
-        self.kind == CollectiveKind::Barrier || rides_in_header(self.kind, self.reduce_op, self.input.len())
+        match self.kind {
+            CollectiveKind::Barrier => true,
+            CollectiveKind::Allgather if self.shape.is_empty() || self.input.is_empty() => false,
+            kind => rides_in_header(kind, self.reduce_op, self.input.len()),
+        }
     }
 
     /// The request the ordinary path would have made for it on communicator rank `rank`.
@@ -132,8 +137,8 @@ fn exchange_frames(t: &mut dyn Transport, frame: &[u8], bodies: &mut [Vec<u8>]) 
 
 impl Loop {
     /// Run `op` as one exchange of headers if this rank is in steady state (see the module doc); `out`
-    /// (at least the op's size) receives an out-of-place result.
-    pub(crate) fn run_small<'a>(&mut self, op: SmallOp<'a>, out: &mut [u8]) -> SmallOutcome<'a> {
+    /// receives an out-of-place result (grown to its size if shorter).
+    pub(crate) fn run_small<'a>(&mut self, op: SmallOp<'a>, out: &mut Vec<u8>) -> SmallOutcome<'a> {
         let Some(bit) = self.steady_bit(&op) else { return SmallOutcome::NotRun(op) };
         let me = self.transport.rank();
         let mut scratch = std::mem::take(&mut self.fast);
@@ -143,10 +148,10 @@ impl Loop {
             Err(e) => self.fail_small(&op, e),
             Ok(()) if every_peer_said_the_same(&scratch, me, op.input.len()) => {
                 let mut op = op;
-                self.complete_small(&mut op, &scratch, out);
+                let result_len = self.complete_small(&mut op, &scratch, out);
                 self.negotiator.ran_steady_hit(bit);
                 self.rounds += 1;
-                SmallOutcome::Done
+                SmallOutcome::Done(result_len)
             }
             Ok(()) => self.queue_small(op, bit, &scratch),
         };
@@ -170,10 +175,16 @@ impl Loop {
     }
 
     /// Every peer sent the header this rank sent, and the same amount of data: write the result (into `out`,
-    /// or into the input for an in-place op).
-    fn complete_small(&self, op: &mut SmallOp<'_>, scratch: &Scratch, out: &mut [u8]) {
+    /// or into the input for an in-place op) and return an out-of-place result's length. Every rank hit the
+    /// same cached allgather with as many bytes as this one, so with as many rows: the rows' shape is part of
+    /// what the cache matched, and the fast lane takes no allgather of empty rows.
+    fn complete_small(&self, op: &mut SmallOp<'_>, scratch: &Scratch, out: &mut Vec<u8>) -> usize {
         let (me, n) = (self.transport.rank(), self.transport.size());
         let len = op.input.len();
+        let result_len = if op.kind == CollectiveKind::Allgather { n * len } else { len };
+        if out.len() < result_len {
+            out.resize(result_len, 0);
+        }
         let data_at = scratch.frame.len() - 4 - len;
         let peer_data = |rank: usize| scratch.bodies.get(rank).and_then(|body| body.get(data_at..));
         match op.kind {
@@ -198,8 +209,14 @@ impl Loop {
                     }
                 }
             },
+            CollectiveKind::Allgather => {
+                let input = op.input.as_slice();
+                let parts = (0..n).map(|rank| if rank == me { input } else { peer_data(rank).unwrap_or_default() });
+                concatenate(parts, &mut out[..result_len]);
+            }
             _ => {}
         }
+        result_len
     }
 
     /// The headers said more than this op: decode them, put the op in the tables as the hit it announced,

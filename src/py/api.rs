@@ -26,7 +26,7 @@ use crate::error::EngineError;
 use crate::launch::meet::{self, HostedStore, Offer};
 use crate::py::dlpack::{export_capsule, import_capsule, is_capsule, ImportedTensor};
 use crate::py::error::to_py_err;
-use crate::py::ndarray::{empty_like, import_array};
+use crate::py::ndarray::{empty_like, empty_shaped, import_array};
 use crate::tensor::RawTensor;
 use crate::types::{CollectiveKind, DataType, ReduceOp};
 
@@ -359,7 +359,8 @@ pub fn submit_one<'py>(
 }
 
 thread_local! {
-    /// Where the fast lane leaves an out-of-place result on this thread (at most a header's worth of data).
+    /// Where the fast lane leaves an out-of-place result on this thread (at most a header's worth of data from
+    /// each rank).
     static SMALL_RESULT: std::cell::RefCell<Vec<u8>> = std::cell::RefCell::new(vec![0; EAGER_TENSOR_BYTES]);
 }
 
@@ -426,24 +427,33 @@ fn run_with<'py>(
         // SAFETY: a zero-length view of no memory.
         None => (unsafe { RawTensor::new(std::ptr::null_mut(), 0) }, DataType::Uint8, Vec::new()),
     };
+    let input_len = input.len();
     let op = SmallOp { kind, name, dtype, shape: &shape, input, in_place, reduce_op, prescale, postscale, root_rank };
     let outcome = match engine.fast_lane(process_set_id) {
         // Every peer's header is in: the op is not expected to wait, so the GIL stays (releasing and taking
         // it back would cost more than the op). Otherwise the wait runs without it.
         Some(communicator) if communicator.peers_sent() => {
-            SMALL_RESULT.with(|out| communicator.run_small(op, out.borrow_mut().as_mut_slice()))
+            SMALL_RESULT.with(|out| communicator.run_small(op, &mut out.borrow_mut()))
         }
         Some(communicator) => {
-            py.allow_threads(|| SMALL_RESULT.with(|out| communicator.run_small(op, out.borrow_mut().as_mut_slice())))
+            py.allow_threads(|| SMALL_RESULT.with(|out| communicator.run_small(op, &mut out.borrow_mut())))
         }
         None => SmallOutcome::NotRun(op),
     };
     match outcome {
-        SmallOutcome::Done => match array {
+        SmallOutcome::Done(result_len) => match array {
             Some(array) if !in_place => {
-                let (result, mut memory) = empty_like(array)?;
-                let len = memory.len();
-                SMALL_RESULT.with(|out| memory.as_mut_slice().copy_from_slice(&out.borrow()[..len]));
+                let (result, mut memory) = if kind == CollectiveKind::Allgather {
+                    // Every rank's rows, as many as this rank's (the fast lane takes no allgather of empty rows).
+                    let ranks = (result_len / input_len.max(1)) as i64;
+                    let rows: Vec<i64> =
+                        shape.iter().enumerate().map(|(i, &d)| if i == 0 { d * ranks } else { d }).collect();
+                    empty_shaped(array, &rows)?
+                } else {
+                    empty_like(array)?
+                };
+                let len = memory.len().min(result_len);
+                SMALL_RESULT.with(|out| memory.as_mut_slice()[..len].copy_from_slice(&out.borrow()[..len]));
                 Ok(result)
             }
             _ => Ok(py.None().into_bound(py)),

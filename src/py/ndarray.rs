@@ -216,3 +216,16 @@ pub fn empty_like<'py>(prototype: &Bound<'py, PyAny>) -> PyResult<(Bound<'py, Py
     let memory = import_array(&array, true, what)?;
     Ok((array, memory.tensor))
 }
+
+static NUMPY_EMPTY: GILOnceCell<Py<PyAny>> = GILOnceCell::new();
+
+/// A new, uninitialised, C-contiguous array of `shape` with the dtype of `prototype` (an exact ndarray), for a
+/// result whose shape is not the input's (an allgather's): `numpy.empty(shape, prototype.dtype)`. Returns it
+/// with its memory.
+pub fn empty_shaped<'py>(prototype: &Bound<'py, PyAny>, shape: &[i64]) -> PyResult<(Bound<'py, PyAny>, RawTensor)> {
+    let py = prototype.py();
+    let empty = NUMPY_EMPTY.get_or_try_init(py, || py.import("numpy")?.getattr("empty").map(Bound::unbind))?;
+    let array = empty.bind(py).call1((shape.to_vec(), prototype.getattr(pyo3::intern!(py, "dtype"))?))?;
+    let memory = import_array(&array, true, || "result array".to_string())?;
+    Ok((array, memory.tensor))
+}

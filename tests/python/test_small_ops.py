@@ -15,11 +15,11 @@ from jobs import WORKERS, assert_worker_job
 @pytest.mark.parametrize("size", [2, 3])
 def test_small_numpy_ops_in_steady_state(run_rvodrun, size):
     result = run_rvodrun(["-np", str(size), sys.executable, str(WORKERS / "small_ops_numpy.py")], timeout=100)
-    assert_worker_job(result, {rank: 11 for rank in range(size)})
+    assert_worker_job(result, {rank: 12 for rank in range(size)})
 
 
 @pytest.mark.timeout(120)
 def test_small_torch_ops_in_steady_state(run_rvodrun):
     pytest.importorskip("torch")
     result = run_rvodrun(["-np", "2", sys.executable, str(WORKERS / "small_ops_torch.py")], timeout=100)
-    assert_worker_job(result, {rank: 7 for rank in range(2)})
+    assert_worker_job(result, {rank: 8 for rank in range(2)})

@@ -357,6 +357,14 @@ def allgather_async(adapter, tensor, name=None, process_set=global_process_set):
     return _submit_one(ALLGATHER, name, adapter, tensor, False, _new_tensor, process_set=process_set)
 
 
+def allgather(adapter, tensor, name=None, process_set=global_process_set):
+    """``synchronize(allgather_async(...))``: every rank's rows, concatenated in rank order. A small one in
+    steady state runs as one exchange of round headers on this thread (see ``_run_now``)."""
+    if name is None:
+        name = naming.next_suffix(process_set_id_of(process_set))
+    return _run_now(ALLGATHER, name, adapter, tensor, False, Sum, 1.0, 1.0, -1, process_set)
+
+
 def grouped_allgather_async(adapter, tensors, name=None, process_set=global_process_set):
     tensors = list(tensors)
     if not tensors:

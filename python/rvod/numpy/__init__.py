@@ -78,7 +78,7 @@ def allgather_async(tensor, name=None, process_set=gps):
 
 def allgather(tensor, name=None, process_set=gps):
     """Concatenate every rank's array along the first dimension (first dimensions may differ)."""
-    return _ops.wait_for(allgather_async, tensor, name, process_set)
+    return _ops.allgather(_adapter, tensor, name, process_set)
 
 
 def grouped_allgather_async(tensors, name=None, process_set=gps):

@@ -193,7 +193,7 @@ class HorovodAllgather(torch.autograd.Function):
     def forward(ctx, tensor, name, process_set):
         ctx.rows = tensor.shape[0] if tensor.dim() else 0
         ctx.process_set = process_set
-        return _ops.wait_for(allgather_async, tensor, name, process_set)
+        return _ops.allgather(_adapter, tensor, name, process_set)
 
     @staticmethod
     def backward(ctx, grad_output):

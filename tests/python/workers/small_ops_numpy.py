@@ -13,21 +13,43 @@ import rvod.numpy as hvd
 hvd.init()
 rank, size = hvd.rank(), hvd.size()
 
+
+def values(r, shape, dtype, step):
+    return ((np.arange(int(np.prod(shape))).reshape(shape) + r + step) % 5).astype(dtype)
+
+
+def compare(wrong, what, x, y, want, before):
+    """``y`` is a new array of ``x``'s dtype holding ``want``; ``x`` still holds ``before``."""
+    if not (type(y) is np.ndarray and y.dtype == x.dtype and y.shape == want.shape and np.array_equal(y, want)):
+        wrong.append(f"{what}: got {y!r}, want {want!r}")
+    if np.shares_memory(x, y) or not np.array_equal(x, before):
+        wrong.append(f"{what}: the input changed or is the result")
+
+
+DTYPES = (np.float32, np.float16, np.int8, np.int64, np.bool_)
 wrong = []
 for step in range(30):
-    for dtype in (np.float32, np.float16, np.int8, np.int64, np.bool_):
+    for dtype in DTYPES:
         for shape in ((), (3,), (2, 3)):
-            def values(r, shape=shape, dtype=dtype, step=step):
-                return ((np.arange(int(np.prod(shape))).reshape(shape) + r + step) % 5).astype(dtype)
-
-            x = values(rank)
+            x = values(rank, shape, dtype, step)
             y = hvd.allreduce(x, op=hvd.Max, name=f"max.{np.dtype(dtype).name}.{len(shape)}")
-            want = np.maximum.reduce([values(r) for r in range(size)])
-            if not (type(y) is np.ndarray and y.dtype == x.dtype and y.shape == x.shape and np.array_equal(y, want)):
-                wrong.append(f"step {step} {np.dtype(dtype).name} {shape}: got {y!r}, want {want!r}")
-            if np.shares_memory(x, y) or not np.array_equal(x, values(rank)):
-                wrong.append(f"step {step} {np.dtype(dtype).name} {shape}: the input changed or is the result")
+            want = np.maximum.reduce([values(r, shape, dtype, step) for r in range(size)])
+            compare(wrong, f"step {step} {np.dtype(dtype).name} {shape}", x, y, want, values(rank, shape, dtype, step))
 with check("max of every rank's values, in a new array like the input"):
+    assert not wrong, "\n".join(wrong[:5])
+
+wrong = []
+for step in range(30):
+    for dtype in DTYPES:
+        for shape, uneven in (((1,), False), ((3,), False), ((2, 3), False), ((0, 3), False), ((2, 3), True)):
+            # With `uneven`, rank r has r + 1 rows (the headers differ: the ordinary round runs it).
+            shapes = [(r + 1,) + shape[1:] if uneven else shape for r in range(size)]
+            x = values(rank, shapes[rank], dtype, step)
+            name = f"gather.{np.dtype(dtype).name}.{shape}.{uneven}"
+            y = hvd.allgather(x, name=name)
+            want = np.concatenate([values(r, shapes[r], dtype, step) for r in range(size)])
+            compare(wrong, f"step {step} {name}", x, y, want, values(rank, shapes[rank], dtype, step))
+with check("allgather: every rank's rows in rank order, in a new array of the input's dtype"):
     assert not wrong, "\n".join(wrong[:5])
 
 results = []

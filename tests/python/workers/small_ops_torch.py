@@ -19,6 +19,8 @@ for step in range(20):
     b = hvd.broadcast(torch.arange(4) + rank, root_rank=0, name="t.bcast")
     b_ = torch.zeros(3, dtype=torch.int32) + rank
     same = hvd.broadcast_(b_, root_rank=size - 1, name="t.bcast_")
+    g = hvd.allgather(torch.tensor([[rank, step]], dtype=torch.int64), name="t.gather")
+    g16 = hvd.allgather(torch.full((2,), rank + 0.5, dtype=torch.float16), name="t.gather16")
 with check("allreduce: a new float32 tensor with the sum; the input unchanged"):
     assert type(y) is torch.Tensor and y.dtype == torch.float32 and y.shape == x.shape, (y.dtype, y.shape)
     assert y.tolist() == [size * (size - 1) / 2 + size * 19, float(size * (size - 1))], y
@@ -30,6 +32,9 @@ with check("float16 and bfloat16 (the DLPack path) keep their dtypes"):
     assert bf.dtype == torch.bfloat16 and bf.tolist() == [size * (size + 1) / 2] * 3, bf
 with check("bool"):
     assert flags.dtype == torch.bool and flags.tolist() == [True, False], flags
+with check("allgather: a new tensor with every rank's rows in rank order"):
+    assert type(g) is torch.Tensor and g.dtype == torch.int64 and g.tolist() == [[r, 19] for r in range(size)], g
+    assert g16.dtype == torch.float16 and g16.tolist() == [r + 0.5 for r in range(size) for _ in range(2)], g16
 with check("broadcast and broadcast_"):
     assert b.tolist() == [0, 1, 2, 3], b
     assert same is b_ and b_.tolist() == [size - 1] * 3, b_
