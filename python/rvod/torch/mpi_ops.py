@@ -203,7 +203,9 @@ class HorovodAllgather(torch.autograd.Function):
 
 def allgather(tensor, name=None, process_set=global_process_set):
     """Concatenate every rank's ``tensor`` along dim 0 (first dimensions may differ); differentiable."""
-    return HorovodAllgather.apply(tensor, name, process_set)
+    if tensor.requires_grad and torch.is_grad_enabled():
+        return HorovodAllgather.apply(tensor, name, process_set)
+    return _ops.allgather(_adapter, tensor, name, process_set)  # nothing to differentiate, as allreduce
 
 
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
