@@ -10,8 +10,8 @@ thread. rvod jobs are `rvodrun -np N python benches/collectives_worker.py ...` w
 RVOD_SHM=0 (rvod-tcp), and each rank checks that rvod really runs over that transport; Horovod jobs are
 `horovodrun -np N -H localhost:N ...` driving horovod.torch; gloo jobs are N ranks with MASTER_ADDR=127.0.0.1
 and a free port; MPI jobs are `mpirun -np N` driving mpi4py on NumPy arrays. A job measures, after warm-up:
-allreduce latency (4 B .. 8 KiB, p50/p90; for rvod also a torch tensor through rvod.torch), barrier and 8 B
-broadcast latency, allreduce bus bandwidth in place (64 KiB .. --max-size, rotating buffers larger than the
+allreduce latency (4 B .. 8 KiB, p50/p90; for rvod also a torch tensor through rvod.torch), barrier, 8 B
+broadcast and 4 B / 1 KiB allgather latency, allreduce bus bandwidth in place (64 KiB .. --max-size, rotating buffers larger than the
 L3 cache) and out of place (a few sizes), allgather and broadcast bus bandwidth at a few sizes, and a step of
 1,024 x 4 KiB tensors (rvod and Horovod: allreduce_async_ each then synchronize, and one grouped_allreduce_;
 gloo: one by one, and async_op=True then wait; MPI: Iallreduce each then Waitall) against one in-place
@@ -65,7 +65,8 @@ def build_plan(args):
                 "bw_budget_bytes": 512 * MiB, "bw_min_calls": 3, "bw_max_calls": 200,
                 "fusion_steps": 5, "fusion_warmup": 1, "fusion_warmup_s": 0.25, "fusion_single_calls": 20}
     plan.update(bw_warmup=2, working_set_bytes=64 * MiB, fusion_count=1024, fusion_tensor_bytes=4 * KiB,
-                rvod_torch_input_sizes=[4], barrier_latency=True, broadcast_latency_sizes=[8], phases=args.phases.split(","), impls=args.impls)
+                rvod_torch_input_sizes=[4], barrier_latency=True, broadcast_latency_sizes=[8],
+                allgather_latency_sizes=[4, 1024], phases=args.phases.split(","), impls=args.impls)
     if args.latency_iters is not None:
         plan["latency_iters"] = args.latency_iters
     if args.latency_warmup is not None:

@@ -71,6 +71,10 @@ class HorovodApiBackend:
         # The Horovod API has no allgather into a caller's buffer: the result is a new tensor.
         return self.hvd.allgather(buf, name=name)
 
+    def allgather_latency(self, buf, name):
+        """The call a user makes for a small allgather (a result in new memory)."""
+        return self.hvd.allgather(buf, name=name)
+
     def broadcast_(self, buf, name):
         self.hvd.broadcast_(buf, root_rank=0, name=name)
 
@@ -207,6 +211,11 @@ class GlooBackend:
     def allgather(self, buf, out, name):
         self.dist.all_gather_into_tensor(out, buf)
 
+    def allgather_latency(self, buf, name):
+        out = buf.new_empty(self.size * buf.numel())
+        self.dist.all_gather_into_tensor(out, buf)
+        return out
+
     def broadcast_(self, buf, name):
         self.dist.broadcast(buf, src=0)
 
@@ -264,6 +273,11 @@ class MpiBackend:
 
     def allgather(self, buf, out, name):
         self.comm.Allgather(buf, out)
+
+    def allgather_latency(self, buf, name):
+        out = self.np.empty(self.size * buf.size, buf.dtype)
+        self.comm.Allgather(buf, out)
+        return out
 
     def broadcast_(self, buf, name):
         self.comm.Bcast(buf, root=0)

@@ -31,14 +31,17 @@ def check_values(backend):
 
 
 def latency(backend, plan):
-    """p50/p90 material: one record per timed call. Allreduce at every latency size; a barrier and small in-place
-    broadcasts where the plan asks; rvod also times `rvod.torch.allreduce` on torch tensors."""
+    """p50/p90 material: one record per timed call. Allreduce at every latency size; a barrier, small in-place
+    broadcasts and small allgathers (into new memory) where the plan asks; rvod also times `rvod.torch.allreduce`
+    on torch tensors."""
     records = []
     ops = [("allreduce", plan["latency_sizes"], backend.new_buffer, backend.allreduce_latency)]
     if plan.get("barrier_latency"):
         ops.append(("barrier", [0], backend.new_buffer, lambda buf, name: backend.barrier()))
     if plan.get("broadcast_latency_sizes"):
         ops.append(("broadcast", plan["broadcast_latency_sizes"], backend.new_buffer, backend.broadcast_))
+    if plan.get("allgather_latency_sizes"):
+        ops.append(("allgather_small", plan["allgather_latency_sizes"], backend.new_buffer, backend.allgather_latency))
     if hasattr(backend, "torch_allreduce") and plan.get("rvod_torch_input_sizes"):
         import torch
 

@@ -271,7 +271,10 @@ def table_lines(summary, n, plan, rounds, impls, seen_transports=None):
     lines += _impl_table(summary, "allreduce", impls, lat, "p50_us")
     for op, words in (("barrier", "barrier, us per call (rvod: hvd.barrier(); gloo: dist.barrier; MPI: Barrier)"),
                       ("broadcast", "broadcast in place from rank 0, us per call (rvod: hvd.broadcast_; gloo: "
-                                    "dist.broadcast; MPI: Bcast)")):
+                                    "dist.broadcast; MPI: Bcast)"),
+                      ("allgather_small", "allgather, us per call (size = per-rank input; a result in new memory: "
+                                          "rvod and horovod: hvd.allgather(x); gloo: all_gather_into_tensor into "
+                                          "a new tensor; MPI: Allgather(x, np.empty(n x len)))")):
         if _sizes(summary, op) and any("p50_us" in s for size in _sizes(summary, op)
                                        for s in summary[(op, size)]["impls"].values()):
             lines += ["", words] + _impl_table(summary, op, impls, lat, "p50_us")
