@@ -241,11 +241,11 @@ fn an_op_not_cached_yet_or_too_large_is_handed_back_unsent() {
         let mut first = Small::broadcast("first", &[rank as f32], 1);
         assert_eq!(run(engine, &mut first).1, Path::Ordinary, "not cached yet");
         assert_eq!(as_f32(&run(engine, &mut first).0.unwrap()), vec![1.0]);
-        let mut large = Small::allreduce("large", &vec![1.0; 1025]);
+        let mut large = Small::allreduce("large", &vec![1.0; 4097]);
         for _ in 0..3 {
             let (result, path) = run(engine, &mut large);
-            assert_eq!(path, Path::Ordinary, "4100 bytes do not ride in a header");
-            assert_eq!(as_f32(&result.unwrap()), vec![2.0; 1025]);
+            assert_eq!(path, Path::Ordinary, "16,388 bytes do not ride in a header");
+            assert_eq!(as_f32(&result.unwrap()), vec![2.0; 4097]);
         }
     });
 }
