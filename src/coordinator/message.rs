@@ -71,17 +71,25 @@ impl ResponseEntry {
         shape_elements(&self.shape)
     }
 
-    /// An allgather's contribution of each rank in bytes: its rows times the bytes of one row.
+    /// An allgather's contribution of each rank in bytes: its rows times the bytes of one row. The rows come
+    /// from each rank's request (a peer's bytes): negative counts count as 0, and products saturate.
     pub fn allgather_bytes_per_rank(&self, dtype: DataType) -> Vec<usize> {
         let row = shape_elements(self.shape.get(1..).unwrap_or(&[])).saturating_mul(dtype.size());
         self.per_rank.iter().map(|&rows| (rows.max(0) as usize).saturating_mul(row)).collect()
     }
 
-    /// An allgather's result shape: every rank's rows, then the rows' dimensions.
+    /// An allgather's whole result in bytes, or `None` if it does not fit a `usize` (only rows no real tensor
+    /// has, from a corrupt peer: the op then fails on every rank instead of wrapping around).
+    pub fn allgather_total_bytes(&self, dtype: DataType) -> Option<usize> {
+        self.allgather_bytes_per_rank(dtype).into_iter().try_fold(0usize, usize::checked_add)
+    }
+
+    /// An allgather's result shape: every rank's rows (negative counts as 0, as in the sizes; the sum
+    /// saturates), then the rows' dimensions.
     pub fn allgather_shape(&self) -> Vec<i64> {
         let mut shape = self.shape.clone();
         if let Some(first) = shape.first_mut() {
-            *first = self.per_rank.iter().sum();
+            *first = self.per_rank.iter().fold(0i64, |total, &rows| total.saturating_add(rows.max(0)));
         }
         shape
     }
@@ -172,5 +180,30 @@ mod tests {
         assert_eq!(decode_part_shapes(&[]).unwrap(), Vec::<&[i64]>::new());
         assert!(decode_part_shapes(&[3, 1, 2]).is_none(), "too few dimensions");
         assert!(decode_part_shapes(&[-1]).is_none(), "negative count");
+    }
+
+    fn allgather_of(shape: &[i64], per_rank: &[i64]) -> ResponseEntry {
+        ResponseEntry { name: "g".into(), shape: shape.to_vec(), per_rank: per_rank.to_vec(), packed: false }
+    }
+
+    #[test]
+    fn an_allgathers_sizes_and_shape_come_from_every_ranks_rows() {
+        let spec = allgather_of(&[2, 3], &[2, 0, 5]);
+        assert_eq!(spec.allgather_bytes_per_rank(DataType::Float32), [24, 0, 60]);
+        assert_eq!(spec.allgather_total_bytes(DataType::Float32), Some(84));
+        assert_eq!(spec.allgather_shape(), [7, 3]);
+    }
+
+    #[test]
+    fn a_peers_impossible_rows_neither_wrap_nor_panic() {
+        // Negative rows count as none, in the sizes and in the shape alike.
+        let negative = allgather_of(&[2, 3], &[2, -5]);
+        assert_eq!(negative.allgather_bytes_per_rank(DataType::Float32), [24, 0]);
+        assert_eq!(negative.allgather_shape(), [2, 3]);
+        // Rows whose bytes overflow: sizes saturate, the total is refused, the shape saturates.
+        let huge = allgather_of(&[1, 1 << 40], &[i64::MAX, i64::MAX]);
+        assert_eq!(huge.allgather_bytes_per_rank(DataType::Float64), [usize::MAX, usize::MAX]);
+        assert_eq!(huge.allgather_total_bytes(DataType::Float64), None);
+        assert_eq!(huge.allgather_shape(), [i64::MAX, 1 << 40]);
     }
 }

@@ -583,25 +583,32 @@ mod tests {
         responses.iter().flat_map(|r| r.entries.iter().map(|e| e.name.clone())).collect()
     }
 
+    /// Submit `name` on this rank (`submit` puts it in the table), run a round, complete it, submit it again
+    /// and run another: the first goes to the coordinator, which decides for everybody; the second is a cache
+    /// hit on every rank, small enough to travel in the headers. Returns the second round's outcome.
+    fn submitted_twice(t: &mut dyn Transport, name: &str, submit: impl Fn(&mut FakeTable)) -> RoundOutcome {
+        let rank = t.rank();
+        let mut negotiator = negotiator(rank, t.size());
+        let mut table = FakeTable::default();
+        submit(&mut table);
+        let first = negotiator.round(t, &mut table, None).unwrap();
+        assert_eq!(names(&first.responses), [name], "rank {rank}");
+        assert!(first.eager.is_empty() && first.shutdown_by.is_empty());
+        assert_eq!(table.entries[0].1, Announcement::SentToCoordinator);
+        table.complete(name);
+        submit(&mut table);
+        let second = negotiator.round(t, &mut table, None).unwrap();
+        assert!(second.responses.is_empty(), "rank {rank}: cached, so nothing for the coordinator");
+        assert!(matches!(table.entries[0].1, Announcement::CacheHit(_)));
+        assert_eq!(second.eager.len(), 1, "rank {rank}");
+        second
+    }
+
     #[test]
     fn a_round_agrees_on_every_rank_then_the_cache_skips_the_coordinator() {
         let outcomes = run_ranks(MemoryTransport::mesh(3), |t| {
             let rank = t.rank();
-            let mut negotiator = negotiator(rank, 3);
-            let mut table = FakeTable::default();
-            table.submit(rank, "grad", 2, rank as u8 + 1);
-            // First sight of "grad": the coordinator decides, everybody gets the same response.
-            let first = negotiator.round(t, &mut table, None).unwrap();
-            assert_eq!(names(&first.responses), ["grad"], "rank {rank}");
-            assert!(first.eager.is_empty() && first.shutdown_by.is_empty());
-            assert_eq!(table.entries[0].1, Announcement::SentToCoordinator);
-            table.complete("grad");
-            // The same tensor again: a cache hit on every rank, small enough to travel in the headers.
-            table.submit(rank, "grad", 2, rank as u8 + 1);
-            let second = negotiator.round(t, &mut table, None).unwrap();
-            assert!(second.responses.is_empty(), "rank {rank}: cached, so nothing for the coordinator");
-            assert!(matches!(table.entries[0].1, Announcement::CacheHit(_)));
-            assert_eq!(second.eager.len(), 1);
+            let second = submitted_twice(t, "grad", |table| table.submit(rank, "grad", 2, rank as u8 + 1));
             second.eager[0].contributions.clone()
         });
         let expected: Vec<Option<Vec<u8>>> = (1..=3u8).map(|fill| Some(vec![fill; 8])).collect();
@@ -614,25 +621,14 @@ mod tests {
     fn a_cached_allgather_rides_in_headers_with_each_ranks_rows() {
         let outcomes = run_ranks(MemoryTransport::mesh(3), |t| {
             let rank = t.rank();
-            let mut negotiator = negotiator(rank, 3);
-            let mut table = FakeTable::default();
             // Rank r gathers r + 1 rows of two float32 values, each byte set to r + 1.
-            let submit = |table: &mut FakeTable| {
+            let second = submitted_twice(t, "rows", |table| {
                 let rows = rank as i64 + 1;
                 let request =
                     Request { kind: CollectiveKind::Allgather, ..allreduce_request(rank as u32, "rows", &[rows, 2]) };
                 let data = vec![rank as u8 + 1; rows as usize * 8];
                 table.entries.push((FakeEntry { request, submitted: Instant::now(), data }, Announcement::Unsent));
-            };
-            submit(&mut table);
-            let first = negotiator.round(t, &mut table, None).unwrap();
-            assert_eq!(names(&first.responses), ["rows"], "rank {rank}");
-            assert!(first.eager.is_empty());
-            table.complete("rows");
-            submit(&mut table);
-            let second = negotiator.round(t, &mut table, None).unwrap();
-            assert!(second.responses.is_empty(), "rank {rank}: every rank hit the cache");
-            assert_eq!(second.eager.len(), 1, "rank {rank}");
+            });
             let spec = &second.eager[0].response.entries[0];
             assert_eq!(spec.allgather_shape(), [6, 2], "rank {rank}");
             second.eager[0].contributions.clone()

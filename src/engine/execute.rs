@@ -562,7 +562,15 @@ fn allgather(
     let spec = &response.entries[0];
     let dtype = response.dtype;
     let bytes_per_rank = spec.allgather_bytes_per_rank(dtype);
-    let mut out = AlignedBuffer::for_overwrite(bytes_per_rank.iter().sum());
+    let Some(total) = spec.allgather_total_bytes(dtype) else {
+        // Every rank reads the same response, so every rank fails the op here, before any exchange.
+        let detail = format!(
+            "allgather of '{}': the ranks' rows {:?} add up to more bytes than memory can address",
+            spec.name, spec.per_rank
+        );
+        return Ok(Err(EngineError::InvalidArgument(detail)));
+    };
+    let mut out = AlignedBuffer::for_overwrite(total);
     let hierarchical = t.hosts().map(|parts| hierarchical_pays(forced, parts.layout, out.len()));
     match (hierarchical, t.hosts()) {
         (Some(true), Some(parts)) => {
