@@ -123,3 +123,41 @@ def test_a_rank_whose_process_dies_is_named(spark):
 def test_arguments_are_checked_before_anything_starts(spark):
     with pytest.raises(ValueError, match="num_proc must be a positive integer"):
         rvod.spark.run(lambda: None, num_proc=0)
+
+
+_WITHOUT_RVOD = """
+import os, sys
+from pyspark.sql import SparkSession
+import rvod.spark
+session = (SparkSession.builder.master("local[2]").appName("rvod-preflight")
+           .config("spark.ui.enabled", "false").config("spark.driver.memory", "512m").getOrCreate())
+session.sparkContext.setLogLevel("OFF")
+try:
+    rvod.spark.run(lambda: 1, num_proc=2)
+except RuntimeError as error:
+    print("RAISED:", error)
+else:
+    print("NO ERROR")
+session.stop()
+"""
+
+
+@pytest.mark.timeout(180)
+def test_executors_without_rvod_are_named_before_the_job_starts(tmp_path):
+    # The executors' Python: a fresh virtual environment of the same interpreter version, without rvod.
+    bare = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True, timeout=120)
+    env = {**os.environ, "PYSPARK_PYTHON": str(bare / "bin" / "python"), "PYSPARK_DRIVER_PYTHON": sys.executable}
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", _WITHOUT_RVOD], env=env, capture_output=True, text=True,
+                          timeout=150)
+    out = done.stdout
+    assert "RAISED:" in out, (out, done.stderr[-3000:])
+    message = out.split("RAISED:", 1)[1]
+    # What is wrong and what to do come first, naming the executors' interpreter.
+    assert message.lstrip().startswith("rvod.spark.run: rvod is not importable in the Spark executors' Python ("), message
+    assert str(bare / "bin" / "python") in message
+    assert "ModuleNotFoundError: No module named 'rvod'" in message
+    assert "install rvod in the executors' Python, or set PYSPARK_PYTHON" in message
+    assert "without reporting a result" not in message
+    assert time.monotonic() - started < 150

@@ -7,7 +7,8 @@ the other ranks through ``allGather``. The secret travels inside the task's clos
 Each rank runs in a process of its own (see ``rank_process``). A rank that fails reports its traceback
 through an accumulator as its task ends; the driver then cancels the Spark job (every other task, and so
 its rank process, is killed) and raises naming the rank. A task that dies without a report fails the job
-the same way, as soon as Spark sees it fail.
+the same way, as soon as Spark sees it fail. Before the barrier stage a probe checks that the executors'
+Python can import rvod at all (``preflight``), so that mistake is named as what it is.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import IO, Any
 from pyspark import AccumulatorParam, BarrierTaskContext, SparkContext
 
 from rvod.runner import cluster_job
-from rvod.spark import rank_process
+from rvod.spark import preflight, rank_process
 
 WHERE = "rvod.spark.run"
 # How often the driver looks for failures while the job runs.
@@ -94,7 +95,8 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, A
     each rank's environment (the executor's own environment is the base). ``stdout``/``stderr``: streams of
     the driver that receive each rank's output, line by line prefixed with ``[rank]<stdout>:``, when the
     rank ends (without them, output goes to the executors' logs). ``nics``: network interfaces the ranks use.
-    Raises RuntimeError naming the first rank that failed, with its traceback.
+    Raises RuntimeError naming the first rank that failed, with its traceback, or, before anything starts,
+    saying that the executors' Python cannot import rvod.
     """
     import cloudpickle
 
@@ -110,6 +112,7 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, A
     if nics:
         settings["RVOD_NETWORK_INTERFACE"] = ",".join(nics)
     payload = cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))
+    preflight.check_workers_import_rvod(context, num_proc, WHERE)
     reports = context.accumulator([], _Reports())
     task = _rank_task(payload, cluster_job.new_secret(), settings, {str(k): str(v) for k, v in (env or {}).items()},
                       reports, capture=stdout is not None or stderr is not None)
