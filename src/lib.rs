@@ -18,6 +18,7 @@ pub mod config;
 pub mod coordinator;
 pub mod engine;
 pub mod error;
+pub mod exit_signals;
 pub mod fusion;
 pub mod gpu;
 pub mod launch;

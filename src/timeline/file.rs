@@ -5,7 +5,9 @@
 //! leaves the file before that write or after it. (A complete rewrite and atomic rename per flush would
 //! cost O(file size) per flush; this costs O(new events).) One window remains: Linux checks for a fatal
 //! signal between the pages of a write, so a SIGKILL landing during a write that spans pages can leave it
-//! cut at a page boundary (a write lasts microseconds; flushes come every 100 ms).
+//! cut at a page boundary (a write lasts microseconds; flushes come every 100 ms). The next append (of any
+//! rank) then cuts the file back to the last whole event and closes it again: only that write's events
+//! are lost, never the ones before it.
 //!
 //! Every rank of a job appends to the same file, each under an exclusive `flock`, so the activity of all
 //! ranks lands in one file. The header is a metadata event carrying a session key (the job and the
@@ -59,8 +61,10 @@ impl TraceFile {
         let trace = TraceFile { file, prefix };
         {
             let _lock = Locked::new(&trace.file)?;
-            if !trace.is_our_session()? || !trace.ends_closed()? {
+            if !trace.is_our_session()? {
                 trace.restart()?;
+            } else if !trace.ends_closed()? {
+                trace.repair()?;
             }
         }
         Ok(trace)
@@ -90,6 +94,23 @@ impl TraceFile {
         self.file.write_all_at(&fresh, 0)
     }
 
+    /// A file of this session that does not end closed: a write was cut short (a rank SIGKILLed between
+    /// its pages, a full disk) or something outside rvod wrote to it. Keep every whole event before the
+    /// damage: cut back to the last `},\n{` (event boundaries are the only place a raw newline appears,
+    /// since names are escaped) and close the array there; start afresh when no boundary is left.
+    fn repair(&self) -> io::Result<()> {
+        let len = self.file.metadata()?.len();
+        // The header's closing brace is the earliest boundary worth keeping.
+        let floor = self.prefix.len().saturating_sub(1) as u64;
+        match last_boundary(&self.file, floor, len)? {
+            Some(brace) => {
+                self.file.set_len(brace + 1)?;
+                self.file.write_all_at(CLOSE, brace + 1)
+            }
+            None => self.restart(),
+        }
+    }
+
     /// Append `events` (JSON objects joined by `,\n`). Returns false, writing nothing, if a newer session
     /// took the file over.
     pub fn append(&self, events: &str) -> io::Result<bool> {
@@ -101,8 +122,7 @@ impl TraceFile {
             return Ok(false);
         }
         if !self.ends_closed()? {
-            // Damaged by something else (a writer outside rvod, a full disk): start the session afresh.
-            self.restart()?;
+            self.repair()?;
         }
         let at = self.file.metadata()?.len() - CLOSE.len() as u64;
         let mut bytes = Vec::with_capacity(events.len() + 4);
@@ -112,6 +132,32 @@ impl TraceFile {
         self.file.write_all_at(&bytes, at)?;
         Ok(true)
     }
+}
+
+/// Between two events: `},\n{`.
+const BOUNDARY: &[u8] = b"},\n{";
+/// Bytes read at a time while looking back for a boundary.
+const SCAN_CHUNK: u64 = 64 << 10;
+
+/// The offset of the closing brace of the last event boundary at or after `floor` in the first `len`
+/// bytes of `file`.
+fn last_boundary(file: &File, floor: u64, len: u64) -> io::Result<Option<u64>> {
+    let overlap = BOUNDARY.len() as u64 - 1;
+    let mut end = len;
+    while end >= floor + BOUNDARY.len() as u64 {
+        let start = end.saturating_sub(SCAN_CHUNK).max(floor);
+        let mut chunk = vec![0u8; (end - start) as usize];
+        let read = read_fully_at(file, &mut chunk, start)?;
+        chunk.truncate(read);
+        if let Some(at) = chunk.windows(BOUNDARY.len()).rposition(|w| w == BOUNDARY) {
+            return Ok(Some(start + at as u64));
+        }
+        if start == floor {
+            break;
+        }
+        end = start + overlap;
+    }
+    Ok(None)
 }
 
 fn read_fully_at(file: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
@@ -288,17 +334,41 @@ pub(crate) mod tests {
         let _ = std::fs::remove_file(&path);
     }
 
+    /// Cut the file at `path` to `len` bytes, as a write cut short by SIGKILL leaves it.
+    fn cut(path: &Path, len: u64) {
+        std::fs::OpenOptions::new().write(true).open(path).unwrap().set_len(len).unwrap();
+    }
+
     #[test]
-    fn a_file_cut_short_behind_the_writers_back_is_restarted_not_extended() {
+    fn a_write_cut_short_costs_only_its_own_events() {
         let path = temp_path("cut");
         let file = TraceFile::open(&path, HEADER_A).unwrap();
         assert!(file.append(r#"{"name":"a","ph":"i","ts":1,"pid":1,"tid":0}"#).unwrap());
-        let len = std::fs::metadata(&path).unwrap().len();
-        std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(len - 5).unwrap();
-        assert!(file.append(r#"{"name":"b","ph":"i","ts":2,"pid":1,"tid":0}"#).unwrap());
+        let kept = std::fs::metadata(&path).unwrap().len();
+        // A batch of two events (the second big enough to span chunks of the scan), cut inside its second.
+        let big = format!(r#"{{"name":"b","ph":"i","ts":2,"pid":1,"tid":0,"args":{{"x":"{}"}}}}"#, "y".repeat(200_000));
+        assert!(file.append(&format!("{},\n{big}", r#"{"name":"c","ph":"i","ts":2,"pid":1,"tid":0}"#)).unwrap());
+        cut(&path, kept + 150_000);
+        // The next writer (another rank, or this one) keeps a and c, and adds d.
+        let other = TraceFile::open(&path, HEADER_A).unwrap();
+        assert!(other.append(r#"{"name":"d","ph":"i","ts":3,"pid":1,"tid":1}"#).unwrap());
         let text = std::fs::read_to_string(&path).unwrap();
-        assert!(is_valid_json(&text), "{text}");
-        assert!(text.contains("\"b\""));
+        assert!(is_valid_json(&text), "{}", &text[text.len().saturating_sub(300)..]);
+        for name in ["\"a\"", "\"c\"", "\"d\""] {
+            assert!(text.contains(name), "{name} lost: {text:.300}");
+        }
+        assert!(!text.contains("\"b\""));
+        // Cut inside the first event: only the header is left to keep.
+        cut(&path, HEADER_A.len() as u64 + 10);
+        assert!(file.append(r#"{"name":"e","ph":"i","ts":4,"pid":1,"tid":0}"#).unwrap());
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert!(
+            is_valid_json(&text) && text.starts_with(&format!("[\n{HEADER_A},\n")) && text.contains("\"e\""),
+            "{text}"
+        );
+        // Cut inside the header: not this session's file any more, so it starts afresh.
+        cut(&path, 5);
+        assert!(!file.append(r#"{"name":"f","ph":"i","ts":5,"pid":1,"tid":0}"#).unwrap());
         let _ = std::fs::remove_file(&path);
     }
 }

@@ -15,8 +15,14 @@
 //! Cost: when off, recording is one relaxed atomic load. When on, the engine builds a small event and
 //! sends it down a channel; the writer thread ([`writer`]) formats and appends it to the file
 //! ([`file`]), so the engine never waits on file I/O.
+//!
+//! Keeping what was recorded: the writer writes at least every 100 ms, `stop()` (shutdown, also the
+//! `atexit` after an unhandled exception) writes everything, and so does a SIGTERM or SIGHUP that ends the
+//! process ([`signal_flush`]); the file is valid JSON after every write, and a write cut short by SIGKILL
+//! costs only the events of that write ([`file`]).
 
 pub mod file;
+mod signal_flush;
 mod writer;
 
 use std::path::PathBuf;

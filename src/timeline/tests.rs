@@ -187,3 +187,26 @@ fn events_are_flushed_while_recording_goes_on() {
 
 /// Longer than the writer's flush interval.
 const FLUSH_WAIT: Duration = Duration::from_millis(400);
+
+#[test]
+fn a_terminating_signal_has_every_queued_event_written_before_the_process_ends() {
+    let path = temp_path("signal");
+    let t = Timeline::new(0, "job-signal".into());
+    t.start(path.clone(), false).unwrap();
+    let set = SetTimeline::new(t.clone(), 0, &[0], "shm");
+    let r = response(CollectiveKind::Allreduce, &["allreduce.before_signal"]);
+    for _ in 0..3 {
+        let mut phases = set.op(&r, [Some(Instant::now())].into_iter(), Instant::now());
+        phases.mark_collective();
+        phases.finish();
+    }
+    // What the SIGTERM handler runs; it returns once the writers wrote, well before the 100 ms flush.
+    let asked = Instant::now();
+    super::signal_flush::flush_every_timeline();
+    assert!(asked.elapsed() < Duration::from_millis(90), "waited {:?}", asked.elapsed());
+    let text = std::fs::read_to_string(&path).unwrap();
+    assert!(is_valid_json(&text), "{text}");
+    assert_eq!(text.matches("\"SHM_ALLREDUCE\"").count(), 3, "{text}");
+    t.stop();
+    let _ = std::fs::remove_file(&path);
+}

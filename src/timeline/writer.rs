@@ -1,6 +1,8 @@
 //! The timeline's writer thread: turns events into Chrome trace JSON and appends them to the file in
 //! batches (at most every [`FLUSH_EVERY`], or sooner when a batch grows large), so the engine never
-//! waits for the disk and a killed rank loses at most the last batch.
+//! waits for the disk and a rank killed by SIGKILL loses at most the last batch. A SIGTERM or SIGHUP that
+//! ends the process first has the writer write everything queued ([`SignalFlush`]); `stop()` (shutdown,
+//! the `atexit` after an unhandled exception) writes everything too.
 
 use std::collections::HashSet;
 use std::fmt::Write as _;
@@ -9,12 +11,15 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
 use super::file::TraceFile;
+use super::signal_flush::SignalFlush;
 use super::{Event, Message, Stage};
 
 /// Longest time an event waits in memory before it is written.
 const FLUSH_EVERY: Duration = Duration::from_millis(100);
 /// A batch this large is written at once.
 const FLUSH_BYTES: usize = 1 << 20;
+/// How often an idle writer looks for a flush asked by a terminating signal (see [`SignalFlush`]).
+const SIGNAL_POLL: Duration = Duration::from_millis(10);
 /// Row (trace process id) of the engine-wide row: the file's header and the `CYCLE_START` marks.
 const ENGINE_ROW: u64 = 0;
 
@@ -25,6 +30,12 @@ pub(crate) fn header(job: &str, session: u64) -> String {
     format!(
         r#"{{"name":"process_name","ph":"M","pid":{ENGINE_ROW},"args":{{"name":"rvod engine cycles","session":"{key}"}}}}"#
     )
+}
+
+#[derive(PartialEq)]
+enum Next {
+    Continue,
+    Exit,
 }
 
 pub(crate) struct Writer {
@@ -58,34 +69,63 @@ impl Writer {
     }
 
     pub(crate) fn run(mut self, messages: Receiver<Message>) {
+        let mut requests = SignalFlush::register();
         loop {
+            if requests.asked() {
+                // A signal is ending the process: write everything queued, now.
+                while let Ok(message) = messages.try_recv() {
+                    if self.handle(message, &messages) == Next::Exit {
+                        requests.served();
+                        return;
+                    }
+                }
+                self.flush();
+                requests.served();
+            }
             let wait = match self.pending_since {
-                Some(since) => FLUSH_EVERY.saturating_sub(since.elapsed()),
-                None => Duration::from_secs(3600),
+                Some(since) => FLUSH_EVERY.saturating_sub(since.elapsed()).min(SIGNAL_POLL),
+                None => SIGNAL_POLL,
             };
             match messages.recv_timeout(wait) {
-                Ok(Message::Event(event)) => {
-                    self.format(&event);
-                    self.pending_since.get_or_insert_with(Instant::now);
-                    if self.pending.len() >= FLUSH_BYTES {
-                        self.flush();
+                Ok(message) => {
+                    if self.handle(message, &messages) == Next::Exit {
+                        return;
                     }
                 }
-                Ok(Message::Stop(done)) => {
-                    // Events sent before the stop are already queued ahead of it.
-                    while let Ok(Message::Event(event)) = messages.try_recv() {
-                        self.format(&event);
-                    }
-                    self.flush();
-                    let _ = done.send(());
-                    return;
-                }
-                Err(RecvTimeoutError::Timeout) => self.flush(),
+                Err(RecvTimeoutError::Timeout) => self.flush_if_due(),
                 Err(RecvTimeoutError::Disconnected) => {
                     self.flush();
                     return;
                 }
             }
+        }
+    }
+
+    fn handle(&mut self, message: Message, messages: &Receiver<Message>) -> Next {
+        match message {
+            Message::Event(event) => {
+                self.format(&event);
+                self.pending_since.get_or_insert_with(Instant::now);
+                // Checked after every event too: a steady stream never lets the wait above time out.
+                self.flush_if_due();
+                Next::Continue
+            }
+            Message::Stop(done) => {
+                // Events sent before the stop are already queued ahead of it.
+                while let Ok(Message::Event(event)) = messages.try_recv() {
+                    self.format(&event);
+                }
+                self.flush();
+                let _ = done.send(());
+                Next::Exit
+            }
+        }
+    }
+
+    fn flush_if_due(&mut self) {
+        let due = self.pending_since.is_some_and(|since| since.elapsed() >= FLUSH_EVERY);
+        if due || self.pending.len() >= FLUSH_BYTES {
+            self.flush();
         }
     }
 

@@ -4,8 +4,8 @@
 //! that ends inside that window would leave the whole segment (up to hundreds of MiB) in the shm folder:
 //! by `exit()` (an exception or Ctrl-C during `init()`), or by SIGTERM/SIGHUP with their default action
 //! (`rvodrun` stopping a job during start-up sends SIGTERM). Names in that window are registered here;
-//! an `atexit` hook and, where those signals still have their default disposition, a signal handler unlink
-//! them. Both only touch atomics, fixed buffers and `unlink`, which is async-signal-safe. SIGKILL cannot be
+//! an `atexit` hook and a hook on those signals ([`crate::exit_signals`]) unlink them. Both only touch
+//! atomics, fixed buffers and `unlink`, which is async-signal-safe. SIGKILL cannot be
 //! caught: the creator names the segment in the store before creating it, and every other rank holds that
 //! name in an [`UnlinkOnDrop`] until set-up ends, however it ends (see `connect_mesh`).
 
@@ -108,36 +108,17 @@ fn unlink_pending_under(prefix: &[u8]) {
     }
 }
 
-extern "C" fn at_exit() {
+extern "C" fn on_exit() {
     unlink_pending();
-}
-
-extern "C" fn on_signal(signal: libc::c_int) {
-    unlink_pending();
-    // SAFETY: restore the default action and deliver the signal again, so the process ends as it would have.
-    unsafe {
-        libc::signal(signal, libc::SIG_DFL);
-        libc::raise(signal);
-    }
 }
 
 fn install() {
     INSTALL.call_once(|| {
-        // SAFETY: registers plain functions that stay valid for the life of the process; signal handlers are
-        // only installed where the disposition is the default (never replacing a handler someone set).
+        // SAFETY: registers a plain function that stays valid for the life of the process.
         unsafe {
-            libc::atexit(at_exit);
-            for signal in [libc::SIGTERM, libc::SIGHUP] {
-                let mut current: libc::sigaction = std::mem::zeroed();
-                if libc::sigaction(signal, std::ptr::null(), &mut current) == 0 && current.sa_sigaction == libc::SIG_DFL
-                {
-                    let mut action: libc::sigaction = std::mem::zeroed();
-                    action.sa_sigaction = on_signal as extern "C" fn(libc::c_int) as usize;
-                    libc::sigemptyset(&mut action.sa_mask);
-                    libc::sigaction(signal, &action, std::ptr::null_mut());
-                }
-            }
+            libc::atexit(on_exit);
         }
+        crate::exit_signals::on_terminating_signal(on_exit);
     });
 }
 
