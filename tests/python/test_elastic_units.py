@@ -4,7 +4,6 @@ blacklist, placement and topology. The jobs themselves are in test_elastic.py.""
 
 from __future__ import annotations
 
-import argparse
 import types
 
 import pytest
@@ -14,6 +13,7 @@ pytest.importorskip("rvod._rvod")
 from rvod.common import elastic, elastic_variables  # noqa: E402
 from rvod.exceptions import HostsUpdatedInterrupt, RvodInternalError, RvodMismatchError  # noqa: E402
 from rvod.runner import elastic as driver  # noqa: E402
+from rvod.runner.job import JobSpec  # noqa: E402
 
 
 class RecordingState(elastic.ObjectState):
@@ -169,7 +169,7 @@ def _driver(min_np, max_np, hosts):
     settings = driver.ElasticSettings(min_np=min_np, max_np=max_np, discovery_script=None, fixed_hosts=None,
                                       slots_per_host=None, elastic_timeout=1.0, reset_limit=None,
                                       cooldown_range=None)
-    job = driver.ElasticDriver(argparse.Namespace(), settings, ["true"], {}, None, [])
+    job = driver.ElasticDriver(JobSpec(), settings, ["true"], None)
     job.hosts = hosts
     return job
 
@@ -313,10 +313,10 @@ def test_tensorflow_run_recovers_from_a_collective_failing_inside_a_tf_function(
 
 
 def test_elastic_flags_become_settings_or_a_clear_error():
-    from rvod.runner.cli import build_parser, parse_args
+    from rvod.runner.cli import build_parser, job_from_args, parse_args
 
     def settings(*flags):
-        return driver.elastic_settings(parse_args(build_parser(), [*flags, "true"]), None)
+        return driver.elastic_settings(job_from_args(parse_args(build_parser(), [*flags, "true"])), None)
 
     chosen = settings("--min-num-proc", "2", "--max-num-proc", "4", "--host-discovery-script", "./hosts.sh",
                       "--slots-per-host", "3", "--reset-limit", "5", "--blacklist-cooldown-range", "10", "20")
@@ -334,11 +334,11 @@ def test_elastic_flags_become_settings_or_a_clear_error():
 def test_elastic_timeout_defaults_to_the_environment(monkeypatch):
     """horovodrun's --elastic-timeout defaults to HOROVOD_ELASTIC_TIMEOUT (rvod's name first), which is also
     how rvod.run, which has no such argument, is given one."""
-    from rvod.runner.cli import build_parser, parse_args
+    from rvod.runner.cli import build_parser, job_from_args, parse_args
 
     def timeout(*flags):
-        return driver.elastic_settings(parse_args(build_parser(), [*flags, "--min-np", "1", "-H", "a:1", "true"]),
-                                       []).elastic_timeout
+        options = parse_args(build_parser(), [*flags, "--min-np", "1", "-H", "a:1", "true"])
+        return driver.elastic_settings(job_from_args(options), []).elastic_timeout
 
     monkeypatch.delenv("RVOD_ELASTIC_TIMEOUT", raising=False)
     monkeypatch.setenv("HOROVOD_ELASTIC_TIMEOUT", "45")

@@ -4,11 +4,14 @@
   imports the native module `rvod._rvod`.
 - A framework shim (`rvod.torch`, `rvod.tensorflow`, `rvod.keras`, `rvod.mxnet`, `rvod.numpy`) does not
   import another shim, except for the few edges listed in ALLOWED_SHIM_EDGES, each with its reason.
+- The modules of a package in ACYCLIC_PACKAGES do not import each other in a circle, counting imports
+  inside functions (`import_cycles` finds the circles of any package).
 """
 
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -95,3 +98,68 @@ def test_every_allowed_edge_is_still_used():
             if len(parts) >= 2 and parts[0] == "rvod" and parts[1] in SHIMS and parts[1] != module[1]:
                 used.add((module[1], parts[1]))
     assert set(ALLOWED_SHIM_EDGES) <= used, f"unused exceptions: {set(ALLOWED_SHIM_EDGES) - used}"
+
+
+# Packages whose modules import each other without a cycle (DESIGN.md); rvod.common joins once its cycles
+# are gone (issue 29, item 6).
+ACYCLIC_PACKAGES = ("runner",)
+
+
+def _package_imports(package: str) -> dict[str, set[str]]:
+    """module -> the modules of the same package it imports, anywhere in its source (inside functions too).
+    `from rvod.X import m` and `import rvod.X.m` count as importing the module m, not the package's
+    __init__ (which Python runs once, first); a name defined in __init__ counts as importing the package."""
+    paths = sorted((PACKAGE / package).rglob("*.py"))
+    modules = {".".join(_module_of(path)): path for path in paths}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        here = _module_of(path) if path.name == "__init__.py" else _module_of(path)[:-1]
+        imported: set[str] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = ".".join(here[: len(here) - node.level + 1]) if node.level else ""
+                module = ".".join(part for part in (base, node.module or "") if part)
+                for alias in node.names:
+                    imported.add(f"{module}.{alias.name}" if f"{module}.{alias.name}" in modules else module)
+        graph[name] = {module for module in imported if module in modules and module != name}
+    return graph
+
+
+def import_cycles(package: str) -> list[list[str]]:
+    """The groups of modules of rvod.`package` that import each other in a circle (strongly connected
+    components of the import graph with more than one module), each sorted, short names."""
+    graph = _package_imports(package)
+
+    def reachable(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for module in graph[todo.pop()] - seen:
+                seen.add(module)
+                todo.append(module)
+        return seen
+
+    reach = {module: reachable(module) for module in graph}
+    cycles = {frozenset(module for module in reach[start] if start in reach[module]) for start in graph}
+    prefix = f"rvod.{package}."
+    return sorted(sorted(name.removeprefix(prefix) for name in cycle) for cycle in cycles if len(cycle) > 1)
+
+
+def test_the_cycle_finder_finds_cycles_through_imports_inside_functions(tmp_path, monkeypatch):
+    package = tmp_path / "rvod" / "demo"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from rvod.demo import b\n")
+    (package / "b.py").write_text("def f():\n    from rvod.demo.c import g\n")
+    (package / "c.py").write_text("from . import a\nimport rvod.demo.d\n")
+    (package / "d.py").write_text("from rvod.demo import e\n")
+    (package / "e.py").write_text("def f():\n    import rvod.demo.d as d\n")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", tmp_path / "rvod")
+    assert import_cycles("demo") == [["a", "b", "c"], ["d", "e"]]
+
+
+@pytest.mark.parametrize("package", ACYCLIC_PACKAGES)
+def test_package_modules_import_each_other_without_cycles(package):
+    assert import_cycles(package) == [], f"rvod.{package}'s modules import each other in a circle"

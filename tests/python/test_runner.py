@@ -17,7 +17,7 @@ import time
 
 import pytest
 from conftest import JOB_TAG_VARIABLE, RVODRUN, tagged_pids
-from rvod.runner.cli import build_parser, engine_env, parse_args
+from rvod.runner.cli import build_parser, job_from_args, parse_args
 from rvod.runner.hosts import Host, Slot, assign_slots, parse_hostfile, parse_hosts, remote_hosts
 from rvod.runner.output import forward_lines
 from rvod.runner.supervisor import describe_exit, exit_status
@@ -163,16 +163,15 @@ def test_remote_hosts():
 # --- settings and environment ----------------------------------------------------------------------
 
 def test_engine_env_from_flags():
-    parser = build_parser()
-    options = parse_args(parser, [
+    job = job_from_args(parse_args(build_parser(), [
         "-np", "2", "--fusion-threshold-mb", "32", "--cycle-time-ms", "2.5", "--cache-capacity", "0",
         "--timeline-filename", "/tmp/t.json", "--timeline-mark-cycles", "--log-level", "debug",
         "--stall-check-warning-time-seconds", "30", "--stall-check-shutdown-time-seconds", "90",
         "--no-stall-check", "--timeout", "45", "--start-timeout", "10", "--disable-cache",
         "--thread-affinity", "3, 01", "python", "x.py",
-    ])
-    assert options.command == ["python", "x.py"]
-    assert engine_env(options) == {
+    ]))
+    assert job.command == ("python", "x.py")
+    assert job.engine_env() == {
         "RVOD_FUSION_THRESHOLD": str(32 * 1024 * 1024),
         "RVOD_CYCLE_TIME": "2.5",
         "RVOD_CACHE_CAPACITY": "0",
@@ -197,9 +196,9 @@ def test_thread_affinity_flag_refuses_what_is_not_core_ids(capsys):
 
 
 def test_engine_env_empty_without_flags():
-    options = parse_args(build_parser(), ["-np", "1", "--", "python", "-v"])
-    assert options.command == ["python", "-v"]
-    assert engine_env(options) == {}
+    job = job_from_args(parse_args(build_parser(), ["-np", "1", "--", "python", "-v"]))
+    assert job.command == ("python", "-v")
+    assert job.engine_env() == {}
 
 
 def test_worker_env():

@@ -14,7 +14,7 @@ import sys
 import textwrap
 
 import pytest
-from rvod.runner.cli import build_parser, engine_env, parse_args
+from rvod.runner.cli import build_parser, job_from_args, parse_args
 from rvod.runner.ssh import SshSettings, forwarded_environment
 
 PYTHON = sys.executable
@@ -61,7 +61,7 @@ def test_every_horovodrun_flag_is_honoured_or_refused_with_a_reason(flag, tmp_pa
                          r"no NCCL|does not run)", message), message
     else:
         assert options.command == ["true"]
-        engine_env(options)
+        job_from_args(options).engine_env()
 
 
 def test_refusals_and_flags_become_settings():
@@ -69,8 +69,9 @@ def test_refusals_and_flags_become_settings():
         "-np", "2", "--hierarchical-allreduce", "--no-hierarchical-allgather", "--tcp", "--gloo-timeout-seconds",
         "15", "--log-without-timestamp", "--network-interface", "eth9", "--network-interfaces", "eth8,eth9",
         "--no-stall-check", "--timeline-filename", "t.json", "--no-timeline-mark-cycles", "--gloo", "true"])
-    assert options.nics == ["eth9", "eth8"]
-    assert engine_env(options) == {
+    job = job_from_args(options)
+    assert job.nics == ("eth9", "eth8")
+    assert job.engine_env() == {
         "RVOD_HIERARCHICAL_ALLREDUCE": "1", "RVOD_HIERARCHICAL_ALLGATHER": "0", "NCCL_IB_DISABLE": "1",
         "RVOD_TIMEOUT": "15", "RVOD_LOG_HIDE_TIME": "1", "RVOD_NETWORK_INTERFACE": "eth9,eth8",
         "RVOD_STALL_CHECK_DISABLE": "1", "RVOD_TIMELINE": "t.json", "RVOD_TIMELINE_MARK_CYCLES": "0",
@@ -81,18 +82,18 @@ def test_autotune_flags_become_settings_only_with_autotune(tmp_path):
     tuning = ["--autotune-log-file", "tune.csv", "--autotune-warmup-samples", "1", "--autotune-steps-per-sample",
               "4", "--autotune-bayes-opt-max-samples", "6", "--autotune-gaussian-process-noise", "0.5"]
     options = parse_args(build_parser(), ["-np", "2", "--autotune", *tuning, "true"])
-    assert engine_env(options) == {
+    assert job_from_args(options).engine_env() == {
         "RVOD_AUTOTUNE": "1", "RVOD_AUTOTUNE_LOG": "tune.csv", "RVOD_AUTOTUNE_WARMUP_SAMPLES": "1",
         "RVOD_AUTOTUNE_STEPS_PER_SAMPLE": "4", "RVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": "6",
         "RVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE": "0.5",
     }
     for without in (["--no-autotune"], []):
         options = parse_args(build_parser(), ["-np", "2", *without, *tuning, "true"])
-        assert engine_env(options) == {}, without
+        assert job_from_args(options).engine_env() == {}, without
     config = tmp_path / "config.yaml"
     config.write_text("autotune:\n  enabled: true\n  steps_per_sample: 7\n")
     options = parse_args(build_parser(), ["-np", "2", "--config-file", str(config), "true"])
-    assert engine_env(options) == {"RVOD_AUTOTUNE": "1", "RVOD_AUTOTUNE_STEPS_PER_SAMPLE": "7"}
+    assert job_from_args(options).engine_env() == {"RVOD_AUTOTUNE": "1", "RVOD_AUTOTUNE_STEPS_PER_SAMPLE": "7"}
 
 
 def test_config_file_fills_what_the_command_line_left_unset(tmp_path):
@@ -126,7 +127,7 @@ def test_config_file_fills_what_the_command_line_left_unset(tmp_path):
     """))
     options = parse_args(build_parser(), ["-np", "2", "--cycle-time-ms", "2", "--config-file", str(config), "true"])
     assert options.use_gloo and not options.use_mpi
-    assert engine_env(options) == {
+    assert job_from_args(options).engine_env() == {
         "RVOD_FUSION_THRESHOLD": str(32 * 1024 * 1024), "RVOD_CYCLE_TIME": "2", "RVOD_CACHE_CAPACITY": "2048",
         "RVOD_HIERARCHICAL_ALLREDUCE": "0", "RVOD_HIERARCHICAL_ALLGATHER": "1", "RVOD_TIMELINE": "time.json",
         "RVOD_TIMELINE_MARK_CYCLES": "1", "RVOD_STALL_CHECK_DISABLE": "1", "RVOD_STALL_CHECK_TIME_SECONDS": "120",

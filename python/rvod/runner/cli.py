@@ -3,16 +3,19 @@
 Every horovodrun flag is accepted by name, so existing launch scripts keep working: each is honoured, or
 refused with a sentence saying why (`REFUSED`, `MPI_ONLY`). A tuning flag that is not given sets nothing
 (its value stays None), so a --config-file value, the engine's default, or a value the user exported applies.
+`parse_args` checks the command line (--config-file applied); `job_from_args` turns it into the `JobSpec`
+the rest of the runner works from.
 """
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from dataclasses import fields
 from typing import TypeVar
 
-LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
-_BYTES_PER_MB = 1024 * 1024
+from rvod.runner.config_file import apply_config_file
+from rvod.runner.job import ELASTIC_FIELDS, LOG_LEVELS, JobSpec
 
 Number = TypeVar("Number", int, float)
 
@@ -48,11 +51,6 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
-
-
-def _format_number(value: float) -> str:
-    """Numbers as an engine parses them: whole values without a fractional part."""
-    return str(int(value)) if float(value).is_integer() else repr(float(value))
 
 
 def _network_interfaces(text: str) -> list[str]:
@@ -266,8 +264,6 @@ def _unit_interval(text: str) -> float:
 def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
     """Parses and checks the command line (and --config-file); usage errors and refused flags exit with
     status 2 through `parser.error`."""
-    from rvod.runner.config_file import apply_config_file
-
     options = parser.parse_args(argv)
     if options.command[:1] == ["--"]:
         options.command = options.command[1:]
@@ -285,8 +281,7 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
         if getattr(options, dest) is not None and not options.use_mpi:
             parser.error(f"{flag} is for mpirun, which rvodrun only uses with --mpi; add --mpi to launch "
                          "through mpirun")
-    elastic = any(getattr(options, dest) is not None for dest in
-                  ("min_num_proc", "max_num_proc", "host_discovery_script"))
+    elastic = any(getattr(options, dest) is not None for dest in ELASTIC_FIELDS)
     if options.num_proc is None and not elastic:
         parser.error("-np/--num-proc is required")
     if not options.command:
@@ -294,53 +289,21 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
     return options
 
 
-def engine_env(options: argparse.Namespace) -> dict[str, str]:
-    """The RVOD_* settings the given tuning flags ask for."""
-    env: dict[str, str] = {}
-    if options.fusion_threshold_mb is not None:
-        env["RVOD_FUSION_THRESHOLD"] = str(options.fusion_threshold_mb * _BYTES_PER_MB)
-    if options.cycle_time_ms is not None:
-        env["RVOD_CYCLE_TIME"] = _format_number(options.cycle_time_ms)
-    if options.cache_capacity is not None:
-        env["RVOD_CACHE_CAPACITY"] = str(options.cache_capacity)
-    if options.timeout is not None:
-        env["RVOD_TIMEOUT"] = _format_number(options.timeout)
-    elif options.gloo_timeout_seconds is not None:
-        env["RVOD_TIMEOUT"] = _format_number(options.gloo_timeout_seconds)
-    if options.start_timeout is not None:
-        env["RVOD_START_TIMEOUT"] = _format_number(options.start_timeout)
-    for dest, name in (("hierarchical_allreduce", "RVOD_HIERARCHICAL_ALLREDUCE"),
-                       ("hierarchical_allgather", "RVOD_HIERARCHICAL_ALLGATHER")):
-        if getattr(options, dest) is not None:
-            env[name] = "1" if getattr(options, dest) else "0"
-    if options.timeline_filename is not None:
-        env["RVOD_TIMELINE"] = options.timeline_filename
-        if options.timeline_mark_cycles is not None:
-            env["RVOD_TIMELINE_MARK_CYCLES"] = "1" if options.timeline_mark_cycles else "0"
-    if options.autotune:
-        env["RVOD_AUTOTUNE"] = "1"
-        for dest, name in (("autotune_log_file", "RVOD_AUTOTUNE_LOG"),
-                           ("autotune_warmup_samples", "RVOD_AUTOTUNE_WARMUP_SAMPLES"),
-                           ("autotune_steps_per_sample", "RVOD_AUTOTUNE_STEPS_PER_SAMPLE"),
-                           ("autotune_bayes_opt_max_samples", "RVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES")):
-            if getattr(options, dest) is not None:
-                env[name] = str(getattr(options, dest))
-        if options.autotune_gaussian_process_noise is not None:
-            env["RVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE"] = _format_number(options.autotune_gaussian_process_noise)
-    if options.no_stall_check is not None:
-        env["RVOD_STALL_CHECK_DISABLE"] = "1" if options.no_stall_check else "0"
-    if options.stall_warning_seconds is not None:
-        env["RVOD_STALL_CHECK_TIME_SECONDS"] = str(options.stall_warning_seconds)
-    if options.stall_shutdown_seconds is not None:
-        env["RVOD_STALL_SHUTDOWN_TIME_SECONDS"] = str(options.stall_shutdown_seconds)
-    if options.log_level is not None:
-        env["RVOD_LOG_LEVEL"] = options.log_level
-    if options.log_with_timestamp is not None:
-        env["RVOD_LOG_HIDE_TIME"] = "0" if options.log_with_timestamp else "1"
-    if options.thread_affinity is not None:
-        env["RVOD_THREAD_AFFINITY"] = options.thread_affinity
-    if options.tcp:
-        env["NCCL_IB_DISABLE"] = "1"
-    if options.nics:
-        env["RVOD_NETWORK_INTERFACE"] = ",".join(options.nics)
-    return env
+# Flags that leave no field of their own in the job: those asking for what rvod does anyway (--gloo,
+# --disable-cache, --mpi-threads-disable), refused ones (REFUSED), those `main` and `parse_args` act on
+# themselves, and --gloo-timeout-seconds, which becomes the job's `timeout`.
+NOT_IN_THE_JOB = ("use_gloo", "disable_cache", "mpi_threads_disable", *REFUSED, "version", "check_build",
+                  "config_file", "gloo_timeout_seconds")
+
+
+def job_from_args(options: argparse.Namespace) -> JobSpec:
+    """The job a checked command line (`parse_args`, --config-file applied) describes."""
+    values = {field.name: getattr(options, field.name) for field in fields(JobSpec)}
+    values.update(
+        command=tuple(options.command),
+        nics=tuple(options.nics or ()),
+        cooldown_range=tuple(options.cooldown_range) if options.cooldown_range else None,
+        # --gloo-timeout-seconds is horovodrun's other name for --timeout, which wins when both are given.
+        timeout=options.timeout if options.timeout is not None else options.gloo_timeout_seconds,
+    )
+    return JobSpec(**values)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
+from rvod.runner.job import LOG_LEVELS
 
 # section -> key -> (options attribute, kind)
 _SCHEMA: dict[str, dict[str, tuple[str, str]]] = {

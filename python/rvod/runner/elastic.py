@@ -14,7 +14,6 @@ than --reset-limit resets would be needed, or when every discovered host is blac
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -29,6 +28,7 @@ from typing import Any
 
 from rvod.runner import network, store
 from rvod.runner.hosts import Host, Slot, local_names
+from rvod.runner.job import JobSpec
 from rvod.runner.ssh import SshSettings, forwarded_environment, remote_python_command
 from rvod.runner.supervisor import STOP_GRACE_SECONDS, WorkerProcess, WorkerSpec, describe_exit, signal_name
 from rvod.runner.worker_env import worker_env
@@ -155,14 +155,13 @@ def _say(text: str) -> None:
 
 
 class ElasticDriver:
-    def __init__(self, options: argparse.Namespace, settings: ElasticSettings, command: list[str],
-                 engine_settings: dict[str, str], ssh: SshSettings, nics: list[str]):
-        self.options = options
+    def __init__(self, spec: JobSpec, settings: ElasticSettings, command: list[str], ssh: SshSettings):
+        self.spec = spec
         self.settings = settings
         self.command = command
-        self.engine_settings = engine_settings
+        self.engine_settings = spec.engine_env()
         self.ssh = ssh
-        self.nics = nics
+        self.nics = list(spec.nics)
         self.secret = os.urandom(32)
         self.blacklist = Blacklist(settings.cooldown_range)
         self.hosts: dict[str, int] = {}
@@ -282,10 +281,10 @@ class ElasticDriver:
         ssh_command = None
         if remote:
             ssh_command = self.ssh.command(slot.hostname, remote_python_command(env, ["-m", "rvod.runner.remote"]))
-        spec = WorkerSpec(rank=slot.rank, command=self.command, env=env, hostname=slot.hostname,
-                          ssh_command=ssh_command)
-        process = WorkerProcess.start(spec, timestamp=self.options.prefix_timestamp)
-        if self.options.verbose:
+        worker_spec = WorkerSpec(rank=slot.rank, command=self.command, env=env, hostname=slot.hostname,
+                                 ssh_command=ssh_command)
+        process = WorkerProcess.start(worker_spec, timestamp=self.spec.prefix_timestamp)
+        if self.spec.verbose:
             _say(f"started worker {worker_id} as rank {slot.rank} on {slot.hostname} (pid {process.process.pid})")
         worker = _ElasticWorker(worker_id, slot.hostname, process)
         self.workers.append(worker)
@@ -351,13 +350,13 @@ class ElasticDriver:
                 code = worker.process.returncode
                 where = f"worker {worker.id} (rank {worker.rank} on {worker.host})"
                 if worker.leaving:
-                    if self.options.verbose:
+                    if self.spec.verbose:
                         _say(f"{where} left the job: it {describe_exit(code)}")
                 elif code == 0:
                     if not finishing:
                         self._finish(client)
                     finishing = True
-                    if self.options.verbose:
+                    if self.spec.verbose:
                         _say(f"{where} finished")
                 elif finishing:
                     status = status or (128 - code if code < 0 else code)
@@ -448,20 +447,20 @@ def _describe(hosts: dict[str, int]) -> str:
     return ", ".join(f"{host}:{slots}" for host, slots in hosts.items()) or "no hosts"
 
 
-def elastic_settings(options: argparse.Namespace, fixed_hosts: list[Host] | None) -> ElasticSettings:
-    """The elastic flags, checked (ValueError with a sentence for the user)."""
-    min_np = options.min_num_proc if options.min_num_proc is not None else options.num_proc
+def elastic_settings(spec: JobSpec, fixed_hosts: list[Host] | None) -> ElasticSettings:
+    """The job's elastic settings, checked (ValueError with a sentence for the user)."""
+    min_np = spec.min_num_proc if spec.min_num_proc is not None else spec.num_proc
     if min_np is None:
         raise ValueError("elastic training needs --min-np (or -np) to know how few workers the job can run with")
-    max_np = options.max_num_proc
+    max_np = spec.max_num_proc
     if min_np < 1 or (max_np is not None and max_np < min_np):
         raise ValueError(f"--min-np must be at least 1 and --max-np at least --min-np (got {min_np}, {max_np})")
-    if options.host_discovery_script is None and fixed_hosts is None:
+    if spec.host_discovery_script is None and fixed_hosts is None:
         raise ValueError("elastic training needs --host-discovery-script (or -H/--hostfile for a fixed set of hosts)")
-    cooldown = tuple(options.cooldown_range) if options.cooldown_range else None
+    cooldown = spec.cooldown_range
     if cooldown is not None and not 0 <= cooldown[0] <= cooldown[1]:
         raise ValueError(f"--blacklist-cooldown-range MIN MAX needs 0 <= MIN <= MAX, got {cooldown[0]} {cooldown[1]}")
-    timeout = options.elastic_timeout
+    timeout = spec.elastic_timeout
     for name in ("RVOD_ELASTIC_TIMEOUT", "HOROVOD_ELASTIC_TIMEOUT"):
         if timeout is None and os.environ.get(name):
             try:
@@ -470,13 +469,7 @@ def elastic_settings(options: argparse.Namespace, fixed_hosts: list[Host] | None
                 raise ValueError(f"{name} must be a number of seconds, got {os.environ[name]!r}") from None
     if timeout is None:
         timeout = DEFAULT_ELASTIC_TIMEOUT
-    return ElasticSettings(min_np=min_np, max_np=max_np, discovery_script=options.host_discovery_script,
-                           fixed_hosts=fixed_hosts, slots_per_host=options.slots_per_host,
-                           elastic_timeout=float(timeout), reset_limit=options.reset_limit,
-                           cooldown_range=cooldown)  # type: ignore[arg-type]
-
-
-def is_elastic(options: argparse.Namespace) -> bool:
-    return any(getattr(options, dest) is not None for dest in
-               ("min_num_proc", "max_num_proc", "host_discovery_script"))
+    return ElasticSettings(min_np=min_np, max_np=max_np, discovery_script=spec.host_discovery_script,
+                           fixed_hosts=fixed_hosts, slots_per_host=spec.slots_per_host,
+                           elastic_timeout=float(timeout), reset_limit=spec.reset_limit, cooldown_range=cooldown)
 

@@ -7,6 +7,9 @@ job with other hosts serves it on the address of the first --network-interface, 
 that routes to the first remote host. Before any rank starts, every remote host is probed in parallel; the
 first problem found (unreachable, no rvod, another Python or rvod version, a missing NIC) ends rvodrun with
 a line naming the host, and nothing is left running.
+
+The command line becomes a `JobSpec` (rvod.runner.job) once; the placement (`plan_job`), the job (`Job`),
+the mpirun launch (rvod.runner.mpi) and the elastic driver (rvod.runner.elastic) all work from it.
 """
 
 from __future__ import annotations
@@ -19,10 +22,11 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rvod.runner import network, store
+from rvod.runner import elastic, mpi, network, store
 from rvod.runner.check_build import build_report, package_version
-from rvod.runner.cli import build_parser, engine_env, parse_args
+from rvod.runner.cli import build_parser, job_from_args, parse_args
 from rvod.runner.hosts import Host, Slot, assign_slots, parse_hostfile, parse_hosts, remote_hosts
+from rvod.runner.job import JobSpec
 from rvod.runner.ssh import HostProblem, SshSettings, forwarded_environment, probe_hosts, remote_python_command
 from rvod.runner.supervisor import Supervisor, WorkerSpec
 from rvod.runner.worker_env import worker_env
@@ -31,18 +35,18 @@ _SECRET_BYTES = 32
 DEFAULT_START_TIMEOUT = 30.0
 
 
-def _hosts(options: argparse.Namespace) -> list[Host]:
-    if options.hosts is not None:
-        return parse_hosts(options.hosts)
-    if options.hostfile is not None:
-        return parse_hostfile(options.hostfile)
-    return [Host("localhost", options.num_proc)]
+def _hosts(spec: JobSpec) -> list[Host]:
+    if spec.hosts is not None:
+        return parse_hosts(spec.hosts)
+    if spec.hostfile is not None:
+        return parse_hostfile(spec.hostfile)
+    return [Host("localhost", spec.num_proc)]
 
 
-def start_timeout(options: argparse.Namespace) -> float:
+def start_timeout(spec: JobSpec) -> float:
     """--start-timeout, else RVOD_START_TIMEOUT / HOROVOD_START_TIMEOUT, else 30 s (horovodrun's default)."""
-    if options.start_timeout is not None:
-        return float(options.start_timeout)
+    if spec.start_timeout is not None:
+        return float(spec.start_timeout)
     for name in ("RVOD_START_TIMEOUT", "HOROVOD_START_TIMEOUT"):
         value = os.environ.get(name)
         if value:
@@ -87,18 +91,21 @@ class JobPlan:
         return len({slot.hostname for slot in self.slots}) > 1 or bool(self.remote_hosts)
 
 
-def plan_job(options: argparse.Namespace) -> JobPlan:
+def _ssh_settings(spec: JobSpec) -> SshSettings:
+    return SshSettings(port=spec.ssh_port, identity_file=spec.ssh_identity_file,
+                       config_file=spec.ssh_config_file or os.environ.get("RVOD_SSH_CONFIG_FILE") or None,
+                       connect_timeout=start_timeout(spec))
+
+
+def plan_job(spec: JobSpec) -> JobPlan:
     """Places the ranks and picks the rendezvous address; ValueError (naming the host, line or NIC) for what
     cannot work."""
-    hosts = _hosts(options)
-    slots = assign_slots(hosts, options.num_proc)
+    hosts = _hosts(spec)
+    slots = assign_slots(hosts, spec.num_proc)
     used = {slot.hostname for slot in slots}
     remote = [name for name in remote_hosts(hosts) if name in used]
-    timeout = start_timeout(options)
-    ssh = SshSettings(port=options.ssh_port, identity_file=options.ssh_identity_file,
-                      config_file=options.ssh_config_file or os.environ.get("RVOD_SSH_CONFIG_FILE") or None,
-                      connect_timeout=timeout)
-    nics = list(options.nics or [])
+    ssh = _ssh_settings(spec)
+    nics = list(spec.nics)
     nic_addresses = [network.interface_address(nic) for nic in nics]  # a NIC this machine lacks: ValueError
     # An unknown host is named here, before anything starts.
     peers = [network.resolve(ssh.resolved_hostname(name)) for name in remote]
@@ -110,7 +117,7 @@ def plan_job(options: argparse.Namespace) -> JobPlan:
         rendezvous_addr = network.route_source(peers[0])
         why = f"this machine's address on the route to {remote[0]} ({peers[0]})"
     return JobPlan(slots=slots, remote_hosts=remote, ssh=ssh, rendezvous_addr=rendezvous_addr,
-                   rendezvous_reason=why, start_timeout=timeout, nics=nics)
+                   rendezvous_reason=why, start_timeout=ssh.connect_timeout, nics=nics)
 
 
 def _rank_output_dir(root: str, rank: int, size: int) -> Path:
@@ -122,8 +129,8 @@ class Job:
     """One job: check the hosts, then (as a context manager) serve the rendezvous store while `run` runs
     the ranks. `rvod.run` uses it too, to reach the store before and after the ranks run."""
 
-    def __init__(self, options: argparse.Namespace, plan: JobPlan):
-        self.options = options
+    def __init__(self, spec: JobSpec, plan: JobPlan):
+        self.spec = spec
         self.plan = plan
         self.secret = secrets.token_bytes(_SECRET_BYTES)
         self.failure: str | None = None
@@ -132,7 +139,7 @@ class Job:
     def check_hosts(self) -> None:
         """Probes every remote host (HostProblem naming the first bad one)."""
         if self.plan.remote_hosts:
-            if self.options.verbose:
+            if self.spec.verbose:
                 print(f"rvodrun: checking {', '.join(self.plan.remote_hosts)} over ssh", file=sys.stderr)
             probe_hosts(self.plan.ssh, self.plan.remote_hosts, os.environ, self.plan.start_timeout, self.plan.nics)
 
@@ -150,12 +157,12 @@ class Job:
             self._store.close()
             self._store = None
 
-    def _spec(self, slot: Slot, command: list[str], settings: dict[str, str]) -> WorkerSpec:
+    def _worker(self, slot: Slot, command: list[str], settings: dict[str, str]) -> WorkerSpec:
         remote = slot.hostname in self.plan.remote_hosts
         base = forwarded_environment(os.environ) if remote else os.environ
         env = worker_env(base, slot, rendezvous_addr=self.plan.rendezvous_addr, rendezvous_port=self.port,
                          secret=self.secret, settings=settings)
-        output_dir = self.options.output_dir
+        output_dir = self.spec.output_dir
         ssh_command = None
         if remote:
             ssh_command = self.plan.ssh.command(slot.hostname,
@@ -165,18 +172,18 @@ class Job:
 
     def run(self, command: list[str]) -> int:
         """Runs `command` as every rank and returns the job's exit status (`failure` says what failed)."""
-        options = self.options
-        if options.verbose:
+        spec = self.spec
+        if spec.verbose:
             print(f"rvodrun: rendezvous store listening on {self.plan.rendezvous_addr}:{self.port} "
                   f"({self.plan.rendezvous_reason})", file=sys.stderr)
             for slot in self.plan.slots:
                 print(f"rvodrun: rank {slot.rank} on {slot.hostname}: local rank {slot.local_rank} of "
                       f"{slot.local_size}, cross rank {slot.cross_rank} of {slot.cross_size}", file=sys.stderr)
-        settings = engine_env(options)
-        specs = [self._spec(slot, command, settings) for slot in self.plan.slots]
-        supervisor = Supervisor(verbose=options.verbose, name_hosts=self.plan.multi_host,
-                                timestamp=options.prefix_timestamp)
-        status = supervisor.run(specs)
+        settings = spec.engine_env()
+        workers = [self._worker(slot, command, settings) for slot in self.plan.slots]
+        supervisor = Supervisor(verbose=spec.verbose, name_hosts=self.plan.multi_host,
+                                timestamp=spec.prefix_timestamp)
+        status = supervisor.run(workers)
         self.failure = supervisor.failure
         return status
 
@@ -191,20 +198,17 @@ def main(argv: list[str] | None = None) -> int:
     if options.check_build:
         print(build_report())
         return 0
-    from rvod.runner import elastic
-
-    if elastic.is_elastic(options):
-        return _run_elastic(parser, options)
+    spec = job_from_args(options)
+    if spec.elastic:
+        return _run_elastic(parser, spec)
     try:
-        plan = plan_job(options)
-        command = resolve_command(options.command)
+        plan = plan_job(spec)
+        command = resolve_command(list(spec.command))
     except ValueError as error:
         parser.error(str(error))
-    if options.use_mpi:
-        from rvod.runner.mpi import run_with_mpirun
-
-        return run_with_mpirun(options, plan, command)
-    job = Job(options, plan)
+    job = Job(spec, plan)
+    if spec.use_mpi:
+        return _run_with_mpirun(job, command)
     try:
         job.check_hosts()
     except HostProblem as error:
@@ -218,12 +222,25 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def _run_elastic(parser: argparse.ArgumentParser, options: argparse.Namespace) -> int:
+def _run_with_mpirun(job: Job, command: list[str]) -> int:
+    """rvodrun --mpi: see rvod.runner.mpi."""
+    if shutil.which("mpirun") is None:
+        print(f"rvodrun: --mpi {mpi.MISSING_MPIRUN}", file=sys.stderr)
+        return 1
+    try:
+        with job:
+            return mpi.run_mpirun(job, command)
+    except store.StoreUnavailable as error:
+        print(f"rvodrun: {error}", file=sys.stderr)
+        return 1
+
+
+def _run_elastic(parser: argparse.ArgumentParser, spec: JobSpec) -> int:
     """An elastic job (--min-np, --max-np or --host-discovery-script): see rvod.runner.elastic."""
-    if options.use_mpi:
+    if spec.use_mpi:
         parser.error("elastic training starts and restarts workers itself; it cannot run under --mpi")
     try:
-        driver = elastic_driver(options, resolve_command(options.command))
+        driver = elastic_driver(spec, resolve_command(list(spec.command)))
     except ValueError as error:
         parser.error(str(error))
     try:
@@ -233,22 +250,16 @@ def _run_elastic(parser: argparse.ArgumentParser, options: argparse.Namespace) -
         return 1
 
 
-def elastic_driver(options: argparse.Namespace, command: list[str]):
-    """The elastic driver of a job with these options running `command` on every worker (ValueError with a
-    sentence for the user when the options are wrong)."""
-    from rvod.runner import elastic
-
+def elastic_driver(spec: JobSpec, command: list[str]) -> elastic.ElasticDriver:
+    """The elastic driver of `spec` running `command` on every worker (ValueError with a sentence for the
+    user when the job's settings are wrong)."""
     fixed = None
-    if options.host_discovery_script is None and (options.hosts is not None or options.hostfile is not None):
-        fixed = _hosts(options)
-    settings = elastic.elastic_settings(options, fixed)
-    nics = list(options.nics or [])
-    for nic in nics:
-        network.interface_address(nic)
-    ssh = SshSettings(port=options.ssh_port, identity_file=options.ssh_identity_file,
-                      config_file=options.ssh_config_file or os.environ.get("RVOD_SSH_CONFIG_FILE") or None,
-                      connect_timeout=start_timeout(options))
-    return elastic.ElasticDriver(options, settings, command, engine_env(options), ssh, nics)
+    if spec.host_discovery_script is None and (spec.hosts is not None or spec.hostfile is not None):
+        fixed = _hosts(spec)
+    settings = elastic.elastic_settings(spec, fixed)
+    for nic in spec.nics:
+        network.interface_address(nic)  # a NIC this machine lacks: ValueError
+    return elastic.ElasticDriver(spec, settings, command, _ssh_settings(spec))
 
 
 def run_commandline() -> None:

@@ -2,8 +2,8 @@
 
 Open MPI says which rank this is (OMPI_COMM_WORLD_RANK, or PMI_RANK for MPICH-style launchers); rvodrun's
 layout (RVOD_MPI_LAYOUT, `host:count,...` in placement order) says where every rank runs, so this rank's
-local and cross ranks are the ones rvodrun would give it. The RVOD_* identity is set and COMMAND replaces
-this process.
+local and cross ranks are the ones rvodrun would give it. The rank's RVOD_* identity (rvod.runner.worker_env)
+is set and COMMAND replaces this process.
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from __future__ import annotations
 import os
 import sys
 
-from rvod.runner.hosts import Host, assign_slots
-from rvod.runner.mpi import LAYOUT_VARIABLE
+from rvod.runner.hosts import assign_slots
+from rvod.runner.mpi import LAYOUT_VARIABLE, layout_hosts
+from rvod.runner.worker_env import identity_env
 
 
 def main(command: list[str]) -> None:
@@ -21,22 +22,10 @@ def main(command: list[str]) -> None:
     rank_text = os.environ.get("OMPI_COMM_WORLD_RANK") or os.environ.get("PMI_RANK")
     if rank_text is None:
         sys.exit("rvod.runner.mpi_rank: not started by mpirun (no OMPI_COMM_WORLD_RANK or PMI_RANK)")
-    hosts = []
-    for entry in os.environ[LAYOUT_VARIABLE].split(","):
-        name, _, count = entry.rpartition(":")
-        hosts.append(Host(name, int(count)))
-    slots = assign_slots(hosts, sum(host.slots for host in hosts))
-    slot = slots[int(rank_text)]
+    hosts = layout_hosts(os.environ[LAYOUT_VARIABLE])
+    slot = assign_slots(hosts, sum(host.slots for host in hosts))[int(rank_text)]
     env = dict(os.environ)
-    env.update({
-        "RVOD_RANK": str(slot.rank),
-        "RVOD_SIZE": str(slot.size),
-        "RVOD_LOCAL_RANK": str(slot.local_rank),
-        "RVOD_LOCAL_SIZE": str(slot.local_size),
-        "RVOD_CROSS_RANK": str(slot.cross_rank),
-        "RVOD_CROSS_SIZE": str(slot.cross_size),
-        "RVOD_HOSTNAME": slot.hostname,
-    })
+    env.update(identity_env(slot))
     try:
         os.execvpe(command[0], command, env)
     except OSError as error:

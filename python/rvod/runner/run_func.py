@@ -22,6 +22,8 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from rvod.runner.job import JobSpec
+
 FUNCTION_KEY = "rvod.run/function"
 RESULT_KEY = "rvod.run/result/{rank}"
 # How long the driver waits for the store to answer when it puts the function and reads the results.
@@ -75,8 +77,7 @@ def run(
     arguments for it."""
     import cloudpickle
 
-    from rvod.runner import elastic, launch, mpi
-    from rvod.runner.cli import build_parser
+    from rvod.runner import launch, mpi
 
     num_proc = _deprecated_alias("np", "num_proc", np, num_proc)
     min_num_proc = _deprecated_alias("min_np", "min_num_proc", min_np, min_num_proc)
@@ -95,34 +96,38 @@ def run(
     for given in (network_interface, network_interfaces):
         if given:
             nics += [name.strip() for name in (given.split(",") if isinstance(given, str) else given)]
-
-    options = build_parser().parse_args(["-np", "1", "true"])
-    options.num_proc = num_proc if num_proc is not None else 1
-    options.command = []
-    options.min_num_proc, options.max_num_proc = min_num_proc, max_num_proc
-    options.slots_per_host, options.reset_limit = slots, reset_limit
-    options.cooldown_range = tuple(cooldown_range) if cooldown_range is not None else None
-    options.host_discovery_script = host_discovery_script
-    options.hosts, options.hostfile = hosts, hostfile
-    options.start_timeout = start_timeout
-    options.ssh_port, options.ssh_identity_file = ssh_port, ssh_identity_file
-    options.disable_cache = bool(disable_cache)
-    options.output_dir = output_filename
-    options.verbose = bool(verbose and verbose >= 2) if not isinstance(verbose, bool) else verbose
-    options.nics = nics
-    options.mpi_args = mpi_args
-    if options.num_proc < 1:
-        raise ValueError(f"num_proc must be at least 1, got {options.num_proc}")
+    if num_proc is not None and num_proc < 1:
+        raise ValueError(f"num_proc must be at least 1, got {num_proc}")
+    # disable_cache and use_gloo ask for what rvod does anyway (as rvodrun's --disable-cache and --gloo).
+    spec = JobSpec(
+        num_proc=num_proc if num_proc is not None else 1,
+        hosts=hosts,
+        hostfile=hostfile,
+        nics=tuple(nics),
+        use_mpi=bool(use_mpi),
+        mpi_args=mpi_args,
+        start_timeout=start_timeout,
+        ssh_port=ssh_port,
+        ssh_identity_file=ssh_identity_file,
+        verbose=bool(verbose and verbose >= 2) if not isinstance(verbose, bool) else verbose,
+        output_dir=output_filename,
+        min_num_proc=min_num_proc,
+        max_num_proc=max_num_proc,
+        host_discovery_script=host_discovery_script,
+        slots_per_host=slots,
+        reset_limit=reset_limit,
+        cooldown_range=tuple(cooldown_range) if cooldown_range else None,  # type: ignore[arg-type]
+    )
 
     payload = cloudpickle.dumps((func, tuple(args), dict(kwargs or {})))
     task = [executable or sys.executable, "-m", "rvod.runner.run_task"]
-    if elastic.is_elastic(options):
-        if use_mpi:
+    if spec.elastic:
+        if spec.use_mpi:
             raise ValueError("elastic training starts and restarts workers itself; it cannot run under use_mpi")
-        return _run_elastic(launch.elastic_driver(options, task), payload)
-    plan = launch.plan_job(options)
-    job = launch.Job(options, plan)
-    if not use_mpi:
+        return _run_elastic(launch.elastic_driver(spec, task), payload)
+    plan = launch.plan_job(spec)
+    job = launch.Job(spec, plan)
+    if not spec.use_mpi:
         job.check_hosts()  # mpirun reaches the hosts itself
     with job:
         from rvod._rvod import StoreClient
@@ -130,7 +135,7 @@ def run(
         client = StoreClient(plan.rendezvous_addr, job.port, job.secret, _STORE_TIMEOUT_SECONDS)
         try:
             client.set(FUNCTION_KEY, payload)
-            status = mpi.run_mpirun(job, task) if use_mpi else job.run(task)
+            status = mpi.run_mpirun(job, task) if spec.use_mpi else job.run(task)
             outcomes = {}
             for slot in plan.slots:
                 try:
