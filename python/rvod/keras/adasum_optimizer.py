@@ -14,7 +14,7 @@ assignments of each variable as written), and with Keras' torch backend.
 
 import keras
 
-from rvod.keras.optimizer import KerasSpellings, refuse_xla
+from rvod.keras.optimizer_base import KerasSpellings, refuse_xla
 
 
 class DistributedAdasumOptimizer(KerasSpellings):

@@ -18,7 +18,9 @@ import keras
 
 from rvod.common.process_sets import global_process_set
 from rvod.common.reduce_ops import Adasum, Average
+from rvod.keras.adasum_optimizer import DistributedAdasumOptimizer
 from rvod.keras.compression import Compression
+from rvod.keras.optimizer_base import KerasSpellings, refuse_xla
 
 
 def gradient_reducer(backend, **options):
@@ -32,31 +34,6 @@ def gradient_reducer(backend, **options):
 
         return TorchGradientReducer(**options)
     raise NotImplementedError(f"rvod.keras supports the tensorflow and torch backends of Keras, not {backend!r}")
-
-
-class _CallableList(list):
-    """A list that returns itself when called: Keras 2's ``optimizer.variables()`` and Keras 3's
-    ``optimizer.variables`` both work."""
-
-    def __call__(self):
-        return self
-
-
-class KerasSpellings:
-    """Keras 2's spellings on a Keras 3 optimizer (see the module docstring)."""
-
-    @property
-    def variables(self):
-        return _CallableList(super().variables)
-
-    @property
-    def lr(self):
-        """Keras 2's name of ``learning_rate``."""
-        return self.learning_rate
-
-    @lr.setter
-    def lr(self, value):
-        self.learning_rate = value
 
 
 class _DistributedOptimizer(KerasSpellings):
@@ -77,17 +54,6 @@ class _DistributedOptimizer(KerasSpellings):
     def register_local_var(self, var):
         """Keep ``var``'s gradient local (not exchanged)."""
         self._rvod_reducer.register_local_variable(var)
-
-
-def refuse_xla():
-    if keras.backend.backend() != "tensorflow":
-        return
-    import tensorflow as tf
-    from tensorflow.python.ops import control_flow_util
-
-    if not tf.executing_eagerly() and control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
-        raise ValueError("rvod's DistributedOptimizer cannot run inside XLA: compile the model with "
-                         "jit_compile=False")
 
 
 def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse='', compression=Compression.none,
@@ -126,10 +92,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
                                scale_local_gradients=scale_local_gradients and not adasum,
                                postscale_factor=1.0 if adasum else postscale, allow_adasum=adasum)
     base = type(optimizer)
-    if adasum:
-        from rvod.keras.adasum_optimizer import DistributedAdasumOptimizer as mixin
-    else:
-        mixin = _DistributedOptimizer
+    mixin = DistributedAdasumOptimizer if adasum else _DistributedOptimizer
     cls = type(base.__name__, (mixin, base), {"__module__": base.__module__})
     distributed = cls.from_config(config)
     distributed._rvod_reducer = reducer
