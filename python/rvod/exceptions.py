@@ -6,7 +6,12 @@ training recovers from it, and ``HorovodInternalError`` is the same class so Hor
 so it is not an ``RvodInternalError`` (elastic training would retry it forever); it is a ``ValueError``, and a
 ``RuntimeError`` as Horovod's PyTorch errors are, so ``except RuntimeError`` still catches it.
 ``RvodTimeoutError`` means a peer made no progress in time, or ranks never came to ``init()``.
-Bad arguments raise plain ``TypeError``/``ValueError`` before anything is sent.
+``RvodInvalidArgumentError`` means a collective was refused when it was submitted (an op the collective
+cannot do, such as Adasum in reducescatter; bad alltoall splits; a root or process set this rank cannot use;
+a name already in flight; no ``init()``): nothing was sent and the refused call used no name. It is a
+``ValueError`` as rvod's argument errors are, and a ``RuntimeError`` as Horovod raises these from its C++
+checks, so ``except RuntimeError`` (Horovod's callers) and ``except ValueError`` both catch it.
+Arguments of the wrong type raise plain ``TypeError``.
 """
 
 
@@ -23,6 +28,10 @@ HorovodInternalError = RvodInternalError
 
 class RvodMismatchError(RvodError, ValueError, RuntimeError):
     """Ranks disagreed about a tensor; the message names the ranks and the values they sent."""
+
+
+class RvodInvalidArgumentError(RvodError, ValueError, RuntimeError):
+    """A collective refused at submission, before anything was sent; the message says what and why."""
 
 
 class RvodTimeoutError(RvodInternalError):

@@ -6,16 +6,18 @@ use pyo3::PyErr;
 use crate::error::EngineError;
 
 pyo3::import_exception!(rvod.exceptions, RvodInternalError);
+pyo3::import_exception!(rvod.exceptions, RvodInvalidArgumentError);
 pyo3::import_exception!(rvod.exceptions, RvodMismatchError);
 pyo3::import_exception!(rvod.exceptions, RvodTimeoutError);
 
 pub fn to_py_err(err: EngineError) -> PyErr {
     let message = err.to_string();
     match err {
-        EngineError::NotInitialized
-        | EngineError::DuplicateName { .. }
-        | EngineError::InvalidArgument(_)
-        | EngineError::Config(_) => PyValueError::new_err(message),
+        // Refused at submission: a ValueError, and a RuntimeError as Horovod's refusals are.
+        EngineError::NotInitialized | EngineError::DuplicateName { .. } | EngineError::InvalidArgument(_) => {
+            RvodInvalidArgumentError::new_err(message)
+        }
+        EngineError::Config(_) => PyValueError::new_err(message),
         EngineError::Mismatch(_) => RvodMismatchError::new_err(message),
         EngineError::Transport { ref cause, .. } if cause.timed_out => RvodTimeoutError::new_err(message),
         EngineError::StartTimeout(_) => RvodTimeoutError::new_err(message),

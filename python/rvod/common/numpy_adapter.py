@@ -11,6 +11,7 @@ import numpy as np
 
 from rvod import _rvod
 from rvod.common.ops import TensorAdapter
+from rvod.exceptions import RvodInvalidArgumentError
 
 # The engine's element types (its own table, by name) that NumPy has: all but bfloat16.
 _SUPPORTED = tuple(np.dtype(name) for name in _rvod.DTYPES if name != "bfloat16")
@@ -86,7 +87,7 @@ class NumpyAdapter(TensorAdapter):
         if not isinstance(tensor, np.ndarray):
             raise TypeError(f"in-place ops need a NumPy array to write the result into, got {type(tensor).__name__}")
         if not tensor.flags.writeable:
-            raise ValueError("in-place ops need a writable array; this one is read-only")
+            raise RvodInvalidArgumentError("in-place ops need a writable array; this one is read-only")
         return self.export(tensor)
 
     def to_int_list(self, values):

@@ -2,7 +2,9 @@
 
 A shim passes a *tensor adapter* (see ``TensorAdapter``) that turns its tensors into DLPack capsules and
 capsules back into tensors; everything else (naming, argument checks, handles, keeping inputs alive until
-the engine is done with them, in-place write-back) happens here.
+the engine is done with them, in-place write-back) happens here. An unnamed op refused at submission
+(``TypeError``, or a ``ValueError`` such as ``RvodInvalidArgumentError``: nothing was sent) gives its name
+back (see ``naming``); one that was sent keeps it, whatever becomes of it.
 """
 
 from threading import get_ident
@@ -11,6 +13,7 @@ from rvod import _rvod
 from rvod.common import naming
 from rvod.common.process_sets import global_process_set, process_set_id_of
 from rvod.common.reduce_ops import Adasum, Average, Sum, resolve_op
+from rvod.exceptions import RvodInvalidArgumentError, RvodMismatchError
 
 # Collective kinds, as the engine numbers them (its own table, not a copy: a kind it renames fails here).
 ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, BARRIER, JOIN = (
@@ -160,6 +163,14 @@ def _group_names(prefix, name, count, process_set):
     return [naming.next_name(prefix, set_id) for _ in range(count)]
 
 
+def _give_back(error, names, process_set):
+    """The unnamed op behind ``names`` raised ``error`` (a ``TypeError`` or ``ValueError``): unless ranks
+    disagreed about it (an op that was sent and failed on every rank), it was refused before anything was
+    sent, and its numbers go back to the set's counter."""
+    if not isinstance(error, RvodMismatchError):
+        naming.give_back(names, process_set_id_of(process_set))
+
+
 def wait_for(start, *args, **kwargs):
     """``synchronize(start(*args, **kwargs))`` for an ``*_async`` function ``start`` that returns the handle
     of the one op it submits, telling the engine that the caller waits at once: an idle engine then runs
@@ -307,29 +318,41 @@ def synchronize(handle):
 def allreduce_async(adapter, tensor, average=None, name=None, op=None, prescale_factor=1.0,
                     postscale_factor=1.0, process_set=global_process_set, in_place=False):
     op = resolve_op(op, average)
-    if name is None:
+    unnamed = name is None
+    if unnamed:
         name = naming.next_suffix(process_set_id_of(process_set))
-    return _submit_one(ALLREDUCE, name, adapter, tensor, in_place, _original if in_place else _new_tensor, op,
-                       prescale_factor, postscale_factor, -1, process_set)
+    try:
+        return _submit_one(ALLREDUCE, name, adapter, tensor, in_place, _original if in_place else _new_tensor, op,
+                           prescale_factor, postscale_factor, -1, process_set)
+    except (TypeError, ValueError) as error:
+        if unnamed:
+            _give_back(error, [name], process_set)
+        raise
 
 
 def allreduce(adapter, tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
               process_set=global_process_set, in_place=False):
     """``synchronize(allreduce_async(...))``: the result, ``tensor`` itself when ``in_place``."""
     op = resolve_op(op, average)
-    if name is None:
+    unnamed = name is None
+    if unnamed:
         name = naming.next_suffix(process_set_id_of(process_set))
-    if adapter.tensors_are_ndarrays and process_set is global_process_set:
-        # A small allreduce in a loop costs a few hundred nanoseconds: every Python call shows (see _run_now).
-        result = _run(ALLREDUCE, name, tensor, in_place, op, prescale_factor, postscale_factor, -1, 0)
-        if result is None:
-            return tensor
-        if type(result) is not int and result is not NotImplemented:
-            return result  # the new array: an ndarray adapter's tensor as it is
-        return _ran(result, ALLREDUCE, name, adapter, tensor, tensor, in_place, op, prescale_factor,
-                    postscale_factor, -1, process_set)
-    return _run_now(ALLREDUCE, name, adapter, tensor, in_place, op, prescale_factor, postscale_factor, -1,
-                    process_set)
+    try:
+        if adapter.tensors_are_ndarrays and process_set is global_process_set:
+            # A small allreduce in a loop costs a few hundred nanoseconds: every Python call shows (see _run_now).
+            result = _run(ALLREDUCE, name, tensor, in_place, op, prescale_factor, postscale_factor, -1, 0)
+            if result is None:
+                return tensor
+            if type(result) is not int and result is not NotImplemented:
+                return result  # the new array: an ndarray adapter's tensor as it is
+            return _ran(result, ALLREDUCE, name, adapter, tensor, tensor, in_place, op, prescale_factor,
+                        postscale_factor, -1, process_set)
+        return _run_now(ALLREDUCE, name, adapter, tensor, in_place, op, prescale_factor, postscale_factor, -1,
+                        process_set)
+    except (TypeError, ValueError) as error:
+        if unnamed:
+            _give_back(error, [name], process_set)
+        raise
 
 
 def grouped_allreduce_async(adapter, tensors, average=None, name=None, op=None, prescale_factor=1.0,
@@ -337,7 +360,7 @@ def grouped_allreduce_async(adapter, tensors, average=None, name=None, op=None, 
     op = resolve_op(op, average)
     tensors = list(tensors)
     if not tensors:
-        raise ValueError("grouped_allreduce needs at least one tensor")
+        raise RvodInvalidArgumentError("grouped_allreduce needs at least one tensor")
     # One name for the whole group: the engine packs it into one tensor per dtype (members that differ
     # across ranks are reported as '<name>_<index>'). Adasum needs every tensor's bounds on every rank, so
     # its groups go tensor by tensor, one name each, and are fused (each tensor keeps its coefficients).
@@ -347,49 +370,84 @@ def grouped_allreduce_async(adapter, tensors, average=None, name=None, op=None, 
     else:
         names = _group_names("grouped_allreduce", name, len(tensors), process_set)
     finish = _originals if in_place else _new_tensors
-    return _submit(ALLREDUCE, names, adapter, tensors, in_place, finish, tensors,
-                   op=op, prescale=prescale_factor, postscale=postscale_factor, process_set=process_set, packed=packed)
+    try:
+        return _submit(ALLREDUCE, names, adapter, tensors, in_place, finish, tensors, op=op, prescale=prescale_factor,
+                       postscale=postscale_factor, process_set=process_set, packed=packed)
+    except (TypeError, ValueError) as error:
+        if name is None:
+            _give_back(error, names, process_set)
+        raise
 
 
 def allgather_async(adapter, tensor, name=None, process_set=global_process_set):
-    if name is None:
+    unnamed = name is None
+    if unnamed:
         name = naming.next_suffix(process_set_id_of(process_set))
-    return _submit_one(ALLGATHER, name, adapter, tensor, False, _new_tensor, process_set=process_set)
+    try:
+        return _submit_one(ALLGATHER, name, adapter, tensor, False, _new_tensor, process_set=process_set)
+    except (TypeError, ValueError) as error:
+        if unnamed:
+            _give_back(error, [name], process_set)
+        raise
 
 
 def allgather(adapter, tensor, name=None, process_set=global_process_set):
     """``synchronize(allgather_async(...))``: every rank's rows, concatenated in rank order. A small one in
     steady state runs as one exchange of round headers on this thread (see ``_run_now``)."""
-    if name is None:
+    unnamed = name is None
+    if unnamed:
         name = naming.next_suffix(process_set_id_of(process_set))
-    return _run_now(ALLGATHER, name, adapter, tensor, False, Sum, 1.0, 1.0, -1, process_set)
+    try:
+        return _run_now(ALLGATHER, name, adapter, tensor, False, Sum, 1.0, 1.0, -1, process_set)
+    except (TypeError, ValueError) as error:
+        if unnamed:
+            _give_back(error, [name], process_set)
+        raise
 
 
 def grouped_allgather_async(adapter, tensors, name=None, process_set=global_process_set):
     tensors = list(tensors)
     if not tensors:
-        raise ValueError("grouped_allgather needs at least one tensor")
+        raise RvodInvalidArgumentError("grouped_allgather needs at least one tensor")
     names = _group_names("grouped_allgather", name, len(tensors), process_set)
-    return _submit(ALLGATHER, names, adapter, tensors, False, _new_tensors, None, process_set=process_set)
+    try:
+        return _submit(ALLGATHER, names, adapter, tensors, False, _new_tensors, None, process_set=process_set)
+    except (TypeError, ValueError) as error:
+        if name is None:
+            _give_back(error, names, process_set)
+        raise
 
 
 def broadcast_async(adapter, tensor, root_rank, name=None, process_set=global_process_set, in_place=False):
-    if name is None:
+    unnamed = name is None
+    if unnamed:
         name = naming.next_suffix(process_set_id_of(process_set))
-    return _submit_one(BROADCAST, name, adapter, tensor, in_place, _original if in_place else _new_tensor,
-                       root=int(root_rank), process_set=process_set)
+    try:
+        return _submit_one(BROADCAST, name, adapter, tensor, in_place, _original if in_place else _new_tensor,
+                           root=int(root_rank), process_set=process_set)
+    except (TypeError, ValueError) as error:
+        if unnamed:
+            _give_back(error, [name], process_set)
+        raise
 
 
 def broadcast(adapter, tensor, root_rank, name=None, process_set=global_process_set, in_place=False):
     """``synchronize(broadcast_async(...))``: the result, ``tensor`` itself when ``in_place``."""
-    if name is None:
+    unnamed = name is None
+    if unnamed:
         name = naming.next_suffix(process_set_id_of(process_set))
-    if adapter.tensors_are_ndarrays and process_set is global_process_set:  # as allreduce's
-        result = _run(BROADCAST, name, tensor, in_place, Sum, 1.0, 1.0, root_rank, 0)
-        if result is None:
-            return tensor
-        return _ran(result, BROADCAST, name, adapter, tensor, tensor, in_place, Sum, 1.0, 1.0, root_rank, process_set)
-    return _run_now(BROADCAST, name, adapter, tensor, in_place, Sum, 1.0, 1.0, root_rank, process_set)
+    try:
+        if adapter.tensors_are_ndarrays and process_set is global_process_set:  # as allreduce's
+            result = _run(BROADCAST, name, tensor, in_place, Sum, 1.0, 1.0, root_rank, 0)
+            if result is None:
+                return tensor
+            return _ran(result, BROADCAST, name, adapter, tensor, tensor, in_place, Sum, 1.0, 1.0, root_rank,
+                        process_set)
+        return _run_now(BROADCAST, name, adapter, tensor, in_place, Sum, 1.0, 1.0, root_rank, process_set)
+    except (TypeError, ValueError) as error:
+        if unnamed:
+            _give_back(error, [name], process_set)
+        raise
 
 
 def alltoall_async(adapter, tensor, splits=None, name=None, process_set=global_process_set, with_splits=None):
@@ -397,17 +455,29 @@ def alltoall_async(adapter, tensor, splits=None, name=None, process_set=global_p
     else the output alone."""
     split_list = [] if splits is None else adapter.to_int_list(splits)
     with_splits = splits is not None if with_splits is None else with_splits
-    return _submit(ALLTOALL, [_prefixed("alltoall", name, process_set)], adapter, [tensor], False,
-                   _alltoall_result, with_splits, splits=split_list, process_set=process_set)
+    names = [_prefixed("alltoall", name, process_set)]
+    try:
+        return _submit(ALLTOALL, names, adapter, [tensor], False, _alltoall_result, with_splits, splits=split_list,
+                       process_set=process_set)
+    except (TypeError, ValueError) as error:
+        if name is None:
+            _give_back(error, names, process_set)
+        raise
 
 
 def reducescatter_async(adapter, tensor, name=None, op=Average, process_set=global_process_set,
                         prescale_factor=1.0, postscale_factor=1.0):
     op = resolve_op(op, None)
-    if name is None:
+    unnamed = name is None
+    if unnamed:
         name = naming.next_suffix(process_set_id_of(process_set))
-    return _submit_one(REDUCESCATTER, name, adapter, tensor, False, _new_tensor, op, prescale_factor,
-                       postscale_factor, process_set=process_set)
+    try:
+        return _submit_one(REDUCESCATTER, name, adapter, tensor, False, _new_tensor, op, prescale_factor,
+                           postscale_factor, process_set=process_set)
+    except (TypeError, ValueError) as error:
+        if unnamed:
+            _give_back(error, [name], process_set)
+        raise
 
 
 def grouped_reducescatter_async(adapter, tensors, name=None, op=Average, process_set=global_process_set,
@@ -415,10 +485,15 @@ def grouped_reducescatter_async(adapter, tensors, name=None, op=Average, process
     op = resolve_op(op, None)
     tensors = list(tensors)
     if not tensors:
-        raise ValueError("grouped_reducescatter needs at least one tensor")
+        raise RvodInvalidArgumentError("grouped_reducescatter needs at least one tensor")
     names = _group_names("grouped_reducescatter", name, len(tensors), process_set)
-    return _submit(REDUCESCATTER, names, adapter, tensors, False, _new_tensors, None,
-                   op=op, prescale=prescale_factor, postscale=postscale_factor, process_set=process_set)
+    try:
+        return _submit(REDUCESCATTER, names, adapter, tensors, False, _new_tensors, None,
+                       op=op, prescale=prescale_factor, postscale=postscale_factor, process_set=process_set)
+    except (TypeError, ValueError) as error:
+        if name is None:
+            _give_back(error, names, process_set)
+        raise
 
 
 def barrier(process_set=global_process_set):
@@ -432,7 +507,11 @@ def barrier(process_set=global_process_set):
 
 def join():
     """Signal that this rank has no more data; blocks until every rank has joined. Meanwhile allreduces
-    submitted by other ranks complete with this rank contributing zeros. Returns the last rank to join."""
+    submitted by other ranks complete with this rank contributing zeros. Returns the last rank to join.
+    Every rank leaves it at the same point, whatever it ran before, so the global set's unnamed ops are
+    counted afresh from there (see ``naming``)."""
     handle = _rvod.submit(JOIN, [], [], False, Sum, 1.0, 1.0, -1, [], 0, False, True)
     _pending[handle] = (_last_joined, None, None)
-    return synchronize(handle)
+    last_joined = synchronize(handle)
+    naming.restart_global()
+    return last_joined

@@ -6,6 +6,7 @@ all ranks (every rank registers the same sets in the same order) and assign the 
 """
 
 from rvod import _rvod
+from rvod.exceptions import RvodInvalidArgumentError
 
 
 class ProcessSet:
@@ -113,7 +114,7 @@ def process_set_id_of(process_set):
     set_id = registered_id(process_set)
     me = _rvod.topology()[0]
     if me not in process_set.ranks:
-        raise ValueError(f"Rank {me} is not a member of the provided process set {process_set}.")
+        raise RvodInvalidArgumentError(f"Rank {me} is not a member of the provided process set {process_set}.")
     return set_id
 
 

@@ -8,6 +8,7 @@ drift on either side stops ``import rvod.<framework>`` instead of reducing with 
 import warnings
 
 from rvod import _rvod
+from rvod.exceptions import RvodInvalidArgumentError
 
 Average = 0
 Sum = 1
@@ -35,7 +36,7 @@ _check_engine_codes(_rvod.REDUCE_OPS)
 def resolve_op(op, average, default=Average):
     """The reduce op to use given Horovod's ``op`` and deprecated ``average`` arguments."""
     if op is not None and average is not None:
-        raise ValueError("The op parameter supersedes average. Please provide only one of them.")
+        raise RvodInvalidArgumentError("The op parameter supersedes average. Please provide only one of them.")
     if average is not None:
         warnings.warn(
             "Parameter `average` has been replaced with `op` and will be removed in a future version",
@@ -46,5 +47,5 @@ def resolve_op(op, average, default=Average):
     if op is None:
         return default
     if op not in _NAMES:
-        raise ValueError(f"Unknown reduce op {op!r}; use one of Average, Sum, Adasum, Min, Max, Product")
+        raise RvodInvalidArgumentError(f"Unknown reduce op {op!r}; use one of Average, Sum, Adasum, Min, Max, Product")
     return op

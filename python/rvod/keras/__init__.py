@@ -14,7 +14,13 @@ import rvod.numpy as _np_ops
 from rvod.common.basics import *  # noqa: F401,F403  (the basics, re-exported)
 from rvod.common.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from rvod.common.reduce_ops import Adasum, Average, Max, Min, Product, Sum
-from rvod.exceptions import HorovodInternalError, RvodInternalError, RvodMismatchError, RvodTimeoutError  # noqa: F401
+from rvod.exceptions import (  # noqa: F401
+    HorovodInternalError,
+    RvodInternalError,
+    RvodInvalidArgumentError,
+    RvodMismatchError,
+    RvodTimeoutError,
+)
 from rvod.keras import callbacks, elastic
 from rvod.keras.callbacks import broadcast_variables
 from rvod.keras.compression import Compression

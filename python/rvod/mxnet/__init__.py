@@ -7,7 +7,13 @@ rvod adds ``join``, ``barrier`` and its own exception classes. NDArrays cross to
 DLPack; nothing is compiled against MXNet.
 """
 
-from rvod.exceptions import HorovodInternalError, RvodInternalError, RvodMismatchError, RvodTimeoutError
+from rvod.exceptions import (
+    HorovodInternalError,
+    RvodInternalError,
+    RvodInvalidArgumentError,
+    RvodMismatchError,
+    RvodTimeoutError,
+)
 from rvod.mxnet import mpi_ops
 from rvod.mxnet.compression import Compression
 from rvod.mxnet.functions import allgather_object, broadcast_object, broadcast_parameters
@@ -17,5 +23,5 @@ from rvod.mxnet.optimizer import DistributedOptimizer, DistributedTrainer
 __all__ = [
     *mpi_ops.__all__, "mpi_ops", "Compression", "allgather_object", "broadcast_object", "broadcast_parameters",
     "DistributedOptimizer", "DistributedTrainer", "HorovodInternalError", "RvodInternalError", "RvodMismatchError",
-    "RvodTimeoutError",
+    "RvodInvalidArgumentError", "RvodTimeoutError",
 ]

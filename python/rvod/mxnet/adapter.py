@@ -22,6 +22,7 @@ import numpy as np
 from mxnet.base import _LIB, check_call
 
 from rvod.common.ops import TensorAdapter
+from rvod.exceptions import RvodInvalidArgumentError
 
 BFLOAT16 = np.dtype([("bfloat16", np.uint16)])  # how MXNet 1.9 spells its bfloat16 dtype
 SUPPORTED_DTYPES = tuple(np.dtype(t) for t in (np.uint8, np.int8, np.int32, np.int64, np.float16, np.float32,
@@ -39,14 +40,14 @@ def check_ndarray(tensor, what="rvod.mxnet"):
     if not isinstance(tensor, mx.nd.NDArray):
         raise TypeError(f"{what} expects an mxnet NDArray, got {type(tensor).__name__}")
     if tensor.context.device_type == "gpu":
-        raise ValueError(f"{what}: got an NDArray on {tensor.context}; GPU support needs an rvod build with NCCL, "
+        raise RvodInvalidArgumentError(f"{what}: got an NDArray on {tensor.context}; GPU support needs an rvod build with NCCL, "
                          "and this build handles CPU NDArrays only. Move it with .as_in_context(mx.cpu()).")
     if tensor.stype != "default":
-        raise ValueError(f"{what}: {tensor.stype} NDArrays are not supported; convert with .tostype('default')")
+        raise RvodInvalidArgumentError(f"{what}: {tensor.stype} NDArrays are not supported; convert with .tostype('default')")
     dtype = np.dtype(tensor.dtype)
     if dtype not in SUPPORTED_DTYPES:
         hint = " (MXNet 1.9 cannot import bool DLPack tensors; cast with .astype('uint8'))" if dtype == np.bool_ else ""
-        raise ValueError(f"Tensor type {dtype_name(dtype)} is not supported{hint}; supported: {_SUPPORTED_NAMES}")
+        raise RvodInvalidArgumentError(f"Tensor type {dtype_name(dtype)} is not supported{hint}; supported: {_SUPPORTED_NAMES}")
 
 
 def _to_default_layout(tensor):

@@ -5,12 +5,23 @@ import types
 
 import mxnet as mx
 
+from rvod.common import objects as _objects
 from rvod.common import ops as _ops
-from rvod.common.objects import allgather_object, broadcast_object
+from rvod.common.process_sets import global_process_set
 from rvod.mxnet.adapter import adapter_for
-from rvod.mxnet.mpi_ops import size
+from rvod.mxnet.mpi_ops import refusing_as_mxnet, size
 
 __all__ = ["allgather_object", "broadcast_object", "broadcast_parameters"]
+
+
+def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
+    """``root_rank``'s object (any picklable object, of any size) on every rank of ``process_set``."""
+    return refusing_as_mxnet(_objects.broadcast_object, obj, root_rank, name, process_set)
+
+
+def allgather_object(obj, name=None, process_set=global_process_set):
+    """A list with the object of every rank of ``process_set`` (picklable, of any size), in rank order."""
+    return refusing_as_mxnet(_objects.allgather_object, obj, name, process_set)
 
 
 def _broadcast_arrays(named_arrays, root_rank):

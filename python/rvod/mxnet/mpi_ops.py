@@ -7,8 +7,9 @@ engine instead; either way the script sees the same values). ``priority`` is acc
 rvod's engine starts whatever every rank has submitted, in submission order. ``*_`` ops write their
 result into their input and return it.
 
-Bad arguments to ``alltoall`` raise ``MXNetArgumentError``, which is an ``MXNetError`` as horovod.mxnet
-raises (its checks run inside the op) and also a ``ValueError``, as rvod's argument errors are.
+An op refused at submission (bad ``alltoall`` splits, Adasum in ``reducescatter``, no tensors ...) raises
+``MXNetArgumentError``, which is an ``MXNetError`` as horovod.mxnet raises (its checks run inside the op)
+and also an ``RvodInvalidArgumentError`` (a ``ValueError`` and a ``RuntimeError``), as rvod's refusals are.
 """
 
 import numbers
@@ -22,6 +23,7 @@ from rvod.common.basics import *  # noqa: F403  (Horovod's basics: init, rank, s
 from rvod.common.basics import is_homogeneous  # noqa: F401  (hvd.mpi_ops.is_homogeneous, as in Horovod)
 from rvod.common.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from rvod.common.reduce_ops import Adasum, Average, Max, Min, Product, Sum
+from rvod.exceptions import RvodInvalidArgumentError
 from rvod.mxnet.adapter import adapter_for, dtype_name
 
 # horovod.mxnet offers is_homogeneous only as hvd.mpi_ops.is_homogeneous, not at the top level.
@@ -35,14 +37,29 @@ __all__ = [
 _synchronize = _ops.synchronize
 
 
-class MXNetArgumentError(mx.base.MXNetError, ValueError):
+class MXNetArgumentError(RvodInvalidArgumentError, mx.base.MXNetError):
     """An argument an op cannot take, refused before anything is sent (the same on every rank)."""
+
+
+def refusing_as_mxnet(call, *args, **kwargs):
+    """``call(*args, **kwargs)``; an op refused at submission raises ``MXNetArgumentError``, an ``MXNetError``
+    as horovod.mxnet's refusals are."""
+    try:
+        return call(*args, **kwargs)
+    except MXNetArgumentError:
+        raise
+    except RvodInvalidArgumentError as error:
+        raise MXNetArgumentError(str(error)) from None
+
+
+def _wait_for(start, *args, **kwargs):
+    return refusing_as_mxnet(_ops.wait_for, start, *args, **kwargs)
 
 
 def _tensor_list(tensors, what):
     tensors = list(tensors)
     if not tensors:
-        raise ValueError(f"{what} needs at least one tensor")
+        raise MXNetArgumentError(f"{what} needs at least one tensor")
     return tensors
 
 
@@ -52,14 +69,14 @@ def _tensor_list(tensors, what):
 def allreduce(tensor, average=None, name=None, priority=0, prescale_factor=1.0, postscale_factor=1.0,
               process_set=global_process_set, op=None):
     """Reduce ``tensor`` across ranks (default: Average) into a new NDArray; ``tensor`` is unchanged."""
-    return _ops.wait_for(_ops.allreduce_async, adapter_for(tensor), tensor, average, name, op, prescale_factor,
+    return _wait_for(_ops.allreduce_async, adapter_for(tensor), tensor, average, name, op, prescale_factor,
                          postscale_factor, process_set)
 
 
 def allreduce_(tensor, average=None, name=None, priority=0, prescale_factor=1.0, postscale_factor=1.0,
                process_set=global_process_set, op=None):
     """Reduce ``tensor`` across ranks in place; returns it."""
-    return _ops.wait_for(_ops.allreduce_async, adapter_for(tensor), tensor, average, name, op, prescale_factor,
+    return _wait_for(_ops.allreduce_async, adapter_for(tensor), tensor, average, name, op, prescale_factor,
                          postscale_factor, process_set, in_place=True)
 
 
@@ -67,7 +84,7 @@ def grouped_allreduce(tensors, average=None, name=None, priority=0, prescale_fac
                       process_set=global_process_set, op=None):
     """Reduce a list of NDArrays as one unit (fused); returns a list of new NDArrays."""
     tensors = _tensor_list(tensors, "grouped_allreduce")
-    return _ops.wait_for(_ops.grouped_allreduce_async, adapter_for(tensors), tensors, average, name, op,
+    return _wait_for(_ops.grouped_allreduce_async, adapter_for(tensors), tensors, average, name, op,
                          prescale_factor, postscale_factor, process_set)
 
 
@@ -75,7 +92,7 @@ def grouped_allreduce_(tensors, average=None, name=None, priority=0, prescale_fa
                        process_set=global_process_set, op=None):
     """Reduce a list of NDArrays in place as one unit; returns the list."""
     tensors = _tensor_list(tensors, "grouped_allreduce_")
-    return _ops.wait_for(_ops.grouped_allreduce_async, adapter_for(tensors), tensors, average, name, op,
+    return _wait_for(_ops.grouped_allreduce_async, adapter_for(tensors), tensors, average, name, op,
                          prescale_factor, postscale_factor, process_set, in_place=True)
 
 
@@ -84,13 +101,13 @@ def grouped_allreduce_(tensors, average=None, name=None, priority=0, prescale_fa
 
 def allgather(tensor, name=None, priority=0, process_set=global_process_set):
     """Concatenate every rank's ``tensor`` along dim 0 (first dimensions may differ)."""
-    return _ops.wait_for(_ops.allgather_async, adapter_for(tensor), tensor, name, process_set)
+    return _wait_for(_ops.allgather_async, adapter_for(tensor), tensor, name, process_set)
 
 
 def grouped_allgather(tensors, name=None, priority=0, process_set=global_process_set):
     """Allgather a list of NDArrays as one unit; returns a list."""
     tensors = _tensor_list(tensors, "grouped_allgather")
-    return _ops.wait_for(_ops.grouped_allgather_async, adapter_for(tensors), tensors, name, process_set)
+    return _wait_for(_ops.grouped_allgather_async, adapter_for(tensors), tensors, name, process_set)
 
 
 # ------------------------------------------------------------------------------------------------ broadcast
@@ -98,12 +115,12 @@ def grouped_allgather(tensors, name=None, priority=0, process_set=global_process
 
 def broadcast(tensor, root_rank, name=None, priority=0, process_set=global_process_set):
     """Return ``root_rank``'s ``tensor`` on every rank as a new NDArray (``root_rank`` is a global rank)."""
-    return _ops.wait_for(_ops.broadcast_async, adapter_for(tensor), tensor, root_rank, name, process_set)
+    return _wait_for(_ops.broadcast_async, adapter_for(tensor), tensor, root_rank, name, process_set)
 
 
 def broadcast_(tensor, root_rank, name=None, priority=0, process_set=global_process_set):
     """Overwrite ``tensor`` with ``root_rank``'s values; returns it."""
-    return _ops.wait_for(_ops.broadcast_async, adapter_for(tensor), tensor, root_rank, name, process_set,
+    return _wait_for(_ops.broadcast_async, adapter_for(tensor), tensor, root_rank, name, process_set,
                          in_place=True)
 
 
@@ -149,7 +166,7 @@ def reducescatter(tensor, op=Average, name=None, priority=0, process_set=global_
                   postscale_factor=1.0):
     """Reduce across ranks, then give rank r its share of dim 0 (the first ranks take the extra rows).
     Only Average and Sum."""
-    return _ops.wait_for(_ops.reducescatter_async, adapter_for(tensor), tensor, name, op, process_set,
+    return _wait_for(_ops.reducescatter_async, adapter_for(tensor), tensor, name, op, process_set,
                          prescale_factor, postscale_factor)
 
 
@@ -157,7 +174,7 @@ def grouped_reducescatter(tensors, op=Average, name=None, priority=0, process_se
                           prescale_factor=1.0, postscale_factor=1.0):
     """Reducescatter a list of NDArrays as one unit; returns a list."""
     tensors = _tensor_list(tensors, "grouped_reducescatter")
-    return _ops.wait_for(_ops.grouped_reducescatter_async, adapter_for(tensors), tensors, name, op, process_set,
+    return _wait_for(_ops.grouped_reducescatter_async, adapter_for(tensors), tensors, name, op, process_set,
                          prescale_factor, postscale_factor)
 
 

@@ -16,7 +16,7 @@ from rvod.common.process_sets import (
     remove_process_set,
 )
 from rvod.common.reduce_ops import Adasum, Average, Max, Min, Product, Sum
-from rvod.exceptions import HorovodInternalError, RvodInternalError, RvodMismatchError
+from rvod.exceptions import HorovodInternalError, RvodInternalError, RvodInvalidArgumentError, RvodMismatchError
 from rvod.common.numpy_adapter import NumpyAdapter
 
 _adapter = NumpyAdapter()

@@ -51,7 +51,7 @@ from rvod.common.process_sets import (  # noqa: F401
     remove_process_set,
 )
 from rvod.common.reduce_ops import Adasum, Average, Max, Min, Product, Sum, resolve_op  # noqa: F401
-from rvod.exceptions import RvodMismatchError
+from rvod.exceptions import RvodInvalidArgumentError, RvodMismatchError
 from rvod.tensorflow.adapter import MismatchError, TensorFlowAdapter, as_tensor
 from rvod.tensorflow.compression import Compression
 
@@ -396,7 +396,7 @@ def _scattered_shape(shape, process_set):
 
 def _check_scatter_op(op):
     if op not in (Average, Sum):
-        raise ValueError("Reducescatter currently only supports Average and Sum")
+        raise RvodInvalidArgumentError("Reducescatter currently only supports Average and Sum")
 
 
 def _reducescatter_grad(gathered, op, prescale_factor, postscale_factor, process_set):

@@ -6,7 +6,13 @@ CUDA tensors go to the engine, which says why it cannot run them here (no driver
 where it looked, or that this version runs no GPU collectives yet: README, "GPU status").
 """
 
-from rvod.exceptions import HorovodInternalError, RvodInternalError, RvodMismatchError, RvodTimeoutError
+from rvod.exceptions import (
+    HorovodInternalError,
+    RvodInternalError,
+    RvodInvalidArgumentError,
+    RvodMismatchError,
+    RvodTimeoutError,
+)
 from rvod.torch import mpi_ops
 from rvod.torch.compression import Compression
 from rvod.torch.functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
@@ -87,5 +93,5 @@ __all__ = [
     "gloo_enabled", "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built",
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "Average", "Sum", "Adasum",
     "Min", "Max", "Product", "HorovodInternalError", "DistributedOptimizer", "SyncBatchNorm", "mpi_ops",
-    "RvodInternalError", "RvodMismatchError", "RvodTimeoutError", "elastic",
+    "RvodInternalError", "RvodInvalidArgumentError", "RvodMismatchError", "RvodTimeoutError", "elastic",
 ]

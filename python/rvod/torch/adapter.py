@@ -12,6 +12,7 @@ import torch
 from torch.utils import dlpack
 
 from rvod.common.ops import TensorAdapter
+from rvod.exceptions import RvodInvalidArgumentError
 
 _to_dlpack = dlpack.to_dlpack
 
@@ -32,11 +33,11 @@ def check_tensor(tensor, what="rvod"):
     if tensor.device.type == "cuda" and tensor.layout is torch.strided and tensor.dtype in _SUPPORTED_SET:
         return  # the engine reads the device from the capsule and says whether it can use it here
     if tensor.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"{what}: tensors on device '{tensor.device.type}' are not supported; use CPU tensors")
+        raise RvodInvalidArgumentError(f"{what}: tensors on device '{tensor.device.type}' are not supported; use CPU tensors")
     if tensor.layout != torch.strided:
-        raise ValueError(f"{what}: {tensor.layout} tensors are not supported here; use sparse_allreduce_async "
+        raise RvodInvalidArgumentError(f"{what}: {tensor.layout} tensors are not supported here; use sparse_allreduce_async "
                          "for sparse tensors, or convert with .to_dense()")
-    raise ValueError(f"Tensor type {tensor.type()} is not supported (dtype {tensor.dtype}); "
+    raise RvodInvalidArgumentError(f"Tensor type {tensor.type()} is not supported (dtype {tensor.dtype}); "
                      f"supported: {_SUPPORTED_NAMES}")
 
 

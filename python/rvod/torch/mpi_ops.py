@@ -26,6 +26,7 @@ from rvod.common.process_sets import (  # noqa: F401
     remove_process_set,
 )
 from rvod.common.reduce_ops import Adasum, Average, Max, Min, Product, Sum, resolve_op  # noqa: F401
+from rvod.exceptions import RvodInvalidArgumentError
 from rvod.torch.adapter import TorchAdapter
 from rvod.torch.compression import Compression
 
@@ -123,7 +124,7 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
     """Reduce a list of tensors as one unit (they are fused together); returns a list; differentiable."""
     tensors = list(tensors)
     if not tensors:
-        raise ValueError("grouped_allreduce needs at least one tensor")
+        raise RvodInvalidArgumentError("grouped_allreduce needs at least one tensor")
     compressed = [compression.compress(t) for t in tensors]
     reduced = HorovodGroupedAllreduce.apply(average, name, op, prescale_factor, postscale_factor, process_set,
                                             *[c for c, _ in compressed])
@@ -152,11 +153,16 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
     """
     op = resolve_op(op, None)
     if op not in (Sum, Average):
-        raise ValueError("sparse_allreduce_async supports only Sum and Average")
+        raise RvodInvalidArgumentError("sparse_allreduce_async supports only Sum and Average")
     if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.sparse_coo:
-        raise ValueError("sparse_allreduce_async expects a sparse COO tensor")
+        raise RvodInvalidArgumentError("sparse_allreduce_async expects a sparse COO tensor")
     base = naming.next_name("sparse_allreduce", process_set_id_of(process_set)) if name is None else name
-    indices_handle = allgather_async(tensor._indices().t(), f"{base}.indices", process_set)
+    try:
+        indices_handle = allgather_async(tensor._indices().t(), f"{base}.indices", process_set)
+    except (TypeError, ValueError):
+        if name is None:  # refused before anything was sent: the name goes back
+            naming.give_back([base], process_set_id_of(process_set))
+        raise
     values_handle = allgather_async(tensor._values(), f"{base}.values", process_set)
 
     def wait():
@@ -232,7 +238,7 @@ def grouped_allgather(tensors, name=None, process_set=global_process_set):
     """Allgather a list of tensors as one unit; returns a list; differentiable."""
     tensors = list(tensors)
     if not tensors:
-        raise ValueError("grouped_allgather needs at least one tensor")
+        raise RvodInvalidArgumentError("grouped_allgather needs at least one tensor")
     return list(HorovodGroupedAllgather.apply(name, process_set, *tensors))
 
 
@@ -288,14 +294,14 @@ def _alltoall_splits(tensor, splits, process_set):
         count = process_set.size()
         rows = tensor.shape[0] if isinstance(tensor, torch.Tensor) and tensor.dim() else 0
         if rows % count:
-            raise ValueError("splits not provided, but first dimension of tensor is not an even multiple of the "
+            raise RvodInvalidArgumentError("splits not provided, but first dimension of tensor is not an even multiple of the "
                              "number of workers.")
         return [rows // count] * count
     if isinstance(splits, torch.Tensor):
         if splits.dtype != torch.int32:
-            raise ValueError("alltoall expects splits to contain 32-bit integer elements.")
+            raise RvodInvalidArgumentError("alltoall expects splits to contain 32-bit integer elements.")
         if splits.device.type != "cpu":
-            raise ValueError("alltoall expects splits to be a CPU tensor.")
+            raise RvodInvalidArgumentError("alltoall expects splits to be a CPU tensor.")
     return _adapter.to_int_list(splits)
 
 
@@ -399,7 +405,7 @@ def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=A
     """Reducescatter a list of tensors as one unit; returns a list; differentiable."""
     tensors = list(tensors)
     if not tensors:
-        raise ValueError("grouped_reducescatter needs at least one tensor")
+        raise RvodInvalidArgumentError("grouped_reducescatter needs at least one tensor")
     compressed = [compression.compress(t) for t in tensors]
     reduced = HorovodGroupedReducescatter.apply(name, op, process_set, prescale_factor, postscale_factor,
                                                 *[c for c, _ in compressed])
