@@ -2,9 +2,9 @@
 
 A shim passes a *tensor adapter* (see ``TensorAdapter``) that turns its tensors into DLPack capsules and
 capsules back into tensors; everything else (naming, argument checks, handles, keeping inputs alive until
-the engine is done with them, in-place write-back) happens here. An unnamed op refused at submission
-(``TypeError``, or a ``ValueError`` such as ``RvodInvalidArgumentError``: nothing was sent) gives its name
-back (see ``naming``); one that was sent keeps it, whatever becomes of it.
+the engine is done with them, in-place write-back) happens here. An unnamed op refused with a ``TypeError``
+or ``ValueError`` (``RvodInvalidArgumentError``: at submission, so nothing was sent; or, for an op run at once,
+by the engine alike on every rank) gives its name back (see ``naming``); a mismatch or a failed op keeps it.
 """
 
 from threading import get_ident
@@ -165,8 +165,8 @@ def _group_names(prefix, name, count, process_set):
 
 def _give_back(error, names, process_set):
     """The unnamed op behind ``names`` raised ``error`` (a ``TypeError`` or ``ValueError``): unless ranks
-    disagreed about it (an op that was sent and failed on every rank), it was refused before anything was
-    sent, and its numbers go back to the set's counter."""
+    disagreed about it (``RvodMismatchError``, raised on every rank, which keeps the names), it was refused,
+    and its numbers go back to the set's counter."""
     if not isinstance(error, RvodMismatchError):
         naming.give_back(names, process_set_id_of(process_set))
 
