@@ -13,6 +13,7 @@ from rvod.exceptions import (
     HostsUpdatedInterrupt,
     RvodError,
     RvodInternalError,
+    RvodInvalidArgumentError,
     RvodMismatchError,
     RvodTimeoutError,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "__version__",
     "RvodError",
     "RvodInternalError",
+    "RvodInvalidArgumentError",
     "RvodMismatchError",
     "RvodTimeoutError",
     "HorovodInternalError",

@@ -7,10 +7,11 @@
 
 use std::ffi::{c_void, CStr};
 
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::exceptions::PyTypeError;
 use pyo3::ffi;
 use pyo3::prelude::*;
 
+use crate::py::error::invalid_argument;
 use crate::tensor::{AlignedBuffer, RawTensor};
 use crate::types::DataType;
 
@@ -120,14 +121,14 @@ pub fn import_capsule(capsule: &Bound<'_, PyAny>, what: impl Fn() -> String) -> 
         DEVICE_CPU | DEVICE_CUDA_HOST => {}
         DEVICE_CUDA => return Err(crate::py::gpu::refuse_cuda_tensor(capsule.py(), &what(), t.device.device_id)),
         other => {
-            return Err(PyValueError::new_err(format!(
+            return Err(invalid_argument(format!(
                 "{}: unsupported DLPack device type {other} (rvod takes CPU tensors, and CUDA ones where a GPU is                  usable)",
                 what()
             )))
         }
     }
     let dtype = dtype_from_dlpack(t.dtype).ok_or_else(|| {
-        PyValueError::new_err(format!(
+        invalid_argument(format!(
             "{}: tensor type (code {}, {} bits, {} lanes) is not supported",
             what(),
             t.dtype.code,
@@ -136,18 +137,18 @@ pub fn import_capsule(capsule: &Bound<'_, PyAny>, what: impl Fn() -> String) -> 
         ))
     })?;
     if t.ndim < 0 || (t.ndim > 0 && t.shape.is_null()) {
-        return Err(PyValueError::new_err(format!("{}: malformed DLPack shape", what())));
+        return Err(invalid_argument(format!("{}: malformed DLPack shape", what())));
     }
     let ndim = t.ndim as usize;
     // SAFETY: shape points at ndim i64 values (checked non-null above when ndim > 0).
     let shape: Vec<i64> =
         if ndim == 0 { Vec::new() } else { unsafe { std::slice::from_raw_parts(t.shape, ndim) }.to_vec() };
     if shape.iter().any(|&d| d < 0) {
-        return Err(PyValueError::new_err(format!("{}: negative dimension in shape {shape:?}", what())));
+        return Err(invalid_argument(format!("{}: negative dimension in shape {shape:?}", what())));
     }
     // Checked: a producer's shape is not trusted to describe an allocation that fits in the address space.
     let too_large =
-        || PyValueError::new_err(format!("{}: shape {shape:?} describes more bytes than fit in memory", what()));
+        || invalid_argument(format!("{}: shape {shape:?} describes more bytes than fit in memory", what()));
     let elements = shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d as usize)).ok_or_else(too_large)?;
     if !t.strides.is_null() && elements > 1 {
         // SAFETY: strides points at ndim i64 values when non-null.
@@ -155,7 +156,7 @@ pub fn import_capsule(capsule: &Bound<'_, PyAny>, what: impl Fn() -> String) -> 
         let mut expected = 1i64;
         for (dim, stride) in shape.iter().zip(strides).rev() {
             if *dim != 1 && *stride != expected {
-                return Err(PyValueError::new_err(format!("{}: Tensor is required to be contiguous.", what())));
+                return Err(invalid_argument(format!("{}: Tensor is required to be contiguous.", what())));
             }
             expected = expected.saturating_mul(*dim);
         }
@@ -165,7 +166,7 @@ pub fn import_capsule(capsule: &Bound<'_, PyAny>, what: impl Fn() -> String) -> 
         std::ptr::null_mut()
     } else {
         if t.data.is_null() {
-            return Err(PyValueError::new_err(format!("{}: the tensor has no data pointer", what())));
+            return Err(invalid_argument(format!("{}: the tensor has no data pointer", what())));
         }
         // SAFETY: byte_offset lies inside the producer's allocation by the DLPack contract.
         unsafe { (t.data as *mut u8).add(t.byte_offset as usize) }

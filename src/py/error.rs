@@ -30,6 +30,12 @@ pub fn to_py_err(err: EngineError) -> PyErr {
     }
 }
 
+/// A tensor or argument refused before anything is sent: a `ValueError`, and a `RuntimeError` as Horovod's
+/// refusals are (`RvodInvalidArgumentError`).
+pub fn invalid_argument(message: String) -> PyErr {
+    RvodInvalidArgumentError::new_err(message)
+}
+
 /// For failures outside the engine (e.g. the rendezvous server could not start).
 pub fn runtime_error(message: String) -> PyErr {
     PyRuntimeError::new_err(message)

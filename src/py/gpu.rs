@@ -13,6 +13,7 @@ use pyo3::types::PyDict;
 use crate::config::GpuConfig;
 use crate::gpu::library::{libraries, GpuLibraries};
 use crate::gpu::nccl::version_text;
+use crate::py::error::invalid_argument;
 
 /// The directories of the `nvidia` namespace package (where nvidia-nccl-cu12/cu13 and
 /// nvidia-cuda-runtime put their lib folders); empty when it is not installed.
@@ -109,7 +110,7 @@ pub fn refuse_cuda_tensor(py: Python<'_>, what: &str, device: i32) -> PyErr {
         Ok(libs) => unavailable_reason(libs),
         Err(error) => error.to_string(),
     };
-    PyValueError::new_err(format!(
+    invalid_argument(format!(
         "{what}: the tensor is on CUDA device {device}, and rvod cannot run collectives on it here: {reason}. \
          Move the tensor to the CPU (e.g. tensor.cpu())."
     ))
