@@ -147,8 +147,7 @@ pub fn import_capsule(capsule: &Bound<'_, PyAny>, what: impl Fn() -> String) -> 
         return Err(invalid_argument(format!("{}: negative dimension in shape {shape:?}", what())));
     }
     // Checked: a producer's shape is not trusted to describe an allocation that fits in the address space.
-    let too_large =
-        || invalid_argument(format!("{}: shape {shape:?} describes more bytes than fit in memory", what()));
+    let too_large = || invalid_argument(format!("{}: shape {shape:?} describes more bytes than fit in memory", what()));
     let elements = shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d as usize)).ok_or_else(too_large)?;
     if !t.strides.is_null() && elements > 1 {
         // SAFETY: strides points at ndim i64 values when non-null.
