@@ -9,6 +9,7 @@
 //! - [`pending`]: what a round needs of this rank's pending requests (the engine's table implements it).
 //! - [`message_table`]: the coordinator's requests-so-far, join state and stall detection.
 //! - [`validate`]: every rank's requests for a tensor turned into one response or one error.
+//! - [`result_size`]: allgathers and alltoalls whose result no rank could hold become errors.
 //! - [`stall`]: the stall warning and its clock.
 //! - `test_requests` (tests only): the request the unit tests start from.
 //!
@@ -21,6 +22,7 @@ pub mod message;
 pub mod message_table;
 pub mod negotiation;
 pub mod pending;
+pub mod result_size;
 pub mod round;
 pub mod stall;
 #[cfg(test)]

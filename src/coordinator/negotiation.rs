@@ -713,6 +713,28 @@ mod tests {
     }
 
     #[test]
+    fn an_allgather_whose_rows_no_rank_could_hold_fails_on_every_rank_naming_the_claimant() {
+        let outcomes = run_ranks(MemoryTransport::mesh(3), |t| {
+            let rank = t.rank();
+            let mut negotiator = negotiator(rank, 3);
+            let mut table = FakeTable::default();
+            // Rank 2 claims 2^42 rows of two float32 values (32 TiB); the others have 1 row each.
+            let rows = if rank == 2 { 1 << 42 } else { 1 };
+            let request =
+                Request { kind: CollectiveKind::Allgather, ..allreduce_request(rank as u32, "rows", &[rows, 2]) };
+            table
+                .entries
+                .push((FakeEntry { request, submitted: Instant::now(), data: vec![0; 8] }, Announcement::Unsent));
+            let decided = negotiator.round(t, &mut table, None).unwrap();
+            decided.responses.iter().map(|r| (r.entries[0].name.clone(), r.error.clone())).collect::<Vec<_>>()
+        });
+        assert!(outcomes.iter().all(|o| *o == outcomes[0]), "every rank decides the same: {outcomes:?}");
+        let [(name, Some((kind, message)))] = &outcomes[0][..] else { panic!("one refused response: {outcomes:?}") };
+        assert_eq!((name.as_str(), *kind), ("rows", ErrorKind::Invalid));
+        assert!(message.starts_with("Allgather of tensor 'rows': rank 2 sent 4398046511104 rows"), "{message}");
+    }
+
+    #[test]
     fn a_shutdown_request_reaches_every_rank() {
         let outcomes = run_ranks(MemoryTransport::mesh(3), |t| {
             let rank = t.rank();

@@ -4,6 +4,7 @@
 use std::fmt::Display;
 
 use crate::coordinator::message::{decode_part_shapes, ErrorKind, Request, Response, ResponseEntry, CPU_DEVICE};
+use crate::coordinator::result_size;
 use crate::types::{CollectiveKind, ReduceOp};
 
 /// "rank 0 sent X; ranks 1, 2 sent Y", grouping ranks that agree. Values are listed in rank order; ranks
@@ -212,7 +213,7 @@ pub fn construct_response(requests: &[Request], global_ranks: &[usize], any_join
         }
         _ => Vec::new(),
     };
-    Response {
+    let response = Response {
         kind,
         entries: vec![ResponseEntry {
             name: name.to_string(),
@@ -227,6 +228,10 @@ pub fn construct_response(requests: &[Request], global_ranks: &[usize], any_join
         postscale: first.postscale,
         error: None,
         last_joined_rank: -1,
+    };
+    match result_size::oversized(&response, global_ranks, result_size::limit()) {
+        Some(message) => error_response(first, ErrorKind::Invalid, message),
+        None => response,
     }
 }
 
@@ -410,6 +415,23 @@ mod tests {
             false,
         );
         assert_eq!(r.error.unwrap().0, ErrorKind::Invalid);
+    }
+
+    #[test]
+    fn an_allgather_whose_rows_no_rank_could_hold_is_refused_naming_the_tensor_and_the_rank() {
+        // Global ranks 2 and 7; 7 claims 2^40 rows of 3 float32 values (12 TiB): addressable, not holdable.
+        let r = construct_response(
+            &[req(0, CollectiveKind::Allgather, &[2, 3]), req(1, CollectiveKind::Allgather, &[1 << 40, 3])],
+            &[2, 7],
+            false,
+        );
+        let (kind, message) = r.error.unwrap();
+        assert_eq!(kind, ErrorKind::Invalid);
+        assert!(
+            message.starts_with("Allgather of tensor 't': rank 7 sent 1099511627776 rows of 12 bytes"),
+            "{message}"
+        );
+        assert!(message.contains("would be 12.0 TiB; this job can hold at most "), "{message}");
     }
 
     #[test]

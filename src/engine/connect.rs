@@ -80,7 +80,7 @@ pub fn connect_members(
     if !config.shm {
         return Ok(Box::new(tcp_mesh(store, scope, members, local_rank, &everyone)?));
     }
-    let layout = host_layout(store, scope, local_rank, members.len(), &config.topology.hostname, config.timeout)?;
+    let layout = host_layout(store, scope, local_rank, members, &config.topology.hostname, config.timeout)?;
     if layout.hosts() == 1 {
         if let Some(shm) = shared_memory(config, store, scope, members, local_rank)? {
             return Ok(Box::new(shm));
@@ -127,8 +127,7 @@ fn shared_memory(
     numbers: &[usize],
     rank: usize,
 ) -> Result<Option<ShmTransport>, EngineError> {
-    let size = numbers.len();
-    ShmTransport::connect_mesh(rank, size, store, scope, &config.shm_dir, config.fusion_threshold, config.timeout)
+    ShmTransport::connect_mesh(rank, numbers, store, scope, &config.shm_dir, config.fusion_threshold, config.timeout)
         .map_err(|e| EngineError::transport("setting up shared memory with the other ranks", &e.renumbered(numbers)))
 }
 
@@ -139,21 +138,21 @@ fn host_identity(hostname: &str) -> String {
     format!("{hostname}/{}", boot_id.trim())
 }
 
-/// Which host each of the `size` members of the communicator in `scope` runs on (every member learns the
-/// same layout).
+/// Which host each of the `members` (global ranks) of the communicator in `scope` runs on (every member
+/// learns the same layout). Keys are numbered by position; errors name global ranks.
 fn host_layout(
     store: &mut StoreClient,
     scope: &str,
     local_rank: usize,
-    size: usize,
+    members: &[usize],
     hostname: &str,
     timeout: Duration,
 ) -> Result<HostLayout, EngineError> {
-    let fail = |e: TransportError| EngineError::transport("exchanging host names", &e);
+    let fail = |e: TransportError| EngineError::transport("exchanging host names", &e.renumbered(members));
     store.set(&format!("{scope}/host/{local_rank}"), host_identity(hostname).as_bytes()).map_err(fail)?;
-    let mut keys = Vec::with_capacity(size);
-    for rank in 0..size {
-        keys.push(store.get(&format!("{scope}/host/{rank}"), timeout).map_err(fail)?);
+    let mut keys = Vec::with_capacity(members.len());
+    for rank in 0..members.len() {
+        keys.push(store.get_from(rank, &format!("{scope}/host/{rank}"), timeout).map_err(fail)?);
     }
     Ok(HostLayout::from_keys(&keys))
 }
@@ -169,8 +168,26 @@ pub fn all_hosts_equal(
     store.set(&format!("{scope}/local_size/{}", topo.rank), topo.local_size.to_string().as_bytes()).map_err(fail)?;
     let mut equal = true;
     for rank in 0..topo.size {
-        let value = store.get(&format!("{scope}/local_size/{rank}"), timeout).map_err(fail)?;
+        let value = store.get_from(rank, &format!("{scope}/local_size/{rank}"), timeout).map_err(fail)?;
         equal &= value == topo.local_size.to_string().as_bytes();
     }
     Ok(equal)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transport::rendezvous::RendezvousServer;
+    use std::net::Ipv4Addr;
+
+    #[test]
+    fn a_set_up_timeout_inside_a_process_set_names_the_global_rank_that_never_published() {
+        let server = RendezvousServer::start(Ipv4Addr::LOCALHOST.into(), 0, b"k".to_vec()).unwrap();
+        let mut store = StoreClient::connect(server.addr(), b"k", Duration::from_secs(5)).unwrap();
+        // Global rank 5 is position 1 of the set [2, 5]; position 0 (global rank 2) never publishes.
+        let err = host_layout(&mut store, "set1", 1, &[2, 5], "h", Duration::from_millis(100)).unwrap_err().to_string();
+        assert!(err.contains("waiting for rank 2 to publish 'set1/host/0'"), "{err}");
+        assert!(err.contains("exchanging host names"), "{err}");
+        assert!(!err.contains("rank 0") && !err.contains("rank 1 "), "{err}");
+    }
 }

@@ -208,7 +208,8 @@ impl Engine {
         store.set(&key(topo.rank), format!("{ranks:?}").as_bytes()).map_err(fail)?;
         let mut proposals: Vec<(usize, String)> = Vec::with_capacity(topo.size);
         for rank in 0..topo.size {
-            let value = store.get(&key(rank), self.config.start_timeout.max(self.config.timeout)).map_err(fail)?;
+            let wait = self.config.start_timeout.max(self.config.timeout);
+            let value = store.get_from(rank, &key(rank), wait).map_err(fail)?;
             proposals.push((rank, String::from_utf8_lossy(&value).into_owned()));
         }
         if proposals.iter().all(|(_, p)| *p == proposals[0].1) {

@@ -39,6 +39,12 @@ pub enum TransportError {
     },
     #[error("connection set-up failed: {0}")]
     Setup(String),
+    /// A key that one rank sets did not appear in the rendezvous store in time.
+    #[error(
+        "connection set-up failed: timed out after {seconds:.1} s waiting for rank {peer} to publish '{key}' in \
+         the rendezvous store at {store}"
+    )]
+    KeyTimeout { peer: usize, key: String, seconds: f64, store: String },
     #[error("connection set-up with rank {peer} failed: {detail}")]
     Connect { peer: usize, detail: String },
     #[error("connection set-up failed: {} did not connect in time", ranks_text(peers))]
@@ -58,6 +64,9 @@ impl TransportError {
             TransportError::Io { peer, source } => TransportError::Io { peer: number(peer), source },
             TransportError::Protocol { peer, detail } => TransportError::Protocol { peer: number(peer), detail },
             TransportError::Connect { peer, detail } => TransportError::Connect { peer: number(peer), detail },
+            TransportError::KeyTimeout { peer, key, seconds, store } => {
+                TransportError::KeyTimeout { peer: number(peer), key, seconds, store }
+            }
             TransportError::NotConnected { peers } => {
                 TransportError::NotConnected { peers: peers.into_iter().map(number).collect() }
             }

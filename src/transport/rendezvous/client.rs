@@ -74,10 +74,18 @@ impl StoreClient {
         self.try_get(key, timeout)?.ok_or_else(|| self.missing(key, timeout))
     }
 
-    /// Like [`get`](Self::get), but runs `check` every `slice` of the wait and fails with its error at once
-    /// (for example when the rank that was to set the key has died).
-    pub fn get_checking(
+    /// Like [`get`](Self::get), for a key that rank `peer` of a communicator sets: a timeout is a
+    /// [`TransportError::KeyTimeout`] naming `peer` (a position, which callers renumber into the rank users
+    /// know, as they do for every transport error).
+    pub fn get_from(&mut self, peer: usize, key: &str, timeout: Duration) -> Result<Vec<u8>, TransportError> {
+        self.try_get(key, timeout)?.ok_or_else(|| self.missing_from(peer, key, timeout))
+    }
+
+    /// Like [`get_from`](Self::get_from), but runs `check` every `slice` of the wait and fails with its error
+    /// at once (for example when `peer` has died).
+    pub fn get_from_checking(
         &mut self,
+        peer: usize,
         key: &str,
         timeout: Duration,
         slice: Duration,
@@ -91,8 +99,17 @@ impl StoreClient {
             }
             check()?;
             if left <= slice {
-                return Err(self.missing(key, timeout));
+                return Err(self.missing_from(peer, key, timeout));
             }
+        }
+    }
+
+    fn missing_from(&self, peer: usize, key: &str, timeout: Duration) -> TransportError {
+        TransportError::KeyTimeout {
+            peer,
+            key: key.to_string(),
+            seconds: timeout.as_secs_f64(),
+            store: self.addr.to_string(),
         }
     }
 

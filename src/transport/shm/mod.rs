@@ -167,20 +167,23 @@ impl ShmTransport {
         Ok((0..size).map(|rank| ShmTransport::new(rank, layout.clone(), pids.clone(), timeout)).collect())
     }
 
-    /// Build the shared-memory mesh of a communicator whose `size` members all run on this host, meeting
+    /// Build the shared-memory mesh of a communicator whose members all run on this host, this rank at
+    /// position `rank` of `numbers` (the members' ranks as users know them, for messages), meeting
     /// in `scope` of the rendezvous store, with staging areas sized for `fusion_threshold`. When `dir` has
     /// no room for the staging areas, the segment is made without them (channels only; fusion then packs
     /// into private buffers), with a warning. Returns `Ok(None)`, on every rank alike, when some rank cannot
     /// create or map even that (for example a far too small `dir`): the caller then falls back to TCP.
     pub fn connect_mesh(
         rank: usize,
-        size: usize,
+        numbers: &[usize],
         store: &mut StoreClient,
         scope: &str,
         dir: &Path,
         fusion_threshold: usize,
         timeout: Duration,
     ) -> Result<Option<ShmTransport>, TransportError> {
+        let size = numbers.len();
+        let number = |position: usize| numbers.get(position).copied().unwrap_or(position);
         let full = Geometry::for_ranks(size, fusion_threshold);
         let creating_key = format!("{scope}/shm/creating");
         let segment_key = format!("{scope}/shm/segment");
@@ -196,14 +199,14 @@ impl ShmTransport {
             store.set(&creating_key, format!("{}:{shown}", std::process::id()).as_bytes())?;
             (name, None, Some(path))
         } else {
-            let creating = String::from_utf8_lossy(&store.get(&creating_key, timeout)?).into_owned();
+            let creating = String::from_utf8_lossy(&store.get_from(0, &creating_key, timeout)?).into_owned();
             let (pid, path) = creating.split_once(':').unwrap_or_default();
             let path = Path::new(path);
             let name = segment::is_segment_name(path).then(|| unlink_on_exit::unlink_on_drop(path));
             (name, Some(Liveness::watch(vec![pid.parse().unwrap_or(0)])), None)
         };
-        let wait = |store: &mut StoreClient, key: &str| {
-            store.get_checking(key, timeout, CREATOR_CHECK, || match &creator {
+        let wait = |store: &mut StoreClient, peer: usize, key: &str| {
+            store.get_from_checking(peer, key, timeout, CREATOR_CHECK, || match &creator {
                 Some(creator) if creator.is_dead(0) => Err(TransportError::PeerClosed { peer: 0 }),
                 _ => Ok(()),
             })
@@ -217,7 +220,7 @@ impl ShmTransport {
             store.set(&segment_key, announcement.as_bytes())?;
             created
         } else {
-            let announcement = String::from_utf8_lossy(&wait(store, &segment_key)?).into_owned();
+            let announcement = String::from_utf8_lossy(&wait(store, 0, &segment_key)?).into_owned();
             let parts: Vec<&str> = announcement.splitn(3, ':').collect();
             match parts.as_slice() {
                 ["ok", staging, path] => match staging.parse() {
@@ -229,7 +232,7 @@ impl ShmTransport {
                     }
                     Err(_) => Err(format!("malformed announcement {announcement:?}")),
                 },
-                ["no", ..] => Err(format!("rank 0 could not create it: {}", &announcement[3..])),
+                ["no", ..] => Err(format!("rank {} could not create it: {}", number(0), &announcement[3..])),
                 _ => Err(format!("malformed announcement {announcement:?}")),
             }
         };
@@ -244,9 +247,9 @@ impl ShmTransport {
             store.set(&attached_key(rank), verdict.as_bytes())?;
             let mut failures = Vec::new();
             for r in 0..size {
-                let v = String::from_utf8_lossy(&wait(store, &attached_key(r))?).into_owned();
+                let v = String::from_utf8_lossy(&wait(store, r, &attached_key(r))?).into_owned();
                 if let Some(reason) = v.strip_prefix("no:") {
-                    failures.push(format!("rank {r}: {reason}"));
+                    failures.push(format!("rank {}: {reason}", number(r)));
                 }
             }
             Ok(failures)
@@ -622,6 +625,7 @@ impl Transport for ShmTransport {
             TransportError::PeerClosed { peer } | TransportError::Io { peer, .. } => (*peer, false),
             TransportError::Timeout { peer, .. } => (*peer, true),
             TransportError::Setup(_)
+            | TransportError::KeyTimeout { .. }
             | TransportError::Connect { .. }
             | TransportError::NotConnected { .. }
             | TransportError::Protocol { .. } => return,
@@ -708,6 +712,68 @@ mod tests {
     use crate::transport::rendezvous::RendezvousServer;
     use std::net::Ipv4Addr;
 
+    /// Log lines written while `body` runs on this thread.
+    fn logged(body: impl FnOnce()) -> String {
+        #[derive(Clone, Default)]
+        struct Lines(Arc<std::sync::Mutex<Vec<u8>>>);
+        impl std::io::Write for Lines {
+            fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap().extend_from_slice(bytes);
+                Ok(bytes.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let lines = Lines::default();
+        let writer = lines.clone();
+        let subscriber = tracing_subscriber::fmt().with_ansi(false).with_writer(move || writer.clone()).finish();
+        tracing::subscriber::with_default(subscriber, body);
+        let text = String::from_utf8_lossy(&lines.0.lock().unwrap()).into_owned();
+        text
+    }
+
+    #[test]
+    fn the_warning_that_shared_memory_is_unusable_names_global_ranks() {
+        let server = RendezvousServer::start(Ipv4Addr::LOCALHOST.into(), 0, b"k".to_vec()).unwrap();
+        let addr = server.addr();
+        let missing = std::env::temp_dir().join(format!("rvod-no-such-dir-{}", std::process::id()));
+        // A process set of global ranks 3 and 6 on this host, whose segment cannot be created.
+        let other = {
+            let missing = missing.clone();
+            std::thread::spawn(move || {
+                let mut store = StoreClient::connect(addr, b"k", Duration::from_secs(5)).unwrap();
+                ShmTransport::connect_mesh(1, &[3, 6], &mut store, "set2", &missing, 1 << 20, Duration::from_secs(10))
+                    .map(|t| t.is_none())
+            })
+        };
+        let mut store = StoreClient::connect(addr, b"k", Duration::from_secs(5)).unwrap();
+        let mut fell_back = false;
+        let log = logged(|| {
+            fell_back =
+                ShmTransport::connect_mesh(0, &[3, 6], &mut store, "set2", &missing, 1 << 20, Duration::from_secs(10))
+                    .unwrap()
+                    .is_none();
+        });
+        assert!(fell_back && other.join().unwrap().unwrap(), "both fall back to TCP");
+        assert!(log.contains("is not usable (rank 3: "), "{log}");
+        assert!(log.contains("; rank 6: rank 3 could not create it: "), "{log}");
+        assert!(!log.contains("rank 0") && !log.contains("rank 1"), "{log}");
+    }
+
+    #[test]
+    fn a_timeout_waiting_for_the_creator_names_its_global_rank() {
+        let server = RendezvousServer::start(Ipv4Addr::LOCALHOST.into(), 0, b"k".to_vec()).unwrap();
+        let mut store = StoreClient::connect(server.addr(), b"k", Duration::from_secs(5)).unwrap();
+        let dir = std::env::temp_dir();
+        let err = ShmTransport::connect_mesh(1, &[4, 7], &mut store, "set3", &dir, 1 << 20, Duration::from_millis(100))
+            .map(|_| ())
+            .unwrap_err()
+            .renumbered(&[4, 7])
+            .to_string();
+        assert!(err.contains("waiting for rank 4 to publish 'set3/shm/creating'"), "{err}");
+    }
+
     #[test]
     fn rank_0_dying_before_announcing_its_segment_fails_the_others_at_once_and_leaves_no_segment() {
         let dir = std::env::temp_dir().join(format!("rvod-creator-test-{}", std::process::id()));
@@ -723,8 +789,15 @@ mod tests {
         let survivor_dir = dir.clone();
         let survivor = std::thread::spawn(move || {
             let mut store = StoreClient::connect(addr, b"k", Duration::from_secs(5)).unwrap();
-            let result =
-                ShmTransport::connect_mesh(1, 2, &mut store, "s", &survivor_dir, 1 << 20, Duration::from_secs(30));
+            let result = ShmTransport::connect_mesh(
+                1,
+                &[0, 1],
+                &mut store,
+                "s",
+                &survivor_dir,
+                1 << 20,
+                Duration::from_secs(30),
+            );
             (result.map(|_| ()), Instant::now())
         });
         std::thread::sleep(Duration::from_millis(300));

@@ -94,6 +94,7 @@ impl Cause {
             TransportError::PeerClosed { peer } | TransportError::Io { peer, .. } => (*peer, false),
             TransportError::Timeout { peer, .. } => (*peer, true),
             TransportError::Setup(_)
+            | TransportError::KeyTimeout { .. }
             | TransportError::Connect { .. }
             | TransportError::NotConnected { .. }
             | TransportError::Protocol { .. } => return None,

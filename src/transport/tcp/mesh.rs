@@ -155,7 +155,7 @@ fn connect_lower(
     for peer in (0..mesh.rank).filter(|&peer| mesh.linked[peer]) {
         let fail = |detail: String| TransportError::Connect { peer, detail };
         let left = deadline.saturating_duration_since(Instant::now());
-        let address = store.get(&address_key(mesh.scope, peer), left)?;
+        let address = store.get_from(peer, &address_key(mesh.scope, peer), left)?;
         let address = String::from_utf8(address).map_err(|_| fail("its published address is not text".into()))?;
         let mut stream = connect_to(&address, deadline).map_err(|err| fail(format!("{address}: {err}")))?;
         handshake::connect(&mut stream, mesh.secret, Purpose::Mesh, &claim, deadline)
