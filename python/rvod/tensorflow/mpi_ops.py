@@ -10,12 +10,9 @@ is named when the graph is built after its graph and its position there (``graph
 ranks match it however often each of them traced. No TensorFlow op is compiled: one wheel serves every
 TensorFlow version.
 
-In a v1 graph each node holds one of the Session's inter-op threads while it waits for the other ranks, so
-a ``Session.run`` of more independent collectives than the Session has threads would stall (the ranks may
-start different ones first). When the first collective is added to a v1 graph before TensorFlow has set up
-its runtime, rvod raises the default number of inter-op threads (what a Session created without a
-``config`` gets) to ``SESSION_INTER_OP_THREADS``; otherwise it warns once. Group collectives
-(``grouped_allreduce``) where many run at once, as DistributedOptimizer does.
+In a v1 graph a collective waits for the other ranks on a thread of its own, not on one of the Session's
+inter-op threads (see ``session_node``), so one ``Session.run`` can run any number of them, whatever the
+Session's ``inter_op_parallelism_threads``.
 
 Gradients (``tf.custom_gradient``), as Horovod defines them:
 
@@ -30,12 +27,10 @@ accepted and ignored (this build is CPU-only).
 """
 
 import itertools
-import os
-import warnings
 import weakref
 
 import tensorflow as tf
-from tensorflow.python.eager import context, record
+from tensorflow.python.eager import record
 from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGraph
 
 from rvod.common import ops as _ops
@@ -54,6 +49,7 @@ from rvod.common.reduce_ops import Adasum, Average, Max, Min, Product, Sum, reso
 from rvod.exceptions import RvodInvalidArgumentError, RvodMismatchError
 from rvod.tensorflow.adapter import MismatchError, TensorFlowAdapter, as_tensor
 from rvod.tensorflow.compression import Compression
+from rvod.tensorflow.session_node import session_node
 
 __all__ = _basics + [
     "allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "broadcast_", "alltoall",
@@ -97,37 +93,17 @@ def _op_name(name, ignore_name_scope=False):
     return f"{scope.rstrip('/')}/{name}" if scope else str(name)
 
 
-# How many collectives a Session.run of a tf.compat.v1 graph can wait for at once (see the module docstring).
-SESSION_INTER_OP_THREADS = 64
-_sessions_prepared = False
-
-
-def _prepare_sessions():
-    global _sessions_prepared
-    if _sessions_prepared:
-        return
-    _sessions_prepared = True
-    runtime = context.context()
-    threads = runtime.inter_op_parallelism_threads or os.cpu_count() or 1
-    if threads >= SESSION_INTER_OP_THREADS:
-        return
-    if runtime.inter_op_parallelism_threads == 0 and runtime._context_handle is None:
-        runtime.inter_op_parallelism_threads = SESSION_INTER_OP_THREADS
-        return
-    warnings.warn(f"rvod: each collective in a tf.compat.v1 graph holds one of the Session's inter-op threads while it "
-                  f"waits for the other ranks, and TensorFlow already runs with {threads}: a Session.run of more "
-                  f"independent collectives stalls. Create Sessions with config=tf.compat.v1.ConfigProto("
-                  f"inter_op_parallelism_threads={SESSION_INTER_OP_THREADS}), or group collectives.", stacklevel=4)
-
-
 def _run(eager_fn, inputs, dtypes, shapes):
     """``eager_fn(*inputs)`` returning a list of tensors: called now when executing eagerly, otherwise added
-    to the graph being built as one py_function node whose outputs get the given static shapes."""
+    to the graph being built as one node whose outputs get the given static shapes."""
     if tf.executing_eagerly():
         return eager_fn(*inputs)
-    if not tf.inside_function():
-        _prepare_sessions()
-    outputs = tf.py_function(tf.autograph.experimental.do_not_convert(eager_fn), list(inputs), list(dtypes))
+    eager_fn = tf.autograph.experimental.do_not_convert(eager_fn)
+    if tf.compat.v1.executing_eagerly_outside_functions():
+        # A tf.function called eagerly runs its py_functions one at a time, in program order.
+        outputs = tf.py_function(eager_fn, list(inputs), list(dtypes))
+    else:
+        outputs = session_node(eager_fn, inputs, dtypes)
     for output, shape in zip(outputs, shapes):
         output.set_shape(shape)
     return outputs
