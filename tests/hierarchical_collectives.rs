@@ -118,13 +118,18 @@ fn hierarchical_allreduce(t: &mut dyn Transport, buf: &mut [u8], dtype: DataType
 fn mixed_communicators_use_shared_memory_inside_hosts_and_tcp_across() {
     for (hosts, counts) in [(&TWO_BY_TWO, vec![2, 2]), (&INTERLEAVED, vec![2, 2]), (&ONE_PLUS_THREE, vec![1, 3])] {
         let seen = on_hosts(hosts, |t| {
-            let kind = t.kind();
+            let (kind, flat_cheap) = (t.label(), t.capabilities().cheap_handoffs);
             let parts = t.hosts().expect("a composite transport");
             let sizes: Vec<usize> = (0..parts.layout.hosts()).map(|h| parts.layout.members(h).len()).collect();
-            (kind, sizes, parts.local.rank(), parts.local.size(), parts.cross.rank(), parts.cross.size())
+            let cheap =
+                (flat_cheap, parts.local.capabilities().cheap_handoffs, parts.cross.capabilities().cheap_handoffs);
+            (kind, cheap, sizes, parts.local.rank(), parts.local.size(), parts.cross.rank(), parts.cross.size())
         });
-        for (rank, (kind, sizes, local_rank, local_size, cross_rank, cross_size)) in seen.into_iter().enumerate() {
+        for (rank, (kind, cheap, sizes, local_rank, local_size, cross_rank, cross_size)) in seen.into_iter().enumerate()
+        {
             assert_eq!(kind, "shm+tcp", "{hosts:?} rank {rank}");
+            // Hand-offs are cheap inside a host's shared memory only (a rank alone there has no peer in it).
+            assert_eq!(cheap, (false, local_size > 1, false), "{hosts:?} rank {rank}");
             assert_eq!(sizes, counts, "{hosts:?} rank {rank}");
             let host = hosts[rank];
             let host_ranks: Vec<usize> = (0..4).filter(|&r| hosts[r] == host).collect();

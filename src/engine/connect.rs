@@ -111,7 +111,7 @@ pub fn connect_members(
         members.len(),
         layout.hosts(),
         host_members,
-        local.kind()
+        local.label()
     );
     let composite = CompositeTransport::new(local_rank, layout, local, Box::new(remote))
         .map_err(|e| failed("connecting to the other ranks", members, e))?;

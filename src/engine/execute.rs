@@ -90,7 +90,7 @@ fn allreduce_buffer(
 
 /// What marks a hierarchical collective's steps in the timeline, named by the parts' transports.
 fn hierarchical_steps<'a>(parts: &HostParts<'_>, phases: &'a mut OpRecord) -> impl FnMut(Step) + 'a {
-    let (local, cross) = (parts.local.kind(), parts.cross.kind());
+    let (local, cross) = (parts.local.label(), parts.cross.label());
     move |step: Step| {
         let transport = if step.is_local() { local } else { cross };
         phases.mark(Stage::Hierarchical { transport, collective: step.collective() });

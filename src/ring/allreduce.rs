@@ -6,8 +6,10 @@
 //! Partners always combine in rank order (lower rank's operand on the left), so both compute the same
 //! expression on the same bits even where `a ⊕ b` and `b ⊕ a` differ (NaN payloads). Large buffers use
 //! the bandwidth-optimal ring: reduce-scatter, where each block is combined along one chain, then
-//! allgather, which copies the finished blocks to everyone. Two ranks over shared memory pipeline the two
-//! phases instead (see [`two_ranks_pipelined`]).
+//! allgather, which copies the finished blocks to everyone. Two ranks over a transport with cheap hand-offs
+//! (shared memory; see [`Capabilities`]) pipeline the two phases instead (see [`two_ranks_pipelined`]).
+//!
+//! [`Capabilities`]: crate::transport::Capabilities
 
 use crate::ring::allgather::allgather_ring;
 use crate::ring::args::invalid_argument;
@@ -26,10 +28,11 @@ use crate::types::{Combine, DataType};
 /// 2x faster from 128-256 KiB.
 pub const RING_THRESHOLD_BYTES: usize = 64 * 1024;
 
-/// Two ranks over shared memory use [`two_ranks_pipelined`] from this size on: each rank moves and reduces
-/// half the buffer, reducing straight out of the channel, where recursive doubling exchanges and reduces
-/// all of it through a scratch copy (2 ranks, this VM, 64 KiB in place: 17.6 -> 12.3 us in cache, 26.8 ->
-/// 19.9 us from DRAM; no change at 16 KiB, where the second hand-off costs what the halving saves).
+/// Two ranks over a transport with cheap hand-offs use [`two_ranks_pipelined`] from this size on: each rank
+/// moves and reduces half the buffer, reducing straight out of the channel, where recursive doubling
+/// exchanges and reduces all of it through a scratch copy (2 ranks over shared memory, this VM, 64 KiB in
+/// place: 17.6 -> 12.3 us in cache, 26.8 -> 19.9 us from DRAM; no change at 16 KiB, where the second
+/// hand-off costs what the halving saves).
 pub const PIPELINE_THRESHOLD_BYTES: usize = 8 << 10;
 
 /// Piece of the pipelined two-rank allreduce: small enough that a reduced piece is still in cache when it
@@ -45,14 +48,14 @@ pub fn allreduce(
     combine: Combine,
 ) -> Result<(), TransportError> {
     check_whole_elements(t, buf.len(), dtype)?;
-    if t.size() == 2 && buf.len() >= PIPELINE_THRESHOLD_BYTES && t.kind() == "shm" {
+    if t.size() == 2 && buf.len() >= PIPELINE_THRESHOLD_BYTES && t.capabilities().cheap_handoffs {
         return two_ranks_pipelined(t, None, buf, dtype, combine);
     }
     allreduce_general(t, buf, dtype, combine)
 }
 
 /// Combine `src` element-wise across all ranks into `dst` (of the same length), leaving `src` as it is:
-/// the same bits as copying `src` into `dst` and reducing in place. Two ranks over shared memory read
+/// the same bits as copying `src` into `dst` and reducing in place. Two ranks with cheap hand-offs read
 /// `src` and write `dst` piece by piece, and the ring reads `src` in its reduce-scatter, so the result costs
 /// no pass of its own over memory (a 64 MiB copy takes about as long as the collective); small buffers are
 /// copied first.
@@ -69,7 +72,7 @@ pub fn allreduce_into(
     }
     check_whole_elements(t, src.len(), dtype)?;
     let n = t.size();
-    if n == 2 && src.len() >= PIPELINE_THRESHOLD_BYTES && t.kind() == "shm" {
+    if n == 2 && src.len() >= PIPELINE_THRESHOLD_BYTES && t.capabilities().cheap_handoffs {
         return two_ranks_pipelined(t, Some(src), dst, dtype, combine);
     }
     if n > 1 && src.len() > RING_THRESHOLD_BYTES {
@@ -207,6 +210,8 @@ fn recursive_doubling(
 mod tests {
     use super::*;
     use crate::transport::memory::{run_ranks, MemoryTransport};
+    use crate::transport::{Activity, Capabilities, Waker};
+    use std::time::Duration;
 
     fn f32_bytes(values: impl IntoIterator<Item = f32>) -> Vec<u8> {
         values.into_iter().flat_map(f32::to_ne_bytes).collect()
@@ -241,6 +246,95 @@ mod tests {
                 let want = f32_bytes((0..count).map(|i| n as f32 * (i % 7) as f32 + rank_sum));
                 assert!(results.iter().all(|r| r == &want), "n={n} count={count}");
             }
+        }
+    }
+
+    /// A transport that only forwards to a memory transport, says it has cheap hand-offs or not, and
+    /// records how many bytes each exchange sends: the pipelined two-rank path is the one that sends halves
+    /// where recursive doubling sends the whole buffer.
+    struct Handoffs {
+        inner: MemoryTransport,
+        cheap: bool,
+        exchanged: Vec<usize>,
+    }
+
+    impl Transport for Handoffs {
+        fn rank(&self) -> usize {
+            self.inner.rank()
+        }
+        fn size(&self) -> usize {
+            self.inner.size()
+        }
+        fn label(&self) -> &'static str {
+            "test"
+        }
+        fn capabilities(&self) -> Capabilities {
+            Capabilities { cheap_handoffs: self.cheap }
+        }
+        fn send(&mut self, peer: usize, data: &[u8]) -> Result<(), TransportError> {
+            self.inner.send(peer, data)
+        }
+        fn recv(&mut self, peer: usize, buf: &mut [u8]) -> Result<(), TransportError> {
+            self.inner.recv(peer, buf)
+        }
+        fn exchange(
+            &mut self,
+            to: usize,
+            send: &[u8],
+            from: usize,
+            recv_len: usize,
+            sink: &mut dyn FnMut(usize, &[u8]),
+        ) -> Result<(), TransportError> {
+            self.exchanged.push(send.len());
+            self.inner.exchange(to, send, from, recv_len, sink)
+        }
+        fn wait_for_activity(&mut self, waker: &Waker, timeout: Duration) -> Result<Activity, TransportError> {
+            self.inner.wait_for_activity(waker, timeout)
+        }
+        fn close(&mut self) {
+            self.inner.close();
+        }
+    }
+
+    /// Each rank's result and exchange sizes of an allreduce of `count` floats on two ranks (in place, or
+    /// out of place with `into`) over transports with cheap hand-offs or not.
+    fn two_ranks(count: usize, cheap: bool, into: bool) -> Vec<(Vec<u8>, Vec<usize>)> {
+        let mesh = MemoryTransport::mesh(2).into_iter().map(|inner| Handoffs { inner, cheap, exchanged: Vec::new() });
+        run_ranks(mesh.collect(), |t| {
+            let src = f32_bytes((0..count).map(|i| (i % 5) as f32 * 0.25 + t.rank() as f32));
+            let mut buf = if into { vec![0; src.len()] } else { src.clone() };
+            if into {
+                allreduce_into(t, &src, &mut buf, DataType::Float32, Combine::Sum).unwrap();
+            } else {
+                allreduce(t, &mut buf, DataType::Float32, Combine::Sum).unwrap();
+            }
+            (buf, std::mem::take(&mut t.exchanged))
+        })
+    }
+
+    #[test]
+    fn two_ranks_pipeline_where_the_transport_says_hand_offs_are_cheap() {
+        let count = RING_THRESHOLD_BYTES / 4; // 64 KiB: recursive doubling unless the two ranks pipeline
+        let want = f32_bytes((0..count).map(|i| (i % 5) as f32 * 0.5 + 1.0));
+        for into in [false, true] {
+            let (cheap, costly) = (two_ranks(count, true, into), two_ranks(count, false, into));
+            for rank in 0..2 {
+                assert_eq!(cheap[rank].0, want, "cheap hand-offs, rank {rank}, into {into}");
+                assert_eq!(costly[rank].0, want, "costly hand-offs, rank {rank}, into {into}");
+                // Pipelined: each half raw, then reduced; recursive doubling: the whole buffer once.
+                let half = count * 4 / 2;
+                assert_eq!(cheap[rank].1, vec![half, half], "rank {rank}, into {into}");
+                assert_eq!(costly[rank].1, vec![count * 4], "rank {rank}, into {into}");
+            }
+        }
+        // Large: pieces of PIPELINE_PIECE_BYTES against the ring's two half-buffer steps, same bits.
+        let count = 3 * PIPELINE_PIECE_BYTES / 4 + 3;
+        for into in [false, true] {
+            let (cheap, costly) = (two_ranks(count, true, into), two_ranks(count, false, into));
+            assert_eq!(cheap[0].0, costly[0].0, "into {into}");
+            assert_eq!(cheap[1].0, costly[0].0, "into {into}");
+            assert!(cheap[0].1.len() > 2 && cheap[0].1.iter().all(|&n| n <= PIPELINE_PIECE_BYTES), "{:?}", cheap[0].1);
+            assert_eq!(costly[0].1.len(), 2, "{:?}", costly[0].1);
         }
     }
 

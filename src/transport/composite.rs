@@ -20,7 +20,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::transport::{Activity, Doorbell, Staging, Transport, TransportError, Waker};
+use crate::transport::{Activity, Capabilities, Doorbell, Staging, Transport, TransportError, Waker};
 
 /// Which host each member of a communicator runs on, as every member agreed it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -136,8 +136,12 @@ impl Transport for PartView<'_> {
         self.members.len()
     }
 
-    fn kind(&self) -> &'static str {
-        self.inner.kind()
+    fn label(&self) -> &'static str {
+        self.inner.label()
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
     }
 
     fn send(&mut self, peer: usize, data: &[u8]) -> Result<(), TransportError> {
@@ -259,13 +263,18 @@ impl Transport for CompositeTransport {
         self.layout.size()
     }
 
-    fn kind(&self) -> &'static str {
-        match (self.local.kind(), self.remote.kind()) {
+    fn label(&self) -> &'static str {
+        match (self.local.label(), self.remote.label()) {
             ("shm", "tcp") => "shm+tcp",
             // Alone on this host: every peer is reached through the remote part.
             (_, "tcp") if self.local.size() == 1 => "shm+tcp",
             _ => "composite",
         }
+    }
+
+    /// What holds whichever part carries the bytes to a peer.
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::common(self.local.capabilities(), self.remote.capabilities())
     }
 
     fn send(&mut self, peer: usize, data: &[u8]) -> Result<(), TransportError> {

@@ -200,7 +200,7 @@ impl MemoryTransport {
 }
 
 impl Transport for MemoryTransport {
-    fn kind(&self) -> &'static str {
+    fn label(&self) -> &'static str {
         "memory"
     }
 

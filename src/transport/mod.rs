@@ -92,14 +92,48 @@ pub enum Activity {
     Idle,
 }
 
+/// What a transport can do beyond moving bytes, for the algorithms to ask instead of its name. A new
+/// transport reports what holds for it; the default, [`Capabilities::NONE`], is always correct (it only
+/// keeps algorithms on their general path).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Capabilities {
+    /// A hand-off (an `exchange` whose bytes the peer takes as soon as they are there) costs a few
+    /// microseconds, as over shared memory, not the tens of a socket round trip (TCP: ~22 us). Algorithms
+    /// may then cut a buffer into many small exchanges to pipeline them (the two-rank allreduce in
+    /// `ring::allreduce`) where a costly hand-off keeps them to few large ones.
+    pub cheap_handoffs: bool,
+}
+
+impl Capabilities {
+    /// Nothing beyond the trait's required methods.
+    pub const NONE: Capabilities = Capabilities { cheap_handoffs: false };
+
+    /// What holds for every peer of a transport made of the parts `a` and `b`.
+    pub fn common(a: Capabilities, b: Capabilities) -> Capabilities {
+        Capabilities { cheap_handoffs: a.cheap_handoffs && b.cheap_handoffs }
+    }
+}
+
 /// Ordered, reliable byte channels to every other rank of one communicator.
+///
+/// Every transport implements `rank`, `size`, `label`, `send`, `recv`, `exchange`, `wait_for_activity`
+/// and `close`. The other methods have defaults that are correct for any transport and say "cannot":
+/// a transport overrides those it can do better, and algorithms ask them (and [`Capabilities`]), never
+/// the transport's name, so a new transport needs no change to the algorithms. `sendrecv` is a
+/// convenience over `exchange`.
 pub trait Transport: Send {
     /// This rank's position in the communicator.
     fn rank(&self) -> usize;
     /// Number of ranks in the communicator.
     fn size(&self) -> usize;
-    /// What carries the bytes: "tcp", "shm" or "memory".
-    fn kind(&self) -> &'static str;
+    /// What carries the bytes ("tcp", "shm", "shm+tcp", "memory"), for logs, the timeline and Python's
+    /// introspection only: what the transport can do is [`Transport::capabilities`], never this label.
+    fn label(&self) -> &'static str;
+
+    /// Optional: what this transport can do beyond the required methods (default: nothing).
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::NONE
+    }
 
     /// Send all of `data` to `peer`. Returns once the bytes are handed off (the peer may not have read them).
     /// Safe to call for any size: implementations must not deadlock when `peer` is simultaneously sending to us
@@ -123,8 +157,8 @@ pub trait Transport: Send {
         sink: &mut dyn FnMut(usize, &[u8]),
     ) -> Result<(), TransportError>;
 
-    /// Copy the next `buf.len()` bytes from `peer` into `buf` without consuming them, if they have all
-    /// arrived; false (and nothing copied) otherwise, or where the transport cannot look ahead.
+    /// Optional: copy the next `buf.len()` bytes from `peer` into `buf` without consuming them, if they have
+    /// all arrived; false (and nothing copied) otherwise, or where the transport cannot look ahead.
     fn peek(&mut self, _peer: usize, _buf: &mut [u8]) -> bool {
         false
     }
@@ -141,32 +175,33 @@ pub trait Transport: Send {
     /// (reported as [`Activity::Peer`]; the following `recv` then returns the error), or `timeout` passes.
     fn wait_for_activity(&mut self, waker: &Waker, timeout: Duration) -> Result<Activity, TransportError>;
 
-    /// What a [`Waker`] should ring so that this transport's `wait_for_activity` notices it, for transports
-    /// that do not sleep in `poll(2)` on the waker's fd.
+    /// Optional: what a [`Waker`] should ring so that this transport's `wait_for_activity` notices it, for
+    /// transports that do not sleep in `poll(2)` on the waker's fd.
     fn doorbell(&self) -> Option<Doorbell> {
         None
     }
 
-    /// Remember that this rank is failing because of `cause` (the first call counts), so that `close` can
-    /// tell the peers which rank to name; transports whose peers find out by themselves ignore it.
+    /// Optional: remember that this rank is failing because of `cause` (the first call counts), so that
+    /// `close` can tell the peers which rank to name; transports whose peers find out by themselves ignore it.
     fn note_failure(&mut self, _cause: &TransportError) {}
 
     /// Close every connection now, so peers blocked on this rank fail fast instead of waiting for a timeout.
     fn close(&mut self);
 
-    /// The local and cross parts of a communicator whose members span hosts (see [`composite`]); `None`
-    /// where all members are reached the same way.
+    /// Optional: the local and cross parts of a communicator whose members span hosts (see [`composite`]);
+    /// `None` where all members are reached the same way.
     fn hosts(&mut self) -> Option<HostParts<'_>> {
         None
     }
 
-    /// Memory every rank of the communicator can read, where the ranks share it (see [`Staging`]).
+    /// Optional: memory every rank of the communicator can read, where the ranks share it (see [`Staging`]).
     fn staging(&mut self) -> Option<&mut dyn Staging> {
         None
     }
 
-    /// A way to sleep until this transport may have activity without borrowing it (see [`IdleWaiter`]);
-    /// `None` where waiting needs the transport itself (then its engine thread keeps it while it sleeps).
+    /// Optional: a way to sleep until this transport may have activity without borrowing it (see
+    /// [`IdleWaiter`]); `None` where waiting needs the transport itself (then its engine thread keeps it while
+    /// it sleeps).
     fn idle_waiter(&self) -> Option<Box<dyn IdleWaiter>> {
         None
     }

@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 
 use crate::transport::rendezvous::StoreClient;
 use crate::transport::spin;
-use crate::transport::{Activity, Doorbell, IdleWaiter, Staging, Transport, TransportError, Waker};
+use crate::transport::{Activity, Capabilities, Doorbell, IdleWaiter, Staging, Transport, TransportError, Waker};
 use layout::{Corrupt, Geometry, Layout};
 use liveness::Liveness;
 use segment::Segment;
@@ -481,8 +481,13 @@ fn corrupt(peer: usize, c: &Corrupt) -> TransportError {
 }
 
 impl Transport for ShmTransport {
-    fn kind(&self) -> &'static str {
+    fn label(&self) -> &'static str {
         "shm"
+    }
+
+    /// A hand-off is a few stores and loads in shared memory (and a wake-up where the peer sleeps).
+    fn capabilities(&self) -> Capabilities {
+        Capabilities { cheap_handoffs: true }
     }
 
     fn rank(&self) -> usize {

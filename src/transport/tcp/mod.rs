@@ -413,7 +413,7 @@ impl TcpTransport {
 }
 
 impl Transport for TcpTransport {
-    fn kind(&self) -> &'static str {
+    fn label(&self) -> &'static str {
         "tcp"
     }
 
