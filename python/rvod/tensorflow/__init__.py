@@ -11,7 +11,13 @@ TensorFlow op is compiled and one wheel serves every TensorFlow version.
 
 import tensorflow as tf
 
-from rvod.exceptions import HorovodInternalError, RvodInternalError, RvodMismatchError, RvodTimeoutError
+from rvod.exceptions import (
+    HorovodInternalError,
+    RvodInternalError,
+    RvodInvalidArgumentError,
+    RvodMismatchError,
+    RvodTimeoutError,
+)
 from rvod.tensorflow import mpi_ops
 from rvod.tensorflow.adapter import MismatchError
 from rvod.tensorflow.compression import Compression
@@ -83,7 +89,7 @@ def __getattr__(name):
 
 __all__ = _ops_names + [
     "Compression", "allgather_object", "broadcast_object", "broadcast_object_fn", "broadcast_variables",
-    "broadcast_global_variables", "HorovodInternalError", "RvodInternalError", "RvodMismatchError",
+    "broadcast_global_variables", "HorovodInternalError", "RvodInternalError", "RvodInvalidArgumentError", "RvodMismatchError",
     "RvodTimeoutError", "MismatchError", "DistributedGradientTape", "PartialDistributedGradientTape",
     "DistributedOptimizer", "BroadcastGlobalVariablesHook", "SyncBatchNormalization", "mpi_ops",
     "elastic",

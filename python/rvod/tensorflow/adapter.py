@@ -3,7 +3,9 @@
 An eager CPU tensor crosses without a copy (``tf.experimental.dlpack``: the capsule keeps TensorFlow's
 buffer alive until the engine is done with it); variables, NumPy arrays and Python values are converted to
 a tensor first. Results come back as tensors viewing the engine's output buffer. Tensors on other devices
-and dtypes the engine cannot exchange are refused with a ``ValueError`` before anything is sent.
+and dtypes the engine cannot exchange are refused with ``RvodInvalidArgumentError`` (a ``ValueError`` and a
+``RuntimeError``) before anything is sent; inside a graph TensorFlow reports it as
+``tf.errors.InvalidArgumentError``, as it does every ``ValueError``.
 """
 
 import numpy as np
@@ -11,7 +13,7 @@ import tensorflow as tf
 from tensorflow.experimental import dlpack
 
 from rvod.common.ops import TensorAdapter
-from rvod.exceptions import RvodMismatchError
+from rvod.exceptions import RvodInvalidArgumentError, RvodMismatchError
 
 SUPPORTED_DTYPES = (tf.uint8, tf.uint16, tf.int8, tf.int16, tf.int32, tf.int64, tf.float16, tf.bfloat16, tf.float32,
                     tf.float64, tf.bool)
@@ -31,7 +33,7 @@ class MismatchError(RvodMismatchError, tf.errors.FailedPreconditionError):
 def check_dtype(dtype, what="rvod"):
     """Raise unless the engine exchanges tensors of ``dtype``."""
     if dtype not in _SUPPORTED and tf.as_dtype(dtype) not in _SUPPORTED:
-        raise ValueError(f"{what}: tensors of dtype {tf.as_dtype(dtype).name} are not supported; "
+        raise RvodInvalidArgumentError(f"{what}: tensors of dtype {tf.as_dtype(dtype).name} are not supported; "
                          f"supported: {_SUPPORTED_NAMES}")
 
 
@@ -40,7 +42,7 @@ def as_tensor(value, what="rvod"):
     if isinstance(value, tf.Tensor):
         tensor = value
     elif isinstance(value, (tf.IndexedSlices, tf.SparseTensor, tf.RaggedTensor)):
-        raise ValueError(f"{what}: {type(value).__name__} is not supported here; convert it to a dense tensor")
+        raise RvodInvalidArgumentError(f"{what}: {type(value).__name__} is not supported here; convert it to a dense tensor")
     else:
         tensor = tf.convert_to_tensor(value)
     check_dtype(tensor.dtype, what)
@@ -52,7 +54,7 @@ class TensorFlowAdapter(TensorAdapter):
         tensor = as_tensor(tensor)
         device = tensor.device
         if device and "CPU" not in device.upper():
-            raise ValueError(f"rvod: got a tensor on {device}; this build handles CPU tensors only. "
+            raise RvodInvalidArgumentError(f"rvod: got a tensor on {device}; this build handles CPU tensors only. "
                              "Place the computation on the CPU (with tf.device('/CPU:0')).")
         return dlpack.to_dlpack(tensor), tensor
 

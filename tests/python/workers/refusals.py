@@ -98,6 +98,11 @@ if FRAMEWORK != "keras":  # rvod.keras has allreduce, allgather, broadcast and r
                      lambda: hvd.grouped_allgather([tensor([1.0]), tensor(3.0)])))
     REFUSALS.append(("Reducescatter currently only supports Average and Sum",
                      lambda: hvd.grouped_reducescatter([tensor([1.0, 2.0]), tensor([3.0, 4.0])], op=hvd.Adasum)))
+if FRAMEWORK == "tensorflow":  # refused by the adapter, before the engine sees them
+    REFUSALS.append(("tensors of dtype complex64 are not supported",
+                     lambda: hvd.allreduce(tf.constant([1 + 2j], tf.complex64))))
+    REFUSALS.append(("SparseTensor is not supported here",
+                     lambda: hvd.broadcast(tf.sparse.from_dense(tf.constant([0.0, 1.0])), root_rank=0)))
 
 with check(f"{FRAMEWORK}: every refusal at submission is an RvodInvalidArgumentError, ValueError and RuntimeError"):
     for pattern, call in REFUSALS:
