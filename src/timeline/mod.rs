@@ -182,9 +182,11 @@ impl Timeline {
         })?;
         let (sender, receiver) = mpsc::channel();
         let writer = writer::Writer::new(file, path, self.hub.rank, self.hub.origin);
+        // Counted before the thread runs, so a terminating signal right after `start` waits for this writer.
+        let requests = signal_flush::SignalFlush::register();
         let thread = std::thread::Builder::new()
             .name("rvod-timeline".into())
-            .spawn(move || writer.run(receiver))
+            .spawn(move || writer.run(receiver, requests))
             .map_err(|e| EngineError::Init(format!("cannot start the timeline writer: {e}")))?;
         let previous = state.recording.replace(Recording { sender, thread });
         self.hub.mark_cycles.store(mark_cycles, Ordering::Relaxed);

@@ -31,9 +31,9 @@ pub(super) struct SignalFlush {
 }
 
 impl SignalFlush {
-    /// Called on the writer thread as it starts.
+    /// Called as a writer thread is started, before it runs (which then blocks the signals, see
+    /// [`exit_signals::block_in_this_thread`]): a flush asked from then on waits for it.
     pub(super) fn register() -> SignalFlush {
-        exit_signals::block_in_this_thread();
         exit_signals::on_terminating_signal(flush_every_timeline);
         RUNNING.fetch_add(1, Ordering::AcqRel);
         let now = REQUESTS.load(Ordering::Acquire);

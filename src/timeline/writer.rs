@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use super::file::TraceFile;
 use super::signal_flush::SignalFlush;
 use super::{Event, Message, Stage};
+use crate::exit_signals;
 
 /// Longest time an event waits in memory before it is written.
 const FLUSH_EVERY: Duration = Duration::from_millis(100);
@@ -68,8 +69,9 @@ impl Writer {
         }
     }
 
-    pub(crate) fn run(mut self, messages: Receiver<Message>) {
-        let mut requests = SignalFlush::register();
+    /// The writer thread's loop; `requests` was registered by the thread that started it.
+    pub(crate) fn run(mut self, messages: Receiver<Message>, mut requests: SignalFlush) {
+        exit_signals::block_in_this_thread();
         loop {
             if requests.asked() {
                 // A signal is ending the process: write everything queued, now.
