@@ -9,6 +9,13 @@
 //! rvodrun) meet through [`launch`]: rank 0 serves the rendezvous store. With `RVOD_AUTOTUNE`, rank 0
 //! tunes the fusion threshold, cycle time and categorical knobs while the job runs ([`autotune`]). GPU
 //! libraries are loaded at run time and GPU tensors are refused for now; the GPU path's parts are in [`gpu`].
+//! Beneath them: [`types`] (dtypes, reduce ops, collective kinds), [`tensor`] and [`memory`] (tensor views and
+//! engine-owned buffers), [`exit_signals`] (last work before SIGTERM/SIGHUP end the process); beside the
+//! engine, [`timeline`] records what each op did and when (`RVOD_TIMELINE`).
+//!
+//! The layers, bottom to top (a module uses only its own layer or lower ones; `tests/python/test_rust_layers.py`
+//! checks it): base (`types`, `tensor`, `memory`, `error`, `config`, `exit_signals`), wire (`transport`), work
+//! (`ring`, `fusion`, `gpu`, `timeline`), decide (`coordinator`, `autotune`), run (`engine`, `launch`), bind (`py`).
 
 // No unwrap/expect where user input or a peer's bytes could reach them (DESIGN.md); tests may use them.
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]

@@ -7,6 +7,8 @@
 //! hosts. A knob whose variable is set keeps the user's value. The fusion threshold never exceeds the
 //! shared-memory staging area (a fused buffer larger than it could not take the staged path) nor 64 MiB.
 //!
+//! Rank 0 writes each sample and the best values to `RVOD_AUTOTUNE_LOG` ([`log`]).
+//!
 //! Scoring ([`manager`]): only the global communicator's allreduces count. A *step* is one more
 //! reduction of the same tensor name (a training step reduces each gradient once; a burst of N tensors
 //! reduces each once), so a sample ends when some tensor has been reduced `RVOD_AUTOTUNE_STEPS_PER_SAMPLE`

@@ -8,7 +8,11 @@
 //! - [`process_sets`]: which sets exist and how ids are assigned.
 //! - [`connect`]: rendezvous and transport set-up; [`meet`]: every rank comes to `init()` in time, or the
 //!   error names those that did not.
-//! - [`table`], [`background`], [`execute`]: the background loop and what it runs.
+//! - [`table`], [`background`], [`execute`]: the background loop and what it runs; `sink`: one allreduce
+//!   tensor's contribution and result as the executor sees them; [`packed`]: grouped allreduces packed into
+//!   one tensor at submission.
+//! - [`driver`]: who runs a communicator's loop (its engine thread, or a caller waiting for its own op);
+//!   [`fast_lane`]: a small synchronous op run by its caller as one exchange of round headers.
 //! - [`fork`]: what a process forked from a running rank may still do (nothing with the job).
 //! - [`validate_submission`](mod@validate_submission): argument checks done before anything is sent.
 //!

@@ -13,6 +13,7 @@
 //!   engine runs GPU collectives; nothing logs it yet).
 //! - [`bootstrap`]: a process set's members agree on the route over their own transport (and NCCL's unique id).
 //! - [`plan`]: the NCCL calls one agreed response takes on this rank, or why it goes through host staging.
+//! - `standin` (tests only): a CPU stand-in for a device, loaded the way the real libraries are.
 //! - [`cuda`], [`nccl`]: thin FFI wrappers over the loaded libraries. **Not yet run on a GPU**: they
 //!   are compiled, reviewed and their pure parts (error texts) unit-tested, but no test here has a device.
 //!

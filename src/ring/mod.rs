@@ -7,6 +7,14 @@
 //! all ranks of an allreduce produce the same bits. Inconsistent arguments return an `InvalidInput`
 //! [`TransportError::Io`] instead of panicking.
 //!
+//! - [`allreduce`], [`reducescatter`], [`allgather`], [`broadcast`], [`alltoall`]: the flat collectives
+//!   (ring, pipelined two-rank, chain); [`adasum`]: Adasum's combination; [`staged`]: allreduce through
+//!   staging areas every rank can read; [`hierarchical`]: the same over a communicator's local and cross parts.
+//! - [`reduce`]: the element-wise reduction and scaling kernels; [`bfloat16`]: their bfloat16 conversions;
+//!   [`streaming`]: reducing a message as it streams in.
+//! - [`chunks`]: how a buffer is cut into blocks per rank and step; [`disjoint`]: reading one range of a
+//!   buffer while writing another; [`args`]: argument checks shared by the collectives.
+//!
 //! [`Transport`]: crate::transport::Transport
 //! [`TransportError::Io`]: crate::transport::TransportError::Io
 //! [`DataType`]: crate::types::DataType

@@ -7,6 +7,14 @@
 //! reads exactly the `n` bytes the peer sent for it. Blocking operations give up with
 //! [`TransportError::Timeout`] when a peer makes no progress for the configured timeout, and with
 //! [`TransportError::PeerClosed`] when a peer's connection ends.
+//!
+//! - [`tcp`]: sockets between processes, on poll; [`shm`]: ranks of one host through a shared-memory segment;
+//!   [`composite`]: a communicator spanning hosts (shared memory inside a host, TCP across); [`memory`]: ranks
+//!   as threads of one process, for tests.
+//! - [`handshake`]: authenticating a fresh connection with the job's secret; [`dropped_connections`]:
+//!   rate-limited warnings about connections a listener drops; [`net`]: which address listeners bind to.
+//! - [`rendezvous`]: the key-value store ranks find each other through.
+//! - [`spin`]: spin-then-block waits; [`waker`]: a wake-up signal waited on together with sockets.
 
 pub mod composite;
 pub mod dropped_connections;

@@ -5,6 +5,9 @@
 //! ([`crate::transport::handshake`]) before any request is read; a connection that fails is dropped and the
 //! server keeps serving everybody else. Operations: `set`, `get` (waits on the server until the key
 //! exists), `add` (an atomic integer counter, stored as decimal text) and `delete`.
+//!
+//! `server` (a tokio runtime serving every connection), `client` (one authenticated connection, one request at
+//! a time) and `wire` (the request and response framing they share).
 
 mod client;
 mod server;

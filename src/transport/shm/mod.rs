@@ -13,6 +13,9 @@
 //!
 //! Like the TCP transport, an operation blocked on a full ring moves whatever other peers sent into a
 //! private stash (read later, before the ring), so ranks sending each other large messages never deadlock.
+//!
+//! A dead peer is noticed through its pidfd ([`liveness`]); the segment's name never outlives a rank that dies
+//! while shared memory is being set up (`unlink_on_exit`); waits sleep on [`futex`]es.
 
 pub mod futex;
 pub mod layout;
