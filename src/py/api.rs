@@ -1,12 +1,11 @@
 //! The functions `rvod.common` calls: engine life cycle, topology, submit / poll / wait.
 //!
-//! The engine of this process lives here (one per process, replaced on re-init). Blocking work runs with
-//! the GIL released; waits wake every few milliseconds to turn Ctrl-C into `KeyboardInterrupt`.
+//! The engine of this process lives here (one per process, replaced on re-init). Blocking work runs through
+//! `py::detached` (GIL released; waits turn Ctrl-C into `KeyboardInterrupt`).
 
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -24,14 +23,12 @@ use crate::engine::submission::{OpOutput, OpSubmission, TensorSubmission};
 use crate::engine::{fork, Engine};
 use crate::error::EngineError;
 use crate::launch::meet::{self, HostedStore, Offer};
+use crate::py::detached::{detached, detached_once};
 use crate::py::dlpack::{export_capsule, import_capsule, is_capsule, ImportedTensor};
 use crate::py::error::to_py_err;
 use crate::py::ndarray::{empty_like, empty_shaped, import_array};
 use crate::tensor::RawTensor;
 use crate::types::{CollectiveKind, DataType, ReduceOp};
-
-/// How long one wait slice lasts before checking for signals.
-const WAIT_SLICE: Duration = Duration::from_millis(50);
 
 #[derive(Default)]
 struct ProcessState {
@@ -167,7 +164,7 @@ pub fn init(
     // them failed and however. An elastic job's ranks meet in the round its driver assigned (ranks started
     // later have had fewer inits).
     let generation = config.elastic_round.unwrap_or(state().generation);
-    let (done, mut started) = std::sync::mpsc::channel();
+    let (done, started) = std::sync::mpsc::channel();
     std::thread::Builder::new()
         .name("rvod-init".into())
         .spawn(move || {
@@ -178,32 +175,25 @@ pub fn init(
             let _ = done.send((started.map(|engine| (engine, hosted)), used_generation));
         })
         .map_err(|e| to_py_err(EngineError::Init(format!("cannot start the init thread: {e}"))))?;
-    loop {
-        // The receiver moves in and out because it may not be shared across threads.
-        let (receiver, outcome) = py.allow_threads(move || {
-            let outcome = started.recv_timeout(WAIT_SLICE);
-            (started, outcome)
-        });
-        started = receiver;
-        match outcome {
-            Ok((result, used_generation)) => {
-                let mut state = state();
-                if used_generation {
-                    state.generation += 1;
-                }
-                let (engine, hosted) = result.map_err(to_py_err)?;
-                fork::engine_started(engine.topology().rank);
-                state.engine = Some(Arc::new(engine));
-                ENGINE_EPOCH.fetch_add(1, Ordering::Release);
-                state.hosted = hosted;
-                return Ok(());
-            }
-            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => py.check_signals()?,
-            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
-                return Err(to_py_err(EngineError::Internal("the init thread stopped without an answer".into())))
-            }
-        }
+    // The receiver moves into the wait because it may not be shared across threads.
+    let outcome = detached(py, move |slice| match started.recv_timeout(slice) {
+        Ok(outcome) => Some(Some(outcome)),
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => None,
+        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => Some(None),
+    })?;
+    let Some((result, used_generation)) = outcome else {
+        return Err(to_py_err(EngineError::Internal("the init thread stopped without an answer".into())));
+    };
+    let mut state = state();
+    if used_generation {
+        state.generation += 1;
     }
+    let (engine, hosted) = result.map_err(to_py_err)?;
+    fork::engine_started(engine.topology().rank);
+    state.engine = Some(Arc::new(engine));
+    ENGINE_EPOCH.fetch_add(1, Ordering::Release);
+    state.hosted = hosted;
+    Ok(())
 }
 
 /// Stop the engine of this process; the other ranks stop too. Safe to call when not initialized.
@@ -219,7 +209,7 @@ pub fn shutdown(py: Python<'_>, exiting: bool) {
         }
         return;
     }
-    py.allow_threads(|| {
+    detached_once(py, || {
         let (engine, hosted) = {
             let mut state = state();
             ENGINE_EPOCH.fetch_add(1, Ordering::Release);
@@ -436,7 +426,7 @@ fn run_with<'py>(
             SMALL_RESULT.with(|out| communicator.run_small(op, &mut out.borrow_mut()))
         }
         Some(communicator) => {
-            py.allow_threads(|| SMALL_RESULT.with(|out| communicator.run_small(op, &mut out.borrow_mut())))
+            detached_once(py, || SMALL_RESULT.with(|out| communicator.run_small(op, &mut out.borrow_mut())))
         }
         None => SmallOutcome::NotRun(op),
     };
@@ -490,7 +480,7 @@ fn queue(py: Python<'_>, engine: &Arc<Engine>, op: OpSubmission, process_set_id:
         return engine.submit(op, process_set_id).map_err(to_py_err);
     }
     let (id, communicator) = engine.submit_to_drive(op, process_set_id).map_err(to_py_err)?;
-    py.allow_threads(|| communicator.drive(id));
+    detached_once(py, || communicator.drive(id));
     Ok(id)
 }
 
@@ -498,7 +488,7 @@ fn queue(py: Python<'_>, engine: &Arc<Engine>, op: OpSubmission, process_set_id:
 #[pyfunction]
 pub fn add_process_set(py: Python<'_>, ranks: Vec<usize>) -> PyResult<u32> {
     let engine = engine()?;
-    py.allow_threads(|| engine.add_process_set(&ranks)).map_err(to_py_err)
+    detached_once(py, || engine.add_process_set(&ranks)).map_err(to_py_err)
 }
 
 /// Whether process sets may be added and removed after init (the running engine's configuration).
@@ -511,7 +501,7 @@ pub fn dynamic_process_sets() -> PyResult<bool> {
 #[pyfunction]
 pub fn remove_process_set(py: Python<'_>, process_set_id: u32) -> PyResult<bool> {
     let engine = engine()?;
-    Ok(py.allow_threads(|| engine.remove_process_set(process_set_id)))
+    Ok(detached_once(py, || engine.remove_process_set(process_set_id)))
 }
 
 /// Every registered process set as (id, ranks).
@@ -543,12 +533,12 @@ pub fn wait(py: Python<'_>, handle: u64) -> PyResult<Bound<'_, PyTuple>> {
         // with the GIL held: releasing it would cost more than the rest.
         match engine.take_done(handle) {
             Some(result) => wait_result(py, result),
-            None => loop {
-                match py.allow_threads(|| engine.wait(handle, WAIT_SLICE)) {
-                    WaitOutcome::Pending => py.check_signals()?,
-                    WaitOutcome::Unknown => return Err(PyValueError::new_err(format!("unknown handle {handle}"))),
-                    WaitOutcome::Done(result) => return wait_result(py, result),
-                }
+            None => match detached(py, |slice| match engine.wait(handle, slice) {
+                WaitOutcome::Pending => None,
+                outcome => Some(outcome),
+            })? {
+                WaitOutcome::Done(result) => wait_result(py, result),
+                _ => Err(PyValueError::new_err(format!("unknown handle {handle}"))),
             },
         }
     })
@@ -585,14 +575,14 @@ pub fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
 #[pyfunction]
 pub fn start_timeline(py: Python<'_>, file_path: String, mark_cycles: bool) -> PyResult<()> {
     let engine = engine()?;
-    py.allow_threads(|| engine.start_timeline(&file_path, mark_cycles)).map_err(to_py_err)
+    detached_once(py, || engine.start_timeline(&file_path, mark_cycles)).map_err(to_py_err)
 }
 
 /// `hvd.stop_timeline()`: close the current timeline file once everything recorded is in it.
 #[pyfunction]
 pub fn stop_timeline(py: Python<'_>) -> PyResult<()> {
     let engine = engine()?;
-    py.allow_threads(|| engine.stop_timeline()).map_err(to_py_err)
+    detached_once(py, || engine.stop_timeline()).map_err(to_py_err)
 }
 
 /// Private, for benchmarks that compare settings inside one job (benches/autotune.py): from the end of the

@@ -36,7 +36,7 @@ fn nvidia_dirs(py: Python<'_>) -> Vec<PathBuf> {
 pub fn loaded(py: Python<'_>) -> PyResult<&'static GpuLibraries> {
     let config = GpuConfig::from_env().map_err(|e| PyValueError::new_err(e.to_string()))?;
     let dirs = nvidia_dirs(py);
-    Ok(py.allow_threads(|| libraries(&config, &dirs)))
+    Ok(crate::py::detached::detached_once(py, || libraries(&config, &dirs)))
 }
 
 /// What was found: `nccl_version` (NCCL_VERSION_CODE, 0 when none), `nccl_version_text`, `nccl_path`,

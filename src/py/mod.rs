@@ -5,6 +5,7 @@
 //! - [`dlpack`]: tensors in and out as DLPack capsules.
 //! - [`ndarray`], [`buffer`]: NumPy arrays in without a capsule per array (NumPy's struct, the buffer
 //!   protocol).
+//! - [`detached`]: every blocking call, with the GIL released and Ctrl-C turned into `KeyboardInterrupt`.
 //! - [`error`]: engine errors as Python exceptions.
 //! - [`gpu`]: the GPU libraries found (`nccl_built()`, `--check-build`) and the refusal of GPU tensors.
 //! - [`rendezvous`]: the rendezvous server class used by `rvodrun`, and a client of it for `rvod.run`.
@@ -12,6 +13,7 @@
 pub mod api;
 pub mod boundary;
 pub mod buffer;
+pub mod detached;
 pub mod dlpack;
 pub mod error;
 pub mod gpu;

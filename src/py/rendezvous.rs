@@ -7,6 +7,7 @@ use std::time::Duration;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
+use crate::py::detached::detached_once;
 use crate::py::error::runtime_error;
 use crate::transport::rendezvous;
 use crate::transport::rendezvous::StoreClient as NativeStoreClient;
@@ -29,8 +30,7 @@ impl RendezvousServer {
         // The store runs in rvodrun's process, which never calls init(): its warnings (dropped strangers)
         // need a log of their own.
         crate::py::api::init_logging(&crate::config::log_level_from_env(), crate::config::log_hide_time_from_env());
-        let server = py
-            .allow_threads(|| rendezvous::RendezvousServer::start(ip, port, secret))
+        let server = detached_once(py, || rendezvous::RendezvousServer::start(ip, port, secret))
             .map_err(|e| runtime_error(format!("cannot start the rendezvous server on {host}:{port}: {e}")))?;
         let port = server.port();
         Ok(RendezvousServer { server: Some(server), port })
@@ -44,7 +44,7 @@ impl RendezvousServer {
     /// Stop serving; idempotent.
     fn close(&mut self, py: Python<'_>) {
         if let Some(server) = self.server.take() {
-            py.allow_threads(|| server.stop());
+            detached_once(py, || server.stop());
         }
     }
 }
@@ -73,29 +73,28 @@ impl StoreClient {
     fn new(py: Python<'_>, host: &str, port: u16, secret: Vec<u8>, timeout: f64) -> PyResult<Self> {
         let ip: IpAddr = host.parse().map_err(|_| PyValueError::new_err(format!("'{host}' is not an IP address")))?;
         let timeout = timeout_from_seconds(timeout)?;
-        let client = py
-            .allow_threads(|| NativeStoreClient::connect(SocketAddr::new(ip, port), &secret, timeout))
+        let client = detached_once(py, || NativeStoreClient::connect(SocketAddr::new(ip, port), &secret, timeout))
             .map_err(|e| runtime_error(e.to_string()))?;
         Ok(StoreClient { client: Some(client) })
     }
 
     fn set(&mut self, py: Python<'_>, key: &str, value: Vec<u8>) -> PyResult<()> {
         let client = self.connected()?;
-        py.allow_threads(|| client.set(key, &value)).map_err(|e| runtime_error(e.to_string()))
+        detached_once(py, || client.set(key, &value)).map_err(|e| runtime_error(e.to_string()))
     }
 
     /// The value of `key`, waiting up to `timeout` seconds for some client to set it (RuntimeError after that).
     fn get(&mut self, py: Python<'_>, key: &str, timeout: f64) -> PyResult<Vec<u8>> {
         let timeout = timeout_from_seconds(timeout)?;
         let client = self.connected()?;
-        py.allow_threads(|| client.get(key, timeout)).map_err(|e| runtime_error(e.to_string()))
+        detached_once(py, || client.get(key, timeout)).map_err(|e| runtime_error(e.to_string()))
     }
 
     /// The value of `key`, or None when no client set it within `timeout` seconds (0: look once).
     fn try_get(&mut self, py: Python<'_>, key: &str, timeout: f64) -> PyResult<Option<Vec<u8>>> {
         let timeout = timeout_from_seconds(timeout)?;
         let client = self.connected()?;
-        py.allow_threads(|| client.try_get(key, timeout)).map_err(|e| runtime_error(e.to_string()))
+        detached_once(py, || client.try_get(key, timeout)).map_err(|e| runtime_error(e.to_string()))
     }
 
     fn close(&mut self) {
