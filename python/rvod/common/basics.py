@@ -4,7 +4,8 @@ import atexit
 import os
 
 from rvod import _rvod
-from rvod.common import elastic as _elastic, naming, process_sets as _process_sets
+from rvod.common import elastic_worker as _elastic, naming, process_sets as _process_sets
+from rvod.common.process_sets import NOT_INITIALIZED
 
 # What every shim re-exports (``from rvod.common.basics import *``).
 __all__ = [
@@ -13,7 +14,6 @@ __all__ = [
     "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "start_timeline", "stop_timeline",
 ]
 
-NOT_INITIALIZED = "rvod has not been initialized; use hvd.init()."
 _topology = None
 _atexit_registered = False
 # What the native module was built with (``*_built()`` below): the extension says, Python does not guess.

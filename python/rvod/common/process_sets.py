@@ -8,6 +8,16 @@ all ranks (every rank registers the same sets in the same order) and assign the 
 from rvod import _rvod
 from rvod.exceptions import RvodInvalidArgumentError
 
+# What every call that needs the engine raises (as a ValueError) before init().
+NOT_INITIALIZED = "rvod has not been initialized; use hvd.init()."
+
+
+def _my_rank():
+    """This process's global rank; ValueError before init()."""
+    if not _rvod.is_initialized():
+        raise ValueError(NOT_INITIALIZED)
+    return _rvod.topology()[0]
+
 
 class ProcessSet:
     """A set of ranks. ``ranks`` is kept sorted; ``process_set_id`` is None until registered. Two sets
@@ -28,17 +38,13 @@ class ProcessSet:
 
     def rank(self):
         """This process's rank within the set."""
-        from rvod.common import basics
-
-        me = basics.rank()
+        me = _my_rank()
         if me not in self.ranks:
             raise ValueError("Process is not part of provided process set.")
         return self.ranks.index(me)
 
     def included(self):
-        from rvod.common import basics
-
-        return basics.rank() in self.ranks
+        return _my_rank() in self.ranks
 
     def __eq__(self, other):
         return isinstance(other, ProcessSet) and self.ranks == other.ranks
@@ -124,8 +130,6 @@ def registered_id(process_set):
     if not isinstance(process_set, ProcessSet):
         raise TypeError(f"process_set must be a ProcessSet, got {type(process_set).__name__}")
     if not _rvod.is_initialized():
-        from rvod.common.basics import NOT_INITIALIZED
-
         raise ValueError(NOT_INITIALIZED)
     set_id = process_set.process_set_id
     if set_id is None or _registered.get(set_id) is None:

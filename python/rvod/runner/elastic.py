@@ -1,7 +1,7 @@
 """rvodrun's elastic driver: runs a job whose workers come and go (--min-np, --host-discovery-script).
 
 The driver reruns the discovery script every second, and forms worlds: a world is a dense numbering
-0..size-1 of live workers, published in the rendezvous store (protocol in ``rvod.common.elastic``). It
+0..size-1 of live workers, published in the rendezvous store (protocol in ``rvod.common.elastic_worker``). It
 forms a new world when a worker fails (its host is blacklisted, for the cooldown if one is given), when a
 worker's collective failed and it asks for one, or when the hosts change: workers on a removed host are
 told to leave, and free slots on added hosts get new workers, up to --max-np. The workers that carried

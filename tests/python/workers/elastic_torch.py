@@ -18,7 +18,7 @@ import time
 
 import torch
 
-import rvod.common.elastic
+import rvod.common.elastic_worker
 import rvod.torch as hvd
 
 OUT = os.environ["ELASTIC_OUT"]
@@ -47,7 +47,7 @@ class Samples(torch.utils.data.Dataset):
         return index, x, x.sum(dim=0, keepdim=True) * 0.5
 
 
-join_world = rvod.common.elastic.before_init
+join_world = rvod.common.elastic_worker.before_init
 
 
 def join_world_or_die():
@@ -58,7 +58,7 @@ def join_world_or_die():
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-rvod.common.elastic.before_init = join_world_or_die
+rvod.common.elastic_worker.before_init = join_world_or_die
 torch.manual_seed(0)
 torch.set_num_threads(1)
 hvd.init()
