@@ -1,8 +1,27 @@
 //! The engine's error type. Every variant says what failed in words a user can act on: which tensor,
-//! which op, which ranks. `py/error.rs` maps each variant to one Python exception.
+//! which op, which ranks. `py/error.rs` maps each variant to one Python exception. A transport failure is
+//! recorded here as text ([`TransportErrorInfo`]); its conversion from the transport's own error lives with
+//! that error (`transport`), so this base module depends on no layer above it.
 
-use crate::coordinator::message::ErrorKind;
-use crate::transport::TransportError;
+/// What kind of error a failed negotiation reports; decides the Python exception.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum ErrorKind {
+    /// Ranks disagree about a tensor (RvodMismatchError).
+    Mismatch = 0,
+    /// The request itself is not allowed (ValueError-like, e.g. an op not supported with join).
+    Invalid = 1,
+}
+
+impl ErrorKind {
+    pub fn from_code(code: u8) -> Option<ErrorKind> {
+        match code {
+            0 => Some(ErrorKind::Mismatch),
+            1 => Some(ErrorKind::Invalid),
+            _ => None,
+        }
+    }
+}
 
 #[derive(Debug, Clone, thiserror::Error, PartialEq)]
 pub enum EngineError {
@@ -66,17 +85,7 @@ impl std::fmt::Display for TransportErrorInfo {
     }
 }
 
-impl From<&TransportError> for TransportErrorInfo {
-    fn from(e: &TransportError) -> Self {
-        TransportErrorInfo { message: e.to_string(), timed_out: matches!(e, TransportError::Timeout { .. }) }
-    }
-}
-
 impl EngineError {
-    pub fn transport(op: impl Into<String>, e: &TransportError) -> EngineError {
-        EngineError::Transport { op: op.into(), cause: e.into() }
-    }
-
     /// The error every rank reports for a negotiated failure.
     pub fn negotiated(kind: ErrorKind, message: String) -> EngineError {
         match kind {

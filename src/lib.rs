@@ -2,7 +2,7 @@
 //!
 //! One engine runs per process, started by `init()`. Framework shims hand tensors to it as DLPack
 //! capsules through [`py`]; the engine's background thread negotiates with the other ranks which
-//! collectives are ready everywhere ([`coordinator`]), packs compatible ones together ([`fusion`]), runs
+//! collectives are ready everywhere ([`coordinator`], over the messages of [`protocol`]), packs compatible ones together ([`fusion`]), runs
 //! the collective algorithms ([`ring`]) over a [`transport`] (TCP between processes, an in-memory one for
 //! tests), and completes the caller's handle with the result or a precise error ([`error`]).
 //! Every knob is read once into a [`config::Config`]. Jobs that mpirun, srun or torchrun started (not
@@ -14,7 +14,7 @@
 //! engine, [`timeline`] records what each op did and when (`RVOD_TIMELINE`).
 //!
 //! The layers, bottom to top (a module uses only its own layer or lower ones; `tests/python/test_rust_layers.py`
-//! checks it): base (`types`, `tensor`, `memory`, `error`, `config`, `exit_signals`), wire (`transport`), work
+//! checks it): base (`types`, `tensor`, `memory`, `error`, `config`, `exit_signals`), wire (`protocol`, `transport`), work
 //! (`ring`, `fusion`, `gpu`, `timeline`), decide (`coordinator`, `autotune`), run (`engine`, `launch`), bind (`py`).
 
 // No unwrap/expect where user input or a peer's bytes could reach them (DESIGN.md); tests may use them.
@@ -30,6 +30,7 @@ pub mod fusion;
 pub mod gpu;
 pub mod launch;
 pub mod memory;
+pub mod protocol;
 pub mod ring;
 pub mod tensor;
 pub mod timeline;

@@ -92,7 +92,7 @@ fn a_peer_that_shuts_down_while_a_caller_drives_fails_its_op() {
     std::thread::scope(|s| {
         s.spawn(|| {
             std::thread::sleep(Duration::from_millis(100));
-            engines[0].shutdown(rvod::coordinator::round::StopReason::Shutdown);
+            engines[0].shutdown(rvod::protocol::round::StopReason::Shutdown);
         });
         let err = wait(&engines[1], id).unwrap_err().to_string();
         assert!(err.contains("rank 0 called shutdown()"), "{err}");

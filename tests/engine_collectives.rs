@@ -7,11 +7,11 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use rvod::coordinator::round::StopReason;
 use rvod::engine::handles::HandleId;
 use rvod::engine::submission::OpSubmission;
 use rvod::engine::Engine;
 use rvod::error::EngineError;
+use rvod::protocol::round::StopReason;
 use rvod::types::{CollectiveKind, DataType, ReduceOp};
 
 #[test]
@@ -309,7 +309,7 @@ fn evictions_do_not_strand_pending_cache_hits() {
 
 #[test]
 fn values_set_by_hand_on_rank_0_apply_on_every_rank_after_the_same_round() {
-    use rvod::autotune::RequestedValues;
+    use rvod::protocol::tuned::RequestedValues;
     over_every_transport(|| {
         let (engines, _server) = start_job(2, &[]);
         let mine =

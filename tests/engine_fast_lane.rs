@@ -334,7 +334,7 @@ fn a_peer_that_stops_fails_the_fast_lane_op_naming_it() {
     std::thread::scope(|s| {
         s.spawn(|| {
             std::thread::sleep(Duration::from_millis(100));
-            engines[1].shutdown(rvod::coordinator::round::StopReason::Shutdown);
+            engines[1].shutdown(rvod::protocol::round::StopReason::Shutdown);
         });
         let (result, _) = run(&engines[0], &mut Small::barrier());
         let err = result.unwrap_err().to_string();

@@ -15,7 +15,7 @@ use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::Path;
 
-use crate::autotune::TunedValues;
+use crate::protocol::tuned::TunedValues;
 
 pub const HEADER: &str = "sample,phase,fusion_threshold_bytes,cycle_time_ms,cache_enabled,hierarchical_allreduce,\
 hierarchical_allgather,steps,bytes,seconds,score_bytes_per_s,chosen_because,next";

@@ -18,9 +18,9 @@ use std::time::{Duration, Instant};
 
 use crate::autotune::bayesian::BayesianOptimizer;
 use crate::autotune::log::{describe, SampleRow, TuneLog};
-use crate::autotune::TunedValues;
 use crate::config::AutotuneConfig;
-use crate::coordinator::message::Response;
+use crate::protocol::message::Response;
+use crate::protocol::tuned::TunedValues;
 use crate::types::CollectiveKind;
 
 /// The tuned fusion threshold's ceiling when no staging area is smaller (Horovod's 64 MB).

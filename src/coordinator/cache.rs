@@ -23,8 +23,8 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use rustc_hash::FxHashMap as HashMap;
 
-use crate::coordinator::bitset::BitSet;
-use crate::coordinator::message::{Request, Response, ResponseEntry};
+use crate::protocol::bitset::BitSet;
+use crate::protocol::message::{Request, Response, ResponseEntry};
 use crate::types::{CollectiveKind, DataType, ReduceOp};
 
 /// The parameters of a request that must all match for a cache hit.
@@ -58,7 +58,7 @@ impl TensorParams {
             parts: Vec::new(),
             // Responses do not carry devices: a joined rank that later submits a GPU tensor of this name
             // misses the cache once and negotiates it.
-            device: crate::coordinator::message::CPU_DEVICE,
+            device: crate::protocol::message::CPU_DEVICE,
         }
     }
 
@@ -346,8 +346,8 @@ pub fn caches_kind(kind: CollectiveKind) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::coordinator::message::ErrorKind;
     use crate::coordinator::test_requests::allreduce_request;
+    use crate::error::ErrorKind;
     use proptest::prelude::*;
 
     fn request(name: &str, shape: Vec<i64>) -> Request {

@@ -6,9 +6,10 @@ use std::collections::{BTreeMap, BTreeSet};
 use rustc_hash::FxHashMap as HashMap;
 use std::time::{Duration, Instant};
 
-use crate::coordinator::message::{ErrorKind, Request, Response, ResponseEntry};
 use crate::coordinator::stall::{stall_warning, MissingRanks};
 use crate::coordinator::validate::{construct_response, describe};
+use crate::error::ErrorKind;
+use crate::protocol::message::{Request, Response, ResponseEntry};
 use crate::types::{CollectiveKind, DataType, ReduceOp};
 
 /// Name every rank's join request carries.

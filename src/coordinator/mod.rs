@@ -1,9 +1,8 @@
 //! Negotiation: deciding, identically on every rank, which collectives run next and in what order.
 //!
-//! - [`message`]: a rank's [`Request`](message::Request) and the agreed [`Response`](message::Response).
-//! - [`round`]: the messages of one round (round header, request list, response list).
-//! - [`codec`]: their versioned binary wire format, decoded defensively.
-//! - [`bitset`]: compact sets of response-cache bits, ANDed and ORed across ranks.
+//! What the ranks send each other in a round (requests, responses, round headers, their codec) is the wire
+//! layer below, [`crate::protocol`].
+//!
 //! - [`cache`]: the response cache that lets steady-state rounds skip the coordinator.
 //! - [`negotiation`]: one round, run in lockstep by every rank.
 //! - [`pending`]: what a round needs of this rank's pending requests (the engine's table implements it).
@@ -15,15 +14,11 @@
 //!
 //! Invariant: every rank applies the same responses, in the same order, to the same cache state.
 
-pub mod bitset;
 pub mod cache;
-pub mod codec;
-pub mod message;
 pub mod message_table;
 pub mod negotiation;
 pub mod pending;
 pub mod result_size;
-pub mod round;
 pub mod stall;
 #[cfg(test)]
 pub mod test_requests;

@@ -14,15 +14,15 @@
 
 use std::time::{Duration, Instant};
 
-use crate::autotune::TunedValues;
-use crate::coordinator::bitset::BitSet;
 use crate::coordinator::cache::{caches_kind, CacheLookup, ParamsView, ResponseCache, TensorParams};
-use crate::coordinator::codec::{WireMessage, WireWriter};
-use crate::coordinator::message::Response;
 use crate::coordinator::message_table::MessageTable;
 use crate::coordinator::pending::{Announcement, PendingRequest, PendingRequests};
-use crate::coordinator::round::{EagerPayload, RequestList, ResponseList, RoundHeader, StopReason};
 use crate::fusion::plan_fusion;
+use crate::protocol::bitset::BitSet;
+use crate::protocol::codec::{WireMessage, WireWriter};
+use crate::protocol::message::Response;
+use crate::protocol::round::{EagerPayload, RequestList, ResponseList, RoundHeader, StopReason};
+use crate::protocol::tuned::TunedValues;
 use crate::timeline::SetTimeline;
 use crate::transport::{Transport, TransportError};
 use crate::types::{CollectiveKind, ReduceOp};
@@ -515,8 +515,9 @@ impl Negotiator {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::coordinator::message::{ErrorKind, Request};
     use crate::coordinator::test_requests::allreduce_request;
+    use crate::error::ErrorKind;
+    use crate::protocol::message::Request;
     use crate::transport::memory::{run_ranks, MemoryTransport};
 
     /// A table of pending requests without an engine: each rank's contribution is plain bytes.

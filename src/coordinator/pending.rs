@@ -7,7 +7,7 @@
 
 use std::time::Instant;
 
-use crate::coordinator::message::Request;
+use crate::protocol::message::Request;
 
 /// Where a pending request stands in negotiation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -10,7 +10,7 @@
 use std::cmp::Reverse;
 use std::sync::OnceLock;
 
-use crate::coordinator::message::{shape_elements, Response};
+use crate::protocol::message::{shape_elements, Response};
 use crate::types::CollectiveKind;
 
 /// The most bytes one rank's result may take: this machine's physical memory (no limit where the system
@@ -98,7 +98,7 @@ fn bytes_text(bytes: Option<usize>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::coordinator::message::{Response, ResponseEntry};
+    use crate::protocol::message::{Response, ResponseEntry};
     use crate::types::DataType;
 
     fn response(kind: CollectiveKind, shape: &[i64], per_rank: &[i64]) -> Response {

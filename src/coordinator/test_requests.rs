@@ -1,7 +1,7 @@
 //! Requests for the coordinator's unit tests: one rank's float32 sum allreduce of a CPU tensor, which a
 //! test changes with struct update syntax (`Request { kind, ..allreduce_request(..) }`) where it needs to.
 
-use crate::coordinator::message::{Request, CPU_DEVICE};
+use crate::protocol::message::{Request, CPU_DEVICE};
 use crate::types::{CollectiveKind, DataType, ReduceOp};
 
 /// Rank `rank`'s request to sum the float32 CPU tensor `name` of shape `shape`.

@@ -3,8 +3,9 @@
 
 use std::fmt::Display;
 
-use crate::coordinator::message::{decode_part_shapes, ErrorKind, Request, Response, ResponseEntry, CPU_DEVICE};
 use crate::coordinator::result_size;
+use crate::error::ErrorKind;
+use crate::protocol::message::{decode_part_shapes, Request, Response, ResponseEntry, CPU_DEVICE};
 use crate::types::{CollectiveKind, ReduceOp};
 
 /// "rank 0 sent X; ranks 1, 2 sent Y", grouping ranks that agree. Values are listed in rank order; ranks
@@ -293,7 +294,7 @@ mod tests {
         let total = shapes.iter().map(|s| s.iter().product::<i64>()).sum::<i64>();
         Request {
             name: "grouped_allreduce.g".into(),
-            parts: crate::coordinator::message::encode_part_shapes(shapes.iter().copied()),
+            parts: crate::protocol::message::encode_part_shapes(shapes.iter().copied()),
             ..req(rank, CollectiveKind::Allreduce, &[total])
         }
     }

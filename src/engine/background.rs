@@ -6,23 +6,23 @@
 //! With autotune on, the global communicator's rank 0 also runs the parameter manager: it counts each
 //! round's allreduces, and its decisions go out with its next round header; every rank applies what the
 //! round carried when the round's work is done (see [`crate::autotune`]). Values set by hand at run time
-//! ([`crate::autotune::RequestedValues`]) go out the same way, on rank 0, in a round without an announcement.
+//! ([`crate::protocol::tuned::RequestedValues`]) go out the same way, on rank 0, in a round without an announcement.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::autotune::manager::ParameterManager;
-use crate::autotune::TunedValues;
 use crate::config::Config;
 use crate::coordinator::negotiation::{Negotiator, RoundOutcome};
-use crate::coordinator::round::{RoundHeader, StopReason};
 use crate::coordinator::stall::StallClock;
 use crate::engine::communicator::{AppliedValues, Shared};
 use crate::engine::execute::{execute_eager, Executor, HierarchyChoice, TensorResult};
 use crate::engine::handles::{CompletedPart, PartResult};
 use crate::engine::table::{TensorEntry, TensorTable};
 use crate::error::EngineError;
+use crate::protocol::round::{RoundHeader, StopReason};
+use crate::protocol::tuned::TunedValues;
 use crate::transport::{Activity, Transport, TransportError};
 use crate::types::CollectiveKind;
 
@@ -456,11 +456,7 @@ impl Loop {
         }
     }
 
-    fn execute(
-        &mut self,
-        response: &crate::coordinator::message::Response,
-        agreed: Instant,
-    ) -> Result<(), EngineError> {
+    fn execute(&mut self, response: &crate::protocol::message::Response, agreed: Instant) -> Result<(), EngineError> {
         let mut entries: Vec<Option<TensorEntry>> = response.entries.iter().map(|e| self.table.take(&e.name)).collect();
         let mut record =
             self.shared.timeline.op(response, entries.iter().map(|e| e.as_ref().map(|e| e.submitted)), agreed);

@@ -6,9 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
-use crate::autotune::{RequestedValues, TunedValues};
 use crate::config::Config;
-use crate::coordinator::round::StopReason;
 use crate::engine::affinity;
 use crate::engine::background::Loop;
 use crate::engine::driver::Driver;
@@ -16,6 +14,8 @@ use crate::engine::fast_lane::{SmallOp, SmallOutcome};
 use crate::engine::handles::{HandleId, HandleTable};
 use crate::engine::table::TensorEntry;
 use crate::error::EngineError;
+use crate::protocol::round::StopReason;
+use crate::protocol::tuned::{RequestedValues, TunedValues};
 use crate::timeline::{SetTimeline, Timeline};
 use crate::transport::{Transport, Waker};
 use crate::types::CollectiveKind;

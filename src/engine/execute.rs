@@ -6,13 +6,13 @@
 //! A transport failure is returned as `Err` (the engine treats it as fatal); everything else becomes a
 //! per-tensor result.
 
-use crate::coordinator::message::{shape_elements, Response};
 use crate::coordinator::negotiation::EagerOp;
 use crate::engine::sink::TensorIo;
 use crate::engine::submission::OutputTensor;
 use crate::engine::table::TensorEntry;
 use crate::error::EngineError;
 use crate::fusion::layout::{FusionLayout, FusionSlot};
+use crate::protocol::message::{shape_elements, Response};
 use crate::ring;
 use crate::ring::hierarchical::Step;
 use crate::ring::staged::{OwnPiece, StagedAllreduce};

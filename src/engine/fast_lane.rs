@@ -20,15 +20,15 @@
 use std::time::Instant;
 
 use crate::coordinator::cache::ParamsView;
-use crate::coordinator::message::{Request, CPU_DEVICE};
 use crate::coordinator::negotiation::{decode_message, frame_single_hit, recv_body, rides_in_header};
 use crate::coordinator::pending::Announcement;
-use crate::coordinator::round::RoundHeader;
 use crate::engine::background::{naming_tensor, Loop};
 use crate::engine::execute::{combine_of, concatenate, effective_postscale, fold_contributions};
 use crate::engine::handles::HandleId;
 use crate::engine::table::TensorEntry;
 use crate::error::EngineError;
+use crate::protocol::message::{Request, CPU_DEVICE};
+use crate::protocol::round::RoundHeader;
 use crate::tensor::RawTensor;
 use crate::transport::{Transport, TransportError};
 use crate::types::{CollectiveKind, DataType, ReduceOp};

@@ -40,10 +40,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use crate::config::{Config, Topology};
-use crate::coordinator::message::Request;
 use crate::coordinator::message_table::{BARRIER_NAME, JOIN_NAME};
-use crate::coordinator::round::StopReason;
 use crate::error::EngineError;
+use crate::protocol::message::Request;
+use crate::protocol::round::StopReason;
 use crate::tensor::RawTensor;
 use crate::timeline::{self, Timeline};
 use crate::transport::rendezvous::StoreClient;
@@ -292,10 +292,10 @@ impl Engine {
     }
 
     /// Apply `values` on every rank of the global process set from the end of its next round on, as the
-    /// autotuner applies its values (see [`crate::autotune::RequestedValues`]; only rank 0's request counts).
+    /// autotuner applies its values (see [`crate::protocol::tuned::RequestedValues`]; only rank 0's request counts).
     /// Shown by [`autotune_applied`](Self::autotune_applied) like the autotuner's. False where this rank has
     /// no global communicator.
-    pub fn request_tuned_values(&self, values: crate::autotune::RequestedValues) -> bool {
+    pub fn request_tuned_values(&self, values: crate::protocol::tuned::RequestedValues) -> bool {
         let registry = self.registry();
         registry.get(0).and_then(|set| set.communicator.as_ref()).map(|c| c.request_values(values)).is_some()
     }
@@ -502,7 +502,7 @@ fn entries_for(op: OpSubmission, handle: HandleId, rank: u32, names: &[String]) 
         parts: Vec::new(),
         // The engine runs collectives on host memory only (GPU tensors are refused at submission; see
         // crate::gpu), so every request it makes is for the CPU.
-        device: crate::coordinator::message::CPU_DEVICE,
+        device: crate::protocol::message::CPU_DEVICE,
     };
     if op.tensors.is_empty() {
         // SAFETY: a zero-length view of no memory.

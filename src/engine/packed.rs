@@ -11,8 +11,8 @@
 //! A group whose tensors have several dtypes becomes one packed tensor per dtype, in order of first
 //! appearance: the first keeps the group's name, the others are named `<name>.<k>`.
 
-use crate::coordinator::message::encode_part_shapes;
 use crate::engine::submission::{OutputTensor, TensorSubmission};
+use crate::protocol::message::encode_part_shapes;
 use crate::tensor::{AlignedBuffer, RawTensor};
 use crate::types::DataType;
 
@@ -174,7 +174,7 @@ pub fn pack_group(name: &str, members: Vec<GroupMember>, in_place: bool) -> Vec<
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::coordinator::message::decode_part_shapes;
+    use crate::protocol::message::decode_part_shapes;
 
     fn member(data: &mut [u8], dtype: DataType, shape: Vec<i64>) -> GroupMember {
         // SAFETY: the test keeps `data` alive and untouched while the view is used.

@@ -7,10 +7,10 @@ use std::collections::BTreeMap;
 use rustc_hash::FxHashMap as HashMap;
 use std::time::Instant;
 
-use crate::coordinator::message::Request;
 use crate::coordinator::pending::{Announcement, PendingRequest, PendingRequests};
 use crate::engine::handles::HandleId;
 use crate::engine::packed::PackedGroup;
+use crate::protocol::message::Request;
 use crate::tensor::RawTensor;
 use crate::types::CollectiveKind;
 

@@ -1,10 +1,10 @@
 //! Argument checks made when an op is submitted, before anything is sent: errors here are the caller's
 //! mistake and leave the engine untouched.
 
-use crate::coordinator::message::shape_elements;
 use crate::engine::packed::PackedGroup;
 use crate::engine::submission::OpSubmission;
 use crate::error::EngineError;
+use crate::protocol::message::shape_elements;
 use crate::types::{CollectiveKind, ReduceOp};
 
 pub fn check(op: &OpSubmission, size: usize) -> Result<(), EngineError> {

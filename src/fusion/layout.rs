@@ -5,7 +5,7 @@
 //! between tensors are reduced along with the data, so the buffer they live in must be initialised
 //! (zeroed) memory. The total size ends at the last tensor's last byte: there is no tail padding.
 
-use crate::coordinator::message::Response;
+use crate::protocol::message::Response;
 
 /// Alignment of every tensor's offset inside the fusion buffer, in bytes.
 pub const FUSION_ALIGNMENT: usize = 64;
@@ -64,7 +64,7 @@ pub(crate) fn aligned(bytes: usize) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::coordinator::message::ResponseEntry;
+    use crate::protocol::message::ResponseEntry;
     use crate::types::{CollectiveKind, DataType};
     use proptest::prelude::*;
 

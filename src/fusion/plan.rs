@@ -18,8 +18,8 @@
 
 use std::collections::VecDeque;
 
-use crate::coordinator::message::Response;
 use crate::fusion::layout::aligned;
+use crate::protocol::message::Response;
 use crate::types::CollectiveKind;
 
 /// Fuses `responses` (in the order every rank agreed on) into the responses to execute, in order.
@@ -101,7 +101,7 @@ mod tests {
     use std::collections::HashMap;
 
     use super::*;
-    use crate::coordinator::message::ErrorKind;
+    use crate::error::ErrorKind;
     use crate::fusion::layout::FusionLayout;
     use crate::types::{DataType, ReduceOp};
     use proptest::prelude::*;

@@ -12,8 +12,8 @@
 
 use std::ffi::c_int;
 
-use crate::coordinator::message::{shape_elements, Response};
 use crate::gpu::nccl;
+use crate::protocol::message::{shape_elements, Response};
 use crate::types::{CollectiveKind, DataType, ReduceOp};
 
 /// The reduction NCCL applies.
@@ -165,7 +165,7 @@ fn reduction(response: &Response, size: usize, version: i32) -> Result<NcclOp, S
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::coordinator::message::ResponseEntry;
+    use crate::protocol::message::ResponseEntry;
 
     const NCCL: i32 = 23007;
 

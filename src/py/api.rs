@@ -15,7 +15,6 @@ use pyo3::IntoPyObjectExt;
 use crate::config::Config;
 use crate::coordinator::message_table::BARRIER_NAME;
 use crate::coordinator::negotiation::EAGER_TENSOR_BYTES;
-use crate::coordinator::round::StopReason;
 use crate::engine::fast_lane::{SmallOp, SmallOutcome};
 use crate::engine::handles::WaitOutcome;
 use crate::engine::packed::{pack_group, GroupMember};
@@ -23,6 +22,7 @@ use crate::engine::submission::{OpOutput, OpSubmission, TensorSubmission};
 use crate::engine::{fork, Engine};
 use crate::error::EngineError;
 use crate::launch::meet::{self, HostedStore, Offer};
+use crate::protocol::round::StopReason;
 use crate::py::detached::{detached, detached_once};
 use crate::py::dlpack::{export_capsule, import_capsule, is_capsule, ImportedTensor};
 use crate::py::error::to_py_err;
@@ -588,7 +588,7 @@ pub fn stop_timeline(py: Python<'_>) -> PyResult<()> {
 /// Private, for benchmarks that compare settings inside one job (benches/autotune.py): from the end of the
 /// global process set's next round on, every rank fuses up to `fusion_threshold` bytes, batches for
 /// `cycle_time_ms` and uses the response cache or not, applied through the path autotune's values take
-/// (rank 0's round header; see `crate::autotune::RequestedValues`). Call it on every rank at the same step
+/// (rank 0's round header; see `crate::protocol::tuned::RequestedValues`). Call it on every rank at the same step
 /// with the same values: only rank 0's call counts. The values apply when the next round that rank 0 takes
 /// part in ends; after one collective completes everywhere, the collectives submitted next run with them.
 /// They show in `autotune_applied()`. Meant for autotune off or after its closing line: a tuning in
@@ -599,7 +599,7 @@ pub fn set_tuned_values(fusion_threshold: usize, cycle_time_ms: f64, cache_enabl
     let cycle_time = crate::config::cycle_time_from_ms(cycle_time_ms).ok_or_else(|| {
         PyValueError::new_err(format!("cycle_time_ms must be a non-negative number, got {cycle_time_ms}"))
     })?;
-    let requested = crate::autotune::RequestedValues { fusion_threshold, cycle_time, cache_enabled };
+    let requested = crate::protocol::tuned::RequestedValues { fusion_threshold, cycle_time, cache_enabled };
     if engine()?.request_tuned_values(requested) {
         Ok(())
     } else {

@@ -32,8 +32,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use crate::coordinator::message::Response;
 use crate::error::EngineError;
+use crate::protocol::message::Response;
 use crate::types::{CollectiveKind, DataType};
 
 /// The value of `RVOD_TIMELINE` that enables `start_timeline()` without writing anything at start.

@@ -4,7 +4,7 @@ use std::time::{Duration, Instant};
 
 use super::file::tests::is_valid_json;
 use super::*;
-use crate::coordinator::message::{Response, ResponseEntry};
+use crate::protocol::message::{Response, ResponseEntry};
 use crate::types::ReduceOp;
 
 fn response(kind: CollectiveKind, names: &[&str]) -> Response {

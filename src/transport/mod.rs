@@ -29,6 +29,8 @@ pub mod waker;
 
 use std::time::Duration;
 
+use crate::error::{EngineError, TransportErrorInfo};
+
 pub use composite::HostParts;
 pub use waker::{Doorbell, Waker};
 
@@ -80,6 +82,19 @@ impl TransportError {
             }
             other @ TransportError::Setup(_) => other,
         }
+    }
+}
+
+impl From<&TransportError> for TransportErrorInfo {
+    fn from(e: &TransportError) -> Self {
+        TransportErrorInfo { message: e.to_string(), timed_out: matches!(e, TransportError::Timeout { .. }) }
+    }
+}
+
+impl EngineError {
+    /// `op` failed because of `e` (the engine's record of a transport failure).
+    pub fn transport(op: impl Into<String>, e: &TransportError) -> EngineError {
+        EngineError::Transport { op: op.into(), cause: e.into() }
     }
 }
 

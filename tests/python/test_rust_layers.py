@@ -6,8 +6,7 @@ today are listed in KNOWN_UPWARD_EDGES, each with the step that removes it; the 
 edge that is gone must leave the list (so it stays the truth), and a new upward edge fails the test.
 
 Each folder's module doc (``lib.rs``, ``mod.rs``) names every submodule it declares (unit-test modules
-aside). ``protocol`` is DESIGN.md's wire layer for what ranks send each other; until issue 29 item 1 moves it
-there, it lives in ``coordinator``.
+aside).
 """
 
 from __future__ import annotations
@@ -33,13 +32,6 @@ LAYER_OF = {module: level for level, modules in enumerate(LAYERS.values()) for m
 # (file, the higher module it uses): the step of issue 29 that removes the edge.
 KNOWN_UPWARD_EDGES = {
     ("config.rs", "launch"): "item 1: the launcher's detected plan is passed in, config does not detect it",
-    ("error.rs", "coordinator"): "item 1: the wire's ErrorKind moves to protocol/, the error enum below it",
-    ("error.rs", "transport"): "item 1: TransportError's description moves below transport",
-    ("fusion/layout.rs", "coordinator"): "item 1: Response moves to protocol/",
-    ("fusion/plan.rs", "coordinator"): "item 1: Response moves to protocol/",
-    ("gpu/plan.rs", "coordinator"): "item 1: Response moves to protocol/",
-    ("timeline/mod.rs", "coordinator"): "item 1: Response moves to protocol/",
-    ("timeline/tests.rs", "coordinator"): "item 1: Response moves to protocol/",
 }
 
 

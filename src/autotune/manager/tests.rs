@@ -203,8 +203,7 @@ fn other_collectives_and_failed_responses_do_not_count() {
     let start = Instant::now();
     manager.applied_at(&values, start);
     let gather = Response { kind: CollectiveKind::Allgather, ..step_response() };
-    let failed =
-        Response { error: Some((crate::coordinator::message::ErrorKind::Mismatch, "x".into())), ..step_response() };
+    let failed = Response { error: Some((crate::error::ErrorKind::Mismatch, "x".into())), ..step_response() };
     for i in 1..10 {
         manager.record_at([&gather, &failed], start + Duration::from_millis(i));
     }

@@ -3,6 +3,7 @@
 //! A response names one or more tensors (several once fused) and carries everything a rank needs to run
 //! the collective without its own request at hand (a joined rank contributes zeros of the right size).
 
+use crate::error::ErrorKind;
 use crate::types::{CollectiveKind, DataType, ReduceOp};
 
 /// One rank's announcement that a named tensor is ready for a collective.
@@ -30,26 +31,6 @@ pub struct Request {
 
 /// `Request::device` of a tensor in host memory (Horovod's `CPU_DEVICE_ID`).
 pub const CPU_DEVICE: i32 = -1;
-
-/// What kind of error a failed negotiation reports; decides the Python exception.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(u8)]
-pub enum ErrorKind {
-    /// Ranks disagree about a tensor (RvodMismatchError).
-    Mismatch = 0,
-    /// The request itself is not allowed (ValueError-like, e.g. an op not supported with join).
-    Invalid = 1,
-}
-
-impl ErrorKind {
-    pub fn from_code(code: u8) -> Option<ErrorKind> {
-        match code {
-            0 => Some(ErrorKind::Mismatch),
-            1 => Some(ErrorKind::Invalid),
-            _ => None,
-        }
-    }
-}
 
 /// Per-tensor part of a response.
 #[derive(Clone, Debug, PartialEq)]

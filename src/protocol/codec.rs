@@ -5,7 +5,7 @@
 //! bounds-checked and fails with a [`DecodeError`]; every length prefix (a `u64`) is checked against the
 //! bytes that remain *before* anything is allocated, so garbage input can neither panic nor cause a large
 //! allocation. Types that cross the wire implement [`Wire`]; the top-level messages (see
-//! [`crate::coordinator::round`]) also implement [`WireMessage`], which frames them with
+//! [`crate::protocol::round`]) also implement [`WireMessage`], which frames them with
 //! [`WIRE_MAGIC`], a [`MessageKind`] and [`PROTOCOL_VERSION`] so that a desynchronised stream or a peer
 //! running another rvod version is reported as an error instead of being misread.
 //!
@@ -15,7 +15,8 @@ use std::fmt;
 
 use thiserror::Error;
 
-use crate::coordinator::message::{ErrorKind, Request, Response, ResponseEntry};
+use crate::error::ErrorKind;
+use crate::protocol::message::{Request, Response, ResponseEntry};
 use crate::types::{CollectiveKind, DataType, ReduceOp};
 
 /// First four bytes of every framed message: `b"RVOD"` read as a little-endian `u32`.

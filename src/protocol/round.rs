@@ -8,12 +8,12 @@
 //! 3. The coordinator answers every rank with the same [`ResponseList`].
 //!
 //! All three are [`WireMessage`]s: framed with magic, kind and protocol version (see
-//! [`crate::coordinator::codec`]), so the protocol version lives in the frame, not in the structs.
+//! [`crate::protocol::codec`]), so the protocol version lives in the frame, not in the structs.
 
-use crate::autotune::TunedValues;
-use crate::coordinator::bitset::BitSet;
-use crate::coordinator::codec::{DecodeError, MessageKind, Wire, WireMessage, WireReader, WireWriter};
-use crate::coordinator::message::{Request, Response};
+use crate::protocol::bitset::BitSet;
+use crate::protocol::codec::{DecodeError, MessageKind, Wire, WireMessage, WireReader, WireWriter};
+use crate::protocol::message::{Request, Response};
+use crate::protocol::tuned::TunedValues;
 
 const FLAG_SHUTDOWN: u8 = 1;
 const FLAG_HAS_UNCACHED: u8 = 1 << 1;
@@ -215,8 +215,8 @@ impl WireMessage for ResponseList {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::coordinator::codec::tests::{arb_request, arb_response};
-    use crate::coordinator::codec::{PROTOCOL_VERSION, WIRE_MAGIC};
+    use crate::protocol::codec::tests::{arb_request, arb_response};
+    use crate::protocol::codec::{PROTOCOL_VERSION, WIRE_MAGIC};
     use proptest::prelude::*;
 
     fn arb_bitset() -> impl Strategy<Value = BitSet> {

@@ -4,7 +4,7 @@
 //! so two sets with the same members are equal (`==`) and encode to the same bytes whatever their
 //! history. Members should be small (cache capacities): the set allocates up to its largest member.
 
-use crate::coordinator::codec::{DecodeError, Wire, WireReader, WireWriter};
+use crate::protocol::codec::{DecodeError, Wire, WireReader, WireWriter};
 
 const WORD_BITS: usize = 64;
 

@@ -1,0 +1,14 @@
+//! What ranks send each other, and nothing else: the wire layer below the coordinator, fusion, the
+//! timeline and autotune, which all read its types.
+//!
+//! - [`message`]: a rank's [`Request`](message::Request) and the agreed [`Response`](message::Response).
+//! - [`round`]: the messages of one negotiation round (round header, request list, response list).
+//! - [`codec`]: their versioned binary wire format, decoded defensively.
+//! - [`bitset`]: compact sets of response-cache bits, ANDed and ORed across ranks.
+//! - [`tuned`]: the knob values rank 0 announces in its round header.
+
+pub mod bitset;
+pub mod codec;
+pub mod message;
+pub mod round;
+pub mod tuned;
