@@ -13,36 +13,30 @@ import warnings
 import mxnet as mx
 
 from rvod.common import ops as _ops
-from rvod.common.process_sets import global_process_set
-from rvod.common.reduce_ops import Sum
-from rvod.common.gradients import split_evenly
+from rvod.common.gradients import Reduction, check_num_groups, refuse_rewrapping, split_evenly
+from rvod.common.process_sets import global_process_set, registered_id
+from rvod.common.reduce_ops import Average, Sum
 from rvod.mxnet.adapter import adapter_for
 from rvod.mxnet.compression import Compression
 
 
-def _set_size(process_set):
+def _averaging(gradient_predivide_factor, num_groups, process_set):
+    """The checked options, as a ``Reduction`` (Average: its postscale factor goes into ``rescale_grad``,
+    divided by the set's size), and the factor ``rescale_grad`` is multiplied by (1 on one rank)."""
+    reduction = Reduction(Average, gradient_predivide_factor, groups=check_num_groups(num_groups))
+    registered_id(process_set)
     set_size = process_set.size()
-    if set_size is None:
-        raise ValueError(f"{process_set} is not registered; pass a process set registered with "
-                         "init(process_sets=[...]) or add_process_set()")
-    return set_size
+    return reduction, (reduction.postscale_factor / set_size if set_size > 1 else 1.0)
 
 
-def _factor(gradient_predivide_factor):
-    factor = float(gradient_predivide_factor)
-    if not factor > 0:
-        raise ValueError(f"gradient_predivide_factor must be > 0, got {gradient_predivide_factor}")
-    return factor
-
-
-def _sum_in_place(named_grads, num_groups, predivide, process_set, compression=Compression.none):
-    """Sum each (name, gradient) across ``process_set`` into the gradient, scaled by ``1 / predivide``
-    first; with ``num_groups > 0`` the gradients go in that many fused groups named ``first:last``."""
+def _sum_in_place(named_grads, reduction, process_set, compression=Compression.none):
+    """Sum each (name, gradient) across ``process_set`` into the gradient, scaled by the reduction's
+    prescale factor first; with ``groups`` n the gradients go in n fused groups named ``first:last``."""
     compressed = [(name, grad, *compression.compress(grad)) for name, grad in named_grads]
-    prescale = 1.0 / predivide
-    if num_groups > 0:
+    prescale = reduction.prescale_factor
+    if reduction.groups is not None:
         handles = []
-        for group in split_evenly(compressed, num_groups):
+        for group in split_evenly(compressed, reduction.groups):
             tensors = [entry[2] for entry in group]
             handles.append(_ops.grouped_allreduce_async(
                 adapter_for(tensors), tensors, name=f"{group[0][0]}:{group[-1][0]}", op=Sum,
@@ -67,20 +61,17 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
     ``gradient_predivide_factor / size`` here, once: Module never changes it afterwards.
     """
 
-    _OWN = frozenset(("_optimizer", "_gradient_predivide_factor", "_num_groups", "_process_set", "_rescale"))
+    _OWN = frozenset(("_optimizer", "_reduction", "_process_set", "_rescale"))
 
     def __init__(self, optimizer, gradient_predivide_factor=1.0, num_groups=0, process_set=global_process_set):
-        if isinstance(optimizer, DistributedOptimizer):
-            raise ValueError("this optimizer is already a DistributedOptimizer; wrap the plain optimizer once")
+        refuse_rewrapping(optimizer, DistributedOptimizer)
         if not isinstance(optimizer, mx.optimizer.Optimizer):
             raise TypeError(f"DistributedOptimizer wraps an mx.optimizer.Optimizer, got {type(optimizer).__name__}")
-        factor = _factor(gradient_predivide_factor)
-        set_size = _set_size(process_set)
+        reduction, rescale = _averaging(gradient_predivide_factor, num_groups, process_set)
         object.__setattr__(self, "_optimizer", optimizer)
-        object.__setattr__(self, "_gradient_predivide_factor", factor)
-        object.__setattr__(self, "_num_groups", int(num_groups))
+        object.__setattr__(self, "_reduction", reduction)
         object.__setattr__(self, "_process_set", process_set)
-        object.__setattr__(self, "_rescale", factor / set_size if set_size > 1 else 1.0)
+        object.__setattr__(self, "_rescale", rescale)
         optimizer.rescale_grad *= self._rescale
 
     def __getattr__(self, item):
@@ -101,7 +92,7 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
             named = [(str(i), g) for i, g in zip(index, grad)]
         else:
             named = [(str(index), grad)]
-        _sum_in_place(named, self._num_groups, self._gradient_predivide_factor, self._process_set)
+        _sum_in_place(named, self._reduction, self._process_set)
 
     def update(self, index, weight, grad, state):
         self._sum_gradients(index, grad)
@@ -155,21 +146,18 @@ class DistributedTrainer(mx.gluon.Trainer):
             optimizer = optimizer._optimizer
         if prefix is not None and not isinstance(prefix, str):
             raise TypeError(f"prefix must be a str or None, got {type(prefix).__name__}")
-        factor = _factor(gradient_predivide_factor)
-        set_size = _set_size(process_set)
+        reduction, rescale = _averaging(gradient_predivide_factor, num_groups, process_set)
         if isinstance(params, (list, tuple)):
             if not all(isinstance(p, mx.gluon.Parameter) for p in params):
                 raise ValueError(f"First argument must be a list or dict of Parameters, got {type(params)}")
             params = sorted(params, key=lambda p: p.name)
         super().__init__(params, optimizer, optimizer_params=optimizer_params, kvstore=None)
         self._compression = compression
-        self._gradient_predivide_factor = factor
+        self._reduction = reduction
         self._prefix = prefix or ""
-        self._num_groups = int(num_groups)
         self._process_set = process_set
-        if set_size > 1:
-            # step() sets the optimizer's rescale_grad to _scale / batch_size: the averaging happens there.
-            self._scale *= factor / set_size
+        # step() sets the optimizer's rescale_grad to _scale / batch_size: the averaging happens there.
+        self._scale *= rescale
 
     def _allreduce_grads(self):
         if self._process_set.size() == 1 or not self._process_set.included():
@@ -183,5 +171,4 @@ class DistributedTrainer(mx.gluon.Trainer):
                 raise ValueError(f"DistributedTrainer: parameter {param.name} lives on {len(grads)} contexts; rvod "
                                  "reduces one copy per rank: start one rank per device instead")
             named.append((self._prefix + str(i), grads[0]))
-        _sum_in_place(named, self._num_groups, self._gradient_predivide_factor, self._process_set,
-                      self._compression)
+        _sum_in_place(named, self._reduction, self._process_set, self._compression)

@@ -13,8 +13,9 @@ import contextlib
 
 import torch
 
-from rvod.torch.mpi_ops import allreduce_async_, synchronize
+from rvod.common.gradients import check_backward_passes_per_step
 from rvod.common.reduce_ops import Adasum
+from rvod.torch.mpi_ops import allreduce_async_, synchronize
 
 
 class _DistributedAdasumOptimizer:
@@ -65,8 +66,7 @@ class _DistributedAdasumOptimizer:
 
     def set_backward_passes_per_step(self, passes):
         """Combine updates every ``passes`` backward passes (gradients accumulate locally in between)."""
-        if passes <= 0:
-            raise ValueError(f"backward_passes_per_step must be > 0, got {passes}")
+        passes = check_backward_passes_per_step(passes)
         self.backward_passes_per_step = passes
         self._delay = {p: passes for p in self._requires_update}
 

@@ -21,10 +21,11 @@ import warnings
 
 import torch
 
-from rvod.common.gradients import split_evenly
 from rvod.common.basics import size
-from rvod.common.process_sets import global_process_set
-from rvod.common.reduce_ops import Adasum, Average, resolve_op
+from rvod.common.gradients import (Reduction, Variables, check_backward_passes_per_step, refuse_rewrapping,
+                                   split_evenly)
+from rvod.common.process_sets import global_process_set, registered_id
+from rvod.common.reduce_ops import Adasum, Average
 from rvod.torch.adasum_optimizer import _DistributedAdasumOptimizer
 from rvod.torch.compression import Compression
 from rvod.torch.functions import broadcast_object
@@ -40,20 +41,18 @@ _STEP_AFTER_SYNCHRONIZE = (
 class _DistributedOptimizer:
     """Mixed in before the wrapped optimizer's class; see the module docstring."""
 
-    def _setup(self, named_parameters, compression, backward_passes_per_step, op, gradient_predivide_factor,
-               groups, sparse_as_dense, process_set):
+    def _setup(self, parameter_names, compression, backward_passes_per_step, reduction, sparse_as_dense,
+               process_set):
+        """``reduction``: the checked ``op``, scale factors and ``groups`` (lists of parameters)."""
         self._compression = compression
-        self._op = op
+        self._op = reduction.op
         self._process_set = process_set
         self._sparse_as_dense = sparse_as_dense
         self._sparse_dims = {}  # parameter -> sparse_dim of its last sparse gradient
-        if op == Average:
-            self._scale = (1.0 / gradient_predivide_factor, gradient_predivide_factor)
-        else:
-            self._scale = (1.0, 1.0)
-        self._parameter_names = self._name_parameters(named_parameters)
+        self._scale = (reduction.prescale_factor, reduction.postscale_factor)
+        self._parameter_names = parameter_names
         self._requires_update = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
-        self._group_of = self._form_groups(groups)
+        self._group_of = self._form_groups(reduction.groups)
         self._group_ready = {}
         self._pending = {}
         self._synchronized = False
@@ -66,34 +65,12 @@ class _DistributedOptimizer:
 
     # ---------------------------------------------------------------------------------------------- set-up
 
-    def _name_parameters(self, named_parameters):
-        if named_parameters is None:
-            return {p: f"allreduce.noname.{g}.{i}"
-                    for g, group in enumerate(self.param_groups) for i, p in enumerate(group["params"])}
-        named_parameters = list(named_parameters)
-        if any(not isinstance(pair, tuple) or len(pair) != 2 for pair in named_parameters):
-            raise ValueError("named_parameters should be a sequence of tuples (name, parameter), usually produced "
-                             "by model.named_parameters().")
-        seen, duplicates = set(), set()
-        for name, _ in named_parameters:
-            (duplicates if name in seen else seen).add(name)
-        if duplicates:
-            raise ValueError("Parameter names in named_parameters must be unique. Found duplicates: "
-                             + ", ".join(sorted(duplicates)))
-        names = {p: name for name, p in named_parameters}
-        unnamed = [id(p) for group in self.param_groups for p in group["params"] if p not in names]
-        if unnamed:
-            raise ValueError("named_parameters was specified, but one or more model parameters were not named. "
-                             "Python object ids: " + ", ".join(str(i) for i in unnamed))
-        return names
-
     def _form_groups(self, groups):
-        """parameter -> the tuple of parameters reduced together with it (absent: reduced on its own)."""
-        if groups is None or groups == 0:
+        """parameter -> the tuple of parameters reduced together with it (absent: reduced on its own), from
+        the checked ``groups`` of a ``Reduction``: None, a count, or lists of parameters."""
+        if groups is None:
             return {}
-        if isinstance(groups, int) and not isinstance(groups, bool):
-            if groups < 0:
-                raise ValueError(f"groups must be an int > 0 or a list of lists of torch.Tensor, got {groups}")
+        if isinstance(groups, int):
             # Every rank must form the same groups: use the parameter order of the set's first rank.
             order = broadcast_object([self._parameter_names[p] for p in self._requires_update],
                                      root_rank=self._process_set.ranks[0], name="DistributedOptimizer.groups",
@@ -106,20 +83,10 @@ class _DistributedOptimizer:
                                  "groups=int needs the same model on every rank")
             ordered = sorted(self._requires_update, key=lambda p: position[self._parameter_names[p]])
             chunks = split_evenly(ordered, groups)
-        elif isinstance(groups, (list, tuple)):
-            if not all(isinstance(g, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in g) for g in groups):
-                raise ValueError("groups must be an int > 0 or a list of lists of torch.Tensor")
+        else:
             trained = set(self._requires_update)
             chunks = [tuple(p for p in g if p in trained) for g in groups]
-        else:
-            raise ValueError(f"groups must be an int > 0 or a list of lists of torch.Tensor, got {type(groups)}")
-        group_of = {}
-        for chunk in chunks:
-            for p in chunk:
-                if p in group_of:
-                    raise ValueError(f"parameter {self._parameter_names[p]} is in more than one group")
-                group_of[p] = chunk
-        return group_of
+        return {p: chunk for chunk in chunks for p in chunk}
 
     # ------------------------------------------------------------------------------------- reduce gradients
 
@@ -230,8 +197,7 @@ class _DistributedOptimizer:
 
     def set_backward_passes_per_step(self, passes):
         """Reduce gradients every ``passes`` backward passes (accumulating locally in between)."""
-        if passes <= 0:
-            raise ValueError(f"backward_passes_per_step must be > 0, got {passes}")
+        passes = check_backward_passes_per_step(passes)
         self.backward_passes_per_step = passes
         self._delay = {p: passes for p in self._requires_update}
 
@@ -288,24 +254,50 @@ class _DistributedOptimizer:
         return super().zero_grad(*args, **kwargs)
 
 
+def _parameter_names(param_groups, named_parameters):
+    """parameter -> the name its allreduce goes by: from ``named_parameters`` (each parameter of the
+    optimizer named once), or by position in the optimizer's groups."""
+    if named_parameters is None:
+        return {p: f"allreduce.noname.{g}.{i}" for g, group in enumerate(param_groups)
+                for i, p in enumerate(group["params"])}
+    named_parameters = list(named_parameters)
+    if any(not isinstance(pair, tuple) or len(pair) != 2 for pair in named_parameters):
+        raise ValueError("named_parameters should be a sequence of tuples (name, parameter), usually produced "
+                         "by model.named_parameters().")
+    seen, duplicates = set(), set()
+    for name, _ in named_parameters:
+        (duplicates if name in seen else seen).add(name)
+    if duplicates:
+        raise ValueError("Parameter names in named_parameters must be unique. Found duplicates: "
+                         + ", ".join(sorted(duplicates)))
+    names = {p: name for name, p in named_parameters}
+    unnamed = [id(p) for group in param_groups for p in group["params"] if p not in names]
+    if unnamed:
+        raise ValueError("named_parameters was specified, but one or more model parameters were not named. "
+                         "Python object ids: " + ", ".join(str(i) for i in unnamed))
+    return names
+
+
+def _parameters(names):
+    """How ``Reduction`` checks torch's ``groups``: lists of ``torch.Tensor``, named as in ``names``."""
+    return Variables("torch.Tensor", torch.Tensor, key=lambda p: p,
+                     name=lambda p: names.get(p) or f"of shape {tuple(p.shape)} (not in the optimizer)")
+
+
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none, backward_passes_per_step=1,
                          op=Average, gradient_predivide_factor=1.0, num_groups=0, groups=None,
                          sparse_as_dense=False, process_set=global_process_set):
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged (``op``) across the ranks of
-    ``process_set``. See the module docstring; arguments are Horovod's."""
+    ``process_set``. See the module docstring; arguments are Horovod's, checked by ``rvod.common.gradients``."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if isinstance(optimizer, (_DistributedOptimizer, _DistributedAdasumOptimizer)):
-        raise ValueError("this optimizer is already a DistributedOptimizer; wrap the plain optimizer once")
-    op = resolve_op(op, None)
-    if gradient_predivide_factor != 1.0 and op != Average:
-        raise ValueError("gradient_predivide_factor not supported with op != Average")
-    if num_groups != 0:
-        warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed.", DeprecationWarning,
-                      stacklevel=2)
-        if groups is None:
-            groups = num_groups
-    adasum = op == Adasum and size() > 1
+    refuse_rewrapping(optimizer, (_DistributedOptimizer, _DistributedAdasumOptimizer))
+    names = _parameter_names(optimizer.param_groups, named_parameters)
+    reduction = Reduction(op, gradient_predivide_factor, num_groups, groups, allow_adasum=True,
+                          variables=_parameters(names))
+    check_backward_passes_per_step(backward_passes_per_step)
+    registered_id(process_set)
+    adasum = reduction.op == Adasum and size() > 1
     mixin = _DistributedAdasumOptimizer if adasum else _DistributedOptimizer
     cls = type(type(optimizer).__name__, (mixin, type(optimizer)), {})
     distributed = cls.__new__(cls)
@@ -314,9 +306,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     distributed.__dict__.update({k: v for k, v in vars(optimizer).items() if not hasattr(cls, k)})
     if adasum:
         # Horovod's Adasum optimizer combines parameter updates; groups and sparse_as_dense do not apply.
-        names = _DistributedOptimizer._name_parameters(distributed, named_parameters)
         distributed._setup(names, compression, backward_passes_per_step, process_set)
-        return distributed
-    distributed._setup(named_parameters, compression, backward_passes_per_step, op, gradient_predivide_factor,
-                       groups, sparse_as_dense, process_set)
+    else:
+        distributed._setup(names, compression, backward_passes_per_step, reduction, sparse_as_dense, process_set)
     return distributed
