@@ -16,6 +16,7 @@ Keras 2 spellings scripts written for Horovod use on the optimizer are accepted 
 
 import keras
 
+from rvod.common.gradients import check_backward_passes_per_step, refuse_rewrapping
 from rvod.common.process_sets import global_process_set
 from rvod.common.reduce_ops import Adasum, Average
 from rvod.keras.adasum_optimizer import DistributedAdasumOptimizer
@@ -66,10 +67,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
     ignored."""
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a keras.optimizers.Optimizer, got {type(optimizer).__name__}")
-    if isinstance(optimizer, _DistributedOptimizer):
-        raise ValueError("this optimizer is already a DistributedOptimizer; wrap the plain optimizer once")
-    if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
-        raise ValueError(f"backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}")
+    refuse_rewrapping(optimizer, (_DistributedOptimizer, DistributedAdasumOptimizer))
+    backward_passes_per_step = check_backward_passes_per_step(backward_passes_per_step)
     config = optimizer.get_config()
     if name is not None:
         config["name"] = name

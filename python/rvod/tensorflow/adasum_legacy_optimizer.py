@@ -13,6 +13,7 @@ as a MonitoredTrainingSession does, when N > 1) and eagerly.
 
 import tensorflow as tf
 
+from rvod.common.gradients import check_backward_passes_per_step
 from rvod.common.reduce_ops import Adasum
 from rvod.tensorflow.gradients import GradientReducer
 
@@ -40,8 +41,7 @@ class DistributedAdasumLegacyOptimizer(v1.train.Optimizer):
                  process_set=None):
         if name is None:
             name = f"DistributedAdasum{type(optimizer).__name__}"
-        if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
-            raise ValueError(f"backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}")
+        backward_passes_per_step = check_backward_passes_per_step(backward_passes_per_step)
         super().__init__(use_locking=use_locking, name=name)
         self._optimizer = optimizer
         self._steps = backward_passes_per_step

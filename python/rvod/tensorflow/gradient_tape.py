@@ -7,6 +7,7 @@ inside ``tf.function``.
 
 import tensorflow as tf
 
+from rvod.common.gradients import refuse_rewrapping
 from rvod.common.process_sets import global_process_set
 from rvod.common.reduce_ops import Average
 from rvod.tensorflow.compression import Compression
@@ -38,8 +39,7 @@ def DistributedGradientTape(gradtape, device_dense='', device_sparse='', compres
     Arguments are Horovod's; ``device_dense``/``device_sparse`` are ignored (CPU-only build)."""
     if not isinstance(gradtape, tf.GradientTape):
         raise TypeError(f"DistributedGradientTape wraps a tf.GradientTape, got {type(gradtape).__name__}")
-    if isinstance(gradtape, _DistributedGradientTape):
-        raise ValueError("this tape is already a DistributedGradientTape; wrap the plain tape once")
+    refuse_rewrapping(gradtape, _DistributedGradientTape, what="tape", wrapper="DistributedGradientTape")
     reducer = GradientReducer(compression, sparse_as_dense, op, gradient_predivide_factor, num_groups, groups,
                               process_set, scale_local_gradients, allow_adasum=True)
     cls = type(type(gradtape).__name__, (_DistributedGradientTape, type(gradtape)), {})

@@ -15,6 +15,7 @@ reduces the accumulated gradients across ranks (their sum, or their mean with
 
 import tensorflow as tf
 
+from rvod.common.gradients import check_backward_passes_per_step
 from rvod.tensorflow.gradients import GradientReducer
 
 v1 = tf.compat.v1
@@ -77,8 +78,7 @@ class DistributedLegacyOptimizer(v1.train.Optimizer):
                  scale_local_gradients=True, backward_passes_per_step=1, average_aggregated_gradients=False):
         if name is None:
             name = f"Distributed{type(optimizer).__name__}"
-        if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
-            raise ValueError(f"backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}")
+        backward_passes_per_step = check_backward_passes_per_step(backward_passes_per_step)
         if backward_passes_per_step > 1 and tf.executing_eagerly():
             raise ValueError("backward_passes_per_step > 1 is not yet supported for tf.compat.v1.train optimizers "
                              "with eager mode; use a Keras optimizer")
