@@ -19,8 +19,6 @@ __all__ = [
     "is_initialized",
     "topology",
     "submit",
-    "run",
-    "submit_one",
     "poll",
     "wait",
     "add_process_set",
@@ -57,39 +55,17 @@ def is_initialized() -> bool: ...
 def topology() -> tuple[int, int, int, int, int, int, bool]: ...
 def submit(
     kind: int,
-    names: Sequence[str],
-    capsules: Sequence[Any],
+    names: str | Sequence[str],
+    tensors: Any | Sequence[Any] | None,
     in_place: bool,
     reduce_op: int,
     prescale: float,
     postscale: float,
     root_rank: int,
-    splits: Sequence[int],
     process_set_id: int,
-    packed: bool = False,
     wait: bool = False,
-) -> int: ...
-def run(
-    kind: int,
-    name: str,
-    array: Any | None,
-    in_place: bool,
-    reduce_op: int,
-    prescale: float,
-    postscale: float,
-    root_rank: int,
-    process_set_id: int,
-) -> Any: ...
-def submit_one(
-    kind: int,
-    name: str,
-    tensor: Any,
-    in_place: bool,
-    reduce_op: int,
-    prescale: float,
-    postscale: float,
-    root_rank: int,
-    process_set_id: int,
+    packed: bool = False,
+    splits: Sequence[int] | None = None,
 ) -> Any: ...
 def poll(handle: int) -> bool: ...
 def wait(handle: int) -> tuple[list[Any | None], list[int] | None, int | None]: ...

@@ -12,7 +12,8 @@
 //!   tensor's contribution and result as the executor sees them; [`packed`]: grouped allreduces packed into
 //!   one tensor at submission.
 //! - [`driver`]: who runs a communicator's loop (its engine thread, or a caller waiting for its own op);
-//!   [`fast_lane`]: a small synchronous op run by its caller as one exchange of round headers.
+//!   [`fast_lane`]: a small synchronous op run by its caller as one exchange of round headers;
+//!   [`small_op`]: a caller's synchronous op, on the fast lane or submitted and driven.
 //! - [`fork`]: what a process forked from a running rank may still do (nothing with the job).
 //! - [`validate_submission`](mod@validate_submission): argument checks done before anything is sent.
 //!
@@ -32,6 +33,7 @@ pub mod meet;
 pub mod packed;
 pub mod process_sets;
 mod sink;
+pub mod small_op;
 pub mod submission;
 pub mod table;
 pub mod validate_submission;

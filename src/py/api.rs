@@ -9,21 +9,22 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
 use pyo3::IntoPyObjectExt;
 
 use crate::config::Config;
 use crate::coordinator::message_table::BARRIER_NAME;
 use crate::coordinator::negotiation::EAGER_TENSOR_BYTES;
-use crate::engine::fast_lane::{SmallOp, SmallOutcome};
+use crate::engine::fast_lane::SmallOp;
 use crate::engine::handles::WaitOutcome;
 use crate::engine::packed::{pack_group, GroupMember};
+use crate::engine::small_op::SmallRun;
 use crate::engine::submission::{OpOutput, OpSubmission, TensorSubmission};
 use crate::engine::{fork, Engine};
 use crate::error::EngineError;
 use crate::launch::meet::{self, HostedStore, Offer};
 use crate::protocol::round::StopReason;
-use crate::py::detached::{detached, detached_once};
+use crate::py::detached::{detached, detached_once, Detached};
 use crate::py::dlpack::{export_capsule, import_capsule, is_capsule, ImportedTensor};
 use crate::py::error::to_py_err;
 use crate::py::ndarray::{empty_like, empty_shaped, import_array};
@@ -268,74 +269,118 @@ fn whole_tensor(name: String, imported: ImportedTensor, in_place: bool) -> Tenso
     }
 }
 
-/// Queue a collective; returns its handle. `capsules` are DLPack capsules, or C-contiguous arrays of
-/// native byte order (exact `numpy.ndarray`s), which the caller keeps alive until the handle completes. With `packed` (a grouped allreduce), `names` holds the group's one name and the
-/// tensors are packed into one per dtype (see `engine::packed`).
+/// Submit a collective: the one entry of every op. `names` and `tensors` are either one name (the user's, or
+/// `noname.<n>`; the op is named `<kind>.<name>`) and one tensor (or None: a barrier), or lists of full names
+/// and tensors (the names say which). A tensor is a DLPack capsule or an exact C-contiguous `numpy.ndarray`
+/// of native byte order, which the caller keeps alive until the handle completes. With `packed` (a grouped allreduce), `names`
+/// holds the group's one name and the tensors are packed into one per dtype (see `engine::packed`). With
+/// `wait`, the caller waits for the op at once: it may run right here, with the GIL released.
+///
+/// One tensor with `wait` (the fast path of every small synchronous op): in steady state a small cached op
+/// on an array runs as one exchange of round headers (see `engine::small_op`). It returns None (done: in
+/// place, or a barrier), a new array (done: the out-of-place result) or an int (the handle to `wait` for).
+/// One tensor without `wait`: the handle. Either returns `NotImplemented` when the tensor is not one the
+/// engine reads as it is (nothing was submitted: export it and submit the lists). Lists: the handle, and
+/// what the engine cannot read is refused with an error.
 #[pyfunction]
-#[pyo3(signature = (kind, names, capsules, in_place, reduce_op, prescale, postscale, root_rank, splits, process_set_id, packed=false, wait=false))]
+#[pyo3(signature = (kind, names, tensors, in_place, reduce_op, prescale, postscale, root_rank, process_set_id, wait=false, packed=false, splits=None))]
 #[allow(clippy::too_many_arguments)]
-pub fn submit(
-    py: Python<'_>,
+pub fn submit<'py>(
+    py: Python<'py>,
     kind: u8,
-    names: Vec<String>,
-    capsules: Vec<Bound<'_, PyAny>>,
+    names: &Bound<'py, PyAny>,
+    tensors: Option<&Bound<'py, PyAny>>,
     in_place: bool,
     reduce_op: u8,
     prescale: f64,
     postscale: f64,
     root_rank: i32,
-    splits: Vec<i64>,
     process_set_id: u32,
+    wait: bool,
+    packed: bool,
+    splits: Option<Vec<i64>>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let (kind, reduce_op) = read_codes(kind, reduce_op)?;
+    let params = Params { kind, in_place, reduce_op, prescale, postscale, root_rank, process_set_id };
+    // The names say which form this is: ops.py makes them (a tensor is the user's object, maybe a list).
+    let Ok(name) = names.downcast::<PyString>() else {
+        let names: Vec<String> = names.extract()?;
+        let tensors: Vec<Bound<'py, PyAny>> = tensors.map(|t| t.extract()).transpose()?.unwrap_or_default();
+        return submit_lists(py, params, names, &tensors, splits.unwrap_or_default(), packed, wait)?
+            .into_bound_py_any(py);
+    };
+    let name = name.to_str()?;
+    match tensors {
+        Some(tensor) if !wait || is_capsule(tensor) => submit_one(py, params, name, tensor, wait),
+        None if !wait => Err(PyValueError::new_err(format!("{kind} needs a tensor"))),
+        array => with_engine(|engine| run_with(py, engine, params, name, array)),
+    }
+}
+
+/// An op's settings, as `submit` was given them (codes read).
+#[derive(Clone, Copy)]
+struct Params {
+    kind: CollectiveKind,
+    in_place: bool,
+    reduce_op: ReduceOp,
+    prescale: f64,
+    postscale: f64,
+    root_rank: i32,
+    process_set_id: u32,
+}
+
+impl Params {
+    fn op(&self, tensors: Vec<TensorSubmission>, splits: Vec<i64>) -> OpSubmission {
+        let Params { kind, reduce_op, prescale, postscale, root_rank, .. } = *self;
+        OpSubmission { kind, tensors, reduce_op, prescale, postscale, root_rank, splits }
+    }
+}
+
+/// `submit` of lists of names and tensors.
+fn submit_lists(
+    py: Python<'_>,
+    params: Params,
+    names: Vec<String>,
+    tensors: &[Bound<'_, PyAny>],
+    splits: Vec<i64>,
     packed: bool,
     wait: bool,
 ) -> PyResult<u64> {
-    let (kind, reduce_op) = read_codes(kind, reduce_op)?;
+    let Params { kind, in_place, process_set_id, .. } = params;
     if packed {
         let (Some(name), true) = (names.first(), names.len() == 1 && kind == CollectiveKind::Allreduce) else {
             return Err(PyValueError::new_err("a packed submission is one allreduce group with one name"));
         };
-        let mut members = Vec::with_capacity(capsules.len());
-        for (i, capsule) in capsules.iter().enumerate() {
-            let imported = import_input(capsule, in_place, || format!("{kind} '{name}_{i}'"))?;
+        let mut members = Vec::with_capacity(tensors.len());
+        for (i, tensor) in tensors.iter().enumerate() {
+            let imported = import_input(tensor, in_place, || format!("{kind} '{name}_{i}'"))?;
             members.push(GroupMember { input: imported.tensor, dtype: imported.dtype, shape: imported.shape });
         }
-        let tensors = pack_group(name, members, in_place);
-        let op = OpSubmission { kind, tensors, reduce_op, prescale, postscale, root_rank, splits };
+        let op = params.op(pack_group(name, members, in_place), splits);
         return with_engine(|engine| queue(py, engine, op, process_set_id, wait));
     }
-    if names.len() != capsules.len() {
+    if names.len() != tensors.len() {
         return Err(PyValueError::new_err("one name per tensor is required"));
     }
-    let mut tensors = Vec::with_capacity(capsules.len());
-    for (name, capsule) in names.into_iter().zip(&capsules) {
-        let imported = import_input(capsule, in_place, || format!("{kind} '{name}'"))?;
-        tensors.push(whole_tensor(name, imported, in_place));
+    let mut submitted = Vec::with_capacity(tensors.len());
+    for (name, tensor) in names.into_iter().zip(tensors) {
+        let imported = import_input(tensor, in_place, || format!("{kind} '{name}'"))?;
+        submitted.push(whole_tensor(name, imported, in_place));
     }
-    let op = OpSubmission { kind, tensors, reduce_op, prescale, postscale, root_rank, splits };
+    let op = params.op(submitted, splits);
     with_engine(|engine| queue(py, engine, op, process_set_id, wait))
 }
 
-/// Queue an asynchronous collective of one tensor named `<kind>.<name>` (as [`run`] names ops; `name` is the
-/// user's name, or `noname.<n>`); returns its handle. `tensor` is an exact `numpy.ndarray` or a `dltensor`
-/// capsule, which the caller keeps alive until the handle completes. `submit` with one name and one tensor,
-/// for the path a burst of a thousand small ops takes: no lists on either side. Returns `NotImplemented`
-/// when `tensor` is not one the engine reads as it is (nothing was submitted: export it and call `submit`).
-#[pyfunction]
-#[pyo3(signature = (kind, name, tensor, in_place, reduce_op, prescale, postscale, root_rank, process_set_id))]
-#[allow(clippy::too_many_arguments)]
-pub fn submit_one<'py>(
+/// `submit` of one tensor (a capsule, or an array without `wait`): the path a burst of a thousand small async
+/// ops takes, no lists on either side.
+fn submit_one<'py>(
     py: Python<'py>,
-    kind: u8,
+    params: Params,
     name: &str,
     tensor: &Bound<'py, PyAny>,
-    in_place: bool,
-    reduce_op: u8,
-    prescale: f64,
-    postscale: f64,
-    root_rank: i32,
-    process_set_id: u32,
+    wait: bool,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let (kind, reduce_op) = read_codes(kind, reduce_op)?;
+    let Params { kind, in_place, process_set_id, .. } = params;
     if matches!(kind, CollectiveKind::Barrier | CollectiveKind::Join) {
         return Err(PyValueError::new_err(format!("{kind} takes no tensor")));
     }
@@ -343,9 +388,8 @@ pub fn submit_one<'py>(
     let Ok(imported) = import_input(tensor, in_place, || format!("{kind} '{name}'")) else {
         return Ok(py.NotImplemented().into_bound(py));
     };
-    let tensors = vec![whole_tensor(name, imported, in_place)];
-    let op = OpSubmission { kind, tensors, reduce_op, prescale, postscale, root_rank, splits: Vec::new() };
-    with_engine(|engine| queue(py, engine, op, process_set_id, false))?.into_bound_py_any(py)
+    let op = params.op(vec![whole_tensor(name, imported, in_place)], Vec::new());
+    with_engine(|engine| queue(py, engine, op, process_set_id, wait))?.into_bound_py_any(py)
 }
 
 thread_local! {
@@ -354,49 +398,15 @@ thread_local! {
     static SMALL_RESULT: std::cell::RefCell<Vec<u8>> = std::cell::RefCell::new(vec![0; EAGER_TENSOR_BYTES]);
 }
 
-/// Run a synchronous collective on an exact `numpy.ndarray`, or a barrier (`array` None), named
-/// `<kind>.<name>` as `submit`'s names are (`name` is the user's name, or `noname.<n>`). In steady state
-/// (a small cached op, nothing else pending) it runs right here, with the GIL released, as one exchange of
-/// round headers (see `engine::fast_lane`); otherwise it is submitted as `submit(..., wait=True)` submits it.
-/// Returns None (done: in place, or a barrier), a new array (done: the out-of-place result), an int (the
-/// handle to `wait` for; the caller keeps `array` alive until then), or `NotImplemented` when `array` is
-/// not one the engine reads as it is (nothing was submitted: export it and call `submit`).
-#[pyfunction]
-#[pyo3(signature = (kind, name, array, in_place, reduce_op, prescale, postscale, root_rank, process_set_id))]
-#[allow(clippy::too_many_arguments)]
-pub fn run<'py>(
-    py: Python<'py>,
-    kind: u8,
-    name: &str,
-    array: Option<&Bound<'py, PyAny>>,
-    in_place: bool,
-    reduce_op: u8,
-    prescale: f64,
-    postscale: f64,
-    root_rank: i32,
-    process_set_id: u32,
-) -> PyResult<Bound<'py, PyAny>> {
-    let (kind, reduce_op) = read_codes(kind, reduce_op)?;
-    with_engine(|engine| {
-        run_with(py, engine, kind, name, array, in_place, reduce_op, prescale, postscale, root_rank, process_set_id)
-    })
-}
-
-/// [`run`] on `engine`, with its codes read.
-#[allow(clippy::too_many_arguments)]
+/// `submit` of one array (or None: a barrier) with `wait`, on `engine`.
 fn run_with<'py>(
     py: Python<'py>,
     engine: &Arc<Engine>,
-    kind: CollectiveKind,
+    params: Params,
     name: &str,
     array: Option<&Bound<'py, PyAny>>,
-    in_place: bool,
-    reduce_op: ReduceOp,
-    prescale: f64,
-    postscale: f64,
-    root_rank: i32,
-    process_set_id: u32,
 ) -> PyResult<Bound<'py, PyAny>> {
+    let Params { kind, in_place, reduce_op, prescale, postscale, root_rank, process_set_id } = params;
     // A barrier is matched by the engine's own name for it, as `submit` does.
     let full_name;
     let name = if kind == CollectiveKind::Barrier {
@@ -417,58 +427,22 @@ fn run_with<'py>(
         // SAFETY: a zero-length view of no memory.
         None => (unsafe { RawTensor::new(std::ptr::null_mut(), 0) }, DataType::Uint8, Vec::new()),
     };
-    let input_len = input.len();
     let op = SmallOp { kind, name, dtype, shape: &shape, input, in_place, reduce_op, prescale, postscale, root_rank };
-    let outcome = match engine.fast_lane(process_set_id) {
-        // Every peer's header is in: the op is not expected to wait, so the GIL stays (releasing and taking
-        // it back would cost more than the op). Otherwise the wait runs without it.
-        Some(communicator) if communicator.peers_sent() => {
-            SMALL_RESULT.with(|out| communicator.run_small(op, &mut out.borrow_mut()))
-        }
-        Some(communicator) => {
-            detached_once(py, || SMALL_RESULT.with(|out| communicator.run_small(op, &mut out.borrow_mut())))
-        }
-        None => SmallOutcome::NotRun(op),
-    };
-    match outcome {
-        SmallOutcome::Done(result_len) => match array {
+    let run = SMALL_RESULT.with(|out| engine.run_small(op, process_set_id, &mut out.borrow_mut(), &Detached(py)));
+    match run.map_err(to_py_err)? {
+        SmallRun::Done { len, shape } => match array {
             Some(array) if !in_place => {
-                let (result, mut memory) = if kind == CollectiveKind::Allgather {
-                    // Every rank's rows, as many as this rank's (the fast lane takes no allgather of empty rows).
-                    let ranks = (result_len / input_len.max(1)) as i64;
-                    let rows: Vec<i64> =
-                        shape.iter().enumerate().map(|(i, &d)| if i == 0 { d * ranks } else { d }).collect();
-                    empty_shaped(array, &rows)?
-                } else {
-                    empty_like(array)?
+                let (result, mut memory) = match shape {
+                    Some(shape) => empty_shaped(array, &shape)?,
+                    None => empty_like(array)?,
                 };
-                let len = memory.len().min(result_len);
+                let len = memory.len().min(len);
                 SMALL_RESULT.with(|out| memory.as_mut_slice()[..len].copy_from_slice(&out.borrow()[..len]));
                 Ok(result)
             }
             _ => Ok(py.None().into_bound(py)),
         },
-        SmallOutcome::Queued(handle) => handle.into_bound_py_any(py),
-        SmallOutcome::Failed(err) => Err(to_py_err(err)),
-        SmallOutcome::NotRun(op) => {
-            let tensors = match array {
-                Some(_) => {
-                    let imported = ImportedTensor { tensor: op.input, dtype: op.dtype, shape: op.shape.to_vec() };
-                    vec![whole_tensor(name.to_string(), imported, in_place)]
-                }
-                None => Vec::new(),
-            };
-            let submission = OpSubmission {
-                kind,
-                tensors,
-                reduce_op,
-                prescale,
-                postscale,
-                root_rank: op.root_rank,
-                splits: Vec::new(),
-            };
-            queue(py, engine, submission, process_set_id, true)?.into_bound_py_any(py)
-        }
+        SmallRun::Handle(handle) => handle.into_bound_py_any(py),
     }
 }
 
@@ -479,9 +453,7 @@ fn queue(py: Python<'_>, engine: &Arc<Engine>, op: OpSubmission, process_set_id:
     if !wait {
         return engine.submit(op, process_set_id).map_err(to_py_err);
     }
-    let (id, communicator) = engine.submit_to_drive(op, process_set_id).map_err(to_py_err)?;
-    detached_once(py, || communicator.drive(id));
-    Ok(id)
+    engine.submit_and_drive(op, process_set_id, &Detached(py)).map_err(to_py_err)
 }
 
 /// Register a process set at run time (every rank calls this, in the same order); returns its id.

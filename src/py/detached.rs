@@ -24,6 +24,15 @@ pub fn detached<T: Send>(py: Python<'_>, mut step: impl FnMut(Duration) -> Optio
     }
 }
 
+/// The engine's way to wait without the GIL (see `engine::small_op`): [`detached_once`].
+pub struct Detached<'py>(pub Python<'py>);
+
+impl crate::engine::small_op::Detach for Detached<'_> {
+    fn detach<T: Send>(&self, f: impl FnOnce() -> T + Send) -> T {
+        detached_once(self.0, f)
+    }
+}
+
 /// Call `f` once with the GIL released (a call that cannot be sliced, or one too short to need it). A
 /// Ctrl-C meanwhile raises `KeyboardInterrupt` once it returns, as Python raises it at its next instruction.
 pub fn detached_once<T: Send>(py: Python<'_>, f: impl FnOnce() -> T + Send) -> T {

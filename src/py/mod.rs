@@ -32,8 +32,6 @@ fn _rvod(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(api::is_initialized, m)?)?;
     m.add_function(wrap_pyfunction!(api::topology, m)?)?;
     m.add_function(wrap_pyfunction!(api::submit, m)?)?;
-    m.add_function(wrap_pyfunction!(api::run, m)?)?;
-    m.add_function(wrap_pyfunction!(api::submit_one, m)?)?;
     m.add_function(wrap_pyfunction!(api::poll, m)?)?;
     m.add_function(wrap_pyfunction!(api::wait, m)?)?;
     m.add_function(wrap_pyfunction!(api::add_process_set, m)?)?;

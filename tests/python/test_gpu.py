@@ -223,7 +223,7 @@ hvd.init()
 for shape in ((2**40, 2**40), (2**62, 1), (2**31, 2**31, 2**31)):
     capsule = FakeCudaArray(shape=shape, device_type=1).__dlpack__()
     try:
-        _rvod.submit(ops.ALLREDUCE, ["huge"], [capsule], False, 1, 1.0, 1.0, -1, [], 0)
+        _rvod.submit(ops.ALLREDUCE, ["huge"], [capsule], False, 1, 1.0, 1.0, -1, 0)
     except ValueError as error:
         print(type(error).__name__, error)
     else:

@@ -1,4 +1,4 @@
-"""Small synchronous ops through ``_rvod.run`` (the fast lane, src/engine/fast_lane.rs, once an op is cached):
+"""Small synchronous ops through ``_rvod.submit`` with ``wait`` (the fast lane, src/engine/fast_lane.rs, once an op is cached):
 what a user checks of each result, ranks taking different paths for one op, a mismatch in steady state, the
 GIL released while a rank waits for a late peer (workers/small_ops_numpy.py, small_ops_torch.py). 2 and 3
 ranks; about 15 s."""

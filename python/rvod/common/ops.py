@@ -83,10 +83,8 @@ class TensorAdapter:
         return splits
 
 
-# Bound once: the paths of every small synchronous op and of every submission.
-_run = _rvod.run
+# Bound once: the one native entry of every op (``_rvod.submit``), and the wait.
 _submit_native = _rvod.submit
-_submit_one_native = _rvod.submit_one
 _wait = _rvod.wait
 
 # An op in flight: handle -> (finish, adapter, context, *keepalive). ``finish(adapter, context, outputs,
@@ -211,10 +209,10 @@ def _track(handle, wait, pending):
 def _run_now(kind, name, adapter, tensor, in_place, op, prescale, postscale, root, process_set):
     """Run one op on ``tensor`` and return its result (``tensor`` itself when ``in_place``); ``name`` is the
     user's, or ``noname.<n>``, which the engine prefixes with the kind. The path of every small synchronous
-    op, written for few Python calls: an exact ndarray from the adapter goes to ``_rvod.run``, which runs a
+    op, written for few Python calls: an exact ndarray from the adapter goes to ``_rvod.submit`` with ``wait``, which runs a
     small op in steady state as one exchange with the peers, on this thread, and returns its result;
     otherwise the op is submitted and waited for, as ``wait_for`` does. (``allreduce`` and ``broadcast`` call
-    ``_rvod.run`` themselves for NumPy on the global set, and ``_ran`` with what it returned.)"""
+    ``_rvod.submit`` themselves for NumPy on the global set, and ``_ran`` with what it returned.)"""
     array = tensor if adapter.tensors_are_ndarrays else adapter.as_ndarray(tensor)
     if array is None:
         return _submit(kind, [f"{_KIND_NAMES[kind]}.{name}"], adapter, [tensor], in_place,
@@ -222,12 +220,12 @@ def _run_now(kind, name, adapter, tensor, in_place, op, prescale, postscale, roo
                        root=int(root), process_set=process_set, wait=True).result
     # Every rank belongs to the global set; the engine itself refuses ops before init().
     set_id = 0 if process_set is global_process_set else process_set_id_of(process_set)
-    result = _run(kind, name, array, in_place, op, prescale, postscale, root, set_id)
+    result = _submit_native(kind, name, array, in_place, op, prescale, postscale, root, set_id, True)
     return _ran(result, kind, name, adapter, tensor, array, in_place, op, prescale, postscale, root, process_set)
 
 
 def _ran(result, kind, name, adapter, tensor, array, in_place, op, prescale, postscale, root, process_set):
-    """The op's result from what ``_rvod.run`` returned for ``array`` (``tensor`` as an ndarray)."""
+    """The op's result from what ``_rvod.submit`` returned for ``array`` (``tensor`` as an ndarray)."""
     if result is None:
         return tensor  # done in place
     if type(result) is int:  # submitted: wait for it, keeping the memory alive until it completes
@@ -235,9 +233,11 @@ def _ran(result, kind, name, adapter, tensor, array, in_place, op, prescale, pos
         return synchronize(result)
     if result is not NotImplemented:
         return adapter.from_ndarray(result)
-    return _submit(kind, [f"{_KIND_NAMES[kind]}.{name}"], adapter, [tensor], in_place,
-                   _original if in_place else _new_tensor, tensor, op=op, prescale=prescale, postscale=postscale,
-                   root=int(root), process_set=process_set, wait=True).result
+    # Refused as it is (nothing was sent): exported, it crosses again once.
+    set_id = 0 if process_set is global_process_set else process_set_id_of(process_set)
+    return _submit_exported(kind, [f"{_KIND_NAMES[kind]}.{name}"], adapter, [tensor], in_place,
+                            _original if in_place else _new_tensor, tensor, op, prescale, postscale, int(root), (),
+                            set_id, False, True).result
 
 
 def _submit(kind, names, adapter, tensors, in_place, finish, context, op=Sum, prescale=1.0, postscale=1.0,
@@ -249,8 +249,8 @@ def _submit(kind, names, adapter, tensors, in_place, finish, context, op=Sum, pr
     capsules = adapter.export_unchecked(tensors, in_place)
     if capsules is not None:
         try:
-            handle = _submit_native(kind, names, capsules, in_place, op, prescale, postscale, root, splits, set_id,
-                                    packed, wait)
+            handle = _submit_native(kind, names, capsules, in_place, op, prescale, postscale, root, set_id, wait,
+                                    packed, splits)
         except (TypeError, ValueError):
             pass  # exported again below, tensor by tensor: that path copies what it can and explains the rest
         else:
@@ -258,6 +258,14 @@ def _submit(kind, names, adapter, tensors, in_place, finish, context, op=Sum, pr
                 _pending[handle] = (finish, adapter, context, tensors, capsules)
                 return handle
             return _track(handle, wait, (finish, adapter, context, tensors, capsules))
+    return _submit_exported(kind, names, adapter, tensors, in_place, finish, context, op, prescale, postscale, root,
+                            splits, set_id, packed, wait)
+
+
+def _submit_exported(kind, names, adapter, tensors, in_place, finish, context, op, prescale, postscale, root, splits,
+                     set_id, packed, wait):
+    """``_submit`` through the adapter's ``export``, which copies what the engine cannot take as it is and
+    explains the rest: for tensors the engine refused as they are (each crosses the boundary once that way)."""
     capsules, holders = [], []
     export = adapter.export_for_write if in_place else adapter.export
     for tensor in tensors:
@@ -266,8 +274,8 @@ def _submit(kind, names, adapter, tensors, in_place, finish, context, op=Sum, pr
         holders.append(holder)
     if in_place and any(holder is not original for original, holder in zip(tensors, holders)):
         finish, context = _copied_back, (finish, context, tensors, holders)
-    handle = _submit_native(kind, names, capsules, in_place, op, prescale, postscale, root, splits, set_id, packed,
-                            wait)
+    handle = _submit_native(kind, names, capsules, in_place, op, prescale, postscale, root, set_id, wait, packed,
+                            splits)
     return _track(handle, wait, (finish, adapter, context, tensors, capsules, holders))
 
 
@@ -283,10 +291,13 @@ def _submit_one(kind, name, adapter, tensor, in_place, finish, op=Sum, prescale=
         if exported is not None:
             # Every rank belongs to the global set; the engine itself refuses ops before init().
             set_id = 0 if process_set is global_process_set else process_set_id_of(process_set)
-            handle = _submit_one_native(kind, name, exported, in_place, op, prescale, postscale, root, set_id)
+            handle = _submit_native(kind, name, exported, in_place, op, prescale, postscale, root, set_id)
             if handle is not NotImplemented:
                 _pending[handle] = (finish, adapter, tensor, exported)
                 return handle
+            # Refused as it is (nothing was sent): exported, it crosses again once.
+            return _submit_exported(kind, [f"{_KIND_NAMES[kind]}.{name}"], adapter, [tensor], in_place, finish,
+                                    tensor, op, prescale, postscale, root, (), set_id, False, False)
     return _submit(kind, [f"{_KIND_NAMES[kind]}.{name}"], adapter, [tensor], in_place, finish, tensor, op, prescale,
                    postscale, root, (), process_set)
 
@@ -340,7 +351,7 @@ def allreduce(adapter, tensor, average=None, name=None, op=None, prescale_factor
     try:
         if adapter.tensors_are_ndarrays and process_set is global_process_set:
             # A small allreduce in a loop costs a few hundred nanoseconds: every Python call shows (see _run_now).
-            result = _run(ALLREDUCE, name, tensor, in_place, op, prescale_factor, postscale_factor, -1, 0)
+            result = _submit_native(ALLREDUCE, name, tensor, in_place, op, prescale_factor, postscale_factor, -1, 0, True)
             if result is None:
                 return tensor
             if type(result) is not int and result is not NotImplemented:
@@ -438,7 +449,7 @@ def broadcast(adapter, tensor, root_rank, name=None, process_set=global_process_
         name = naming.next_suffix(process_set_id_of(process_set))
     try:
         if adapter.tensors_are_ndarrays and process_set is global_process_set:  # as allreduce's
-            result = _run(BROADCAST, name, tensor, in_place, Sum, 1.0, 1.0, root_rank, 0)
+            result = _submit_native(BROADCAST, name, tensor, in_place, Sum, 1.0, 1.0, root_rank, 0, True)
             if result is None:
                 return tensor
             return _ran(result, BROADCAST, name, adapter, tensor, tensor, in_place, Sum, 1.0, 1.0, root_rank,
@@ -499,7 +510,7 @@ def grouped_reducescatter_async(adapter, tensors, name=None, op=Average, process
 def barrier(process_set=global_process_set):
     """Block until every rank of the set reaches the barrier."""
     set_id = 0 if process_set is global_process_set else process_set_id_of(process_set)
-    handle = _rvod.run(BARRIER, "", None, False, Sum, 1.0, 1.0, -1, set_id)
+    handle = _submit_native(BARRIER, "", None, False, Sum, 1.0, 1.0, -1, set_id, True)
     if handle is not None:  # submitted, not run at once: wait for it
         _pending[handle] = (_nothing, None, None)
         synchronize(handle)
@@ -510,7 +521,7 @@ def join():
     submitted by other ranks complete with this rank contributing zeros. Returns the last rank to join.
     Every rank leaves it at the same point, whatever it ran before, so the global set's unnamed ops are
     counted afresh from there (see ``naming``)."""
-    handle = _rvod.submit(JOIN, [], [], False, Sum, 1.0, 1.0, -1, [], 0, False, True)
+    handle = _submit_native(JOIN, [], [], False, Sum, 1.0, 1.0, -1, 0, True)
     _pending[handle] = (_last_joined, None, None)
     last_joined = synchronize(handle)
     naming.restart_global()
