@@ -206,18 +206,42 @@ def _track(handle, wait, pending):
     return _Ran(finish(adapter, context, outputs, received_splits, last_joined))
 
 
+class _Op:
+    """What the engine is told of an op besides its names and tensors, as ``_submit`` and the paths after a
+    refusal take it (one record, not a dozen positional arguments). The hot paths (``_run_now``, ``_ran``,
+    ``_submit_one``) call the engine with plain arguments instead and build one only when they fall back."""
+
+    __slots__ = ("kind", "in_place", "op", "prescale", "postscale", "root", "splits", "set_id", "packed")
+
+    def __init__(self, kind, in_place=False, op=Sum, prescale=1.0, postscale=1.0, root=-1, splits=(),
+                 process_set=global_process_set, packed=False):
+        self.kind, self.in_place, self.op, self.prescale, self.postscale = kind, in_place, op, prescale, postscale
+        self.root, self.splits, self.packed = int(root), splits, packed
+        # Every rank belongs to the global set; the engine itself refuses ops before init().
+        self.set_id = 0 if process_set is global_process_set else process_set_id_of(process_set)
+
+    def submit(self, names, tensors, wait):
+        """``_rvod.submit`` of lists of ``names`` and ``tensors`` (capsules or arrays)."""
+        return _submit_native(self.kind, names, tensors, self.in_place, self.op, self.prescale, self.postscale,
+                              self.root, self.set_id, wait, self.packed, self.splits)
+
+    def full_name(self, name):
+        return f"{_KIND_NAMES[self.kind]}.{name}"
+
+
 def _run_now(kind, name, adapter, tensor, in_place, op, prescale, postscale, root, process_set):
     """Run one op on ``tensor`` and return its result (``tensor`` itself when ``in_place``); ``name`` is the
     user's, or ``noname.<n>``, which the engine prefixes with the kind. The path of every small synchronous
-    op, written for few Python calls: an exact ndarray from the adapter goes to ``_rvod.submit`` with ``wait``, which runs a
-    small op in steady state as one exchange with the peers, on this thread, and returns its result;
+    op, written for few Python calls: an exact ndarray from the adapter goes to ``_rvod.submit`` with
+    ``wait``, which runs a small op in steady state as one exchange with the peers, on this thread, and
+    returns its result;
     otherwise the op is submitted and waited for, as ``wait_for`` does. (``allreduce`` and ``broadcast`` call
     ``_rvod.submit`` themselves for NumPy on the global set, and ``_ran`` with what it returned.)"""
     array = tensor if adapter.tensors_are_ndarrays else adapter.as_ndarray(tensor)
     if array is None:
-        return _submit(kind, [f"{_KIND_NAMES[kind]}.{name}"], adapter, [tensor], in_place,
-                       _original if in_place else _new_tensor, tensor, op=op, prescale=prescale, postscale=postscale,
-                       root=int(root), process_set=process_set, wait=True).result
+        record = _Op(kind, in_place, op, prescale, postscale, root, process_set=process_set)
+        return _submit(record, [record.full_name(name)], adapter, [tensor], _original if in_place else _new_tensor,
+                       tensor, wait=True).result
     # Every rank belongs to the global set; the engine itself refuses ops before init().
     set_id = 0 if process_set is global_process_set else process_set_id_of(process_set)
     result = _submit_native(kind, name, array, in_place, op, prescale, postscale, root, set_id, True)
@@ -234,23 +258,20 @@ def _ran(result, kind, name, adapter, tensor, array, in_place, op, prescale, pos
     if result is not NotImplemented:
         return adapter.from_ndarray(result)
     # Refused as it is (nothing was sent): exported, it crosses again once.
-    set_id = 0 if process_set is global_process_set else process_set_id_of(process_set)
-    return _submit_exported(kind, [f"{_KIND_NAMES[kind]}.{name}"], adapter, [tensor], in_place,
-                            _original if in_place else _new_tensor, tensor, op, prescale, postscale, int(root), (),
-                            set_id, False, True).result
+    record = _Op(kind, in_place, op, prescale, postscale, root, process_set=process_set)
+    return _submit_exported(record, [record.full_name(name)], adapter, [tensor],
+                            _original if in_place else _new_tensor, tensor, True).result
 
 
-def _submit(kind, names, adapter, tensors, in_place, finish, context, op=Sum, prescale=1.0, postscale=1.0,
-            root=-1, splits=(), process_set=global_process_set, packed=False, wait=None):
-    # Every rank belongs to the global set; the engine itself refuses ops before init().
-    set_id = 0 if process_set is global_process_set else process_set_id_of(process_set)
+def _submit(record, names, adapter, tensors, finish, context, wait=None):
+    """Submit the op ``record`` describes on ``tensors`` (named ``names``); returns its handle, or under
+    ``wait_for`` (or ``wait``) a ``_Ran`` with its result."""
     if wait is None:
         wait = _waiter is not None and _waiter == get_ident()
-    capsules = adapter.export_unchecked(tensors, in_place)
+    capsules = adapter.export_unchecked(tensors, record.in_place)
     if capsules is not None:
         try:
-            handle = _submit_native(kind, names, capsules, in_place, op, prescale, postscale, root, set_id, wait,
-                                    packed, splits)
+            handle = record.submit(names, capsules, wait)
         except (TypeError, ValueError):
             pass  # exported again below, tensor by tensor: that path copies what it can and explains the rest
         else:
@@ -258,14 +279,13 @@ def _submit(kind, names, adapter, tensors, in_place, finish, context, op=Sum, pr
                 _pending[handle] = (finish, adapter, context, tensors, capsules)
                 return handle
             return _track(handle, wait, (finish, adapter, context, tensors, capsules))
-    return _submit_exported(kind, names, adapter, tensors, in_place, finish, context, op, prescale, postscale, root,
-                            splits, set_id, packed, wait)
+    return _submit_exported(record, names, adapter, tensors, finish, context, wait)
 
 
-def _submit_exported(kind, names, adapter, tensors, in_place, finish, context, op, prescale, postscale, root, splits,
-                     set_id, packed, wait):
+def _submit_exported(record, names, adapter, tensors, finish, context, wait):
     """``_submit`` through the adapter's ``export``, which copies what the engine cannot take as it is and
     explains the rest: for tensors the engine refused as they are (each crosses the boundary once that way)."""
+    in_place = record.in_place
     capsules, holders = [], []
     export = adapter.export_for_write if in_place else adapter.export
     for tensor in tensors:
@@ -274,8 +294,7 @@ def _submit_exported(kind, names, adapter, tensors, in_place, finish, context, o
         holders.append(holder)
     if in_place and any(holder is not original for original, holder in zip(tensors, holders)):
         finish, context = _copied_back, (finish, context, tensors, holders)
-    handle = _submit_native(kind, names, capsules, in_place, op, prescale, postscale, root, set_id, wait, packed,
-                            splits)
+    handle = record.submit(names, capsules, wait)
     return _track(handle, wait, (finish, adapter, context, tensors, capsules, holders))
 
 
@@ -296,10 +315,10 @@ def _submit_one(kind, name, adapter, tensor, in_place, finish, op=Sum, prescale=
                 _pending[handle] = (finish, adapter, tensor, exported)
                 return handle
             # Refused as it is (nothing was sent): exported, it crosses again once.
-            return _submit_exported(kind, [f"{_KIND_NAMES[kind]}.{name}"], adapter, [tensor], in_place, finish,
-                                    tensor, op, prescale, postscale, root, (), set_id, False, False)
-    return _submit(kind, [f"{_KIND_NAMES[kind]}.{name}"], adapter, [tensor], in_place, finish, tensor, op, prescale,
-                   postscale, root, (), process_set)
+            record = _Op(kind, in_place, op, prescale, postscale, root, process_set=process_set)
+            return _submit_exported(record, [record.full_name(name)], adapter, [tensor], finish, tensor, False)
+    record = _Op(kind, in_place, op, prescale, postscale, root, process_set=process_set)
+    return _submit(record, [record.full_name(name)], adapter, [tensor], finish, tensor)
 
 
 def poll(handle):
@@ -382,8 +401,9 @@ def grouped_allreduce_async(adapter, tensors, average=None, name=None, op=None, 
         names = _group_names("grouped_allreduce", name, len(tensors), process_set)
     finish = _originals if in_place else _new_tensors
     try:
-        return _submit(ALLREDUCE, names, adapter, tensors, in_place, finish, tensors, op=op, prescale=prescale_factor,
-                       postscale=postscale_factor, process_set=process_set, packed=packed)
+        record = _Op(ALLREDUCE, in_place, op, prescale_factor, postscale_factor, process_set=process_set,
+                     packed=packed)
+        return _submit(record, names, adapter, tensors, finish, tensors)
     except (TypeError, ValueError) as error:
         if name is None:
             _give_back(error, names, process_set)
@@ -422,7 +442,7 @@ def grouped_allgather_async(adapter, tensors, name=None, process_set=global_proc
         raise RvodInvalidArgumentError("grouped_allgather needs at least one tensor")
     names = _group_names("grouped_allgather", name, len(tensors), process_set)
     try:
-        return _submit(ALLGATHER, names, adapter, tensors, False, _new_tensors, None, process_set=process_set)
+        return _submit(_Op(ALLGATHER, process_set=process_set), names, adapter, tensors, _new_tensors, None)
     except (TypeError, ValueError) as error:
         if name is None:
             _give_back(error, names, process_set)
@@ -468,8 +488,8 @@ def alltoall_async(adapter, tensor, splits=None, name=None, process_set=global_p
     with_splits = splits is not None if with_splits is None else with_splits
     names = [_prefixed("alltoall", name, process_set)]
     try:
-        return _submit(ALLTOALL, names, adapter, [tensor], False, _alltoall_result, with_splits, splits=split_list,
-                       process_set=process_set)
+        record = _Op(ALLTOALL, splits=split_list, process_set=process_set)
+        return _submit(record, names, adapter, [tensor], _alltoall_result, with_splits)
     except (TypeError, ValueError) as error:
         if name is None:
             _give_back(error, names, process_set)
@@ -499,8 +519,8 @@ def grouped_reducescatter_async(adapter, tensors, name=None, op=Average, process
         raise RvodInvalidArgumentError("grouped_reducescatter needs at least one tensor")
     names = _group_names("grouped_reducescatter", name, len(tensors), process_set)
     try:
-        return _submit(REDUCESCATTER, names, adapter, tensors, False, _new_tensors, None,
-                       op=op, prescale=prescale_factor, postscale=postscale_factor, process_set=process_set)
+        record = _Op(REDUCESCATTER, False, op, prescale_factor, postscale_factor, process_set=process_set)
+        return _submit(record, names, adapter, tensors, _new_tensors, None)
     except (TypeError, ValueError) as error:
         if name is None:
             _give_back(error, names, process_set)
