@@ -2,12 +2,12 @@
 //! connection to it from Python (`rvod.run` ships the function and collects the results through it).
 
 use std::net::{IpAddr, SocketAddr};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use crate::py::detached::detached_once;
+use crate::py::detached::{detached, detached_once};
 use crate::py::error::runtime_error;
 use crate::transport::rendezvous;
 use crate::transport::rendezvous::StoreClient as NativeStoreClient;
@@ -84,10 +84,22 @@ impl StoreClient {
     }
 
     /// The value of `key`, waiting up to `timeout` seconds for some client to set it (RuntimeError after that).
+    /// The wait is in slices, so Ctrl-C raises `KeyboardInterrupt` meanwhile.
     fn get(&mut self, py: Python<'_>, key: &str, timeout: f64) -> PyResult<Vec<u8>> {
         let timeout = timeout_from_seconds(timeout)?;
         let client = self.connected()?;
-        detached_once(py, || client.get(key, timeout)).map_err(|e| runtime_error(e.to_string()))
+        let deadline = Instant::now() + timeout;
+        let found = detached(py, |slice| {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match client.try_get(key, left.min(slice)) {
+                Ok(None) if !left.is_zero() => None,
+                outcome => Some(outcome),
+            }
+        })?;
+        match found.map_err(|e| runtime_error(e.to_string()))? {
+            Some(value) => Ok(value),
+            None => Err(runtime_error(client.missing(key, timeout).to_string())),
+        }
     }
 
     /// The value of `key`, or None when no client set it within `timeout` seconds (0: look once).

@@ -215,3 +215,37 @@ def test_build_facts_are_the_modules():
     gpu = _rvod.gpu_libraries()
     assert basics.nccl_built() == gpu["nccl_version"]
     assert basics.cuda_built() is (gpu["cuda_runtime_version"] > 0)
+
+
+_STORE_WAIT = """
+import time
+from rvod import _rvod
+server = _rvod.RendezvousServer("127.0.0.1", 0, b"secret")
+client = _rvod.StoreClient("127.0.0.1", server.port, b"secret", 5.0)
+print("waiting", flush=True)
+start = time.monotonic()
+try:
+    client.get("never/set", 60.0)
+except KeyboardInterrupt:
+    print(f"interrupted after {time.monotonic() - start:.1f} s", flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_interrupts_a_store_wait():
+    """StoreClient.get waits for a key with the GIL released and turns Ctrl-C into KeyboardInterrupt within
+    a slice, not after its timeout (60 s here)."""
+    import signal
+    import time
+
+    child = subprocess.Popen([sys.executable, "-c", _STORE_WAIT], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    try:
+        assert child.stdout.readline().strip() == "waiting"
+        time.sleep(0.5)
+        child.send_signal(signal.SIGINT)
+        out, err = child.communicate(timeout=20)
+    finally:
+        child.kill()
+    assert out.startswith("interrupted after "), (out, err)
+    assert float(out.split()[2]) < 10, out

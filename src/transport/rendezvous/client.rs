@@ -113,7 +113,7 @@ impl StoreClient {
         }
     }
 
-    fn missing(&self, key: &str, timeout: Duration) -> TransportError {
+    pub(crate) fn missing(&self, key: &str, timeout: Duration) -> TransportError {
         TransportError::Setup(format!(
             "timed out after {:.1} s waiting for key '{key}' in the rendezvous store at {}",
             timeout.as_secs_f64(),
