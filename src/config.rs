@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use crate::launch::{LaunchEnv, LaunchPlan};
+use crate::launched::{BindAddress, LaunchEnv, LaunchPlan};
 
 /// Where this rank sits in the job and how to reach the others.
 #[derive(Clone, Debug, PartialEq)]
@@ -28,18 +28,6 @@ pub struct Rendezvous {
     pub secret: Vec<u8>,
     /// How this rank picks the address its data listeners bind to and advertise.
     pub bind: BindAddress,
-}
-
-/// Where this rank's data listeners bind (resolved to an address by `transport::net`).
-#[derive(Clone, Debug, PartialEq)]
-pub enum BindAddress {
-    /// `RVOD_IFACE_ADDR`: this address.
-    Explicit(std::net::IpAddr),
-    /// `RVOD_NETWORK_INTERFACE` (`HOROVOD_GLOO_IFACE`): the first IPv4 address of the first of these NICs
-    /// that exists.
-    Interfaces(Vec<String>),
-    /// Neither: loopback for a loopback rendezvous address, else the local address that routes to it.
-    Auto,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -283,15 +271,14 @@ fn decode_hex(name: &str, value: &str) -> Result<Vec<u8>, ConfigError> {
 }
 
 impl Config {
-    /// Read the configuration from the process environment.
-    pub fn from_env() -> Result<Config, ConfigError> {
-        Config::from_lookup(|name| std::env::var(name).ok())
-    }
-
-    /// Read the configuration through `lookup` (variable name -> value).
-    pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
+    /// Read the configuration through `lookup` (variable name -> value), given what the launcher's variables
+    /// said (`launch::env::detect`; `None`: no launcher other than rvodrun, or none at all). `launch` has the
+    /// function that does both from the process environment.
+    pub fn from_lookup(
+        lookup: impl Fn(&str) -> Option<String>,
+        launched: Option<LaunchEnv>,
+    ) -> Result<Config, ConfigError> {
         let env = EnvReader { lookup };
-        let launched = crate::launch::env::detect(&env.lookup)?;
         // RVOD_SIZE marks a job rvodrun started (its store is served outside the ranks); what a launcher
         // says only fills in what the RVOD_* variables leave unset.
         let rvodrun_job = env.raw("SIZE").is_some();
@@ -314,7 +301,7 @@ impl Config {
             cross_rank: env.usize("CROSS_RANK", cross.map_or(0, |c| c.0))?,
             cross_size: env.usize("CROSS_SIZE", cross.map_or(1, |c| c.1))?.max(1),
             hostname: env.string("HOSTNAME").unwrap_or_else(|| match &launched {
-                Some(l) => l.hostname.clone().unwrap_or_else(crate::launch::env::system_hostname),
+                Some(l) => l.hostname.clone().unwrap_or_else(crate::launched::system_hostname),
                 None => "localhost".to_string(),
             }),
         };
@@ -484,7 +471,7 @@ fn secret<F: Fn(&str) -> Option<String>>(env: &EnvReader<F>) -> Result<Option<(V
         return Ok(Some((decode_hex(&name, &value)?, name)).filter(|(secret, _)| !secret.is_empty()));
     }
     let Some((name, path)) = env.raw("SECRET_FILE") else { return Ok(None) };
-    let secret = crate::launch::private_file::read_secret(std::path::Path::new(&path))
+    let secret = crate::private_file::read_secret(std::path::Path::new(&path))
         .map_err(|reason| EnvReader::<F>::error(name.clone(), path, &reason))?;
     Ok(Some((secret, name)))
 }
@@ -575,7 +562,7 @@ mod tests {
 
     fn config(vars: &[(&str, &str)]) -> Result<Config, ConfigError> {
         let map: HashMap<String, String> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
-        Config::from_lookup(move |name| map.get(name).cloned())
+        Config::from_lookup(move |name| map.get(name).cloned(), None)
     }
 
     #[test]

@@ -5,8 +5,10 @@
 //! collectives are ready everywhere ([`coordinator`], over the messages of [`protocol`]), packs compatible ones together ([`fusion`]), runs
 //! the collective algorithms ([`ring`]) over a [`transport`] (TCP between processes, an in-memory one for
 //! tests), and completes the caller's handle with the result or a precise error ([`error`]).
-//! Every knob is read once into a [`config::Config`]. Jobs that mpirun, srun or torchrun started (not
-//! rvodrun) meet through [`launch`]: rank 0 serves the rendezvous store. With `RVOD_AUTOTUNE`, rank 0
+//! Every knob is read once into a [`config::Config`], given what [`launch`] detected about the launcher (the
+//! plain data of how a rank joins its job is in [`launched`]; 0600 files of this user in [`private_file`]).
+//! Jobs that mpirun, srun or torchrun started (not rvodrun) meet through [`launch`]: rank 0 serves the
+//! rendezvous store. With `RVOD_AUTOTUNE`, rank 0
 //! tunes the fusion threshold, cycle time and categorical knobs while the job runs ([`autotune`]). GPU
 //! libraries are loaded at run time and GPU tensors are refused for now; the GPU path's parts are in [`gpu`].
 //! Beneath them: [`types`] (dtypes, reduce ops, collective kinds), [`tensor`] and [`memory`] (tensor views and
@@ -14,7 +16,7 @@
 //! engine, [`timeline`] records what each op did and when (`RVOD_TIMELINE`).
 //!
 //! The layers, bottom to top (a module uses only its own layer or lower ones; `tests/python/test_rust_layers.py`
-//! checks it): base (`types`, `tensor`, `memory`, `error`, `config`, `exit_signals`), wire (`protocol`, `transport`), work
+//! checks it): base (`types`, `tensor`, `memory`, `error`, `launched`, `private_file`, `config`, `exit_signals`), wire (`protocol`, `transport`), work
 //! (`ring`, `fusion`, `gpu`, `timeline`), decide (`coordinator`, `autotune`), run (`engine`, `launch`), bind (`py`).
 
 // No unwrap/expect where user input or a peer's bytes could reach them (DESIGN.md); tests may use them.
@@ -29,7 +31,9 @@ pub mod exit_signals;
 pub mod fusion;
 pub mod gpu;
 pub mod launch;
+pub mod launched;
 pub mod memory;
+pub mod private_file;
 pub mod protocol;
 pub mod ring;
 pub mod tensor;

@@ -65,7 +65,7 @@ fn on_hosts<R: Send>(hosts: &[usize], body: impl Fn(&mut dyn Transport) -> R + S
                     .into_iter()
                     .map(|(k, v)| (k.to_string(), v))
                     .collect();
-                    let config = Config::from_lookup(|name| vars.get(name).cloned()).unwrap();
+                    let config = Config::from_lookup(|name| vars.get(name).cloned(), None).unwrap();
                     let mut store = StoreClient::connect(server.addr(), SECRET, Duration::from_secs(10)).unwrap();
                     let mut t = connect_members(&config, Some(LOOPBACK), Some(&mut store), "world", members).unwrap();
                     body(t.as_mut())

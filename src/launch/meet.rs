@@ -5,7 +5,7 @@
 //! 1. over MPI (mpi4py importable, or `hvd.init(comm=...)`): rank 0 broadcasts its addresses, port and a
 //!    fresh secret ([`Offer`]);
 //! 2. one host (the launcher says so) and no `RVOD_RENDEZVOUS_ADDR`: rank 0 writes its port and a fresh
-//!    secret to a private 0600 file ([`super::private_file`]) that the other ranks on the host read;
+//!    secret to a private 0600 file ([`crate::private_file`]) that the other ranks on the host read;
 //! 3. an address: `RVOD_RENDEZVOUS_ADDR`, torchrun's `MASTER_ADDR` or the first host of Slurm's node list,
 //!    on `RVOD_RENDEZVOUS_PORT`, `MASTER_PORT + 1` or a port derived from the Slurm job id; the secret comes
 //!    from `RVOD_SECRET` / `RVOD_SECRET_FILE`. Without one this is refused unless `RVOD_INSECURE_RENDEZVOUS`
@@ -18,10 +18,11 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs, UdpSocket};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use super::env::{LaunchPlan, Launcher};
-use super::private_file;
-use crate::config::{BindAddress, Config, Rendezvous};
+use crate::config::{Config, Rendezvous};
 use crate::error::EngineError;
+use crate::launched::BindAddress;
+use crate::launched::{LaunchPlan, Launcher};
+use crate::private_file;
 use crate::transport::rendezvous::{RendezvousServer, StoreClient};
 
 /// Secret of a job run with `RVOD_INSECURE_RENDEZVOUS`: public, so it authenticates nobody.
@@ -242,7 +243,7 @@ fn advertised(iface: Option<IpAddr>, one_host: bool) -> Vec<String> {
         return vec![Ipv4Addr::LOCALHOST.to_string()];
     }
     let mut addrs = local_ipv4_addresses(&std::fs::read_to_string("/proc/net/fib_trie").unwrap_or_default());
-    addrs.push(super::env::system_hostname());
+    addrs.push(crate::launched::system_hostname());
     addrs.push(Ipv4Addr::LOCALHOST.to_string());
     addrs
 }
@@ -588,14 +589,14 @@ mod tests {
             secret: None,
             insecure: false,
             iface_addr: None,
-            data_bind: crate::config::BindAddress::Auto,
+            data_bind: crate::launched::BindAddress::Auto,
             local_known,
             cross_known,
         }
     }
 
     fn topology_of(rank: usize, peers: &[Peer], plan: &LaunchPlan) -> (usize, usize, usize, usize) {
-        let mut config = Config::from_lookup(|_| None).unwrap();
+        let mut config = Config::from_lookup(|_| None, None).unwrap();
         config.topology.rank = rank;
         config.topology.size = peers.len();
         if plan.local_known {
@@ -620,7 +621,7 @@ mod tests {
     #[test]
     fn launcher_local_ranks_are_kept() {
         let peers = [peer("a", Some(1)), peer("a", Some(0)), peer("b", Some(0))];
-        let mut config = Config::from_lookup(|_| None).unwrap();
+        let mut config = Config::from_lookup(|_| None, None).unwrap();
         config.topology.rank = 0;
         config.topology.size = 3;
         config.topology.local_rank = 1;

@@ -1,9 +1,9 @@
 //! Jobs started by a cluster's own launcher (Open MPI's mpirun, MPICH / Intel MPI's hydra, Slurm's srun,
 //! PyTorch's torchrun) instead of rvodrun.
 //!
-//! - [`env`]: what each launcher's environment says about this rank (read by `Config::from_lookup`).
+//! - [`env`]: what each launcher's environment says about this rank ([`config_from_env`] hands it to
+//!   `Config::from_lookup`; the types it fills are in `crate::launched`).
 //! - [`slurm`]: Slurm's compressed host lists (`node[01-03,07]`) and task counts (`2(x3),1`).
-//! - [`private_file`]: the 0600 file through which the ranks of a one-host job learn rank 0's store.
 //! - [`meet`]: rank 0 serves the rendezvous store; every rank finds it, authenticates, and learns what the
 //!   launcher did not say about the topology.
 //!
@@ -12,13 +12,23 @@
 
 pub mod env;
 pub mod meet;
-pub mod private_file;
 pub mod slurm;
 
-pub use env::{LaunchEnv, LaunchPlan, Launcher};
-
-use crate::config::Config;
+use crate::config::{Config, ConfigError};
 use crate::error::EngineError;
+use crate::launched::{LaunchPlan, Launcher};
+
+/// The engine's configuration from the process environment, with what the launcher's variables say.
+pub fn config_from_env() -> Result<Config, ConfigError> {
+    config_from_lookup(|name| std::env::var(name).ok())
+}
+
+/// The configuration through `lookup` (variable name -> value): the launcher is detected from the same
+/// variables and its findings handed to [`Config::from_lookup`].
+pub fn config_from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
+    let launched = env::detect(&lookup)?;
+    Config::from_lookup(lookup, launched)
+}
 
 /// `hvd.init(comm=...)` with an mpi4py communicator: the job is the communicator's ranks (this is `rank` of
 /// `size`), whatever the launcher's variables say about the world; which host each rank runs on is learnt
@@ -64,7 +74,7 @@ pub fn for_communicator(mut config: Config, rank: usize, size: usize) -> Result<
             secret: None,
             insecure: false,
             iface_addr: None,
-            data_bind: crate::config::BindAddress::Auto,
+            data_bind: crate::launched::BindAddress::Auto,
             local_known: false,
             cross_known: false,
         },
@@ -80,7 +90,7 @@ mod tests {
 
     fn config(vars: &[(&str, String)]) -> Result<Config, crate::config::ConfigError> {
         let map: HashMap<String, String> = vars.iter().map(|(k, v)| (k.to_string(), v.clone())).collect();
-        Config::from_lookup(move |name| map.get(name).cloned())
+        config_from_lookup(move |name| map.get(name).cloned())
     }
 
     fn ompi(rank: usize, size: usize) -> Vec<(&'static str, String)> {
@@ -182,7 +192,7 @@ mod tests {
         let rendezvous: Vec<_> = met.iter().map(|c| c.rendezvous.clone().unwrap()).collect();
         assert!(rendezvous.iter().all(|r| r == &rendezvous[0]), "{rendezvous:?}");
         assert_eq!(rendezvous[0].addr, "127.0.0.1");
-        assert_eq!(rendezvous[0].bind, crate::config::BindAddress::Explicit(std::net::Ipv4Addr::LOCALHOST.into()));
+        assert_eq!(rendezvous[0].bind, crate::launched::BindAddress::Explicit(std::net::Ipv4Addr::LOCALHOST.into()));
         assert_eq!(rendezvous[0].secret.len(), 32, "a fresh secret");
     }
 

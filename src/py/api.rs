@@ -12,7 +12,6 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
 use pyo3::IntoPyObjectExt;
 
-use crate::config::Config;
 use crate::coordinator::message_table::BARRIER_NAME;
 use crate::coordinator::negotiation::EAGER_TENSOR_BYTES;
 use crate::engine::fast_lane::SmallOp;
@@ -110,7 +109,7 @@ pub(crate) fn init_logging(level: &str, hide_time: bool) {
 /// `init` reports that).
 #[pyfunction]
 pub fn launcher() -> Option<(&'static str, usize, usize)> {
-    let config = Config::from_env().ok()?;
+    let config = crate::launch::config_from_env().ok()?;
     let launcher = meet::launcher(&config)?;
     Some((launcher.id(), config.topology.rank, config.topology.size))
 }
@@ -133,7 +132,7 @@ pub fn init(
         return Ok(());
     }
     init_logging(&crate::config::log_level_from_env(), crate::config::log_hide_time_from_env());
-    let mut config = Config::from_env().map_err(|e| to_py_err(EngineError::Config(e.to_string())))?;
+    let mut config = crate::launch::config_from_env().map_err(|e| to_py_err(EngineError::Config(e.to_string())))?;
     config.dynamic_process_sets |= dynamic_process_sets;
     let bcast = match mpi {
         Some((rank, size, bcast)) => {

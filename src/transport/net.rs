@@ -10,7 +10,7 @@ use std::ffi::CStr;
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, UdpSocket};
 
-use crate::config::BindAddress;
+use crate::launched::BindAddress;
 
 /// The address to bind to and a sentence saying why it was chosen; `Err` names what was wrong.
 pub fn choose_bind_address(bind: &BindAddress, rendezvous: SocketAddr) -> Result<(IpAddr, String), String> {

@@ -66,7 +66,7 @@ pub fn start_job_with_sets(n: usize, extra: &[(&str, &str)], sets: &[Vec<usize>]
             }
             let sets = sets.to_vec();
             std::thread::spawn(move || {
-                let config = Config::from_lookup(|k| vars.get(k).cloned()).unwrap();
+                let config = Config::from_lookup(|k| vars.get(k).cloned(), None).unwrap();
                 Engine::start(config, 0, &sets).unwrap()
             })
         })
