@@ -117,3 +117,43 @@ def run_rvodrun(job_env: dict[str, str]) -> Callable[..., subprocess.CompletedPr
         return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
     return run
+
+
+# With CI set, a skip is a failure unless its reason is one of these: what CI can never have (a GPU), what
+# runs in an environment of its own (MXNet's, with NumPy 1), or what a built extension makes moot. Anything
+# else that skips there (ssh, mpirun, iproute2, network namespaces, Java, UCX, a Python package) means the
+# set-up scripts missed an install, and a green run would hide it.
+SKIPS_ALLOWED_IN_CI = (
+    "GPU", "CUDA", "NCCL", "MXNet", "NumPy 2 is covered", "rvod._rvod is built", "this rvod runs GPU collectives",
+)
+
+
+def _skip_reason(longrepr: object) -> str:
+    """A skip report's reason (pytest keeps it as (file, line, 'Skipped: reason'))."""
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        return str(longrepr[2]).removeprefix("Skipped: ")
+    return str(longrepr)
+
+
+def _skip_fails_in_ci(reason: str) -> bool:
+    return bool(os.environ.get("CI")) and not any(allowed in reason for allowed in SKIPS_ALLOWED_IN_CI)
+
+
+def _as_set_up_failure(report: pytest.TestReport | pytest.CollectReport) -> None:
+    reason = _skip_reason(report.longrepr)
+    if report.skipped and _skip_fails_in_ci(reason):
+        report.outcome = "failed"
+        report.longrepr = (f"skipped in CI, which means the set-up missed something: {reason} "
+                           "(scripts/setup-system.sh and scripts/run-tests.sh install everything the tests need)")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    _as_set_up_failure(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
+    outcome = yield
+    _as_set_up_failure(outcome.get_result())
