@@ -177,3 +177,32 @@ def split_params(joined, layout, ops, per_element):
             state[key] = ops.cat(parts) if parts else ops.zeros(value, 0)
         states.append(state)
     return states
+
+
+def buddy_of(rank, size):
+    """The rank that keeps a copy of ``rank``'s slice (elastic commits): the next one, round the ring."""
+    return (rank + 1) % size
+
+
+def gather_held(held_by_rank):
+    """From what every rank of a new world holds (a list, in rank order, of ``{old rank: (layout
+    description with the number of its ``"commit"``, shard states)}``: its own slice of the last commit and its
+    buddy copy), the slices of rank 0's last commit, in old-rank order (a rank that joined since holds only
+    a fresh slice of another commit, which does not count). Raises RuntimeError naming the old ranks whose
+    slice and buddy copy were both lost."""
+    commits = {(d["size"], d["commit"]) for d, _ in held_by_rank[0].values()}
+    if len(commits) != 1:
+        raise RuntimeError("rank 0 holds optimizer slices of different commits")
+    size, commit = commits.pop()
+    merged = {}
+    for held in held_by_rank:
+        for old_rank, (description, states) in held.items():
+            if (description["size"], description["commit"]) == (size, commit) and old_rank not in merged:
+                merged[old_rank] = (description, states)
+    missing = [r for r in range(size) if r not in merged]
+    if missing:
+        lost = ", ".join(f"rank {r} and its buddy rank {buddy_of(r, size)}" for r in missing)
+        raise RuntimeError(f"the sharded optimizer state of the last commit is lost: {lost} of the {size}-rank world "
+                           "died together, and no other rank keeps their slices; go back to the last "
+                           "consolidated checkpoint (consolidate_state_dict() saved with torch.save)")
+    return [merged[r] for r in range(size)]

@@ -71,16 +71,19 @@ class _ShardedOptimizer:
     it reuses, reducing into shards) and the wrapped optimizer's class; see the module docstring."""
 
     def _shard(self):
-        """Replace the parameters of the groups by this rank's shards; the model's parameters stay in
-        ``self._model_params`` (index -> parameter, the positions of a plain optimizer's state dict)."""
+        """Replace the parameters of the groups by this rank's shards, for the current world (again after an
+        elastic reset; the state starts empty); the model's parameters stay in ``self._model_params`` (index
+        -> parameter, the positions of a plain optimizer's state dict)."""
         included = self._process_set.included()
         size = self._process_set.size() if included else 1
         rank = self._process_set.rank() if included else 0
+        if not hasattr(self, "_model_groups"):
+            self._model_groups = [list(group["params"]) for group in self.param_groups]
         self._model_params, params = {}, []
-        self._group_sizes = [len(group["params"]) for group in self.param_groups]
+        self._group_sizes = [len(group) for group in self._model_groups]
         index = 0
-        for g, group in enumerate(self.param_groups):
-            for p in group["params"]:
+        for g, group in enumerate(self._model_groups):
+            for p in group:
                 self._model_params[index] = p
                 if p.requires_grad:
                     params.append(Param(index, g, p.numel(), str(p.dtype).removeprefix("torch.")))
