@@ -106,6 +106,21 @@ def test_killed_worker_training_goes_on_from_the_commit_with_every_sample_once(j
     assert "worker 2 (rank 1 on 127.0.0.1) was killed by signal SIGKILL; host 127.0.0.1 is blacklisted" in job.stderr
 
 
+@pytest.mark.timeout(180)
+def test_killed_worker_sharded_optimizer_state_comes_back_from_buddy_copies(job_env, tmp_path):
+    """(a) with DistributedOptimizer(sharded=True): the killed rank's slice of the momentum comes back from
+    its buddy copy; the new world of 2 starts from exactly the state consolidated at the last commit."""
+    job = ElasticJob(job_env, tmp_path, "".join(f"{host}:1\n" for host in HOSTS), ["--min-np", "2"],
+                     ELASTIC_KILL="1:1:5", ELASTIC_SHARDED="1")
+    assert job.finish(150) == 0, job.report()
+    assert_every_sample_once_per_epoch(tmp_path, 3, 24)
+    worlds = assert_worlds_start_in_step(tmp_path)
+    assert sorted(worlds) == [1, 2] and worlds[2][0]["size"] == 2
+    last = [c for c in read(tmp_path, "commits.jsonl") if c["round"] == 1][-1]
+    assert (last["epoch"], last["batch"]) == (1, 0)
+    assert {s["optimizer"] for s in worlds[2]} == {last["optimizer"]} and last["optimizer"] != 0.0
+
+
 def progressed(entry: dict) -> bool:
     return entry["batch"] >= 2
 

@@ -75,10 +75,15 @@ def broadcast_optimizer_state(optimizer, root_rank, model=None):
     layout. A fresh optimizer (on any rank) first gets its state from one step on zero gradients, which
     leaves a zero gradient on every trainable parameter that had none, as Horovod does.
     ``model`` is accepted for Horovod compatibility; state is matched by position in the parameter
-    groups, so it is not needed.
+    groups, so it is not needed. A sharded optimizer (each rank owning a slice of the state) takes the
+    root's group options, and its slices of a consolidated state dict loaded on the root alone.
     """
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
+    sharded = getattr(optimizer, "_broadcast_state", None)  # DistributedOptimizer(sharded=True): its own way
+    if sharded is not None:
+        sharded(root_rank)
+        return
     if not optimizer.state:
         _initialize_state(optimizer)
     layout = _layout(optimizer) if rank() == root_rank else None

@@ -13,7 +13,8 @@ as dense tensors instead and handed back to the optimizer sparse.
 The object returned is an instance of a subclass of the wrapped optimizer's class with the same name,
 sharing its parameter groups and state, so ``isinstance`` checks, ``state_dict()`` and learning-rate
 schedulers keep working. With ``op=Adasum`` on more than one rank the subclass mixes in
-``rvod.torch.adasum_optimizer`` instead, which combines parameter updates rather than gradients.
+``rvod.torch.adasum_optimizer`` instead, which combines parameter updates rather than gradients; with
+``sharded=True`` it mixes in ``rvod.torch.sharded_optimizer`` too, which shards the optimizer state.
 """
 
 import contextlib
@@ -30,6 +31,7 @@ from rvod.torch.adasum_optimizer import _DistributedAdasumOptimizer
 from rvod.torch.compression import Compression
 from rvod.torch.functions import broadcast_object
 from rvod.torch.mpi_ops import allreduce_async_, grouped_allreduce_async_, sparse_allreduce_async, synchronize
+from rvod.torch.sharded_optimizer import _ShardedOptimizer, refuse_unshardable
 
 _STEP_AFTER_SYNCHRONIZE = (
     "optimizer.step() called without optimizer.skip_synchronize() context after optimizer.synchronize(). "
@@ -286,9 +288,10 @@ def _parameters(names):
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none, backward_passes_per_step=1,
                          op=Average, gradient_predivide_factor=1.0, num_groups=0, groups=None,
-                         sparse_as_dense=False, process_set=global_process_set):
+                         sparse_as_dense=False, process_set=global_process_set, sharded=False):
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged (``op``) across the ranks of
-    ``process_set``. See the module docstring; arguments are Horovod's, checked by ``rvod.common.gradients``."""
+    ``process_set``. See the module docstring; arguments are Horovod's, checked by ``rvod.common.gradients``,
+    and ``sharded=True`` shards the optimizer state across the ranks (``rvod.torch.sharded_optimizer``)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
     refuse_rewrapping(optimizer, (_DistributedOptimizer, _DistributedAdasumOptimizer))
@@ -297,9 +300,12 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                           variables=_parameters(names))
     check_backward_passes_per_step(backward_passes_per_step)
     registered_id(process_set)
+    if sharded:
+        refuse_unshardable(optimizer, reduction.op == Adasum)
     adasum = reduction.op == Adasum and size() > 1
-    mixin = _DistributedAdasumOptimizer if adasum else _DistributedOptimizer
-    cls = type(type(optimizer).__name__, (mixin, type(optimizer)), {})
+    mixins = ((_DistributedAdasumOptimizer,) if adasum else
+              (_ShardedOptimizer, _DistributedOptimizer) if sharded else (_DistributedOptimizer,))
+    cls = type(type(optimizer).__name__, (*mixins, type(optimizer)), {})
     distributed = cls.__new__(cls)
     # Share the wrapped optimizer's groups, state and hooks; instance-level wrappers of methods (an LR
     # scheduler wraps `step`) would bypass the reduction, so those stay behind.
@@ -309,4 +315,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         distributed._setup(names, compression, backward_passes_per_step, process_set)
     else:
         distributed._setup(names, compression, backward_passes_per_step, reduction, sparse_as_dense, process_set)
+    if sharded:
+        whole = optimizer.state_dict() if optimizer.state else None
+        distributed._shard()
+        if whole is not None:  # state the wrapped optimizer already had: this rank keeps its shards of it
+            distributed._load_whole(whole)
     return distributed

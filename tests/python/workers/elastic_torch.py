@@ -8,7 +8,9 @@ synchronised): its world, rank, size, host, epoch, batch and a checksum of its p
 to "round:rank:steps[,...]" the rank so placed kills itself with SIGKILL after that many steps in that world,
 after writing the time to OUT/kills.jsonl; with ELASTIC_KILL_AT_INIT="round:rank[,...]" the rank so placed
 kills itself as it joins that world, after every worker of it was ready but before its engine starts.
-Calls of state.restore() are logged to OUT/restores.jsonl.
+Calls of state.restore() are logged to OUT/restores.jsonl. With ELASTIC_SHARDED=1 the optimizer is a sharded
+SGD with momentum, and a checksum of its consolidated state is added to every start and logged by rank 0 at
+every commit to OUT/commits.jsonl.
 """
 
 import json
@@ -64,8 +66,9 @@ torch.set_num_threads(1)
 hvd.init()
 dataset = Samples()
 model = torch.nn.Linear(4, 1)
-optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
-                                     named_parameters=model.named_parameters())
+SHARDED = os.environ.get("ELASTIC_SHARDED") == "1"
+optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9 if SHARDED else 0),
+                                     named_parameters=model.named_parameters(), sharded=SHARDED)
 sampler = hvd.elastic.ElasticSampler(dataset, shuffle=True, seed=1)
 state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, batch=0,
                                counter=torch.zeros(NUM_SAMPLES))
@@ -85,6 +88,15 @@ def checksum():
     return float(sum(p.detach().double().sum() for p in model.parameters()))
 
 
+def optimizer_checksum():
+    """Of the consolidated state of the sharded optimizer (collective); None for a plain one."""
+    if not SHARDED:
+        return None
+    whole = optimizer.consolidate_state_dict(to=None)
+    return float(sum(v.double().sum() for entry in whole["state"].values() for v in entry.values()
+                     if torch.is_tensor(v)))
+
+
 def world():
     return int(os.environ.get("RVOD_ELASTIC_ROUND", "0"))
 
@@ -93,7 +105,8 @@ def world():
 def train(state):
     record("starts.jsonl", round=world(), rank=hvd.rank(), size=hvd.size(), host=os.environ.get("RVOD_HOSTNAME"),
            epoch=state.epoch, batch=state.batch,
-           params=checksum(), processed=len(sampler.processed_indices), counted=float(state.counter.sum()))
+           params=checksum(), processed=len(sampler.processed_indices), counted=float(state.counter.sum()),
+           optimizer=optimizer_checksum())
     steps = 0
     while state.epoch < EPOCHS:
         loader = torch.utils.data.DataLoader(dataset, batch_size=BATCH, sampler=sampler)
@@ -114,14 +127,20 @@ def train(state):
             if state.batch % COMMIT_EVERY == 0:
                 if hvd.rank() == 0:
                     record("progress.jsonl", round=world(), size=hvd.size(), epoch=state.epoch, batch=state.batch)
+                committed = optimizer_checksum()
                 state.commit()
+                if hvd.rank() == 0 and SHARDED:
+                    record("commits.jsonl", round=world(), epoch=state.epoch, batch=state.batch, optimizer=committed)
         if hvd.rank() == 0:
             record("epochs.jsonl", epoch=state.epoch, counts=state.counter.tolist(), size=hvd.size())
         state.epoch += 1
         state.batch = 0
         state.counter = torch.zeros(NUM_SAMPLES)
         sampler.set_epoch(state.epoch)
+        committed = optimizer_checksum()
         state.commit()
+        if hvd.rank() == 0 and SHARDED:
+            record("commits.jsonl", round=world(), epoch=state.epoch, batch=state.batch, optimizer=committed)
 
 
 train(state)

@@ -1,13 +1,18 @@
-"""``TorchState``: a model, an optimizer, samplers and named objects, committed and restored together."""
+"""``TorchState``: a model, an optimizer, samplers and named objects, committed and restored together.
+
+A sharded ``DistributedOptimizer`` is committed as this rank's slice plus a buddy copy of another rank's,
+and resharded for the new world at ``sync()`` (``_ShardedOptimizerHandler``)."""
 
 import copy
+import io
 
 import torch
 
 from rvod.common.elastic import ObjectState
+from rvod.common.sharding import buddy_of, gather_held
 from rvod.torch.elastic.sampler import ElasticSampler
-from rvod.torch.functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
-from rvod.torch.mpi_ops import rank
+from rvod.torch.functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from rvod.torch.mpi_ops import alltoall, rank, size
 
 
 class _Handler:
@@ -48,6 +53,61 @@ class _OptimizerHandler(_StateDictHandler):
             forget()
 
 
+class _ShardedOptimizerHandler(_OptimizerHandler):
+    """A ``DistributedOptimizer(sharded=True)``: a commit keeps this rank's slice of the state and a copy of
+    the previous rank's (its buddy copy, received at the commit), both in memory. ``sync()`` (after a reset,
+    in the new world) lays the optimizer out for the new size and gives every rank its slice of the state
+    rank 0 committed, gathered from whoever holds each old slice; it raises, naming them, when a slice and
+    its buddy copy were both lost."""
+
+    def __init__(self, value):
+        self.value = value
+        self._commits = 0
+        self._held = self._own()  # at construction ranks are not in step: no exchange
+
+    def set_value(self, value):
+        self.value = value
+        self._held = self._own()
+
+    def _own(self):
+        layout = self.value._layout
+        return {layout.rank: ({**layout.describe(), "commit": self._commits},
+                              copy.deepcopy(self.value._shard_states()))}
+
+    def save(self):
+        self._commits += 1
+        self._held = self._own()
+        layout = self.value._layout
+        if layout.size > 1:
+            self._held[(layout.rank - 1) % layout.size] = _buddy_exchange(self._held[layout.rank], layout)
+
+    def restore(self):
+        """Nothing here: the world changes next, and ``sync()`` brings the committed slices back."""
+
+    def sync(self):
+        optimizer = self.value
+        options = broadcast_object([{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
+                                   0, name="elastic.sharded.options")
+        slices = gather_held(allgather_object(self._held, name="elastic.sharded.held"))
+        optimizer._shard()
+        optimizer._load_whole(optimizer._consolidated(slices))
+        for group, group_options in zip(optimizer.param_groups, options):
+            group.update(group_options)
+        self._commits = 0
+        self._held = self._own()
+
+
+def _buddy_exchange(own, layout):
+    """Send ``own`` to this rank's buddy; return what the rank whose buddy this one is sent."""
+    buffer = io.BytesIO()
+    torch.save(own, buffer)
+    payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+    splits = torch.zeros(size(), dtype=torch.int32)
+    splits[buddy_of(layout.rank, layout.size)] = payload.numel()
+    received, _ = alltoall(payload, splits=splits, name="elastic.sharded.buddy")
+    return torch.load(io.BytesIO(received.numpy().tobytes()), weights_only=False)
+
+
 class _SamplerHandler(_Handler):
     def save(self):
         self._saved = copy.deepcopy(self.value.state_dict())
@@ -66,7 +126,7 @@ def _handler_for(value):
     if isinstance(value, torch.nn.Module):
         return _ModelHandler(value)
     if isinstance(value, torch.optim.Optimizer):
-        return _OptimizerHandler(value)
+        return _ShardedOptimizerHandler(value) if hasattr(value, "_layout") else _OptimizerHandler(value)
     if isinstance(value, ElasticSampler):
         return _SamplerHandler(value)
     return None

@@ -1,0 +1,314 @@
+"""``DistributedOptimizer(..., sharded=True)``: optimizer state sharded across ranks (ZeRO-1/2).
+
+The layout is ``rvod.common.sharding``'s: each rank owns a balanced chunk of every trained parameter, and
+the wrapped optimizer's parameter groups hold, instead of the model's parameters, one flat *shard*
+parameter per (group, dtype) made of this rank's chunks, so its state (Adam's moments) is this rank's
+share only. The gradient hooks of ``DistributedOptimizer`` start a reducescatter of each gradient instead of
+an allreduce (same names, ops, scale factors, compression, groups, ``backward_passes_per_step``), and the
+model's gradient is dropped once it is sent (ZeRO-2: ``p.grad`` is None after ``synchronize()``; the
+reduced gradient of the owned chunk is the shard's ``.grad``). ``step()`` reads the shards from the
+parameters (so ``broadcast_parameters`` or loading a model state dict is seen), steps the wrapped optimizer
+on them, and allgathers the updated chunks into the parameters before it returns.
+
+Checkpoints: ``state_dict()`` is this rank's shard state plus the layout (under ``SHARDED_KEY``);
+``consolidate_state_dict(to=0)`` returns on rank ``to`` the state dict a plain optimizer of the wrapped
+class would have (``to=None``: on every rank); ``load_state_dict`` takes a consolidated dict, this rank's
+sharded dict, or the list of every rank's sharded dicts of a job of any size (resharded here).
+``broadcast_optimizer_state`` sends the group options and a consolidated dict loaded on the root only.
+
+The wrapped optimizer must update each element from that element's gradient and state alone (SGD, Adam,
+AdamW, RMSprop, Adagrad, ...); LBFGS, SparseAdam and Adafactor are refused, as is ``op=Adasum``.
+"""
+
+import collections
+
+import torch
+
+from rvod.common.sharding import SHARDED_KEY, Param, ShardLayout, StateOps, join_shards, split_params
+from rvod.torch.functions import allgather_object, broadcast_object
+from rvod.torch.mpi_ops import (grouped_allgather_async, grouped_reducescatter_async, rank, reducescatter_async,
+                                synchronize)
+
+_ELEMENTWISE_ONLY = ("the wrapped optimizer must update each element from its own gradient and state, as "
+                     "SGD, Adam and AdamW do")
+_REFUSED = {"LBFGS": "LBFGS evaluates the whole model in its step",
+            "SparseAdam": "SparseAdam takes sparse gradients, and sharded gradients are dense",
+            "Adafactor": "Adafactor factors its state by the rows and columns of whole parameters"}
+
+_OPS = StateOps(
+    is_per_element=lambda value, numel: torch.is_tensor(value) and value.dim() == 1 and value.numel() == numel,
+    flat_slice=lambda value, start, stop: value.reshape(-1)[start:stop],
+    cat=lambda values: torch.cat([v.reshape(-1) for v in values]),
+    zeros=lambda like, numel: torch.zeros(numel, dtype=like.dtype, device=like.device),
+)
+
+
+def refuse_unshardable(optimizer, op_is_adasum):
+    """Raise ValueError, with the reason, when ``optimizer`` or ``op`` cannot be sharded."""
+    if op_is_adasum:
+        raise ValueError("sharded=True does not take op=Adasum: Adasum combines whole parameter updates, and a "
+                         "rank of a sharded optimizer computes the update of its slice only")
+    for cls in type(optimizer).__mro__:
+        if cls.__name__ in _REFUSED and cls.__module__.startswith("torch.optim"):
+            raise ValueError(f"sharded=True cannot shard torch.optim.{cls.__name__}: {_REFUSED[cls.__name__]}; "
+                             + _ELEMENTWISE_ONLY)
+
+
+def _per_element(shapes):
+    """Whether a consolidated state value holds one entry per element of parameter ``index``: it has the
+    parameter's shape (a 0-d ``step`` of a 0-d parameter is shard-wide)."""
+
+    def per_element(index, key, value):
+        if not torch.is_tensor(value) or tuple(value.shape) != shapes[index]:
+            return False
+        return value.dim() > 0 or key != "step"
+
+    return per_element
+
+
+class _ShardedOptimizer:
+    """Mixed in before ``rvod.torch.optimizer._DistributedOptimizer`` (whose gradient hooks and bookkeeping
+    it reuses, reducing into shards) and the wrapped optimizer's class; see the module docstring."""
+
+    def _shard(self):
+        """Replace the parameters of the groups by this rank's shards, for the current world (again after an
+        elastic reset; the state starts empty); the model's parameters stay in ``self._model_params`` (index
+        -> parameter, the positions of a plain optimizer's state dict)."""
+        included = self._process_set.included()
+        size = self._process_set.size() if included else 1
+        rank = self._process_set.rank() if included else 0
+        if not hasattr(self, "_model_groups"):
+            self._model_groups = [list(group["params"]) for group in self.param_groups]
+        self._model_params, params = {}, []
+        self._group_sizes = [len(group) for group in self._model_groups]
+        index = 0
+        for g, group in enumerate(self._model_groups):
+            for p in group:
+                self._model_params[index] = p
+                if p.requires_grad:
+                    params.append(Param(index, g, p.numel(), str(p.dtype).removeprefix("torch.")))
+                index += 1
+        self._layout = ShardLayout(params, size, rank)
+        self._index_of = {p: i for i, p in self._model_params.items()}
+        self._shapes = {i: tuple(p.shape) for i, p in self._model_params.items()}
+        self._shards, self._grads, self._shard_of = [], [], {}
+        by_group = {g: [] for g in range(len(self.param_groups))}
+        with torch.no_grad():
+            for shard in self._layout.shards:
+                flat = torch.nn.Parameter(self._read_shard(shard, torch.empty(shard.numel, dtype=self._dtype(shard),
+                                                                              device=self._device(shard))))
+                for piece in shard.pieces:
+                    self._shard_of[self._model_params[piece.param.index]] = len(self._shards)
+                self._shards.append(flat)
+                self._grads.append(torch.zeros_like(flat))
+                by_group[shard.group].append(flat)
+        for g, group in enumerate(self.param_groups):
+            group["params"] = by_group[g]  # the same dicts: LR schedulers of the wrapped optimizer still apply
+        self.state = collections.defaultdict(dict)
+        self._loaded_whole = None  # a consolidated dict loaded here, until broadcast_optimizer_state sends it
+
+    def _dtype(self, shard):
+        return self._model_params[shard.pieces[0].param.index].dtype
+
+    def _device(self, shard):
+        return self._model_params[shard.pieces[0].param.index].device
+
+    def _read_shard(self, shard, out):
+        """Copy this rank's chunks of the parameters into ``out`` (the shard's flat tensor)."""
+        for piece in shard.pieces:
+            flat = self._model_params[piece.param.index].detach().reshape(-1)
+            out[piece.offset:piece.offset + piece.stop - piece.start].copy_(flat[piece.start:piece.stop])
+        return out
+
+    def _grad_view(self, p):
+        """The part of its shard's gradient buffer that receives ``p``'s reduced chunk."""
+        piece = self._layout.piece_of[self._index_of[p]]
+        s = self._shard_of[p]
+        return self._grads[s][piece.offset:piece.offset + piece.stop - piece.start]
+
+    # ------------------------------------------------------------------------ reduce-scatter the gradients
+
+    def _dense_flat(self, p):
+        grad = self._gradient(p)
+        if grad.is_sparse:
+            if not self._sparse_as_dense:
+                raise ValueError(f"sharded=True cannot shard the sparse gradient of {self._parameter_names[p]}: "
+                                 "its rows are spread over every rank's slice; pass sparse_as_dense=True")
+            grad = grad.to_dense()
+        p.grad = None  # ZeRO-2: the engine keeps what it sends alive until the reducescatter completes
+        return self._compression.compress(grad.reshape(-1))
+
+    def _alone(self):
+        return not self._process_set.included() or self._process_set.size() == 1
+
+    def _start_parameter(self, p):
+        compressed, context = self._dense_flat(p)
+        if self._alone():
+            return lambda: self._grad_view(p).copy_(self._compression.decompress(compressed, context))
+        handle = reducescatter_async(compressed, name=f"sharded.{self._parameter_names[p]}", op=self._op,
+                                     process_set=self._process_set, prescale_factor=self._scale[0],
+                                     postscale_factor=self._scale[1])
+
+        def finish():
+            self._grad_view(p).copy_(self._compression.decompress(synchronize(handle), context))
+
+        return finish
+
+    def _start_group(self, group):
+        members = [(p, *self._dense_flat(p)) for p in group]
+        if self._alone():
+            def finish_alone():
+                for p, compressed, context in members:
+                    self._grad_view(p).copy_(self._compression.decompress(compressed, context))
+
+            return finish_alone
+        handle = grouped_reducescatter_async([compressed for _, compressed, _ in members],
+                                             name=f"sharded.{self._parameter_names[group[0]]}", op=self._op,
+                                             process_set=self._process_set, prescale_factor=self._scale[0],
+                                             postscale_factor=self._scale[1])
+
+        def finish():
+            for (p, _, context), reduced in zip(members, synchronize(handle)):
+                self._grad_view(p).copy_(self._compression.decompress(reduced, context))
+
+        return finish
+
+    def synchronize(self):
+        """Finish reducing every gradient into the shards' ``.grad`` (the model's ``p.grad`` is dropped)."""
+        super().synchronize()
+        for flat, grad in zip(self._shards, self._grads):
+            flat.grad = grad
+
+    # ------------------------------------------------------------------------------- step and allgather
+
+    def step(self, closure=None):
+        with torch.no_grad():
+            for shard, flat in zip(self._layout.shards, self._shards):
+                self._read_shard(shard, flat.data)
+        loss = super().step(closure)
+        self._gather_parameters()
+        self._loaded_whole = None
+        return loss
+
+    def _gather_parameters(self):
+        """Allgather every parameter's updated chunks into it (one grouped allgather, fused by the engine)."""
+        pieces = [(self._model_params[piece.param.index], flat, piece)
+                  for shard, flat in zip(self._layout.shards, self._shards) for piece in shard.pieces]
+        chunks = [flat.detach()[piece.offset:piece.offset + piece.stop - piece.start] for _, flat, piece in pieces]
+        with torch.no_grad():
+            if self._alone():
+                gathered = chunks
+            elif pieces:
+                first = self._parameter_names[pieces[0][0]]
+                gathered = synchronize(grouped_allgather_async(chunks, name=f"sharded.parameters.{first}",
+                                                               process_set=self._process_set))
+            else:
+                gathered = []
+            for (p, _, _), flat in zip(pieces, gathered):
+                p.view(-1).copy_(flat) if p.is_contiguous() else p.copy_(flat.view(p.shape))
+
+    def zero_grad(self, set_to_none=True):
+        """Clear the model's gradients (accumulated ones between reductions) and the shards'."""
+        super().zero_grad(set_to_none)
+        for p in self._model_params.values():
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.detach_()
+                    p.grad.zero_()
+
+    # ------------------------------------------------------------------------------------- state dicts
+
+    def state_dict(self):
+        """This rank's shard state and the layout; ``consolidate_state_dict`` gives a plain optimizer's."""
+        sharded = super().state_dict()
+        sharded[SHARDED_KEY] = self._layout.describe()
+        return sharded
+
+    def _shard_states(self):
+        return [dict(self.state.get(flat, {})) for flat in self._shards]
+
+    def consolidate_state_dict(self, to=0):
+        """The state dict a plain optimizer of the wrapped class would have for the whole model, returned on
+        rank ``to`` (a global rank; None elsewhere), or on every rank when ``to`` is None. Collective: every
+        rank of the process set calls it."""
+        mine = (self._layout.describe(), self._shard_states())
+        everyone = [mine] if self._alone() else allgather_object(mine, name="sharded.consolidate",
+                                                                 process_set=self._process_set)
+        if to is not None and rank() != to:
+            return None
+        return self._consolidated(everyone)
+
+    def _consolidated(self, everyone):
+        layouts = [ShardLayout.from_description(description) for description, _ in everyone]
+        joined = join_shards(layouts, [states for _, states in everyone], _OPS)
+        state = {}
+        for index, entry in joined.items():
+            numel = self._model_params[index].numel()
+            # Per-element values come back flat (reshaped here); shard-wide ones are copied for each parameter.
+            state[index] = {key: (value.reshape(self._shapes[index]) if _OPS.is_per_element(value, numel)
+                                  else value.clone()) if torch.is_tensor(value) else value
+                            for key, value in entry.items()}
+        groups, index = [], 0
+        for group, count in zip(self.param_groups, self._group_sizes):
+            groups.append({**{k: v for k, v in group.items() if k != "params"},
+                           "params": list(range(index, index + count))})
+            index += count
+        return {"state": state, "param_groups": groups}
+
+    def _broadcast_state(self, root_rank):
+        """``broadcast_optimizer_state``: every rank takes the root's group options, and its shards of a
+        consolidated state dict loaded on the root alone (each rank's own shard state is its own)."""
+        sent = broadcast_object(([{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
+                                 self._loaded_whole) if rank() == root_rank else None,
+                                root_rank, name="sharded.optimizer_state")
+        options, whole = sent
+        if whole is not None:
+            self._load_whole(whole)
+        for group, group_options in zip(self.param_groups, options):
+            group.update(group_options)
+        self._loaded_whole = None
+
+    def load_state_dict(self, state_dict):
+        """Load a consolidated state dict (a plain optimizer's), this rank's sharded one, or the list of every
+        rank's sharded dicts of a job of any size, resharding it to this job."""
+        if isinstance(state_dict, (list, tuple)):
+            everyone = [(sd[SHARDED_KEY], _inner_states(sd)) for sd in state_dict]
+            return self._load_whole(self._consolidated(everyone))
+        if SHARDED_KEY in state_dict:
+            saved = ShardLayout.from_description(state_dict[SHARDED_KEY])
+            if saved.size != self._layout.size or saved.rank != self._layout.rank or \
+                    not saved.same_parameters(self._layout):
+                raise ValueError(f"this state dict is rank {saved.rank}'s shard of a sharded optimizer of "
+                                 f"{saved.size} ranks; this one is rank {self._layout.rank} of {self._layout.size}"
+                                 ": load the list of every rank's state_dict() (resharded here) or a "
+                                 "consolidated one (consolidate_state_dict())")
+            inner = {k: v for k, v in state_dict.items() if k != SHARDED_KEY}
+            return super().load_state_dict(inner)
+        self._load_whole(state_dict)
+        self._loaded_whole = state_dict
+
+    def _load_whole(self, whole):
+        """Load this rank's shards of a consolidated state dict."""
+        groups = whole["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"the state dict has {len(groups)} parameter groups, this optimizer "
+                             f"{len(self.param_groups)}")
+        joined = {int(index): entry for index, entry in whole["state"].items()}
+        states = split_params(joined, self._layout, _OPS, _per_element(self._shapes))
+        inner_state = {i: {key: value.clone() if torch.is_tensor(value) else value for key, value in state.items()}
+                       for i, state in enumerate(states) if state}
+        position, inner_groups = 0, []
+        for group, saved in zip(self.param_groups, groups):
+            count = len(group["params"])
+            inner_groups.append({**{k: v for k, v in saved.items() if k != "params"},
+                                 "params": list(range(position, position + count))})
+            position += count
+        super().load_state_dict({"state": inner_state, "param_groups": inner_groups})
+
+
+def _inner_states(sharded):
+    """The shard states of a sharded state dict, in shard order (``{}`` for a shard without state)."""
+    count = sum(len(group["params"]) for group in sharded["param_groups"])
+    return [dict(sharded["state"].get(i, {})) for i in range(count)]
