@@ -310,13 +310,14 @@ uint64_t si_enqueue(si_stream *s, void (*run)(void *), void *arg, si_stream *aft
         si_stream *l = legacy[s->device];
         if (l && l->completed < l->enqueued) deps[n++] = (struct dep){l, l->enqueued};
     }
-    *it = (struct item){.seq = ++s->enqueued, .ndeps = n, .deps = deps, .run = run, .arg = arg};
+    uint64_t seq = ++s->enqueued;
+    *it = (struct item){.seq = seq, .ndeps = n, .deps = deps, .run = run, .arg = arg};
     if (s->tail) s->tail->next = it;
     else s->head = it;
     s->tail = it;
     pthread_cond_broadcast(&si_progress);
     pthread_mutex_unlock(&si_lock);
-    return it->seq;
+    return seq; /* not it->seq: the worker may have run and freed `it` already */
 }
 
 /* Under si_lock: block until `s` has run its first `seq` items. */
