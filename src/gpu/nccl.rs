@@ -1,10 +1,11 @@
 //! NCCL, loaded at run time: version, communicators and the collectives rvod runs through them, and the
 //! words for NCCL's failures.
 //!
-//! **Not yet run on a GPU.** Loading and `ncclGetVersion` run in the tests (they need no driver); the
-//! communicator and collective wrappers are compiled and reviewed against nccl.h but have never executed.
-//! The pure parts (version text, dtype and op codes, error messages, the wait that turns a dead peer into
-//! an error instead of a hang) are unit-tested.
+//! **Not yet run on a GPU.** The wrappers are reviewed against nccl.h and run in CI against the GPU
+//! stand-in's NCCL (`tests/gpu_standin.rs`: communicators of threads and processes, every collective and
+//! type, groups, PreMulSum, duplicate GPU, injected errors, dead and aborting peers), which is not NCCL. The
+//! pure parts (version text, dtype and op codes, error messages, the wait that turns a dead peer into an
+//! error instead of a hang) are unit-tested.
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::path::PathBuf;
