@@ -1,10 +1,9 @@
 //! The CUDA runtime (libcudart), loaded at run time: the calls rvod makes, and [`CudaDevice`], the
 //! [`Device`] that host staging runs on a real GPU.
 //!
-//! **Not yet run on a GPU.** These wrappers are compiled and reviewed against the CUDA runtime API, and
-//! what runs without a driver (loading, `cudaRuntimeGetVersion`, `cudaDriverGetVersion`,
-//! `cudaGetDeviceCount`'s error, `cudaGetErrorString`) is exercised by the tests; the memory, stream and
-//! event calls have never executed on a device.
+//! **Not yet run on a GPU.** These wrappers are compiled and reviewed against the CUDA runtime API; every
+//! call here runs in CI against the GPU stand-in (`tests/gpu_standin.rs`: memory, copies, streams, events,
+//! errors in CUDA's words), which follows the runtime's documented behaviour but is not a device.
 //!
 //! Every call returns a `cudaError_t`; a non-zero one becomes a [`GpuError`] with the call, the device and
 //! CUDA's own name and text for the code.

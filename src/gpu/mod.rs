@@ -13,9 +13,15 @@
 //!   engine runs GPU collectives; nothing logs it yet).
 //! - [`bootstrap`]: a process set's members agree on the route over their own transport (and NCCL's unique id).
 //! - [`plan`]: the NCCL calls one agreed response takes on this rank, or why it goes through host staging.
-//! - `standin` (tests only): a CPU stand-in for a device, loaded the way the real libraries are.
-//! - [`cuda`], [`nccl`]: thin FFI wrappers over the loaded libraries. **Not yet run on a GPU**: they
-//!   are compiled, reviewed and their pure parts (error texts) unit-tested, but no test here has a device.
+//! - `standin` (unit tests only): an in-Rust stand-in for a [`device::Device`], whose streams run only when
+//!   waited for, for the staging logic's unit tests.
+//! - [`cuda`], [`nccl`]: thin FFI wrappers over the loaded libraries. **Not yet run on a GPU.** They run in
+//!   CI against the GPU stand-in (`tests/gpu_standin/`, a C library exporting the same CUDA runtime and NCCL
+//!   symbols on host memory, loaded through `RVOD_CUDA_LIBRARY` / `RVOD_NCCL_LIBRARY` like the real ones):
+//!   `tests/gpu_standin.rs` drives loading, device memory, copies, streams and events (a missing wait reads
+//!   stale bytes), out-of-memory and injected errors, every NCCL collective and type on 3 ranks,
+//!   send/receive groups, PreMulSum, the duplicate-GPU refusal, and a peer that aborts or dies (an error
+//!   through [`nccl::wait_or_abort`], never a hang), and [`staging`] on those devices in stream order.
 //!
 //! Status (issue 20): the engine does not yet execute collectives on GPU tensors; a CUDA tensor is refused
 //! at submission with the reason (no driver, no NCCL found and where it was looked for, or this). Requests

@@ -1,13 +1,15 @@
 //! NCCL, loaded at run time: version, communicators and the collectives rvod runs through them, and the
 //! words for NCCL's failures.
 //!
-//! **Not yet run on a GPU.** Loading and `ncclGetVersion` run in the tests (they need no driver); the
-//! communicator and collective wrappers are compiled and reviewed against nccl.h but have never executed.
-//! The pure parts (version text, dtype and op codes, error messages, the wait that turns a dead peer into
-//! an error instead of a hang) are unit-tested.
+//! **Not yet run on a GPU.** The wrappers are reviewed against nccl.h and run in CI against the GPU
+//! stand-in's NCCL (`tests/gpu_standin.rs`: communicators of threads and processes, every collective and
+//! type, groups, PreMulSum, duplicate GPU, injected errors, dead and aborting peers), which is not NCCL. The
+//! pure parts (version text, dtype and op codes, error messages, the wait that turns a dead peer into an
+//! error instead of a hang) are unit-tested.
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::gpu::library::symbol;
@@ -125,15 +127,14 @@ impl Nccl {
         if status == SUCCESS {
             return Ok(());
         }
-        let last = match (self.f.get_last_error, comm) {
-            // SAFETY: a live communicator (or null, which NCCL accepts); returns a NUL-terminated string or null.
-            (Some(get), Some(comm)) => {
-                let text = unsafe { get(comm) };
-                // SAFETY: non-null: a NUL-terminated string owned by NCCL.
-                (!text.is_null()).then(|| unsafe { CStr::from_ptr(text) }.to_string_lossy().into_owned())
-            }
-            _ => None,
-        };
+        // Without a communicator (ncclCommInitRank, ncclGetUniqueId) NCCL's last error is asked with a null one:
+        // that is where "Duplicate GPU detected" and bootstrap failures are told.
+        let last = self.f.get_last_error.and_then(|get| {
+            // SAFETY: a live communicator or null, which NCCL accepts; returns a NUL-terminated string or null.
+            let text = unsafe { get(comm.unwrap_or(std::ptr::null_mut())) };
+            // SAFETY: non-null: a NUL-terminated string owned by NCCL.
+            (!text.is_null()).then(|| unsafe { CStr::from_ptr(text) }.to_string_lossy().into_owned())
+        });
         Err(error_message(call, status, &self.error_string(status), last.as_deref(), rank, device))
     }
 }
@@ -227,7 +228,9 @@ pub struct Communicator {
     pub rank: usize,
     pub size: usize,
     pub device: i32,
-    aborted: bool,
+    /// Set by [`Communicator::abort`], which takes `&self` so that a wait can poll the communicator and abort
+    /// it (see [`wait_or_abort`]).
+    aborted: AtomicBool,
 }
 
 // SAFETY: a communicator may be used from any one host thread at a time (rvod's engine thread).
@@ -246,7 +249,7 @@ impl Communicator {
         // SAFETY: a valid out-pointer; id is passed by value as the header declares.
         let status = unsafe { (nccl.f.comm_init_rank)(&mut comm, size as c_int, id, rank as c_int) };
         nccl.check(status, "ncclCommInitRank", None, rank, device)?;
-        Ok(Communicator { nccl, comm, rank, size, device, aborted: false })
+        Ok(Communicator { nccl, comm, rank, size, device, aborted: AtomicBool::new(false) })
     }
 
     fn check(&self, status: NcclStatus, call: &str) -> Result<(), String> {
@@ -331,29 +334,28 @@ impl Communicator {
         dtype: c_int,
         stream: RawStream,
     ) -> Result<(), String> {
+        self.group(|comm| {
+            for &(peer, addr, count) in sends {
+                // SAFETY: the caller's contract.
+                let status = unsafe { (comm.nccl.f.send)(addr as _, count, dtype, peer as c_int, comm.comm, stream) };
+                comm.check(status, "ncclSend")?;
+            }
+            for &(peer, addr, count) in recvs {
+                // SAFETY: the caller's contract.
+                let status = unsafe { (comm.nccl.f.recv)(addr as _, count, dtype, peer as c_int, comm.comm, stream) };
+                comm.check(status, "ncclRecv")?;
+            }
+            Ok(())
+        })
+    }
+
+    /// The NCCL calls `calls` makes, as one group (`ncclGroupStart` ... `ncclGroupEnd`): NCCL runs them
+    /// together, e.g. the broadcasts of an allgather with uneven first dimensions. The group is closed even
+    /// when a call fails (NCCL then fails the whole group).
+    pub fn group(&self, calls: impl FnOnce(&Self) -> Result<(), String>) -> Result<(), String> {
         // SAFETY: plain call; every group start is matched by the group end below.
         self.check(unsafe { (self.nccl.f.group_start)() }, "ncclGroupStart")?;
-        let mut result = Ok(());
-        for &(peer, addr, count) in sends {
-            // SAFETY: the caller's contract.
-            result = self.check(
-                unsafe { (self.nccl.f.send)(addr as _, count, dtype, peer as c_int, self.comm, stream) },
-                "ncclSend",
-            );
-            if result.is_err() {
-                break;
-            }
-        }
-        for &(peer, addr, count) in recvs {
-            if result.is_err() {
-                break;
-            }
-            // SAFETY: the caller's contract.
-            result = self.check(
-                unsafe { (self.nccl.f.recv)(addr as _, count, dtype, peer as c_int, self.comm, stream) },
-                "ncclRecv",
-            );
-        }
+        let result = calls(self);
         // SAFETY: closes the group opened above.
         let ended = self.check(unsafe { (self.nccl.f.group_end)() }, "ncclGroupEnd");
         result.and(ended)
@@ -394,9 +396,8 @@ impl Communicator {
     }
 
     /// `ncclCommAbort`: stop every operation of this communicator so no kernel waits forever for a dead peer.
-    pub fn abort(&mut self) {
-        if !self.aborted {
-            self.aborted = true;
+    pub fn abort(&self) {
+        if !self.aborted.swap(true, Ordering::SeqCst) {
             // SAFETY: a live communicator, aborted once.
             unsafe { (self.nccl.f.comm_abort)(self.comm) };
         }
@@ -433,7 +434,7 @@ pub fn scalar_bytes(factor: f64, dtype: DataType) -> Option<Vec<u8>> {
 
 impl Drop for Communicator {
     fn drop(&mut self) {
-        if !self.aborted {
+        if !self.aborted.load(Ordering::SeqCst) {
             // SAFETY: a live communicator, destroyed once.
             unsafe { (self.nccl.f.comm_destroy)(self.comm) };
         }
