@@ -102,7 +102,7 @@ fn integer_tensors_are_refused_with_their_name() {
     let (engines, _server) = start_job(1, &[]);
     let mut data = vec![0u8; 8];
     let mut sub = OpSubmission::new(CollectiveKind::Allreduce);
-    sub.reduce_op = ReduceOp::Adasum;
+    sub.params.reduce_op = ReduceOp::Adasum;
     sub.tensors.push(tensor("counts", &mut data, DataType::Int32, vec![2]));
     match engines[0].submit(sub, 0) {
         Err(EngineError::InvalidArgument(message)) => {

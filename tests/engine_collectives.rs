@@ -62,8 +62,8 @@ fn average_min_max_and_scaling() {
         let outs = on_every_rank(&engines, |rank, engine| {
             let mut data = f32_bytes(&[(rank + 1) as f32; 3]);
             let mut sub = allreduce("scaled", &mut data, 3, ReduceOp::Sum);
-            sub.prescale = 2.0;
-            sub.postscale = 0.5;
+            sub.params.prescale = 2.0;
+            sub.params.postscale = 0.5;
             let id = engine.submit(sub, 0).unwrap();
             wait(engine, id).unwrap()
         });
@@ -226,7 +226,7 @@ fn broadcast_allgather_alltoall_reducescatter_and_barrier() {
             let mut results = Vec::new();
             let mut b = f32_bytes(&[rank as f32; 3]);
             let mut sub = OpSubmission::new(CollectiveKind::Broadcast);
-            sub.root_rank = 2;
+            sub.params.root_rank = 2;
             sub.tensors.push(tensor("b", &mut b, DataType::Float32, vec![3]));
             results.push(wait(engine, engine.submit(sub, 0).unwrap()).unwrap());
 
@@ -238,7 +238,7 @@ fn broadcast_allgather_alltoall_reducescatter_and_barrier() {
 
             let mut a = f32_bytes(&[rank as f32; 6]);
             let mut sub = OpSubmission::new(CollectiveKind::Alltoall);
-            sub.splits = vec![1, 2, 3];
+            sub.params.splits = vec![1, 2, 3];
             sub.tensors.push(tensor("a", &mut a, DataType::Float32, vec![6]));
             results.push(wait(engine, engine.submit(sub, 0).unwrap()).unwrap());
 

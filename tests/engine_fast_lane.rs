@@ -13,6 +13,7 @@ use rvod::engine::fast_lane::{SmallOp, SmallOutcome};
 use rvod::engine::submission::{OpSubmission, TensorSubmission};
 use rvod::engine::Engine;
 use rvod::error::EngineError;
+use rvod::protocol::message::OpParams;
 use rvod::tensor::RawTensor;
 use rvod::types::{CollectiveKind, DataType, ReduceOp};
 
@@ -72,10 +73,10 @@ impl Small {
 
     fn submission(&mut self) -> OpSubmission {
         let mut sub = OpSubmission::new(self.kind);
-        sub.reduce_op = self.reduce_op;
-        sub.prescale = self.prescale;
-        sub.postscale = self.postscale;
-        sub.root_rank = self.root;
+        sub.params.reduce_op = self.reduce_op;
+        sub.params.prescale = self.prescale;
+        sub.params.postscale = self.postscale;
+        sub.params.root_rank = self.root;
         if self.kind != CollectiveKind::Barrier {
             let (name, dtype, shape, in_place, input) =
                 (self.name.to_string(), self.dtype, self.shape(), self.in_place, self.input());
@@ -98,20 +99,17 @@ enum Path {
 /// Run `op` as `_rvod.run` does: the fast lane first, the ordinary path if it does not take it. Returns the
 /// result bytes (the input's, in place) and the path.
 fn run(engine: &Engine, op: &mut Small) -> (Result<Vec<u8>, EngineError>, Path) {
-    let shape = op.shape();
     let mut out = vec![0u8; op.data.len()];
-    let small = SmallOp {
-        kind: op.kind,
-        name: op.name,
+    let params = OpParams {
         dtype: op.dtype,
-        shape: &shape,
-        input: op.input(),
-        in_place: op.in_place,
+        shape: op.shape(),
         reduce_op: op.reduce_op,
         prescale: op.prescale,
         postscale: op.postscale,
         root_rank: op.root,
+        ..OpParams::new(op.kind)
     };
+    let small = SmallOp { name: op.name, params, input: op.input(), in_place: op.in_place };
     let communicator = engine.fast_lane(0).expect("a member of the global set");
     let (handle, path) = match communicator.run_small(small, &mut out) {
         SmallOutcome::Done(result_len) => {
@@ -122,7 +120,7 @@ fn run(engine: &Engine, op: &mut Small) -> (Result<Vec<u8>, EngineError>, Path) 
         SmallOutcome::Failed(err) => return (Err(err), Path::FastLane),
         SmallOutcome::Queued(handle) => (handle, Path::Queued),
         SmallOutcome::NotRun(returned) => {
-            assert_eq!(returned.root_rank, op.root, "NotRun hands the op back as it came");
+            assert_eq!(returned.params.root_rank, op.root, "NotRun hands the op back as it came");
             match engine.submit_to_drive(op.submission(), 0) {
                 Ok((handle, communicator)) => {
                     communicator.drive(handle);

@@ -49,7 +49,7 @@ fn broadcast_root_is_a_global_rank_that_must_belong_to_the_set() {
             let rank = i + 1;
             let mut data = f32_bytes(&[rank as f32; 2]);
             let mut sub = OpSubmission::new(CollectiveKind::Broadcast);
-            sub.root_rank = 2;
+            sub.params.root_rank = 2;
             sub.tensors.push(tensor("b", &mut data, DataType::Float32, vec![2]));
             let id = engine.submit(sub, 1).unwrap();
             as_f32(wait(engine, id).unwrap().tensors[0].as_ref().unwrap().buffer.as_slice())
@@ -57,7 +57,7 @@ fn broadcast_root_is_a_global_rank_that_must_belong_to_the_set() {
         assert_eq!(results, vec![vec![2.0; 2], vec![2.0; 2]]);
         let mut data = f32_bytes(&[1.0]);
         let mut sub = OpSubmission::new(CollectiveKind::Broadcast);
-        sub.root_rank = 0;
+        sub.params.root_rank = 0;
         sub.tensors.push(tensor("b", &mut data, DataType::Float32, vec![1]));
         assert!(matches!(engines[1].submit(sub, 1), Err(EngineError::InvalidArgument(_))));
     });

@@ -1,7 +1,7 @@
 //! [`ResponseCache`]: responses negotiated before, so steady-state training skips the coordinator.
 //!
 //! Each cached entry is a single-tensor response plus the parameters this rank submitted it with
-//! ([`TensorParams`]), and owns a bit position: ranks exchange the bits of their cache hits, and a tensor
+//! ([`OpParams`]; a hit requires equal ones), and owns a bit position: ranks exchange the bits of their cache hits, and a tensor
 //! whose bit is set on every rank runs without a round trip to the coordinator.
 //!
 //! Determinism invariant: the bit assigned to each name depends only on the sequence of
@@ -24,110 +24,25 @@ use std::collections::{BTreeMap, BTreeSet};
 use rustc_hash::FxHashMap as HashMap;
 
 use crate::protocol::bitset::BitSet;
-use crate::protocol::message::{Request, Response, ResponseEntry};
-use crate::types::{CollectiveKind, DataType, ReduceOp};
+use crate::protocol::message::{OpParams, Request, Response, ResponseEntry};
+use crate::types::CollectiveKind;
 
-/// The parameters of a request that must all match for a cache hit.
-#[derive(Clone, Debug, PartialEq)]
-pub struct TensorParams {
-    pub kind: CollectiveKind,
-    pub dtype: DataType,
-    pub shape: Vec<i64>,
-    pub reduce_op: ReduceOp,
-    pub root_rank: i32,
-    pub prescale: f64,
-    pub postscale: f64,
-    pub splits: Vec<i64>,
-    pub parts: Vec<i64>,
-    pub device: i32,
-}
-
-impl TensorParams {
-    /// Parameters read off the response, for a rank that has no request of its own for the tensor
-    /// (it joined). If it later submits the tensor with other parameters, the lookup says invalid.
-    fn from_response(response: &Response, entry: &ResponseEntry) -> Self {
-        TensorParams {
-            kind: response.kind,
-            dtype: response.dtype,
-            shape: entry.shape.clone(),
-            reduce_op: response.reduce_op,
-            root_rank: response.root_rank,
-            prescale: response.prescale,
-            postscale: response.postscale,
-            splits: Vec::new(),
-            parts: Vec::new(),
-            // Responses do not carry devices: a joined rank that later submits a GPU tensor of this name
-            // misses the cache once and negotiates it.
-            device: crate::protocol::message::CPU_DEVICE,
-        }
-    }
-
-    fn matches(&self, req: &Request) -> bool {
-        self.matches_view(&ParamsView {
-            kind: req.kind,
-            dtype: req.dtype,
-            shape: &req.shape,
-            reduce_op: req.reduce_op,
-            root_rank: req.root_rank,
-            prescale: req.prescale,
-            postscale: req.postscale,
-            splits: &req.splits,
-            parts: &req.parts,
-            device: req.device,
-        })
-    }
-
-    fn matches_view(&self, v: &ParamsView<'_>) -> bool {
-        self.kind == v.kind
-            && self.dtype == v.dtype
-            && same_dims(&self.shape, v.shape)
-            && self.reduce_op == v.reduce_op
-            && self.root_rank == v.root_rank
-            && self.prescale == v.prescale
-            && self.postscale == v.postscale
-            && same_dims(&self.splits, v.splits)
-            && same_dims(&self.parts, v.parts)
-            && self.device == v.device
-    }
-}
-
-/// `a == b`, without calling `memcmp` on empty lists: glibc's AVX-512 `memcmp` reads through a masked load
-/// even for zero bytes, and at an empty `Vec`'s dangling address that costs a microcode assist (~150 ns,
-/// measured; a barrier's whole lookup is a few nanoseconds without it).
-fn same_dims(a: &[i64], b: &[i64]) -> bool {
-    a.len() == b.len() && (a.is_empty() || a == b)
-}
-
-/// A request's parameters, borrowed: what the fast lane (`engine::fast_lane`) looks up without building a
-/// [`Request`].
-#[derive(Clone, Copy, Debug)]
-pub struct ParamsView<'a> {
-    pub kind: CollectiveKind,
-    pub dtype: DataType,
-    pub shape: &'a [i64],
-    pub reduce_op: ReduceOp,
-    pub root_rank: i32,
-    pub prescale: f64,
-    pub postscale: f64,
-    pub splits: &'a [i64],
-    pub parts: &'a [i64],
-    pub device: i32,
-}
-
-impl From<&Request> for TensorParams {
-    fn from(req: &Request) -> Self {
-        TensorParams {
-            kind: req.kind,
-            dtype: req.dtype,
-            shape: req.shape.clone(),
-            reduce_op: req.reduce_op,
-            root_rank: req.root_rank,
-            prescale: req.prescale,
-            postscale: req.postscale,
-            splits: req.splits.clone(),
-            parts: req.parts.clone(),
-            device: req.device,
-        }
+/// Parameters read off the response, for a rank that has no request of its own for the tensor (it joined).
+/// If it later submits the tensor with other parameters, the lookup says invalid.
+fn params_of_response(response: &Response, entry: &ResponseEntry) -> OpParams {
+    OpParams {
+        kind: response.kind,
+        dtype: response.dtype,
+        shape: entry.shape.clone(),
+        reduce_op: response.reduce_op,
+        root_rank: response.root_rank,
+        prescale: response.prescale,
+        postscale: response.postscale,
+        splits: Vec::new(),
+        parts: Vec::new(),
+        // Responses do not carry devices: a joined rank that later submits a GPU tensor of this name
+        // misses the cache once and negotiates it.
+        device: crate::protocol::message::CPU_DEVICE,
     }
 }
 
@@ -144,7 +59,7 @@ pub enum CacheLookup {
 #[derive(Debug)]
 struct CachedResponse {
     response: Response,
-    params: TensorParams,
+    params: OpParams,
     /// Recency stamp; larger is more recent.
     stamp: u64,
 }
@@ -189,20 +104,17 @@ impl ResponseCache {
     }
 
     pub fn lookup(&self, req: &Request) -> CacheLookup {
-        self.lookup_by(&req.name, |params| params.matches(req))
+        self.lookup_params(&req.name, &req.params)
     }
 
-    /// [`lookup`](Self::lookup) of the tensor `name` submitted with `params`.
-    pub fn lookup_view(&self, name: &str, params: &ParamsView<'_>) -> CacheLookup {
-        self.lookup_by(name, |cached| cached.matches_view(params))
-    }
-
-    fn lookup_by(&self, name: &str, matches: impl FnOnce(&TensorParams) -> bool) -> CacheLookup {
+    /// [`lookup`](Self::lookup) of the tensor `name` submitted with `params`, without a [`Request`] (what
+    /// the fast lane, `engine::fast_lane`, looks up).
+    pub fn lookup_params(&self, name: &str, params: &OpParams) -> CacheLookup {
         let Some(&bit) = self.bits_by_name.get(name) else {
             return CacheLookup::Miss;
         };
         match self.slots.get(bit).and_then(Option::as_ref) {
-            Some(cached) if matches(&cached.params) => CacheLookup::Hit(bit),
+            Some(cached) if cached.params == *params => CacheLookup::Hit(bit),
             Some(_) => CacheLookup::Invalid(bit),
             None => CacheLookup::Miss,
         }
@@ -222,7 +134,7 @@ impl ResponseCache {
     /// order. `own_params` gives this rank's parameters for a tensor name (from its own request), or
     /// `None` if it submitted none (a joined rank). A name already cached keeps its bit and is refreshed.
     /// Responses of kinds that are not cached, and error responses, are ignored.
-    pub fn put(&mut self, response: &Response, mut own_params: impl FnMut(&str) -> Option<TensorParams>) {
+    pub fn put(&mut self, response: &Response, mut own_params: impl FnMut(&str) -> Option<OpParams>) {
         if self.capacity == 0 || !is_cacheable(response) {
             return;
         }
@@ -238,7 +150,7 @@ impl ResponseCache {
                 error: None,
                 last_joined_rank: response.last_joined_rank,
             };
-            let params = own_params(&entry.name).unwrap_or_else(|| TensorParams::from_response(response, entry));
+            let params = own_params(&entry.name).unwrap_or_else(|| params_of_response(response, entry));
             self.insert(single, params);
         }
     }
@@ -268,7 +180,7 @@ impl ResponseCache {
         self.free_bits.insert(bit);
     }
 
-    fn insert(&mut self, response: Response, params: TensorParams) {
+    fn insert(&mut self, response: Response, params: OpParams) {
         let Some(name) = response.entries.first().map(|entry| entry.name.clone()) else {
             return;
         };
@@ -348,6 +260,7 @@ mod tests {
     use super::*;
     use crate::coordinator::test_requests::allreduce_request;
     use crate::error::ErrorKind;
+    use crate::types::{DataType, ReduceOp};
     use proptest::prelude::*;
 
     fn request(name: &str, shape: Vec<i64>) -> Request {
@@ -366,7 +279,7 @@ mod tests {
 
     /// Caches `names` as one allreduce, with params as if this rank requested shape `[4]`.
     fn put_names(cache: &mut ResponseCache, names: &[&str]) {
-        cache.put(&response(CollectiveKind::Allreduce, names), |name| Some((&request(name, vec![4])).into()));
+        cache.put(&response(CollectiveKind::Allreduce, names), |name| Some(request(name, vec![4]).params));
     }
 
     fn bit_of(cache: &ResponseCache, name: &str) -> Option<usize> {
@@ -383,9 +296,10 @@ mod tests {
         assert_eq!(cache.lookup(&request("a", vec![4])), CacheLookup::Hit(0));
         assert_eq!(cache.lookup(&request("a", vec![5])), CacheLookup::Invalid(0));
         let mut other_op = request("a", vec![4]);
-        other_op.reduce_op = ReduceOp::Max;
+        other_op.params.reduce_op = ReduceOp::Max;
         assert_eq!(cache.lookup(&other_op), CacheLookup::Invalid(0));
-        let on_gpu = Request { device: 0, ..request("a", vec![4]) };
+        let mut on_gpu = request("a", vec![4]);
+        on_gpu.params.device = 0;
         assert_eq!(cache.lookup(&on_gpu), CacheLookup::Invalid(0), "a tensor that moved to a GPU is renegotiated");
         assert_eq!(cache.lookup(&request("b", vec![4])), CacheLookup::Miss);
         assert_eq!(cache.get(0).unwrap().entries[0].name, "a");
@@ -458,7 +372,7 @@ mod tests {
     fn putting_a_cached_name_keeps_its_bit_and_refreshes_it() {
         let mut cache = ResponseCache::new(2);
         put_names(&mut cache, &["a", "b"]);
-        cache.put(&response(CollectiveKind::Allreduce, &["a"]), |name| Some((&request(name, vec![9])).into()));
+        cache.put(&response(CollectiveKind::Allreduce, &["a"]), |name| Some(request(name, vec![9]).params));
         assert_eq!(cache.lookup(&request("a", vec![9])), CacheLookup::Hit(0));
         put_names(&mut cache, &["c"]); // "b" is now the LRU entry
         assert_eq!(bit_of(&cache, "b"), None);
@@ -533,9 +447,7 @@ mod tests {
             Op::Put(names) => {
                 let names: Vec<String> = names.iter().map(|n| format!("t{n}")).collect();
                 let names: Vec<&str> = names.iter().map(String::as_str).collect();
-                cache.put(&response(CollectiveKind::Allreduce, &names), |name| {
-                    Some((&request(name, vec![shape])).into())
-                });
+                cache.put(&response(CollectiveKind::Allreduce, &names), |name| Some(request(name, vec![shape]).params));
             }
             Op::Touch(bit) => cache.touch(*bit),
             Op::Erase(bit) => cache.erase(*bit),

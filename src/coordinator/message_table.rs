@@ -71,7 +71,7 @@ impl MessageTable {
     /// count from the first submission of a tensor on any rank).
     pub fn add_waited(&mut self, request: Request, waited: Duration) {
         let submitted = Instant::now().checked_sub(waited).unwrap_or_else(Instant::now);
-        if request.kind == CollectiveKind::Join {
+        if request.params.kind == CollectiveKind::Join {
             self.joined.insert(request.rank);
             self.last_joined = request.rank as i32;
             return;
@@ -162,7 +162,7 @@ impl MessageTable {
         let mut claims: BTreeMap<String, (Vec<u32>, CollectiveKind)> = BTreeMap::new();
         for name in self.pending.values() {
             if let Some((_, tensor)) = self.by_name.get(name) {
-                let kind = tensor.requests.values().next().map_or(CollectiveKind::Allreduce, |r| r.kind);
+                let kind = tensor.requests.values().next().map_or(CollectiveKind::Allreduce, |r| r.params.kind);
                 claims.insert(name.clone(), (tensor.requests.keys().copied().collect(), kind));
             }
         }
@@ -279,7 +279,7 @@ impl MessageTable {
                 if let Some(first) = tensor.requests.into_values().next() {
                     let message = format!(
                         "{} of tensor '{}' stalled: ranks [{}] did not submit it within {:.0} s.",
-                        first.kind,
+                        first.params.kind,
                         first.name,
                         waiting_for.join(", "),
                         fail_after.map(|d| d.as_secs_f64()).unwrap_or_default()
@@ -316,31 +316,17 @@ fn mismatch_error(request: Request, message: String) -> Response {
 }
 
 fn stall_error(request: Request, message: String) -> Response {
-    Response {
-        kind: request.kind,
-        entries: vec![ResponseEntry {
-            packed: !request.parts.is_empty(),
-            name: request.name,
-            shape: request.shape,
-            per_rank: Vec::new(),
-        }],
-        dtype: request.dtype,
-        reduce_op: request.reduce_op,
-        root_rank: request.root_rank,
-        prescale: request.prescale,
-        postscale: request.postscale,
-        error: Some((ErrorKind::Invalid, message)),
-        last_joined_rank: -1,
-    }
+    let error = Some((ErrorKind::Invalid, message));
+    Response { error, ..Response::for_params(request.name, &request.params, Vec::new()) }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::coordinator::test_requests::allreduce_request;
+    use crate::coordinator::test_requests::{allreduce_request, changed};
 
     fn req(rank: u32, name: &str, kind: CollectiveKind) -> Request {
-        Request { kind, ..allreduce_request(rank, name, &[2]) }
+        changed(allreduce_request(rank, name, &[2]), |p| p.kind = kind)
     }
 
     #[test]

@@ -14,13 +14,13 @@
 
 use std::time::{Duration, Instant};
 
-use crate::coordinator::cache::{caches_kind, CacheLookup, ParamsView, ResponseCache, TensorParams};
+use crate::coordinator::cache::{caches_kind, CacheLookup, ResponseCache};
 use crate::coordinator::message_table::MessageTable;
 use crate::coordinator::pending::{Announcement, PendingRequest, PendingRequests};
 use crate::fusion::plan_fusion;
 use crate::protocol::bitset::BitSet;
 use crate::protocol::codec::{WireMessage, WireWriter};
-use crate::protocol::message::Response;
+use crate::protocol::message::{OpParams, Response};
 use crate::protocol::round::{EagerPayload, RequestList, ResponseList, RoundHeader, StopReason};
 use crate::protocol::tuned::TunedValues;
 use crate::timeline::SetTimeline;
@@ -267,12 +267,12 @@ impl Negotiator {
     /// be decided without the coordinator (see `engine::fast_lane`): the cache serves it, and this rank has
     /// nothing else to say in a round (no autotuned values to announce, no queued errors, no requests the
     /// coordinator holds for other ranks). `None` otherwise.
-    pub fn steady_hit(&self, name: &str, params: &ParamsView<'_>) -> Option<usize> {
+    pub fn steady_hit(&self, name: &str, params: &OpParams) -> Option<usize> {
         let quiet = self.announcement.is_none() && self.coordinator.as_ref().map_or(true, |c| !c.has_pending());
         if !quiet || self.wants_round() || !caches_kind(params.kind) {
             return None;
         }
-        match self.cache.lookup_view(name, params) {
+        match self.cache.lookup_params(name, params) {
             CacheLookup::Hit(bit) => Some(bit),
             CacheLookup::Invalid(_) | CacheLookup::Miss => None,
         }
@@ -387,7 +387,7 @@ impl Negotiator {
         if slow {
             let new_responses = self.slow_path(t, table, any_shutdown)?;
             for response in &new_responses {
-                self.cache.put(response, |name| table.request(name).map(TensorParams::from));
+                self.cache.put(response, |name| table.request(name).map(|request| request.params.clone()));
             }
             // A put may have evicted an entry whose bit a pending hit of ours still announces (and may even
             // have given that bit to another tensor): such hits go back to being looked up afresh.
@@ -421,7 +421,7 @@ impl Negotiator {
         let forced = self.wants_round();
         let mut eager_bytes = 0;
         table.for_each(|entry, announcement| {
-            if *announcement == Announcement::Unsent && use_cache && caches_kind(entry.request().kind) {
+            if *announcement == Announcement::Unsent && use_cache && caches_kind(entry.request().params.kind) {
                 match cache.lookup(entry.request()) {
                     CacheLookup::Hit(bit) => *announcement = Announcement::CacheHit(bit),
                     CacheLookup::Invalid(bit) => header.invalid.insert(bit),
@@ -437,7 +437,7 @@ impl Negotiator {
                         header.cache_hits.insert(bit);
                         let len = entry.contribution_len();
                         let request = entry.request();
-                        if rides_in_header(request.kind, request.reduce_op, len)
+                        if rides_in_header(request.params.kind, request.params.reduce_op, len)
                             && eager_bytes + len <= EAGER_HEADER_BYTES
                         {
                             eager_bytes += len;
@@ -477,7 +477,7 @@ impl Negotiator {
         match self.coordinator.as_mut() {
             Some(coordinator) => {
                 for (i, request) in mine.requests.iter().enumerate() {
-                    self.timeline.tick(&request.name, request.kind, me);
+                    self.timeline.tick(&request.name, request.params.kind, me);
                     coordinator.add_waited(request.clone(), waited(&mine, i));
                 }
                 for peer in (0..n).filter(|&p| p != me) {
@@ -492,7 +492,7 @@ impl Negotiator {
                                 ),
                             });
                         }
-                        self.timeline.tick(&request.name, request.kind, peer);
+                        self.timeline.tick(&request.name, request.params.kind, peer);
                         coordinator.add_waited(request.clone(), waited(&list, i));
                     }
                 }
@@ -515,7 +515,7 @@ impl Negotiator {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::coordinator::test_requests::allreduce_request;
+    use crate::coordinator::test_requests::{allreduce_request, changed};
     use crate::error::ErrorKind;
     use crate::protocol::message::Request;
     use crate::transport::memory::{run_ranks, MemoryTransport};
@@ -558,7 +558,7 @@ mod tests {
             self.entries.iter().map(|(e, _)| &e.request).find(|r| r.name == name)
         }
         fn has_join(&self) -> bool {
-            self.entries.iter().any(|(e, _)| e.request.kind == CollectiveKind::Join)
+            self.entries.iter().any(|(e, _)| e.request.params.kind == CollectiveKind::Join)
         }
     }
 
@@ -625,8 +625,9 @@ mod tests {
             // Rank r gathers r + 1 rows of two float32 values, each byte set to r + 1.
             let second = submitted_twice(t, "rows", |table| {
                 let rows = rank as i64 + 1;
-                let request =
-                    Request { kind: CollectiveKind::Allgather, ..allreduce_request(rank as u32, "rows", &[rows, 2]) };
+                let request = changed(allreduce_request(rank as u32, "rows", &[rows, 2]), |p| {
+                    p.kind = CollectiveKind::Allgather;
+                });
                 let data = vec![rank as u8 + 1; rows as usize * 8];
                 table.entries.push((FakeEntry { request, submitted: Instant::now(), data }, Announcement::Unsent));
             });
@@ -721,8 +722,9 @@ mod tests {
             let mut table = FakeTable::default();
             // Rank 2 claims 2^42 rows of two float32 values (32 TiB); the others have 1 row each.
             let rows = if rank == 2 { 1 << 42 } else { 1 };
-            let request =
-                Request { kind: CollectiveKind::Allgather, ..allreduce_request(rank as u32, "rows", &[rows, 2]) };
+            let request = changed(allreduce_request(rank as u32, "rows", &[rows, 2]), |p| {
+                p.kind = CollectiveKind::Allgather;
+            });
             table
                 .entries
                 .push((FakeEntry { request, submitted: Instant::now(), data: vec![0; 8] }, Announcement::Unsent));

@@ -5,7 +5,7 @@ use std::fmt::Display;
 
 use crate::coordinator::result_size;
 use crate::error::ErrorKind;
-use crate::protocol::message::{decode_part_shapes, Request, Response, ResponseEntry, CPU_DEVICE};
+use crate::protocol::message::{decode_part_shapes, Request, Response, CPU_DEVICE};
 use crate::types::{CollectiveKind, ReduceOp};
 
 /// "rank 0 sent X; ranks 1, 2 sent Y", grouping ranks that agree. Values are listed in rank order; ranks
@@ -55,7 +55,7 @@ fn agree<T: PartialEq + Display>(
     Err(format!("Mismatched {what} for {kind} of tensor '{name}': {}.", describe(&values)))
 }
 
-/// A packed group (see `Request::parts`) agrees when every rank has as many tensors, of the same shapes
+/// A packed group (see `OpParams::parts`) agrees when every rank has as many tensors, of the same shapes
 /// in the same order. The message names the first tensor that differs as `<group>_<index>`, the name it
 /// would have had as a separate tensor.
 fn agree_on_group(
@@ -65,7 +65,7 @@ fn agree_on_group(
     kind: CollectiveKind,
 ) -> Result<(), String> {
     const MALFORMED: &str = "malformed";
-    let parts: Vec<Option<Vec<&[i64]>>> = requests.iter().map(|r| decode_part_shapes(&r.parts)).collect();
+    let parts: Vec<Option<Vec<&[i64]>>> = requests.iter().map(|r| decode_part_shapes(&r.params.parts)).collect();
     let count = |i: usize| parts[i].as_ref().map_or(MALFORMED.to_string(), |p| format!("{} tensors", p.len()));
     let indexed: Vec<usize> = (0..requests.len()).collect();
     let by_index = |key: &dyn Fn(usize) -> String, what: &str, tensor: &str| -> Result<(), String> {
@@ -94,35 +94,20 @@ fn agree_on_device(
     name: &str,
     kind: CollectiveKind,
 ) -> Result<(), String> {
-    let on_cpu = |r: &Request| r.device == CPU_DEVICE;
+    let on_cpu = |r: &Request| r.params.device == CPU_DEVICE;
     if requests.iter().all(on_cpu) || !requests.iter().any(on_cpu) {
         return Ok(());
     }
     let global = |rank: u32| global_ranks.get(rank as usize).copied().unwrap_or(rank as usize);
     let values: Vec<(usize, String)> = requests
         .iter()
-        .map(|r| (global(r.rank), if on_cpu(r) { "CPU".to_string() } else { format!("GPU {}", r.device) }))
+        .map(|r| (global(r.rank), if on_cpu(r) { "CPU".to_string() } else { format!("GPU {}", r.params.device) }))
         .collect();
     Err(format!("Mismatched CPU/GPU device selection for {kind} of tensor '{name}': {}.", describe(&values)))
 }
 
 fn error_response(first: &Request, kind: ErrorKind, message: String) -> Response {
-    Response {
-        kind: first.kind,
-        entries: vec![ResponseEntry {
-            name: first.name.clone(),
-            shape: first.shape.clone(),
-            per_rank: Vec::new(),
-            packed: !first.parts.is_empty(),
-        }],
-        dtype: first.dtype,
-        reduce_op: first.reduce_op,
-        root_rank: first.root_rank,
-        prescale: first.prescale,
-        postscale: first.postscale,
-        error: Some((kind, message)),
-        last_joined_rank: -1,
-    }
+    Response { error: Some((kind, message)), ..Response::for_params(first.name.clone(), &first.params, Vec::new()) }
 }
 
 struct ShapeText<'a>(&'a [i64]);
@@ -140,13 +125,13 @@ pub fn construct_response(requests: &[Request], global_ranks: &[usize], any_join
     let size = global_ranks.len();
     let first = &requests[0];
     let name = first.name.as_str();
-    let kind = first.kind;
+    let kind = first.params.kind;
     let mismatch = |message: String| error_response(first, ErrorKind::Mismatch, message);
 
-    if let Err(m) = agree(requests, global_ranks, "operations", name, kind, |r| r.kind.name()) {
+    if let Err(m) = agree(requests, global_ranks, "operations", name, kind, |r| r.params.kind.name()) {
         return mismatch(m);
     }
-    if let Err(m) = agree(requests, global_ranks, "data types", name, kind, |r| r.dtype.name()) {
+    if let Err(m) = agree(requests, global_ranks, "data types", name, kind, |r| r.params.dtype.name()) {
         return mismatch(m);
     }
     if let Err(m) = agree_on_device(requests, global_ranks, name, kind) {
@@ -157,28 +142,29 @@ pub fn construct_response(requests: &[Request], global_ranks: &[usize], any_join
     }
     let check = match kind {
         CollectiveKind::Allreduce | CollectiveKind::Reducescatter => {
-            let shapes = if requests.iter().any(|r| !r.parts.is_empty()) {
+            let shapes = if requests.iter().any(|r| !r.params.parts.is_empty()) {
                 agree_on_group(requests, global_ranks, name, kind)
             } else {
-                agree(requests, global_ranks, "tensor shapes", name, kind, |r| shape_text(&r.shape))
+                agree(requests, global_ranks, "tensor shapes", name, kind, |r| shape_text(&r.params.shape))
             };
-            let ops = || agree(requests, global_ranks, "reduction operations", name, kind, |r| r.reduce_op.name());
+            let ops =
+                || agree(requests, global_ranks, "reduction operations", name, kind, |r| r.params.reduce_op.name());
             let scales = || {
                 agree(requests, global_ranks, "prescale and/or postscale factors", name, kind, |r| {
-                    format!("prescale={} postscale={}", r.prescale, r.postscale)
+                    format!("prescale={} postscale={}", r.params.prescale, r.params.postscale)
                 })
             };
             shapes.and_then(|_| ops()).and_then(|_| scales())
         }
         CollectiveKind::Broadcast => {
-            agree(requests, global_ranks, "tensor shapes", name, kind, |r| shape_text(&r.shape))
-                .and_then(|_| agree(requests, global_ranks, "root ranks", name, kind, |r| r.root_rank))
+            agree(requests, global_ranks, "tensor shapes", name, kind, |r| shape_text(&r.params.shape))
+                .and_then(|_| agree(requests, global_ranks, "root ranks", name, kind, |r| r.params.root_rank))
         }
         CollectiveKind::Allgather | CollectiveKind::Alltoall => {
-            agree(requests, global_ranks, "tensor ranks (number of dimensions)", name, kind, |r| r.shape.len())
+            agree(requests, global_ranks, "tensor ranks (number of dimensions)", name, kind, |r| r.params.shape.len())
                 .and_then(|_| {
                     agree(requests, global_ranks, "tensor shapes beyond the first dimension", name, kind, |r| {
-                        ShapeText(r.shape.get(1..).unwrap_or(&[])).to_string()
+                        ShapeText(r.params.shape.get(1..).unwrap_or(&[])).to_string()
                     })
                 })
         }
@@ -187,26 +173,26 @@ pub fn construct_response(requests: &[Request], global_ranks: &[usize], any_join
     if let Err(m) = check {
         return mismatch(m);
     }
-    if matches!(kind, CollectiveKind::Allgather | CollectiveKind::Reducescatter) && first.shape.is_empty() {
+    if matches!(kind, CollectiveKind::Allgather | CollectiveKind::Reducescatter) && first.params.shape.is_empty() {
         let message =
             format!("{} of tensor '{name}' needs at least one dimension, got a scalar.", capitalise(kind.name()));
         return error_response(first, ErrorKind::Invalid, message);
     }
-    if kind == CollectiveKind::Reducescatter && !matches!(first.reduce_op, ReduceOp::Sum | ReduceOp::Average) {
+    if kind == CollectiveKind::Reducescatter && !matches!(first.params.reduce_op, ReduceOp::Sum | ReduceOp::Average) {
         let message =
-            format!("Reducescatter of tensor '{name}' supports only Average and Sum, not {}.", first.reduce_op);
+            format!("Reducescatter of tensor '{name}' supports only Average and Sum, not {}.", first.params.reduce_op);
         return error_response(first, ErrorKind::Invalid, message);
     }
 
     let per_rank = match kind {
-        CollectiveKind::Allgather => requests.iter().map(|r| r.shape.first().copied().unwrap_or(0)).collect(),
+        CollectiveKind::Allgather => requests.iter().map(|r| r.params.shape.first().copied().unwrap_or(0)).collect(),
         CollectiveKind::Alltoall => {
             let mut matrix = Vec::with_capacity(size * size);
             for r in requests {
-                if r.splits.len() == size {
-                    matrix.extend_from_slice(&r.splits);
+                if r.params.splits.len() == size {
+                    matrix.extend_from_slice(&r.params.splits);
                 } else {
-                    let rows = r.shape.first().copied().unwrap_or(0).max(0) / size.max(1) as i64;
+                    let rows = r.params.shape.first().copied().unwrap_or(0).max(0) / size.max(1) as i64;
                     matrix.extend(std::iter::repeat(rows).take(size));
                 }
             }
@@ -214,22 +200,7 @@ pub fn construct_response(requests: &[Request], global_ranks: &[usize], any_join
         }
         _ => Vec::new(),
     };
-    let response = Response {
-        kind,
-        entries: vec![ResponseEntry {
-            name: name.to_string(),
-            shape: first.shape.clone(),
-            per_rank,
-            packed: !first.parts.is_empty(),
-        }],
-        dtype: first.dtype,
-        reduce_op: first.reduce_op,
-        root_rank: first.root_rank,
-        prescale: first.prescale,
-        postscale: first.postscale,
-        error: None,
-        last_joined_rank: -1,
-    };
+    let response = Response::for_params(name.to_string(), &first.params, per_rank);
     match result_size::oversized(&response, global_ranks, result_size::limit()) {
         Some(message) => error_response(first, ErrorKind::Invalid, message),
         None => response,
@@ -268,7 +239,7 @@ fn capitalise(word: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::coordinator::test_requests::allreduce_request;
+    use crate::coordinator::test_requests::{allreduce_request, changed};
     use crate::types::DataType;
 
     fn ranks(n: usize) -> Vec<usize> {
@@ -276,7 +247,7 @@ mod tests {
     }
 
     fn req(rank: u32, kind: CollectiveKind, shape: &[i64]) -> Request {
-        Request { kind, ..allreduce_request(rank, "t", shape) }
+        changed(allreduce_request(rank, "t", shape), |p| p.kind = kind)
     }
 
     #[test]
@@ -292,10 +263,10 @@ mod tests {
 
     fn group(rank: u32, shapes: &[&[i64]]) -> Request {
         let total = shapes.iter().map(|s| s.iter().product::<i64>()).sum::<i64>();
+        let parts = crate::protocol::message::encode_part_shapes(shapes.iter().copied());
         Request {
             name: "grouped_allreduce.g".into(),
-            parts: crate::protocol::message::encode_part_shapes(shapes.iter().copied()),
-            ..req(rank, CollectiveKind::Allreduce, &[total])
+            ..changed(req(rank, CollectiveKind::Allreduce, &[total]), |p| p.parts = parts)
         }
     }
 
@@ -336,7 +307,7 @@ mod tests {
         let plain = Request { name: "grouped_allreduce.g".into(), ..req(1, CollectiveKind::Allreduce, &[6]) };
         let r = construct_response(&[group(0, &[&[6]]), plain], &ranks(2), false);
         assert_eq!(r.error.unwrap().0, ErrorKind::Mismatch);
-        let bad = Request { parts: vec![5, 1], ..group(1, &[&[6]]) };
+        let bad = changed(group(1, &[&[6]]), |p| p.parts = vec![5, 1]);
         let r = construct_response(&[group(0, &[&[6]]), bad], &ranks(2), false);
         assert!(r.error.unwrap().1.contains("rank 1 sent malformed"));
     }
@@ -363,24 +334,24 @@ mod tests {
     #[test]
     fn dtype_op_root_and_scale_mismatches() {
         let mut b = req(1, CollectiveKind::Allreduce, &[2]);
-        b.dtype = DataType::Float64;
+        b.params.dtype = DataType::Float64;
         let msg = construct_response(&[req(0, CollectiveKind::Allreduce, &[2]), b], &ranks(2), false).error.unwrap().1;
         assert!(msg.contains("data types") && msg.contains("rank 1 sent float64"), "{msg}");
 
         let mut b = req(1, CollectiveKind::Allreduce, &[2]);
-        b.reduce_op = ReduceOp::Max;
+        b.params.reduce_op = ReduceOp::Max;
         let msg = construct_response(&[req(0, CollectiveKind::Allreduce, &[2]), b], &ranks(2), false).error.unwrap().1;
         assert!(msg.contains("reduction operations") && msg.contains("Max"), "{msg}");
 
         let mut a = req(0, CollectiveKind::Broadcast, &[2]);
-        a.root_rank = 0;
+        a.params.root_rank = 0;
         let mut b = req(1, CollectiveKind::Broadcast, &[2]);
-        b.root_rank = 1;
+        b.params.root_rank = 1;
         let msg = construct_response(&[a, b], &ranks(2), false).error.unwrap().1;
         assert!(msg.contains("root ranks") && msg.contains("rank 1 sent 1"), "{msg}");
 
         let mut b = req(1, CollectiveKind::Allreduce, &[2]);
-        b.prescale = 2.0;
+        b.params.prescale = 2.0;
         let msg = construct_response(&[req(0, CollectiveKind::Allreduce, &[2]), b], &ranks(2), false).error.unwrap().1;
         assert!(msg.contains("prescale"), "{msg}");
 
@@ -438,7 +409,7 @@ mod tests {
     #[test]
     fn alltoall_builds_the_split_matrix() {
         let mut a = req(0, CollectiveKind::Alltoall, &[3]);
-        a.splits = vec![1, 2];
+        a.params.splits = vec![1, 2];
         let b = req(1, CollectiveKind::Alltoall, &[4]);
         let r = construct_response(&[a, b], &ranks(2), false);
         assert_eq!(r.entries[0].per_rank, vec![1, 2, 2, 2]);
@@ -484,7 +455,7 @@ mod tests {
 
     #[test]
     fn a_cpu_tensor_against_a_gpu_tensor_is_a_mismatch_naming_both() {
-        let on = |rank: u32, device: i32| Request { device, ..req(rank, CollectiveKind::Allreduce, &[2]) };
+        let on = |rank: u32, device: i32| changed(req(rank, CollectiveKind::Allreduce, &[2]), |p| p.device = device);
         let r = construct_response(&[on(0, CPU_DEVICE), on(1, 0), on(2, 1)], &ranks(3), false);
         assert_eq!(
             r.error.unwrap(),
@@ -502,8 +473,12 @@ mod tests {
             "each rank on its own GPU"
         );
         assert!(construct_response(&[on(0, 0), on(1, 0)], &ranks(2), false).error.is_none(), "two ranks on one GPU");
-        let broadcast =
-            |rank: u32, device: i32| Request { device, root_rank: 0, ..req(rank, CollectiveKind::Broadcast, &[2]) };
+        let broadcast = |rank: u32, device: i32| {
+            changed(req(rank, CollectiveKind::Broadcast, &[2]), |p| {
+                p.device = device;
+                p.root_rank = 0;
+            })
+        };
         let message =
             construct_response(&[broadcast(0, 3), broadcast(1, CPU_DEVICE)], &ranks(2), false).error.unwrap().1;
         assert!(message.starts_with("Mismatched CPU/GPU device selection for broadcast"), "{message}");
@@ -512,7 +487,7 @@ mod tests {
     #[test]
     fn reducescatter_rejects_min() {
         let mut a = req(0, CollectiveKind::Reducescatter, &[4]);
-        a.reduce_op = ReduceOp::Min;
+        a.params.reduce_op = ReduceOp::Min;
         let r = construct_response(&[a], &ranks(1), false);
         assert!(r.error.unwrap().1.contains("only Average and Sum"));
     }

@@ -492,7 +492,7 @@ impl Loop {
     fn fail_everything(&mut self, err: EngineError) {
         let queued = self.shared.close_inbox(err.clone());
         let parts = self.table.drain().into_iter().chain(queued).map(|entry| {
-            let own = naming_tensor(&err, entry.request.kind, &entry.request.name);
+            let own = naming_tensor(&err, entry.request.params.kind, &entry.request.name);
             completed(entry, Err(own))
         });
         self.shared.handles.complete(self.shared.set_id, parts);

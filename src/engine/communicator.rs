@@ -241,16 +241,16 @@ impl Communicator {
     /// there now (see [`fast_lane`](super::fast_lane)); `NotRun` hands it back as it came. `out` receives an
     /// out-of-place result (grown to its size if shorter). Call with the GIL released, unless [`peers_sent`](Self::peers_sent).
     pub fn run_small<'a>(&self, mut op: SmallOp<'a>, out: &mut Vec<u8>) -> SmallOutcome<'a> {
-        let global_root = op.root_rank;
-        if op.kind == CollectiveKind::Broadcast {
+        let global_root = op.params.root_rank;
+        if op.params.kind == CollectiveKind::Broadcast {
             match usize::try_from(global_root).ok().and_then(|root| self.local_rank_of(root)) {
-                Some(local) => op.root_rank = local as i32,
+                Some(local) => op.params.root_rank = local as i32,
                 None => return SmallOutcome::NotRun(op),
             }
         }
         match self.driver.run_small(op, out) {
             SmallOutcome::NotRun(mut op) => {
-                op.root_rank = global_root;
+                op.params.root_rank = global_root;
                 SmallOutcome::NotRun(op)
             }
             outcome => outcome,

@@ -608,7 +608,10 @@ fn broadcast(
         AlignedBuffer::for_overwrite(entry.input.len())
     };
     ring::broadcast(t, out.as_mut_slice(), root)?;
-    Ok(Ok(TensorResult { output: output(out, entry.request.shape.clone(), response.dtype), ..TensorResult::default() }))
+    Ok(Ok(TensorResult {
+        output: output(out, entry.request.params.shape.clone(), response.dtype),
+        ..TensorResult::default()
+    }))
 }
 
 fn alltoall(
@@ -620,7 +623,7 @@ fn alltoall(
     let me = t.rank();
     let spec = &response.entries[0];
     let dtype = response.dtype;
-    let row = row_bytes(&entry.request.shape, dtype);
+    let row = row_bytes(&entry.request.params.shape, dtype);
     let matrix = &spec.per_rank;
     if matrix.len() != n * n {
         return Ok(Err(EngineError::Internal(format!(
@@ -643,7 +646,7 @@ fn alltoall(
     }
     let mut out = AlignedBuffer::for_overwrite(recv_bytes.iter().sum());
     ring::alltoallv(t, &input[..send_total], &send_bytes, out.as_mut_slice(), &recv_bytes)?;
-    let mut shape = entry.request.shape.clone();
+    let mut shape = entry.request.params.shape.clone();
     if let Some(first) = shape.first_mut() {
         *first = recv_rows.iter().sum();
     }
@@ -662,7 +665,7 @@ fn reducescatter(
     size: usize,
 ) -> Result<Result<TensorResult, EngineError>, TransportError> {
     let dtype = response.dtype;
-    let shape = &entry.request.shape;
+    let shape = &entry.request.params.shape;
     let dim0 = shape.first().copied().unwrap_or(0).max(0) as usize;
     let row_elements = shape_elements(shape.get(1..).unwrap_or(&[]));
     let rows_of = |r: usize| dim0 / size + usize::from(r < dim0 % size);

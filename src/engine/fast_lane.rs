@@ -19,7 +19,6 @@
 
 use std::time::Instant;
 
-use crate::coordinator::cache::ParamsView;
 use crate::coordinator::negotiation::{decode_message, frame_single_hit, recv_body, rides_in_header};
 use crate::coordinator::pending::Announcement;
 use crate::engine::background::{naming_tensor, Loop};
@@ -27,29 +26,24 @@ use crate::engine::execute::{combine_of, concatenate, effective_postscale, fold_
 use crate::engine::handles::HandleId;
 use crate::engine::table::TensorEntry;
 use crate::error::EngineError;
-use crate::protocol::message::{Request, CPU_DEVICE};
+use crate::protocol::message::{OpParams, Request};
 use crate::protocol::round::RoundHeader;
 use crate::tensor::RawTensor;
 use crate::transport::{Transport, TransportError};
-use crate::types::{CollectiveKind, DataType, ReduceOp};
+use crate::types::CollectiveKind;
 
 /// A small synchronous collective: an allreduce, broadcast or allgather small enough to ride in the round
 /// header, or a barrier.
 #[derive(Debug)]
 pub struct SmallOp<'a> {
-    pub kind: CollectiveKind,
     /// The name ranks match it by (`BARRIER_NAME` for a barrier).
     pub name: &'a str,
-    pub dtype: DataType,
-    pub shape: &'a [i64],
+    /// Its parameters (no splits, no parts, in host memory). A broadcast's root is a global rank as the
+    /// caller gives it, a communicator rank once a communicator runs it (see `Communicator::run_small`).
+    pub params: OpParams,
     /// The caller's tensor (empty for a barrier); an in-place op's result is written into it.
     pub input: RawTensor,
     pub in_place: bool,
-    pub reduce_op: ReduceOp,
-    pub prescale: f64,
-    pub postscale: f64,
-    /// A broadcast's root as a communicator rank; -1 otherwise.
-    pub root_rank: i32,
 }
 
 /// What became of a [`SmallOp`].
@@ -74,51 +68,18 @@ pub struct Scratch {
 }
 
 impl SmallOp<'_> {
-    fn params(&self) -> ParamsView<'_> {
-        ParamsView {
-            kind: self.kind,
-            dtype: self.dtype,
-            shape: self.shape,
-            reduce_op: self.reduce_op,
-            root_rank: self.root_rank,
-            prescale: self.prescale,
-            postscale: self.postscale,
-            splits: &[],
-            parts: &[],
-            device: CPU_DEVICE,
-        }
-    }
-
     /// The data that rides in its header: the tensor, except for a barrier.
     fn payload(&self) -> Option<&[u8]> {
-        (self.kind != CollectiveKind::Barrier).then(|| self.input.as_slice())
+        (self.params.kind != CollectiveKind::Barrier).then(|| self.input.as_slice())
     }
 
     /// Whether its data, if any, rides in the header. An allgather's result is read as every rank's rows
     /// (all as many as this rank's, see [`Loop::complete_small`]), which takes rows of at least one byte.
     fn rides(&self) -> bool {
-        match self.kind {
+        match self.params.kind {
             CollectiveKind::Barrier => true,
-            CollectiveKind::Allgather if self.shape.is_empty() || self.input.is_empty() => false,
-            kind => rides_in_header(kind, self.reduce_op, self.input.len()),
-        }
-    }
-
-    /// The request the ordinary path would have made for it on communicator rank `rank`.
-    fn request(&self, rank: u32) -> Request {
-        Request {
-            rank,
-            kind: self.kind,
-            name: self.name.to_string(),
-            dtype: self.dtype,
-            shape: self.shape.to_vec(),
-            reduce_op: self.reduce_op,
-            root_rank: self.root_rank,
-            prescale: self.prescale,
-            postscale: self.postscale,
-            splits: Vec::new(),
-            parts: Vec::new(),
-            device: CPU_DEVICE,
+            CollectiveKind::Allgather if self.params.shape.is_empty() || self.input.is_empty() => false,
+            kind => rides_in_header(kind, self.params.reduce_op, self.input.len()),
         }
     }
 }
@@ -171,7 +132,7 @@ impl Loop {
         if !(idle && op.rides()) {
             return None;
         }
-        self.negotiator.steady_hit(op.name, &op.params())
+        self.negotiator.steady_hit(op.name, &op.params)
     }
 
     /// Every peer sent the header this rank sent, and the same amount of data: write the result (into `out`,
@@ -181,24 +142,25 @@ impl Loop {
     fn complete_small(&self, op: &mut SmallOp<'_>, scratch: &Scratch, out: &mut Vec<u8>) -> usize {
         let (me, n) = (self.transport.rank(), self.transport.size());
         let len = op.input.len();
-        let result_len = if op.kind == CollectiveKind::Allgather { n * len } else { len };
+        let result_len = if op.params.kind == CollectiveKind::Allgather { n * len } else { len };
         if out.len() < result_len {
             out.resize(result_len, 0);
         }
         let data_at = scratch.frame.len() - 4 - len;
         let peer_data = |rank: usize| scratch.bodies.get(rank).and_then(|body| body.get(data_at..));
-        match op.kind {
+        match op.params.kind {
             CollectiveKind::Allreduce => {
                 let out = &mut out[..len];
                 let input = op.input.as_slice();
                 let contributions = (0..n).map(|rank| if rank == me { Some(input) } else { peer_data(rank) });
-                let postscale = effective_postscale(op.reduce_op, op.postscale, n);
-                fold_contributions(contributions, op.dtype, combine_of(op.reduce_op), op.prescale, postscale, out);
+                let p = &op.params;
+                let postscale = effective_postscale(p.reduce_op, p.postscale, n);
+                fold_contributions(contributions, p.dtype, combine_of(p.reduce_op), p.prescale, postscale, out);
                 if op.in_place {
                     op.input.as_mut_slice().copy_from_slice(out);
                 }
             }
-            CollectiveKind::Broadcast => match usize::try_from(op.root_rank).ok().filter(|&root| root != me) {
+            CollectiveKind::Broadcast => match usize::try_from(op.params.root_rank).ok().filter(|&root| root != me) {
                 // The root's tensor already holds the result.
                 None if op.in_place => {}
                 None => out[..len].copy_from_slice(op.input.as_slice()),
@@ -234,9 +196,9 @@ impl Loop {
                 Err(e) => return self.fail_small(&op, e),
             }
         }
-        let slots = usize::from(op.kind != CollectiveKind::Barrier);
+        let slots = usize::from(op.params.kind != CollectiveKind::Barrier);
         let names = [op.name.to_string()];
-        let handle = match self.shared.handles.register(op.kind.name(), self.shared.set_id, &names, 1, slots) {
+        let handle = match self.shared.handles.register(op.params.kind.name(), self.shared.set_id, &names, 1, slots) {
             Ok(handle) => handle,
             Err(err) => {
                 // Another thread submitted an op of this name meanwhile, which holds the name: this one
@@ -248,7 +210,8 @@ impl Loop {
         let entry = TensorEntry {
             handle,
             index: 0,
-            request: op.request(me as u32),
+            // The request the ordinary path would have made for it.
+            request: Request { rank: me as u32, name: op.name.to_string(), params: op.params },
             input: op.input,
             in_place: op.in_place,
             submitted: Instant::now(),
@@ -264,7 +227,7 @@ impl Loop {
     fn fail_small<'a>(&mut self, op: &SmallOp<'_>, e: TransportError) -> SmallOutcome<'a> {
         let err = self.transport_failure("negotiation", e);
         tracing::error!("rank {}: {err}", self.config.topology.rank);
-        let own = naming_tensor(&err, op.kind, op.name);
+        let own = naming_tensor(&err, op.params.kind, op.name);
         self.finished = Some(Err(err));
         SmallOutcome::Failed(own)
     }

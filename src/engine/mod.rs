@@ -44,7 +44,7 @@ use std::time::{Duration, Instant};
 use crate::config::{Config, Topology};
 use crate::coordinator::message_table::{BARRIER_NAME, JOIN_NAME};
 use crate::error::EngineError;
-use crate::protocol::message::Request;
+use crate::protocol::message::{OpParams, Request, CPU_DEVICE};
 use crate::protocol::round::StopReason;
 use crate::tensor::RawTensor;
 use crate::timeline::{self, Timeline};
@@ -350,34 +350,34 @@ impl Engine {
         set_id: u32,
         wake: bool,
     ) -> Result<(HandleId, Arc<Communicator>), EngineError> {
-        if op.kind == CollectiveKind::Join && set_id != GLOBAL_PROCESS_SET {
+        if op.params.kind == CollectiveKind::Join && set_id != GLOBAL_PROCESS_SET {
             return Err(EngineError::InvalidArgument("join() works on the global process set only".into()));
         }
-        let communicator = self.communicator_for(set_id, op.kind)?;
+        let communicator = self.communicator_for(set_id, op.params.kind)?;
         let me = self.config.topology.rank;
         let local_rank = communicator.local_rank_of(me).ok_or_else(|| EngineError::Internal("lost my rank".into()))?;
-        if op.kind == CollectiveKind::Broadcast {
+        if op.params.kind == CollectiveKind::Broadcast {
             // Callers give the root as a global rank; the set's communicator numbers its members from 0.
-            let root = usize::try_from(op.root_rank).ok().and_then(|root| communicator.local_rank_of(root));
-            op.root_rank = match root {
+            let root = usize::try_from(op.params.root_rank).ok().and_then(|root| communicator.local_rank_of(root));
+            op.params.root_rank = match root {
                 Some(local) => local as i32,
                 None => {
                     return Err(EngineError::InvalidArgument(format!(
                         "broadcast root_rank {} is not a rank of this process set (size {})",
-                        op.root_rank,
+                        op.params.root_rank,
                         communicator.size()
                     )))
                 }
             };
         }
         validate_submission::check(&op, communicator.size())?;
-        let names: Vec<String> = match op.kind {
+        let names: Vec<String> = match op.params.kind {
             CollectiveKind::Barrier => vec![BARRIER_NAME.to_string()],
             CollectiveKind::Join => vec![JOIN_NAME.to_string()],
             _ => op.tensors.iter().map(|t| t.name.clone()).collect(),
         };
         let slots = op.tensors.iter().map(|t| t.output_slots()).sum();
-        let id = self.handles.register(op.kind.name(), set_id, &names, names.len(), slots)?;
+        let id = self.handles.register(op.params.kind.name(), set_id, &names, names.len(), slots)?;
         let entries = entries_for(op, id, local_rank as u32, &names);
         if let Err(err) = communicator.enqueue(entries, wake) {
             self.handles.unregister(id, set_id, &names);
@@ -490,21 +490,12 @@ fn job_key(config: &Config) -> String {
 /// The table entries of one submission, each with its request as this rank sends it.
 fn entries_for(op: OpSubmission, handle: HandleId, rank: u32, names: &[String]) -> Vec<TensorEntry> {
     let now = Instant::now();
-    let request = |name: String, dtype, shape| Request {
+    // The engine runs collectives on host memory only (GPU tensors are refused at submission; see
+    // crate::gpu), so every request it makes is for the CPU.
+    let request = |name: String, dtype, shape, parts| Request {
         rank,
-        kind: op.kind,
         name,
-        dtype,
-        shape,
-        reduce_op: op.reduce_op,
-        root_rank: op.root_rank,
-        prescale: op.prescale,
-        postscale: op.postscale,
-        splits: op.splits.clone(),
-        parts: Vec::new(),
-        // The engine runs collectives on host memory only (GPU tensors are refused at submission; see
-        // crate::gpu), so every request it makes is for the CPU.
-        device: crate::protocol::message::CPU_DEVICE,
+        params: OpParams { device: CPU_DEVICE, ..op.params.for_tensor(dtype, shape, parts) },
     };
     if op.tensors.is_empty() {
         // SAFETY: a zero-length view of no memory.
@@ -512,7 +503,7 @@ fn entries_for(op: OpSubmission, handle: HandleId, rank: u32, names: &[String]) 
         return vec![TensorEntry {
             handle,
             index: 0,
-            request: request(names[0].clone(), DataType::Uint8, Vec::new()),
+            request: request(names[0].clone(), DataType::Uint8, Vec::new(), Vec::new()),
             input,
             in_place: false,
             submitted: now,
@@ -522,9 +513,9 @@ fn entries_for(op: OpSubmission, handle: HandleId, rank: u32, names: &[String]) 
     let requests: Vec<Request> = op
         .tensors
         .iter()
-        .map(|t| Request {
-            parts: t.packed.as_ref().map(|g| g.encoded_shapes()).unwrap_or_default(),
-            ..request(t.name.clone(), t.dtype, t.shape.clone())
+        .map(|t| {
+            let parts = t.packed.as_ref().map(|g| g.encoded_shapes()).unwrap_or_default();
+            request(t.name.clone(), t.dtype, t.shape.clone(), parts)
         })
         .collect();
     op.tensors

@@ -61,7 +61,7 @@ impl PackedGroup {
         self.len
     }
 
-    /// The shapes of the group's tensors, encoded for the request (see `Request::parts`).
+    /// The shapes of the group's tensors, encoded for the request (see `OpParams::parts`).
     pub fn encoded_shapes(&self) -> Vec<i64> {
         encode_part_shapes(self.parts.iter().map(|p| p.shape.as_slice()))
     }

@@ -56,7 +56,7 @@ impl<'a> TensorIo<'a> {
             return TensorResult::default();
         }
         let buffer = self.fresh.unwrap_or_else(|| AlignedBuffer::zeroed(self.len));
-        let output = OutputTensor { buffer, shape: entry.request.shape.clone(), dtype: self.dtype };
+        let output = OutputTensor { buffer, shape: entry.request.params.shape.clone(), dtype: self.dtype };
         TensorResult { output: Some(output), ..TensorResult::default() }
     }
 }

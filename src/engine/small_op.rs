@@ -39,7 +39,9 @@ impl Engine {
         out: &mut Vec<u8>,
         detach: &impl Detach,
     ) -> Result<SmallRun, EngineError> {
-        let (kind, shape, input_len) = (op.kind, op.shape, op.input.len());
+        // An allgather's result shape is worked out from its input's.
+        let (input_shape, input_len) =
+            ((op.params.kind == CollectiveKind::Allgather).then(|| op.params.shape.clone()), op.input.len());
         let outcome = match self.fast_lane(set_id) {
             Some(communicator) if communicator.peers_sent() => communicator.run_small(op, out),
             Some(communicator) => detach.detach(|| communicator.run_small(op, out)),
@@ -47,32 +49,24 @@ impl Engine {
         };
         match outcome {
             SmallOutcome::Done(len) => {
-                let shape = (kind == CollectiveKind::Allgather).then(|| gathered_shape(shape, len, input_len));
+                let shape = input_shape.map(|shape| gathered_shape(shape, len, input_len));
                 Ok(SmallRun::Done { len, shape })
             }
             SmallOutcome::Queued(handle) => Ok(SmallRun::Handle(handle)),
             SmallOutcome::Failed(err) => Err(err),
-            SmallOutcome::NotRun(op) => {
-                let tensors = match op.kind {
+            SmallOutcome::NotRun(mut op) => {
+                let tensors = match op.params.kind {
                     CollectiveKind::Barrier => Vec::new(),
                     _ => vec![TensorSubmission {
                         name: op.name.to_string(),
-                        dtype: op.dtype,
-                        shape: op.shape.to_vec(),
+                        dtype: op.params.dtype,
+                        shape: std::mem::take(&mut op.params.shape),
                         input: op.input,
                         in_place: op.in_place,
                         packed: None,
                     }],
                 };
-                let submission = OpSubmission {
-                    kind: op.kind,
-                    tensors,
-                    reduce_op: op.reduce_op,
-                    prescale: op.prescale,
-                    postscale: op.postscale,
-                    root_rank: op.root_rank,
-                    splits: Vec::new(),
-                };
+                let submission = OpSubmission { params: op.params, tensors };
                 self.submit_and_drive(submission, set_id, detach).map(SmallRun::Handle)
             }
         }
@@ -95,9 +89,12 @@ impl Engine {
 /// The shape of an allgather's result that the fast lane completed with `result_len` bytes from an input of
 /// `input_len` bytes shaped `shape`: as many rows from every rank as this rank's (the fast lane takes no
 /// allgather of empty rows).
-fn gathered_shape(shape: &[i64], result_len: usize, input_len: usize) -> Vec<i64> {
+fn gathered_shape(mut shape: Vec<i64>, result_len: usize, input_len: usize) -> Vec<i64> {
     let ranks = (result_len / input_len.max(1)) as i64;
-    shape.iter().enumerate().map(|(i, &d)| if i == 0 { d * ranks } else { d }).collect()
+    if let Some(rows) = shape.first_mut() {
+        *rows *= ranks;
+    }
+    shape
 }
 
 #[cfg(test)]
@@ -106,8 +103,8 @@ mod tests {
 
     #[test]
     fn an_allgather_result_has_every_ranks_rows() {
-        assert_eq!(gathered_shape(&[2, 3], 4 * 2 * 3 * 4, 2 * 3 * 4), vec![8, 3]);
-        assert_eq!(gathered_shape(&[5], 5 * 2, 5), vec![10]);
-        assert_eq!(gathered_shape(&[], 8, 4), Vec::<i64>::new());
+        assert_eq!(gathered_shape(vec![2, 3], 4 * 2 * 3 * 4, 2 * 3 * 4), vec![8, 3]);
+        assert_eq!(gathered_shape(vec![5], 5 * 2, 5), vec![10]);
+        assert_eq!(gathered_shape(vec![], 8, 4), Vec::<i64>::new());
     }
 }

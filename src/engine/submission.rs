@@ -1,8 +1,9 @@
 //! What a caller hands the engine (an [`OpSubmission`]) and what it gets back ([`OpOutput`]).
 
 use crate::engine::packed::PackedGroup;
+use crate::protocol::message::OpParams;
 use crate::tensor::{AlignedBuffer, RawTensor};
-use crate::types::{CollectiveKind, DataType, ReduceOp};
+use crate::types::{CollectiveKind, DataType};
 
 /// One tensor of a collective.
 #[derive(Debug)]
@@ -30,29 +31,16 @@ impl TensorSubmission {
 /// (barrier, join).
 #[derive(Debug)]
 pub struct OpSubmission {
-    pub kind: CollectiveKind,
+    /// The settings its tensors share (see [`OpParams::without_tensor`]; each tensor's dtype and shape are
+    /// its own, in `tensors`). A broadcast's root is a global rank here, a communicator rank once submitted.
+    pub params: OpParams,
     pub tensors: Vec<TensorSubmission>,
-    pub reduce_op: ReduceOp,
-    pub prescale: f64,
-    pub postscale: f64,
-    /// Broadcast root (communicator rank); ignored otherwise.
-    pub root_rank: i32,
-    /// Alltoall rows per destination rank; empty means an even split.
-    pub splits: Vec<i64>,
 }
 
 impl OpSubmission {
     /// A submission of `kind` with default reduction settings and no tensors.
     pub fn new(kind: CollectiveKind) -> OpSubmission {
-        OpSubmission {
-            kind,
-            tensors: Vec::new(),
-            reduce_op: ReduceOp::Sum,
-            prescale: 1.0,
-            postscale: 1.0,
-            root_rank: -1,
-            splits: Vec::new(),
-        }
+        OpSubmission { params: OpParams::new(kind), tensors: Vec::new() }
     }
 }
 

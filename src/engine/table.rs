@@ -118,6 +118,6 @@ impl PendingRequests for TensorTable {
     }
 
     fn has_join(&self) -> bool {
-        self.entries.values().any(|(entry, _)| entry.request.kind == CollectiveKind::Join)
+        self.entries.values().any(|(entry, _)| entry.request.params.kind == CollectiveKind::Join)
     }
 }

@@ -8,17 +8,18 @@ use crate::protocol::message::shape_elements;
 use crate::types::{CollectiveKind, ReduceOp};
 
 pub fn check(op: &OpSubmission, size: usize) -> Result<(), EngineError> {
+    let p = &op.params;
     let invalid = |m: String| Err(EngineError::InvalidArgument(m));
-    let needs_tensors = !matches!(op.kind, CollectiveKind::Barrier | CollectiveKind::Join);
+    let needs_tensors = !matches!(p.kind, CollectiveKind::Barrier | CollectiveKind::Join);
     if needs_tensors && op.tensors.is_empty() {
-        return invalid(format!("{} needs at least one tensor", op.kind));
+        return invalid(format!("{} needs at least one tensor", p.kind));
     }
     if !needs_tensors && !op.tensors.is_empty() {
-        return invalid(format!("{} takes no tensors", op.kind));
+        return invalid(format!("{} takes no tensors", p.kind));
     }
     for t in &op.tensors {
         if t.name.is_empty() {
-            return invalid(format!("{}: tensor names must not be empty", op.kind));
+            return invalid(format!("{}: tensor names must not be empty", p.kind));
         }
         let expected = shape_elements(&t.shape) * t.dtype.size();
         let have = t.packed.as_ref().map_or(t.input.len(), PackedGroup::len_bytes);
@@ -29,7 +30,7 @@ pub fn check(op: &OpSubmission, size: usize) -> Result<(), EngineError> {
             )));
         }
     }
-    if op.kind == CollectiveKind::Allreduce && op.reduce_op == ReduceOp::Adasum {
+    if p.kind == CollectiveKind::Allreduce && p.reduce_op == ReduceOp::Adasum {
         if let Some(t) = op.tensors.iter().find(|t| !t.dtype.is_float()) {
             return invalid(format!(
                 "Adasum reduces only floating-point tensors (float16, bfloat16, float32, float64); tensor '{}' is {}",
@@ -41,16 +42,13 @@ pub fn check(op: &OpSubmission, size: usize) -> Result<(), EngineError> {
             return invalid("a grouped Adasum allreduce must be submitted as separate tensors, not packed".into());
         }
     }
-    if !op.prescale.is_finite() || !op.postscale.is_finite() {
-        return invalid(format!("{}: prescale and postscale factors must be finite numbers", op.kind));
+    if !p.prescale.is_finite() || !p.postscale.is_finite() {
+        return invalid(format!("{}: prescale and postscale factors must be finite numbers", p.kind));
     }
-    match op.kind {
+    match p.kind {
         CollectiveKind::Reducescatter => {
-            if !matches!(op.reduce_op, ReduceOp::Sum | ReduceOp::Average) {
-                return invalid(format!(
-                    "Reducescatter currently only supports Average and Sum, not {}.",
-                    op.reduce_op
-                ));
+            if !matches!(p.reduce_op, ReduceOp::Sum | ReduceOp::Average) {
+                return invalid(format!("Reducescatter currently only supports Average and Sum, not {}.", p.reduce_op));
             }
             if op.tensors.iter().any(|t| t.shape.is_empty()) {
                 return invalid("reducescatter needs a tensor with at least one dimension, got a scalar".into());
@@ -59,15 +57,15 @@ pub fn check(op: &OpSubmission, size: usize) -> Result<(), EngineError> {
         CollectiveKind::Allgather if op.tensors.iter().any(|t| t.shape.is_empty()) => {
             return invalid("allgather needs a tensor with at least one dimension, got a scalar".into());
         }
-        CollectiveKind::Broadcast if op.root_rank < 0 || op.root_rank as usize >= size => {
-            return invalid(format!("broadcast root_rank {} is not a rank of this job (size {size})", op.root_rank));
+        CollectiveKind::Broadcast if p.root_rank < 0 || p.root_rank as usize >= size => {
+            return invalid(format!("broadcast root_rank {} is not a rank of this job (size {size})", p.root_rank));
         }
         CollectiveKind::Alltoall => {
             for t in &op.tensors {
                 let Some(&dim0) = t.shape.first() else {
                     return invalid("alltoall needs a tensor with at least one dimension, got a scalar".into());
                 };
-                if op.splits.is_empty() {
+                if p.splits.is_empty() {
                     if dim0 % size as i64 != 0 {
                         return invalid(
                             "splits not provided, but first dimension of tensor is not an even multiple of the number of workers."
@@ -75,17 +73,17 @@ pub fn check(op: &OpSubmission, size: usize) -> Result<(), EngineError> {
                         );
                     }
                 } else {
-                    if op.splits.len() != size {
+                    if p.splits.len() != size {
                         return invalid(format!(
                             "Number of entries in splits ({}) does not equal number of workers ({size}).",
-                            op.splits.len()
+                            p.splits.len()
                         ));
                     }
-                    if op.splits.iter().any(|&s| s < 0) {
+                    if p.splits.iter().any(|&s| s < 0) {
                         return invalid("alltoall splits must not be negative.".into());
                     }
                     // Checked: splits near i64::MAX would wrap to a small sum in a release build.
-                    let total = op.splits.iter().try_fold(0i64, |sum, &s| sum.checked_add(s));
+                    let total = p.splits.iter().try_fold(0i64, |sum, &s| sum.checked_add(s));
                     if total.map_or(true, |total| total > dim0) {
                         return invalid("Sum of splits entries is greater than the first dimension of tensor.".into());
                     }
@@ -116,7 +114,7 @@ mod tests {
             in_place: false,
             packed: None,
         });
-        op.splits = splits;
+        op.params.splits = splits;
         op
     }
 

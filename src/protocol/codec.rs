@@ -16,7 +16,7 @@ use std::fmt;
 use thiserror::Error;
 
 use crate::error::ErrorKind;
-use crate::protocol::message::{Request, Response, ResponseEntry};
+use crate::protocol::message::{OpParams, Request, Response, ResponseEntry};
 use crate::types::{CollectiveKind, DataType, ReduceOp};
 
 /// First four bytes of every framed message: `b"RVOD"` read as a little-endian `u32`.
@@ -382,27 +382,30 @@ impl Wire for ErrorKind {
     }
 }
 
+/// A request's fields in wire order: its parameters around its name, as the format has always had them.
 impl Wire for Request {
     fn encode(&self, w: &mut WireWriter) {
+        let p = &self.params;
         w.put_u32(self.rank);
-        self.kind.encode(w);
+        p.kind.encode(w);
         w.put_str(&self.name);
-        self.dtype.encode(w);
-        w.put_i64s(&self.shape);
-        self.reduce_op.encode(w);
-        w.put_i32(self.root_rank);
-        w.put_f64(self.prescale);
-        w.put_f64(self.postscale);
-        w.put_i64s(&self.splits);
-        w.put_i64s(&self.parts);
-        w.put_i32(self.device);
+        p.dtype.encode(w);
+        w.put_i64s(&p.shape);
+        p.reduce_op.encode(w);
+        w.put_i32(p.root_rank);
+        w.put_f64(p.prescale);
+        w.put_f64(p.postscale);
+        w.put_i64s(&p.splits);
+        w.put_i64s(&p.parts);
+        w.put_i32(p.device);
     }
 
     fn decode(r: &mut WireReader<'_>) -> Result<Self, DecodeError> {
-        Ok(Request {
-            rank: r.u32("request rank")?,
-            kind: CollectiveKind::decode(r)?,
-            name: r.str("request tensor name")?,
+        let rank = r.u32("request rank")?;
+        let kind = CollectiveKind::decode(r)?;
+        let name = r.str("request tensor name")?;
+        let params = OpParams {
+            kind,
             dtype: DataType::decode(r)?,
             shape: r.i64s("request shape")?,
             reduce_op: ReduceOp::decode(r)?,
@@ -412,7 +415,8 @@ impl Wire for Request {
             splits: r.i64s("request splits")?,
             parts: r.i64s("request group parts")?,
             device: r.i32("request device")?,
-        })
+        };
+        Ok(Request { rank, name, params })
     }
 }
 
@@ -495,17 +499,19 @@ pub(crate) mod tests {
             .prop_map(
                 |(rank, kind, name, dtype, shape, op, root_rank, prescale, postscale, splits, parts, device)| Request {
                     rank,
-                    kind: CollectiveKind::from_code(kind).unwrap(),
                     name,
-                    dtype: DataType::from_code(dtype).unwrap(),
-                    shape,
-                    reduce_op: ReduceOp::from_code(op).unwrap(),
-                    root_rank,
-                    prescale,
-                    postscale,
-                    splits,
-                    parts,
-                    device,
+                    params: OpParams {
+                        kind: CollectiveKind::from_code(kind).unwrap(),
+                        dtype: DataType::from_code(dtype).unwrap(),
+                        shape,
+                        reduce_op: ReduceOp::from_code(op).unwrap(),
+                        root_rank,
+                        prescale,
+                        postscale,
+                        splits,
+                        parts,
+                        device,
+                    },
                 },
             )
     }
@@ -565,17 +571,19 @@ pub(crate) mod tests {
     fn sample_request() -> Request {
         Request {
             rank: 3,
-            kind: CollectiveKind::Allreduce,
             name: "grad.fc1".into(),
-            dtype: DataType::Float32,
-            shape: vec![4, 5],
-            reduce_op: ReduceOp::Sum,
-            root_rank: -1,
-            prescale: 1.0,
-            postscale: 0.5,
-            splits: vec![],
-            parts: vec![],
-            device: -1,
+            params: OpParams {
+                kind: CollectiveKind::Allreduce,
+                dtype: DataType::Float32,
+                shape: vec![4, 5],
+                reduce_op: ReduceOp::Sum,
+                root_rank: -1,
+                prescale: 1.0,
+                postscale: 0.5,
+                splits: vec![],
+                parts: vec![],
+                device: -1,
+            },
         }
     }
 

@@ -1,5 +1,9 @@
 //! Negotiation messages: what a rank asks for ([`Request`]) and what every rank agrees to run ([`Response`]).
 //!
+//! A request is a rank, a tensor name and the op's parameters for that tensor ([`OpParams`]), the one
+//! description of an op's parameters in the crate: the response cache compares it, the fast lane owns one,
+//! and a submission holds the settings its tensors share in one.
+//!
 //! A response names one or more tensors (several once fused) and carries everything a rank needs to run
 //! the collective without its own request at hand (a joined rank contributes zeros of the right size).
 
@@ -11,8 +15,16 @@ use crate::types::{CollectiveKind, DataType, ReduceOp};
 pub struct Request {
     /// Communicator rank that submitted it.
     pub rank: u32,
-    pub kind: CollectiveKind,
     pub name: String,
+    pub params: OpParams,
+}
+
+/// An op's parameters for one tensor: everything a rank says about it besides its name. The one description
+/// that requests, the response cache (a hit requires equal parameters), the fast lane (`engine::fast_lane`,
+/// borrowing it) and submissions (`engine::submission`) share.
+#[derive(Clone, Debug)]
+pub struct OpParams {
+    pub kind: CollectiveKind,
     pub dtype: DataType,
     pub shape: Vec<i64>,
     pub reduce_op: ReduceOp,
@@ -29,8 +41,72 @@ pub struct Request {
     pub device: i32,
 }
 
-/// `Request::device` of a tensor in host memory (Horovod's `CPU_DEVICE_ID`).
+/// `OpParams::device` of a tensor in host memory (Horovod's `CPU_DEVICE_ID`).
 pub const CPU_DEVICE: i32 = -1;
+
+impl OpParams {
+    /// A `kind` op with the default settings (a sum, no scaling, no root, an even split) and no tensor
+    /// (uint8, no dimensions, in host memory).
+    pub fn new(kind: CollectiveKind) -> OpParams {
+        OpParams {
+            kind,
+            dtype: DataType::Uint8,
+            shape: Vec::new(),
+            reduce_op: ReduceOp::Sum,
+            root_rank: -1,
+            prescale: 1.0,
+            postscale: 1.0,
+            splits: Vec::new(),
+            parts: Vec::new(),
+            device: CPU_DEVICE,
+        }
+    }
+
+    /// These settings without their tensor's description (`dtype`, `shape`, `parts` as in [`OpParams::new`]):
+    /// what an op of several tensors shares.
+    pub fn without_tensor(&self) -> OpParams {
+        OpParams {
+            kind: self.kind,
+            reduce_op: self.reduce_op,
+            root_rank: self.root_rank,
+            prescale: self.prescale,
+            postscale: self.postscale,
+            splits: self.splits.clone(),
+            device: self.device,
+            ..OpParams::new(self.kind)
+        }
+    }
+
+    /// These settings for one tensor of `dtype` and `shape` (`parts`: a packed group's, else empty).
+    pub fn for_tensor(&self, dtype: DataType, shape: Vec<i64>, parts: Vec<i64>) -> OpParams {
+        OpParams { dtype, shape, parts, ..self.without_tensor() }
+    }
+}
+
+/// Equal in every field (floats by `==`, so a NaN scale never matches): what a response cache hit requires.
+impl PartialEq for OpParams {
+    fn eq(&self, other: &OpParams) -> bool {
+        // Destructured, so a new field cannot be left out of the comparison.
+        let OpParams { kind, dtype, shape, reduce_op, root_rank, prescale, postscale, splits, parts, device } = self;
+        *kind == other.kind
+            && *dtype == other.dtype
+            && same_dims(shape, &other.shape)
+            && *reduce_op == other.reduce_op
+            && *root_rank == other.root_rank
+            && *prescale == other.prescale
+            && *postscale == other.postscale
+            && same_dims(splits, &other.splits)
+            && same_dims(parts, &other.parts)
+            && *device == other.device
+    }
+}
+
+/// `a == b`, without calling `memcmp` on empty lists: glibc's AVX-512 `memcmp` reads through a masked load
+/// even for zero bytes, and at an empty `Vec`'s dangling address that costs a microcode assist (~150 ns,
+/// measured; a barrier's whole cache lookup is a few nanoseconds without it).
+fn same_dims(a: &[i64], b: &[i64]) -> bool {
+    a.len() == b.len() && (a.is_empty() || a == b)
+}
 
 /// Per-tensor part of a response.
 #[derive(Clone, Debug, PartialEq)]
@@ -122,6 +198,27 @@ pub struct Response {
 }
 
 impl Response {
+    /// The response to the requests for tensor `name` made with `params` (the first rank's): one entry of
+    /// their shape, with `per_rank`, packed when they carry a group's parts; no error.
+    pub fn for_params(name: String, params: &OpParams, per_rank: Vec<i64>) -> Response {
+        Response {
+            kind: params.kind,
+            entries: vec![ResponseEntry {
+                name,
+                shape: params.shape.clone(),
+                per_rank,
+                packed: !params.parts.is_empty(),
+            }],
+            dtype: params.dtype,
+            reduce_op: params.reduce_op,
+            root_rank: params.root_rank,
+            prescale: params.prescale,
+            postscale: params.postscale,
+            error: None,
+            last_joined_rank: -1,
+        }
+    }
+
     /// Bytes of this response's tensors on one rank (allreduce-style: the full tensor).
     pub fn tensor_bytes(&self) -> usize {
         self.entries

@@ -1,7 +1,8 @@
 //! What ranks send each other, and nothing else: the wire layer below the coordinator, fusion, the
 //! timeline and autotune, which all read its types.
 //!
-//! - [`message`]: a rank's [`Request`](message::Request) and the agreed [`Response`](message::Response).
+//! - [`message`]: a rank's [`Request`](message::Request), an op's parameters ([`OpParams`](message::OpParams),
+//!   which the cache, the fast lane and submissions share) and the agreed [`Response`](message::Response).
 //! - [`round`]: the messages of one negotiation round (round header, request list, response list).
 //! - [`codec`]: their versioned binary wire format, decoded defensively.
 //! - [`bitset`]: compact sets of response-cache bits, ANDed and ORed across ranks.

@@ -22,6 +22,7 @@ use crate::engine::submission::{OpOutput, OpSubmission, TensorSubmission};
 use crate::engine::{fork, Engine};
 use crate::error::EngineError;
 use crate::launch::meet::{self, HostedStore, Offer};
+use crate::protocol::message::OpParams;
 use crate::protocol::round::StopReason;
 use crate::py::detached::{detached, detached_once, Detached};
 use crate::py::dlpack::{export_capsule, import_capsule, is_capsule, ImportedTensor};
@@ -331,7 +332,10 @@ struct Params {
 impl Params {
     fn op(&self, tensors: Vec<TensorSubmission>, splits: Vec<i64>) -> OpSubmission {
         let Params { kind, reduce_op, prescale, postscale, root_rank, .. } = *self;
-        OpSubmission { kind, tensors, reduce_op, prescale, postscale, root_rank, splits }
+        OpSubmission {
+            params: OpParams { reduce_op, prescale, postscale, root_rank, splits, ..OpParams::new(kind) },
+            tensors,
+        }
     }
 }
 
@@ -426,7 +430,8 @@ fn run_with<'py>(
         // SAFETY: a zero-length view of no memory.
         None => (unsafe { RawTensor::new(std::ptr::null_mut(), 0) }, DataType::Uint8, Vec::new()),
     };
-    let op = SmallOp { kind, name, dtype, shape: &shape, input, in_place, reduce_op, prescale, postscale, root_rank };
+    let params = OpParams { dtype, shape, reduce_op, prescale, postscale, root_rank, ..OpParams::new(kind) };
+    let op = SmallOp { name, params, input, in_place };
     let run = SMALL_RESULT.with(|out| engine.run_small(op, process_set_id, &mut out.borrow_mut(), &Detached(py)));
     match run.map_err(to_py_err)? {
         SmallRun::Done { len, shape } => match array {

@@ -105,7 +105,7 @@ pub fn wait(engine: &Engine, id: HandleId) -> Result<OpOutput, EngineError> {
 
 pub fn allreduce(name: &str, data: &mut Vec<u8>, len: i64, op: ReduceOp) -> OpSubmission {
     let mut sub = OpSubmission::new(CollectiveKind::Allreduce);
-    sub.reduce_op = op;
+    sub.params.reduce_op = op;
     sub.tensors.push(tensor(name, data, DataType::Float32, vec![len]));
     sub
 }
