@@ -36,17 +36,34 @@ STEPS = 200
 ROWS = 4  # rows per rank
 
 
+OPTIMIZERS = {
+    "Adam": lambda params: torch.optim.Adam(params, lr=0.01),
+    "AdamW": lambda params: torch.optim.AdamW(params, lr=0.01, weight_decay=0.1),
+    "SGD": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01),
+}
+
 class Net(nn.Module):
-    """Odd sizes, so chunks are uneven, and a bias smaller than 4 ranks (some ranks own none of it)."""
+    """Few operations (the checks are many), odd sizes, so chunks are uneven, and a bias smaller than 4 ranks
+    (some ranks own none of it)."""
 
     def __init__(self, sparse=False):
         super().__init__()
         self.embed = nn.Embedding(11, 6, sparse=sparse)
-        self.hidden = nn.Linear(6, 13)
-        self.out = nn.Linear(13, 3)
+        self.out = nn.Linear(6, 3)
 
     def forward(self, tokens):
-        return self.out(torch.tanh(self.hidden(self.embed(tokens).mean(dim=1))))
+        return self.out(self.embed(tokens).mean(dim=1))
+
+
+class Trio(nn.Module):
+    """One Net per optimizer of OPTIMIZERS, trained by one backward pass of the sum of their losses."""
+
+    def __init__(self):
+        super().__init__()
+        self.nets = nn.ModuleDict({label: Net() for label in OPTIMIZERS})
+
+    def forward(self, tokens):
+        return torch.stack([net(tokens) for net in self.nets.values()])
 
 
 def batch(step, rank=R):
@@ -61,7 +78,9 @@ def whole_batch(step, ranks):
 
 
 def backward(model, rows):
-    nn.functional.mse_loss(model(rows[0]), rows[1]).backward()
+    """The loss's gradient; a Trio's is the sum of its Nets' (each trained on its own loss)."""
+    output = model(rows[0])
+    nn.functional.mse_loss(output, rows[1].expand_as(output), reduction="sum").div(rows[1].numel()).backward()
 
 
 def named(model, prefix):
@@ -86,12 +105,13 @@ def train(model, optimizer, steps, first=0, ranks=None):
 
 
 def max_difference(a, b):
-    return max(float((x.detach().double() - y.detach().double()).abs().max()) for x, y in
-               zip(a.parameters(), b.parameters()))
+    """Read by ``state_dict()``, which waits for a sharded optimizer's allgather of the last step."""
+    a, b = a.state_dict(), b.state_dict()
+    return max(float((a[key].double() - b[key].double()).abs().max()) for key in a)
 
 
 def same_on_every_rank(model, label, process_set=hvd.global_process_set):
-    for name, p in model.named_parameters():
+    for name, p in model.state_dict().items():
         root = hvd.broadcast(p.detach(), root_rank=0, name=f"same.{label}.{name}", process_set=process_set)
         assert torch.equal(root, p.detach()), f"{label}: {name} differs from rank 0's"
 
@@ -121,11 +141,6 @@ def with_plain(make, seed, prefix, sparse=False, **options):
     return model, sharded, reference, plain
 
 
-OPTIMIZERS = {
-    "Adam": lambda params: torch.optim.Adam(params, lr=0.01),
-    "AdamW": lambda params: torch.optim.AdamW(params, lr=0.01, weight_decay=0.1),
-    "SGD": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01),
-}
 SPARSE_SGD = lambda params: torch.optim.SGD(params, lr=0.05)  # noqa: E731 - sparse gradients: no weight decay
 TOTAL = sum(p.numel() for p in Net().parameters())
 PARAMS = len(list(Net().parameters()))
@@ -133,26 +148,50 @@ EVERYONE = list(range(4))
 
 # ------------------------------------------------- 200 steps on 2, 3 and 4 ranks equal the reference's
 
-RUNS = {(n, label): with_reference(make, 1, f"{n}.{label}", process_set=ps)
-        for n, ps in MINE.items() for label, make in OPTIMIZERS.items()}
-lockstep([run for (n, _), (model, sharded, reference, local) in RUNS.items()
-          for run in ((model, sharded, None, 1), (reference, local, WORLDS[n].ranks, 1))], STEPS)
+CHECKER = {n: ps.ranks[-1] for n, ps in WORLDS.items()}  # computes world n's reference: 3, 2, 1 (balanced)
+TRIOS = {}  # n -> (Trio, {label: sharded optimizer}, reference Trio or None, {label: torch optimizer})
+for n, ps in MINE.items():
+    torch.manual_seed(1)
+    trio = Trio()
+    reference = copy.deepcopy(trio)
+    TRIOS[n] = (trio, {label: hvd.DistributedOptimizer(make(trio.nets[label].parameters()), sharded=True,
+                                                       named_parameters=named(trio.nets[label], f"{n}.{label}"),
+                                                       process_set=ps) for label, make in OPTIMIZERS.items()},
+                reference, {label: make(reference.nets[label].parameters()) for label, make in OPTIMIZERS.items()})
+for step in range(STEPS):
+    for n, (trio, sharded, reference, local) in TRIOS.items():
+        for optimizer in sharded.values():
+            optimizer.zero_grad()
+        backward(trio, batch(step))
+        if R == CHECKER[n]:
+            for optimizer in local.values():
+                optimizer.zero_grad()
+            backward(reference, whole_batch(step, WORLDS[n].ranks))
+    for n, (trio, sharded, reference, local) in TRIOS.items():
+        for label in OPTIMIZERS:
+            sharded[label].step()
+            if R == CHECKER[n]:
+                local[label].step()
+RUNS = {(n, label): (trio.nets[label], sharded[label], reference.nets[label], local[label])
+        for n, (trio, sharded, reference, local) in TRIOS.items() for label in OPTIMIZERS}
 for (n, label), (model, sharded, reference, local) in RUNS.items():
     ps = WORLDS[n]
-    with check(f"{label} on {n} ranks: {STEPS} steps give the parameters of the whole batch's"):
-        difference = max_difference(model, reference)
-        assert difference < 2e-5, f"{label} on {n} ranks: parameters differ by {difference}"
+    with check(f"{label} on {n} ranks: {STEPS} steps give the parameters of the whole batch's, on every rank"):
+        if R == CHECKER[n]:
+            difference = max_difference(model, reference)
+            assert difference < 2e-5, f"{label} on {n} ranks: parameters differ by {difference}"
         same_on_every_rank(model, f"{n}.{label}", ps)
     with check(f"{label} on {n} ranks: the state held here is 1/{n} of the whole optimizer's"):
-        mine, whole = state_elements(sharded), state_elements(local)
-        keys = 1 if label == "SGD" else 2
-        assert whole == keys * TOTAL, (whole, TOTAL)
+        mine, keys = state_elements(sharded), 1 if label == "SGD" else 2
+        whole = keys * TOTAL  # Adam's two moments, SGD's momentum: one element per parameter element each
         assert mine <= keys * (TOTAL // n + PARAMS), f"{mine} elements of state here, the whole one {whole}"
         total = int(hvd.allreduce(torch.tensor(mine), op=hvd.Sum, name=f"state.{n}.{label}", process_set=ps))
         assert total == whole, f"the ranks hold {total} elements of state together, the whole one {whole}"
-    with check(f"{label} on {n} ranks: the consolidated state dict is the whole optimizer's, on rank 0 only"):
-        consolidated = sharded.consolidate_state_dict(to=0)
-        if R == 0:
+        if R == CHECKER[n]:
+            assert state_elements(local) == whole, (state_elements(local), whole)
+    with check(f"{label} on {n} ranks: the consolidated state dict is the whole optimizer's, on one rank only"):
+        consolidated = sharded.consolidate_state_dict(to=CHECKER[n])
+        if R == CHECKER[n]:
             expected = local.state_dict()
             assert consolidated["param_groups"] == expected["param_groups"]
             assert consolidated["state"].keys() == expected["state"].keys()
@@ -201,6 +240,7 @@ with check("state_dict round trip: a new sharded optimizer continues exactly whe
     lockstep([(model, sharded, None, 1), (reference, local, EVERYONE, 1)], 5)
     saved = sharded.state_dict()
     assert saved["rvod_sharded"]["size"] == 4 and saved["rvod_sharded"]["rank"] == R
+    sharded.wait_for_parameters()  # deepcopy reads the parameters themselves
     model = copy.deepcopy(model)  # the first optimizer's hooks stay on the first model
     again = hvd.DistributedOptimizer(OPTIMIZERS["Adam"](model.parameters()), named_parameters=named(model, "trip.t"),
                                      sharded=True)
@@ -212,6 +252,7 @@ with check("a consolidated state dict loads into a plain torch optimizer and int
     model, sharded, reference, local = with_reference(OPTIMIZERS["AdamW"], 6, "whole")
     lockstep([(model, sharded, None, 1), (reference, local, EVERYONE, 1)], 5)
     consolidated = sharded.consolidate_state_dict(to=None)
+    sharded.wait_for_parameters()  # deepcopy reads the parameters themselves
     copy_model = copy.deepcopy(model)
     plain_torch = torch.optim.AdamW(copy_model.parameters(), lr=0.01, weight_decay=0.1)
     plain_torch.load_state_dict(consolidated)
