@@ -20,17 +20,21 @@ sharded dict, or the list of every rank's sharded dicts of a job of any size (re
 
 The wrapped optimizer must update each element from that element's gradient and state alone (SGD, Adam,
 AdamW, RMSprop, Adagrad, ...); LBFGS, SparseAdam and Adafactor are refused, as is ``op=Adasum``.
+Gradient clipping: ``optimizer.clip_grad_norm_(max_norm)`` (the model's ``p.grad`` are gone) clips the
+shards' gradients by the norm of the whole model's gradient.
 """
 
 import collections
+import math
 
 import torch
 
 from rvod.common.sharding import SHARDED_KEY, Param, ShardLayout, StateOps, join_shards, split_params
 from rvod.torch import parameter_gathers
 from rvod.torch.functions import allgather_object, broadcast_object
-from rvod.torch.mpi_ops import (grouped_allgather_async, grouped_reducescatter_async, rank, reducescatter_async,
-                                synchronize)
+from rvod.common.reduce_ops import Max, Sum
+from rvod.torch.mpi_ops import (allreduce, grouped_allgather_async, grouped_reducescatter_async, rank,
+                                reducescatter_async, synchronize)
 
 _ELEMENTWISE_ONLY = ("the wrapped optimizer must update each element from its own gradient and state, as "
                      "SGD, Adam and AdamW do")
@@ -236,6 +240,44 @@ class _ShardedOptimizer:
         with torch.no_grad():
             for p, flat in zip(params, values):
                 p.view(-1).copy_(flat) if p.is_contiguous() else p.copy_(flat.view(p.shape))
+
+    def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
+        """``torch.nn.utils.clip_grad_norm_`` for a sharded optimizer, whose model has no ``p.grad`` left: scale
+        the reduced gradients of the shards so that the norm of the whole model's gradient is at most
+        ``max_norm``; returns that norm (before clipping, the same on every rank). One allreduce of a scalar.
+        Call it between ``synchronize()`` and a ``step()`` inside ``skip_synchronize()``, as with a plain
+        ``DistributedOptimizer``::
+
+            loss.backward()
+            optimizer.synchronize()
+            optimizer.clip_grad_norm_(1.0)
+            with optimizer.skip_synchronize():
+                optimizer.step()
+        """
+        if not self._synchronized:
+            raise RuntimeError("clip_grad_norm_() clips reduced gradients: call optimizer.synchronize() first, then "
+                               "optimizer.step() inside optimizer.skip_synchronize()")
+        norm_type = float(norm_type)
+        grads = [flat.grad for flat in self._shards if flat.grad is not None]
+        if norm_type == float("inf"):
+            local = max((float(g.abs().max()) for g in grads if g.numel()), default=0.0)
+            op = Max
+        else:
+            local = sum(float(g.double().abs().pow(norm_type).sum()) for g in grads)
+            op = Sum
+        total = local if self._alone() else float(allreduce(torch.tensor(local, dtype=torch.float64), op=op,
+                                                              name="sharded.clip_grad_norm",
+                                                              process_set=self._process_set))
+        if norm_type != float("inf"):
+            total **= 1.0 / norm_type
+        if error_if_nonfinite and not math.isfinite(total):
+            raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite, so it cannot "
+                               "be clipped (error_if_nonfinite=True)")
+        coefficient = min(max_norm / (total + 1e-6), 1.0)
+        with torch.no_grad():
+            for g in grads:
+                g.mul_(coefficient)
+        return torch.tensor(total)
 
     def _forget_reductions(self):
         self._abandon_gather()

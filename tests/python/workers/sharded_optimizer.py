@@ -8,7 +8,7 @@ Checks: 200 steps of Adam, AdamW and SGD with momentum on 2, 3 and 4 ranks give 
 equal on every rank; the state each rank holds is 1/N of the reference's; the consolidated state dict is
 the reference optimizer's. With the plain DistributedOptimizer side by side: the options keep their meaning
 (backward_passes_per_step, gradient_predivide_factor, fp16 compression, groups, Sum, sparse_as_dense).
-Then: gradients dropped once sent; state dict round trip; a consolidated dict loads into a plain torch
+Then: gradients dropped once sent; clip_grad_norm_; state dict round trip; a consolidated dict loads into a plain torch
 optimizer; broadcast_parameters and broadcast_optimizer_state; refusals; the shards of the 4-rank Adam,
 saved under DIR, load resharded into the 2-rank set and those into the 3-rank set (4 -> 2 -> 3). Runs that
 are independent train in lockstep, so the engine fuses their collectives.
@@ -232,6 +232,25 @@ with check("gradients are dropped once sent; the shard's .grad holds the reduced
     with sharded.skip_synchronize():
         sharded.step()
     same_on_every_rank(model, "zero2")
+
+with check("clip_grad_norm_ clips by the whole model's gradient norm, as torch's clip_grad_norm_ does"):
+    model, sharded, reference, local = with_reference(OPTIMIZERS["Adam"], 10, "clip")
+    for step in range(3):
+        sharded.zero_grad()
+        local.zero_grad()
+        backward(model, batch(step))
+        backward(reference, whole_batch(step, EVERYONE))
+        sharded.synchronize()
+        norm = sharded.clip_grad_norm_(0.05)
+        expected = nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+        assert expected > 0.05 and abs(float(norm) - float(expected)) < 1e-5 * float(expected), (norm, expected)
+        with sharded.skip_synchronize():
+            sharded.step()
+        local.step()
+    assert max_difference(model, reference) < 2e-5
+    backward(model, batch(3))
+    expect_error(RuntimeError, r"call optimizer.synchronize\(\) first", sharded.clip_grad_norm_, 1.0)
+    sharded.synchronize()
 
 # ------------------------------------------------------------------------------------------ state dicts
 
