@@ -1,10 +1,12 @@
 """Sharded optimizer state: rvod DistributedOptimizer(sharded=False / True) against torch's
 ZeroRedundancyOptimizer (gloo, with DDP reducing the gradients), on 2 and 4 ranks.
 
-    python benches/sharded_optimizer.py [--ranks 2 4] [--width 1024] [--layers 6] [--steps 20]
+    python benches/sharded_optimizer.py [--ranks 2 4] [--width 1024] [--layers 6] [--steps 20] [--rounds 3]
 
-The driver starts one job per contender and world size (``rvodrun -np N python THIS --worker CONTENDER``),
-one after the other, so each job's peak RSS is its own; it prints one table. Per contender and size:
+The driver starts one job per contender, world size and round (``rvodrun -np N python THIS --worker
+CONTENDER``), one after the other and the contenders alternating within a round, so each job's peak RSS is
+its own and a machine busy with something else slows every contender alike; it prints one table, each
+number the median over the rounds. Per contender and size:
 
 - peak RSS: the largest ``ru_maxrss`` of the job's ranks (model, gradients, optimizer state, buffers);
 - state: bytes of the optimizer's own state tensors on the rank holding the most;
@@ -12,7 +14,9 @@ one after the other, so each job's peak RSS is its own; it prints one table. Per
   bandwidth-optimal algorithms send (allreduce 2(N-1)/N x L, reducescatter and allgather (N-1)/N x L each,
   ZeroRedundancyOptimizer's broadcast of each rank's partition (N-1)/N x L on average), L the bytes of
   the parameters; relative to one allreduce;
-- step time: the median over the timed steps of the slower rank (forward, backward, reduction, step).
+- step time: the median over the timed steps of the slower rank, a step timed from its start to the next
+  one's (forward, backward, reduction, step, and whatever of the step's communication is still running
+  when the next one starts: a sharded optimizer's allgather overlaps the next forward).
 
 The model is an MLP of ``--layers`` square layers trained with Adam, so its state (two copies of the
 parameters) dominates memory.
@@ -39,6 +43,7 @@ def parse_args():
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--steps", type=int, default=20, help="timed steps")
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3, help="jobs per contender and size (median reported)")
     parser.add_argument("--worker", choices=CONTENDERS, help=argparse.SUPPRESS)
     return parser.parse_args()
 
@@ -80,16 +85,16 @@ def worker(args):
         state = lambda: optimizer.state  # noqa: E731
         barrier = hvd.barrier
     x = torch.randn(args.batch_size, args.width)
-    times = []
-    for step in range(args.warmup + args.steps):
-        barrier()
-        start = time.perf_counter()
+    barrier()
+    starts = []
+    for _ in range(args.warmup + args.steps):
+        starts.append(time.perf_counter())
         optimizer.zero_grad()
         model(x).square().mean().backward()
         optimizer.step()
-        elapsed = time.perf_counter() - start
-        if step >= args.warmup:
-            times.append(elapsed)
+    getattr(optimizer, "wait_for_parameters", lambda: None)()  # the last step's allgather
+    starts.append(time.perf_counter())
+    times = [b - a for a, b in zip(starts[args.warmup:], starts[args.warmup + 1:])]
     slowest = hvd.allreduce(torch.tensor(times, dtype=torch.float64), op=hvd.Max, name="bench.times")
     report = {"rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "state": state_bytes(state())}
     everyone = hvd.allgather_object(report, name="bench.report")
@@ -109,19 +114,23 @@ def wire_bytes(contender, size, params):
 
 
 def driver(args):
-    rows = []
+    runs = {}
     for size in args.ranks:
-        for contender in CONTENDERS:
-            command = [sys.executable, "-m", "rvod.runner", "-np", str(size), sys.executable, os.path.abspath(__file__),
-                       "--worker", contender, "--width", str(args.width), "--layers", str(args.layers),
-                       "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--warmup", str(args.warmup)]
-            result = subprocess.run(command, capture_output=True, text=True, timeout=900)
-            lines = [line.split(">:", 1)[-1] for line in result.stdout.splitlines() if '"contender"' in line]
-            if result.returncode or not lines:
-                raise SystemExit(f"{contender} on {size} ranks failed:\n{result.stdout}\n{result.stderr}")
-            rows.append(json.loads(lines[-1]))
+        for _ in range(args.rounds):
+            for contender in CONTENDERS:
+                command = [sys.executable, "-m", "rvod.runner", "-np", str(size), sys.executable,
+                           os.path.abspath(__file__), "--worker", contender, "--width", str(args.width), "--layers",
+                           str(args.layers), "--batch-size", str(args.batch_size), "--steps", str(args.steps),
+                           "--warmup", str(args.warmup)]
+                result = subprocess.run(command, capture_output=True, text=True, timeout=900)
+                lines = [line.split(">:", 1)[-1] for line in result.stdout.splitlines() if '"contender"' in line]
+                if result.returncode or not lines:
+                    raise SystemExit(f"{contender} on {size} ranks failed:\n{result.stdout}\n{result.stderr}")
+                runs.setdefault((size, contender), []).append(json.loads(lines[-1]))
+    rows = [{**found[0], **{key: statistics.median(r[key] for r in found) for key in ("rss", "state", "step")},
+             "steps": [round(r["step"] * 1e3, 1) for r in found]} for found in runs.values()]
     print(f"model: {args.layers} x Linear({args.width}, {args.width}), Adam, batch {args.batch_size} per rank; "
-          f"median of {args.steps} steps")
+          f"median of {args.steps} steps, median of {args.rounds} rounds")
     header = (f"{'ranks':>5} {'contender':<13} {'peak RSS MiB':>12} {'state MiB/rank':>14} {'x unsharded':>11} "
               f"{'bytes/step MiB':>14} {'x allreduce':>11} {'step ms':>8} {'x rvod':>7}")
     print(header)
@@ -133,7 +142,7 @@ def driver(args):
             print(f"{size:>5} {contender:<13} {row['rss'] / 2**20:>12.0f} {row['state'] / 2**20:>14.1f} "
                   f"{row['state'] / base['rvod']['state']:>11.3f} {wire / 2**20:>14.1f} "
                   f"{wire / wire_bytes('rvod', size, row['params']):>11.2f} {row['step'] * 1e3:>8.1f} "
-                  f"{row['step'] / base['rvod']['step']:>7.2f}")
+                  f"{row['step'] / base['rvod']['step']:>7.2f}  rounds: {row['steps']}")
 
 
 if __name__ == "__main__":

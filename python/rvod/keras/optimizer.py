@@ -12,16 +12,20 @@ step (not under XLA: compile with ``jit_compile=False``, the default on CPU).
 
 Keras 2 spellings scripts written for Horovod use on the optimizer are accepted too: ``opt.variables()``
 (``variables`` is a list that can also be called) and ``opt.lr`` (``learning_rate``).
+
+With ``sharded=True`` the subclass mixes in ``rvod.keras.sharded_optimizer`` instead, which shards the
+optimizer state across the ranks.
 """
 
 import keras
 
-from rvod.common.gradients import check_backward_passes_per_step, refuse_rewrapping
+from rvod.common.gradients import Reduction, check_backward_passes_per_step, refuse_rewrapping
 from rvod.common.process_sets import global_process_set
 from rvod.common.reduce_ops import Adasum, Average
 from rvod.keras.adasum_optimizer import DistributedAdasumOptimizer
 from rvod.keras.compression import Compression
 from rvod.keras.optimizer_base import KerasSpellings, refuse_xla
+from rvod.keras.sharded_optimizer import _ShardedOptimizer, refuse_unshardable
 
 
 def gradient_reducer(backend, **options):
@@ -60,14 +64,14 @@ class _DistributedOptimizer(KerasSpellings):
 def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse='', compression=Compression.none,
                          sparse_as_dense=False, gradient_predivide_factor=1.0, op=Average, backward_passes_per_step=1,
                          average_aggregated_gradients=False, num_groups=0, groups=None, process_set=global_process_set,
-                         scale_local_gradients=True):
+                         scale_local_gradients=True, sharded=False):
     """Wrap a Keras 3 optimizer so that it applies gradients averaged (``op``: Average or Sum) across the
     ranks of ``process_set``, or (``op=Adasum``) combines each step's parameter updates with Adasum
     (``rvod.keras.adasum_optimizer``). Arguments are Horovod's; ``device_dense``/``device_sparse`` are
-    ignored."""
+    ignored. ``sharded=True`` shards the optimizer state across the ranks (``rvod.keras.sharded_optimizer``)."""
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a keras.optimizers.Optimizer, got {type(optimizer).__name__}")
-    refuse_rewrapping(optimizer, (_DistributedOptimizer, DistributedAdasumOptimizer))
+    refuse_rewrapping(optimizer, (_DistributedOptimizer, DistributedAdasumOptimizer, _ShardedOptimizer))
     backward_passes_per_step = check_backward_passes_per_step(backward_passes_per_step)
     config = optimizer.get_config()
     if name is not None:
@@ -84,6 +88,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
     # Keras' accumulation hands over the mean of the accumulated gradients; Horovod sums them by default.
     postscale = 1.0 if average_aggregated_gradients else float(steps)
     adasum = op == Adasum
+    if sharded:
+        refuse_unshardable(optimizer, adasum)
     # Adasum reduces parameter updates, not gradients: no postscale, and a local variable keeps its own.
     reducer = gradient_reducer(keras.backend.backend(), compression=compression, sparse_as_dense=sparse_as_dense,
                                op=op, gradient_predivide_factor=gradient_predivide_factor, num_groups=num_groups,
@@ -91,10 +97,15 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
                                scale_local_gradients=scale_local_gradients and not adasum,
                                postscale_factor=1.0 if adasum else postscale, allow_adasum=adasum)
     base = type(optimizer)
-    mixin = DistributedAdasumOptimizer if adasum else _DistributedOptimizer
+    mixin = _ShardedOptimizer if sharded else DistributedAdasumOptimizer if adasum else _DistributedOptimizer
     cls = type(base.__name__, (mixin, base), {"__module__": base.__module__})
     distributed = cls.from_config(config)
     distributed._rvod_reducer = reducer
+    if sharded:
+        scale = Reduction(op, gradient_predivide_factor, postscale_factor=postscale)
+        distributed._rvod_sharding = dict(compression=compression, op=scale.op, prescale_factor=scale.prescale_factor,
+                                          postscale_factor=scale.postscale_factor, process_set=process_set,
+                                          sparse_as_dense=sparse_as_dense)
     if adasum:
         distributed._rvod_gradient_scale = postscale
     distributed.backward_passes_per_step = backward_passes_per_step

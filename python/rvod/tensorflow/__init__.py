@@ -45,13 +45,15 @@ class _NotAnOptimizerError(ValueError, TypeError):
 def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense='', device_sparse='',
                          compression=Compression.none, sparse_as_dense=False, backward_passes_per_step=1, op=Average,
                          gradient_predivide_factor=1.0, average_aggregated_gradients=False, num_groups=0, groups=None,
-                         process_set=global_process_set, scale_local_gradients=True):
+                         process_set=global_process_set, scale_local_gradients=True, sharded=False):
     """Wrap an optimizer so that it applies gradients averaged (``op``) across ranks: a TensorFlow 1
     optimizer (``tf.compat.v1.train.Optimizer``, whose ``compute_gradients`` then reduces them, in a
     graph or eagerly; with ``op=Adasum`` its ranks combine their updates instead:
     ``rvod.tensorflow.adasum_legacy_optimizer``) or a Keras optimizer (the same as
-    ``rvod.keras.DistributedOptimizer``)."""
+    ``rvod.keras.DistributedOptimizer``, which takes ``sharded=True``)."""
     if isinstance(optimizer, tf.compat.v1.train.Optimizer):
+        if sharded:
+            raise ValueError("sharded=True takes a Keras 3 optimizer, not a tf.compat.v1.train.Optimizer")
         if op == Adasum:
             from rvod.tensorflow.adasum_legacy_optimizer import DistributedAdasumLegacyOptimizer
 
@@ -71,7 +73,7 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense='
     return KerasDistributedOptimizer(optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
                                      gradient_predivide_factor, op, backward_passes_per_step,
                                      average_aggregated_gradients, num_groups, groups, process_set,
-                                     scale_local_gradients)
+                                     scale_local_gradients, sharded)
 
 
 def __getattr__(name):

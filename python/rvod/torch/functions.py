@@ -3,6 +3,7 @@
 import torch
 
 from rvod.common.objects import allgather_object, broadcast_object
+from rvod.torch import parameter_gathers
 from rvod.torch.mpi_ops import broadcast_async_, rank, synchronize
 
 __all__ = ["allgather_object", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters"]
@@ -21,6 +22,7 @@ def broadcast_parameters(params, root_rank):
         raise ValueError(f"invalid params of type: {type(params)}")
     else:
         items = [p if isinstance(p, tuple) else (None, p) for p in params]
+    parameter_gathers.wait_all()  # a sharded optimizer's allgather would overwrite them later
     handles = []
     for name, tensor in items:
         if not isinstance(tensor, torch.Tensor):

@@ -8,7 +8,9 @@ an allreduce (same names, ops, scale factors, compression, groups, ``backward_pa
 model's gradient is dropped once it is sent (ZeRO-2: ``p.grad`` is None after ``synchronize()``; the
 reduced gradient of the owned chunk is the shard's ``.grad``). ``step()`` reads the shards from the
 parameters (so ``broadcast_parameters`` or loading a model state dict is seen), steps the wrapped optimizer
-on them, and allgathers the updated chunks into the parameters before it returns.
+on them, and starts allgathering the updated chunks into the parameters; it returns without waiting, and
+the allgather is finished before the parameters are next read (``rvod.torch.parameter_gathers``: a module's
+forward or state dict; code that reads ``p`` itself calls ``optimizer.wait_for_parameters()`` first).
 
 Checkpoints: ``state_dict()`` is this rank's shard state plus the layout (under ``SHARDED_KEY``);
 ``consolidate_state_dict(to=0)`` returns on rank ``to`` the state dict a plain optimizer of the wrapped
@@ -18,16 +20,21 @@ sharded dict, or the list of every rank's sharded dicts of a job of any size (re
 
 The wrapped optimizer must update each element from that element's gradient and state alone (SGD, Adam,
 AdamW, RMSprop, Adagrad, ...); LBFGS, SparseAdam and Adafactor are refused, as is ``op=Adasum``.
+Gradient clipping: ``optimizer.clip_grad_norm_(max_norm)`` (the model's ``p.grad`` are gone) clips the
+shards' gradients by the norm of the whole model's gradient.
 """
 
 import collections
+import math
 
 import torch
 
 from rvod.common.sharding import SHARDED_KEY, Param, ShardLayout, StateOps, join_shards, split_params
+from rvod.torch import parameter_gathers
 from rvod.torch.functions import allgather_object, broadcast_object
-from rvod.torch.mpi_ops import (grouped_allgather_async, grouped_reducescatter_async, rank, reducescatter_async,
-                                synchronize)
+from rvod.common.reduce_ops import Max, Sum
+from rvod.torch.mpi_ops import (allreduce, grouped_allgather_async, grouped_reducescatter_async, rank,
+                                reducescatter_async, synchronize)
 
 _ELEMENTWISE_ONLY = ("the wrapped optimizer must update each element from its own gradient and state, as "
                      "SGD, Adam and AdamW do")
@@ -74,6 +81,7 @@ class _ShardedOptimizer:
         """Replace the parameters of the groups by this rank's shards, for the current world (again after an
         elastic reset; the state starts empty); the model's parameters stay in ``self._model_params`` (index
         -> parameter, the positions of a plain optimizer's state dict)."""
+        self._abandon_gather()
         included = self._process_set.included()
         size = self._process_set.size() if included else 1
         rank = self._process_set.rank() if included else 0
@@ -105,6 +113,7 @@ class _ShardedOptimizer:
         for g, group in enumerate(self.param_groups):
             group["params"] = by_group[g]  # the same dicts: LR schedulers of the wrapped optimizer still apply
         self.state = collections.defaultdict(dict)
+        parameter_gathers.watch(p for p in self._model_params.values() if p.requires_grad)
         self._loaded_whole = None  # a consolidated dict loaded here, until broadcast_optimizer_state sends it
 
     def _dtype(self, shard):
@@ -175,6 +184,7 @@ class _ShardedOptimizer:
 
     def synchronize(self):
         """Finish reducing every gradient into the shards' ``.grad`` (the model's ``p.grad`` is dropped)."""
+        self.wait_for_parameters()
         super().synchronize()
         for flat, grad in zip(self._shards, self._grads):
             flat.grad = grad
@@ -182,30 +192,96 @@ class _ShardedOptimizer:
     # ------------------------------------------------------------------------------- step and allgather
 
     def step(self, closure=None):
+        self.wait_for_parameters()  # the last step's, when no forward read them (unused parameters)
         with torch.no_grad():
             for shard, flat in zip(self._layout.shards, self._shards):
                 self._read_shard(shard, flat.data)
         loss = super().step(closure)
-        self._gather_parameters()
+        self._start_gather()
         self._loaded_whole = None
         return loss
 
-    def _gather_parameters(self):
-        """Allgather every parameter's updated chunks into it (one grouped allgather, fused by the engine)."""
-        pieces = [(self._model_params[piece.param.index], flat, piece)
+    def _start_gather(self):
+        """Start allgathering every parameter's updated chunks (one grouped allgather, fused by the engine);
+        ``wait_for_parameters`` writes them into the parameters."""
+        pieces = [(self._model_params[piece.param.index], flat.detach()[piece.offset:piece.offset + piece.stop
+                                                                         - piece.start])
                   for shard, flat in zip(self._layout.shards, self._shards) for piece in shard.pieces]
-        chunks = [flat.detach()[piece.offset:piece.offset + piece.stop - piece.start] for _, flat, piece in pieces]
+        if not pieces:
+            return
+        if self._alone():
+            self._write_parameters([p for p, _ in pieces], [chunk for _, chunk in pieces])
+            return
+        handle = grouped_allgather_async([chunk for _, chunk in pieces],
+                                         name=f"sharded.parameters.{self._parameter_names[pieces[0][0]]}",
+                                         process_set=self._process_set)
+        self._gather = (handle, [p for p, _ in pieces])
+        parameter_gathers.gathering.add(self)
+
+    def wait_for_parameters(self):
+        """Finish the allgather of the parameters the last ``step()`` started, writing them. A module's forward
+        or state dict does it (``rvod.torch.parameter_gathers``); call it before reading ``p`` itself."""
+        gather, self._gather = getattr(self, "_gather", None), None
+        parameter_gathers.gathering.discard(self)
+        if gather is not None:
+            handle, params = gather
+            self._write_parameters(params, synchronize(handle))
+
+    def _abandon_gather(self):
+        """Elastic restore or reset: finish the allgather in flight if the world still can, else drop it (the
+        parameters are restored or resharded next)."""
+        try:
+            self.wait_for_parameters()
+        except Exception:  # noqa: BLE001 - the old world died; its collectives fail, and nothing waits on them
+            pass
+
+    @staticmethod
+    def _write_parameters(params, values):
         with torch.no_grad():
-            if self._alone():
-                gathered = chunks
-            elif pieces:
-                first = self._parameter_names[pieces[0][0]]
-                gathered = synchronize(grouped_allgather_async(chunks, name=f"sharded.parameters.{first}",
-                                                               process_set=self._process_set))
-            else:
-                gathered = []
-            for (p, _, _), flat in zip(pieces, gathered):
+            for p, flat in zip(params, values):
                 p.view(-1).copy_(flat) if p.is_contiguous() else p.copy_(flat.view(p.shape))
+
+    def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
+        """``torch.nn.utils.clip_grad_norm_`` for a sharded optimizer, whose model has no ``p.grad`` left: scale
+        the reduced gradients of the shards so that the norm of the whole model's gradient is at most
+        ``max_norm``; returns that norm (before clipping, the same on every rank). One allreduce of a scalar.
+        Call it between ``synchronize()`` and a ``step()`` inside ``skip_synchronize()``, as with a plain
+        ``DistributedOptimizer``::
+
+            loss.backward()
+            optimizer.synchronize()
+            optimizer.clip_grad_norm_(1.0)
+            with optimizer.skip_synchronize():
+                optimizer.step()
+        """
+        if not self._synchronized:
+            raise RuntimeError("clip_grad_norm_() clips reduced gradients: call optimizer.synchronize() first, then "
+                               "optimizer.step() inside optimizer.skip_synchronize()")
+        norm_type = float(norm_type)
+        grads = [flat.grad for flat in self._shards if flat.grad is not None]
+        if norm_type == float("inf"):
+            local = max((float(g.abs().max()) for g in grads if g.numel()), default=0.0)
+            op = Max
+        else:
+            local = sum(float(g.double().abs().pow(norm_type).sum()) for g in grads)
+            op = Sum
+        total = local if self._alone() else float(allreduce(torch.tensor(local, dtype=torch.float64), op=op,
+                                                              name="sharded.clip_grad_norm",
+                                                              process_set=self._process_set))
+        if norm_type != float("inf"):
+            total **= 1.0 / norm_type
+        if error_if_nonfinite and not math.isfinite(total):
+            raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite, so it cannot "
+                               "be clipped (error_if_nonfinite=True)")
+        coefficient = min(max_norm / (total + 1e-6), 1.0)
+        with torch.no_grad():
+            for g in grads:
+                g.mul_(coefficient)
+        return torch.tensor(total)
+
+    def _forget_reductions(self):
+        self._abandon_gather()
+        super()._forget_reductions()
 
     def zero_grad(self, set_to_none=True):
         """Clear the model's gradients (accumulated ones between reductions) and the shards'."""

@@ -10,6 +10,7 @@ import torch
 
 from rvod.common.elastic import ObjectState
 from rvod.common.sharding import buddy_of, gather_held
+from rvod.torch import parameter_gathers
 from rvod.torch.elastic.sampler import ElasticSampler
 from rvod.torch.functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from rvod.torch.mpi_ops import alltoall, rank, size
@@ -158,11 +159,16 @@ class TorchState(ObjectState):
         object.__setattr__(self, name, value)
 
     def save(self):
+        parameter_gathers.wait_all()  # a sharded optimizer's last step: commit the gathered parameters
         for handler in self._handlers.values():
             handler.save()
         super().save()
 
     def restore(self):
+        for handler in self._handlers.values():
+            abandon = getattr(handler.value, "_abandon_gather", None)  # before a model loads its commit
+            if abandon is not None:
+                abandon()
         for handler in self._handlers.values():
             handler.restore()
         super().restore()
