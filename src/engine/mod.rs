@@ -6,7 +6,7 @@
 //! - [`handles`]: the handle table callers wait on.
 //! - [`communicator`]: one process set's background thread and inbox; [`affinity`]: pinning it to a core.
 //! - [`process_sets`]: which sets exist and how ids are assigned.
-//! - [`connect`]: rendezvous and transport set-up; [`meet`]: every rank comes to `init()` in time, or the
+//! - [`connect`]: rendezvous and transport set-up; [`roll_call`]: every rank comes to `init()` in time, or the
 //!   error names those that did not.
 //! - [`table`], [`background`], [`execute`]: the background loop and what it runs; `sink`: one allreduce
 //!   tensor's contribution and result as the executor sees them; [`packed`]: grouped allreduces packed into
@@ -29,9 +29,9 @@ pub mod execute;
 pub mod fast_lane;
 pub mod fork;
 pub mod handles;
-pub mod meet;
 pub mod packed;
 pub mod process_sets;
+pub mod roll_call;
 mod sink;
 pub mod small_op;
 pub mod submission;
@@ -108,7 +108,7 @@ impl Engine {
             None => None,
         };
         if let Some(s) = store.as_mut() {
-            meet::meet_every_rank(s, &format!("init{generation}"), topo.rank, topo.size, config.start_timeout)?;
+            roll_call::call_the_roll(s, &format!("init{generation}"), topo.rank, topo.size, config.start_timeout)?;
         }
         Ok(Meeting { config, store, generation })
     }
