@@ -21,7 +21,6 @@
 //! with a result or an error, including when the engine stops or fails.
 
 pub mod affinity;
-pub mod background;
 pub mod communicator;
 pub mod connect;
 pub mod driver;
@@ -32,8 +31,10 @@ pub mod handles;
 pub mod packed;
 pub mod process_sets;
 pub mod roll_call;
+pub mod shared;
 mod sink;
 pub mod small_op;
+pub mod step;
 pub mod submission;
 pub mod table;
 pub mod validate_submission;
@@ -288,7 +289,7 @@ impl Engine {
 
     /// The autotuned values this rank applied on the global process set, in order, with the rounds at which
     /// it applied them (empty with autotune off, unless values were set by hand).
-    pub fn autotune_applied(&self) -> Vec<communicator::AppliedValues> {
+    pub fn autotune_applied(&self) -> Vec<shared::AppliedValues> {
         let registry = self.registry();
         registry.get(0).and_then(|set| set.communicator.as_ref()).map_or_else(Vec::new, |c| c.autotune_applied())
     }

@@ -3,6 +3,9 @@
 //! transport failure ends the loop and fails every pending and later op with an error that names the
 //! peer. Who runs the steps, the engine thread or a caller, is [`super::driver`]'s business.
 //!
+//! The loop's state is here ([`Loop`]), with what it shares with callers in [`super::shared`]; the fast lane
+//! ([`super::fast_lane`]), the driver and the communicator build on this module, never the reverse.
+//!
 //! With autotune on, the global communicator's rank 0 also runs the parameter manager: it counts each
 //! round's allreduces, and its decisions go out with its next round header; every rank applies what the
 //! round carried when the round's work is done (see [`crate::autotune`]). Values set by hand at run time
@@ -16,9 +19,9 @@ use crate::autotune::manager::ParameterManager;
 use crate::config::Config;
 use crate::coordinator::negotiation::{Negotiator, RoundOutcome};
 use crate::coordinator::stall::StallClock;
-use crate::engine::communicator::{AppliedValues, Shared};
 use crate::engine::execute::{execute_eager, Executor, HierarchyChoice, TensorResult};
 use crate::engine::handles::{CompletedPart, PartResult};
+use crate::engine::shared::{AppliedValues, Shared};
 use crate::engine::table::{TensorEntry, TensorTable};
 use crate::error::EngineError;
 use crate::protocol::round::{RoundHeader, StopReason};
@@ -57,7 +60,14 @@ pub(crate) struct Loop {
     /// whichever thread ran the last step, acted on by the engine thread.
     pub(super) finished: Option<Result<String, EngineError>>,
     /// Buffers of the fast lane (see [`super::fast_lane`]).
-    pub(super) fast: crate::engine::fast_lane::Scratch,
+    pub(super) fast: Scratch,
+}
+
+/// Buffers the fast lane reuses from op to op: its header frame and the peers' header bodies.
+#[derive(Default)]
+pub(crate) struct Scratch {
+    pub(super) frame: Vec<u8>,
+    pub(super) bodies: Vec<Vec<u8>>,
 }
 
 /// How a step may wait.
