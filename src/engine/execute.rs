@@ -8,7 +8,6 @@
 
 use crate::coordinator::negotiation::EagerOp;
 use crate::engine::sink::TensorIo;
-use crate::engine::submission::OutputTensor;
 use crate::engine::table::TensorEntry;
 use crate::error::EngineError;
 use crate::fusion::layout::{FusionLayout, FusionSlot};
@@ -17,6 +16,7 @@ use crate::ring;
 use crate::ring::hierarchical::Step;
 use crate::ring::staged::{OwnPiece, StagedAllreduce};
 use crate::tensor::AlignedBuffer;
+use crate::tensor::OutputTensor;
 use crate::timeline::{OpRecord, Stage};
 use crate::transport::composite::HostLayout;
 use crate::transport::{HostParts, Transport, TransportError};

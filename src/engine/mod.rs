@@ -9,8 +9,8 @@
 //! - [`connect`]: rendezvous and transport set-up; [`roll_call`]: every rank comes to `init()` in time, or the
 //!   error names those that did not.
 //! - [`table`], [`background`], [`execute`]: the background loop and what it runs; `sink`: one allreduce
-//!   tensor's contribution and result as the executor sees them; [`packed`]: grouped allreduces packed into
-//!   one tensor at submission.
+//!   tensor's contribution and result as the executor sees them; [`grouped`]: a grouped allreduce
+//!   submitted as one packed tensor per dtype.
 //! - [`driver`]: who runs a communicator's loop (its engine thread, or a caller waiting for its own op);
 //!   [`fast_lane`]: a small synchronous op run by its caller as one exchange of round headers;
 //!   [`small_op`]: a caller's synchronous op, on the fast lane or submitted and driven.
@@ -27,8 +27,8 @@ pub mod driver;
 pub mod execute;
 pub mod fast_lane;
 pub mod fork;
+pub mod grouped;
 pub mod handles;
-pub mod packed;
 pub mod process_sets;
 pub mod roll_call;
 pub mod shared;

@@ -5,9 +5,9 @@
 //! or member bounds; an in-place tensor's piece is read before its result is written.
 
 use crate::engine::execute::TensorResult;
-use crate::engine::submission::OutputTensor;
 use crate::engine::table::TensorEntry;
 use crate::tensor::AlignedBuffer;
+use crate::tensor::OutputTensor;
 use crate::types::DataType;
 
 pub(crate) struct TensorIo<'a> {

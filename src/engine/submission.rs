@@ -1,7 +1,7 @@
 //! What a caller hands the engine (an [`OpSubmission`]) and what it gets back ([`OpOutput`]).
 
-use crate::engine::packed::PackedGroup;
-use crate::tensor::{AlignedBuffer, RawTensor};
+use crate::fusion::packed_group::PackedGroup;
+use crate::tensor::{OutputTensor, RawTensor};
 use crate::types::{CollectiveKind, DataType, ReduceOp};
 
 /// One tensor of a collective.
@@ -54,14 +54,6 @@ impl OpSubmission {
             splits: Vec::new(),
         }
     }
-}
-
-/// A result tensor allocated by the engine.
-#[derive(Debug)]
-pub struct OutputTensor {
-    pub buffer: AlignedBuffer,
-    pub shape: Vec<i64>,
-    pub dtype: DataType,
 }
 
 /// Everything a completed op returns.

@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use crate::coordinator::pending::{Announcement, PendingRequest, PendingRequests};
 use crate::engine::handles::HandleId;
-use crate::engine::packed::PackedGroup;
+use crate::fusion::packed_group::PackedGroup;
 use crate::protocol::message::Request;
 use crate::tensor::RawTensor;
 use crate::types::CollectiveKind;

@@ -3,10 +3,12 @@
 //! - [`plan`]: which agreed responses fuse, in which order (pure and deterministic, so every rank plans
 //!   the same fused responses from the same input).
 //! - [`layout`]: where each fused tensor sits in the fusion buffer, for packing and unpacking.
+//! - [`packed_group`]: a grouped allreduce's tensors of one dtype seen as one packed tensor.
 //!
 //! Only allreduce responses fuse for now; allgather, reducescatter and the rest run one at a time.
 
 pub mod layout;
+pub mod packed_group;
 pub mod plan;
 
 pub use layout::{FusionLayout, FusionSlot, FUSION_ALIGNMENT};
