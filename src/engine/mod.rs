@@ -32,7 +32,6 @@ pub mod handles;
 pub mod process_sets;
 pub mod roll_call;
 pub mod shared;
-mod sink;
 pub mod small_op;
 pub mod step;
 pub mod submission;
