@@ -1,5 +1,5 @@
 //! The loop of a communicator, one [`Loop::step`] at a time: take local work, wait (without spinning) for
-//! it or for a peer's round, run a negotiation round, execute what it agreed, complete handles. A
+//! it or for a peer's round, run a negotiation round, fuse and execute what it agreed, complete handles. A
 //! transport failure ends the loop and fails every pending and later op with an error that names the
 //! peer. Who runs the steps, the engine thread or a caller, is [`super::driver`]'s business.
 //!
@@ -24,6 +24,7 @@ use crate::engine::handles::{CompletedPart, PartResult};
 use crate::engine::shared::{AppliedValues, Shared};
 use crate::engine::table::{TensorEntry, TensorTable};
 use crate::error::EngineError;
+use crate::fusion::plan_fusion;
 use crate::protocol::round::{RoundHeader, StopReason};
 use crate::protocol::tuned::TunedValues;
 use crate::transport::{Activity, Transport, TransportError};
@@ -96,14 +97,8 @@ pub(crate) enum Step {
 
 impl Loop {
     pub(crate) fn new(shared: Arc<Shared>, mut transport: Box<dyn Transport>, config: Config) -> Loop {
-        let negotiator = Negotiator::new(
-            transport.rank(),
-            shared.global_ranks.clone(),
-            config.cache_capacity,
-            config.fusion_threshold,
-            config.stall_check,
-        )
-        .with_timeline(shared.timeline.clone());
+        let negotiator =
+            Negotiator::new(transport.rank(), shared.global_ranks.clone(), config.cache_capacity, config.stall_check);
         let executor = Executor::new(HierarchyChoice {
             allreduce: config.hierarchical_allreduce,
             allgather: config.hierarchical_allgather,
@@ -258,13 +253,20 @@ impl Loop {
         self.end_step(ended)
     }
 
-    /// Run what a round agreed: its eager ops, its responses, autotuned values; a coordinated stop ends the
-    /// loop (`Err(Ok(reason))`), as does a transport failure (`Err(Err(_))`).
+    /// Run what a round agreed: the coordinator's ticks in the timeline, its eager ops, its responses fused
+    /// (with the fusion threshold of this round, before autotuned values change it), autotuned values; a
+    /// coordinated stop ends the loop (`Err(Ok(reason))`), as does a transport failure (`Err(Err(_))`).
     fn run_outcome(
         &mut self,
-        outcome: RoundOutcome,
+        mut outcome: RoundOutcome,
         stop: Option<StopReason>,
     ) -> Result<(), Result<String, EngineError>> {
+        for (rank, list) in &outcome.received {
+            for request in &list.requests {
+                self.shared.timeline.tick(&request.name, request.kind, *rank);
+            }
+        }
+        outcome.responses = plan_fusion(std::mem::take(&mut outcome.responses), self.config.fusion_threshold);
         let shutdown = stop.is_some();
         let agreed = Instant::now();
         for eager in &outcome.eager {
@@ -309,8 +311,9 @@ impl Loop {
         self.fail_everything(stopped_because);
     }
 
-    /// The loop's part of autotuned values (the negotiator applied the fusion threshold and the cache).
+    /// The loop's part of autotuned values (the negotiator applied the cache's).
     fn apply_tuned(&mut self, values: &TunedValues) {
+        self.config.fusion_threshold = values.fusion_threshold;
         self.config.cycle_time = values.cycle_time;
         self.config.hierarchical_allreduce = values.hierarchical_allreduce;
         self.config.hierarchical_allgather = values.hierarchical_allgather;
