@@ -3,7 +3,7 @@
 //! transport failure ends the loop and fails every pending and later op with an error that names the
 //! peer. Who runs the steps, the engine thread or a caller, is [`super::driver`]'s business.
 //!
-//! The loop's state is here ([`Loop`]), with what it shares with callers in [`super::shared`]; the fast lane
+//! The loop's state is here (`Loop`), with what it shares with callers in [`super::shared`]; the fast lane
 //! ([`super::fast_lane`]), the driver and the communicator build on this module, never the reverse.
 //!
 //! With autotune on, the global communicator's rank 0 also runs the parameter manager: it counts each

@@ -1,4 +1,6 @@
-//! Tensor fusion: running many small compatible collectives as one over a shared buffer.
+//! Tensor fusion: running many small compatible collectives as one over a shared buffer, from the plan to
+//! the bytes (the engine calls it after a round decides, and its executor packs and unpacks through it).
+//! It names no engine type: tensors come as plain views ([`tensor_io::TensorMemory`]).
 //!
 //! - [`plan`]: which agreed responses fuse, in which order (pure and deterministic, so every rank plans
 //!   the same fused responses from the same input).
