@@ -1,4 +1,4 @@
-//! Tensor memory: views of caller-owned buffers and engine-owned aligned buffers.
+//! Tensor memory: views of caller-owned buffers, engine-owned aligned buffers, and result tensors made of them.
 //!
 //! This is the one place (besides DLPack parsing in `py/dlpack.rs`) that holds raw pointers. A
 //! [`RawTensor`] points at memory owned by a framework tensor; the Python side keeps that tensor alive
@@ -9,6 +9,7 @@ use std::alloc::{self, Layout};
 use std::ptr::NonNull;
 
 use crate::memory;
+use crate::types::DataType;
 
 /// Alignment of engine-allocated buffers (enough for every dtype and for SIMD loads).
 const BUFFER_ALIGN: usize = 64;
@@ -219,6 +220,14 @@ impl std::fmt::Debug for AlignedBuffer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "AlignedBuffer({} bytes)", self.len)
     }
+}
+
+/// A result tensor allocated by the engine: its bytes, shape and dtype.
+#[derive(Debug)]
+pub struct OutputTensor {
+    pub buffer: AlignedBuffer,
+    pub shape: Vec<i64>,
+    pub dtype: DataType,
 }
 
 #[cfg(test)]

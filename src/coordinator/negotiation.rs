@@ -6,9 +6,12 @@
 //!    in steady state this is the whole round.
 //! 2. Only if some rank has uncached requests (or an entry became invalid), workers send them to the
 //!    coordinator (rank 0), which answers everyone with the same [`ResponseList`].
-//! 3. Every rank updates its cache with the new responses in the same order, and fuses the list.
-//! 4. If the coordinator's header carried autotuned values, every rank applies the fusion threshold and the
-//!    response cache's state now, after fusing, so the next round uses them everywhere.
+//! 3. Every rank updates its cache with the new responses in the same order.
+//! 4. If the coordinator's header carried autotuned values, every rank applies the response cache's state
+//!    now, so the next round uses it everywhere; the caller applies the rest.
+//!
+//! A round decides and returns what it decided ([`RoundOutcome`]); the engine fuses the agreed responses
+//! (`crate::fusion`) and records the coordinator's ticks in the timeline.
 //!
 //! A rank starts a round when it has new work; an idle rank joins when a peer's header arrives.
 
@@ -17,13 +20,11 @@ use std::time::{Duration, Instant};
 use crate::coordinator::cache::{caches_kind, CacheLookup, ResponseCache};
 use crate::coordinator::message_table::MessageTable;
 use crate::coordinator::pending::{Announcement, PendingRequest, PendingRequests};
-use crate::fusion::plan_fusion;
 use crate::protocol::bitset::BitSet;
 use crate::protocol::codec::{WireMessage, WireWriter};
 use crate::protocol::message::{OpParams, Response};
 use crate::protocol::round::{EagerPayload, RequestList, ResponseList, RoundHeader, StopReason};
 use crate::protocol::tuned::TunedValues;
-use crate::timeline::SetTimeline;
 use crate::transport::{Transport, TransportError};
 use crate::types::{CollectiveKind, ReduceOp};
 
@@ -67,27 +68,30 @@ pub fn rides_in_header(kind: CollectiveKind, reduce_op: ReduceOp, bytes: usize) 
 pub struct RoundOutcome {
     /// Small allreduces and broadcasts already complete in data (run them locally, in any order).
     pub eager: Vec<EagerOp>,
-    /// Responses to run now, fused, identical on every rank.
+    /// Responses to run now, identical on every rank, in order (not fused yet).
     pub responses: Vec<Response>,
     /// Ranks that asked to stop, and why; if any did, every rank leaves after running `responses`.
     pub shutdown_by: Vec<(usize, StopReason)>,
     /// Autotuned values the coordinator announced this round; the negotiator has applied its own part
-    /// (fusion threshold, response cache), the caller applies the rest.
+    /// (the response cache), the caller applies the rest.
     pub tuned: Option<TunedValues>,
+    /// On the coordinator: the request lists it received this round, each with its sender's communicator
+    /// rank (its own first), for the timeline's ticks of each rank's readiness.
+    pub received: ReceivedLists,
 }
+
+/// Request lists with their senders' communicator ranks (see [`RoundOutcome::received`]).
+pub type ReceivedLists = Vec<(usize, RequestList)>;
 
 pub struct Negotiator {
     cache: ResponseCache,
     /// The configured cache capacity, restored when autotune turns the cache back on.
     cache_capacity: usize,
-    fusion_threshold: usize,
     /// On the coordinator: autotuned values to send in the next header.
     announcement: Option<TunedValues>,
     /// Cached entries pending longer than this are invalidated so the coordinator can report the stall.
     stall_check: Option<Duration>,
     coordinator: Option<MessageTable>,
-    /// Where the coordinator ticks each rank's readiness.
-    timeline: SetTimeline,
 }
 
 /// `body` with its length in front, as `recv_message` reads it.
@@ -201,26 +205,14 @@ fn eager_contributions(headers: &[RoundHeader], bit: usize, cached: &Response) -
 
 impl Negotiator {
     /// `global_ranks[r]` is the global rank of communicator rank `r`; `rank` is this rank's position.
-    pub fn new(
-        rank: usize,
-        global_ranks: Vec<usize>,
-        cache_capacity: usize,
-        fusion_threshold: usize,
-        stall_check: Option<Duration>,
-    ) -> Self {
+    pub fn new(rank: usize, global_ranks: Vec<usize>, cache_capacity: usize, stall_check: Option<Duration>) -> Self {
         Negotiator {
             cache: ResponseCache::new(cache_capacity),
             cache_capacity,
-            fusion_threshold,
             announcement: None,
             stall_check,
             coordinator: (rank == 0).then(|| MessageTable::new(global_ranks)),
-            timeline: SetTimeline::default(),
         }
-    }
-
-    pub fn with_timeline(self, timeline: SetTimeline) -> Self {
-        Negotiator { timeline, ..self }
     }
 
     /// The coordinator's state, on rank 0.
@@ -236,21 +228,15 @@ impl Negotiator {
         }
     }
 
-    /// The fusion threshold the next round fuses with.
-    pub fn fusion_threshold(&self) -> usize {
-        self.fusion_threshold
-    }
-
     /// Whether the response cache is in use.
     pub fn cache_enabled(&self) -> bool {
         self.cache.capacity() > 0
     }
 
-    /// Apply the negotiation's part of autotuned values: the fusion threshold, and the cache on or off. A
-    /// cache turned off forgets its entries and this rank's pending hits go to the coordinator instead; one
-    /// turned on starts empty, as at start-up. Every rank does this at the same round, so caches agree.
+    /// Apply the negotiation's part of autotuned values: the cache on or off. A cache turned off forgets its
+    /// entries and this rank's pending hits go to the coordinator instead; one turned on starts empty, as at
+    /// start-up. Every rank does this at the same round, so caches agree.
     fn apply(&mut self, values: &TunedValues, table: &mut impl PendingRequests) {
-        self.fusion_threshold = values.fusion_threshold;
         if values.cache_enabled == self.cache_enabled() {
             return;
         }
@@ -304,7 +290,7 @@ impl Negotiator {
 
     /// The rest of a round once every rank's header is in (`headers[r]` from communicator rank `r`, this
     /// rank's own among them): the verdict on cache hits and invalid bits, the slow path if any rank needs
-    /// it, fusion, autotuned values. The same headers give the same verdict on every rank.
+    /// it, autotuned values. The same headers give the same verdict on every rank.
     pub fn decide(
         &mut self,
         t: &mut dyn Transport,
@@ -384,8 +370,10 @@ impl Negotiator {
                 coordinator.note_waits_between_rounds(waits);
             }
         }
+        let mut received = Vec::new();
         if slow {
-            let new_responses = self.slow_path(t, table, any_shutdown)?;
+            let new_responses;
+            (new_responses, received) = self.slow_path(t, table, any_shutdown)?;
             for response in &new_responses {
                 self.cache.put(response, |name| table.request(name).map(|request| request.params.clone()));
             }
@@ -403,13 +391,12 @@ impl Negotiator {
             responses.extend(new_responses);
         }
 
-        let responses = plan_fusion(responses, self.fusion_threshold);
         // Only the coordinator decides; its header is the same on every rank.
         let tuned = headers.first().and_then(|h| h.tuned.clone());
         if let Some(values) = &tuned {
             self.apply(values, table);
         }
-        Ok(RoundOutcome { eager, responses, shutdown_by, tuned })
+        Ok(RoundOutcome { eager, responses, shutdown_by, tuned, received })
     }
 
     /// This rank's header: classify new requests against the cache and collect hits and invalid bits.
@@ -455,13 +442,14 @@ impl Negotiator {
         header
     }
 
-    /// Workers send their uncached requests to the coordinator, which answers everyone.
+    /// Workers send their uncached requests to the coordinator, which answers everyone. Returns the
+    /// responses and, on the coordinator, the request lists it received (see [`RoundOutcome::received`]).
     fn slow_path(
         &mut self,
         t: &mut dyn Transport,
         table: &mut impl PendingRequests,
         shutdown: bool,
-    ) -> Result<Vec<Response>, TransportError> {
+    ) -> Result<(Vec<Response>, ReceivedLists), TransportError> {
         let (me, n) = (t.rank(), t.size());
         let mut mine = RequestList::default();
         table.for_each(|entry, announcement| {
@@ -477,9 +465,10 @@ impl Negotiator {
         match self.coordinator.as_mut() {
             Some(coordinator) => {
                 for (i, request) in mine.requests.iter().enumerate() {
-                    self.timeline.tick(&request.name, request.params.kind, me);
                     coordinator.add_waited(request.clone(), waited(&mine, i));
                 }
+                let mut received = Vec::with_capacity(n);
+                received.push((me, mine));
                 for peer in (0..n).filter(|&p| p != me) {
                     let list = recv_message::<RequestList>(t, peer)?;
                     for (i, request) in list.requests.iter().enumerate() {
@@ -492,21 +481,21 @@ impl Negotiator {
                                 ),
                             });
                         }
-                        self.timeline.tick(&request.name, request.params.kind, peer);
                         coordinator.add_waited(request.clone(), waited(&list, i));
                     }
+                    received.push((peer, list));
                 }
                 let decision = ResponseList { responses: coordinator.ready_responses(), shutdown };
                 let bytes = decision.to_bytes();
                 for peer in (0..n).filter(|&p| p != me) {
                     send_message(t, peer, &bytes)?;
                 }
-                Ok(decision.responses)
+                Ok((decision.responses, received))
             }
             None => {
                 send_message(t, 0, &mine.to_bytes())?;
                 let decision = recv_message::<ResponseList>(t, 0)?;
-                Ok(decision.responses)
+                Ok((decision.responses, Vec::new()))
             }
         }
     }
@@ -577,7 +566,7 @@ mod tests {
     }
 
     fn negotiator(rank: usize, size: usize) -> Negotiator {
-        Negotiator::new(rank, (0..size).collect(), 16, 1 << 20, None)
+        Negotiator::new(rank, (0..size).collect(), 16, None)
     }
 
     fn names(responses: &[Response]) -> Vec<String> {
@@ -666,7 +655,7 @@ mod tests {
             table.submit(rank, "grad", 2, 1);
             let announced = negotiator.round(t, &mut table, None).unwrap();
             assert_eq!(announced.eager.len(), 1, "rank {rank}: the cache served this round");
-            assert_eq!((negotiator.fusion_threshold(), negotiator.cache_enabled()), (4096, false));
+            assert!(!negotiator.cache_enabled(), "rank {rank}");
             table.complete("grad");
             // With the cache off, the same tensor goes to the coordinator again.
             table.submit(rank, "grad", 2, 1);

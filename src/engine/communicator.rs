@@ -2,129 +2,23 @@
 //! negotiation, response cache, fusion and background thread. Collectives on disjoint sets therefore
 //! run concurrently, and a stall in one set never blocks another.
 
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use crate::config::Config;
 use crate::engine::affinity;
-use crate::engine::background::Loop;
 use crate::engine::driver::Driver;
 use crate::engine::fast_lane::{SmallOp, SmallOutcome};
 use crate::engine::handles::{HandleId, HandleTable};
+use crate::engine::shared::{AppliedValues, Shared};
+use crate::engine::step::Loop;
 use crate::engine::table::TensorEntry;
 use crate::error::EngineError;
 use crate::protocol::round::StopReason;
-use crate::protocol::tuned::{RequestedValues, TunedValues};
-use crate::timeline::{SetTimeline, Timeline};
-use crate::transport::{Transport, Waker};
+use crate::protocol::tuned::RequestedValues;
+use crate::timeline::Timeline;
+use crate::transport::Transport;
 use crate::types::CollectiveKind;
-
-/// Submissions waiting for the background thread, and whether it still takes them.
-#[derive(Default)]
-pub(crate) struct Inbox {
-    pub(crate) entries: Vec<TensorEntry>,
-    /// Set when the background thread stopped; later submissions fail with this error.
-    pub(crate) closed: Option<EngineError>,
-}
-
-/// State shared between callers and one communicator's background thread.
-pub(crate) struct Shared {
-    pub(crate) handles: Arc<HandleTable>,
-    inbox: Mutex<Inbox>,
-    pub(crate) waker: Waker,
-    pub(crate) shutdown_requested: AtomicBool,
-    /// Why the stop was requested (a [`StopReason`] code), read once `shutdown_requested` is set.
-    stop_reason: AtomicU8,
-    /// Set while the background thread sleeps waiting for work: only then does a submission need to wake
-    /// it (a busy or batching thread picks submissions up by itself, so waking it would only cost time).
-    pub(crate) idle: AtomicBool,
-    /// Process set id and its ranks (global rank numbers, sorted), for messages.
-    pub(crate) set_id: u32,
-    pub(crate) global_ranks: Vec<usize>,
-    /// What the transport is ("shm", "tcp", ...), for diagnostics.
-    pub(crate) transport_kind: &'static str,
-    pub(crate) timeline: SetTimeline,
-    /// With autotune on: each set of tuned values this rank applied, with the round it applied them at.
-    pub(crate) autotune_applied: Mutex<Vec<AppliedValues>>,
-    /// Values set by hand, waiting for the loop's next round (see [`RequestedValues`]).
-    requested_values: Mutex<Option<RequestedValues>>,
-    /// Whether `requested_values` holds some, readable without its lock.
-    values_requested: AtomicBool,
-    /// Whether the inbox holds entries, readable without its lock (set and cleared under it).
-    queued: AtomicBool,
-}
-
-/// Autotuned values as one rank applied them: after round `round` of its communicator (rounds are
-/// counted from 1 and run in lockstep, so every rank's numbers name the same rounds).
-#[derive(Clone, Debug, PartialEq)]
-pub struct AppliedValues {
-    pub round: u64,
-    pub values: TunedValues,
-}
-
-impl Shared {
-    fn inbox(&self) -> MutexGuard<'_, Inbox> {
-        self.inbox.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-
-    /// Whether values set by hand wait to be sent.
-    pub(crate) fn has_requested_values(&self) -> bool {
-        self.values_requested.load(Ordering::Acquire)
-    }
-
-    /// Values set by hand that the loop has not sent yet (taken once).
-    pub(crate) fn take_requested_values(&self) -> Option<RequestedValues> {
-        if !self.has_requested_values() {
-            return None;
-        }
-        let mut requested = self.requested_values.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        self.values_requested.store(false, Ordering::Release);
-        requested.take()
-    }
-
-    /// Whether submissions wait in the inbox (a glance without its lock: one arriving right after counts as
-    /// arriving later).
-    pub(crate) fn has_queued(&self) -> bool {
-        self.queued.load(Ordering::SeqCst)
-    }
-
-    /// Take every queued submission, in submission order.
-    pub(crate) fn take_queued(&self) -> Vec<TensorEntry> {
-        let mut inbox = self.inbox();
-        self.queued.store(false, Ordering::SeqCst);
-        std::mem::take(&mut inbox.entries)
-    }
-
-    /// Refuse later submissions with `err`; returns what was queued.
-    pub(crate) fn close_inbox(&self, err: EngineError) -> Vec<TensorEntry> {
-        let mut inbox = self.inbox();
-        inbox.closed = Some(err);
-        self.queued.store(false, Ordering::SeqCst);
-        std::mem::take(&mut inbox.entries)
-    }
-
-    /// Why this rank asked its communicator to stop, if it did.
-    pub(crate) fn stop_requested(&self) -> Option<StopReason> {
-        if !self.shutdown_requested.load(Ordering::SeqCst) {
-            return None;
-        }
-        Some(match self.stop_reason.load(Ordering::SeqCst) {
-            1 => StopReason::Exiting,
-            2 => StopReason::Removed,
-            _ => StopReason::Shutdown,
-        })
-    }
-
-    /// "process set 1 (ranks [0, 2])", or "the global process set".
-    pub(crate) fn describe(&self) -> String {
-        if self.set_id == 0 {
-            "the global process set".to_string()
-        } else {
-            format!("process set {} (ranks {:?})", self.set_id, self.global_ranks)
-        }
-    }
-}
 
 pub struct Communicator {
     shared: Arc<Shared>,
@@ -142,22 +36,7 @@ impl Communicator {
         handles: Arc<HandleTable>,
         timeline: Timeline,
     ) -> Result<Communicator, EngineError> {
-        let shared = Arc::new(Shared {
-            handles,
-            inbox: Mutex::new(Inbox::default()),
-            waker: Waker::new().map_err(|e| EngineError::Init(format!("cannot create the wake-up event: {e}")))?,
-            shutdown_requested: AtomicBool::new(false),
-            stop_reason: AtomicU8::new(0),
-            idle: AtomicBool::new(false),
-            set_id,
-            timeline: SetTimeline::new(timeline, set_id, &global_ranks, transport.label()),
-            global_ranks,
-            transport_kind: transport.label(),
-            autotune_applied: Mutex::new(Vec::new()),
-            requested_values: Mutex::new(None),
-            values_requested: AtomicBool::new(false),
-            queued: AtomicBool::new(false),
-        });
+        let shared = Arc::new(Shared::new(handles, set_id, global_ranks, transport.label(), timeline)?);
         shared.waker.set_doorbell(transport.doorbell());
         let waiter = transport.idle_waiter();
         let driver = Arc::new(Driver::new(
@@ -205,30 +84,14 @@ impl Communicator {
     /// Ask for `values` to be applied on every rank (see [`RequestedValues`]): the loop's next round sends
     /// them, on rank 0; a later request replaces one not sent yet.
     pub fn request_values(&self, values: RequestedValues) {
-        let mut requested = self.shared.requested_values.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        *requested = Some(values);
-        self.shared.values_requested.store(true, Ordering::Release);
+        self.shared.request_values(values)
     }
 
     /// Queue entries for the background thread, all or none (a group is negotiated in one round). With
     /// `wake` false, the caller promises to call [`drive`](Self::drive) next, which runs them or wakes the
     /// thread.
     pub(crate) fn enqueue(&self, entries: Vec<TensorEntry>, wake: bool) -> Result<(), EngineError> {
-        {
-            let mut inbox = self.shared.inbox();
-            if let Some(err) = &inbox.closed {
-                return Err(err.clone());
-            }
-            inbox.entries.extend(entries);
-            // SeqCst: pairs with the engine thread's store to `idle` before it looks at this (see below).
-            self.shared.queued.store(true, Ordering::SeqCst);
-        }
-        // Pairs with the background thread's store to `idle` before it re-checks the inbox (SeqCst on both
-        // sides), so a submission is either seen by that check or wakes the thread.
-        if wake && self.shared.idle.load(Ordering::SeqCst) {
-            self.shared.waker.wake();
-        }
-        Ok(())
+        self.shared.enqueue(entries, wake)
     }
 
     /// Run the op `id`, queued with `enqueue(.., false)`, on this thread if the engine is idle (see
@@ -277,15 +140,7 @@ impl Communicator {
     /// Coordinated stop: the other ranks of the set stop too (their errors say `why`); pending ops fail;
     /// the thread is joined.
     pub fn stop(&self, why: StopReason) {
-        let code = match why {
-            StopReason::Shutdown => 0,
-            StopReason::Exiting => 1,
-            StopReason::Removed => 2,
-        };
-        // The first reason wins (a set removed while the process exits was removed).
-        let _ = self.shared.stop_reason.compare_exchange(0, code, Ordering::SeqCst, Ordering::SeqCst);
-        self.shared.shutdown_requested.store(true, Ordering::SeqCst);
-        self.shared.waker.wake();
+        self.shared.request_stop(why);
         let thread = self.thread.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).take();
         if let Some(thread) = thread {
             // The loop never panics by design; if it did, its handles were already failed by the unwinding.

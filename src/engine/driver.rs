@@ -23,10 +23,10 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 use std::time::{Duration, Instant};
 
-use crate::engine::background::{Loop, Mode, Step, JOIN_GRACE};
-use crate::engine::communicator::Shared;
 use crate::engine::fast_lane::{SmallOp, SmallOutcome};
 use crate::engine::handles::HandleId;
+use crate::engine::shared::Shared;
+use crate::engine::step::{Loop, Mode, Step, JOIN_GRACE};
 use crate::transport::IdleWaiter;
 
 /// Most steps a caller runs before it lets go of the loop and looks at its op again.

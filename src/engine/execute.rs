@@ -7,16 +7,17 @@
 //! per-tensor result.
 
 use crate::coordinator::negotiation::EagerOp;
-use crate::engine::sink::TensorIo;
-use crate::engine::submission::OutputTensor;
 use crate::engine::table::TensorEntry;
 use crate::error::EngineError;
 use crate::fusion::layout::{FusionLayout, FusionSlot};
-use crate::protocol::message::{shape_elements, Response};
+use crate::fusion::packing::{gather, scatter};
+use crate::fusion::tensor_io::{Produced, TensorIo, TensorMemory};
+use crate::protocol::message::{shape_elements, Response, ResponseEntry};
 use crate::ring;
 use crate::ring::hierarchical::Step;
 use crate::ring::staged::{OwnPiece, StagedAllreduce};
 use crate::tensor::AlignedBuffer;
+use crate::tensor::OutputTensor;
 use crate::timeline::{OpRecord, Stage};
 use crate::transport::composite::HostLayout;
 use crate::transport::{HostParts, Transport, TransportError};
@@ -30,6 +31,22 @@ pub struct TensorResult {
     pub last_joined_rank: Option<i32>,
     /// A packed group: each member's (output slot, result), `None` where written in place.
     pub members: Vec<(usize, Option<OutputTensor>)>,
+}
+
+impl From<Produced> for TensorResult {
+    fn from(produced: Produced) -> TensorResult {
+        match produced {
+            Produced::InPlace => TensorResult::default(),
+            Produced::Tensor(output) => TensorResult { output: Some(output), ..TensorResult::default() },
+            Produced::Members(members) => TensorResult { members, ..TensorResult::default() },
+        }
+    }
+}
+
+/// `entry`'s tensor of `len` bytes (`None`: a joined rank's) as the fusion buffer's packing reads and
+/// writes it.
+fn tensor_io(entry: Option<&mut TensorEntry>, len: usize, dtype: DataType) -> TensorIo<'_> {
+    TensorIo::new(entry.map_or(TensorMemory::Joined, TensorEntry::memory), len, dtype)
 }
 
 /// Reusable memory for fused and scratch work; grows to the largest need and stays.
@@ -220,6 +237,12 @@ impl Executor {
         results
     }
 
+    /// An allreduce by the strategy its response calls for (the choice depends on the response and on what
+    /// every rank agreed, so every rank, a joined one too, takes the same): one plain tensor reduced in its own
+    /// memory ([`allreduce_single`]), one rank whose tensors already hold their results
+    /// ([`one_rank_in_place`]), the tensors packed into the transport's shared-memory staging areas
+    /// ([`allreduce_staged`]) or into this rank's fusion buffer ([`allreduce_fused`]). Adasum has its own
+    /// ([`Executor::adasum`]).
     fn allreduce(
         &mut self,
         t: &mut dyn Transport,
@@ -227,10 +250,13 @@ impl Executor {
         entries: &mut [Option<TensorEntry>],
         phases: &mut OpRecord,
     ) -> Result<Vec<Result<TensorResult, EngineError>>, TransportError> {
-        let dtype = response.dtype;
-        let combine = combine_of(response.reduce_op);
-        let postscale = postscale_of(response, t.size());
-        let forced = self.hierarchy.allreduce;
+        let reduction = Reduction {
+            dtype: response.dtype,
+            combine: combine_of(response.reduce_op),
+            prescale: response.prescale,
+            postscale: postscale_of(response, t.size()),
+            forced: self.hierarchy.allreduce,
+        };
         let Some(layout) = FusionLayout::for_response(response) else {
             let err = EngineError::Internal("fused tensors are too large to address".into());
             return Ok(entries.iter().map(|_| Err(err.clone())).collect());
@@ -239,87 +265,134 @@ impl Executor {
             return self.adasum(t, response, entries, &layout);
         }
         let total = layout.total_bytes();
-        // Decided from the response alone: every rank, a joined one too, must take the same path.
         let plain_single = matches!(response.entries.as_slice(), [spec] if !spec.packed);
         let staged = staging_pays(t, total, plain_single);
         if let ([entry], [spec], true, false) = (&mut *entries, response.entries.as_slice(), plain_single, staged) {
-            // One tensor: reduce straight in its output, no fusion buffer. Out of place and unscaled, the
-            // input is read where it is (no copy into the output first).
-            let len = spec.num_elements() * dtype.size();
-            let mut owned = None;
-            let mut src = None;
-            let buf: &mut [u8] = match entry {
-                Some(e) if e.in_place => e.input.as_mut_slice(),
-                Some(e) => {
-                    let copy = if response.prescale == 1.0 {
-                        src = Some(e.input.as_slice());
-                        AlignedBuffer::for_overwrite(len)
-                    } else {
-                        AlignedBuffer::from_slice(e.input.as_slice())
-                    };
-                    owned.insert(copy).as_mut_slice()
-                }
-                None => owned.insert(AlignedBuffer::zeroed(len)).as_mut_slice(),
-            };
-            ring::scale_in_place(buf, dtype, response.prescale);
-            allreduce_buffer(t, forced, src, buf, dtype, combine, phases)?;
-            ring::scale_in_place(buf, dtype, postscale);
-            let out = match (entry, owned) {
-                (Some(e), Some(b)) if !e.in_place => output(b, spec.shape.clone(), dtype),
-                _ => None,
-            };
-            return Ok(vec![Ok(TensorResult { output: out, ..TensorResult::default() })]);
+            return Ok(vec![Ok(allreduce_single(t, &reduction, entry, spec, phases)?)]);
         }
-
-        let unscaled = response.prescale == 1.0 && postscale == 1.0;
+        let unscaled = reduction.prescale == 1.0 && reduction.postscale == 1.0;
         if t.size() == 1 && unscaled && entries.iter().all(|e| e.as_ref().map_or(true, |e| e.in_place)) {
-            // One rank, in place, nothing to scale: every tensor already holds its result.
-            return Ok(entries.iter_mut().map(|e| Ok(TensorIo::new(e.as_mut(), 0, dtype).finish())).collect());
+            return Ok(one_rank_in_place(entries, reduction.dtype));
         }
         let slots = layout.slots();
-        let prescale = response.prescale;
         let mut tensors: Vec<TensorIo<'_>> = entries
             .iter_mut()
             .zip(slots)
-            .map(|(entry, slot)| TensorIo::new(entry.as_mut(), slot.bytes, dtype))
+            .map(|(entry, slot)| tensor_io(entry.as_mut(), slot.bytes, reduction.dtype))
             .collect();
         if staged {
-            // Fusion buffer in shared memory: pack straight into this rank's staging area, reduce out of
-            // everyone's (this rank's own block is gathered and unpacked piece by piece, in cache), unpack the
-            // rest straight out of the owners' areas.
-            let mut op = StagedAllreduce::begin(t, total, dtype)?;
-            let own = op.own_block();
-            let area = op.own_area();
-            for range in [0..own.start, own.end..total] {
-                let piece = &mut area[range.clone()];
-                gather(&tensors, slots, range.start, piece);
-                ring::scale_in_place(piece, dtype, prescale);
-            }
-            phases.mark(Stage::MemcpyInFusionBuffer);
-            op.reduce(combine, postscale, &mut |phase, offset, piece| match phase {
-                OwnPiece::Contribute => {
-                    gather(&tensors, slots, offset, piece);
-                    ring::scale_in_place(piece, dtype, prescale);
-                }
-                OwnPiece::Result => scatter(&mut tensors, slots, offset, piece),
-            })?;
-            phases.mark_collective();
-            for (offset, bytes) in op.others_results() {
-                scatter(&mut tensors, slots, offset, bytes);
-            }
-            phases.mark(Stage::MemcpyOutFusionBuffer);
-            return Ok(tensors.into_iter().map(|io| Ok(io.finish())).collect());
+            allreduce_staged(t, &reduction, &mut tensors, slots, total, phases)?;
+        } else {
+            allreduce_fused(t, &reduction, &mut tensors, slots, self.fusion_buffer(total), phases)?;
         }
-        let buffer = self.fusion_buffer(total);
-        gather(&tensors, slots, 0, buffer);
-        ring::scale_in_place(buffer, dtype, prescale);
-        phases.mark(Stage::MemcpyInFusionBuffer);
-        allreduce_buffer(t, forced, None, buffer, dtype, combine, phases)?;
-        ring::scale_in_place(buffer, dtype, postscale);
-        scatter(&mut tensors, slots, 0, buffer);
-        phases.mark(Stage::MemcpyOutFusionBuffer);
-        Ok(tensors.into_iter().map(|io| Ok(io.finish())).collect())
+        Ok(tensors.into_iter().map(|io| Ok(io.finish().into())).collect())
     }
+}
+
+/// How an allreduce combines and scales, and whether it is forced (not) hierarchical.
+struct Reduction {
+    dtype: DataType,
+    combine: Combine,
+    prescale: f64,
+    postscale: f64,
+    forced: Option<bool>,
+}
+
+/// One plain tensor (`None`: this rank joined, and reduces zeros): reduced straight in its output, no fusion
+/// buffer. Out of place and unscaled, the input is read where it is (no copy into the output first).
+fn allreduce_single(
+    t: &mut dyn Transport,
+    reduction: &Reduction,
+    entry: &mut Option<TensorEntry>,
+    spec: &ResponseEntry,
+    phases: &mut OpRecord,
+) -> Result<TensorResult, TransportError> {
+    let Reduction { dtype, combine, prescale, postscale, forced } = *reduction;
+    let len = spec.num_elements() * dtype.size();
+    let mut owned = None;
+    let mut src = None;
+    let buf: &mut [u8] = match entry {
+        Some(e) if e.in_place => e.input.as_mut_slice(),
+        Some(e) => {
+            let copy = if prescale == 1.0 {
+                src = Some(e.input.as_slice());
+                AlignedBuffer::for_overwrite(len)
+            } else {
+                AlignedBuffer::from_slice(e.input.as_slice())
+            };
+            owned.insert(copy).as_mut_slice()
+        }
+        None => owned.insert(AlignedBuffer::zeroed(len)).as_mut_slice(),
+    };
+    ring::scale_in_place(buf, dtype, prescale);
+    allreduce_buffer(t, forced, src, buf, dtype, combine, phases)?;
+    ring::scale_in_place(buf, dtype, postscale);
+    let out = match (entry, owned) {
+        (Some(e), Some(b)) if !e.in_place => output(b, spec.shape.clone(), dtype),
+        _ => None,
+    };
+    Ok(TensorResult { output: out, ..TensorResult::default() })
+}
+
+/// One rank, in place, nothing to scale: every tensor already holds its result.
+fn one_rank_in_place(entries: &mut [Option<TensorEntry>], dtype: DataType) -> Vec<Result<TensorResult, EngineError>> {
+    entries.iter_mut().map(|e| Ok(tensor_io(e.as_mut(), 0, dtype).finish().into())).collect()
+}
+
+/// The fusion buffer in shared memory: pack straight into this rank's staging area, reduce out of everyone's
+/// (this rank's own block is gathered and unpacked piece by piece, in cache), unpack the rest straight out of
+/// the owners' areas.
+fn allreduce_staged(
+    t: &mut dyn Transport,
+    reduction: &Reduction,
+    tensors: &mut [TensorIo<'_>],
+    slots: &[FusionSlot],
+    total: usize,
+    phases: &mut OpRecord,
+) -> Result<(), TransportError> {
+    let Reduction { dtype, combine, prescale, postscale, .. } = *reduction;
+    let mut op = StagedAllreduce::begin(t, total, dtype)?;
+    let own = op.own_block();
+    let area = op.own_area();
+    for range in [0..own.start, own.end..total] {
+        let piece = &mut area[range.clone()];
+        gather(tensors, slots, range.start, piece);
+        ring::scale_in_place(piece, dtype, prescale);
+    }
+    phases.mark(Stage::MemcpyInFusionBuffer);
+    op.reduce(combine, postscale, &mut |phase, offset, piece| match phase {
+        OwnPiece::Contribute => {
+            gather(tensors, slots, offset, piece);
+            ring::scale_in_place(piece, dtype, prescale);
+        }
+        OwnPiece::Result => scatter(tensors, slots, offset, piece),
+    })?;
+    phases.mark_collective();
+    for (offset, bytes) in op.others_results() {
+        scatter(tensors, slots, offset, bytes);
+    }
+    phases.mark(Stage::MemcpyOutFusionBuffer);
+    Ok(())
+}
+
+/// The tensors packed into this rank's fusion `buffer`, reduced there, and unpacked.
+fn allreduce_fused(
+    t: &mut dyn Transport,
+    reduction: &Reduction,
+    tensors: &mut [TensorIo<'_>],
+    slots: &[FusionSlot],
+    buffer: &mut [u8],
+    phases: &mut OpRecord,
+) -> Result<(), TransportError> {
+    let Reduction { dtype, combine, prescale, postscale, forced } = *reduction;
+    gather(tensors, slots, 0, buffer);
+    ring::scale_in_place(buffer, dtype, prescale);
+    phases.mark(Stage::MemcpyInFusionBuffer);
+    allreduce_buffer(t, forced, None, buffer, dtype, combine, phases)?;
+    ring::scale_in_place(buffer, dtype, postscale);
+    scatter(tensors, slots, 0, buffer);
+    phases.mark(Stage::MemcpyOutFusionBuffer);
+    Ok(())
 }
 
 impl Executor {
@@ -366,11 +439,8 @@ impl Executor {
             .enumerate()
             .map(|(i, slot)| (slots.get(i + 1).map_or(total, |next| next.offset) - slot.offset) / dtype.size())
             .collect();
-        let mut tensors: Vec<TensorIo<'_>> = entries
-            .iter_mut()
-            .zip(slots)
-            .map(|(entry, slot)| TensorIo::new(entry.as_mut(), slot.bytes, dtype))
-            .collect();
+        let mut tensors: Vec<TensorIo<'_>> =
+            entries.iter_mut().zip(slots).map(|(entry, slot)| tensor_io(entry.as_mut(), slot.bytes, dtype)).collect();
         let mut scratch = std::mem::take(&mut self.adasum_scratch);
         let forced = self.hierarchy.allreduce;
         let buffer = self.fusion_buffer(total);
@@ -382,7 +452,7 @@ impl Executor {
         let buffer = self.fusion_buffer(total);
         ring::scale_in_place(buffer, dtype, response.postscale);
         scatter(&mut tensors, slots, 0, buffer);
-        Ok(tensors.into_iter().map(|io| Ok(io.finish())).collect())
+        Ok(tensors.into_iter().map(|io| Ok(io.finish().into())).collect())
     }
 }
 
@@ -394,41 +464,6 @@ impl Executor {
 /// at 16 MiB on 4).
 fn staging_pays(t: &mut dyn Transport, len: usize, plain_single: bool) -> bool {
     !plain_single && ring::staged::fits(t, len)
-}
-
-/// Fill `dst` with the fused buffer's bytes at `offset`: each entry's contribution in its slot (zeros for a
-/// joined rank) and zeros in the gaps between slots, which are reduced along with the data.
-fn gather(tensors: &[TensorIo<'_>], slots: &[FusionSlot], offset: usize, dst: &mut [u8]) {
-    let end = offset + dst.len();
-    let mut filled = offset;
-    let first = slots.partition_point(|s| s.offset + s.bytes <= offset);
-    for (slot, io) in slots[first..].iter().zip(&tensors[first..]) {
-        if slot.offset >= end {
-            break;
-        }
-        let (lo, hi) = (offset.max(slot.offset), end.min(slot.offset + slot.bytes));
-        if lo < hi {
-            dst[filled - offset..lo - offset].fill(0);
-            io.read(lo - slot.offset, &mut dst[lo - offset..hi - offset]);
-            filled = hi;
-        }
-    }
-    dst[filled - offset..].fill(0);
-}
-
-/// Hand `bytes`, the result at `offset` of the fused buffer, to the entries whose slots it covers.
-fn scatter(tensors: &mut [TensorIo<'_>], slots: &[FusionSlot], offset: usize, bytes: &[u8]) {
-    let end = offset + bytes.len();
-    let first = slots.partition_point(|s| s.offset + s.bytes <= offset);
-    for (slot, io) in slots[first..].iter().zip(&mut tensors[first..]) {
-        if slot.offset >= end {
-            break;
-        }
-        let (lo, hi) = (offset.max(slot.offset), end.min(slot.offset + slot.bytes));
-        if lo < hi {
-            io.write(lo - slot.offset, &bytes[lo - offset..hi - offset]);
-        }
-    }
 }
 
 /// Finish an allreduce, broadcast or allgather whose every contribution arrived with the round headers:
@@ -478,9 +513,9 @@ pub fn execute_eager(eager: &EagerOp, entry: Option<&mut TensorEntry>) -> Result
             TensorResult { output: output(result, shape, dtype), ..TensorResult::default() }
         }
         entry => {
-            let mut io = TensorIo::new(entry, len, dtype);
+            let mut io = tensor_io(entry, len, dtype);
             io.write(0, result.as_slice());
-            io.finish()
+            io.finish().into()
         }
     })
 }

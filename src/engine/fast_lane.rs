@@ -21,9 +21,9 @@ use std::time::Instant;
 
 use crate::coordinator::negotiation::{decode_message, frame_single_hit, recv_body, rides_in_header};
 use crate::coordinator::pending::Announcement;
-use crate::engine::background::{naming_tensor, Loop};
 use crate::engine::execute::{combine_of, concatenate, effective_postscale, fold_contributions};
 use crate::engine::handles::HandleId;
+use crate::engine::step::{naming_tensor, Loop, Scratch};
 use crate::engine::table::TensorEntry;
 use crate::error::EngineError;
 use crate::protocol::message::{OpParams, Request};
@@ -58,13 +58,6 @@ pub enum SmallOutcome<'a> {
     /// This op's error: the exchange failed, which ends the loop, or another thread has an op of the same
     /// name in flight.
     Failed(EngineError),
-}
-
-/// Buffers the fast lane reuses from op to op: its header frame and the peers' header bodies.
-#[derive(Default)]
-pub struct Scratch {
-    frame: Vec<u8>,
-    bodies: Vec<Vec<u8>>,
 }
 
 impl SmallOp<'_> {

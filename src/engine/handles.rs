@@ -8,8 +8,9 @@ use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
-use crate::engine::submission::{OpOutput, OutputTensor};
+use crate::engine::submission::OpOutput;
 use crate::error::EngineError;
+use crate::tensor::OutputTensor;
 
 pub type HandleId = u64;
 

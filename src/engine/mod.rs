@@ -2,38 +2,43 @@
 //! background thread) per process set this rank belongs to, a handle table shared by all of them, and the
 //! registry of process sets.
 //!
-//! - [`submission`]: what callers hand in and get back.
+//! - [`submission`]: what callers hand in and get back; [`grouped`]: a grouped allreduce submitted as one
+//!   packed tensor per dtype.
 //! - [`handles`]: the handle table callers wait on.
-//! - [`communicator`]: one process set's background thread and inbox; [`affinity`]: pinning it to a core.
 //! - [`process_sets`]: which sets exist and how ids are assigned.
-//! - [`connect`]: rendezvous and transport set-up; [`meet`]: every rank comes to `init()` in time, or the
+//! - [`connect`]: rendezvous and transport set-up; [`roll_call`]: every rank comes to `init()` in time, or the
 //!   error names those that did not.
-//! - [`table`], [`background`], [`execute`]: the background loop and what it runs; `sink`: one allreduce
-//!   tensor's contribution and result as the executor sees them; [`packed`]: grouped allreduces packed into
-//!   one tensor at submission.
-//! - [`driver`]: who runs a communicator's loop (its engine thread, or a caller waiting for its own op);
-//!   [`fast_lane`]: a small synchronous op run by its caller as one exchange of round headers;
-//!   [`small_op`]: a caller's synchronous op, on the fast lane or submitted and driven.
-//! - [`fork`]: what a process forked from a running rank may still do (nothing with the job).
-//! - [`validate_submission`](mod@validate_submission): argument checks done before anything is sent.
+//!
+//! A communicator's loop, bottom to top (each uses only those above it in this list):
+//! - [`table`]: the tensors submitted on this rank and not yet completed; [`execute`]: running one agreed
+//!   response (packing fused tensors through [`crate::fusion`]).
+//! - [`shared`]: what callers and the loop share (the inbox, the stop request, values set by hand).
+//! - [`step`]: the loop's state and one step of it (negotiate, fuse, execute, complete handles).
+//! - [`fast_lane`]: a small synchronous op run by its caller as one exchange of round headers.
+//! - [`driver`]: who runs the loop (its engine thread, or a caller waiting for its own op).
+//! - [`communicator`]: one process set's loop, driver and thread; [`affinity`]: pinning the thread to a core.
+//! - [`small_op`]: a caller's synchronous op, on the fast lane or submitted and driven.
+//!
+//! Besides: [`fork`]: what a process forked from a running rank may still do (nothing with the job);
+//! [`validate_submission`](mod@validate_submission): argument checks done before anything is sent.
 //!
 //! Invariant: a submission either fails at once (nothing queued) or its handle is completed exactly once,
 //! with a result or an error, including when the engine stops or fails.
 
 pub mod affinity;
-pub mod background;
 pub mod communicator;
 pub mod connect;
 pub mod driver;
 pub mod execute;
 pub mod fast_lane;
 pub mod fork;
+pub mod grouped;
 pub mod handles;
-pub mod meet;
-pub mod packed;
 pub mod process_sets;
-mod sink;
+pub mod roll_call;
+pub mod shared;
 pub mod small_op;
+pub mod step;
 pub mod submission;
 pub mod table;
 pub mod validate_submission;
@@ -108,7 +113,7 @@ impl Engine {
             None => None,
         };
         if let Some(s) = store.as_mut() {
-            meet::meet_every_rank(s, &format!("init{generation}"), topo.rank, topo.size, config.start_timeout)?;
+            roll_call::call_the_roll(s, &format!("init{generation}"), topo.rank, topo.size, config.start_timeout)?;
         }
         Ok(Meeting { config, store, generation })
     }
@@ -288,7 +293,7 @@ impl Engine {
 
     /// The autotuned values this rank applied on the global process set, in order, with the rounds at which
     /// it applied them (empty with autotune off, unless values were set by hand).
-    pub fn autotune_applied(&self) -> Vec<communicator::AppliedValues> {
+    pub fn autotune_applied(&self) -> Vec<shared::AppliedValues> {
         let registry = self.registry();
         registry.get(0).and_then(|set| set.communicator.as_ref()).map_or_else(Vec::new, |c| c.autotune_applied())
     }

@@ -1,8 +1,8 @@
 //! What a caller hands the engine (an [`OpSubmission`]) and what it gets back ([`OpOutput`]).
 
-use crate::engine::packed::PackedGroup;
+use crate::fusion::packed_group::PackedGroup;
 use crate::protocol::message::OpParams;
-use crate::tensor::{AlignedBuffer, RawTensor};
+use crate::tensor::{OutputTensor, RawTensor};
 use crate::types::{CollectiveKind, DataType};
 
 /// One tensor of a collective.
@@ -42,14 +42,6 @@ impl OpSubmission {
     pub fn new(kind: CollectiveKind) -> OpSubmission {
         OpSubmission { params: OpParams::new(kind), tensors: Vec::new() }
     }
-}
-
-/// A result tensor allocated by the engine.
-#[derive(Debug)]
-pub struct OutputTensor {
-    pub buffer: AlignedBuffer,
-    pub shape: Vec<i64>,
-    pub dtype: DataType,
 }
 
 /// Everything a completed op returns.

@@ -9,7 +9,8 @@ use std::time::Instant;
 
 use crate::coordinator::pending::{Announcement, PendingRequest, PendingRequests};
 use crate::engine::handles::HandleId;
-use crate::engine::packed::PackedGroup;
+use crate::fusion::packed_group::PackedGroup;
+use crate::fusion::tensor_io::TensorMemory;
 use crate::protocol::message::Request;
 use crate::tensor::RawTensor;
 use crate::types::CollectiveKind;
@@ -26,6 +27,20 @@ pub struct TensorEntry {
     pub submitted: Instant,
     /// A packed grouped allreduce: `input` is empty, and the group's tensors are reached through it.
     pub packed: Option<PackedGroup>,
+}
+
+impl TensorEntry {
+    /// Its memory as a fused op reads and writes it (see [`TensorMemory`]).
+    pub fn memory(&mut self) -> TensorMemory<'_> {
+        match &mut self.packed {
+            Some(group) => TensorMemory::Packed(group),
+            None => TensorMemory::Plain {
+                input: &mut self.input,
+                in_place: self.in_place,
+                shape: &self.request.params.shape,
+            },
+        }
+    }
 }
 
 impl PendingRequest for TensorEntry {

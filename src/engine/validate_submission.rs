@@ -1,9 +1,9 @@
 //! Argument checks made when an op is submitted, before anything is sent: errors here are the caller's
 //! mistake and leave the engine untouched.
 
-use crate::engine::packed::PackedGroup;
 use crate::engine::submission::OpSubmission;
 use crate::error::EngineError;
+use crate::fusion::packed_group::PackedGroup;
 use crate::protocol::message::shape_elements;
 use crate::types::{CollectiveKind, ReduceOp};
 

@@ -34,7 +34,7 @@ pub struct OpParams {
     pub postscale: f64,
     /// Alltoall: rows of dim 0 sent to each rank (empty: split evenly).
     pub splits: Vec<i64>,
-    /// A grouped allreduce packed into one tensor (see `engine::packed`): the shapes of its tensors in
+    /// A grouped allreduce packed into one tensor (see `fusion::packed_group`): the shapes of its tensors in
     /// order, encoded by [`encode_part_shapes`]; `shape` is then the total element count. Empty otherwise.
     pub parts: Vec<i64>,
     /// Where the tensor lives: [`CPU_DEVICE`], or the CUDA device ordinal. Ranks must agree on CPU vs GPU.

@@ -16,11 +16,11 @@ use crate::coordinator::message_table::BARRIER_NAME;
 use crate::coordinator::negotiation::EAGER_TENSOR_BYTES;
 use crate::engine::fast_lane::SmallOp;
 use crate::engine::handles::WaitOutcome;
-use crate::engine::packed::{pack_group, GroupMember};
 use crate::engine::small_op::SmallRun;
 use crate::engine::submission::{OpOutput, OpSubmission, TensorSubmission};
 use crate::engine::{fork, Engine};
 use crate::error::EngineError;
+use crate::fusion::packed_group::GroupMember;
 use crate::launch::meet::{self, HostedStore, Offer};
 use crate::protocol::message::OpParams;
 use crate::protocol::round::StopReason;
@@ -273,7 +273,7 @@ fn whole_tensor(name: String, imported: ImportedTensor, in_place: bool) -> Tenso
 /// `noname.<n>`; the op is named `<kind>.<name>`) and one tensor (or None: a barrier), or lists of full names
 /// and tensors (the names say which). A tensor is a DLPack capsule or an exact C-contiguous `numpy.ndarray`
 /// of native byte order, which the caller keeps alive until the handle completes. With `packed` (a grouped allreduce), `names`
-/// holds the group's one name and the tensors are packed into one per dtype (see `engine::packed`). With
+/// holds the group's one name and the tensors are packed into one per dtype (see `engine::grouped`). With
 /// `wait`, the caller waits for the op at once: it may run right here, with the GIL released.
 ///
 /// One tensor with `wait` (the fast path of every small synchronous op): in steady state a small cached op
@@ -359,8 +359,11 @@ fn submit_lists(
             let imported = import_input(tensor, in_place, || format!("{kind} '{name}_{i}'"))?;
             members.push(GroupMember { input: imported.tensor, dtype: imported.dtype, shape: imported.shape });
         }
-        let op = params.op(pack_group(name, members, in_place), splits);
-        return with_engine(|engine| queue(py, engine, op, process_set_id, wait));
+        let op = params.op(Vec::new(), splits);
+        let drive = wait.then_some(Detached(py));
+        return with_engine(|engine| {
+            engine.submit_group(name, members, in_place, op, process_set_id, drive.as_ref()).map_err(to_py_err)
+        });
     }
     if names.len() != tensors.len() {
         return Err(PyValueError::new_err("one name per tensor is required"));

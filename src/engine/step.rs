@@ -1,7 +1,10 @@
 //! The loop of a communicator, one [`Loop::step`] at a time: take local work, wait (without spinning) for
-//! it or for a peer's round, run a negotiation round, execute what it agreed, complete handles. A
+//! it or for a peer's round, run a negotiation round, fuse and execute what it agreed, complete handles. A
 //! transport failure ends the loop and fails every pending and later op with an error that names the
 //! peer. Who runs the steps, the engine thread or a caller, is [`super::driver`]'s business.
+//!
+//! The loop's state is here (`Loop`), with what it shares with callers in [`super::shared`]; the fast lane
+//! ([`super::fast_lane`]), the driver and the communicator build on this module, never the reverse.
 //!
 //! With autotune on, the global communicator's rank 0 also runs the parameter manager: it counts each
 //! round's allreduces, and its decisions go out with its next round header; every rank applies what the
@@ -16,11 +19,12 @@ use crate::autotune::manager::ParameterManager;
 use crate::config::Config;
 use crate::coordinator::negotiation::{Negotiator, RoundOutcome};
 use crate::coordinator::stall::StallClock;
-use crate::engine::communicator::{AppliedValues, Shared};
 use crate::engine::execute::{execute_eager, Executor, HierarchyChoice, TensorResult};
 use crate::engine::handles::{CompletedPart, PartResult};
+use crate::engine::shared::{AppliedValues, Shared};
 use crate::engine::table::{TensorEntry, TensorTable};
 use crate::error::EngineError;
+use crate::fusion::plan_fusion;
 use crate::protocol::round::{RoundHeader, StopReason};
 use crate::protocol::tuned::TunedValues;
 use crate::transport::{Activity, Transport, TransportError};
@@ -57,7 +61,14 @@ pub(crate) struct Loop {
     /// whichever thread ran the last step, acted on by the engine thread.
     pub(super) finished: Option<Result<String, EngineError>>,
     /// Buffers of the fast lane (see [`super::fast_lane`]).
-    pub(super) fast: crate::engine::fast_lane::Scratch,
+    pub(super) fast: Scratch,
+}
+
+/// Buffers the fast lane reuses from op to op: its header frame and the peers' header bodies.
+#[derive(Default)]
+pub(crate) struct Scratch {
+    pub(super) frame: Vec<u8>,
+    pub(super) bodies: Vec<Vec<u8>>,
 }
 
 /// How a step may wait.
@@ -86,14 +97,8 @@ pub(crate) enum Step {
 
 impl Loop {
     pub(crate) fn new(shared: Arc<Shared>, mut transport: Box<dyn Transport>, config: Config) -> Loop {
-        let negotiator = Negotiator::new(
-            transport.rank(),
-            shared.global_ranks.clone(),
-            config.cache_capacity,
-            config.fusion_threshold,
-            config.stall_check,
-        )
-        .with_timeline(shared.timeline.clone());
+        let negotiator =
+            Negotiator::new(transport.rank(), shared.global_ranks.clone(), config.cache_capacity, config.stall_check);
         let executor = Executor::new(HierarchyChoice {
             allreduce: config.hierarchical_allreduce,
             allgather: config.hierarchical_allgather,
@@ -248,13 +253,20 @@ impl Loop {
         self.end_step(ended)
     }
 
-    /// Run what a round agreed: its eager ops, its responses, autotuned values; a coordinated stop ends the
-    /// loop (`Err(Ok(reason))`), as does a transport failure (`Err(Err(_))`).
+    /// Run what a round agreed: the coordinator's ticks in the timeline, its eager ops, its responses fused
+    /// (with the fusion threshold of this round, before autotuned values change it), autotuned values; a
+    /// coordinated stop ends the loop (`Err(Ok(reason))`), as does a transport failure (`Err(Err(_))`).
     fn run_outcome(
         &mut self,
-        outcome: RoundOutcome,
+        mut outcome: RoundOutcome,
         stop: Option<StopReason>,
     ) -> Result<(), Result<String, EngineError>> {
+        for (rank, list) in &outcome.received {
+            for request in &list.requests {
+                self.shared.timeline.tick(&request.name, request.params.kind, *rank);
+            }
+        }
+        outcome.responses = plan_fusion(std::mem::take(&mut outcome.responses), self.config.fusion_threshold);
         let shutdown = stop.is_some();
         let agreed = Instant::now();
         for eager in &outcome.eager {
@@ -299,8 +311,9 @@ impl Loop {
         self.fail_everything(stopped_because);
     }
 
-    /// The loop's part of autotuned values (the negotiator applied the fusion threshold and the cache).
+    /// The loop's part of autotuned values (the negotiator applied the cache's).
     fn apply_tuned(&mut self, values: &TunedValues) {
+        self.config.fusion_threshold = values.fusion_threshold;
         self.config.cycle_time = values.cycle_time;
         self.config.hierarchical_allreduce = values.hierarchical_allreduce;
         self.config.hierarchical_allgather = values.hierarchical_allgather;

@@ -1,19 +1,14 @@
-//! Grouped allreduces packed into one tensor when they are submitted.
+//! A grouped allreduce's tensors of one dtype seen as one packed tensor: what is reduced is its tensors'
+//! bytes back to back.
 //!
-//! A grouped allreduce of many small tensors (a model's gradients) would otherwise cost per-tensor work
-//! all the way through: a name, a table slot, a request, a cache bit, a completion. Packed, the group is
-//! one tensor of its dtype: it is negotiated, cached and reduced as one tensor whose bytes are its
-//! tensors' bytes back to back (its request carries the tensors' shapes, so ranks that disagree about any
-//! of them get a mismatch error naming it). The bytes are gathered only when the reduction runs, straight
-//! into wherever it reduces them (the shared-memory staging area or the fusion buffer), and the results are
-//! scattered straight back into the tensors (in-place ops) or into one new tensor per member.
-//!
-//! A group whose tensors have several dtypes becomes one packed tensor per dtype, in order of first
-//! appearance: the first keeps the group's name, the others are named `<name>.<k>`.
-
-use crate::engine::submission::{OutputTensor, TensorSubmission};
+//! Packed, a group of many small tensors (a model's gradients) costs the work of one tensor all the way
+//! through (a name, a table slot, a request, a cache bit, a completion; its request carries the tensors'
+//! shapes, so ranks that disagree about any of them get a mismatch error naming it). The bytes are gathered
+//! only when the reduction runs, straight into wherever it reduces them (the shared-memory staging area or
+//! the fusion buffer), and the results are scattered straight back into the tensors (in-place ops) or into
+//! one new tensor per member. The engine submits each packed group as one tensor (`engine::grouped`).
 use crate::protocol::message::encode_part_shapes;
-use crate::tensor::{AlignedBuffer, RawTensor};
+use crate::tensor::{AlignedBuffer, OutputTensor, RawTensor};
 use crate::types::DataType;
 
 /// One tensor of a group as the caller submitted it.
@@ -59,6 +54,11 @@ impl PackedGroup {
     /// Bytes of the packed tensor.
     pub fn len_bytes(&self) -> usize {
         self.len
+    }
+
+    /// The dtype of every tensor of the group.
+    pub fn dtype(&self) -> DataType {
+        self.dtype
     }
 
     /// The shapes of the group's tensors, encoded for the request (see `OpParams::parts`).
@@ -130,9 +130,9 @@ impl PackedGroup {
     }
 }
 
-/// Group `members` (output slots in list order) into one submission per dtype, named as the module says.
-/// Nothing is copied here: the submission's `input` is empty and the group is gathered when it runs.
-pub fn pack_group(name: &str, members: Vec<GroupMember>, in_place: bool) -> Vec<TensorSubmission> {
+/// Pack `members` (output slots in list order) into one group per dtype, in order of first appearance.
+/// Nothing is copied here: a group is gathered when it runs.
+pub fn pack_by_dtype(members: Vec<GroupMember>, in_place: bool) -> impl Iterator<Item = PackedGroup> {
     let mut dtypes: Vec<DataType> = Vec::new();
     for member in &members {
         if !dtypes.contains(&member.dtype) {
@@ -144,31 +144,16 @@ pub fn pack_group(name: &str, members: Vec<GroupMember>, in_place: bool) -> Vec<
         let k = dtypes.iter().position(|&d| d == member.dtype).unwrap_or(0);
         by_dtype[k].push((index, member));
     }
-    dtypes
-        .into_iter()
-        .zip(by_dtype)
-        .enumerate()
-        .map(|(k, (dtype, members))| {
-            let mut parts = Vec::with_capacity(members.len());
-            let mut offset = 0;
-            for (index, member) in members {
-                let len = member.input.len();
-                parts.push(Part { target: member.input, shape: member.shape, index, offset, output: None });
-                offset += len;
-            }
-            let group = PackedGroup { parts, len: offset, dtype, in_place };
-            let elements = (offset / dtype.size()) as i64;
-            TensorSubmission {
-                name: if k == 0 { name.to_string() } else { format!("{name}.{k}") },
-                dtype,
-                shape: vec![elements],
-                // SAFETY: a zero-length view of no memory; the group's bytes are reached through `packed`.
-                input: unsafe { RawTensor::new(std::ptr::null_mut(), 0) },
-                in_place,
-                packed: Some(group),
-            }
-        })
-        .collect()
+    dtypes.into_iter().zip(by_dtype).map(move |(dtype, members)| {
+        let mut parts = Vec::with_capacity(members.len());
+        let mut offset = 0;
+        for (index, member) in members {
+            let len = member.input.len();
+            parts.push(Part { target: member.input, shape: member.shape, index, offset, output: None });
+            offset += len;
+        }
+        PackedGroup { parts, len: offset, dtype, in_place }
+    })
 }
 
 #[cfg(test)]
@@ -192,12 +177,10 @@ mod tests {
             member(&mut b, DataType::Float64, vec![1]),
             member(&mut c, DataType::Float32, vec![2]),
         ];
-        let mut subs = pack_group("grouped_allreduce.g", members, true);
-        assert_eq!(subs.len(), 2);
-        assert_eq!(subs[0].name, "grouped_allreduce.g");
-        assert_eq!(subs[1].name, "grouped_allreduce.g.1");
-        assert_eq!((subs[0].dtype, subs[0].shape.clone()), (DataType::Float32, vec![3]));
-        let mut group = subs.remove(0).packed.unwrap();
+        let mut groups: Vec<PackedGroup> = pack_by_dtype(members, true).collect();
+        assert_eq!(groups.len(), 2);
+        assert_eq!((groups[0].dtype(), groups[1].dtype()), (DataType::Float32, DataType::Float64));
+        let mut group = groups.remove(0);
         assert_eq!(group.len_bytes(), 12);
         let mut packed = vec![0u8; 12];
         group.gather_into(&mut packed);
@@ -221,7 +204,7 @@ mod tests {
         let mut a = vec![1u8, 2];
         let mut b = vec![3u8, 4, 5, 6];
         let members = vec![member(&mut a, DataType::Int16, vec![]), member(&mut b, DataType::Int16, vec![2, 1])];
-        let mut group = pack_group("g", members, false).remove(0).packed.unwrap();
+        let mut group = pack_by_dtype(members, false).next().unwrap();
         let mut packed = vec![0u8; 6];
         group.gather_into(&mut packed);
         packed.reverse();

@@ -1,6 +1,7 @@
-//! The first step of `init()`: every rank announces itself in the rendezvous store and waits, up to the
-//! start timeout, for all the others. A rank that never comes fails everyone's `init()` with an error naming
-//! it, instead of a timeout deep inside connection set-up that names a store key.
+//! The roll call of `init()`, its first step once the rendezvous store is reached: every rank announces
+//! itself in the store and waits, up to the start timeout, for all the others. A rank that never comes fails
+//! everyone's `init()` with an error naming it, instead of a timeout deep inside connection set-up that names
+//! a store key. (Finding the store in a job a launcher started is `crate::launch::meet`'s job.)
 
 use std::time::{Duration, Instant};
 
@@ -13,7 +14,7 @@ const LISTING_WAIT: Duration = Duration::ZERO;
 
 /// Announce `rank` in `scope` and wait until all `size` ranks have. On timeout the error names every rank
 /// that had not come by then.
-pub fn meet_every_rank(
+pub fn call_the_roll(
     store: &mut StoreClient,
     scope: &str,
     rank: usize,
@@ -63,7 +64,7 @@ mod tests {
         let mut rank2 = StoreClient::connect(server.addr(), b"k", Duration::from_secs(5)).unwrap();
         rank2.set("s/arrived/2", b"1").unwrap();
         let started = Instant::now();
-        let err = meet_every_rank(&mut rank0, "s", 0, 4, Duration::from_millis(300)).unwrap_err();
+        let err = call_the_roll(&mut rank0, "s", 0, 4, Duration::from_millis(300)).unwrap_err();
         assert!(started.elapsed() < Duration::from_secs(2));
         assert!(matches!(err, EngineError::StartTimeout(_)));
         let message = err.to_string();
@@ -73,9 +74,9 @@ mod tests {
         rank2.set("t/arrived/1", b"1").unwrap();
         let late = std::thread::spawn(move || {
             std::thread::sleep(Duration::from_millis(100));
-            meet_every_rank(&mut rank2, "t", 1, 2, Duration::from_secs(5))
+            call_the_roll(&mut rank2, "t", 1, 2, Duration::from_secs(5))
         });
-        meet_every_rank(&mut rank0, "t", 0, 2, Duration::from_secs(5)).unwrap();
+        call_the_roll(&mut rank0, "t", 0, 2, Duration::from_secs(5)).unwrap();
         late.join().unwrap().unwrap();
     }
 }
