@@ -30,6 +30,7 @@ pytestmark = pytest.mark.timeout(120)
 # Rank scripts: ctypes over the stand-in's NCCL, one process per rank.
 PRELUDE = f"""
 import ctypes, os, sys, time
+import numpy as np
 sys.path.insert(0, {str(HERE)!r})
 import gpu_standin as g
 lib = g.load()
