@@ -52,6 +52,16 @@ def test_outside_ci_both_skip():
 
 
 @pytest.mark.timeout(150)
+def test_in_ci_mxnet_missing_from_the_main_environment_skips_however_it_is_said():
+    """MXNet's tests run in an environment of their own; `importorskip("mxnet")` without a reason says
+    "could not import 'mxnet'" (lower case), which must count as MXNet's skip."""
+    run = _run_probe(ci=True, module_level='pytest.importorskip("no_such_mxnet_module_for_rvod")')
+    # pytest exits with 5 when a module-level skip leaves no test to run; a failure would exit with 1
+    assert run.returncode == 5, run.stdout + run.stderr
+    assert "1 skipped" in run.stdout and "failed" not in run.stdout
+
+
+@pytest.mark.timeout(150)
 def test_in_ci_a_module_that_cannot_import_what_it_needs_fails():
     run = _run_probe(ci=True, module_level='pytest.importorskip("no_such_module_rvod", reason="UCX tools missing")')
     assert run.returncode != 0, run.stdout + run.stderr

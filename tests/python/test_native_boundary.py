@@ -218,11 +218,17 @@ def test_build_facts_are_the_modules():
 
 
 _STORE_WAIT = """
-import time
+import signal, time
+# A child inherits an ignored or blocked SIGINT from whatever started it (Python then installs no
+# KeyboardInterrupt handler): give this one Ctrl-C as a terminal gives it, and say what it inherited.
+inherited = "ignored" if signal.getsignal(signal.SIGINT) is signal.SIG_IGN else "handled"
+blocked = signal.SIGINT in signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from rvod import _rvod
 server = _rvod.RendezvousServer("127.0.0.1", 0, b"secret")
 client = _rvod.StoreClient("127.0.0.1", server.port, b"secret", 5.0)
 print("waiting", flush=True)
+print(f"inherited SIGINT: {inherited}, blocked: {blocked}", flush=True)
 start = time.monotonic()
 try:
     client.get("never/set", 60.0)
@@ -242,10 +248,16 @@ def test_ctrl_c_interrupts_a_store_wait():
                              text=True)
     try:
         assert child.stdout.readline().strip() == "waiting"
+        inherited = child.stdout.readline().strip()
         time.sleep(0.5)
         child.send_signal(signal.SIGINT)
-        out, err = child.communicate(timeout=20)
+        try:
+            out, err = child.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            out, err = child.communicate()
+            pytest.fail(f"Ctrl-C did not interrupt the store wait within 20 s ({inherited}); output: {out!r} {err!r}")
     finally:
         child.kill()
-    assert out.startswith("interrupted after "), (out, err)
+    assert out.startswith("interrupted after "), (inherited, out, err)
     assert float(out.split()[2]) < 10, out
