@@ -128,14 +128,6 @@ static int injected(const char *name, int device, struct comm *c) {
     return code ? fail(c, code, "%s", text) : 0;
 }
 
-static long env_long(const char *name, long fallback) {
-    const char *v = getenv(name);
-    if (!v || !*v) return fallback;
-    char *end;
-    long n = strtol(v, &end, 10);
-    return *end ? fallback : n;
-}
-
 static double now_ms(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
@@ -601,7 +593,7 @@ static int enqueue(const char *call, void *handle, struct op o, const void *send
     size_t size = dtype_size(o.dtype);
     if (!size) return fail(c, NCCL_INVALID_ARGUMENT, "%s: invalid data type %d", call, o.dtype);
     if (o.kind == K_ALLREDUCE || o.kind == K_REDUCESCATTER) {
-        int version = (int)env_long("RVOD_STANDIN_NCCL_VERSION", DEFAULT_VERSION);
+        int version = (int)si_env_long("RVOD_STANDIN_NCCL_VERSION", DEFAULT_VERSION);
         if (o.op < 0 || (o.op == OP_AVG && version < 21000)) return fail(c, NCCL_INVALID_ARGUMENT, "%s: invalid reduction operation %d", call, o.op);
         if (o.op >= BUILTIN_OPS) {
             int i = o.op - BUILTIN_OPS;
@@ -771,7 +763,7 @@ struct unique_id {
 
 SI_EXPORT int ncclGetVersion(int *version) {
     if (!version) return NCCL_INVALID_ARGUMENT;
-    *version = (int)env_long("RVOD_STANDIN_NCCL_VERSION", DEFAULT_VERSION);
+    *version = (int)si_env_long("RVOD_STANDIN_NCCL_VERSION", DEFAULT_VERSION);
     return NCCL_SUCCESS;
 }
 
@@ -790,7 +782,7 @@ SI_EXPORT int ncclGetUniqueId(struct unique_id *id) {
 
 /* Open (or create) the segment and map it; 0 or an NCCL error. */
 static int attach(struct comm *c, const char *name, int nranks, double deadline) {
-    size_t slot_bytes = (size_t)env_long("RVOD_STANDIN_NCCL_SLOT_BYTES", 256 << 10), channel_bytes = slot_bytes / 4;
+    size_t slot_bytes = (size_t)si_env_long("RVOD_STANDIN_NCCL_SLOT_BYTES", 256 << 10), channel_bytes = slot_bytes / 4;
     slot_bytes = slot_bytes < 4096 ? 4096 : (slot_bytes + 63) / 64 * 64;
     channel_bytes = channel_bytes < 1024 ? 1024 : (channel_bytes + 63) / 64 * 64;
     int fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR, 0600);
@@ -860,7 +852,7 @@ SI_EXPORT int ncclCommInitRank(void **out, int nranks, struct unique_id id, int 
     c->device = device;
     c->physical = si_physical_device(device);
     pthread_mutex_init(&c->order, NULL);
-    long timeout = env_long("RVOD_STANDIN_NCCL_INIT_TIMEOUT_MS", 30000);
+    long timeout = si_env_long("RVOD_STANDIN_NCCL_INIT_TIMEOUT_MS", 30000);
     double deadline = now_ms() + (double)timeout;
     status = attach(c, name, nranks, deadline);
     if (status == -2) status = fail(NULL, NCCL_SYSTEM_ERROR, "ncclCommInitRank: rank %d (GPU %d) timed out after %ld ms waiting for rank 0 of %d to arrive", rank, device, timeout, nranks);

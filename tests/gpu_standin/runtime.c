@@ -35,7 +35,7 @@ static uint8_t *library_view; /* read-write: the same bytes as this library reac
 static atomic_uint delay_us;
 static atomic_int kernel_us; /* < 0: three times delay_us */
 
-static long env_long(const char *name, long fallback) {
+long si_env_long(const char *name, long fallback) {
     const char *v = getenv(name);
     if (!v || !*v) return fallback;
     char *end;
@@ -60,14 +60,14 @@ static size_t env_size(const char *name, size_t fallback) {
 static int fault_add(const char *spec);
 
 static void read_settings(void) {
-    long n = env_long("RVOD_STANDIN_DEVICES", 2);
+    long n = si_env_long("RVOD_STANDIN_DEVICES", 2);
     physical_count = n < 0 ? 0 : n > SI_MAX_DEVICES ? SI_MAX_DEVICES : (int)n;
-    no_driver = env_long("RVOD_STANDIN_NO_DRIVER", 0) != 0;
+    no_driver = si_env_long("RVOD_STANDIN_NO_DRIVER", 0) != 0;
     long page = sysconf(_SC_PAGESIZE);
     capacity = env_size("RVOD_STANDIN_DEVICE_MEMORY", (size_t)1 << 30);
     capacity = (capacity + (size_t)page - 1) / (size_t)page * (size_t)page;
-    atomic_store(&delay_us, (unsigned)env_long("RVOD_STANDIN_STREAM_DELAY_US", 0));
-    atomic_store(&kernel_us, (int)env_long("RVOD_STANDIN_KERNEL_US", -1));
+    atomic_store(&delay_us, (unsigned)si_env_long("RVOD_STANDIN_STREAM_DELAY_US", 0));
+    atomic_store(&kernel_us, (int)si_env_long("RVOD_STANDIN_KERNEL_US", -1));
     const char *list = getenv("CUDA_VISIBLE_DEVICES");
     if (list) { /* as CUDA: the listed ordinals, up to the first invalid or repeated one */
         const char *p = list;
@@ -549,6 +549,20 @@ static int side(const void *ptr, size_t len, int want_device, int any, uint8_t *
     return SI_CUDA_SUCCESS;
 }
 
+/* Queue one copy or fill on stream s; with wait, block the host until it has run (cudaMemcpy, cudaMemset). */
+static int submit_copy(si_stream *s, struct copy what, int wait) {
+    struct copy *c = malloc(sizeof *c);
+    if (!c) return done(SI_CUDA_MEMORY_ALLOCATION);
+    *c = what;
+    uint64_t seq = si_enqueue(s, run_copy, c, NULL, 0);
+    if (wait) {
+        pthread_mutex_lock(&si_lock);
+        wait_for(s, seq);
+        pthread_mutex_unlock(&si_lock);
+    }
+    return SI_CUDA_SUCCESS;
+}
+
 static int enqueue_copy(void *dst, const void *src, size_t len, int kind, void *stream, int wait) {
     int status = si_ready();
     if (status) return done(status);
@@ -562,16 +576,7 @@ static int enqueue_copy(void *dst, const void *src, size_t len, int kind, void *
     status = side(dst, len, kind == 1 || kind == 3, kind == 4, &to);
     if (!status) status = side(src, len, kind == 2 || kind == 3, kind == 4, &from);
     if (status) return done(status);
-    struct copy *c = malloc(sizeof *c);
-    if (!c) return done(SI_CUDA_MEMORY_ALLOCATION);
-    *c = (struct copy){.dst = to, .src = from, .len = len, .fill = -1};
-    uint64_t seq = si_enqueue(s, run_copy, c, NULL, 0);
-    if (wait) {
-        pthread_mutex_lock(&si_lock);
-        wait_for(s, seq);
-        pthread_mutex_unlock(&si_lock);
-    }
-    return SI_CUDA_SUCCESS;
+    return submit_copy(s, (struct copy){.dst = to, .src = from, .len = len, .fill = -1}, wait);
 }
 
 SI_EXPORT int cudaMemcpyAsync(void *dst, const void *src, size_t len, int kind, void *stream) {
@@ -592,16 +597,7 @@ static int enqueue_fill(void *dst, int value, size_t len, void *stream, int wait
     uint8_t *to;
     if (!status) status = side(dst, len, 1, 0, &to);
     if (status) return done(status);
-    struct copy *c = malloc(sizeof *c);
-    if (!c) return done(SI_CUDA_MEMORY_ALLOCATION);
-    *c = (struct copy){.dst = to, .len = len, .fill = value & 0xff};
-    uint64_t seq = si_enqueue(s, run_copy, c, NULL, 0);
-    if (wait) {
-        pthread_mutex_lock(&si_lock);
-        wait_for(s, seq);
-        pthread_mutex_unlock(&si_lock);
-    }
-    return SI_CUDA_SUCCESS;
+    return submit_copy(s, (struct copy){.dst = to, .len = len, .fill = value & 0xff}, wait);
 }
 
 SI_EXPORT int cudaMemsetAsync(void *dst, int value, size_t len, void *stream) {

@@ -60,6 +60,9 @@ int si_device_memory(const void *ptr, size_t len, int *device, uint8_t **bytes);
  * any device) returns, or 0; `text` receives the failure's last-error text. */
 int si_injected(const char *name, int device, char *text, size_t cap);
 
+/* A whole-number setting from the environment, or `fallback` when it is unset, empty or not a number. */
+long si_env_long(const char *name, long fallback);
+
 /* How many communicators are live (nccl.c), for standin_live("comms"). */
 long si_live_comms(void);
 
