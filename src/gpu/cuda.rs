@@ -186,6 +186,9 @@ unsafe impl Send for CudaStream {}
 unsafe impl Send for CudaEvent {}
 unsafe impl Send for CudaPinned {}
 unsafe impl Send for DeviceMemory {}
+// SAFETY: the CUDA runtime is thread-safe: stream and event handles may be used from several host threads.
+unsafe impl Sync for CudaStream {}
+unsafe impl Sync for CudaEvent {}
 
 impl CudaDevice {
     pub fn new(rt: &'static CudaRuntime, ordinal: i32) -> Result<CudaDevice, GpuError> {

@@ -36,7 +36,9 @@ pub mod device;
 pub mod library;
 pub mod nccl;
 pub mod plan;
+pub mod runtime;
 pub mod staging;
+pub mod tensor;
 
 #[cfg(test)]
 mod standin;
