@@ -40,6 +40,25 @@ impl From<TransportError> for StagedFailure {
 
 type Results = Vec<Result<TensorResult, EngineError>>;
 
+/// What a process set's loop keeps about its GPU route: whether it has said which one it takes (at
+/// `info`, what `rvodrun --verbose` shows), once, at its first response with GPU tensors.
+#[derive(Default)]
+pub struct GpuRoute {
+    announced: bool,
+}
+
+impl GpuRoute {
+    fn announce(&mut self, set_id: u32, rank: usize, ordinal: i32) {
+        if !self.announced {
+            self.announced = true;
+            tracing::info!(
+                "process set {set_id}: GPU collectives via host staging (rank {rank} on GPU {ordinal}; the NCCL \
+                 route is not built yet)"
+            );
+        }
+    }
+}
+
 /// Alignment of each tensor's place in the pinned buffer.
 const ALIGN: usize = 64;
 
@@ -47,6 +66,8 @@ const ALIGN: usize = 64;
 /// doc). Responses without GPU tensors run as they are.
 pub fn execute(
     executor: &mut Executor,
+    route: &mut GpuRoute,
+    set_id: u32,
     t: &mut dyn Transport,
     response: &Response,
     entries: &mut [Option<TensorEntry>],
@@ -56,6 +77,7 @@ pub fn execute(
         return Ok(executor.execute_recorded(t, response, entries, phases)?);
     };
     let rank = t.rank();
+    route.announce(set_id, rank, context.ordinal());
     let failed = |e: GpuError| StagedFailure::Gpu(EngineError::Gpu(format!("rank {rank}: {e}")));
     let ordinal = context.ordinal();
     if let Some(other) = entries.iter().flatten().filter_map(|e| e.device.as_ref()).find(|d| d.ordinal() != ordinal) {

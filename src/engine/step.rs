@@ -20,7 +20,7 @@ use crate::config::Config;
 use crate::coordinator::negotiation::{Negotiator, RoundOutcome};
 use crate::coordinator::stall::StallClock;
 use crate::engine::execute::{execute_eager, Executor, HierarchyChoice, TensorResult};
-use crate::engine::execute_device::{self, StagedFailure};
+use crate::engine::execute_device::{self, GpuRoute, StagedFailure};
 use crate::engine::handles::{CompletedPart, PartResult};
 use crate::engine::shared::{AppliedValues, Shared};
 use crate::engine::table::{TensorEntry, TensorTable};
@@ -53,6 +53,8 @@ pub(crate) struct Loop {
     pub(super) table: TensorTable,
     pub(super) negotiator: Negotiator,
     executor: Executor,
+    /// The GPU route of this process set (see [`execute_device`]).
+    gpu_route: GpuRoute,
     stall_clock: Option<StallClock>,
     /// Negotiation rounds run so far (the same count on every rank of the communicator).
     pub(super) rounds: u64,
@@ -129,6 +131,7 @@ impl Loop {
             table: TensorTable::default(),
             negotiator,
             executor,
+            gpu_route: GpuRoute::default(),
             finished: None,
             fast: Default::default(),
         }
@@ -474,7 +477,17 @@ impl Loop {
         let mut entries: Vec<Option<TensorEntry>> = response.entries.iter().map(|e| self.table.take(&e.name)).collect();
         let mut record =
             self.shared.timeline.op(response, entries.iter().map(|e| e.as_ref().map(|e| e.submitted)), agreed);
-        let outcome = execute_device::execute(&mut self.executor, &mut *self.transport, response, &mut entries, &mut record);
+        let set_id = self.shared.set_id;
+        let transport = &mut *self.transport;
+        let outcome = execute_device::execute(
+            &mut self.executor,
+            &mut self.gpu_route,
+            set_id,
+            transport,
+            response,
+            &mut entries,
+            &mut record,
+        );
         record.finish();
         match outcome {
             Err(StagedFailure::Gpu(err)) => {

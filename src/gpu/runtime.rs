@@ -38,7 +38,8 @@ pub fn context(ordinal: i32) -> Result<Arc<DeviceContext>, GpuError> {
     if let Some(found) = contexts.get(&ordinal) {
         return Ok(found.clone());
     }
-    let unloaded = |message: String| GpuError { call: "loading libcudart".into(), device: format!("GPU {ordinal}"), message };
+    let unloaded =
+        |message: String| GpuError { call: "loading libcudart".into(), device: format!("GPU {ordinal}"), message };
     let libraries = loaded().ok_or_else(|| unloaded("the GPU libraries were not loaded".into()))?;
     let runtime = libraries.cuda.as_ref().map_err(|why| unloaded(why.clone()))?;
     let device = CudaDevice::new(runtime, ordinal)?;
@@ -113,7 +114,11 @@ impl DeviceContext {
     }
 
     /// Make `slot` (the pinned buffer) at least `len` bytes long; contents are not kept when it grows.
-    pub fn grow_pinned<'a>(&self, slot: &'a mut Option<CudaPinned>, len: usize) -> Result<&'a mut CudaPinned, GpuError> {
+    pub fn grow_pinned<'a>(
+        &self,
+        slot: &'a mut Option<CudaPinned>,
+        len: usize,
+    ) -> Result<&'a mut CudaPinned, GpuError> {
         if !slot.as_ref().is_some_and(|p| p.as_slice().len() >= len) {
             *slot = None; // free the old one first: pinned memory is scarce
             *slot = Some(self.device.alloc_pinned(len.max(1).next_power_of_two())?);

@@ -209,7 +209,8 @@ pub fn capsule_device(capsule: &Bound<'_, PyAny>) -> Option<(i32, i32)> {
         return None;
     }
     // SAFETY: an unconsumed `dltensor` capsule (checked above) holds a DLManagedTensor.
-    let managed = unsafe { ffi::PyCapsule_GetPointer(capsule.as_ptr(), CAPSULE_NAME.as_ptr()) } as *const DLManagedTensor;
+    let managed =
+        unsafe { ffi::PyCapsule_GetPointer(capsule.as_ptr(), CAPSULE_NAME.as_ptr()) } as *const DLManagedTensor;
     // SAFETY: the capsule is alive, so its tensor is.
     unsafe { managed.as_ref() }.map(|m| (m.dl_tensor.device.device_type, m.dl_tensor.device.device_id))
 }

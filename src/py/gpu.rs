@@ -14,8 +14,8 @@ use pyo3::types::PyDict;
 
 use crate::config::GpuConfig;
 use crate::gpu::library::{libraries, GpuLibraries};
-use crate::gpu::runtime::{context, DeviceContext};
 use crate::gpu::nccl::version_text;
+use crate::gpu::runtime::{context, DeviceContext};
 use crate::py::error::invalid_argument;
 
 /// The directories of the `nvidia` namespace package (where nvidia-nccl-cu12/cu13 and

@@ -142,11 +142,12 @@ for dtype in (np.float32, np.int64, np.uint8):
     # Alltoall with splits.
     splits = [(rank + r) % 2 + 1 for r in range(size)]
     host = values((sum(splits), 2), dtype, 500)
-    expected, expected_splits = hvd.alltoall(host, splits=splits, name=f"ref.a2a.{name}"), None
+    expected, expected_splits = hvd.alltoall(host, splits=splits, name=f"ref.a2a.{name}")
     arrays = [on_device(host)]
     handle, caps = submit(ops.ALLTOALL, [f"alltoall.dev.{name}"], arrays, splits=splits)
     got, received = results(handle, caps, arrays, False)
     check(f"alltoall.{name}", got[0], expected, True)
+    check(f"alltoall.{name}.splits", received, list(expected_splits), True)
     # Reducescatter.
     host = values((size * 2 + 1, 3), dtype, 600)
     expected = hvd.reducescatter(host, op=Sum, name=f"ref.rs.{name}")
@@ -156,7 +157,7 @@ for dtype in (np.float32, np.int64, np.uint8):
 
 # Async: many in flight at once, waited for in reverse.
 hosts = [values((8,), np.float32, 700 + i) for i in range(6)]
-expected = [hvd.allreduce(h, name=f"ref.async.{i}") for i, h in enumerate(hosts)]
+expected = [hvd.allreduce(h, op=Sum, name=f"ref.async.{i}") for i, h in enumerate(hosts)]
 pending = []
 for i, h in enumerate(hosts):
     arrays = [on_device(h)]
@@ -170,7 +171,7 @@ if size >= 3:
     subset = hvd.add_process_set(members)
     if rank in members:
         host = values((4,), np.float32, 800)
-        expected = hvd.allreduce(host, name="ref.set", process_set=subset)
+        expected = hvd.allreduce(host, op=Sum, name="ref.set", process_set=subset)
         arrays = [on_device(host)]
         handle, caps = submit(ops.ALLREDUCE, ["allreduce.set"], arrays, set_id=subset.process_set_id)
         check("process_set", results(handle, caps, arrays, False)[0][0], expected, False)
