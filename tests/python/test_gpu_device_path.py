@@ -45,3 +45,38 @@ def test_every_op_on_ranks_sharing_gpu_0_by_host_staging(run_rvodrun, job_env, r
 
 def test_every_op_with_a_gpu_per_rank(run_rvodrun, job_env):
     run_cases(run_rvodrun, job_env, 2, "own", devices=2, stream_delay_us=300)
+
+
+def run_failure(run_rvodrun, job_env, failure: str):
+    job_env.update(gpu_standin.env(devices=1))
+    job_env.update({"STANDIN_DIR": str(HERE), "FAILURE": failure, "RVOD_TIMEOUT": "10"})
+    result = run_rvodrun(["-np", "2", PYTHON, str(WORKERS / "gpu_device_failures.py")], timeout=90)
+    lines = {int(m.group(1)): m.group(2) for m in re.finditer(r"^\[(\d+)\]<stdout>:(raised .*|no error)$",
+                                                                result.stdout, re.MULTILINE)}
+    return result, lines
+
+
+def test_a_peer_that_dies_fails_a_staged_op_instead_of_hanging(run_rvodrun, job_env):
+    result, lines = run_failure(run_rvodrun, job_env, "dead")
+    assert "[0]<stdout>:first [2.0, 2.0, 2.0, 2.0]" in result.stdout, result.stdout + result.stderr
+    assert lines[0].startswith("raised RvodInternalError: ") and "rank 1" in lines[0], result.stdout + result.stderr
+
+
+def test_a_failed_cuda_copy_names_rank_gpu_and_call_and_fails_the_peers_too(run_rvodrun, job_env):
+    result, lines = run_failure(run_rvodrun, job_env, "cuda")
+    report = result.stdout + result.stderr
+    assert sorted(lines) == [0, 1], report
+    assert lines[1] == ("raised RvodInternalError: rank 1: cudaMemcpyAsync (device to host) failed on GPU 0: out of "
+                        "memory (cudaErrorMemoryAllocation)"), report
+    assert lines[0].startswith("raised "), report
+
+
+def test_the_info_log_says_which_route_each_process_set_takes(run_rvodrun, job_env):
+    # (rvodrun's --verbose is about rvodrun's own doings; the engine's lines come at --log-level INFO.)
+    job_env.update(gpu_standin.env(devices=1))
+    job_env.update({"STANDIN_DIR": str(HERE), "FAILURE": "none"})
+    result = run_rvodrun(["-np", "2", "--log-level", "INFO", PYTHON, str(WORKERS / "gpu_device_failures.py")], timeout=90)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for rank in (0, 1):
+        assert (f"process set 0: GPU collectives via host staging (rank {rank} on GPU 0; the NCCL route is not "
+                f"built yet)") in result.stderr, result.stderr
