@@ -46,8 +46,9 @@ pub fn loaded(py: Python<'_>) -> PyResult<&'static GpuLibraries> {
 /// `nccl_error`; `cuda_runtime_version` (0 when none), `cuda_path`, `cuda_error`, `cuda_driver_version`
 /// (0 without a driver), `device_count` and `device_error` (why there is no device to use, e.g. "no CUDA
 /// driver: ..."); `gpu_transport` (RVOD_GPU_TRANSPORT); `gpu_collectives` (whether this build runs
-/// collectives on GPU tensors: where the libraries, a driver and a device are there) and `unavailable` (the
-/// reason a GPU tensor is refused; None when it is not).
+/// collectives on GPU tensors: where the libraries, a driver and a device are there), `nccl_collectives`
+/// (whether they go through NCCL: not yet, host staging runs them) and `unavailable` (the reason a GPU tensor
+/// is refused; None when it is not).
 #[pyfunction]
 pub fn gpu_libraries(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let libs = loaded(py)?;
@@ -96,6 +97,7 @@ pub fn gpu_libraries(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     info.set_item("gpu_transport", config.transport.name())?;
     let unavailable = libs.unavailable();
     info.set_item("gpu_collectives", unavailable.is_none())?;
+    info.set_item("nccl_collectives", false)?;
     info.set_item("unavailable", unavailable)?;
     Ok(info)
 }
