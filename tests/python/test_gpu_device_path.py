@@ -47,8 +47,8 @@ def test_every_op_with_a_gpu_per_rank(run_rvodrun, job_env):
     run_cases(run_rvodrun, job_env, 2, "own", devices=2, stream_delay_us=300)
 
 
-def run_failure(run_rvodrun, job_env, failure: str):
-    job_env.update(gpu_standin.env(devices=1))
+def run_failure(run_rvodrun, job_env, failure: str, **settings):
+    job_env.update(gpu_standin.env(devices=1, **settings))
     job_env.update({"STANDIN_DIR": str(HERE), "FAILURE": failure, "RVOD_TIMEOUT": "10"})
     result = run_rvodrun(["-np", "2", PYTHON, str(WORKERS / "gpu_device_failures.py")], timeout=90)
     lines = {int(m.group(1)): m.group(2) for m in re.finditer(r"^\[(\d+)\]<stdout>:(raised .*|no error)$",
@@ -69,6 +69,14 @@ def test_a_failed_cuda_copy_names_rank_gpu_and_call_and_fails_the_peers_too(run_
     assert lines[1] == ("raised RvodInternalError: rank 1: cudaMemcpyAsync (device to host) failed on GPU 0: out of "
                         "memory (cudaErrorMemoryAllocation)"), report
     assert lines[0].startswith("raised "), report
+
+
+def test_a_result_that_does_not_fit_in_gpu_memory_is_a_clear_error_on_every_rank(run_rvodrun, job_env):
+    result, lines = run_failure(run_rvodrun, job_env, "oom", device_memory="128K")
+    report = result.stdout + result.stderr
+    for rank in (0, 1):
+        assert lines.get(rank) == (f"raised RvodInternalError: rank {rank}: cudaMalloc of 131072 bytes failed on GPU 0: "
+                                   "out of memory (cudaErrorMemoryAllocation)"), report
 
 
 def test_the_info_log_says_which_route_each_process_set_takes(run_rvodrun, job_env):

@@ -3,6 +3,8 @@
 - ``dead``: rank 1 exits after a first device allreduce; the others' next one raises.
 - ``cuda``: rank 1's copy of its input to the host fails (an injected ``cudaErrorMemoryAllocation``); rank 1
   raises with the rank, the GPU, the call and CUDA's words, and the others raise too.
+- ``oom``: the second op is an allgather whose result does not fit in the GPU's memory (run with a small
+  RVOD_STANDIN_DEVICE_MEMORY): every rank raises, naming the allocation.
 
 Each rank prints ``raised <class>: <message>`` (or ``no error``) and ``finished``.
 """
@@ -27,7 +29,10 @@ print("first", g.read_capsule(first.__dlpack__())[1].tolist(), flush=True)
 if os.environ["FAILURE"] == "dead" and rank == 1:
     os._exit(3)
 try:
-    hvd.allreduce(g.DeviceArray(np.ones(4, np.float32)), op=hvd.Sum, name="second")
+    if os.environ["FAILURE"] == "oom":
+        hvd.allgather(g.DeviceArray(np.ones(12 * 1024, np.float32)), name="second")
+    else:
+        hvd.allreduce(g.DeviceArray(np.ones(4, np.float32)), op=hvd.Sum, name="second")
     print("no error", flush=True)
 except Exception as error:  # noqa: BLE001 - the test reads the class and the message
     print(f"raised {type(error).__name__}: {error}", flush=True)
