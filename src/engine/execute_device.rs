@@ -88,8 +88,29 @@ pub fn execute(
         );
         return Err(StagedFailure::Gpu(EngineError::Gpu(message)));
     }
+    // The loop may run on a caller's thread (see `engine::driver`): its current device stays what it was.
+    let runtime = context.device().runtime();
+    let previous = runtime.current_device().map_err(failed)?;
+    let outcome = staged(executor, &context, t, response, entries, phases);
+    let restored = runtime.set_current_device(previous).map_err(failed);
+    let results = outcome?;
+    restored?;
+    Ok(results)
+}
+
+/// [`execute`] of a response with GPU entries, all on `context`'s GPU.
+fn staged(
+    executor: &mut Executor,
+    context: &Arc<DeviceContext>,
+    t: &mut dyn Transport,
+    response: &Response,
+    entries: &mut [Option<TensorEntry>],
+    phases: &mut OpRecord,
+) -> Result<Results, StagedFailure> {
+    let rank = t.rank();
+    let failed = |e: GpuError| StagedFailure::Gpu(EngineError::Gpu(format!("rank {rank}: {e}")));
     let mut slot = context.pinned();
-    let places = stage_in(&context, &mut slot, entries).map_err(failed)?;
+    let places = stage_in(context, &mut slot, entries).map_err(failed)?;
     let results = executor.execute_recorded(t, response, entries, phases);
     // The views into the pinned buffer end here, whatever happened.
     for entry in entries.iter_mut().flatten().filter(|e| e.device.is_some()) {
@@ -97,7 +118,7 @@ pub fn execute(
         entry.input = unsafe { RawTensor::new(std::ptr::null_mut(), 0) };
     }
     let mut results = results?;
-    let done = stage_out(&context, &mut slot, entries, &places, &mut results).map_err(failed)?;
+    let done = stage_out(context, &mut slot, entries, &places, &mut results).map_err(failed)?;
     for (entry, result) in entries.iter().zip(results.iter_mut()) {
         if let (Some(TensorEntry { device: Some(_), .. }), Ok(result)) = (entry, result) {
             result.done = Some(done.clone());

@@ -42,8 +42,12 @@ pub fn context(ordinal: i32) -> Result<Arc<DeviceContext>, GpuError> {
         |message: String| GpuError { call: "loading libcudart".into(), device: format!("GPU {ordinal}"), message };
     let libraries = loaded().ok_or_else(|| unloaded("the GPU libraries were not loaded".into()))?;
     let runtime = libraries.cuda.as_ref().map_err(|why| unloaded(why.clone()))?;
-    let device = CudaDevice::new(runtime, ordinal)?;
-    let stream = device.new_stream()?;
+    // Called on a framework's thread: its current device stays what it was.
+    let (device, stream) = runtime.keeping_current_device(|| {
+        let device = CudaDevice::new(runtime, ordinal)?;
+        let stream = device.new_stream()?;
+        Ok((device, stream))
+    })?;
     let made = Arc::new(DeviceContext { device, stream, pinned: Mutex::new(None), free: Mutex::new(HashMap::new()) });
     contexts.insert(ordinal, made.clone());
     Ok(made)
@@ -141,9 +145,9 @@ impl DeviceContext {
         Ok(PooledBuffer { memory: Some(memory), len, context: self.clone() })
     }
 
-    /// An event marking the current end of rvod's stream.
+    /// An event marking the current end of rvod's stream (from any thread: its current device is kept).
     pub fn record(&self) -> Result<CudaEvent, GpuError> {
-        self.device.record(&self.stream)
+        self.device.runtime().keeping_current_device(|| self.device.record(&self.stream))
     }
 
     /// An event marking the current end of a stream the framework owns (its handle as a number).
@@ -153,6 +157,6 @@ impl DeviceContext {
     pub unsafe fn record_on(&self, stream: usize) -> Result<CudaEvent, GpuError> {
         // SAFETY: the caller guarantees the stream.
         let borrowed = unsafe { self.device.borrowed_stream(stream) };
-        self.device.record(&borrowed)
+        self.device.runtime().keeping_current_device(|| self.device.record(&borrowed))
     }
 }

@@ -252,12 +252,15 @@ class DeviceArray:
             stream = LEGACY_STREAM
         if stream != -1 and stream != self.stream and {stream, self.stream} != {0, LEGACY_STREAM}:
             lib = load()
+            current = ctypes.c_int(0)  # kept for the caller, as a framework's device guard does
+            check(lib.cudaGetDevice(ctypes.byref(current)))
             check(lib.cudaSetDevice(self.device))
             event = ctypes.c_void_p()
             check(lib.cudaEventCreateWithFlags(ctypes.byref(event), 2))
             check(lib.cudaEventRecord(event, self.stream))
             check(lib.cudaStreamWaitEvent(stream, event, 0))
             check(lib.cudaEventDestroy(event))
+            check(lib.cudaSetDevice(current.value))
         shape = (ctypes.c_int64 * max(len(self.shape), 1))(*self.shape)
         tensor = _DLTensor(self.ptr or None, _DLDevice(KDL_CUDA, self.device), len(self.shape), _dlpack_dtype(self.dtype),
                            shape, None, 0)

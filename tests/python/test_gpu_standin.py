@@ -280,7 +280,7 @@ lib.ncclCommAbort(comm)
 
 def test_rvod_sees_the_standin_as_a_usable_gpu_and_runs_collectives_on_its_tensors():
     code = """
-import gc, numpy as np, gpu_standin as g
+import ctypes, gc, numpy as np, gpu_standin as g
 import rvod.numpy as hvd
 from rvod import _rvod
 info = _rvod.gpu_libraries()
@@ -288,7 +288,11 @@ print(info["device_count"], info["nccl_version_text"], info["cuda_path"] == info
       info["gpu_collectives"], info["unavailable"])
 hvd.init()
 array = g.DeviceArray(np.arange(3, dtype=np.float32), device=1)
+g.check(g.load().cudaSetDevice(0))
 result = hvd.allreduce(array, name="grads.w", postscale_factor=2.0)
+current = ctypes.c_int(-1)
+g.check(g.load().cudaGetDevice(ctypes.byref(current)))
+print("current device:", current.value)
 print(type(result).__name__, g.read_capsule(result.__dlpack__()))
 hvd.allreduce_(array, name="grads.w", prescale_factor=3.0)
 print("in place:", array.to_numpy().tolist())
@@ -302,6 +306,7 @@ hvd.shutdown()
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == [
         "2 2.21.5 True True None",
+        "current device: 0",
         "DeviceResult (1, array([0., 2., 4.], dtype=float32))",
         "in place: [0.0, 3.0, 6.0]",
         "capsules not yet deleted: 0",
