@@ -31,10 +31,11 @@
 //! Status (issue 30 item 1, in progress): the engine runs collectives on GPU tensors by host staging only
 //! (`engine::execute_device`: every op, fused, in place or not, async, process sets), where the libraries,
 //! a driver and a device are there; elsewhere a CUDA tensor is refused at submission with the reason (no
-//! driver, no NCCL found and where it was looked for). Requests carry the device, so a CPU/GPU mix is a
-//! mismatch error. This runs in CI against the GPU stand-in only (`tests/python/test_gpu_device_path.py`);
-//! **nothing of it has run on a real GPU.** Not yet called by the engine: [`choice`], [`bootstrap`] and
-//! [`plan`] (the route agreement and the NCCL route), so no NCCL call is made for a collective yet.
+//! driver, no NCCL found and where it was looked for, or `RVOD_GPU_TRANSPORT=nccl`, which asks for the
+//! route not built yet). Requests carry the device, so a CPU/GPU mix is a mismatch error. This runs in CI
+//! against the GPU stand-in only (`tests/python/test_gpu_device_path.py`); **nothing of it has run on a
+//! real GPU.** Not yet called by the engine: [`choice`], [`bootstrap`] and [`plan`] (the route agreement
+//! and the NCCL route), so no NCCL call is made for a collective yet.
 
 pub mod bootstrap;
 pub mod choice;

@@ -12,7 +12,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::config::GpuConfig;
+use crate::config::{GpuConfig, GpuTransport};
 use crate::gpu::library::{libraries, GpuLibraries};
 use crate::gpu::nccl::version_text;
 use crate::gpu::runtime::{context, DeviceContext};
@@ -106,12 +106,17 @@ pub fn gpu_libraries(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
 /// why rvod cannot run collectives on it here (what is missing, or the device's own error).
 pub fn usable_device(py: Python<'_>, what: &str, device: i32) -> PyResult<Arc<DeviceContext>> {
     let reason = match loaded(py) {
-        Ok(libs) => match libs.unavailable() {
-            None => match context(device) {
+        Ok(libs) => match (libs.unavailable(), GpuConfig::from_env().map(|c| c.transport)) {
+            (Some(why), _) => why,
+            (None, Ok(GpuTransport::Nccl)) => "RVOD_GPU_TRANSPORT=nccl asks for NCCL, and this rvod runs collectives \
+                                               on GPU tensors by host staging only (its NCCL route is not built yet); \
+                                               unset it or set it to host"
+                .to_string(),
+            (None, Err(error)) => error.to_string(),
+            (None, Ok(_)) => match context(device) {
                 Ok(context) => return Ok(context),
                 Err(error) => error.to_string(),
             },
-            Some(why) => why,
         },
         Err(error) => error.to_string(),
     };

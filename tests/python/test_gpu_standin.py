@@ -30,6 +30,7 @@ pytestmark = pytest.mark.timeout(120)
 # Rank scripts: ctypes over the stand-in's NCCL, one process per rank.
 PRELUDE = f"""
 import ctypes, os, sys, time
+import numpy as np
 sys.path.insert(0, {str(HERE)!r})
 import gpu_standin as g
 lib = g.load()
@@ -312,6 +313,28 @@ hvd.shutdown()
         "capsules not yet deleted: 0",
         "after: [1.0, 1.0, 1.0]",
     ]
+
+
+def test_a_gpu_tensor_is_refused_where_nccl_is_demanded_as_the_nccl_route_is_not_built_yet():
+    code = """
+import os
+os.environ["RVOD_GPU_TRANSPORT"] = "nccl"
+import numpy as np, gpu_standin as g
+import rvod.numpy as hvd
+hvd.init()
+try:
+    hvd.allreduce(g.DeviceArray(np.ones(2, np.float32)), name="w")
+except ValueError as error:
+    print(type(error).__name__, error)
+hvd.shutdown()
+"""
+    result = python(code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == (
+        "RvodInvalidArgumentError allreduce 'allreduce.w': the tensor is on CUDA device 0, and rvod cannot run "
+        "collectives on it here: RVOD_GPU_TRANSPORT=nccl asks for NCCL, and this rvod runs collectives on GPU tensors "
+        "by host staging only (its NCCL route is not built yet); unset it or set it to host. Move the tensor to the "
+        "CPU (e.g. tensor.cpu()).")
 
 
 def test_rvod_reports_a_missing_driver_or_device_in_cudas_words():
