@@ -70,6 +70,9 @@ pub enum EngineError {
     /// An engine bug or an impossible state reached through bad peer data.
     #[error("internal error: {0}")]
     Internal(String),
+    /// A CUDA or NCCL call failed; the message names the rank, the device, the call and the library's text.
+    #[error("{0}")]
+    Gpu(String),
 }
 
 /// A cloneable record of a transport failure (handles of several tensors report the same failure).

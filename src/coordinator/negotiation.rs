@@ -22,7 +22,7 @@ use crate::coordinator::message_table::MessageTable;
 use crate::coordinator::pending::{Announcement, PendingRequest, PendingRequests};
 use crate::protocol::bitset::BitSet;
 use crate::protocol::codec::{WireMessage, WireWriter};
-use crate::protocol::message::{OpParams, Response};
+use crate::protocol::message::{OpParams, Response, CPU_DEVICE};
 use crate::protocol::round::{EagerPayload, RequestList, ResponseList, RoundHeader, StopReason};
 use crate::protocol::tuned::TunedValues;
 use crate::transport::{Transport, TransportError};
@@ -424,7 +424,9 @@ impl Negotiator {
                         header.cache_hits.insert(bit);
                         let len = entry.contribution_len();
                         let request = entry.request();
-                        if rides_in_header(request.params.kind, request.params.reduce_op, len)
+                        // A GPU tensor's data is read by the executor only, in stream order: it never rides.
+                        if request.params.device == CPU_DEVICE
+                            && rides_in_header(request.params.kind, request.params.reduce_op, len)
                             && eager_bytes + len <= EAGER_HEADER_BYTES
                         {
                             eager_bytes += len;

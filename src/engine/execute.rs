@@ -12,6 +12,7 @@ use crate::error::EngineError;
 use crate::fusion::layout::{FusionLayout, FusionSlot};
 use crate::fusion::packing::{gather, scatter};
 use crate::fusion::tensor_io::{Produced, TensorIo, TensorMemory};
+use crate::gpu::tensor::{DeviceDone, DeviceOutput};
 use crate::protocol::message::{shape_elements, Response, ResponseEntry};
 use crate::ring;
 use crate::ring::hierarchical::Step;
@@ -31,6 +32,10 @@ pub struct TensorResult {
     pub last_joined_rank: Option<i32>,
     /// A packed group: each member's (output slot, result), `None` where written in place.
     pub members: Vec<(usize, Option<OutputTensor>)>,
+    /// A tensor on a GPU: its out-of-place result there (`output` is then `None`).
+    pub device_output: Option<DeviceOutput>,
+    /// A tensor on a GPU: the event after which its result is written.
+    pub done: Option<DeviceDone>,
 }
 
 impl From<Produced> for TensorResult {

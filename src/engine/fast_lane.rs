@@ -209,6 +209,7 @@ impl Loop {
             in_place: op.in_place,
             submitted: Instant::now(),
             packed: None,
+            device: None,
         };
         self.table.insert_announced(entry, Announcement::CacheHit(bit));
         // A round that ends the loop fails what is pending, this op included, when the loop winds up.

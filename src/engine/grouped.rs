@@ -46,6 +46,7 @@ pub fn pack_group(name: &str, members: Vec<GroupMember>, in_place: bool) -> Vec<
                 shape: vec![(group.len_bytes() / dtype.size()) as i64],
                 // SAFETY: a zero-length view of no memory; the group's bytes are reached through `packed`.
                 input: unsafe { RawTensor::new(std::ptr::null_mut(), 0) },
+                device: None,
                 in_place,
                 packed: Some(group),
             }

@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use crate::engine::submission::OpOutput;
 use crate::error::EngineError;
+use crate::gpu::tensor::{DeviceDone, DeviceOutput};
 use crate::tensor::OutputTensor;
 
 pub type HandleId = u64;
@@ -60,6 +61,9 @@ pub enum PartResult {
         output: Option<OutputTensor>,
         received_splits: Option<Vec<i64>>,
         last_joined_rank: Option<i32>,
+        /// A tensor on a GPU: its out-of-place result there, and the event after which it is written.
+        device_output: Option<DeviceOutput>,
+        done: Option<DeviceDone>,
     },
     /// A packed group's results, each with its output slot.
     Members(Vec<(usize, Option<OutputTensor>)>),
@@ -135,10 +139,18 @@ impl HandleTable {
             }
             let Some(state) = t.handles.get_mut(&part.id) else { continue };
             match part.result {
-                PartResult::Tensor { index, output, received_splits, last_joined_rank } => {
+                PartResult::Tensor { index, output, received_splits, last_joined_rank, device_output, done } => {
                     if let Some(slot) = state.output.tensors.get_mut(index) {
                         *slot = output;
                     }
+                    if let Some(device_output) = device_output {
+                        let slots = state.output.tensors.len();
+                        state.output.device_tensors.resize_with(slots, || None);
+                        if let Some(slot) = state.output.device_tensors.get_mut(index) {
+                            *slot = Some(device_output);
+                        }
+                    }
+                    state.output.done.extend(done);
                     if received_splits.is_some() {
                         state.output.received_splits = received_splits;
                     }
@@ -268,7 +280,14 @@ mod tests {
         assert!(matches!(err, EngineError::DuplicateName { .. }));
         let other_set = t.register("allreduce", 1, &["x".into()], 1, 1).unwrap();
         assert_eq!(t.is_done(a), Some(false));
-        let done = PartResult::Tensor { index: 0, output: None, received_splits: None, last_joined_rank: None };
+        let done = PartResult::Tensor {
+            index: 0,
+            output: None,
+            received_splits: None,
+            last_joined_rank: None,
+            device_output: None,
+            done: None,
+        };
         t.complete(0, [CompletedPart { id: a, name: "x".into(), result: done }]);
         assert_eq!(t.is_done(a), Some(true));
         assert!(matches!(t.wait(a, Duration::ZERO), WaitOutcome::Done(Ok(_))));

@@ -11,7 +11,8 @@
 //!
 //! A communicator's loop, bottom to top (each uses only those above it in this list):
 //! - [`table`]: the tensors submitted on this rank and not yet completed; [`execute`]: running one agreed
-//!   response (packing fused tensors through [`crate::fusion`]).
+//!   response (packing fused tensors through [`crate::fusion`]); [`execute_device`]: one whose tensors
+//!   are on a GPU, staged through pinned host memory around [`execute`].
 //! - [`shared`]: what callers and the loop share (the inbox, the stop request, values set by hand).
 //! - [`step`]: the loop's state and one step of it (negotiate, fuse, execute, complete handles).
 //! - [`fast_lane`]: a small synchronous op run by its caller as one exchange of round headers.
@@ -30,6 +31,7 @@ pub mod communicator;
 pub mod connect;
 pub mod driver;
 pub mod execute;
+pub mod execute_device;
 pub mod fast_lane;
 pub mod fork;
 pub mod grouped;
@@ -495,12 +497,11 @@ fn job_key(config: &Config) -> String {
 /// The table entries of one submission, each with its request as this rank sends it.
 fn entries_for(op: OpSubmission, handle: HandleId, rank: u32, names: &[String]) -> Vec<TensorEntry> {
     let now = Instant::now();
-    // The engine runs collectives on host memory only (GPU tensors are refused at submission; see
-    // crate::gpu), so every request it makes is for the CPU.
-    let request = |name: String, dtype, shape, parts| Request {
+    // Each request names its tensor's device: the CPU, or the GPU's ordinal (ranks must agree on which).
+    let request = |name: String, dtype, shape, parts, device| Request {
         rank,
         name,
-        params: OpParams { device: CPU_DEVICE, ..op.params.for_tensor(dtype, shape, parts) },
+        params: OpParams { device, ..op.params.for_tensor(dtype, shape, parts) },
     };
     if op.tensors.is_empty() {
         // SAFETY: a zero-length view of no memory.
@@ -508,11 +509,12 @@ fn entries_for(op: OpSubmission, handle: HandleId, rank: u32, names: &[String]) 
         return vec![TensorEntry {
             handle,
             index: 0,
-            request: request(names[0].clone(), DataType::Uint8, Vec::new(), Vec::new()),
+            request: request(names[0].clone(), DataType::Uint8, Vec::new(), Vec::new(), CPU_DEVICE),
             input,
             in_place: false,
             submitted: now,
             packed: None,
+            device: None,
         }];
     }
     let requests: Vec<Request> = op
@@ -520,7 +522,8 @@ fn entries_for(op: OpSubmission, handle: HandleId, rank: u32, names: &[String]) 
         .iter()
         .map(|t| {
             let parts = t.packed.as_ref().map(|g| g.encoded_shapes()).unwrap_or_default();
-            request(t.name.clone(), t.dtype, t.shape.clone(), parts)
+            let device = t.device.as_ref().map_or(CPU_DEVICE, |d| d.ordinal());
+            request(t.name.clone(), t.dtype, t.shape.clone(), parts, device)
         })
         .collect();
     op.tensors
@@ -535,6 +538,7 @@ fn entries_for(op: OpSubmission, handle: HandleId, rank: u32, names: &[String]) 
             in_place: t.in_place,
             submitted: now,
             packed: t.packed,
+            device: t.device,
         })
         .collect()
 }

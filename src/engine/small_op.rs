@@ -64,6 +64,7 @@ impl Engine {
                         input: op.input,
                         in_place: op.in_place,
                         packed: None,
+                        device: None,
                     }],
                 };
                 let submission = OpSubmission { params: op.params, tensors };

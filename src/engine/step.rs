@@ -20,6 +20,7 @@ use crate::config::Config;
 use crate::coordinator::negotiation::{Negotiator, RoundOutcome};
 use crate::coordinator::stall::StallClock;
 use crate::engine::execute::{execute_eager, Executor, HierarchyChoice, TensorResult};
+use crate::engine::execute_device::{self, GpuRoute, StagedFailure};
 use crate::engine::handles::{CompletedPart, PartResult};
 use crate::engine::shared::{AppliedValues, Shared};
 use crate::engine::table::{TensorEntry, TensorTable};
@@ -52,6 +53,8 @@ pub(crate) struct Loop {
     pub(super) table: TensorTable,
     pub(super) negotiator: Negotiator,
     executor: Executor,
+    /// The GPU route of this process set (see [`execute_device`]).
+    gpu_route: GpuRoute,
     stall_clock: Option<StallClock>,
     /// Negotiation rounds run so far (the same count on every rank of the communicator).
     pub(super) rounds: u64,
@@ -128,6 +131,7 @@ impl Loop {
             table: TensorTable::default(),
             negotiator,
             executor,
+            gpu_route: GpuRoute::default(),
             finished: None,
             fast: Default::default(),
         }
@@ -473,15 +477,30 @@ impl Loop {
         let mut entries: Vec<Option<TensorEntry>> = response.entries.iter().map(|e| self.table.take(&e.name)).collect();
         let mut record =
             self.shared.timeline.op(response, entries.iter().map(|e| e.as_ref().map(|e| e.submitted)), agreed);
-        let outcome = self.executor.execute_recorded(&mut *self.transport, response, &mut entries, &mut record);
+        let set_id = self.shared.set_id;
+        let transport = &mut *self.transport;
+        let outcome = execute_device::execute(
+            &mut self.executor,
+            &mut self.gpu_route,
+            set_id,
+            transport,
+            response,
+            &mut entries,
+            &mut record,
+        );
         record.finish();
         match outcome {
+            Err(StagedFailure::Gpu(err)) => {
+                let parts = entries.into_iter().flatten().map(|entry| completed(entry, Err(err.clone())));
+                self.shared.handles.complete(self.shared.set_id, parts);
+                Err(err)
+            }
             Ok(results) => {
                 let parts = entries.into_iter().zip(results).filter_map(|(e, result)| Some(completed(e?, result)));
                 self.shared.handles.complete(self.shared.set_id, parts);
                 Ok(())
             }
-            Err(e) => {
+            Err(StagedFailure::Transport(e)) => {
                 let err = self.transport_failure(
                     format!(
                         "{} of tensor '{}'",
@@ -516,8 +535,8 @@ impl Loop {
 fn completed(entry: TensorEntry, result: Result<TensorResult, EngineError>) -> CompletedPart {
     let result = match result {
         Ok(TensorResult { members, .. }) if entry.packed.is_some() => PartResult::Members(members),
-        Ok(TensorResult { output, received_splits, last_joined_rank, .. }) => {
-            PartResult::Tensor { index: entry.index, output, received_splits, last_joined_rank }
+        Ok(TensorResult { output, received_splits, last_joined_rank, device_output, done, .. }) => {
+            PartResult::Tensor { index: entry.index, output, received_splits, last_joined_rank, device_output, done }
         }
         Err(e) => PartResult::Failed(e),
     };

@@ -1,6 +1,7 @@
 //! What a caller hands the engine (an [`OpSubmission`]) and what it gets back ([`OpOutput`]).
 
 use crate::fusion::packed_group::PackedGroup;
+use crate::gpu::tensor::{DeviceDone, DeviceInput, DeviceOutput};
 use crate::protocol::message::OpParams;
 use crate::tensor::{OutputTensor, RawTensor};
 use crate::types::{CollectiveKind, DataType};
@@ -18,9 +19,21 @@ pub struct TensorSubmission {
     pub in_place: bool,
     /// Set when this tensor is a packed grouped allreduce (`input` views its buffer): see [`PackedGroup`].
     pub packed: Option<PackedGroup>,
+    /// Set for a tensor in GPU memory: `input` is then empty, and the engine reads the device memory in
+    /// stream order when the op runs.
+    pub device: Option<DeviceInput>,
 }
 
 impl TensorSubmission {
+    /// Bytes of its data: in host memory, on the device, or a packed group's.
+    pub fn data_len(&self) -> usize {
+        match (&self.device, &self.packed) {
+            (Some(device), _) => device.len,
+            (None, Some(group)) => group.len_bytes(),
+            (None, None) => self.input.len(),
+        }
+    }
+
     /// Output slots this tensor fills: one, or one per member of a packed group.
     pub fn output_slots(&self) -> usize {
         self.packed.as_ref().map_or(1, PackedGroup::len)
@@ -53,4 +66,9 @@ pub struct OpOutput {
     pub received_splits: Option<Vec<i64>>,
     /// Join: the rank that joined last.
     pub last_joined_rank: Option<i32>,
+    /// One slot per submitted tensor: the out-of-place result of a tensor on a GPU (`tensors` holds `None`
+    /// there).
+    pub device_tensors: Vec<Option<DeviceOutput>>,
+    /// The events after which the op's device results are written (one per GPU response it took part in).
+    pub done: Vec<DeviceDone>,
 }

@@ -11,6 +11,7 @@ use crate::coordinator::pending::{Announcement, PendingRequest, PendingRequests}
 use crate::engine::handles::HandleId;
 use crate::fusion::packed_group::PackedGroup;
 use crate::fusion::tensor_io::TensorMemory;
+use crate::gpu::tensor::DeviceInput;
 use crate::protocol::message::Request;
 use crate::tensor::RawTensor;
 use crate::types::CollectiveKind;
@@ -27,6 +28,9 @@ pub struct TensorEntry {
     pub submitted: Instant,
     /// A packed grouped allreduce: `input` is empty, and the group's tensors are reached through it.
     pub packed: Option<PackedGroup>,
+    /// A tensor in GPU memory: `input` stays empty until the executor stages it (see
+    /// [`crate::engine::execute_device`]).
+    pub device: Option<DeviceInput>,
 }
 
 impl TensorEntry {

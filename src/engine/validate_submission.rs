@@ -3,7 +3,6 @@
 
 use crate::engine::submission::OpSubmission;
 use crate::error::EngineError;
-use crate::fusion::packed_group::PackedGroup;
 use crate::protocol::message::shape_elements;
 use crate::types::{CollectiveKind, ReduceOp};
 
@@ -22,7 +21,7 @@ pub fn check(op: &OpSubmission, size: usize) -> Result<(), EngineError> {
             return invalid(format!("{}: tensor names must not be empty", p.kind));
         }
         let expected = shape_elements(&t.shape) * t.dtype.size();
-        let have = t.packed.as_ref().map_or(t.input.len(), PackedGroup::len_bytes);
+        let have = t.data_len();
         if have != expected {
             return Err(EngineError::Internal(format!(
                 "tensor '{}' has {have} bytes but shape {:?} of {} needs {expected}",
@@ -113,6 +112,7 @@ mod tests {
             input,
             in_place: false,
             packed: None,
+            device: None,
         });
         op.params.splits = splits;
         op

@@ -35,6 +35,7 @@ struct Functions {
     get_error_string: unsafe extern "C" fn(CudaStatus) -> *const c_char,
     get_error_name: unsafe extern "C" fn(CudaStatus) -> *const c_char,
     set_device: unsafe extern "C" fn(c_int) -> CudaStatus,
+    get_device: unsafe extern "C" fn(*mut c_int) -> CudaStatus,
     device_get_pci_bus_id: unsafe extern "C" fn(*mut c_char, c_int, c_int) -> CudaStatus,
     malloc: unsafe extern "C" fn(*mut *mut c_void, usize) -> CudaStatus,
     free: unsafe extern "C" fn(*mut c_void) -> CudaStatus,
@@ -69,6 +70,7 @@ impl CudaRuntime {
             get_error_string: symbol(&lib, &path, "cudaGetErrorString")?,
             get_error_name: symbol(&lib, &path, "cudaGetErrorName")?,
             set_device: symbol(&lib, &path, "cudaSetDevice")?,
+            get_device: symbol(&lib, &path, "cudaGetDevice")?,
             device_get_pci_bus_id: symbol(&lib, &path, "cudaDeviceGetPCIBusId")?,
             malloc: symbol(&lib, &path, "cudaMalloc")?,
             free: symbol(&lib, &path, "cudaFree")?,
@@ -133,6 +135,32 @@ impl CudaRuntime {
         }
     }
 
+    /// The calling thread's current device (`cudaGetDevice`).
+    pub fn current_device(&self) -> Result<i32, GpuError> {
+        let mut device: c_int = 0;
+        // SAFETY: a valid out-pointer.
+        let status = unsafe { (self.f.get_device)(&mut device) };
+        self.check(status, "cudaGetDevice", -1)?;
+        Ok(device)
+    }
+
+    /// Make `device` the calling thread's current device (`cudaSetDevice`).
+    pub fn set_current_device(&self, device: i32) -> Result<(), GpuError> {
+        // SAFETY: plain call.
+        self.check(unsafe { (self.f.set_device)(device) }, "cudaSetDevice", device)
+    }
+
+    /// Run `f` (which may make another device current) and make the calling thread's current device the one
+    /// it was again: a framework's thread keeps its own.
+    pub fn keeping_current_device<R>(&self, f: impl FnOnce() -> Result<R, GpuError>) -> Result<R, GpuError> {
+        let previous = self.current_device()?;
+        let result = f();
+        let restored = self.set_current_device(previous);
+        let value = result?;
+        restored?;
+        Ok(value)
+    }
+
     fn check(&self, status: CudaStatus, call: &str, device: i32) -> Result<(), GpuError> {
         if status == SUCCESS {
             return Ok(());
@@ -186,6 +214,9 @@ unsafe impl Send for CudaStream {}
 unsafe impl Send for CudaEvent {}
 unsafe impl Send for CudaPinned {}
 unsafe impl Send for DeviceMemory {}
+// SAFETY: the CUDA runtime is thread-safe: stream and event handles may be used from several host threads.
+unsafe impl Sync for CudaStream {}
+unsafe impl Sync for CudaEvent {}
 
 impl CudaDevice {
     pub fn new(rt: &'static CudaRuntime, ordinal: i32) -> Result<CudaDevice, GpuError> {
@@ -196,6 +227,10 @@ impl CudaDevice {
 
     pub fn ordinal(&self) -> i32 {
         self.ordinal
+    }
+
+    pub fn runtime(&self) -> &'static CudaRuntime {
+        self.rt
     }
 
     /// `cudaSetDevice` for the calling thread.

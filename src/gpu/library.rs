@@ -140,6 +140,11 @@ pub fn libraries(config: &GpuConfig, nvidia_dirs: &[PathBuf]) -> &'static GpuLib
     LOADED.get_or_init(|| GpuLibraries::load(config, nvidia_dirs))
 }
 
+/// This process's libraries if they were loaded already (by [`libraries`]), without loading them.
+pub fn loaded() -> Option<&'static GpuLibraries> {
+    LOADED.get()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

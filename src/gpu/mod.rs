@@ -8,7 +8,12 @@
 //! - [`device`]: the [`device::Device`] trait the GPU paths are written against (device pointers, pinned
 //!   host memory, streams, events), so the staging logic is tested with a CPU stand-in.
 //! - [`staging`]: host staging: device -> pinned host buffer -> rvod's host collective -> device, in
-//!   stream order, waiting only on events (never a device-wide synchronize).
+//!   stream order, waiting only on events (never a device-wide synchronize); written against
+//!   [`device::Device`] and unit-tested (the engine's staging, `engine::execute_device`, does the same
+//!   around the CPU executor, on [`runtime`]'s state).
+//! - [`runtime`]: per GPU of this process, rvod's stream, the pinned staging buffer and the pool of device
+//!   buffers results are made in; [`tensor`]: device tensors as the engine carries them (an input and its
+//!   ready event, a pooled result, the event after which results are written).
 //! - [`choice`]: which of NCCL and host staging a process set uses, and the reason (for `--verbose` once the
 //!   engine runs GPU collectives; nothing logs it yet).
 //! - [`bootstrap`]: a process set's members agree on the route over their own transport (and NCCL's unique id).
@@ -23,11 +28,14 @@
 //!   send/receive groups, PreMulSum, the duplicate-GPU refusal, and a peer that aborts or dies (an error
 //!   through [`nccl::wait_or_abort`], never a hang), and [`staging`] on those devices in stream order.
 //!
-//! Status (issue 20): the engine does not yet execute collectives on GPU tensors; a CUDA tensor is refused
-//! at submission with the reason (no driver, no NCCL found and where it was looked for, or this). Requests
-//! carry the device and validation makes a CPU/GPU mix a mismatch error, but as the engine only submits CPU
-//! tensors today, only unit tests reach that check. Nothing outside this module calls staging, choice,
-//! bootstrap or plan yet: they are the pieces the engine's GPU path is to be built from.
+//! Status (issue 30 item 1, in progress): the engine runs collectives on GPU tensors by host staging only
+//! (`engine::execute_device`: every op, fused, in place or not, async, process sets), where the libraries,
+//! a driver and a device are there; elsewhere a CUDA tensor is refused at submission with the reason (no
+//! driver, no NCCL found and where it was looked for, or `RVOD_GPU_TRANSPORT=nccl`, which asks for the
+//! route not built yet). Requests carry the device, so a CPU/GPU mix is a mismatch error. This runs in CI
+//! against the GPU stand-in only (`tests/python/test_gpu_device_path.py`); **nothing of it has run on a
+//! real GPU.** Not yet called by the engine: [`choice`], [`bootstrap`] and [`plan`] (the route agreement
+//! and the NCCL route), so no NCCL call is made for a collective yet.
 
 pub mod bootstrap;
 pub mod choice;
@@ -36,7 +44,9 @@ pub mod device;
 pub mod library;
 pub mod nccl;
 pub mod plan;
+pub mod runtime;
 pub mod staging;
+pub mod tensor;
 
 #[cfg(test)]
 mod standin;

@@ -21,12 +21,13 @@ use crate::engine::submission::{OpOutput, OpSubmission, TensorSubmission};
 use crate::engine::{fork, Engine};
 use crate::error::EngineError;
 use crate::fusion::packed_group::GroupMember;
+use crate::gpu::device::Device;
 use crate::launch::meet::{self, HostedStore, Offer};
 use crate::protocol::message::OpParams;
 use crate::protocol::round::StopReason;
 use crate::py::detached::{detached, detached_once, Detached};
-use crate::py::dlpack::{export_capsule, import_capsule, is_capsule, ImportedTensor};
-use crate::py::error::to_py_err;
+use crate::py::dlpack::{export_capsule, export_device_capsule, import_capsule, is_capsule, ImportedTensor};
+use crate::py::error::{invalid_argument, to_py_err};
 use crate::py::ndarray::{empty_like, empty_shaped, import_array};
 use crate::tensor::RawTensor;
 use crate::types::{CollectiveKind, DataType, ReduceOp};
@@ -239,10 +240,16 @@ pub fn topology(py: Python<'_>) -> PyResult<Bound<'_, PyTuple>> {
     (t.rank, t.size, t.local_rank, t.local_size, t.cross_rank, t.cross_size, engine.is_homogeneous()).into_pyobject(py)
 }
 
-/// One input: a DLPack capsule, or an array (see `ndarray::import_array`).
-fn import_input(object: &Bound<'_, PyAny>, in_place: bool, what: impl Fn() -> String) -> PyResult<ImportedTensor> {
+/// One input: a DLPack capsule (a GPU one's ready event recorded on `stream`, see `import_capsule`), or an
+/// array (see `ndarray::import_array`).
+fn import_input(
+    object: &Bound<'_, PyAny>,
+    in_place: bool,
+    stream: Option<usize>,
+    what: impl Fn() -> String,
+) -> PyResult<ImportedTensor> {
     if is_capsule(object) {
-        import_capsule(object, what)
+        import_capsule(object, stream, what)
     } else {
         import_array(object, in_place, what)
     }
@@ -266,6 +273,7 @@ fn whole_tensor(name: String, imported: ImportedTensor, in_place: bool) -> Tenso
         input: imported.tensor,
         in_place,
         packed: None,
+        device: imported.device,
     }
 }
 
@@ -282,8 +290,12 @@ fn whole_tensor(name: String, imported: ImportedTensor, in_place: bool) -> Tenso
 /// One tensor without `wait`: the handle. Either returns `NotImplemented` when the tensor is not one the
 /// engine reads as it is (nothing was submitted: export it and submit the lists). Lists: the handle, and
 /// what the engine cannot read is refused with an error.
+///
+/// A capsule of a tensor on a GPU is taken where the GPU libraries are usable: `stream` is the framework's
+/// current stream on its device (a `cudaStream_t` as a number), on which its ready event is recorded; without
+/// one, the producer is expected to have made rvod's stream (`device_stream`) wait for the tensor.
 #[pyfunction]
-#[pyo3(signature = (kind, names, tensors, in_place, reduce_op, prescale, postscale, root_rank, process_set_id, wait=false, packed=false, splits=None))]
+#[pyo3(signature = (kind, names, tensors, in_place, reduce_op, prescale, postscale, root_rank, process_set_id, wait=false, packed=false, splits=None, stream=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn submit<'py>(
     py: Python<'py>,
@@ -299,9 +311,10 @@ pub fn submit<'py>(
     wait: bool,
     packed: bool,
     splits: Option<Vec<i64>>,
+    stream: Option<usize>,
 ) -> PyResult<Bound<'py, PyAny>> {
     let (kind, reduce_op) = read_codes(kind, reduce_op)?;
-    let params = Params { kind, in_place, reduce_op, prescale, postscale, root_rank, process_set_id };
+    let params = Params { kind, in_place, reduce_op, prescale, postscale, root_rank, process_set_id, stream };
     // The names say which form this is: ops.py makes them (a tensor is the user's object, maybe a list).
     let Ok(name) = names.downcast::<PyString>() else {
         let names: Vec<String> = names.extract()?;
@@ -327,6 +340,8 @@ struct Params {
     postscale: f64,
     root_rank: i32,
     process_set_id: u32,
+    /// The framework's current stream, for tensors on a GPU.
+    stream: Option<usize>,
 }
 
 impl Params {
@@ -349,15 +364,31 @@ fn submit_lists(
     packed: bool,
     wait: bool,
 ) -> PyResult<u64> {
-    let Params { kind, in_place, process_set_id, .. } = params;
+    let Params { kind, in_place, process_set_id, stream, .. } = params;
     if packed {
         let (Some(name), true) = (names.first(), names.len() == 1 && kind == CollectiveKind::Allreduce) else {
             return Err(PyValueError::new_err("a packed submission is one allreduce group with one name"));
         };
         let mut members = Vec::with_capacity(tensors.len());
+        let mut on_gpu = Vec::new();
         for (i, tensor) in tensors.iter().enumerate() {
-            let imported = import_input(tensor, in_place, || format!("{kind} '{name}_{i}'"))?;
+            let imported = import_input(tensor, in_place, stream, || format!("{kind} '{name}_{i}'"))?;
+            if imported.device.is_some() {
+                // GPU tensors are not packed on the host: the group's tensors go as one op of tensors named
+                // '<name>_<index>', negotiated together and fused.
+                on_gpu.push(whole_tensor(format!("{name}_{i}"), imported, in_place));
+                continue;
+            }
             members.push(GroupMember { input: imported.tensor, dtype: imported.dtype, shape: imported.shape });
+        }
+        if !on_gpu.is_empty() {
+            if !members.is_empty() {
+                return Err(invalid_argument(format!(
+                    "{kind} '{name}': a group mixes tensors on a GPU with tensors in host memory"
+                )));
+            }
+            let op = params.op(on_gpu, splits);
+            return with_engine(|engine| queue(py, engine, op, process_set_id, wait));
         }
         let op = params.op(Vec::new(), splits);
         let drive = wait.then_some(Detached(py));
@@ -370,7 +401,7 @@ fn submit_lists(
     }
     let mut submitted = Vec::with_capacity(tensors.len());
     for (name, tensor) in names.into_iter().zip(tensors) {
-        let imported = import_input(tensor, in_place, || format!("{kind} '{name}'"))?;
+        let imported = import_input(tensor, in_place, stream, || format!("{kind} '{name}'"))?;
         submitted.push(whole_tensor(name, imported, in_place));
     }
     let op = params.op(submitted, splits);
@@ -386,12 +417,12 @@ fn submit_one<'py>(
     tensor: &Bound<'py, PyAny>,
     wait: bool,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let Params { kind, in_place, process_set_id, .. } = params;
+    let Params { kind, in_place, process_set_id, stream, .. } = params;
     if matches!(kind, CollectiveKind::Barrier | CollectiveKind::Join) {
         return Err(PyValueError::new_err(format!("{kind} takes no tensor")));
     }
     let name = [kind.name(), ".", name].concat();
-    let Ok(imported) = import_input(tensor, in_place, || format!("{kind} '{name}'")) else {
+    let Ok(imported) = import_input(tensor, in_place, stream, || format!("{kind} '{name}'")) else {
         return Ok(py.NotImplemented().into_bound(py));
     };
     let op = params.op(vec![whole_tensor(name, imported, in_place)], Vec::new());
@@ -412,7 +443,7 @@ fn run_with<'py>(
     name: &str,
     array: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let Params { kind, in_place, reduce_op, prescale, postscale, root_rank, process_set_id } = params;
+    let Params { kind, in_place, reduce_op, prescale, postscale, root_rank, process_set_id, .. } = params;
     // A barrier is matched by the engine's own name for it, as `submit` does.
     let full_name;
     let name = if kind == CollectiveKind::Barrier {
@@ -429,7 +460,7 @@ fn run_with<'py>(
         None => None,
     };
     let (input, dtype, shape) = match imported {
-        Some(ImportedTensor { tensor, dtype, shape }) => (tensor, dtype, shape),
+        Some(ImportedTensor { tensor, dtype, shape, .. }) => (tensor, dtype, shape),
         // SAFETY: a zero-length view of no memory.
         None => (unsafe { RawTensor::new(std::ptr::null_mut(), 0) }, DataType::Uint8, Vec::new()),
     };
@@ -504,33 +535,54 @@ pub fn poll(handle: u64) -> PyResult<bool> {
 }
 
 /// Block until the handle completes (GIL released). Returns (outputs, received_splits, last_joined_rank):
-/// one DLPack capsule per tensor, or None where the result was written in place.
+/// one DLPack capsule per tensor (a CUDA one for a tensor on a GPU), or None where the result was written
+/// in place. For an op on GPU tensors, `stream` (a `cudaStream_t` as a number: the framework's current
+/// stream) is made to wait for the results, without blocking; without one, the host waits for them.
 #[pyfunction]
-pub fn wait(py: Python<'_>, handle: u64) -> PyResult<Bound<'_, PyTuple>> {
+#[pyo3(signature = (handle, stream=None))]
+pub fn wait(py: Python<'_>, handle: u64, stream: Option<usize>) -> PyResult<Bound<'_, PyTuple>> {
     with_engine(|engine| {
         // A handle already complete (most of a burst's, by the time they are waited for) is taken at once,
         // with the GIL held: releasing it would cost more than the rest.
         match engine.take_done(handle) {
-            Some(result) => wait_result(py, result),
+            Some(result) => wait_result(py, result, stream),
             None => match detached(py, |slice| match engine.wait(handle, slice) {
                 WaitOutcome::Pending => None,
                 outcome => Some(outcome),
             })? {
-                WaitOutcome::Done(result) => wait_result(py, result),
+                WaitOutcome::Done(result) => wait_result(py, result, stream),
                 _ => Err(PyValueError::new_err(format!("unknown handle {handle}"))),
             },
         }
     })
 }
 
-/// What `wait` returns for a completed op.
-fn wait_result(py: Python<'_>, result: Result<OpOutput, EngineError>) -> PyResult<Bound<'_, PyTuple>> {
+/// What `wait` returns for a completed op, once `stream` (or the host) waits for its GPU results.
+fn wait_result(
+    py: Python<'_>,
+    result: Result<OpOutput, EngineError>,
+    stream: Option<usize>,
+) -> PyResult<Bound<'_, PyTuple>> {
     let output = result.map_err(to_py_err)?;
+    for done in &output.done {
+        let device = done.context.device();
+        let waited = match stream {
+            Some(stream) => {
+                // SAFETY: the caller passes its framework's live stream on this device.
+                let borrowed = unsafe { device.borrowed_stream(stream) };
+                device.wait_event(&borrowed, &done.event)
+            }
+            None => device.synchronize(&done.event),
+        };
+        waited.map_err(|e| to_py_err(EngineError::Gpu(e.to_string())))?;
+    }
     let outputs = PyList::empty(py);
+    let mut on_device = output.device_tensors.into_iter();
     for tensor in output.tensors {
-        match tensor {
-            Some(t) => outputs.append(export_capsule(py, t.buffer, t.shape, t.dtype)?)?,
-            None => outputs.append(py.None())?,
+        match (tensor, on_device.next().flatten()) {
+            (Some(t), _) => outputs.append(export_capsule(py, t.buffer, t.shape, t.dtype)?)?,
+            (None, Some(d)) => outputs.append(export_device_capsule(py, d)?)?,
+            (None, None) => outputs.append(py.None())?,
         }
     }
     (outputs, output.received_splits, output.last_joined_rank).into_pyobject(py)

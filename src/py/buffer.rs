@@ -102,5 +102,5 @@ fn read_view(view: &PyBuffer, what: &impl Fn() -> String) -> PyResult<ImportedTe
     // SAFETY: the exporter's memory holds `len` bytes while the array lives, which the caller guarantees
     // until the op completes (and writes to it only through the op when `writable`).
     let tensor = unsafe { RawTensor::new(data, len) };
-    Ok(ImportedTensor { tensor, dtype, shape })
+    Ok(ImportedTensor { tensor, dtype, shape, device: None })
 }

@@ -11,6 +11,9 @@ use pyo3::exceptions::PyTypeError;
 use pyo3::ffi;
 use pyo3::prelude::*;
 
+use crate::gpu::device::DevicePtr;
+use crate::gpu::runtime::PooledBuffer;
+use crate::gpu::tensor::{DeviceInput, DeviceOutput};
 use crate::py::error::invalid_argument;
 use crate::tensor::{AlignedBuffer, RawTensor};
 use crate::types::DataType;
@@ -55,9 +58,12 @@ struct DLManagedTensor {
 
 /// A tensor read out of a DLPack capsule.
 pub struct ImportedTensor {
+    /// Its host memory (empty for a tensor on a GPU).
     pub tensor: RawTensor,
     pub dtype: DataType,
     pub shape: Vec<i64>,
+    /// A tensor on a GPU: its device memory and the event recorded when it was submitted.
+    pub device: Option<DeviceInput>,
 }
 
 fn dtype_from_dlpack(dt: DLDataType) -> Option<DataType> {
@@ -104,8 +110,15 @@ pub fn is_capsule(object: &Bound<'_, PyAny>) -> bool {
 }
 
 /// Read the tensor a `dltensor` capsule describes. The capsule must stay alive while the view is used.
-/// `what` names the tensor in error messages (built only when there is an error).
-pub fn import_capsule(capsule: &Bound<'_, PyAny>, what: impl Fn() -> String) -> PyResult<ImportedTensor> {
+/// `what` names the tensor in error messages (built only when there is an error). A tensor on a GPU is
+/// taken where the GPU libraries are usable (else refused with the reason): its ready event is recorded on
+/// `stream` (the framework's current stream, a `cudaStream_t` as a number), or without one on rvod's stream
+/// (which the producer made wait for the tensor in `__dlpack__(stream=...)`).
+pub fn import_capsule(
+    capsule: &Bound<'_, PyAny>,
+    stream: Option<usize>,
+    what: impl Fn() -> String,
+) -> PyResult<ImportedTensor> {
     if !is_capsule(capsule) {
         return Err(PyTypeError::new_err(format!("{}: expected an unconsumed DLPack capsule", what())));
     }
@@ -117,16 +130,16 @@ pub fn import_capsule(capsule: &Bound<'_, PyAny>, what: impl Fn() -> String) -> 
     }
     // SAFETY: the producer guarantees the DLManagedTensor is valid while the capsule is alive.
     let t = unsafe { &(*managed).dl_tensor };
-    match t.device.device_type {
-        DEVICE_CPU | DEVICE_CUDA_HOST => {}
-        DEVICE_CUDA => return Err(crate::py::gpu::refuse_cuda_tensor(capsule.py(), &what(), t.device.device_id)),
+    let on_gpu = match t.device.device_type {
+        DEVICE_CPU | DEVICE_CUDA_HOST => None,
+        DEVICE_CUDA => Some(crate::py::gpu::usable_device(capsule.py(), &what(), t.device.device_id)?),
         other => {
             return Err(invalid_argument(format!(
                 "{}: unsupported DLPack device type {other} (rvod takes CPU tensors, and CUDA ones where a GPU is                  usable)",
                 what()
             )))
         }
-    }
+    };
     let dtype = dtype_from_dlpack(t.dtype).ok_or_else(|| {
         invalid_argument(format!(
             "{}: tensor type (code {}, {} bits, {} lanes) is not supported",
@@ -170,10 +183,36 @@ pub fn import_capsule(capsule: &Bound<'_, PyAny>, what: impl Fn() -> String) -> 
         // SAFETY: byte_offset lies inside the producer's allocation by the DLPack contract.
         unsafe { (t.data as *mut u8).add(t.byte_offset as usize) }
     };
+    if let Some(context) = on_gpu {
+        // SAFETY: a stream handle the framework passed for this device (0: the legacy default stream).
+        let ready = match stream {
+            Some(stream) => unsafe { context.record_on(stream) },
+            None => context.record(),
+        };
+        let ready = ready.map_err(|e| invalid_argument(format!("{}: {e}", what())))?;
+        let device = DeviceInput { context, ptr: DevicePtr(data as u64), len, ready };
+        // SAFETY: a zero-length view of no memory: the engine reads the device memory only when staging.
+        let tensor = unsafe { RawTensor::new(std::ptr::null_mut(), 0) };
+        return Ok(ImportedTensor { tensor, dtype, shape, device: Some(device) });
+    }
     // SAFETY: the memory is valid for len bytes while the capsule lives; the caller keeps it alive until the
     // op completes and does not write to it meanwhile (the documented contract of every async op).
     let tensor = unsafe { RawTensor::new(data, len) };
-    Ok(ImportedTensor { tensor, dtype, shape })
+    Ok(ImportedTensor { tensor, dtype, shape, device: None })
+}
+
+/// `(device_type, device_id)` of an unconsumed `dltensor` capsule (DLPack's codes: 1 CPU, 2 CUDA), or None
+/// for anything else.
+#[pyfunction]
+pub fn capsule_device(capsule: &Bound<'_, PyAny>) -> Option<(i32, i32)> {
+    if !is_capsule(capsule) {
+        return None;
+    }
+    // SAFETY: an unconsumed `dltensor` capsule (checked above) holds a DLManagedTensor.
+    let managed =
+        unsafe { ffi::PyCapsule_GetPointer(capsule.as_ptr(), CAPSULE_NAME.as_ptr()) } as *const DLManagedTensor;
+    // SAFETY: the capsule is alive, so its tensor is.
+    unsafe { managed.as_ref() }.map(|m| (m.dl_tensor.device.device_type, m.dl_tensor.device.device_id))
 }
 
 /// If `capsule` is one of the engine's unconsumed bool capsules, label it uint8 and return true. The
@@ -194,8 +233,14 @@ pub fn relabel_bool_as_uint8(capsule: &Bound<'_, PyAny>) -> bool {
     true
 }
 
+/// What an exported capsule owns: a host buffer, or a pooled device buffer (back to the pool on delete).
+enum ExportedMemory {
+    Host(AlignedBuffer),
+    Device(PooledBuffer),
+}
+
 struct ExportContext {
-    buffer: AlignedBuffer,
+    memory: ExportedMemory,
     shape: Vec<i64>,
 }
 
@@ -228,14 +273,31 @@ unsafe extern "C" fn capsule_destructor(capsule: *mut ffi::PyObject) {
 
 /// Wrap an engine-owned buffer as a `dltensor` capsule (zero copy).
 pub fn export_capsule(py: Python<'_>, buffer: AlignedBuffer, shape: Vec<i64>, dtype: DataType) -> PyResult<PyObject> {
-    let mut ctx = Box::new(ExportContext { buffer, shape });
-    let data = ctx.buffer.as_mut_ptr() as *mut c_void;
+    export(py, ExportedMemory::Host(buffer), shape, dtype)
+}
+
+/// Wrap an engine-owned device result as a CUDA `dltensor` capsule (zero copy); deleting it returns the
+/// memory to the engine's pool.
+pub fn export_device_capsule(py: Python<'_>, output: DeviceOutput) -> PyResult<PyObject> {
+    export(py, ExportedMemory::Device(output.buffer), output.shape, output.dtype)
+}
+
+fn export(py: Python<'_>, memory: ExportedMemory, shape: Vec<i64>, dtype: DataType) -> PyResult<PyObject> {
+    let mut ctx = Box::new(ExportContext { memory, shape });
+    let (data, device) = match &mut ctx.memory {
+        ExportedMemory::Host(buffer) => {
+            (buffer.as_mut_ptr() as *mut c_void, DLDevice { device_type: DEVICE_CPU, device_id: 0 })
+        }
+        ExportedMemory::Device(buffer) => {
+            (buffer.ptr().0 as *mut c_void, DLDevice { device_type: DEVICE_CUDA, device_id: buffer.ordinal() })
+        }
+    };
     let shape_ptr = ctx.shape.as_mut_ptr();
     let ndim = ctx.shape.len() as i32;
     let managed = Box::new(DLManagedTensor {
         dl_tensor: DLTensor {
             data,
-            device: DLDevice { device_type: DEVICE_CPU, device_id: 0 },
+            device,
             ndim,
             dtype: dtype_to_dlpack(dtype),
             shape: shape_ptr,

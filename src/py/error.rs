@@ -26,7 +26,8 @@ pub fn to_py_err(err: EngineError) -> PyErr {
         | EngineError::Rejected(_)
         | EngineError::Transport { .. }
         | EngineError::Init(_)
-        | EngineError::Internal(_) => RvodInternalError::new_err(message),
+        | EngineError::Internal(_)
+        | EngineError::Gpu(_) => RvodInternalError::new_err(message),
     }
 }
 

@@ -1,18 +1,21 @@
 //! GPU libraries as Python sees them: `gpu_libraries()` (what `nccl_built()`, `cuda_built()` and
-//! `rvodrun --check-build` report) and the refusal of a GPU tensor with its reason.
+//! `rvodrun --check-build` report), `device_stream(ordinal)` (rvod's stream on a GPU), and the device a
+//! GPU tensor is taken on, or its refusal with the reason.
 //!
 //! The NVIDIA Python packages' directories are found here, through `importlib` (no framework is imported),
 //! and handed to [`crate::gpu::library`], which loads the libraries on the first ask.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::config::GpuConfig;
+use crate::config::{GpuConfig, GpuTransport};
 use crate::gpu::library::{libraries, GpuLibraries};
 use crate::gpu::nccl::version_text;
+use crate::gpu::runtime::{context, DeviceContext};
 use crate::py::error::invalid_argument;
 
 /// The directories of the `nvidia` namespace package (where nvidia-nccl-cu12/cu13 and
@@ -43,7 +46,9 @@ pub fn loaded(py: Python<'_>) -> PyResult<&'static GpuLibraries> {
 /// `nccl_error`; `cuda_runtime_version` (0 when none), `cuda_path`, `cuda_error`, `cuda_driver_version`
 /// (0 without a driver), `device_count` and `device_error` (why there is no device to use, e.g. "no CUDA
 /// driver: ..."); `gpu_transport` (RVOD_GPU_TRANSPORT); `gpu_collectives` (whether this build runs
-/// collectives on GPU tensors: not yet) and `unavailable` (the reason a GPU tensor is refused).
+/// collectives on GPU tensors: where the libraries, a driver and a device are there), `nccl_collectives`
+/// (whether they go through NCCL: not yet, host staging runs them) and `unavailable` (the reason a GPU tensor
+/// is refused; None when it is not).
 #[pyfunction]
 pub fn gpu_libraries(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let libs = loaded(py)?;
@@ -90,28 +95,40 @@ pub fn gpu_libraries(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     }
     let config = GpuConfig::from_env().map_err(|e| PyValueError::new_err(e.to_string()))?;
     info.set_item("gpu_transport", config.transport.name())?;
-    info.set_item("gpu_collectives", false)?;
-    info.set_item("unavailable", unavailable_reason(libs))?;
+    let unavailable = libs.unavailable();
+    info.set_item("gpu_collectives", unavailable.is_none())?;
+    info.set_item("nccl_collectives", false)?;
+    info.set_item("unavailable", unavailable)?;
     Ok(info)
 }
 
-/// Why a GPU tensor cannot be used here: what is missing, or that this build does not run GPU collectives.
-fn unavailable_reason(libs: &GpuLibraries) -> String {
-    libs.unavailable().unwrap_or_else(|| {
-        "this rvod version does not run collectives on GPU tensors yet (its NCCL and host-staging paths are built \
-         but have not run on a GPU)"
-            .to_string()
-    })
-}
-
-/// The error for a tensor on CUDA device `device`: which tensor, and why it cannot be used here.
-pub fn refuse_cuda_tensor(py: Python<'_>, what: &str, device: i32) -> PyErr {
+/// The context of CUDA device `device` for a tensor on it (`what` names the tensor), or the error saying
+/// why rvod cannot run collectives on it here (what is missing, or the device's own error).
+pub fn usable_device(py: Python<'_>, what: &str, device: i32) -> PyResult<Arc<DeviceContext>> {
     let reason = match loaded(py) {
-        Ok(libs) => unavailable_reason(libs),
+        Ok(libs) => match (libs.unavailable(), GpuConfig::from_env().map(|c| c.transport)) {
+            (Some(why), _) => why,
+            (None, Ok(GpuTransport::Nccl)) => "RVOD_GPU_TRANSPORT=nccl asks for NCCL, and this rvod runs collectives \
+                                               on GPU tensors by host staging only (its NCCL route is not built yet); \
+                                               unset it or set it to host"
+                .to_string(),
+            (None, Err(error)) => error.to_string(),
+            (None, Ok(_)) => match context(device) {
+                Ok(context) => return Ok(context),
+                Err(error) => error.to_string(),
+            },
+        },
         Err(error) => error.to_string(),
     };
-    invalid_argument(format!(
+    Err(invalid_argument(format!(
         "{what}: the tensor is on CUDA device {device}, and rvod cannot run collectives on it here: {reason}. \
          Move the tensor to the CPU (e.g. tensor.cpu())."
-    ))
+    )))
+}
+
+/// rvod's stream on GPU `ordinal` (a `cudaStream_t` as a number): what a producer's `__dlpack__(stream=...)`
+/// makes wait for its tensor.
+#[pyfunction]
+pub fn device_stream(py: Python<'_>, ordinal: i32) -> PyResult<usize> {
+    usable_device(py, &format!("device_stream({ordinal})"), ordinal).map(|context| context.stream_handle())
 }

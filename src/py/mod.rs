@@ -41,11 +41,13 @@ fn _rvod(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(api::transport_kind, m)?)?;
     m.add_function(wrap_pyfunction!(api::build_info, m)?)?;
     m.add_function(wrap_pyfunction!(gpu::gpu_libraries, m)?)?;
+    m.add_function(wrap_pyfunction!(gpu::device_stream, m)?)?;
     m.add_function(wrap_pyfunction!(api::start_timeline, m)?)?;
     m.add_function(wrap_pyfunction!(api::stop_timeline, m)?)?;
     m.add_function(wrap_pyfunction!(api::autotune_applied, m)?)?;
     m.add_function(wrap_pyfunction!(api::set_tuned_values, m)?)?;
     m.add_function(wrap_pyfunction!(dlpack::relabel_bool_as_uint8, m)?)?;
+    m.add_function(wrap_pyfunction!(dlpack::capsule_device, m)?)?;
     m.add_class::<rendezvous::RendezvousServer>()?;
     m.add_class::<rendezvous::StoreClient>()?;
     Ok(())

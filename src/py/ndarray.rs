@@ -123,7 +123,7 @@ fn read_fields(array: &Bound<'_, PyAny>, writable: bool, what: &impl Fn() -> Str
     // SAFETY: a C-contiguous ndarray's data holds `len` bytes while the array lives, which the caller
     // guarantees until the op completes.
     let tensor = unsafe { RawTensor::new(data, len) };
-    Ok(ImportedTensor { tensor, dtype, shape })
+    Ok(ImportedTensor { tensor, dtype, shape, device: None })
 }
 
 fn same(a: &ImportedTensor, b: &ImportedTensor) -> bool {

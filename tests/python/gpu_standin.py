@@ -161,6 +161,28 @@ def _capsule_destructor(capsule):
         _delete_managed(_capsule_pointer(capsule, b"dltensor"))
 
 
+_DLPACK_DTYPES = {(0, 8): np.int8, (0, 16): np.int16, (0, 32): np.int32, (0, 64): np.int64, (1, 8): np.uint8,
+                  (1, 16): np.uint16, (2, 16): np.float16, (2, 32): np.float32, (2, 64): np.float64, (6, 8): np.bool_}
+
+
+def read_capsule(capsule) -> tuple[int, np.ndarray]:
+    """``(device, values)`` of an unconsumed ``dltensor`` capsule on a stand-in GPU (rvod's results), copied to the
+    host with a synchronous cudaMemcpy (which waits for the device's work, as CUDA's does). The capsule is not
+    consumed: its destructor still returns the memory to whoever made it."""
+    address = _capsule_pointer(id(capsule), b"dltensor")
+    managed = DLManagedTensor.from_address(address)
+    tensor = managed.dl_tensor
+    if tensor.device.device_type != KDL_CUDA:
+        raise ValueError(f"not a CUDA capsule: device type {tensor.device.device_type}")
+    shape = tuple(tensor.shape[i] for i in range(tensor.ndim))
+    out = np.empty(shape, _DLPACK_DTYPES[(tensor.dtype.code, tensor.dtype.bits)])
+    lib = load()
+    check(lib.cudaSetDevice(tensor.device.device_id))
+    if out.nbytes:
+        check(lib.cudaMemcpy(out.ctypes.data, tensor.data + tensor.byte_offset, out.nbytes, MEMCPY_DEVICE_TO_HOST))
+    return tensor.device.device_id, out
+
+
 def exported_capsules() -> int:
     """How many capsules this module made whose deleter has not run yet."""
     return len(_exported)
@@ -230,12 +252,15 @@ class DeviceArray:
             stream = LEGACY_STREAM
         if stream != -1 and stream != self.stream and {stream, self.stream} != {0, LEGACY_STREAM}:
             lib = load()
+            current = ctypes.c_int(0)  # kept for the caller, as a framework's device guard does
+            check(lib.cudaGetDevice(ctypes.byref(current)))
             check(lib.cudaSetDevice(self.device))
             event = ctypes.c_void_p()
             check(lib.cudaEventCreateWithFlags(ctypes.byref(event), 2))
             check(lib.cudaEventRecord(event, self.stream))
             check(lib.cudaStreamWaitEvent(stream, event, 0))
             check(lib.cudaEventDestroy(event))
+            check(lib.cudaSetDevice(current.value))
         shape = (ctypes.c_int64 * max(len(self.shape), 1))(*self.shape)
         tensor = _DLTensor(self.ptr or None, _DLDevice(KDL_CUDA, self.device), len(self.shape), _dlpack_dtype(self.dtype),
                            shape, None, 0)

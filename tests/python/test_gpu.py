@@ -67,7 +67,7 @@ def test_the_report_is_consistent_and_every_shim_answers_from_it():
         assert GPU["device_error"], "no device, and a reason why"
         assert GPU["unavailable"] == GPU["device_error"] or GPU["unavailable"] == GPU["cuda_error"]
     assert GPU["gpu_transport"] == os.environ.get("RVOD_GPU_TRANSPORT", "auto")
-    assert GPU["gpu_collectives"] is False
+    assert GPU["gpu_collectives"] is (GPU["unavailable"] is None)
     for shim in ("rvod.torch",):
         if importlib.util.find_spec(shim.split(".")[1]) is not None:
             module = importlib.import_module(shim)

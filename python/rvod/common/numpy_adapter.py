@@ -5,6 +5,12 @@ less than a DLPack capsule per array (it matters for a grouped allreduce of a th
 (subclasses, array-likes, non-contiguous or foreign-byte-order arrays, read-only arrays for in-place ops)
 crosses by DLPack, as a private contiguous copy where needed; dtypes the engine cannot reduce, and bfloat16
 (which NumPy cannot export), are refused with a ``TypeError`` naming the dtype before anything is sent.
+
+Objects in GPU memory (``__dlpack_device__`` says CUDA, e.g. a CuPy array) go as they are, where rvod can use
+the GPU: ``__dlpack__(stream=...)`` is given rvod's stream on that device (the DLPack protocol: the producer
+makes its data ready there), in-place ops write into their memory, and a new result is a :class:`DeviceResult`
+(an object with ``__dlpack__``, for the framework's own ``from_dlpack``). The caller's ``synchronize`` waits on
+the host for the results.
 """
 
 import numpy as np
@@ -41,14 +47,48 @@ class _CapsuleHolder:
 
 # DLPack device types whose memory NumPy can read (CPU, CUDA host-pinned); others (CUDA, ROCm) are device memory.
 _HOST_DEVICES = (1, 3)
+_CUDA = 2
+
+
+class DeviceResult:
+    """A result rvod made on a GPU: hand it to the framework's ``from_dlpack`` (once). ``device`` is the
+    CUDA ordinal; ``shape`` and ``dtype`` are read from the capsule by the consumer."""
+
+    __slots__ = ("capsule", "device")
+
+    def __init__(self, capsule, device):
+        self.capsule, self.device = capsule, device
+
+    def __dlpack__(self, stream=None, **kwargs):
+        # The results are complete on the host's view of the device (``synchronize`` waited for them).
+        capsule, self.capsule = self.capsule, None
+        if capsule is None:
+            raise BufferError("this rvod result was already handed to a consumer")
+        return capsule
+
+    def __dlpack_device__(self):
+        return (_CUDA, self.device)
+
+
+def _on_device(tensor):
+    """The CUDA ordinal of an object in GPU memory, else None."""
+    if isinstance(tensor, np.ndarray) or not hasattr(tensor, "__dlpack_device__"):
+        return None
+    device_type, ordinal = tensor.__dlpack_device__()
+    return None if device_type in _HOST_DEVICES else ordinal
 
 
 class NumpyAdapter(TensorAdapter):
     def export(self, tensor):
-        if not isinstance(tensor, np.ndarray) and hasattr(tensor, "__dlpack_device__") and \
-                tensor.__dlpack_device__()[0] not in _HOST_DEVICES:
-            # Device memory (e.g. a CuPy array): the engine reads the device and says whether it can use it here.
-            return tensor.__dlpack__(), tensor
+        ordinal = _on_device(tensor)
+        if ordinal is not None:
+            # Device memory (e.g. a CuPy array): made ready on rvod's stream, where rvod can use the GPU (else
+            # the engine says why it cannot).
+            try:
+                stream = _rvod.device_stream(ordinal)
+            except (TypeError, ValueError):
+                return tensor.__dlpack__(), tensor
+            return tensor.__dlpack__(stream=stream), tensor
         array = tensor if isinstance(tensor, np.ndarray) else np.from_dlpack(tensor) if hasattr(
             tensor, "__dlpack__") else np.asarray(tensor)
         dtype = array.dtype
@@ -74,6 +114,9 @@ class NumpyAdapter(TensorAdapter):
         return array
 
     def from_dlpack(self, capsule):
+        device = _rvod.capsule_device(capsule)
+        if device is not None and device[0] == _CUDA:
+            return DeviceResult(capsule, device[1])
         if _rvod.relabel_bool_as_uint8(capsule):  # NumPy < 1.25 imports no DLPack bool: uint8, viewed as bool
             return np.from_dlpack(_CapsuleHolder(capsule)).view(np.bool_)
         return np.from_dlpack(_CapsuleHolder(capsule))
@@ -84,6 +127,8 @@ class NumpyAdapter(TensorAdapter):
     def export_for_write(self, tensor):
         """Refuse, before anything is sent, an in-place op on something its result cannot be written to.
         (Contiguous ndarrays of native byte order never get here: the engine reads and checks those itself.)"""
+        if _on_device(tensor) is not None:
+            return self.export(tensor)
         if not isinstance(tensor, np.ndarray):
             raise TypeError(f"in-place ops need a NumPy array to write the result into, got {type(tensor).__name__}")
         if not tensor.flags.writeable:

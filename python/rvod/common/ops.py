@@ -82,6 +82,17 @@ class TensorAdapter:
         """What alltoall returns as the received splits, given them as a list of ints."""
         return splits
 
+    def stream_of(self, tensor):
+        """For a tensor on a GPU, the framework's current stream on its device (a ``cudaStream_t`` as an int):
+        the engine records the tensor's ready event there. ``None`` for host tensors, or for objects whose
+        ``__dlpack__(stream=...)`` the adapter called with rvod's stream (``_rvod.device_stream``)."""
+        return None
+
+    def consumer_stream(self):
+        """The stream that uses an op's GPU results next (torch: the current CUDA stream), which the engine
+        makes wait for them without blocking; ``None``: the host waits for them."""
+        return None
+
 
 # Bound once: the one native entry of every op (``_rvod.submit``), and the wait.
 _submit_native = _rvod.submit
@@ -190,6 +201,11 @@ def wait_for(start, *args, **kwargs):
     return synchronize(handle)
 
 
+def _consumer_stream(adapter):
+    """The stream an op's GPU results are used on next (``None``: the host waits; ops without tensors)."""
+    return None if adapter is None else adapter.consumer_stream()
+
+
 def _track(handle, wait, pending):
     """Remember a submitted op until ``synchronize``; under ``wait_for`` (``wait``), wait for it here instead."""
     global _waiter
@@ -198,7 +214,7 @@ def _track(handle, wait, pending):
         return handle
     _waiter = None  # one op per wait_for
     try:
-        outputs, received_splits, last_joined = _rvod.wait(handle)
+        outputs, received_splits, last_joined = _rvod.wait(handle, _consumer_stream(pending[1]))
     except KeyboardInterrupt:
         _pending[handle] = pending  # still running and may write into its tensors: keep them alive
         raise
@@ -220,10 +236,11 @@ class _Op:
         # Every rank belongs to the global set; the engine itself refuses ops before init().
         self.set_id = 0 if process_set is global_process_set else process_set_id_of(process_set)
 
-    def submit(self, names, tensors, wait):
-        """``_rvod.submit`` of lists of ``names`` and ``tensors`` (capsules or arrays)."""
+    def submit(self, names, tensors, wait, stream=None):
+        """``_rvod.submit`` of lists of ``names`` and ``tensors`` (capsules or arrays); ``stream``: the
+        framework's current stream for tensors on a GPU (see ``TensorAdapter.stream_of``)."""
         return _submit_native(self.kind, names, tensors, self.in_place, self.op, self.prescale, self.postscale,
-                              self.root, self.set_id, wait, self.packed, self.splits)
+                              self.root, self.set_id, wait, self.packed, self.splits, stream)
 
     def full_name(self, name):
         return f"{_KIND_NAMES[self.kind]}.{name}"
@@ -271,7 +288,7 @@ def _submit(record, names, adapter, tensors, finish, context, wait=None):
     capsules = adapter.export_unchecked(tensors, record.in_place)
     if capsules is not None:
         try:
-            handle = record.submit(names, capsules, wait)
+            handle = record.submit(names, capsules, wait, adapter.stream_of(tensors[0]) if tensors else None)
         except (TypeError, ValueError):
             pass  # exported again below, tensor by tensor: that path copies what it can and explains the rest
         else:
@@ -294,7 +311,7 @@ def _submit_exported(record, names, adapter, tensors, finish, context, wait):
         holders.append(holder)
     if in_place and any(holder is not original for original, holder in zip(tensors, holders)):
         finish, context = _copied_back, (finish, context, tensors, holders)
-    handle = record.submit(names, capsules, wait)
+    handle = record.submit(names, capsules, wait, adapter.stream_of(tensors[0]) if tensors else None)
     return _track(handle, wait, (finish, adapter, context, tensors, capsules, holders))
 
 
@@ -310,7 +327,8 @@ def _submit_one(kind, name, adapter, tensor, in_place, finish, op=Sum, prescale=
         if exported is not None:
             # Every rank belongs to the global set; the engine itself refuses ops before init().
             set_id = 0 if process_set is global_process_set else process_set_id_of(process_set)
-            handle = _submit_native(kind, name, exported, in_place, op, prescale, postscale, root, set_id)
+            handle = _submit_native(kind, name, exported, in_place, op, prescale, postscale, root, set_id, False,
+                                    False, None, adapter.stream_of(tensor))
             if handle is not NotImplemented:
                 _pending[handle] = (finish, adapter, tensor, exported)
                 return handle
@@ -334,7 +352,7 @@ def synchronize(handle):
     if pending is None:
         return None
     try:
-        outputs, received_splits, last_joined = _wait(handle)
+        outputs, received_splits, last_joined = _wait(handle, _consumer_stream(pending[1]))
     except KeyboardInterrupt:
         # The op is still running and may write into its tensors: keep them alive.
         raise

@@ -61,7 +61,12 @@ def gpu_lines(gpu: dict[str, Any]) -> list[str]:
         driver = f"CUDA {_cuda_version(gpu['cuda_driver_version'])}, {gpu['device_count']} device(s)"
     else:
         driver = gpu["device_error"]
-    collectives = "yes" if gpu["gpu_collectives"] else f"no: {gpu['unavailable']}"
+    if not gpu["gpu_collectives"]:
+        collectives = f"no: {gpu['unavailable']}"
+    elif gpu.get("nccl_collectives"):
+        collectives = "yes (NCCL, or host staging where ranks share a GPU)"
+    else:
+        collectives = "yes (host staging; the NCCL route is not built yet)"
     return [
         f"    NCCL: {nccl}",
         f"    CUDA runtime: {cuda}",
@@ -91,7 +96,7 @@ def build_report() -> str:
             _box("shm" in transports, "shared memory"),
         ]
         gpu, problem = _native_gpu_libraries()
-        lines.append(_box(bool(gpu and gpu["gpu_collectives"]), "NCCL"))
+        lines.append(_box(bool(gpu and gpu["gpu_collectives"] and gpu.get("nccl_collectives")), "NCCL"))
         lines += ["", "GPU libraries (loaded at run time):"]
         lines += gpu_lines(gpu) if gpu is not None else [f"    (not read: {problem})"]
     return "\n".join(lines)

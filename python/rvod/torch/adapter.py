@@ -2,10 +2,12 @@
 
 A contiguous CPU tensor crosses without a copy (the engine reads, and for in-place ops writes, its memory);
 any other CPU tensor (transposed, strided, with the negative bit set) crosses as a private contiguous copy
-whose result is copied back. CUDA tensors cross as DLPack capsules of device memory: the engine reads the
-device and refuses them with the reason it cannot use them here (a ``ValueError`` naming the tensor; see
-``rvod.common.basics.nccl_built``). Tensors on other devices and dtypes the engine cannot exchange are
-refused with a ``ValueError`` before anything is sent.
+whose result is copied back. CUDA tensors cross as DLPack capsules of device memory, with the current stream
+of their device (the engine records the tensor's ready event on it), and results come back on the device,
+the current stream made to wait for them; where rvod cannot use the GPU the engine refuses them with the
+reason (a ``ValueError`` naming the tensor; see ``rvod.common.basics.nccl_built``). Tensors on other devices
+and dtypes the engine cannot exchange are refused with a ``ValueError`` before anything is sent. (Not yet run
+on a GPU: the CUDA path is tested with the GPU stand-in through rvod.numpy only.)
 """
 
 import torch
@@ -90,3 +92,14 @@ class TorchAdapter(TensorAdapter):
 
     def received_splits(self, splits):
         return torch.tensor(list(splits), dtype=torch.int32)
+
+    def stream_of(self, tensor):
+        if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
+            return torch.cuda.current_stream(tensor.device).cuda_stream
+        return None
+
+    def consumer_stream(self):
+        # Results on a GPU are used on the current stream next; without CUDA there are none.
+        if torch.cuda.is_initialized():
+            return torch.cuda.current_stream().cuda_stream
+        return None

@@ -1,0 +1,90 @@
+"""The engine's GPU path against the GPU stand-in (tests/gpu_standin/): every op on stand-in GPU tensors
+(tests/python/workers/gpu_device_ops.py) against the same op on host arrays, with the framework's kernel that
+writes each input delayed on its stream (a missing wait reads the stand-in's 0xff fill), on ranks that share GPU 0
+(host staging) and ranks with a GPU each. Skipped where no C compiler is found. About a minute.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+import gpu_standin
+from jobs import PYTHON, WORKERS
+
+try:
+    LIBRARY = gpu_standin.library_path()
+except gpu_standin.StandinUnavailable as why:
+    pytest.skip(str(why), allow_module_level=True)
+
+HERE = Path(__file__).resolve().parent
+pytestmark = pytest.mark.timeout(300)
+CASE = re.compile(r"^\[(\d+)\]<stdout>:case (\S+) (.*)$", re.MULTILINE)
+DONE = re.compile(r"^\[(\d+)\]<stdout>:cases done (\d+)$", re.MULTILINE)
+
+
+def run_cases(run_rvodrun, job_env, ranks: int, gpu_of_rank: str, **settings):
+    job_env.update(gpu_standin.env(**settings))
+    job_env.update({"STANDIN_DIR": str(HERE), "GPU_OF_RANK": gpu_of_rank, "RVOD_DYNAMIC_PROCESS_SETS": "1"})
+    result = run_rvodrun(["-np", str(ranks), PYTHON, str(WORKERS / "gpu_device_ops.py")], timeout=240)
+    report = f"exit {result.returncode}\nstdout:\n{result.stdout[-6000:]}\nstderr:\n{result.stderr[-6000:]}"
+    wrong = [m.group(0) for m in CASE.finditer(result.stdout) if m.group(3) != "ok"]
+    assert not wrong, "\n".join(wrong) + "\n" + report
+    done = {int(m.group(1)): int(m.group(2)) for m in DONE.finditer(result.stdout)}
+    assert sorted(done) == list(range(ranks)) and min(done.values()) > 80, report
+    assert result.returncode == 0, report
+    return result
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_every_op_on_ranks_sharing_gpu_0_by_host_staging(run_rvodrun, job_env, ranks):
+    run_cases(run_rvodrun, job_env, ranks, "same", devices=1, stream_delay_us=300)
+
+
+def test_every_op_with_a_gpu_per_rank(run_rvodrun, job_env):
+    run_cases(run_rvodrun, job_env, 2, "own", devices=2, stream_delay_us=300)
+
+
+def run_failure(run_rvodrun, job_env, failure: str, **settings):
+    job_env.update(gpu_standin.env(devices=1, **settings))
+    job_env.update({"STANDIN_DIR": str(HERE), "FAILURE": failure, "RVOD_TIMEOUT": "10"})
+    result = run_rvodrun(["-np", "2", PYTHON, str(WORKERS / "gpu_device_failures.py")], timeout=90)
+    lines = {int(m.group(1)): m.group(2) for m in re.finditer(r"^\[(\d+)\]<stdout>:(raised .*|no error)$",
+                                                                result.stdout, re.MULTILINE)}
+    return result, lines
+
+
+def test_a_peer_that_dies_fails_a_staged_op_instead_of_hanging(run_rvodrun, job_env):
+    result, lines = run_failure(run_rvodrun, job_env, "dead")
+    assert "[0]<stdout>:first [2.0, 2.0, 2.0, 2.0]" in result.stdout, result.stdout + result.stderr
+    assert lines[0].startswith("raised RvodInternalError: ") and "rank 1" in lines[0], result.stdout + result.stderr
+
+
+def test_a_failed_cuda_copy_names_rank_gpu_and_call_and_fails_the_peers_too(run_rvodrun, job_env):
+    result, lines = run_failure(run_rvodrun, job_env, "cuda")
+    report = result.stdout + result.stderr
+    assert sorted(lines) == [0, 1], report
+    assert lines[1] == ("raised RvodInternalError: rank 1: cudaMemcpyAsync (device to host) failed on GPU 0: out of "
+                        "memory (cudaErrorMemoryAllocation)"), report
+    assert lines[0].startswith("raised "), report
+
+
+def test_a_result_that_does_not_fit_in_gpu_memory_is_a_clear_error_on_every_rank(run_rvodrun, job_env):
+    result, lines = run_failure(run_rvodrun, job_env, "oom", device_memory="128K")
+    report = result.stdout + result.stderr
+    for rank in (0, 1):
+        assert lines.get(rank) == (f"raised RvodInternalError: rank {rank}: cudaMalloc of 131072 bytes failed on GPU 0: "
+                                   "out of memory (cudaErrorMemoryAllocation)"), report
+
+
+def test_the_info_log_says_which_route_each_process_set_takes(run_rvodrun, job_env):
+    # (rvodrun's --verbose is about rvodrun's own doings; the engine's lines come at --log-level INFO.)
+    job_env.update(gpu_standin.env(devices=1))
+    job_env.update({"STANDIN_DIR": str(HERE), "FAILURE": "none"})
+    result = run_rvodrun(["-np", "2", "--log-level", "INFO", PYTHON, str(WORKERS / "gpu_device_failures.py")], timeout=90)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for rank in (0, 1):
+        assert (f"process set 0: GPU collectives via host staging (rank {rank} on GPU 0; the NCCL route is not "
+                f"built yet)") in result.stderr, result.stderr
