@@ -26,6 +26,12 @@ trap 'rm -rf "$SITE"' EXIT
     echo "gpu-check: pip could not install $WHEEL into $SITE" >&2
     exit 2
 }
+# The GPU machine has pytest but maybe not pytest-timeout (no network there): dist/extra may carry its wheel.
+if ! "$PYTHON" -c "import pytest_timeout" 2>/dev/null; then
+    for extra in dist/extra/pytest_timeout-*.whl; do
+        [ -f "$extra" ] && "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$extra"
+    done
+fi
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 

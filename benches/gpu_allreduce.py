@@ -1,0 +1,130 @@
+"""Allreduce of CUDA tensors: rvod (rvod.torch, host staging) vs torch.distributed gloo on the same CUDA
+tensors, 2 ranks sharing one GPU (issue 30; run by scripts/gpu-check.sh on a lent GPU machine).
+
+    python benches/gpu_allreduce.py [--out gpu-bench.json] [--ranks 2] [--sizes 4096,...] [--iters 20]
+
+Both implementations stage through host memory here (NCCL refuses two ranks on one GPU, and gloo copies CUDA
+tensors to the host), so this compares like with like: the same ranks, tensors, sizes and timing, one job per
+implementation, in turn. Each job times, per size, in-place float32 allreduces of a tensor on
+``cuda:local_rank % device_count`` after warm-ups, with ``torch.cuda.synchronize()`` before the clock stops
+(rank 0's mean per call; RVOD_BENCH_DEVICE=cpu: a dry run on CPU tensors). Reported: microseconds per call, algbw (bytes / time) and rvod's time over gloo's
+(below 1 is faster). Also times 1 rank alone (rvod: a staged copy round trip; no peer). Prints a table and
+writes JSON.
+"""
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+KiB, MiB = 1 << 10, 1 << 20
+DEFAULT_SIZES = [4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB]
+
+
+def worker(impl: str, sizes: list[int], iters: int) -> None:
+    import torch
+
+    if impl == "rvod":
+        import rvod.torch as hvd
+
+        hvd.init()
+        rank, size, local = hvd.rank(), hvd.size(), hvd.local_rank()
+
+        def allreduce(tensor, name):
+            hvd.allreduce_(tensor, op=hvd.Sum, name=name)
+    else:
+        import torch.distributed as dist
+
+        rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local = rank
+        dist.init_process_group("gloo", rank=rank, world_size=size)
+
+        def allreduce(tensor, name):
+            dist.all_reduce(tensor)
+    if os.environ.get("RVOD_BENCH_DEVICE") == "cpu":  # a dry run of this script where there is no GPU
+        device, synchronize = torch.device("cpu"), lambda: None
+    else:
+        device, synchronize = torch.device("cuda", local % torch.cuda.device_count()), torch.cuda.synchronize
+        torch.cuda.set_device(device)
+    results = {}
+    for nbytes in sizes:
+        tensor = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+        for _ in range(3):
+            allreduce(tensor, f"warm.{nbytes}")
+        synchronize()
+        count = iters if nbytes <= 16 * MiB else max(3, iters // 4)
+        started = time.perf_counter()
+        for i in range(count):
+            allreduce(tensor, f"timed.{nbytes}")
+        synchronize()
+        results[nbytes] = (time.perf_counter() - started) / count
+        check = torch.ones(4, device=device)
+        allreduce(check, f"check.{nbytes}")
+        assert torch.all(check == size).item(), f"{impl}: wrong sum {check.tolist()}"
+    if rank == 0:
+        print("RESULT " + json.dumps({str(k): v for k, v in results.items()}), flush=True)
+    if impl != "rvod":
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_job(impl: str, ranks: int, sizes: list[int], iters: int) -> dict[int, float]:
+    args = [__file__, "--worker", impl, "--sizes", ",".join(map(str, sizes)), "--iters", str(iters)]
+    if impl == "rvod":
+        proc = subprocess.run([sys.executable, "-m", "rvod.runner", "-np", str(ranks), sys.executable, *args],
+                              capture_output=True, text=True, timeout=300)
+        outputs = [proc.stdout]
+        failed = proc.returncode != 0 and proc.stderr[-3000:]
+    else:
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(ranks)}
+        procs = [subprocess.Popen([sys.executable, *args], env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for r in range(ranks)]
+        finished = [p.communicate(timeout=300) for p in procs]
+        outputs = [out for out, _ in finished]
+        failed = any(p.returncode for p in procs) and "\n".join(err[-1500:] for _, err in finished)
+    if failed:
+        raise RuntimeError(f"{impl} job of {ranks} ranks failed:\n{failed}")
+    for out in outputs:
+        for line in out.splitlines():
+            if "RESULT " in line:
+                return {int(k): v for k, v in json.loads(line.split("RESULT ", 1)[1]).items()}
+    raise RuntimeError(f"{impl}: no RESULT line in:\n{outputs}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker")
+    parser.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)))
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    if args.worker:
+        worker(args.worker, sizes, args.iters)
+        return
+    report = {"ranks": args.ranks, "sizes": sizes, "rvod": run_job("rvod", args.ranks, sizes, args.iters),
+              "gloo": run_job("gloo", args.ranks, sizes, args.iters),
+              "rvod_1_rank": run_job("rvod", 1, sizes, args.iters)}
+    print(f"CUDA float32 allreduce, {args.ranks} ranks sharing one GPU (rank 0's mean per call)")
+    print(f"{'bytes':>10} {'rvod us':>10} {'gloo us':>10} {'rvod/gloo':>10} {'rvod GB/s':>10} {'1-rank us':>10}")
+    for n in sizes:
+        rv, gl, one = report["rvod"][n], report["gloo"][n], report["rvod_1_rank"][n]
+        print(f"{n:>10} {rv * 1e6:>10.1f} {gl * 1e6:>10.1f} {rv / gl:>10.2f} {n / rv / 1e9:>10.2f} {one * 1e6:>10.1f}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
