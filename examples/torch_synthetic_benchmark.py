@@ -13,7 +13,8 @@ defaults) and so are the calls: plain SGD, batch norm layers that are ``hvd.Sync
 learning-rate scaling. Two differences: the default ``--model`` is ``small_resnet``, a small residual CNN
 defined below, so that neither torchvision nor a GPU is needed (``--model resnet50`` or any other
 torchvision model name works where torchvision is installed), on ``--image-size`` images (32 x 32, Horovod's
-are 224 x 224); and rvod trains on the CPU, so ``--no-cuda`` changes nothing. ``--width`` and
+are 224 x 224). As in Horovod's, the model trains on GPU ``local_rank() % device_count`` where CUDA is
+available, unless ``--no-cuda``; ranks that share a GPU reduce through host memory. ``--width`` and
 ``--threads`` are rvod's.
 
 ``--use-adasum`` combines the parameter updates with Adasum instead of averaging gradients; as in
@@ -42,8 +43,7 @@ def parse_args(argv=None):
     parser.add_argument("--num-warmup-batches", type=int, default=10)
     parser.add_argument("--num-batches-per-iter", type=int, default=10)
     parser.add_argument("--num-iters", type=int, default=10)
-    parser.add_argument("--no-cuda", action="store_true", help="accepted for Horovod's command line; rvod "
-                        "trains on the CPU")
+    parser.add_argument("--no-cuda", action="store_true", help="train on the CPU even where CUDA is available")
     parser.add_argument("--use-adasum", action="store_true", help="combine updates with Adasum")
     parser.add_argument("--image-size", type=int, default=32)
     parser.add_argument("--width", type=int, default=32, help="channels of small_resnet's first stage")
@@ -116,8 +116,12 @@ def main():
     hvd.init()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    cuda = not args.no_cuda and torch.cuda.is_available()
+    device = torch.device("cuda", hvd.local_rank() % torch.cuda.device_count()) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
 
-    model = build_model(args)
+    model = build_model(args).to(device)
     lr_scaler = hvd.size()
     if args.use_adasum:
         # Adasum needs no larger learning rate, but the hierarchical one averages inside each host.
@@ -131,12 +135,15 @@ def main():
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     images, labels = synthetic_batch(args.batch_size, args.image_size, seed=hvd.rank())
+    images, labels = images.to(device), labels.to(device)
 
     def benchmark_step():
         optimizer.zero_grad()
         loss = F.cross_entropy(model(images), labels)
         loss.backward()
         optimizer.step()
+        if cuda:
+            torch.cuda.synchronize(device)  # the step's GPU work is inside the time
 
     def log(text):
         if hvd.rank() == 0:
@@ -145,7 +152,7 @@ def main():
     params = sum(p.numel() for p in model.parameters())
     name = f"small_resnet(width={args.width})" if args.model == "small_resnet" else args.model
     log(f"Model: {name}, {params / 1e6:.2f} M parameters; batch size {args.batch_size}, "
-        f"images {args.image_size}x{args.image_size}; ranks: {hvd.size()}; "
+        f"images {args.image_size}x{args.image_size}; ranks: {hvd.size()} on {device.type}; "
         f"{'Adasum' if args.use_adasum else 'Average'}, lr {0.01 * lr_scaler:g}")
     log("Running warmup...")
     timeit.timeit(benchmark_step, number=args.num_warmup_batches)

@@ -164,7 +164,10 @@ def test_check_build_says_what_was_found():
     if GPU["device_count"] == 0:
         assert section[2] == f"    CUDA driver: {GPU['device_error']}"
     assert section[3] == "    GPU transport (RVOD_GPU_TRANSPORT): auto"
-    assert section[4] == f"    Collectives on GPU tensors: no: {GPU['unavailable']}"
+    if GPU["gpu_collectives"]:
+        assert section[4] == "    Collectives on GPU tensors: yes (host staging; the NCCL route is not built yet)"
+    else:
+        assert section[4] == f"    Collectives on GPU tensors: no: {GPU['unavailable']}"
 
 
 @pytest.mark.skipif(HAS_GPU, reason="checks the refusal where there is no usable GPU")
@@ -175,6 +178,9 @@ def test_no_cuda_driver_is_named_in_the_report():
 
 @pytest.mark.timeout(60)
 def test_an_array_on_a_cuda_device_is_refused_naming_it_and_why():
+    """Where no GPU is usable, the reason is the machine's (no driver, no library); where GPUs are, the array
+    claims one past the last (device_count), and the reason is CUDA's own for that ordinal."""
+    ordinal = max(1, GPU["device_count"]) if GPU["gpu_collectives"] else 1
     code = f"""
 import sys
 sys.path.insert(0, {str(Path(__file__).parent)!r})
@@ -183,8 +189,8 @@ import rvod.numpy as hvd
 from rvod import _rvod
 from cuda_capsule import FakeCudaArray
 hvd.init()
-for call in (lambda: hvd.allreduce(FakeCudaArray(1), name="grads.w"),
-             lambda: hvd.broadcast(FakeCudaArray(1), 0, name="grads.w")):
+for call in (lambda: hvd.allreduce(FakeCudaArray({ordinal}), name="grads.w"),
+             lambda: hvd.broadcast(FakeCudaArray({ordinal}), 0, name="grads.w")):
     try:
         call()
     except RuntimeError as error:  # Horovod's callers catch RuntimeError; rvod's tree says ValueError too
@@ -200,8 +206,10 @@ hvd.shutdown()
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     reason = lines[-1].removeprefix("unavailable: ")
+    if GPU["gpu_collectives"]:
+        reason = f"cudaSetDevice failed on GPU {ordinal}: invalid device ordinal (cudaErrorInvalidDevice)"
     for line, op in zip(lines[:2], ("allreduce", "broadcast")):
-        assert re.match(rf"RvodInvalidArgumentError {op} '[^']*grads\.w': the tensor is on CUDA device 1, and rvod cannot run "
+        assert re.match(rf"RvodInvalidArgumentError {op} '[^']*grads\.w': the tensor is on CUDA device {ordinal}, and rvod cannot run "
                         "collectives on it here: ", line), line
         assert reason in line and line.endswith("Move the tensor to the CPU (e.g. tensor.cpu())."), line
     assert lines[2] == "after: [1.0, 1.0, 1.0]", "the engine keeps working after the refusal"

@@ -50,7 +50,7 @@ def test_synthetic_benchmark_with_adasum(run_rvodrun):
                          timeout=100)
     report = example_report(result)
     assert result.returncode == 0, report
-    assert re.search(r"^\[0\]<stdout>:Model: .*; ranks: 2; Adasum, lr 0\.01$", result.stdout, re.MULTILINE), report
+    assert re.search(r"^\[0\]<stdout>:Model: .*; ranks: 2 on \w+; Adasum, lr 0\.01$", result.stdout, re.MULTILINE), report
     assert len(re.findall(r"^\[0\]<stdout>:Iter #\d: [\d.]+ img/sec per rank$", result.stdout, re.MULTILINE)) == 2
     assert re.search(r"^\[0\]<stdout>:Total img/sec on 2 rank\(s\): [\d.]+ \+-[\d.]+$", result.stdout,
                      re.MULTILINE), report

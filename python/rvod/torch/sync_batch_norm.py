@@ -36,7 +36,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         count = input.numel() // channels if channels else 0
         local_mean = x.mean(dim=reduce_dims) if count else x.new_zeros(channels)
         local_m2 = ((x - _per_channel(local_mean, dims)) ** 2).sum(dim=reduce_dims)
-        row = torch.cat([torch.tensor([float(count)], dtype=torch.float64), local_mean.double(), local_m2.double()])
+        row = torch.cat([torch.tensor([float(count)], dtype=torch.float64, device=x.device), local_mean.double(), local_m2.double()])
         stats = allgather(row.unsqueeze(0), name=f"sync_batch_norm.stats.{channels}", process_set=process_set)
         counts, means, m2s = stats[:, :1], stats[:, 1:1 + channels], stats[:, 1 + channels:]
         total = float(counts.sum())
