@@ -1,6 +1,8 @@
 """Rank script: a GPU op that fails must raise on every rank, never hang. FAILURE says how:
 
-- ``dead``: rank 1 exits after a first device allreduce; the others' next one raises.
+- ``dead``: rank 1's process ends abruptly (no shutdown) after a first device allreduce; the others' next one
+  raises. It exits with status 0, so that rvodrun does not stop the others before they see the loss (a rank
+  that fails makes rvodrun stop the job, which on a fast machine came before rank 0's error).
 - ``cuda``: rank 1's copy of its input to the host fails (an injected ``cudaErrorMemoryAllocation``); rank 1
   raises with the rank, the GPU, the call and CUDA's words, and the others raise too.
 - ``oom``: the second op is an allgather whose result does not fit in the GPU's memory (run with a small
@@ -27,7 +29,7 @@ rank = hvd.rank()
 first = hvd.allreduce(g.DeviceArray(np.ones(4, np.float32)), op=hvd.Sum, name="first")
 print("first", g.read_capsule(first.__dlpack__())[1].tolist(), flush=True)
 if os.environ["FAILURE"] == "dead" and rank == 1:
-    os._exit(3)
+    os._exit(0)
 try:
     if os.environ["FAILURE"] == "oom":
         hvd.allgather(g.DeviceArray(np.ones(12 * 1024, np.float32)), name="second")
