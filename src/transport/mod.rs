@@ -25,6 +25,7 @@ pub mod rendezvous;
 pub mod shm;
 pub mod spin;
 pub mod tcp;
+pub mod ucx;
 pub mod waker;
 
 use std::time::Duration;
