@@ -126,9 +126,8 @@ impl Ucx {
         };
         let mut context: Context = std::ptr::null_mut();
         // SAFETY: valid params and out-pointer; a null config makes UCX read its settings from the environment.
-        let status = unsafe {
-            (self.api.init_version)(MIN_VERSION.0, MIN_VERSION.1, &params, std::ptr::null(), &mut context)
-        };
+        let status =
+            unsafe { (self.api.init_version)(MIN_VERSION.0, MIN_VERSION.1, &params, std::ptr::null(), &mut context) };
         if status != ffi::UCS_OK {
             return Err(format!("ucp_init failed: {}", self.status_text(status)));
         }
@@ -233,6 +232,8 @@ mod tests {
     #[test]
     fn a_setting_that_does_not_load_is_reported() {
         let error = Ucx::open(Path::new("/nonexistent/libucp.so.0"), "from RVOD_UCX_LIBRARY").err().unwrap();
-        assert!(error.starts_with("UCX (libucp) not found; looked for /nonexistent/libucp.so.0 (from RVOD_UCX_LIBRARY): "));
+        assert!(
+            error.starts_with("UCX (libucp) not found; looked for /nonexistent/libucp.so.0 (from RVOD_UCX_LIBRARY): ")
+        );
     }
 }

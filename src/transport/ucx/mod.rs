@@ -186,8 +186,7 @@ impl UcxTransport {
     fn has_message(&self, peer: usize, key: u32) -> bool {
         let mut info = TagRecvInfo::default();
         // SAFETY: live worker, valid out-pointer; remove=0 leaves the message where it is.
-        let message =
-            unsafe { (self.ucx.api.tag_probe_nb)(self.worker, tag(key, peer, DATA), u64::MAX, 0, &mut info) };
+        let message = unsafe { (self.ucx.api.tag_probe_nb)(self.worker, tag(key, peer, DATA), u64::MAX, 0, &mut info) };
         !message.is_null()
     }
 
@@ -431,12 +430,18 @@ impl UcxTransport {
         }
     }
 
-    /// Closes `peer`'s endpoint: flushing what it holds, or at once (`force`). Waits up to [`CLOSE_LIMIT`].
+    /// Closes `peer`'s endpoint at once (UCX ends its requests); waits up to [`CLOSE_LIMIT`].
     fn close_endpoint(&mut self, peer: usize, force: bool) {
-        let Some(p) = self.peers.get_mut(peer).and_then(Option::as_mut) else { return };
+        let closing: Vec<*mut c_void> = self.start_closing(peer, force).into_iter().collect();
+        self.wait_closed(closing);
+    }
+
+    /// Starts closing `peer`'s endpoint: flushing what it holds, or at once (`force`); the request to wait for.
+    fn start_closing(&mut self, peer: usize, force: bool) -> Option<*mut c_void> {
+        let p = self.peers.get_mut(peer).and_then(Option::as_mut)?;
         let ep = std::mem::replace(&mut p.ep, std::ptr::null_mut());
         if ep.is_null() {
-            return;
+            return None;
         }
         let param = if force {
             RequestParam::with_flags(ffi::UCP_OP_ATTR_FIELD_FLAGS, ffi::UCP_EP_CLOSE_FLAG_FORCE)
@@ -444,21 +449,23 @@ impl UcxTransport {
             RequestParam::plain()
         };
         // SAFETY: a live endpoint of this worker, closed once (its slot is now null).
-        if let Posted::Pending(request) = posted(unsafe { (self.ucx.api.ep_close_nbx)(ep, &param) }) {
-            self.wait_closed(request);
+        match posted(unsafe { (self.ucx.api.ep_close_nbx)(ep, &param) }) {
+            Posted::Pending(request) => Some(request),
+            Posted::Done | Posted::Failed(_) => None,
         }
     }
 
-    fn wait_closed(&mut self, request: *mut c_void) {
+    /// Drives UCX until the endpoint closes in `requests` are done, for up to [`CLOSE_LIMIT`].
+    fn wait_closed(&mut self, mut requests: Vec<*mut c_void>) {
         let deadline = Instant::now() + CLOSE_LIMIT;
-        while Instant::now() < deadline {
+        while !requests.is_empty() && Instant::now() < deadline {
             self.progress();
-            if self.finished(request).is_some() {
-                return;
-            }
+            requests.retain(|&request| self.finished(request).is_none());
         }
-        // Left to the worker's destruction.
-        tracing::debug!(rank = self.rank, "UCX: an endpoint did not close in time");
+        if !requests.is_empty() {
+            // Left to the worker's destruction.
+            tracing::debug!(rank = self.rank, "UCX: {} endpoints did not close in time", requests.len());
+        }
     }
 
     /// Posts `data` to `peer` as tagged messages of at most [`CHUNK`] bytes; the requests still running.
@@ -719,8 +726,10 @@ impl Transport for UcxTransport {
             }
             let (api, worker) = (&self.ucx.api, self.worker);
             // SAFETY: live worker, serialized access.
-            if spin::spin_until(SPIN.min(left), || unsafe { (api.worker_progress)(worker) } != 0 || waker.is_signalled())
-            {
+            if spin::spin_until(
+                SPIN.min(left),
+                || unsafe { (api.worker_progress)(worker) } != 0 || waker.is_signalled(),
+            ) {
                 continue;
             }
             if self.sleep(Some(waker), left)? {
@@ -740,10 +749,12 @@ impl Transport for UcxTransport {
             return;
         }
         self.closed = true;
+        let mut closing = Vec::new();
         for peer in 0..self.peers.len() {
             let failed = self.peers[peer].as_ref().is_some_and(|p| p.ended_at.is_some());
-            self.close_endpoint(peer, failed);
+            closing.extend(self.start_closing(peer, failed));
         }
+        self.wait_closed(closing);
         self.control.close();
     }
 }

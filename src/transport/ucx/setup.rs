@@ -108,7 +108,8 @@ impl UcxTransport {
         let mut keys = vec![0u32; self.size];
         for &peer in linked.iter().filter(|&&peer| peer > self.rank) {
             let mut key = [0u8; 4];
-            getrandom::getrandom(&mut key).map_err(|e| TransportError::Setup(format!("no randomness for a key: {e}")))?;
+            getrandom::getrandom(&mut key)
+                .map_err(|e| TransportError::Setup(format!("no randomness for a key: {e}")))?;
             keys[peer] = u32::from_be_bytes(key);
         }
         for &peer in linked {

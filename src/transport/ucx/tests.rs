@@ -195,5 +195,8 @@ fn a_peer_that_closes_is_named_and_a_silent_one_times_out() {
     }) else {
         return;
     };
-    assert_eq!(results[1], "no progress from rank 0 for 2.0 s after 2s; rank 0 exited or closed its connection within 2 s: true");
+    assert_eq!(
+        results[1],
+        "no progress from rank 0 for 2.0 s after 2s; rank 0 exited or closed its connection within 2 s: true"
+    );
 }
