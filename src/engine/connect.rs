@@ -163,9 +163,9 @@ fn hosts_transport(
             let fail = |e: TransportError| EngineError::transport("exchanging RDMA support", &e.renumbered(members));
             store.set(&format!("{scope}/rdma/{local_rank}"), if ucx.is_some() { b"1" } else { b"0" }).map_err(fail)?;
             let mut without = None;
-            for rank in 0..members.len() {
+            for (rank, &global) in members.iter().enumerate() {
                 if store.get_from(rank, &format!("{scope}/rdma/{rank}"), config.timeout).map_err(fail)? != b"1" {
-                    without = without.or(Some(members[rank]));
+                    without = without.or(Some(global));
                 }
             }
             match (ucx, without) {

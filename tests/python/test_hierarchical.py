@@ -33,7 +33,8 @@ LAYOUTS = {
 def test_every_collective_across_fake_hosts_hierarchical_on_off_and_auto(job_env, tmp_path, hosts, transport):
     """Between the hosts over rvod's TCP, and over UCX (its TCP transport, see ucx_env)."""
     topology = LAYOUTS[hosts]
-    between = ucx_env.SETTINGS if transport == "ucx" else {"RVOD_TRANSPORT": "tcp"}
+    between = {**ucx_env.SETTINGS, "RVOD_TEST_TRANSPORT_KIND": "shm+ucx"} if transport == "ucx" else {
+        "RVOD_TRANSPORT": "tcp"}
     job = FakeHostsJob(hosts, job_env, 4, [sys.executable, str(WORKERS / "hierarchical.py")], tmp_path,
                        settings={"RVOD_LOG_LEVEL": "debug", "RVOD_TEST_TOPOLOGY": ";".join(topology), **between})
     with job:

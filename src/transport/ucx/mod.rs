@@ -59,8 +59,8 @@ pub const AHEAD: usize = 4;
 pub const END_GRACE: Duration = Duration::from_millis(200);
 /// How long a wait checks for progress without sleeping before it arms the worker and blocks.
 const SPIN: Duration = Duration::from_micros(50);
-/// How long `close` lets endpoints flush before closing them by force.
-const CLOSE_LIMIT: Duration = Duration::from_millis(200);
+/// How long `close` lets endpoints flush (the peers take the last messages) before leaving them to UCX.
+const CLOSE_LIMIT: Duration = Duration::from_millis(500);
 
 /// Channels: data, and the message each pair exchanges once to prove its endpoints at set-up.
 const DATA: u8 = 0;
@@ -203,17 +203,7 @@ impl UcxTransport {
         let key = self.peer(peer)?.key;
         while self.peer(peer)?.incoming.len() < limit {
             let Some((message, len)) = self.probe(peer, key, DATA) else { break };
-            let mut data = self.spare.pop().unwrap_or_default();
-            if data.len() < len {
-                data.resize(len, 0);
-            }
-            data.truncate(len);
-            let request = match self.receive_into(message, data.as_mut_ptr(), len) {
-                Posted::Done => None,
-                Posted::Pending(request) => Some(request),
-                Posted::Failed(status) => return Err(self.failure(peer, status, "receive")),
-            };
-            self.peer(peer)?.incoming.push_back(Incoming { data, request, taken: 0 });
+            self.receive_queued(peer, message, len)?;
         }
         Ok(())
     }
@@ -427,6 +417,7 @@ impl UcxTransport {
         }
         if !left.is_empty() {
             tracing::warn!(rank = self.rank, peer, "UCX: {} requests did not end after a failure", left.len());
+            self.release(&left);
         }
     }
 
@@ -463,8 +454,17 @@ impl UcxTransport {
             requests.retain(|&request| self.finished(request).is_none());
         }
         if !requests.is_empty() {
-            // Left to the worker's destruction.
             tracing::debug!(rank = self.rank, "UCX: {} endpoints did not close in time", requests.len());
+            self.release(&requests);
+        }
+    }
+
+    /// Hands running requests back to UCX, which frees them when they end (the worker's destruction
+    /// requires every request to be released).
+    fn release(&self, requests: &[*mut c_void]) {
+        for &request in requests {
+            // SAFETY: a live request of this worker, not used again.
+            unsafe { (self.ucx.api.request_free)(request) };
         }
     }
 
@@ -575,11 +575,14 @@ impl UcxTransport {
         Ok(())
     }
 
-    /// Receives a probed message that is longer than the receive waiting for it into a buffer of the
-    /// transport's own, queued first for `peer`.
+    /// Receives a probed message of `peer` into a buffer of the transport's own (a reused one: only its
+    /// growth is zeroed), queued after the ones before it.
     fn receive_queued(&mut self, peer: usize, message: Message, len: usize) -> Result<(), TransportError> {
         let mut data = self.spare.pop().unwrap_or_default();
-        data.resize(len, 0);
+        if data.len() < len {
+            data.resize(len, 0);
+        }
+        data.truncate(len);
         let request = match self.receive_into(message, data.as_mut_ptr(), len) {
             Posted::Done => None,
             Posted::Pending(request) => Some(request),
