@@ -52,7 +52,7 @@ pub use library::{rdma_transports, ucx, Ucx};
 
 /// Largest message a send is cut into: big enough for UCX's zero-copy protocols, small enough that a
 /// receiver's sink works on one while the next arrives.
-pub const CHUNK: usize = 1 << 20;
+pub const CHUNK: usize = 4 << 20;
 /// Messages per peer received ahead of the receive that will take them.
 pub const AHEAD: usize = 4;
 /// How long a peer whose connection ended may still deliver messages it sent before.
