@@ -33,6 +33,8 @@ WORKER = HERE / "hosts_allreduce_worker.py"
 ADDRS = ["198.51.100.1", "198.51.100.2"]
 N, PER_HOST = 4, 2
 IMPLS = ["rvod-hier", "rvod-flat", "gloo"]
+# The settings of each rvod implementation (benches/hosts_ucx.py adds its own).
+RVOD_SETTINGS = {"rvod-hier": {"RVOD_HIERARCHICAL_ALLREDUCE": "1"}, "rvod-flat": {"RVOD_HIERARCHICAL_ALLREDUCE": "0"}}
 KiB, MiB = 1 << 10, 1 << 20
 
 
@@ -87,9 +89,8 @@ def rank_envs(impl, store_port, secret, hosts):
             env = dict(base, RANK=str(slot.rank), WORLD_SIZE=str(N), LOCAL_RANK=str(slot.local_rank),
                        MASTER_ADDR=ADDRS[0], MASTER_PORT=str(store_port), GLOO_SOCKET_IFNAME=hosts.veth[host])
         else:
-            settings = {"RVOD_HIERARCHICAL_ALLREDUCE": "1" if impl == "rvod-hier" else "0"}
             env = worker_env(base, slot, rendezvous_addr=ADDRS[0], rendezvous_port=store_port, secret=secret,
-                             settings=settings)
+                             settings=RVOD_SETTINGS[impl])
         env["OMP_NUM_THREADS"] = "1"
         envs.append((host, env))
     return envs

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Debian packages the multi-host tests need: an sshd to run inside the test's network namespaces
-# (openssh-server) and Open MPI's launcher (openmpi-bin, with its headers for mpi4py); and the Java that
-# Spark 4 runs on (Java 17) for the rvod.spark tests; iproute2 (`ip`, `tc`) for the namespace hosts. Installed only when
+# (openssh-server), Open MPI's launcher (openmpi-bin, with its headers for mpi4py) and UCX (libucx0, which
+# rvod loads at run time for RVOD_TRANSPORT=ucx, and ucx-utils' ucx_info); the Java that Spark 4 runs on
+# (Java 17) for the rvod.spark tests; iproute2 (`ip`, `tc`) for the namespace hosts. Installed only when
 # missing, and only where we are root with apt-get; elsewhere the tests that need them skip and say why.
 set -euo pipefail
-PACKAGES=(openssh-server openssh-client openmpi-bin libopenmpi-dev openjdk-17-jre-headless iproute2)
+PACKAGES=(openssh-server openssh-client openmpi-bin libopenmpi-dev libucx0 ucx-utils openjdk-17-jre-headless iproute2)
 missing=()
 for package in "${PACKAGES[@]}"; do
     dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed" || missing+=("$package")

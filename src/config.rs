@@ -82,6 +82,48 @@ pub struct Config {
     pub autotune: Option<AutotuneConfig>,
     /// Where the CUDA runtime and NCCL come from and how GPU tensors travel (see [`crate::gpu`]).
     pub gpu: GpuConfig,
+    /// What carries bytes between hosts (`RVOD_TRANSPORT`) and where libucp comes from.
+    pub hosts: HostsConfig,
+}
+
+/// `RVOD_TRANSPORT`: what carries bytes between hosts (inside a host, shared memory stays rvod's own).
+/// Horovod has no such setting.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum HostsTransport {
+    /// UCX where every member's UCX reports an RDMA-capable transport (InfiniBand, RoCE), TCP otherwise.
+    #[default]
+    Auto,
+    /// rvod's own TCP.
+    Tcp,
+    /// UCX, with whatever transports it has (also TCP and shared memory); an error where it cannot be loaded.
+    Ucx,
+}
+
+impl HostsTransport {
+    pub fn name(self) -> &'static str {
+        match self {
+            HostsTransport::Auto => "auto",
+            HostsTransport::Tcp => "tcp",
+            HostsTransport::Ucx => "ucx",
+        }
+    }
+}
+
+/// The knobs of the links between hosts, read by `init()` with the rest and on their own
+/// ([`HostsConfig::from_env`]) for `rvodrun --check-build`.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct HostsConfig {
+    /// `RVOD_TRANSPORT`: `auto` (default), `tcp` or `ucx`.
+    pub transport: HostsTransport,
+    /// `RVOD_UCX_LIBRARY`: the libucp to load (a path); when set, nothing else is tried.
+    pub ucx_library: Option<std::path::PathBuf>,
+}
+
+impl HostsConfig {
+    /// These knobs alone, from the process environment.
+    pub fn from_env() -> Result<HostsConfig, ConfigError> {
+        hosts_config(&EnvReader { lookup: |name: &str| std::env::var(name).ok() })
+    }
 }
 
 /// `RVOD_GPU_TRANSPORT`: how collectives on GPU tensors travel.
@@ -381,8 +423,23 @@ impl Config {
             },
             autotune: autotune(&env)?,
             gpu: gpu_config(&env)?,
+            hosts: hosts_config(&env)?,
         })
     }
+}
+
+/// `TRANSPORT`, `UCX_LIBRARY`.
+fn hosts_config<F: Fn(&str) -> Option<String>>(env: &EnvReader<F>) -> Result<HostsConfig, ConfigError> {
+    let transport = match env.raw("TRANSPORT") {
+        None => HostsTransport::Auto,
+        Some((name, value)) => match value.to_ascii_lowercase().as_str() {
+            "auto" => HostsTransport::Auto,
+            "tcp" => HostsTransport::Tcp,
+            "ucx" => HostsTransport::Ucx,
+            _ => return Err(EnvReader::<F>::error(name, value, "expected auto, tcp or ucx")),
+        },
+    };
+    Ok(HostsConfig { transport, ucx_library: env.string("UCX_LIBRARY").map(Into::into) })
 }
 
 /// `GPU_TRANSPORT`, `NCCL_LIBRARY`, `CUDA_LIBRARY`.
@@ -789,6 +846,12 @@ mod tests {
     #[test]
     fn gpu_settings() {
         assert_eq!(config(&[]).unwrap().gpu, GpuConfig::default());
+        assert_eq!(config(&[]).unwrap().hosts, HostsConfig::default());
+        let ucx = config(&[("RVOD_TRANSPORT", "UCX"), ("RVOD_UCX_LIBRARY", "/opt/ucx/libucp.so.0")]).unwrap().hosts;
+        assert_eq!((ucx.transport, ucx.ucx_library), (HostsTransport::Ucx, Some("/opt/ucx/libucp.so.0".into())));
+        assert_eq!(config(&[("RVOD_TRANSPORT", "tcp")]).unwrap().hosts.transport, HostsTransport::Tcp);
+        let bad = config(&[("RVOD_TRANSPORT", "rdma")]).unwrap_err().to_string();
+        assert_eq!(bad, "invalid environment variable RVOD_TRANSPORT=\"rdma\": expected auto, tcp or ucx");
         assert_eq!(GpuConfig::default().transport, GpuTransport::Auto);
         let c = config(&[
             ("RVOD_GPU_TRANSPORT", "Host"),

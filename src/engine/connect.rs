@@ -1,18 +1,20 @@
 //! Connecting communicators: the rendezvous store, the address data connections listen on, and a transport
 //! among the members of a process set: shared memory when every member runs on this host (and `RVOD_SHM`
-//! is not 0); across hosts a [`CompositeTransport`] (shared memory among this host's members, TCP to the
-//! others); TCP for everyone where shared memory is off, cannot be set up, or no host has two members.
+//! is not 0); across hosts a [`CompositeTransport`] (shared memory among this host's members, TCP or UCX to
+//! the others, see [`hosts_transport`]); TCP for everyone where shared memory is off or cannot be set up,
+//! and TCP or UCX for everyone where no host has two members.
 
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 use std::time::Duration;
 
-use crate::config::{Config, Rendezvous, Topology};
+use crate::config::{Config, HostsConfig, HostsTransport, Rendezvous, Topology};
 use crate::error::EngineError;
 use crate::transport::composite::{CompositeTransport, HostLayout};
 use crate::transport::memory::MemoryTransport;
 use crate::transport::rendezvous::StoreClient;
 use crate::transport::shm::ShmTransport;
 use crate::transport::tcp::TcpTransport;
+use crate::transport::ucx::{self, Ucx, UcxTransport};
 use crate::transport::{Transport, TransportError};
 
 fn resolve(host: &str, port: u16) -> Result<SocketAddr, EngineError> {
@@ -89,8 +91,17 @@ pub fn connect_members(
     }
     let host = layout.host_of(local_rank);
     let host_members = layout.members(host).len();
+    let over_ucx = hosts_transport(config, store, scope, local_rank, members)?;
+    // Between hosts: rvod's TCP mesh, or UCX over an authenticated TCP mesh kept as its control channel.
+    let cross = |store: &mut StoreClient, scope: &str, linked: &[bool]| -> Result<Box<dyn Transport>, EngineError> {
+        let Some(ucx) = over_ucx else { return Ok(Box::new(tcp_mesh(store, scope, members, local_rank, linked)?)) };
+        let control = tcp_mesh(store, &format!("{scope}-ucx"), members, local_rank, linked)?;
+        let transport = UcxTransport::over(control, ucx, config.timeout)
+            .map_err(|e| failed("connecting to the other ranks over UCX", members, e))?;
+        Ok(Box::new(transport))
+    };
     if (0..layout.hosts()).all(|h| layout.members(h).len() == 1) {
-        return Ok(Box::new(tcp_mesh(store, scope, members, local_rank, &everyone)?));
+        return cross(store, scope, &everyone);
     }
     // Spanning hosts: shared memory among this host's members, TCP to the members on other hosts.
     let local_scope = format!("{scope}/host{host}");
@@ -105,17 +116,99 @@ pub fn connect_members(
         }
     };
     let linked: Vec<bool> = (0..members.len()).map(|r| layout.host_of(r) != host).collect();
-    let remote = tcp_mesh(store, &format!("{scope}/cross"), members, local_rank, &linked)?;
+    let remote = cross(store, &format!("{scope}/cross"), &linked)?;
     tracing::info!(
-        "rank {me}: a communicator of {} ranks on {} hosts: {} here through {}, the others through TCP",
+        "rank {me}: a communicator of {} ranks on {} hosts: {} here through {}, the others through {}",
         members.len(),
         layout.hosts(),
         host_members,
-        local.label()
+        local.label(),
+        remote.label()
     );
-    let composite = CompositeTransport::new(local_rank, layout, local, Box::new(remote))
+    let composite = CompositeTransport::new(local_rank, layout, local, remote)
         .map_err(|e| failed("connecting to the other ranks", members, e))?;
     Ok(Box::new(composite))
+}
+
+/// Whether the links between hosts of the communicator in `scope` go over UCX (the library) or TCP (`None`),
+/// as `RVOD_TRANSPORT` says: `ucx` forces UCX (an error where libucp cannot be loaded or is too old); `auto`
+/// picks it when every member's UCX reports an RDMA-capable transport (every member learns the same through
+/// the store), TCP otherwise, silently but for the log line saying why.
+fn hosts_transport(
+    config: &Config,
+    store: &mut StoreClient,
+    scope: &str,
+    local_rank: usize,
+    members: &[usize],
+) -> Result<Option<&'static Ucx>, EngineError> {
+    let me = config.topology.rank;
+    let hosts = &config.hosts;
+    match hosts.transport {
+        HostsTransport::Tcp => {
+            tracing::info!("rank {me}: between hosts through TCP (RVOD_TRANSPORT=tcp)");
+            Ok(None)
+        }
+        HostsTransport::Ucx => {
+            let ucx = ucx::ucx(hosts.ucx_library.as_deref())
+                .map_err(|why| EngineError::Init(format!("rank {me}: RVOD_TRANSPORT=ucx, but {why}")))?;
+            tracing::info!(
+                "rank {me}: between hosts through UCX {} from {} (RVOD_TRANSPORT=ucx)",
+                ucx.version,
+                ucx.path.display()
+            );
+            Ok(Some(ucx))
+        }
+        HostsTransport::Auto => {
+            let (ucx, why) = rdma_here(hosts);
+            let fail = |e: TransportError| EngineError::transport("exchanging RDMA support", &e.renumbered(members));
+            store.set(&format!("{scope}/rdma/{local_rank}"), if ucx.is_some() { b"1" } else { b"0" }).map_err(fail)?;
+            let mut without = None;
+            for (rank, &global) in members.iter().enumerate() {
+                if store.get_from(rank, &format!("{scope}/rdma/{rank}"), config.timeout).map_err(fail)? != b"1" {
+                    without = without.or(Some(global));
+                }
+            }
+            match (ucx, without) {
+                (Some(ucx), None) => {
+                    tracing::info!("rank {me}: between hosts through UCX (RVOD_TRANSPORT=auto): {why}");
+                    Ok(Some(ucx))
+                }
+                (_, Some(rank)) if rank != me => {
+                    tracing::info!(
+                        "rank {me}: between hosts through TCP (RVOD_TRANSPORT=auto): rank {rank} has no RDMA"
+                    );
+                    Ok(None)
+                }
+                _ => {
+                    tracing::info!("rank {me}: between hosts through TCP (RVOD_TRANSPORT=auto): {why}");
+                    Ok(None)
+                }
+            }
+        }
+    }
+}
+
+/// This rank's UCX where it reports an RDMA-capable transport, and what was found (or why not).
+fn rdma_here(hosts: &HostsConfig) -> (Option<&'static Ucx>, String) {
+    let devices = std::fs::read_dir("/sys/class/infiniband").map(|dir| dir.count()).unwrap_or(0);
+    if devices == 0 {
+        return (None, "no RDMA device here (/sys/class/infiniband is empty or absent)".into());
+    }
+    let ucx = match ucx::ucx(hosts.ucx_library.as_deref()) {
+        Ok(ucx) => ucx,
+        Err(why) => return (None, why),
+    };
+    match ucx.resources() {
+        Err(why) => (None, format!("UCX {}: {why}", ucx.version)),
+        Ok(resources) => {
+            let rdma = ucx::rdma_transports(resources);
+            if rdma.is_empty() {
+                (None, format!("UCX {} reports no RDMA transport (only {})", ucx.version, resources.join(", ")))
+            } else {
+                (Some(ucx), format!("UCX {} reports {}", ucx.version, rdma.join(", ")))
+            }
+        }
+    }
 }
 
 /// The shared-memory mesh on this host of the ranks `numbers` (global ranks; this rank is at position `rank`)

@@ -593,7 +593,7 @@ fn wait_result(
 pub fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let info = PyDict::new(py);
     info.set_item("version", env!("CARGO_PKG_VERSION"))?;
-    info.set_item("transports", vec!["tcp", "shm"])?;
+    info.set_item("transports", vec!["tcp", "shm", "ucx"])?;
     // What Horovod's `*_built()` functions report: this build links none of these libraries. CUDA and NCCL
     // are loaded at run time instead: `gpu_libraries()` says what was found.
     for library in ["mpi", "gloo", "rocm", "ddl", "ccl"] {

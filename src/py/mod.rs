@@ -9,6 +9,7 @@
 //! - [`error`]: engine errors as Python exceptions.
 //! - [`gpu`]: the GPU libraries found (`nccl_built()`, `--check-build`) and the refusal of GPU tensors.
 //! - [`rendezvous`]: the rendezvous server class used by `rvodrun`, and a client of it for `rvod.run`.
+//! - [`ucx`]: the UCX library found (`--check-build`).
 
 pub mod api;
 pub mod boundary;
@@ -19,6 +20,7 @@ pub mod error;
 pub mod gpu;
 pub mod ndarray;
 pub mod rendezvous;
+pub mod ucx;
 
 use pyo3::prelude::*;
 
@@ -42,6 +44,7 @@ fn _rvod(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(api::build_info, m)?)?;
     m.add_function(wrap_pyfunction!(gpu::gpu_libraries, m)?)?;
     m.add_function(wrap_pyfunction!(gpu::device_stream, m)?)?;
+    m.add_function(wrap_pyfunction!(ucx::ucx_library, m)?)?;
     m.add_function(wrap_pyfunction!(api::start_timeline, m)?)?;
     m.add_function(wrap_pyfunction!(api::stop_timeline, m)?)?;
     m.add_function(wrap_pyfunction!(api::autotune_applied, m)?)?;

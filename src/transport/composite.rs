@@ -1,6 +1,6 @@
 //! [`CompositeTransport`]: a communicator whose members span hosts, as a composition of two transports: a
 //! local part among the members on this host (shared memory) and a remote part to the members on other
-//! hosts (TCP). Flat algorithms see one transport and each message takes the path to its peer; the
+//! hosts (TCP or UCX). Flat algorithms see one transport and each message takes the path to its peer; the
 //! hierarchical algorithms (`ring::hierarchical`) ask for the parts ([`Transport::hosts`]) and run flat
 //! algorithms over them: the local part, and the cross part (the members with this rank's local index,
 //! one per host; see [`HostLayout`]).
@@ -266,8 +266,10 @@ impl Transport for CompositeTransport {
     fn label(&self) -> &'static str {
         match (self.local.label(), self.remote.label()) {
             ("shm", "tcp") => "shm+tcp",
+            ("shm", "ucx") => "shm+ucx",
             // Alone on this host: every peer is reached through the remote part.
             (_, "tcp") if self.local.size() == 1 => "shm+tcp",
+            (_, "ucx") if self.local.size() == 1 => "shm+ucx",
             _ => "composite",
         }
     }

@@ -9,8 +9,9 @@
 //! [`TransportError::PeerClosed`] when a peer's connection ends.
 //!
 //! - [`tcp`]: sockets between processes, on poll; [`shm`]: ranks of one host through a shared-memory segment;
-//!   [`composite`]: a communicator spanning hosts (shared memory inside a host, TCP across); [`memory`]: ranks
-//!   as threads of one process, for tests.
+//!   [`ucx`]: ranks on other hosts through UCX (RDMA where the fabric has it; libucp loaded at run time);
+//!   [`composite`]: a communicator spanning hosts (shared memory inside a host, TCP or UCX across); [`memory`]:
+//!   ranks as threads of one process, for tests.
 //! - [`handshake`]: authenticating a fresh connection with the job's secret; [`dropped_connections`]:
 //!   rate-limited warnings about connections a listener drops; [`net`]: which address listeners bind to.
 //! - [`rendezvous`]: the key-value store ranks find each other through.
@@ -25,6 +26,7 @@ pub mod rendezvous;
 pub mod shm;
 pub mod spin;
 pub mod tcp;
+pub mod ucx;
 pub mod waker;
 
 use std::time::Duration;
@@ -149,7 +151,7 @@ pub trait Transport: Send {
     fn rank(&self) -> usize;
     /// Number of ranks in the communicator.
     fn size(&self) -> usize;
-    /// What carries the bytes ("tcp", "shm", "shm+tcp", "memory"), for logs, the timeline and Python's
+    /// What carries the bytes ("tcp", "shm", "ucx", "shm+tcp", "shm+ucx", "memory"), for logs, the timeline and Python's
     /// introspection only: what the transport can do is [`Transport::capabilities`], never this label.
     fn label(&self) -> &'static str;
 

@@ -1,7 +1,8 @@
 """Jobs whose ranks span hosts, simulated on this machine: 4 ranks whose RVOD_HOSTNAME names two hosts, each
 rank started with the environment rvodrun gives it for `-H hosta:2,hostb:2` or `-H hosta:1,hostb:3` (its
 slot from rvod.runner.hosts, its variables from rvod.runner.worker_env). The engine tells hosts apart by
-that name, so each "host"'s ranks share memory and the hosts talk TCP over loopback, as across machines.
+that name, so each "host"'s ranks share memory and the hosts talk TCP over loopback, as across machines
+(and again over UCX, RVOD_TRANSPORT=ucx, where libucp can be loaded).
 
 workers/hierarchical.py runs every rvod.numpy op x dtype on the global set and on sets spanning the hosts,
 with the hierarchical algorithms forced on, forced off and left to the engine, and checks exact values,
@@ -15,6 +16,8 @@ import sys
 import pytest
 from jobs import WORKERS, FakeHostsJob, hierarchical_runs_by_phase, verdicts
 
+import ucx_env
+
 
 # Horovod's topology for each layout, by rank: local_rank, local_size, cross_rank, cross_size, is_homogeneous.
 LAYOUTS = {
@@ -24,11 +27,16 @@ LAYOUTS = {
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("transport", ["tcp", pytest.param("ucx", marks=pytest.mark.skipif(
+    ucx_env.skip_reason() is not None, reason=ucx_env.skip_reason() or ""))])
 @pytest.mark.parametrize("hosts", list(LAYOUTS))
-def test_every_collective_across_fake_hosts_hierarchical_on_off_and_auto(job_env, tmp_path, hosts):
+def test_every_collective_across_fake_hosts_hierarchical_on_off_and_auto(job_env, tmp_path, hosts, transport):
+    """Between the hosts over rvod's TCP, and over UCX (its TCP transport, see ucx_env)."""
     topology = LAYOUTS[hosts]
+    between = {**ucx_env.SETTINGS, "RVOD_TEST_TRANSPORT_KIND": "shm+ucx"} if transport == "ucx" else {
+        "RVOD_TRANSPORT": "tcp"}
     job = FakeHostsJob(hosts, job_env, 4, [sys.executable, str(WORKERS / "hierarchical.py")], tmp_path,
-                       settings={"RVOD_LOG_LEVEL": "debug", "RVOD_TEST_TOPOLOGY": ";".join(topology)})
+                       settings={"RVOD_LOG_LEVEL": "debug", "RVOD_TEST_TOPOLOGY": ";".join(topology), **between})
     with job:
         job.start()
         results = job.wait(timeout=150)

@@ -4,7 +4,8 @@ in for the host's own namespace, which may hold no documentation-range address; 
 
 Hosts a and b run jobs; host c plays a stranger and listens for ssh on port 2222, and host d is set up
 without rvod (its sshd's sessions see an empty directory where rvod is installed). Checks every op with
-every dtype and process sets spanning hosts on 2x2 and uneven 1+3 layouts, the topology each rank sees,
+every dtype and process sets spanning hosts on 2x2 and uneven 1+3 layouts (between the hosts over rvod's
+TCP, and over UCX where libucp can be loaded, as for a killed remote rank and the stranger), the topology each rank sees,
 hierarchical allreduce and allgather on and off giving the same bytes, a hostfile, --network-interface,
 --output-filename, -p/-i, --mpi and rvod.run(use_mpi=True), this machine mixed with remote hosts, a remote
 rank that is killed, Ctrl-C and a killed rvodrun (nothing left in any namespace, the secret on no command
@@ -32,9 +33,11 @@ from jobs import WORKERS, assert_worker_job, failures, hierarchical_runs_by_phas
 from test_hierarchical import LAYOUTS as HIERARCHICAL_TOPOLOGIES
 
 import netns
+import ucx_env
 
 PYTHON = sys.executable
 _REASON = netns.skip_reason()
+_UCX_REASON = ucx_env.skip_reason()
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
 
 
@@ -87,13 +90,28 @@ def expected_checks(layout: list[int]) -> dict[int, int]:
 
 # --- collectives across hosts ------------------------------------------------------------------------
 
+def between_hosts(transport: str, env: dict[str, str]) -> list[str]:
+    """rvodrun's arguments (and `env`'s settings) for the links between hosts: rvod's TCP, or UCX restricted
+    to its TCP, loopback and shared-memory transports (see ucx_env)."""
+    if transport == "ucx":
+        env.update(UCX_TLS=ucx_env.SETTINGS["UCX_TLS"], RVOD_LOG_LEVEL="info")
+    return ["--transport", transport]
+
+
+TRANSPORTS = ["tcp", pytest.param("ucx", marks=pytest.mark.skipif(_UCX_REASON is not None, reason=_UCX_REASON or ""))]
+
+
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("hosts, layout", [("a:2,b:2", [2, 2]), ("a:1,b:3", [1, 3])])
-def test_every_op_across_hosts(env, cluster, hosts, layout):
+def test_every_op_across_hosts(env, cluster, hosts, layout, transport):
     env["RVOD_TEST_HOSTS"] = "a,b"
-    result = rvodrun(cluster, env, ["-np", "4", "-H", hosts, PYTHON, str(WORKERS / "multihost.py"),
-                           ",".join(map(str, layout))], timeout=80)
+    result = rvodrun(cluster, env, [*between_hosts(transport, env), "-np", "4", "-H", hosts, PYTHON,
+                                    str(WORKERS / "multihost.py"), ",".join(map(str, layout))], timeout=80)
     assert_worker_job(result, expected_checks(layout))
+    if transport == "ucx":
+        assert re.search(r"^\[0\]<stderr>:.*rank 0: between hosts through UCX \S+ from \S+ \(RVOD_TRANSPORT=ucx\)$",
+                         result.stderr, re.M), report(result)
     assert cluster.wait_until_empty() == {}
 
 
@@ -203,9 +221,10 @@ def test_mpi_across_hosts(env, cluster):
 # --- failures -----------------------------------------------------------------------------------------
 
 @pytest.mark.timeout(60)
-def test_killed_remote_rank_ends_the_job_naming_host_and_rank(env, cluster):
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_killed_remote_rank_ends_the_job_naming_host_and_rank(env, cluster, transport):
     started = time.monotonic()
-    result = rvodrun(cluster, env, ["-np", "4", "-H", "a:2,b:2", *python_code("""
+    result = rvodrun(cluster, env, [*between_hosts(transport, env), "-np", "4", "-H", "a:2,b:2", *python_code("""
         import os, signal, time
         import rvod.numpy as hvd
         hvd.init()
@@ -331,12 +350,18 @@ print("garbage", "dropped" if jobs.is_dropped(garbage) else "kept")
 
 
 @pytest.mark.timeout(60)
-def test_stranger_with_the_wrong_secret_is_dropped_by_the_store_and_a_ranks_listener(env, cluster, tmp_path):
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_stranger_with_the_wrong_secret_is_dropped_by_the_store_and_a_ranks_listener(env, cluster, tmp_path,
+                                                                                    transport):
     """A stranger in a third namespace (host c) who connects to the rendezvous store and to a rank's data
-    listener with the wrong secret, or sends garbage, is dropped; rank 0 logs it; the job is unaffected."""
+    listener with the wrong secret, or sends garbage, is dropped; rank 0 logs it; the job is unaffected.
+    Over UCX the listener is the one of the authenticated mesh the UCX worker addresses travel over."""
     go = tmp_path / "go"
+    # Over UCX, the mesh between hosts that carries the worker addresses meets under its own scope.
+    scoped = (lambda text: text.replace("init0/set1/cross", "init0/set1/cross-ucx")) if transport == "ucx" else str
     process = subprocess.Popen(cluster.launch_args([
-        PYTHON, *RVODRUN, "--verbose", "-np", "4", "-H", "a:2,b:2", PYTHON, "-c", f"GO = {str(go)!r}\n{STRANGER_TEST_JOB}"
+        PYTHON, *RVODRUN, *between_hosts(transport, env), "--verbose", "-np", "4", "-H", "a:2,b:2", PYTHON, "-c",
+        f"GO = {str(go)!r}\n{scoped(STRANGER_TEST_JOB)}"
     ]), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     stderr_lines: list[str] = []
     reader = threading.Thread(target=lambda: stderr_lines.extend(iter(process.stderr.readline, "")), daemon=True)
@@ -350,7 +375,7 @@ def test_stranger_with_the_wrong_secret_is_dropped_by_the_store_and_a_ranks_list
                      if "store listening" in line)
         settings = (f"HERE = {str(Path(__file__).parent)!r}\nSTORE_HOST, STORE_PORT = {store.group(1)!r}, "
                     f"{store.group(2)}\nLISTENER_HOST, LISTENER_PORT = {listener.group(1)!r}, {listener.group(2)}\n")
-        stranger = subprocess.run(cluster.exec_args("c", [PYTHON, "-c", settings + STRANGER]), capture_output=True,
+        stranger = subprocess.run(cluster.exec_args("c", [PYTHON, "-c", settings + scoped(STRANGER)]), capture_output=True,
                                   text=True, timeout=30, env=env)
         assert stranger.stdout.splitlines() == [
             "store dropped: no verdict (got 0 bytes): the acceptor dropped the connection",

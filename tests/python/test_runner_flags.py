@@ -75,7 +75,24 @@ def test_refusals_and_flags_become_settings():
         "RVOD_HIERARCHICAL_ALLREDUCE": "1", "RVOD_HIERARCHICAL_ALLGATHER": "0", "NCCL_IB_DISABLE": "1",
         "RVOD_TIMEOUT": "15", "RVOD_LOG_HIDE_TIME": "1", "RVOD_NETWORK_INTERFACE": "eth9,eth8",
         "RVOD_STALL_CHECK_DISABLE": "1", "RVOD_TIMELINE": "t.json", "RVOD_TIMELINE_MARK_CYCLES": "0",
+        "RVOD_TRANSPORT": "tcp",
     }
+
+
+@pytest.mark.parametrize("args, transport", [
+    ([], None), (["--transport", "ucx"], "ucx"), (["--transport", "auto"], "auto"), (["--tcp"], "tcp"),
+    (["--tcp", "--transport", "ucx"], "ucx"),
+])
+def test_transport_between_hosts_is_forwarded_to_the_workers(args, transport):
+    job = job_from_args(parse_args(build_parser(), ["-np", "2", *args, "true"]))
+    assert job.engine_env().get("RVOD_TRANSPORT") == transport
+
+
+def test_an_unknown_transport_is_refused(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(build_parser(), ["-np", "2", "--transport", "rdma", "true"])
+    assert exit_info.value.code == 2
+    assert "argument --transport: invalid choice: 'rdma'" in capsys.readouterr().err
 
 
 def test_autotune_flags_become_settings_only_with_autotune(tmp_path):

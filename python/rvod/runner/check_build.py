@@ -3,7 +3,8 @@
 Frameworks are looked up without being imported (importing TensorFlow alone takes seconds).
 Transports come from the native extension's `build_info()`; the GPU libraries (loaded at run time, never
 linked) from its `gpu_libraries()`: where NCCL and the CUDA runtime were found, their versions, and the
-driver's answer (the device count, or why there is none).
+driver's answer (the device count, or why there is none); UCX (loaded at run time too) from its
+`ucx_library()`: where libucp was found, its version, and the transports and devices it reports.
 """
 
 from __future__ import annotations
@@ -41,6 +42,28 @@ def _native_gpu_libraries() -> tuple[dict[str, Any] | None, str]:
         return gpu_libraries(), ""
     except (ImportError, ValueError) as error:
         return None, str(error)
+
+
+def _native_ucx_library() -> tuple[dict[str, Any] | None, str]:
+    try:
+        from rvod._rvod import ucx_library
+
+        return ucx_library(), ""
+    except (ImportError, ValueError) as error:
+        return None, str(error)
+
+
+def ucx_lines(ucx: dict[str, Any]) -> list[str]:
+    """The UCX section: the library, what it reports, which of that is RDMA, and the transport setting."""
+    if ucx["version"] is None:
+        return [f"    libucp: {ucx['error']}", f"    Transport between hosts (RVOD_TRANSPORT): {ucx['transport']}"]
+    reported = ", ".join(ucx["resources"]) or f"(not read: {ucx['resources_error']})"
+    return [
+        f"    libucp: UCX {ucx['version']} from {ucx['path']}",
+        f"    Transports and devices: {reported}",
+        f"    RDMA: {', '.join(ucx['rdma']) or 'none'}",
+        f"    Transport between hosts (RVOD_TRANSPORT): {ucx['transport']}",
+    ]
 
 
 def _cuda_version(code: int) -> str:
@@ -95,8 +118,12 @@ def build_report() -> str:
             _box("tcp" in transports, "TCP"),
             _box("shm" in transports, "shared memory"),
         ]
+        ucx, ucx_problem = _native_ucx_library()
+        lines.append(_box(bool(ucx and ucx["version"]), "UCX"))
         gpu, problem = _native_gpu_libraries()
         lines.append(_box(bool(gpu and gpu["gpu_collectives"] and gpu.get("nccl_collectives")), "NCCL"))
         lines += ["", "GPU libraries (loaded at run time):"]
         lines += gpu_lines(gpu) if gpu is not None else [f"    (not read: {problem})"]
+        lines += ["", "UCX (loaded at run time; between hosts):"]
+        lines += ucx_lines(ucx) if ucx is not None else [f"    (not read: {ucx_problem})"]
     return "\n".join(lines)

@@ -233,7 +233,11 @@ def build_parser() -> argparse.ArgumentParser:
     library.add_argument("--binding-args", dest="binding_args", metavar='"ARGS"',
                          help="process binding arguments for mpirun (with --mpi)")
     library.add_argument("--tcp", dest="tcp", action="store_true",
-                         help="TCP only: sets NCCL_IB_DISABLE=1 (rvod's own connections between hosts are TCP)")
+                         help="TCP only: sets NCCL_IB_DISABLE=1 and, unless --transport is given, --transport tcp")
+    library.add_argument("--transport", dest="transport", choices=("auto", "tcp", "ucx"),
+                         help="what carries bytes between hosts (RVOD_TRANSPORT): auto (default: UCX where every "
+                              "host's UCX reports RDMA, such as InfiniBand or RoCE, TCP otherwise), tcp, or ucx "
+                              "(UCX with whatever transports it has; an error where libucp cannot be loaded)")
     library.add_argument("--num-nccl-streams", dest="num_nccl_streams", type=_non_negative(int), metavar="N",
                          help="(not supported: rvod runs no NCCL operations yet)")
     library.add_argument("--gloo-timeout-seconds", dest="gloo_timeout_seconds", type=_non_negative(float),

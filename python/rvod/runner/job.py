@@ -73,6 +73,7 @@ class JobSpec:
     log_level: str | None = None
     log_with_timestamp: bool | None = None
     tcp: bool = False
+    transport: str | None = None  # --transport: auto, tcp or ucx (between hosts)
 
     @property
     def elastic(self) -> bool:
@@ -80,7 +81,8 @@ class JobSpec:
         return any(getattr(self, name) is not None for name in ELASTIC_FIELDS)
 
     def engine_env(self) -> dict[str, str]:
-        """The RVOD_* settings (and NCCL_IB_DISABLE for --tcp) this job asks for."""
+        """The RVOD_* settings (and NCCL_IB_DISABLE for --tcp, which also means RVOD_TRANSPORT=tcp unless
+        --transport says otherwise) this job asks for."""
         env: dict[str, str] = {}
         if self.fusion_threshold_mb is not None:
             env["RVOD_FUSION_THRESHOLD"] = str(self.fusion_threshold_mb * _BYTES_PER_MB)
@@ -124,6 +126,8 @@ class JobSpec:
             env["RVOD_THREAD_AFFINITY"] = self.thread_affinity
         if self.tcp:
             env["NCCL_IB_DISABLE"] = "1"
+        if self.transport is not None or self.tcp:
+            env["RVOD_TRANSPORT"] = self.transport or "tcp"
         if self.nics:
             env["RVOD_NETWORK_INTERFACE"] = ",".join(self.nics)
         return env

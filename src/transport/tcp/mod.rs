@@ -135,10 +135,13 @@ impl TcpTransport {
     /// The error an operation reports: where a peer's connection ended or broke and that peer said it
     /// closed because of a third rank, that rank's failure. The first failure is remembered for `close`.
     fn settle<T>(&mut self, outcome: Result<T, TransportError>) -> Result<T, TransportError> {
-        let err = match outcome {
-            Ok(value) => return Ok(value),
-            Err(err) => err,
-        };
+        outcome.map_err(|err| self.blame(err))
+    }
+
+    /// `err`, a failure with a peer of this mesh (seen here, or on another channel to the same peer by a
+    /// transport that keeps this mesh as its authenticated control channel, see `transport::ucx`), as this
+    /// mesh reports it: a third rank the peer blamed as it closed, if it did. Remembered for `close`.
+    pub(crate) fn blame(&mut self, err: TransportError) -> TransportError {
         let err = match &err {
             TransportError::PeerClosed { peer } | TransportError::Io { peer, .. } => {
                 self.cause_given_by(*peer).map_or(err, |cause| cause.error(self.timeout))
@@ -153,7 +156,14 @@ impl TcpTransport {
             _ => err,
         };
         self.note_failure(&err);
-        Err(err)
+        err
+    }
+
+    /// The socket of each linked peer, for a transport that keeps this mesh as its control channel and
+    /// watches it for peers that end (nothing else is sent on it once that transport is set up).
+    pub(crate) fn peer_fds(&self) -> Vec<(usize, std::os::fd::RawFd)> {
+        let linked = self.links.iter().enumerate();
+        linked.filter_map(|(peer, link)| Some((peer, link.as_ref()?.stream.as_raw_fd()))).collect()
     }
 
     /// Wait up to `grace` for `peer`'s urgent byte (its cause, sent as it closes), or for its connection to

@@ -1,0 +1,239 @@
+//! Finding and loading libucp at run time, once per process, on first use: the path in
+//! `RVOD_UCX_LIBRARY` when set (and nothing else: a setting that does not load is reported, not replaced),
+//! otherwise `libucp.so.0` through the system's search path. Nothing is linked, so the one wheel imports
+//! and runs where UCX is absent. A libucp older than 1.10 (before the `*_nbx` calls) is refused as too old.
+//!
+//! [`Ucx::resources`] lists the transports and devices UCX reports in this process (after `UCX_TLS`), read
+//! from `ucp_context_print_info` of a throwaway context; [`rdma_transports`] picks the RDMA-capable ones.
+
+use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use super::ffi::{self, Context, Ep, Message, Params, RequestParam, Status, StatusPtr, TagRecvInfo, Worker};
+
+/// Oldest UCX whose API rvod uses (the `*_nbx` family).
+pub const MIN_VERSION: (u32, u32) = (1, 10);
+
+/// The libucp functions rvod calls (see [`super::ffi`] for the types).
+#[allow(clippy::type_complexity)]
+pub struct Api {
+    pub get_version: unsafe extern "C" fn(*mut c_uint, *mut c_uint, *mut c_uint),
+    pub get_version_string: unsafe extern "C" fn() -> *const c_char,
+    pub init_version: unsafe extern "C" fn(c_uint, c_uint, *const Params, *const c_void, *mut Context) -> Status,
+    pub cleanup: unsafe extern "C" fn(Context),
+    pub context_print_info: unsafe extern "C" fn(Context, *mut libc::FILE),
+    pub worker_create: unsafe extern "C" fn(Context, *const ffi::WorkerParams, *mut Worker) -> Status,
+    pub worker_destroy: unsafe extern "C" fn(Worker),
+    pub worker_get_address: unsafe extern "C" fn(Worker, *mut *mut c_void, *mut usize) -> Status,
+    pub worker_release_address: unsafe extern "C" fn(Worker, *mut c_void),
+    pub worker_progress: unsafe extern "C" fn(Worker) -> c_uint,
+    pub worker_get_efd: unsafe extern "C" fn(Worker, *mut c_int) -> Status,
+    pub worker_arm: unsafe extern "C" fn(Worker) -> Status,
+    pub ep_create: unsafe extern "C" fn(Worker, *const ffi::EpParams, *mut Ep) -> Status,
+    pub ep_close_nbx: unsafe extern "C" fn(Ep, *const RequestParam) -> StatusPtr,
+    pub tag_send_nbx: unsafe extern "C" fn(Ep, *const c_void, usize, u64, *const RequestParam) -> StatusPtr,
+    pub tag_probe_nb: unsafe extern "C" fn(Worker, u64, u64, c_int, *mut TagRecvInfo) -> Message,
+    pub tag_msg_recv_nbx: unsafe extern "C" fn(Worker, *mut c_void, usize, Message, *const RequestParam) -> StatusPtr,
+    pub request_check_status: unsafe extern "C" fn(*mut c_void) -> Status,
+    pub request_cancel: unsafe extern "C" fn(Worker, *mut c_void),
+    pub request_free: unsafe extern "C" fn(*mut c_void),
+    /// `ucs_status_string`, from libucs (a dependency of libucp, so found through its handle).
+    pub status_string: unsafe extern "C" fn(Status) -> *const c_char,
+}
+
+/// A loaded libucp.
+pub struct Ucx {
+    pub api: Api,
+    pub path: PathBuf,
+    /// `ucp_get_version_string()`, e.g. "1.13.1".
+    pub version: String,
+    resources: OnceLock<Result<Vec<String>, String>>,
+    /// Kept loaded for the process's lifetime: `api` points into it.
+    _library: libloading::Library,
+}
+
+fn symbol<T: Copy>(lib: &libloading::Library, path: &Path, name: &str) -> Result<T, String> {
+    let c_name = format!("{name}\0");
+    // SAFETY: every caller declares `T` as the C signature UCX's headers give `name` (see `ffi`).
+    let found = unsafe { lib.get::<T>(c_name.as_bytes()) };
+    found.map(|f| *f).map_err(|e| format!("{} lacks {name} (older than UCX 1.10?): {e}", path.display()))
+}
+
+impl Ucx {
+    fn open(path: &Path, from: &str) -> Result<Ucx, String> {
+        // SAFETY: loading runs libucp's initialisers; libucp is made to be dlopened (Open MPI does).
+        let lib = unsafe { libloading::Library::new(path) }
+            .map_err(|e| format!("UCX (libucp) not found; looked for {} ({from}): {e}", path.display()))?;
+        let api = Api {
+            get_version: symbol(&lib, path, "ucp_get_version")?,
+            get_version_string: symbol(&lib, path, "ucp_get_version_string")?,
+            init_version: symbol(&lib, path, "ucp_init_version")?,
+            cleanup: symbol(&lib, path, "ucp_cleanup")?,
+            context_print_info: symbol(&lib, path, "ucp_context_print_info")?,
+            worker_create: symbol(&lib, path, "ucp_worker_create")?,
+            worker_destroy: symbol(&lib, path, "ucp_worker_destroy")?,
+            worker_get_address: symbol(&lib, path, "ucp_worker_get_address")?,
+            worker_release_address: symbol(&lib, path, "ucp_worker_release_address")?,
+            worker_progress: symbol(&lib, path, "ucp_worker_progress")?,
+            worker_get_efd: symbol(&lib, path, "ucp_worker_get_efd")?,
+            worker_arm: symbol(&lib, path, "ucp_worker_arm")?,
+            ep_create: symbol(&lib, path, "ucp_ep_create")?,
+            ep_close_nbx: symbol(&lib, path, "ucp_ep_close_nbx")?,
+            tag_send_nbx: symbol(&lib, path, "ucp_tag_send_nbx")?,
+            tag_probe_nb: symbol(&lib, path, "ucp_tag_probe_nb")?,
+            tag_msg_recv_nbx: symbol(&lib, path, "ucp_tag_msg_recv_nbx")?,
+            request_check_status: symbol(&lib, path, "ucp_request_check_status")?,
+            request_cancel: symbol(&lib, path, "ucp_request_cancel")?,
+            request_free: symbol(&lib, path, "ucp_request_free")?,
+            status_string: symbol(&lib, path, "ucs_status_string")?,
+        };
+        let (mut major, mut minor, mut release) = (0, 0, 0);
+        // SAFETY: three valid out-pointers; the call only reports compiled-in numbers.
+        unsafe { (api.get_version)(&mut major, &mut minor, &mut release) };
+        // SAFETY: returns a static NUL-terminated string.
+        let version = unsafe { CStr::from_ptr((api.get_version_string)()) }.to_string_lossy().into_owned();
+        if (major, minor) < MIN_VERSION {
+            return Err(format!(
+                "UCX {version} at {} is too old: rvod needs UCX {}.{} or later",
+                path.display(),
+                MIN_VERSION.0,
+                MIN_VERSION.1
+            ));
+        }
+        Ok(Ucx { api, path: path.to_path_buf(), version, resources: OnceLock::new(), _library: lib })
+    }
+
+    /// UCX's message for `status`.
+    pub fn status_text(&self, status: Status) -> String {
+        // SAFETY: ucs_status_string returns a static string for any status value.
+        unsafe { CStr::from_ptr((self.api.status_string)(status)) }.to_string_lossy().into_owned()
+    }
+
+    /// A UCP context with tag matching and wake-ups (`UCX_*` settings from the environment).
+    pub fn new_context(&self) -> Result<Context, String> {
+        let params = Params {
+            field_mask: ffi::UCP_PARAM_FIELD_FEATURES,
+            features: ffi::UCP_FEATURE_TAG | ffi::UCP_FEATURE_WAKEUP,
+            request_size: 0,
+            request_init: std::ptr::null(),
+            request_cleanup: std::ptr::null(),
+            tag_sender_mask: 0,
+            mt_workers_shared: 0,
+            estimated_num_eps: 0,
+            estimated_num_ppn: 0,
+            name: std::ptr::null(),
+        };
+        let mut context: Context = std::ptr::null_mut();
+        // SAFETY: valid params and out-pointer; a null config makes UCX read its settings from the environment.
+        let status =
+            unsafe { (self.api.init_version)(MIN_VERSION.0, MIN_VERSION.1, &params, std::ptr::null(), &mut context) };
+        if status != ffi::UCS_OK {
+            return Err(format!("ucp_init failed: {}", self.status_text(status)));
+        }
+        Ok(context)
+    }
+
+    /// The transports and devices UCX reports here, as "transport/device" (e.g. "tcp/eth0", "rc_mlx5/mlx5_0:1").
+    pub fn resources(&self) -> Result<&[String], String> {
+        self.resources.get_or_init(|| self.read_resources()).as_ref().map(Vec::as_slice).map_err(Clone::clone)
+    }
+
+    fn read_resources(&self) -> Result<Vec<String>, String> {
+        let context = self.new_context()?;
+        let printed = print_to_string(|file| {
+            // SAFETY: a live context and an open stream.
+            unsafe { (self.api.context_print_info)(context, file) }
+        });
+        // SAFETY: the context was made above and nothing else uses it.
+        unsafe { (self.api.cleanup)(context) };
+        Ok(parse_resources(&printed?))
+    }
+}
+
+/// What `print` writes to a C stream, as text.
+fn print_to_string(print: impl FnOnce(*mut libc::FILE)) -> Result<String, String> {
+    let mut buffer: *mut c_char = std::ptr::null_mut();
+    let mut size: libc::size_t = 0;
+    // SAFETY: valid out-pointers; the stream owns `buffer` until fclose, after which we copy and free it.
+    let file = unsafe { libc::open_memstream(&mut buffer, &mut size) };
+    if file.is_null() {
+        return Err(format!("open_memstream: {}", std::io::Error::last_os_error()));
+    }
+    print(file);
+    // SAFETY: `file` is the open stream made above; after fclose `buffer` holds `size` bytes plus a NUL.
+    unsafe {
+        libc::fclose(file);
+        let text = if buffer.is_null() {
+            String::new()
+        } else {
+            String::from_utf8_lossy(std::slice::from_raw_parts(buffer.cast::<u8>(), size)).into_owned()
+        };
+        libc::free(buffer.cast());
+        Ok(text)
+    }
+}
+
+/// The "transport/device" of each `# resource N : md M dev D flags -- tl/dev` line.
+pub fn parse_resources(printed: &str) -> Vec<String> {
+    printed
+        .lines()
+        .filter(|line| line.contains("resource"))
+        .filter_map(|line| line.split_once("-- ").map(|(_, rest)| rest.trim().to_string()))
+        .filter(|resource| resource.contains('/'))
+        .collect()
+}
+
+/// The resources whose transport moves data by RDMA: InfiniBand / RoCE verbs (rc, dc, ud and their
+/// mlx5 variants). TCP (also over IPoIB), shared memory and loopback are not.
+pub fn rdma_transports(resources: &[String]) -> Vec<&str> {
+    resources
+        .iter()
+        .map(String::as_str)
+        .filter(|resource| {
+            let transport = resource.split('/').next().unwrap_or_default();
+            ["rc", "dc", "ud"].iter().any(|kind| transport == *kind || transport.starts_with(&format!("{kind}_")))
+        })
+        .collect()
+}
+
+static LOADED: OnceLock<Result<Ucx, String>> = OnceLock::new();
+
+/// This process's libucp, loaded by the first call (later calls' `setting` is not used): `setting` is
+/// `RVOD_UCX_LIBRARY`.
+pub fn ucx(setting: Option<&Path>) -> Result<&'static Ucx, String> {
+    LOADED
+        .get_or_init(|| match setting {
+            Some(path) => Ucx::open(path, "from RVOD_UCX_LIBRARY"),
+            None => Ucx::open(Path::new("libucp.so.0"), "system library path"),
+        })
+        .as_ref()
+        .map_err(Clone::clone)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn resources_are_read_from_ucxs_printout_and_rdma_ones_picked() {
+        let printed = "#\n# UCP context\n#     component 0  :  self\n#            md 1  :  component 1  tcp \n\
+                       #      resource 0  :  md 0  dev 0  flags -- self/memory0\n\
+                       #      resource 1  :  md 1  dev 1  flags -- tcp/ib0\n\
+                       #      resource 2  :  md 2  dev 2  flags -- rc_mlx5/mlx5_0:1\n\
+                       #      resource 3  :  md 2  dev 2  flags -- ud_verbs/mlx5_0:1\n\
+                       #      resource 4  :  md 3  dev 3  flags -- posix/memory\n#\n";
+        let resources = parse_resources(printed);
+        assert_eq!(resources, ["self/memory0", "tcp/ib0", "rc_mlx5/mlx5_0:1", "ud_verbs/mlx5_0:1", "posix/memory"]);
+        assert_eq!(rdma_transports(&resources), ["rc_mlx5/mlx5_0:1", "ud_verbs/mlx5_0:1"]);
+        assert!(rdma_transports(&["tcp/eth0".to_string(), "cma/memory".to_string()]).is_empty());
+    }
+
+    #[test]
+    fn a_setting_that_does_not_load_is_reported() {
+        let error = Ucx::open(Path::new("/nonexistent/libucp.so.0"), "from RVOD_UCX_LIBRARY").err().unwrap();
+        assert!(
+            error.starts_with("UCX (libucp) not found; looked for /nonexistent/libucp.so.0 (from RVOD_UCX_LIBRARY): ")
+        );
+    }
+}
