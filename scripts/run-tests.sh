@@ -24,7 +24,7 @@ echo "== pytest (wheel: $WHEEL)"
 # The tests import the installed wheel, never the source tree.
 cd tests
 PATH="$PWD/../$VENV/bin:$PATH" RVOD_TEST_WHEEL="$PWD/../$WHEEL" \
-    "../$VENV/bin/python" -m pytest python -q -rs -p no:cacheprovider "$@"
+    "../$VENV/bin/python" -m pytest python -q -rs --durations=25 -p no:cacheprovider "$@"
 stage_done "pytest"
 
 echo "== MXNet (its own environment: MXNet 1.9.1 needs numpy<1.24)"
