@@ -79,11 +79,12 @@ def test_a_result_that_does_not_fit_in_gpu_memory_is_a_clear_error_on_every_rank
                                    "out of memory (cudaErrorMemoryAllocation)"), report
 
 
-def test_the_info_log_says_which_route_each_process_set_takes(run_rvodrun, job_env):
-    # (rvodrun's --verbose is about rvodrun's own doings; the engine's lines come at --log-level INFO.)
+def test_verbose_says_which_route_each_process_set_takes(run_rvodrun, job_env):
+    # rvodrun --verbose puts the ranks' log at INFO, where the engine announces its route once per process set.
     job_env.update(gpu_standin.env(devices=1))
     job_env.update({"STANDIN_DIR": str(HERE), "FAILURE": "none"})
-    result = run_rvodrun(["-np", "2", "--log-level", "INFO", PYTHON, str(WORKERS / "gpu_device_failures.py")], timeout=90)
+    job_env.pop("RVOD_LOG_LEVEL", None)
+    result = run_rvodrun(["-np", "2", "--verbose", PYTHON, str(WORKERS / "gpu_device_failures.py")], timeout=90)
     assert result.returncode == 0, result.stdout + result.stderr
     for rank in (0, 1):
         assert (f"process set 0: GPU collectives via host staging (rank {rank} on GPU 0; the NCCL route is not "

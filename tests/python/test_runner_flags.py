@@ -88,6 +88,21 @@ def test_transport_between_hosts_is_forwarded_to_the_workers(args, transport):
     assert job.engine_env().get("RVOD_TRANSPORT") == transport
 
 
+@pytest.mark.parametrize("args, environ, level", [
+    (["--verbose"], {}, "INFO"), ([], {}, None), (["--verbose", "--log-level", "debug"], {}, "DEBUG"),
+    (["--verbose"], {"RVOD_LOG_LEVEL": "WARNING"}, None), (["--verbose"], {"HOROVOD_LOG_LEVEL": "error"}, None),
+])
+def test_verbose_shows_the_engines_choices_unless_a_log_level_is_set(args, environ, level, monkeypatch):
+    """--verbose puts each rank's log at INFO, where the engine says which transport and GPU route it chose;
+    a level from --log-level wins, and one already in the environment is left for the ranks to inherit."""
+    for name in ("RVOD_LOG_LEVEL", "HOROVOD_LOG_LEVEL"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    job = job_from_args(parse_args(build_parser(), ["-np", "2", *args, "true"]))
+    assert job.engine_env().get("RVOD_LOG_LEVEL") == level
+
+
 def test_an_unknown_transport_is_refused(capsys):
     with pytest.raises(SystemExit) as exit_info:
         parse_args(build_parser(), ["-np", "2", "--transport", "rdma", "true"])

@@ -55,8 +55,11 @@ def test_the_command_line_and_rvod_run_describe_a_job_alike(monkeypatch):
     assert dataclasses.replace(cli, command=()) == run
     assert (run.num_proc, run.hosts, run.nics, run.ssh_port, run.verbose) == (
         3, "localhost:2,127.0.0.1:1", ("lo", "eth0"), 2222, True)
+    for name in ("RVOD_LOG_LEVEL", "HOROVOD_LOG_LEVEL"):
+        monkeypatch.delenv(name, raising=False)
     assert run.engine_env() == cli.engine_env() == {"RVOD_START_TIMEOUT": "12.5",
-                                                    "RVOD_NETWORK_INTERFACE": "lo,eth0"}
+                                                    "RVOD_NETWORK_INTERFACE": "lo,eth0",
+                                                    "RVOD_LOG_LEVEL": "INFO"}  # --verbose shows the engine's choices
 
 
 @pytest.mark.timeout(60)

@@ -96,7 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-cb", "--check-build", dest="check_build", action="store_true",
                         help="show which frameworks and tensor transports this rvod can use, then exit")
     parser.add_argument("--verbose", action="store_true",
-                        help="say what rvodrun does: placement, addresses, process ids, exits")
+                        help="say what rvodrun does (placement, addresses, process ids, exits) and what each "
+                             "rank's engine chose (transport between hosts, GPU route): its log at INFO unless "
+                             "--log-level or RVOD_LOG_LEVEL says otherwise")
     parser.add_argument("--output-filename", dest="output_dir", metavar="DIR",
                         help="also write each rank's stdout and stderr to DIR/rank.<rank>/{stdout,stderr}")
     parser.add_argument("--start-timeout", dest="start_timeout", type=_non_negative(float), metavar="SECONDS",

@@ -8,6 +8,8 @@ value the user exported), so that `engine_env` sets only what was asked for.
 
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass
 
 LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
@@ -120,6 +122,10 @@ class JobSpec:
             env["RVOD_STALL_SHUTDOWN_TIME_SECONDS"] = str(self.stall_shutdown_seconds)
         if self.log_level is not None:
             env["RVOD_LOG_LEVEL"] = self.log_level
+        elif self.verbose and not any(os.environ.get(name) for name in ("RVOD_LOG_LEVEL", "HOROVOD_LOG_LEVEL")):
+            # --verbose also shows the engine's choices (transport between hosts, GPU route per process set,
+            # autotune's result), which it logs at INFO; a log level the user set stays.
+            env["RVOD_LOG_LEVEL"] = "INFO"
         if self.log_with_timestamp is not None:
             env["RVOD_LOG_HIDE_TIME"] = "0" if self.log_with_timestamp else "1"
         if self.thread_affinity is not None:
