@@ -6,6 +6,12 @@
 //! buffers are not worth freeing (cudaFree synchronizes the device). Device buffers go back to the pool
 //! when their last user drops them ([`PooledBuffer`]); a buffer is reused only for a request of its size
 //! class (the next power of two).
+//!
+//! A result buffer is read by the framework on its own stream (the consumer stream `wait` was given, or the
+//! legacy default stream where the host waited), and the framework frees it as soon as its host code lets go,
+//! while kernels queued on that stream may still read it. So the drop records an event on the consumer
+//! stream, and the buffer's next user, rvod's stream, waits for that event before it writes. Where the event
+//! cannot be recorded, the memory is freed instead (cudaFree waits for the work that uses it).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
@@ -21,8 +27,8 @@ pub struct DeviceContext {
     stream: CudaStream,
     /// Host staging's buffer: reused, grows; locked for a whole staged op.
     pinned: Mutex<Option<CudaPinned>>,
-    /// Free device buffers by size class.
-    free: Mutex<HashMap<usize, Vec<DeviceMemory>>>,
+    /// Free device buffers by size class, each with the event after which its last reader is done.
+    free: Mutex<HashMap<usize, Vec<(DeviceMemory, CudaEvent)>>>,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -59,6 +65,9 @@ pub struct PooledBuffer {
     /// The bytes asked for (the allocation may be larger).
     len: usize,
     context: Arc<DeviceContext>,
+    /// The stream its user reads it on (a `cudaStream_t` as a number; 0, the legacy default stream, where
+    /// unknown). It must outlive the buffer, as a stream given to torch's `record_stream` must.
+    consumer: usize,
 }
 
 impl PooledBuffer {
@@ -77,7 +86,16 @@ impl PooledBuffer {
     pub fn ordinal(&self) -> i32 {
         self.context.ordinal()
     }
+
+    /// The stream the buffer's user reads it on (see the module doc); None: unknown (the legacy default
+    /// stream, which follows the work of every blocking stream).
+    pub fn set_consumer(&mut self, stream: Option<usize>) {
+        self.consumer = stream.unwrap_or(LEGACY_DEFAULT_STREAM);
+    }
 }
+
+/// The legacy default stream's handle.
+const LEGACY_DEFAULT_STREAM: usize = 0;
 
 impl std::fmt::Debug for PooledBuffer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -87,8 +105,14 @@ impl std::fmt::Debug for PooledBuffer {
 
 impl Drop for PooledBuffer {
     fn drop(&mut self) {
-        if let Some(memory) = self.memory.take() {
-            lock(&self.context.free).entry(memory.len).or_default().push(memory);
+        let Some(memory) = self.memory.take() else { return };
+        // SAFETY: the consumer stream outlives the buffer (see `consumer`); 0 is always a stream.
+        match unsafe { self.context.record_on(self.consumer) } {
+            Ok(read) => lock(&self.context.free).entry(memory.len).or_default().push((memory, read)),
+            Err(e) => {
+                tracing::debug!("{self:?}: freed, not pooled: its readers' end could not be marked: {e}");
+                drop(memory);
+            }
         }
     }
 }
@@ -134,15 +158,25 @@ impl DeviceContext {
         })
     }
 
-    /// `len` bytes of device memory from the pool (a new allocation when none of its class is free).
+    /// `len` bytes of device memory from the pool (a new allocation when none of its class is free), for
+    /// rvod's stream to write: a reused buffer is written only after its last reader's work (the stream
+    /// waits for it).
     pub fn buffer(self: &Arc<Self>, len: usize) -> Result<PooledBuffer, GpuError> {
         let class = len.max(1).next_power_of_two();
         let reused = lock(&self.free).get_mut(&class).and_then(Vec::pop);
         let memory = match reused {
-            Some(memory) => memory,
+            Some((memory, read)) => {
+                let waited =
+                    self.device.runtime().keeping_current_device(|| self.device.wait_event(&self.stream, &read));
+                if let Err(e) = waited {
+                    lock(&self.free).entry(class).or_default().push((memory, read));
+                    return Err(e);
+                }
+                memory
+            }
             None => self.device.alloc(class)?,
         };
-        Ok(PooledBuffer { memory: Some(memory), len, context: self.clone() })
+        Ok(PooledBuffer { memory: Some(memory), len, context: self.clone(), consumer: LEGACY_DEFAULT_STREAM })
     }
 
     /// An event marking the current end of rvod's stream (from any thread: its current device is kept).

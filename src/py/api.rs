@@ -581,7 +581,7 @@ fn wait_result(
     for tensor in output.tensors {
         match (tensor, on_device.next().flatten()) {
             (Some(t), _) => outputs.append(export_capsule(py, t.buffer, t.shape, t.dtype)?)?,
-            (None, Some(d)) => outputs.append(export_device_capsule(py, d)?)?,
+            (None, Some(d)) => outputs.append(export_device_capsule(py, d, stream)?)?,
             (None, None) => outputs.append(py.None())?,
         }
     }

@@ -277,9 +277,12 @@ pub fn export_capsule(py: Python<'_>, buffer: AlignedBuffer, shape: Vec<i64>, dt
 }
 
 /// Wrap an engine-owned device result as a CUDA `dltensor` capsule (zero copy); deleting it returns the
-/// memory to the engine's pool.
-pub fn export_device_capsule(py: Python<'_>, output: DeviceOutput) -> PyResult<PyObject> {
-    export(py, ExportedMemory::Device(output.buffer), output.shape, output.dtype)
+/// memory to the engine's pool once the work queued on `consumer` (the stream the result is used on; None:
+/// unknown) before the deletion is done.
+pub fn export_device_capsule(py: Python<'_>, output: DeviceOutput, consumer: Option<usize>) -> PyResult<PyObject> {
+    let mut buffer = output.buffer;
+    buffer.set_consumer(consumer);
+    export(py, ExportedMemory::Device(buffer), output.shape, output.dtype)
 }
 
 fn export(py: Python<'_>, memory: ExportedMemory, shape: Vec<i64>, dtype: DataType) -> PyResult<PyObject> {

@@ -165,13 +165,16 @@ _DLPACK_DTYPES = {(0, 8): np.int8, (0, 16): np.int16, (0, 32): np.int32, (0, 64)
                   (1, 16): np.uint16, (2, 16): np.float16, (2, 32): np.float32, (2, 64): np.float64, (6, 8): np.bool_}
 
 
+def capsule_tensor(capsule) -> _DLTensor:
+    """The DLTensor an unconsumed ``dltensor`` capsule holds (a view: valid while the capsule lives)."""
+    return DLManagedTensor.from_address(_capsule_pointer(id(capsule), b"dltensor")).dl_tensor
+
+
 def read_capsule(capsule) -> tuple[int, np.ndarray]:
     """``(device, values)`` of an unconsumed ``dltensor`` capsule on a stand-in GPU (rvod's results), copied to the
     host with a synchronous cudaMemcpy (which waits for the device's work, as CUDA's does). The capsule is not
     consumed: its destructor still returns the memory to whoever made it."""
-    address = _capsule_pointer(id(capsule), b"dltensor")
-    managed = DLManagedTensor.from_address(address)
-    tensor = managed.dl_tensor
+    tensor = capsule_tensor(capsule)
     if tensor.device.device_type != KDL_CUDA:
         raise ValueError(f"not a CUDA capsule: device type {tensor.device.device_type}")
     shape = tuple(tensor.shape[i] for i in range(tensor.ndim))

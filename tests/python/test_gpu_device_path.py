@@ -47,6 +47,20 @@ def test_every_op_with_a_gpu_per_rank(run_rvodrun, job_env):
     run_cases(run_rvodrun, job_env, 2, "own", devices=2, stream_delay_us=300)
 
 
+def test_a_freed_result_is_not_reused_before_the_framework_stream_has_read_it(run_rvodrun, job_env):
+    """The framework frees a device result while a slow kernel and a read of it are still queued on its stream;
+    rvod's next op of that size gets the same pooled buffer, and must not write it before that read ran."""
+    job_env.update(gpu_standin.env(devices=1, kernel_us=300_000))
+    job_env.update({"STANDIN_DIR": str(HERE)})
+    result = run_rvodrun(["-np", "2", PYTHON, str(WORKERS / "gpu_pool_reuse.py")], timeout=90)
+    report = f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr[-4000:]}"
+    assert result.returncode == 0, report
+    for rank in (0, 1):
+        assert f"[{rank}]<stdout>:case reuse True" in result.stdout, report  # else the test proves nothing
+        assert f"[{rank}]<stdout>:case read ok" in result.stdout, report
+        assert f"[{rank}]<stdout>:case second ok" in result.stdout, report
+
+
 def run_failure(run_rvodrun, job_env, failure: str, **settings):
     job_env.update(gpu_standin.env(devices=1, **settings))
     job_env.update({"STANDIN_DIR": str(HERE), "FAILURE": failure, "RVOD_TIMEOUT": "10"})
