@@ -251,7 +251,7 @@ hvd.shutdown()
 # --- on a GPU -------------------------------------------------------------------------------------------
 
 GPU_OPS = str(WORKERS / "gpu_ops.py")
-GPU_OPS_CHECKS = 153  # the `check` blocks workers/gpu_ops.py runs (the same on CPU and GPU)
+GPU_OPS_CHECKS = 154  # the `check` blocks workers/gpu_ops.py runs (the same on CPU and GPU)
 
 
 @pytest.mark.timeout(300)

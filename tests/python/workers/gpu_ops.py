@@ -5,8 +5,8 @@ device_count``: with one GPU, a job of 2 ranks shares it (host staging), a job o
 With ``RVOD_TEST_GPU_OPS_DEVICE=cpu`` the same script runs on CPU tensors (less the stream-order case): a dry
 run of the script's own logic, which test_gpu.py does where there is no GPU.
 Sections: every op x dtype x variant; a stream-order case (a kernel writes the tensor on the current stream
-just before the allreduce); DistributedOptimizer training equivalence; SyncBatchNorm against BatchNorm on
-the concatenated batch.
+just before the allreduce); DistributedOptimizer training equivalence (plain and sharded); SyncBatchNorm
+against BatchNorm on the concatenated batch.
 """
 
 import os
@@ -105,29 +105,35 @@ with check("stream order: a kernel writes the tensor on the current stream just 
         got.mul_(1.0)  # the framework's stream uses the result right away
         assert torch.all(got == N * (N + 1) / 2).item(), f"round {i}: {got[:4]}"
 
-with check("DistributedOptimizer on GPU trains as one process on the whole batch"):
-    torch.manual_seed(7)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)).to(DEVICE)
-    reference = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)).to(DEVICE)
-    reference.load_state_dict(model.state_dict())
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                         named_parameters=model.named_parameters())
-    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
-    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-    generator = torch.Generator().manual_seed(99)
-    for step in range(5):
-        batch = torch.randn(4 * N, 8, generator=generator).to(DEVICE)
-        target = torch.randn(4 * N, 1, generator=generator).to(DEVICE)
-        mine = slice(4 * R, 4 * R + 4)
-        optimizer.zero_grad()
-        torch.nn.functional.mse_loss(model(batch[mine]), target[mine]).backward()
-        optimizer.step()
-        reference_optimizer.zero_grad()
-        torch.nn.functional.mse_loss(reference(batch), target).backward()
-        reference_optimizer.step()
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=name)
+for sharded in (False, True):
+    with check(f"DistributedOptimizer(sharded={sharded}) on GPU trains as one process on the whole batch"):
+        torch.manual_seed(7)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)).to(DEVICE)
+        reference = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)).to(DEVICE)
+        reference.load_state_dict(model.state_dict())
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        # Sharded: each rank keeps the momentum of its own slice (ZeRO), reduce-scattered and allgathered on GPU.
+        momentum = 0.9 if sharded else 0.0
+        optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum),
+                                             named_parameters=model.named_parameters(), sharded=sharded)
+        hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+        reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=momentum)
+        generator = torch.Generator().manual_seed(99)
+        for step in range(5):
+            batch = torch.randn(4 * N, 8, generator=generator).to(DEVICE)
+            target = torch.randn(4 * N, 1, generator=generator).to(DEVICE)
+            mine = slice(4 * R, 4 * R + 4)
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(batch[mine]), target[mine]).backward()
+            optimizer.step()
+            reference_optimizer.zero_grad()
+            torch.nn.functional.mse_loss(reference(batch), target).backward()
+            reference_optimizer.step()
+        if sharded:
+            optimizer.wait_for_parameters()
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            assert p.device == DEVICE, f"{name} moved to {p.device}"
+            torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=name)
 
 with check("SyncBatchNorm on GPU equals BatchNorm on the concatenated batch"):
     generator = torch.Generator().manual_seed(5)
