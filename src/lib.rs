@@ -3,8 +3,8 @@
 //! One engine runs per process, started by `init()`. Framework shims hand tensors to it as DLPack
 //! capsules through [`py`]; the engine's background thread negotiates with the other ranks which
 //! collectives are ready everywhere ([`coordinator`], over the messages of [`protocol`]), packs compatible ones together ([`fusion`]), runs
-//! the collective algorithms ([`ring`]) over a [`transport`] (TCP between processes, an in-memory one for
-//! tests), and completes the caller's handle with the result or a precise error ([`error`]).
+//! the collective algorithms ([`ring`]) over a [`transport`] (shared memory inside a host, TCP or UCX between hosts, an
+//! in-memory one for tests), and completes the caller's handle with the result or a precise error ([`error`]).
 //! Every knob is read once into a [`config::Config`], given what [`launch`] detected about the launcher (the
 //! plain data of how a rank joins its job is in [`launched`]; 0600 files of this user in [`private_file`]).
 //! Jobs that mpirun, srun or torchrun started (not rvodrun) meet through [`launch`]: rank 0 serves the

@@ -103,7 +103,7 @@ pub fn connect_members(
     if (0..layout.hosts()).all(|h| layout.members(h).len() == 1) {
         return cross(store, scope, &everyone);
     }
-    // Spanning hosts: shared memory among this host's members, TCP to the members on other hosts.
+    // Spanning hosts: shared memory among this host's members, TCP or UCX to the members on other hosts.
     let local_scope = format!("{scope}/host{host}");
     let index = layout.local_index(local_rank);
     let here: Vec<usize> = layout.members(host).iter().map(|&r| members[r]).collect();

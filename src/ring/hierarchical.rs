@@ -1,5 +1,5 @@
 //! Hierarchical collectives for communicators that span hosts: flat algorithms run over the local part
-//! (this host's members, shared memory) and the cross part (one member per host, TCP) of a
+//! (this host's members, shared memory) and the cross part (one member per host, TCP or UCX) of a
 //! [`HostParts`], so each byte crosses the network once per host instead of once per rank.
 //!
 //! Both need a homogeneous layout (every host has the same number of members); the executor takes the

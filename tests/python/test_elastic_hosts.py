@@ -1,12 +1,14 @@
 """Elastic training across separate machines: hosts a, b and c are network namespaces with an sshd each
 (tests/python/netns.py), and rvodrun runs in the test-made launcher namespace, reaching them over ssh, with
-the PyTorch workers of test_elastic.py (workers/elastic_torch.py). Skipped, with the reason, where network
+the PyTorch workers of test_elastic.py (workers/elastic_torch.py): losing a host, gaining one, and both in one
+job with the links between hosts over UCX (where libucp can be loaded). Skipped, with the reason, where network
 namespaces cannot be made (not root, no sshd).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -16,8 +18,10 @@ from test_elastic import (WORKER, ElasticJob, assert_every_sample_once_per_epoch
                           read)
 
 import netns
+import ucx_env
 
 _REASON = netns.skip_reason()
+_UCX_REASON = ucx_env.skip_reason()
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
 
 
@@ -98,4 +102,36 @@ def test_host_appearing_grows_the_job_onto_it_from_the_committed_state(job_env, 
     assert "world 2 (added): 3 ranks on a, b, c; 1 started" in job.stderr, job.report()
     done = read(tmp_path, "done.jsonl")
     assert len(done) == 3 and len({d["params"] for d in done}) == 1
+    assert cluster.wait_until_empty() == {}
+
+
+@pytest.mark.skipif(_UCX_REASON is not None, reason=_UCX_REASON or "")
+@pytest.mark.timeout(300)
+def test_over_ucx_a_host_gained_then_a_host_lost(job_env, cluster, tmp_path):
+    """Both re-formings with the links between hosts over UCX (its TCP transport, see ucx_env): the job on a
+    and b grows onto c when discovery adds it, then rank 1 (on b) of that world kills itself with SIGKILL and
+    the workers on a and c go on from the last commit; every world connects over UCX, every sample of every
+    epoch is counted once, and nothing is left running."""
+    env = cluster.env(job_env)
+    env.update(UCX_TLS=ucx_env.SETTINGS["UCX_TLS"])
+    job = ElasticJob(env, tmp_path, "a:1\nb:1\n", ["--transport", "ucx", "--verbose", "--min-np", "2", "--max-np", "3"],
+                     wrap=cluster.launch_args, ELASTIC_SAMPLES="24", ELASTIC_EPOCHS="3", ELASTIC_STEP_SECONDS="0.2",
+                     ELASTIC_KILL="2:1:4")
+    job.wait_for("progress.jsonl", lambda entry: entry["batch"] >= 2, 180)
+    job.set_hosts("a:1\nb:1\nc:1\n")
+    assert job.finish(200) == 0, job.report()
+    assert_every_sample_once_per_epoch(tmp_path, 3, 24)
+    worlds = assert_worlds_start_in_step(tmp_path)
+    assert sorted(worlds) == [1, 2, 3], job.report()
+    assert sorted((s["rank"], s["host"]) for s in worlds[2]) == [(0, "a"), (1, "b"), (2, "c")]
+    assert sorted((s["rank"], s["host"]) for s in worlds[3]) == [(0, "a"), (1, "c")]
+    assert [(k["round"], k["rank"]) for k in read(tmp_path, "kills.jsonl")] == [(2, 1)]
+    assert "world 2 (added): 3 ranks on a, b, c; 1 started" in job.stderr, job.report()
+    assert re.search(r"rank 1 on b\) was killed by signal SIGKILL; host b is blacklisted", job.stderr), job.report()
+    assert "world 3 (failure): 2 ranks on a, c" in job.stderr, job.report()
+    # Rank 0's log line in each of the three worlds (rvodrun --verbose puts the ranks' log at INFO).
+    assert len(re.findall(r"rank 0: between hosts through UCX \S+ from \S+ \(RVOD_TRANSPORT=ucx\)", job.stderr)) == 3, \
+        job.report()
+    done = read(tmp_path, "done.jsonl")
+    assert len(done) == 2 and len({d["params"] for d in done}) == 1
     assert cluster.wait_until_empty() == {}

@@ -2,18 +2,24 @@
 whose names are only names (tests/python/jobs.py's FakeHostsJob), so each "host"'s ranks share memory and
 the hosts talk over UCX (RVOD_TRANSPORT=ucx, UCX_TLS=tcp,self,sm). Checks --check-build's UCX section,
 which transport each communicator runs on, a remote rank that is killed or frozen (the others raise
-naming it), a libucp that cannot be loaded (a clear error when forced, TCP under auto), and a bad
-RVOD_TRANSPORT. The same ops over real network namespaces are in test_multihost.py, every op x dtype
-with hierarchical algorithms on and off in test_hierarchical.py. Skipped, with the reason, where libucp
-cannot be loaded.
+naming it), a failure inside UCX (an RvodInternalError naming the rank and UCX's message), a stranger
+poking at UCX's own listening sockets (ignored), a libucp that cannot be loaded (a clear error when
+forced, TCP under auto, said only at INFO), and a bad RVOD_TRANSPORT. The same ops over real network
+namespaces are in test_multihost.py, every op x dtype with hierarchical algorithms on and off in
+test_hierarchical.py, Adasum in test_adasum_hosts.py, elastic re-forming in test_elastic_hosts.py.
+Skipped, with the reason, where libucp cannot be loaded.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import socket
 import subprocess
 import sys
 import textwrap
+import time
+from pathlib import Path
 
 import pytest
 from jobs import WORKERS, FakeHostsJob
@@ -96,7 +102,10 @@ def test_forcing_ucx_without_libucp_fails_clearly_and_auto_falls_back_to_tcp(job
                                   [PYTHON, "-c", TRANSPORT_JOB], {**missing, "RVOD_LOG_LEVEL": "info"})
     assert all(res.returncode == 0 for res in results.values()), job.report()
     assert [res.stdout.strip() for res in results.values()] == ["TRANSPORT shm+tcp"] * 3, job.report()
-    assert "between hosts through TCP (RVOD_TRANSPORT=auto): " in results[0].stderr, job.report()
+    # Said at INFO (which rvodrun --verbose shows), and nothing at WARN or ERROR.
+    assert re.search(r" INFO rank 0: between hosts through TCP \(RVOD_TRANSPORT=auto\): ", results[0].stderr), \
+        job.report()
+    assert not any(re.search(r"\b(WARN|ERROR)\b", res.stderr) for res in results.values()), job.report()
 
 
 @pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
@@ -138,3 +147,110 @@ def test_a_remote_rank_killed_or_frozen_is_named_by_the_others(job_env, tmp_path
             assert kind in ("RvodInternalError", "RvodTimeoutError") and seconds < 3.0, report
         else:
             assert kind == "RvodTimeoutError" and 3.5 <= seconds < 10.0, report
+
+
+ERROR_JOB = textwrap.dedent("""
+    import numpy as np
+    import rvod.numpy as hvd
+    try:
+        hvd.init()
+        hvd.allreduce(np.ones(4), op=hvd.Sum)
+    except Exception as error:
+        print("ERROR", type(error).__name__, error, flush=True)
+""")
+
+
+@pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
+@pytest.mark.timeout(60)
+def test_a_failure_inside_ucx_is_an_internal_error_naming_the_rank_and_ucxs_message(job_env, tmp_path):
+    """Host b's UCX may use shared memory only (UCX_TLS=sm,self), which cannot reach host a: UCX refuses to
+    connect the endpoints, and each rank's init() raises RvodInternalError naming the other rank and UCX's own
+    words, within seconds."""
+    with FakeHostsJob("hosta:1,hostb:1", job_env, 2, [PYTHON, "-c", ERROR_JOB], tmp_path,
+                      settings={**ucx_env.SETTINGS, "RVOD_TIMEOUT": "5"}) as job:
+        started = time.monotonic()
+        job.start([0])
+        job.start([1], env={"UCX_TLS": "sm,self"})
+        results = job.wait(40)
+        report = job.report()
+    assert time.monotonic() - started < 20, report
+    for rank, res in results.items():
+        assert res.returncode == 0, report
+        # UCX logs its own view of the failure to stdout too (its default); the error is the last line.
+        assert re.fullmatch(rf"ERROR RvodInternalError connecting to the other ranks over UCX failed: connection "
+                            rf"set-up with rank {1 - rank} failed: UCX (ucp_ep_create failed|could not reach it): "
+                            r"[A-Z][\w ,.-]+", res.stdout.splitlines()[-1]), report
+
+
+STRANGER_JOB = textwrap.dedent("""
+    import os, sys, time
+    import numpy as np
+    import rvod.numpy as hvd
+    hvd.init()
+    hvd.allreduce(np.ones(4), op=hvd.Sum)
+    print("READY", os.getpid(), flush=True)
+    while not os.path.exists(sys.argv[1]):
+        time.sleep(0.05)
+    for step in range(5):
+        total = hvd.allreduce(np.arange(1 << 18, dtype=np.float64) * (hvd.rank() + step), op=hvd.Sum)
+        assert total[7] == 7 * (2 * step + 1), (step, total[:8])
+    print("DONE", flush=True)
+""")
+
+
+def listening_sockets(pid: int) -> list[tuple[str, int]]:
+    """The TCP addresses process `pid` listens on (from /proc: its socket inodes in the LISTEN state)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    found = []
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: TCP_LISTEN
+                address, port = fields[1].rsplit(":", 1)
+                raw = b"".join(bytes.fromhex(address[i:i + 8])[::-1] for i in range(0, len(address), 8))
+                found.append((socket.inet_ntop(family, raw), int(port, 16)))
+    return found
+
+
+@pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
+@pytest.mark.timeout(60)
+def test_a_stranger_at_ucxs_own_listening_sockets_changes_nothing(job_env, tmp_path):
+    """UCX's TCP transport listens on sockets of its own, which rvod's handshake does not guard. A stranger
+    who connects to every one of them, on both ranks, and sends nothing, zeros, random bytes or an HTTP
+    request gets nothing, and the job's collectives after that are all correct."""
+    go = tmp_path / "go"
+    with FakeHostsJob("hosta:1,hostb:1", job_env, 2, [PYTHON, "-c", STRANGER_JOB, str(go)], tmp_path,
+                      settings={**ucx_env.SETTINGS, "RVOD_TIMEOUT": "10"}) as job:
+        job.start()
+        deadline = time.monotonic() + 30
+        while not all("READY" in job.output(rank)[0] for rank in (0, 1)):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in job.processes.values()), \
+                job.report()
+            time.sleep(0.05)
+        poked = []
+        for rank in (0, 1):
+            pid = int(job.output(rank)[0].split()[1])
+            for address in listening_sockets(pid):
+                for payload in (b"", bytes(64), os.urandom(4096), b"GET / HTTP/1.0\r\n\r\n"):
+                    with socket.create_connection(address, timeout=5) as stranger:
+                        stranger.sendall(payload)
+                        stranger.settimeout(0.2)
+                        try:
+                            answer = stranger.recv(4096)
+                        except (TimeoutError, ConnectionResetError):
+                            answer = b""
+                    assert answer == b"", (address, payload[:16], answer)
+                    poked.append(address)
+        assert poked, "found no listening socket to poke at"
+        go.write_text("")
+        results = job.wait(40)
+        report = job.report()
+    for res in results.values():
+        assert res.returncode == 0 and res.stdout.split()[-1] == "DONE", report

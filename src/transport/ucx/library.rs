@@ -229,6 +229,48 @@ mod tests {
         assert!(rdma_transports(&["tcp/eth0".to_string(), "cma/memory".to_string()]).is_empty());
     }
 
+    /// A stand-in libucp that has every function rvod looks up but says it is UCX 1.9.0, built with `cc`
+    /// (`None`, with the reason printed, where there is no C compiler).
+    fn old_libucp() -> Option<PathBuf> {
+        let dir = std::env::temp_dir().join(format!("rvod-old-libucp-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let names = "ucp_init_version ucp_cleanup ucp_context_print_info ucp_worker_create ucp_worker_destroy \
+                     ucp_worker_get_address ucp_worker_release_address ucp_worker_progress ucp_worker_get_efd \
+                     ucp_worker_arm ucp_ep_create ucp_ep_close_nbx ucp_tag_send_nbx ucp_tag_probe_nb \
+                     ucp_tag_msg_recv_nbx ucp_request_check_status ucp_request_cancel ucp_request_free \
+                     ucs_status_string";
+        let mut source = String::from(
+            "void ucp_get_version(unsigned *major, unsigned *minor, unsigned *release) \
+             { *major = 1; *minor = 9; *release = 0; }\n\
+             const char *ucp_get_version_string(void) { return \"1.9.0\"; }\n",
+        );
+        for name in names.split_whitespace() {
+            source.push_str(&format!("void {name}(void) {{}}\n"));
+        }
+        std::fs::write(dir.join("old_libucp.c"), source).unwrap();
+        let library = dir.join("old-libucp.so");
+        let built = std::process::Command::new("cc")
+            .args(["-shared", "-fPIC", "-o"])
+            .arg(&library)
+            .arg(dir.join("old_libucp.c"))
+            .status();
+        match built {
+            Ok(status) if status.success() => Some(library),
+            other => {
+                eprintln!("skipped: could not build a stand-in libucp with cc: {other:?}");
+                None
+            }
+        }
+    }
+
+    #[test]
+    fn a_libucp_older_than_1_10_is_refused_as_too_old() {
+        let Some(library) = old_libucp() else { return };
+        let error = Ucx::open(&library, "from RVOD_UCX_LIBRARY").err().unwrap();
+        assert_eq!(error, format!("UCX 1.9.0 at {} is too old: rvod needs UCX 1.10 or later", library.display()));
+        std::fs::remove_dir_all(library.parent().unwrap()).unwrap();
+    }
+
     #[test]
     fn a_setting_that_does_not_load_is_reported() {
         let error = Ucx::open(Path::new("/nonexistent/libucp.so.0"), "from RVOD_UCX_LIBRARY").err().unwrap();
