@@ -66,7 +66,7 @@ class JaxAdapter(TensorAdapter):
     def from_dlpack(self, capsule):
         # Zero copy where the buffer is aligned as XLA wants (the engine's own allocations are); a result the
         # engine hands out of a larger buffer (a reducescatter's share) may not be, and is copied.
-        return jax.dlpack.from_dlpack(_Capsule(capsule), copy=None)
+        return jax.dlpack.from_dlpack(_Capsule(capsule))
 
     def from_ndarray(self, array):
         return jnp.asarray(array)

@@ -170,6 +170,18 @@ with check("inside jit: a traced op is named by its call site, the same at every
              np.full((2,), N * step + N * (N - 1) / 2))
     assert len(traces) == 1, f"traced {len(traces)} times"
 
+    def loop(arrays):  # one call site, so one name, for arrays of different shapes: they run one by one
+        return [hvd.allreduce(a, op=hvd.Sum) for a in arrays]
+
+    shapes = [(1,), (2, 3), (4,)]
+    for got, shape in zip(jax.jit(loop)([full(shape, R + 1.0) for shape in shapes]), shapes):
+        same(f"loop {shape}", got, np.full(shape, N * (N + 1) / 2))
+
+with check("an eager op while a jitted op is still in flight (JAX dispatches asynchronously)"):
+    in_flight = jax.jit(lambda v: hvd.allreduce(v * 2, op=hvd.Sum, name="in.flight"))(full((3,), float(R)))
+    same("eager", hvd.allreduce(full((3,), float(R)), op=hvd.Sum, name="meanwhile"), np.full(3, N * (N - 1) / 2))
+    same("jit", in_flight, np.full(3, N * (N - 1)))
+
 # ------------------------------------------------------------------- eager-only forms and jit restrictions
 
 with check("allgather and grouped_allgather of uneven first dimensions, eagerly"):
