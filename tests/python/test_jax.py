@@ -16,7 +16,7 @@ pytest.importorskip("jax", reason="rvod.jax needs JAX (pip install jax optax) to
 pytest.importorskip("optax", reason="rvod.jax's DistributedOptimizer needs optax (pip install optax) to be tested")
 
 # Checks per rank: the last rank dies before the dead-peer check; only the 2-rank job trains the MLP.
-CHECKS = {2: {0: 39, 1: 38}, 3: {0: 38, 1: 38, 2: 37}}
+CHECKS = {2: {0: 40, 1: 39}, 3: {0: 39, 1: 39, 2: 38}}
 
 
 @pytest.mark.timeout(150)

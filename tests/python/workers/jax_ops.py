@@ -205,6 +205,16 @@ with check("NumPy arrays and lists in, jax.Arrays out; 0-d results"):
     same("list", hvd.broadcast([1, 2, R], 0), [1, 2, 0])
     same("0-d", hvd.allreduce(jnp.asarray(np.float32(R)), op=hvd.Max), N - 1)
 
+with check("Adasum eagerly and inside jit (rank r sends (r + 1) v: parallel vectors)"):
+    v = np.array([1.0, 2.0, 3.0])
+    want = v * (N + 1) / 2 if N == 2 else None  # two parallel vectors a, 2a combine to 1.5 a
+    for mode, fn in (("eager", hvd.allreduce), ("jit", jax.jit(hvd.allreduce, static_argnames="op"))):
+        got = fn(jnp.asarray(v * (R + 1)), op=hvd.Adasum)
+        if want is not None:
+            same(mode, got, want, rtol=1e-12)
+        else:  # every rank gets the same bits
+            same(mode, got, np.asarray(hvd.broadcast(got, 0, name=f"adasum.{mode}")))
+
 with check("inside jit: alltoall refuses splits, join refuses to run, and neither sends anything"):
     expect_error(RvodInvalidArgumentError, "inside jax.jit takes no splits",
                  jax.jit(lambda x: hvd.alltoall(x, splits=[1] * N)), ones(N))
