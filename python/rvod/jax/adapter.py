@@ -13,11 +13,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rvod.common.numpy_adapter import NumpyAdapter
 from rvod.common.ops import DTYPE_NAMES, TensorAdapter
 
-# The engine's element types, by name (jax's dtype names are the same: bfloat16 is ml_dtypes').
-SUPPORTED_DTYPES = DTYPE_NAMES
-_SUPPORTED_NAMES = ", ".join(sorted(SUPPORTED_DTYPES))
+# The engine's element types (jax's dtype names are the same: bfloat16 is ml_dtypes'), as dtypes: a set lookup
+# of a dtype costs far less than its name.
+SUPPORTED_DTYPES = frozenset(jnp.dtype(name) for name in DTYPE_NAMES)
+_SUPPORTED_NAMES = ", ".join(sorted(DTYPE_NAMES))
 _CPU = 1  # DLPack's device type of host memory
 
 
@@ -40,7 +42,7 @@ class _Capsule:
 def as_array(value, what="rvod.jax"):
     """``value`` as a jax.Array on the CPU of a dtype the engine exchanges, else a ``TypeError``."""
     array = value if isinstance(value, jax.Array) else jnp.asarray(value)
-    if array.dtype.name not in SUPPORTED_DTYPES:
+    if array.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"{what} cannot exchange arrays of dtype {array.dtype.name}; supported: {_SUPPORTED_NAMES}")
     platforms = {device.platform for device in array.devices()}
     if platforms != {"cpu"}:
@@ -79,3 +81,15 @@ class JaxAdapter(TensorAdapter):
 
     def received_splits(self, splits):
         return jnp.asarray(splits, dtype=jnp.int32)
+
+
+class HostResultsAdapter(JaxAdapter):
+    """Inside a host callback of a compiled program: results are NumPy arrays viewing the engine's buffers,
+    which JAX copies into its own buffers as it does any callback's results (jax.Arrays made of them first
+    would cost a copy more where the buffer is not aligned as XLA wants). Not for bfloat16 results, which
+    NumPy cannot import."""
+
+    _numpy = NumpyAdapter()
+
+    def from_dlpack(self, capsule):
+        return self._numpy.from_dlpack(capsule)

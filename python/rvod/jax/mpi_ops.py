@@ -39,6 +39,7 @@ There are no in-place ops (jax.Arrays are immutable) and no ``*_async`` ops (JAX
 itself). ``grouped_*`` ops take any pytree of arrays and return the same structure.
 """
 
+import functools
 import importlib
 import os
 import sys
@@ -61,9 +62,10 @@ from rvod.common.process_sets import (  # noqa: F401
 from rvod.common.reduce_ops import Adasum, Average, Max, Min, Product, Sum, resolve_op  # noqa: F401
 from rvod.common.sharding import chunk
 from rvod.exceptions import RvodInvalidArgumentError, RvodMismatchError
-from rvod.jax.adapter import JaxAdapter, as_array
+from rvod.jax.adapter import HostResultsAdapter, JaxAdapter, as_array
 
 _adapter = JaxAdapter()
+_host_results = HostResultsAdapter()
 _Tracer = jax.core.Tracer
 
 
@@ -121,10 +123,17 @@ def _like(x, shape=None):
 
 
 def _run(eager, inputs, shapes, staged):
-    """``eager(*inputs)`` now, or, while tracing, as an ordered host callback returning ``shapes``."""
+    """``eager(adapter, *inputs)`` now, or, while tracing, as an ordered host callback returning ``shapes``."""
     if not staged:
-        return eager(*inputs)
-    return io_callback(eager, shapes, *inputs, ordered=True)
+        return eager(_adapter, *inputs)
+    return io_callback(functools.partial(_in_callback, eager), shapes, *inputs, ordered=True)
+
+
+def _in_callback(eager, *xs):
+    """``eager`` run by the compiled program: its results may be NumPy arrays (see ``HostResultsAdapter``),
+    unless they are bfloat16 (an op's results have its inputs' dtypes)."""
+    bfloat16 = any(x.dtype == jnp.bfloat16 for x in xs)
+    return eager(_adapter if bfloat16 else _host_results, *xs)
 
 
 def _zero_cotangent(x):
@@ -172,11 +181,11 @@ def _tree(tensors, what):
 def _allreduce(tensors, name, op, prescale_factor, postscale_factor, process_set, grouped):
     """Allreduce of a list of arrays (one op, or one grouped op); returns a list."""
 
-    def eager(*xs):
+    def eager(adapter, *xs):
         if grouped:
-            return _ops.wait_for(_ops.grouped_allreduce_async, _adapter, list(xs), None, name, op, prescale_factor,
+            return _ops.wait_for(_ops.grouped_allreduce_async, adapter, list(xs), None, name, op, prescale_factor,
                                  postscale_factor, process_set)
-        return [_ops.allreduce(_adapter, xs[0], None, name, op, prescale_factor, postscale_factor, process_set)]
+        return [_ops.allreduce(adapter, xs[0], None, name, op, prescale_factor, postscale_factor, process_set)]
 
     def forward(xs):
         staged = _staged(xs)
@@ -230,22 +239,22 @@ def _allgather(tensors, name, process_set, grouped, expected=None):
     """Allgather of a list of arrays; inside jit every rank's first dimensions are ``expected`` (see
     ``_traced_rows``), checked on every rank when it runs."""
 
-    def eager(*xs):
+    def eager(adapter, *xs):
         if grouped:
-            return _ops.wait_for(_ops.grouped_allgather_async, _adapter, list(xs), name, process_set)
-        return [_ops.allgather(_adapter, xs[0], name, process_set)]
+            return _ops.wait_for(_ops.grouped_allgather_async, adapter, list(xs), name, process_set)
+        return [_ops.allgather(adapter, xs[0], name, process_set)]
 
     def forward(xs):
         staged = _staged(xs)
         if not staged:
-            return eager(*xs)
+            return eager(_adapter, *xs)
         rows = _traced_rows(xs, process_set, expected)
 
-        def checked(*xs):
+        def checked(adapter, *xs):
             # Every rank's first dimensions travel with the data (one grouped op), so that every rank sees
             # that they differ from those traced for, and all of them raise.
             sent = np.array([[_rows(x) for x in xs]], dtype=np.int32)
-            *gathered, given = _ops.wait_for(_ops.grouped_allgather_async, _adapter, [*xs, sent], name,
+            *gathered, given = _ops.wait_for(_ops.grouped_allgather_async, adapter, [*xs, sent], name,
                                              process_set)
             given = np.asarray(given).T.tolist()
             if given != rows:
@@ -302,8 +311,8 @@ def grouped_allgather(tensors, name=None, process_set=global_process_set):
 
 
 def _broadcast(tensor, root_rank, name, process_set):
-    def eager(x):
-        return [_ops.broadcast(_adapter, x, root_rank, name, process_set)]
+    def eager(adapter, x):
+        return [_ops.broadcast(adapter, x, root_rank, name, process_set)]
 
     def forward(xs):
         staged = _staged(xs)
@@ -327,15 +336,15 @@ def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
 
 def _alltoall(tensor, splits, name, process_set):
     """``(output, received_splits)``: ``received_splits`` a list of ints (None inside jit)."""
-    received = []
+    received = []  # the splits the last run received (a compiled program runs this closure again and again)
 
-    def eager(x):
-        output, got = _ops.wait_for(_ops.alltoall_async, _adapter, x, splits, name, process_set, True)
-        received.append([int(v) for v in got])
+    def eager(adapter, x):
+        output, got = _ops.wait_for(_ops.alltoall_async, adapter, x, splits, name, process_set, True)
+        received[:] = [[int(v) for v in got]]
         return [output]
 
-    def checked(x):
-        output, = eager(x)
+    def checked(adapter, x):
+        output, = eager(adapter, x)
         even = [x.shape[0] // len(received[-1])] * len(received[-1]) if x.ndim else []
         if received[-1] != even:
             raise RvodMismatchError(
@@ -346,7 +355,7 @@ def _alltoall(tensor, splits, name, process_set):
 
     def forward(xs):
         if not _staged(xs):
-            return eager(*xs)
+            return eager(_adapter, *xs)
         if splits is not None:
             raise RvodInvalidArgumentError(
                 "alltoall inside jax.jit takes no splits: its output's shape is fixed when tracing, so it splits dim "
@@ -392,17 +401,17 @@ def _shares(rows, process_set):
 
 
 def _reducescatter(tensors, name, op, prescale_factor, postscale_factor, process_set, grouped):
-    def eager(*xs):
+    def eager(adapter, *xs):
         if grouped:
-            return _ops.wait_for(_ops.grouped_reducescatter_async, _adapter, list(xs), name, op, process_set,
+            return _ops.wait_for(_ops.grouped_reducescatter_async, adapter, list(xs), name, op, process_set,
                                  prescale_factor, postscale_factor)
-        return [_ops.wait_for(_ops.reducescatter_async, _adapter, xs[0], name, op, process_set, prescale_factor,
+        return [_ops.wait_for(_ops.reducescatter_async, adapter, xs[0], name, op, process_set, prescale_factor,
                               postscale_factor)]
 
     def forward(xs):
         staged = _staged(xs)
         if not staged:
-            return eager(*xs)
+            return eager(_adapter, *xs)
         me = process_set.rank()
         return _run(eager, xs, [_like(x, (_shares(_rows(x), process_set)[me], *x.shape[1:])) for x in xs], True)
 
