@@ -41,7 +41,8 @@ class _Capsule:
 
 def as_array(value, what="rvod.jax"):
     """``value`` as a jax.Array on the CPU of a dtype the engine exchanges, else a ``TypeError``."""
-    array = value if isinstance(value, jax.Array) else jnp.asarray(value)
+    # jax.device_put, not jnp.asarray: eagerly, jnp.asarray of a NumPy array compiles an XLA program per shape.
+    array = value if isinstance(value, jax.Array) else jax.device_put(np.asarray(value))
     if array.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"{what} cannot exchange arrays of dtype {array.dtype.name}; supported: {_SUPPORTED_NAMES}")
     platforms = {device.platform for device in array.devices()}
@@ -71,7 +72,7 @@ class JaxAdapter(TensorAdapter):
         return jax.dlpack.from_dlpack(_Capsule(capsule))
 
     def from_ndarray(self, array):
-        return jnp.asarray(array)
+        return jax.device_put(array)
 
     def copy_(self, dst, src):
         raise TypeError("jax.Arrays are immutable: rvod.jax has no in-place ops")
@@ -80,7 +81,7 @@ class JaxAdapter(TensorAdapter):
         return [int(v) for v in np.asarray(values).reshape(-1).tolist()]
 
     def received_splits(self, splits):
-        return jnp.asarray(splits, dtype=jnp.int32)
+        return jax.device_put(np.asarray(splits, dtype=np.int32))
 
 
 class HostResultsAdapter(JaxAdapter):

@@ -286,7 +286,7 @@ def _own_rows(gathered, own_rows, process_set, expected):
         rows = expected or [[own] * _set_size(process_set) for own in own_rows]
         offsets = [sum(r[:me]) for r in rows]
     else:
-        counts = _ops.allgather(_adapter, jnp.asarray([own_rows], dtype=jnp.int32), None, process_set)
+        counts = _ops.allgather(_adapter, np.asarray([own_rows], dtype=np.int32), None, process_set)
         offsets = np.asarray(counts)[:me].sum(axis=0).tolist() if me else [0] * len(own_rows)
     return [jax.lax.slice_in_dim(g, offset, offset + count) for g, offset, count in zip(gathered, offsets, own_rows)]
 
@@ -391,7 +391,7 @@ def _check_scatter_op(op):
 
 def _reducescatter_grad(gathered, op, prescale_factor, postscale_factor, process_set):
     scale = prescale_factor * postscale_factor * (_set_size(process_set) if op == Sum else 1)
-    return gathered if scale == 1 else gathered * jnp.asarray(scale, dtype=gathered.dtype)
+    return gathered if scale == 1 else gathered * np.asarray(scale, dtype=gathered.dtype)
 
 
 def _shares(rows, process_set):

@@ -145,8 +145,9 @@ class JaxAdapter:
         self.jax, self.jnp, self.hvd = jax, jnp, rvod.jax
 
     def tensor(self, values, dtype):
-        # Converted by NumPy (ml_dtypes has bfloat16): a jnp conversion would compile an XLA program per shape.
-        return self.jnp.asarray(values.astype(np.bool_ if dtype == "bool" else self.jnp.dtype(dtype)))
+        # Converted by NumPy (ml_dtypes has bfloat16) and put on the device: eagerly, jnp.asarray and jnp's
+        # conversions compile an XLA program per shape and dtype.
+        return self.jax.device_put(values.astype(np.bool_ if dtype == "bool" else self.jnp.dtype(dtype)))
 
     def is_tensor(self, value):
         return isinstance(value, self.jax.Array) and {d.platform for d in value.devices()} == {"cpu"}
@@ -162,7 +163,7 @@ class JaxAdapter:
         return None  # immutable arrays: every op is out of place
 
     def splits(self, splits):
-        return self.jnp.asarray(splits, dtype=self.jnp.int32)
+        return self.jax.device_put(np.asarray(splits, dtype=np.int32))
 
 
 class MXNetAdapter:

@@ -40,19 +40,23 @@ def data(dtype, shape, rank, seed, product=False):
     return contribution(np.float64, shape, rank, seed, product, n=N)
 
 
+def put(values, dtype=None):
+    """A jax.Array of NumPy data. Eagerly, jnp.asarray, jnp.ones and the like (and dtype conversions) compile
+    an XLA program per shape and dtype, which would cost this worker more than all of its collectives;
+    jax.device_put of a NumPy array does not (NumPy converts, ml_dtypes giving it bfloat16)."""
+    return jax.device_put(np.asarray(values, dtype))
+
+
 def ones(shape, dtype=np.float64):
-    """``jnp.ones``, made by NumPy: eagerly, jnp's constructors compile an XLA program per shape and dtype,
-    which costs this worker more than all of its collectives."""
-    return jnp.asarray(np.ones(shape, dtype))
+    return put(np.ones(shape, dtype))
 
 
 def full(shape, value, dtype=np.float64):
-    return jnp.asarray(np.full(shape, value, dtype))
+    return put(np.full(shape, value, dtype))
 
 
 def mine(dtype, shape, seed, product=False):
-    # Converted by NumPy (ml_dtypes has bfloat16): a jnp conversion would compile an XLA program per shape.
-    return jnp.asarray(data(dtype, shape, R, seed, product).astype(jnp.dtype(dtype)))
+    return put(data(dtype, shape, R, seed, product), jnp.dtype(dtype))
 
 
 def stack(shape, seed, product=False):
@@ -186,8 +190,8 @@ with check("an eager op while a jitted op is still in flight (JAX dispatches asy
 
 with check("allgather and grouped_allgather of uneven first dimensions, eagerly"):
     parts = [data(None, (r + 1, 2), r, 8) for r in range(N)]
-    same("allgather", hvd.allgather(jnp.asarray(parts[R], jnp.float32)), np.concatenate(parts), jnp.float32)
-    gathered = hvd.grouped_allgather([jnp.asarray(parts[R]), jnp.asarray(np.arange(R, dtype=np.int32))])
+    same("allgather", hvd.allgather(put(parts[R], np.float32)), np.concatenate(parts), jnp.float32)
+    gathered = hvd.grouped_allgather([put(parts[R]), put(np.arange(R, dtype=np.int32))])
     same("grouped 0", gathered[0], np.concatenate(parts))
     same("grouped 1", gathered[1], np.concatenate([np.arange(r) for r in range(N)]), jnp.int32)
 
@@ -195,21 +199,21 @@ with check("alltoall with splits, as a list and as an array, eagerly: output and
     matrix = [[(s + d) % 3 for d in range(N)] for s in range(N)]
     sent = [data(None, (sum(matrix[s]), 2), s, 9) for s in range(N)]
     want = np.concatenate(alltoall_blocks(lambda s: sent[s], matrix, R))
-    for splits in (matrix[R], jnp.asarray(matrix[R], jnp.int32), np.asarray(matrix[R])):
-        output, received = hvd.alltoall(jnp.asarray(sent[R], jnp.float32), splits=splits)
+    for splits in (matrix[R], put(matrix[R], np.int32), np.asarray(matrix[R])):
+        output, received = hvd.alltoall(put(sent[R], np.float32), splits=splits)
         same("output", output, want, jnp.float32)
         same("received", received, [matrix[s][R] for s in range(N)], jnp.int32)
 
 with check("NumPy arrays and lists in, jax.Arrays out; 0-d results"):
     same("numpy", hvd.allreduce(np.ones(3, np.float32), op=hvd.Sum), np.full(3, N), jnp.float32)
     same("list", hvd.broadcast([1, 2, R], 0), [1, 2, 0])
-    same("0-d", hvd.allreduce(jnp.asarray(np.float32(R)), op=hvd.Max), N - 1)
+    same("0-d", hvd.allreduce(put(np.float32(R)), op=hvd.Max), N - 1)
 
 with check("Adasum eagerly and inside jit (rank r sends (r + 1) v: parallel vectors)"):
     v = np.array([1.0, 2.0, 3.0])
     want = v * (N + 1) / 2 if N == 2 else None  # two parallel vectors a, 2a combine to 1.5 a
     for mode, fn in (("eager", hvd.allreduce), ("jit", jax.jit(hvd.allreduce, static_argnames="op"))):
-        got = fn(jnp.asarray(v * (R + 1)), op=hvd.Adasum)
+        got = fn(put(v * (R + 1)), op=hvd.Adasum)
         if want is not None:
             same(mode, got, want, rtol=1e-12)
         else:  # every rank gets the same bits
@@ -222,11 +226,11 @@ with check("inside jit: alltoall refuses splits, join refuses to run, and neithe
 
 with check("barrier eagerly and inside jit"):
     hvd.barrier()
-    same("after", jax.jit(lambda x: (hvd.barrier(), x + 1)[1])(jnp.asarray(np.float32(1))), 2)
+    same("after", jax.jit(lambda x: (hvd.barrier(), x + 1)[1])(put(np.float32(1))), 2)
 
 # ---------------------------------------------------------------------------------------------- gradients
 
-W = jnp.asarray(data(None, (4, 3), R, 10))  # a rank-dependent cotangent
+W = put(data(None, (4, 3), R, 10))  # a rank-dependent cotangent
 W_ALL = stack((4, 3), 10)
 
 
@@ -237,7 +241,7 @@ def grads(label, loss, x, expected, jitted):
 
 for mode in ("eager", "jit"):
     jitted = mode == "jit"
-    x = jnp.asarray(data(None, (4, 3), R, 11))
+    x = put(data(None, (4, 3), R, 11))
     with check(f"grad of allreduce Sum, Average and scaled Sum is the allreduce of the cotangent, {mode}"):
         grads("Sum", lambda v: (hvd.allreduce(v, op=hvd.Sum) * W).sum(), x, W_ALL.sum(0), jitted)
         grads("Average", lambda v: (hvd.allreduce(v, op=hvd.Average) * W).sum(), x, W_ALL.mean(0), jitted)
@@ -249,7 +253,7 @@ for mode in ("eager", "jit"):
         rows = 2 if jitted else R + 1  # inside jit every rank gives the same first dimension
         counts = [2 if jitted else r + 1 for r in range(N)]
         gathered_w = [data(None, (sum(counts), 3), r, 12) for r in range(N)]
-        mine_w = jnp.asarray(gathered_w[R])
+        mine_w = put(gathered_w[R])
         start = sum(counts[:R])
         grads("allgather", lambda v: (hvd.allgather(v) * mine_w).sum(), ones((rows, 3)),
               np.mean(gathered_w, axis=0)[start:start + rows], jitted)
@@ -259,7 +263,7 @@ for mode in ("eager", "jit"):
     with check(f"grad of reducescatter: the allgathered cotangent (times the size for Sum), {mode}"):
         total = 2 * N + 1
         shares = [data(None, (rows_of(total, r).stop - rows_of(total, r).start, 3), r, 13) for r in range(N)]
-        share = jnp.asarray(shares[R])
+        share = put(shares[R])
         grads("Sum", lambda v: (hvd.reducescatter(v, op=hvd.Sum) * share).sum(), ones((total, 3)),
               np.concatenate(shares) * N, jitted)
         grads("Average", lambda v: (hvd.reducescatter(v, op=hvd.Average) * share).sum(), ones((total, 3)),
@@ -268,7 +272,7 @@ for mode in ("eager", "jit"):
         sent_rows = 2 * N
         cot = [data(None, (sent_rows, 3), r, 14) for r in range(N)]
         back = np.concatenate(alltoall_blocks(lambda s: cot[s], [[2] * N] * N, R))
-        grads("alltoall", lambda v: (hvd.alltoall(v) * jnp.asarray(cot[R])).sum(), ones((sent_rows, 3)), back,
+        grads("alltoall", lambda v: (hvd.alltoall(v) * put(cot[R])).sum(), ones((sent_rows, 3)), back,
               jitted)
 
 with check("grad of alltoall with uneven splits, eagerly"):
@@ -277,7 +281,7 @@ with check("grad of alltoall with uneven splits, eagerly"):
     cot = [data(None, (sum(matrix[s][r] for s in range(N)), 2), r, 15) for r in range(N)]
     # Rank d's cotangent rows come from the senders in rank order; each goes back to its sender.
     back = np.concatenate([cot[d][sum(matrix[s][d] for s in range(R)):][:matrix[R][d]] for d in range(N)])
-    g = jax.grad(lambda v: (hvd.alltoall(v, splits=matrix[R])[0] * jnp.asarray(cot[R])).sum())(
+    g = jax.grad(lambda v: (hvd.alltoall(v, splits=matrix[R])[0] * put(cot[R])).sum())(
         ones((sum(matrix[R]), 2)))
     same("alltoall", g, back)
     assert sum(received) == cot[R].shape[0]
@@ -290,7 +294,7 @@ with check("ops inside lax.scan: allreduce, allgather and broadcast every iterat
         gathered = hvd.allgather(carry[:1], name="scan.gather")
         return reduced / N + hvd.broadcast(step, 0), gathered
 
-    carry, gathered = jax.jit(lambda c: jax.lax.scan(body, c, jnp.asarray(np.arange(4.0))))(ones(3))
+    carry, gathered = jax.jit(lambda c: jax.lax.scan(body, c, put(np.arange(4.0))))(ones(3))
     want, history = np.ones(3), []
     for step in range(4):
         history.append(np.full((N,), want[0]))
@@ -305,7 +309,7 @@ with check("jax.grad through lax.scan with an allreduce inside, jitted"):
         return jax.lax.scan(step, ones(2), None, length=3)[0].sum()
 
     # Every rank's x is the same, so the result is x**3 per element and its gradient 3 x**2.
-    same("grad", jax.jit(jax.grad(scanned))(jnp.asarray([1.0, 2.0])), [3.0, 12.0])
+    same("grad", jax.jit(jax.grad(scanned))(put([1.0, 2.0])), [3.0, 12.0])
 
 with check("donated buffers: a jitted update that donates its input, fed its own output"):
     update = jax.jit(lambda p, g: p - 0.5 * hvd.allreduce(g, op=hvd.Average, name="donated"), donate_argnums=0)
@@ -324,12 +328,12 @@ with check("a process set, eagerly and inside jit (ranks outside it take no part
         want = np.full((2,), float(sum(SUBSET.ranks)))
         same("eager", hvd.allreduce(x, op=hvd.Sum, process_set=SUBSET), want)
         same("jit", jax.jit(lambda v: hvd.allreduce(v, op=hvd.Sum, process_set=SUBSET))(x), want)
-        same("gather", hvd.allgather(jnp.asarray([R]), process_set=SUBSET), SUBSET.ranks)
+        same("gather", hvd.allgather(put([R]), process_set=SUBSET), SUBSET.ranks)
     else:
         expect_error(RvodInvalidArgumentError, "not a member", hvd.allreduce, ones(2), process_set=SUBSET)
 
 with check("broadcast_parameters, broadcast_optimizer_state, broadcast_object, allgather_object"):
-    params = {"w": full((2, 2), float(R)), "layers": [jnp.asarray(np.arange(3) + R), jnp.asarray(np.float32(R))]}
+    params = {"w": full((2, 2), float(R)), "layers": [put(np.arange(3) + R), put(np.float32(R))]}
     got = hvd.broadcast_parameters(params, root_rank=N - 1)
     assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(params)
     same("w", got["w"], np.full((2, 2), N - 1.0))
@@ -358,7 +362,7 @@ with check("inside jit, allgather of different first dimensions raises on every 
         str(r + 1) for r in range(N)) + r"\]", lambda v: hvd.allgather(v, name="gather.rows"), ones((R + 1, 2)))
 
 with check("dtypes and devices rvod cannot exchange are refused before anything is sent"):
-    expect_error(TypeError, "cannot exchange arrays of dtype complex64", hvd.allreduce, jnp.asarray(np.ones(2, np.complex64)))
+    expect_error(TypeError, "cannot exchange arrays of dtype complex64", hvd.allreduce, put(np.ones(2, np.complex64)))
     expect_error(RvodInvalidArgumentError, "at least one tensor", hvd.grouped_allreduce, {})
     expect_error(RvodInvalidArgumentError, "only supports Average and Sum", hvd.reducescatter, ones(2),
                  op=hvd.Max)
@@ -381,8 +385,8 @@ def train_digits():
     images, labels = (table[:, :-1] / 16.0).astype(np.float32), table[:, -1].astype(np.int32)  # sliced by NumPy
     sizes = [64, 32, 10]
     rng = np.random.default_rng(100 + R)  # each rank starts elsewhere; the broadcast makes them agree
-    params = [{"w": jnp.asarray(rng.normal(size=(fan_in, fan_out)) / np.sqrt(fan_in), jnp.float32),
-               "b": jnp.asarray(np.zeros(fan_out, np.float32))} for fan_in, fan_out in zip(sizes[:-1], sizes[1:])]
+    params = [{"w": put(rng.normal(size=(fan_in, fan_out)) / np.sqrt(fan_in), jnp.float32),
+               "b": put(np.zeros(fan_out, np.float32))} for fan_in, fan_out in zip(sizes[:-1], sizes[1:])]
     params = hvd.broadcast_parameters(params, root_rank=0)
 
     def loss(p, x, y):
@@ -403,7 +407,7 @@ def train_digits():
     plain = optax.sgd(0.2, momentum=0.9)
     distributed = hvd.DistributedOptimizer(optax.sgd(0.2, momentum=0.9))
     batch = 12 * N
-    reference = jax.tree_util.tree_map(lambda leaf: jnp.asarray(np.array(leaf)), params)  # a copy to donate
+    reference = jax.tree_util.tree_map(lambda leaf: put(np.array(leaf)), params)  # a copy to donate
     ref_state, state = plain.init(reference), distributed.init(params)
     ref_step, step = stepper(plain), stepper(distributed)
     for i in range(25):
