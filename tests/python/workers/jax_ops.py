@@ -185,6 +185,9 @@ with check("an eager op while a jitted op is still in flight (JAX dispatches asy
     in_flight = jax.jit(lambda v: hvd.allreduce(v * 2, op=hvd.Sum, name="in.flight"))(full((3,), float(R)))
     same("eager", hvd.allreduce(full((3,), float(R)), op=hvd.Sum, name="meanwhile"), np.full(3, N * (N - 1) / 2))
     same("jit", in_flight, np.full(3, N * (N - 1)))
+    pending = jax.jit(lambda v: hvd.allreduce(v @ v, op=hvd.Sum, name="pending"))(ones((200, 200)))
+    # The eager op waits for the jitted one's result, whose callback needs the GIL meanwhile.
+    same("on its result", hvd.allreduce(pending, op=hvd.Sum, name="on.pending")[:1, :1], [[200.0 * N * N]])
 
 # ------------------------------------------------------------------- eager-only forms and jit restrictions
 
