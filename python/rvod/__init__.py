@@ -1,7 +1,8 @@
 """rvod: distributed deep-learning training with Horovod's API and a Rust engine.
 
 Change ``import horovod.torch as hvd`` to ``import rvod.torch as hvd`` (or ``rvod.numpy``,
-``rvod.tensorflow``, ``rvod.keras``, ``rvod.mxnet``) and launch with ``rvodrun -np N python train.py``.
+``rvod.tensorflow``, ``rvod.keras``, ``rvod.mxnet``; ``rvod.jax`` for JAX, which Horovod never had) and
+launch with ``rvodrun -np N python train.py``.
 ``rvod.run(fn, np=N, hosts=...)`` runs a function on every rank, as ``horovod.run`` does.
 Importing ``rvod`` itself imports no deep-learning framework (nor the native extension).
 """

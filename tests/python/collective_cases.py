@@ -78,6 +78,16 @@ FRAMEWORKS = {
         # 3 ranks run through NumPy and PyTorch.
         rank_counts=(2,),
     ),
+    "jax": Framework(
+        # Every dtype the engine has (int64, uint16 and float64 with jax_enable_x64, which the worker sets).
+        dtypes=("uint8", "uint16", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64",
+                "bool"),
+        # jax.Arrays are immutable and JAX dispatches asynchronously itself: rvod.jax has out-of-place ops only.
+        # These cases run eagerly; workers/jax_ops.py runs every op inside jax.jit.
+        variants={behaviour: ("outofplace",) for behaviour in HOROVOD_API},
+        # As for TensorFlow: the adapter does the same whatever the job size (test_jax.py runs 3 ranks).
+        rank_counts=(2,),
+    ),
     "mxnet": Framework(
         # MXNet 1.9's NDArray has no int16 or uint16, and rvod.mxnet refuses bool as horovod.mxnet does
         # (workers/mxnet_collectives.py checks the message).

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "python" / "rvod"
-SHIMS = ("torch", "tensorflow", "keras", "mxnet", "numpy")
+SHIMS = ("torch", "tensorflow", "keras", "mxnet", "numpy", "jax")
 NATIVE_IMPORTERS = ("common", "runner")
 
 # (importing shim, imported shim): why the edge is there.

@@ -21,6 +21,8 @@ ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, BARRIER, JOIN = (
     for kind in ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "barrier", "join")
 )
 _KIND_NAMES = {code: kind for kind, code in _rvod.COLLECTIVE_KINDS.items()}
+# The engine's element types by name (NumPy's names; bfloat16 is ml_dtypes'), for shims that check dtypes by name.
+DTYPE_NAMES = frozenset(_rvod.DTYPES)
 
 
 class TensorAdapter:

@@ -130,6 +130,42 @@ class TensorFlowAdapter:
         return self.tf.constant(splits, dtype=self.tf.int32)
 
 
+class JaxAdapter:
+    even_async_returns_splits = False
+    received_splits_as_list = False
+
+    def __init__(self):
+        import jax
+
+        jax.config.update("jax_enable_x64", True)  # int64, uint16 and float64 arrays
+        import jax.numpy as jnp
+
+        import rvod.jax
+
+        self.jax, self.jnp, self.hvd = jax, jnp, rvod.jax
+
+    def tensor(self, values, dtype):
+        # Converted by NumPy (ml_dtypes has bfloat16) and put on the device: eagerly, jnp.asarray and jnp's
+        # conversions compile an XLA program per shape and dtype.
+        return self.jax.device_put(values.astype(np.bool_ if dtype == "bool" else self.jnp.dtype(dtype)))
+
+    def is_tensor(self, value):
+        return isinstance(value, self.jax.Array) and {d.platform for d in value.devices()} == {"cpu"}
+
+    def dtype_of(self, tensor):
+        return tensor.dtype.name
+
+    def values(self, tensor):
+        values = np.asarray(tensor)
+        return values.astype(np.float32) if tensor.dtype == self.jnp.bfloat16 else values
+
+    def address(self, tensor):
+        return None  # immutable arrays: every op is out of place
+
+    def splits(self, splits):
+        return self.jax.device_put(np.asarray(splits, dtype=np.int32))
+
+
 class MXNetAdapter:
     BFLOAT16 = np.dtype([("bfloat16", np.uint16)])  # how MXNet 1.9 spells bfloat16
     even_async_returns_splits = False
@@ -168,7 +204,8 @@ class MXNetAdapter:
         return self.mx.nd.array(splits, dtype=np.int32)
 
 
-ADAPTERS = {"numpy": NumpyAdapter, "torch": TorchAdapter, "tensorflow": TensorFlowAdapter, "mxnet": MXNetAdapter}
+ADAPTERS = {"numpy": NumpyAdapter, "torch": TorchAdapter, "tensorflow": TensorFlowAdapter, "jax": JaxAdapter,
+            "mxnet": MXNetAdapter}
 FRAMEWORK = sys.argv[1]
 A = ADAPTERS[FRAMEWORK]()
 hvd = A.hvd
