@@ -28,8 +28,9 @@ use crate::timeline::OpRecord;
 
 type Results = Vec<Result<TensorResult, EngineError>>;
 
-/// How often the wait for an NCCL op polls its event and the communicator's error.
-const POLL: Duration = Duration::from_micros(50);
+/// The wait for an NCCL op polls its event and the communicator's error back to back for this long, then
+/// this often.
+const POLL: Duration = Duration::from_micros(100);
 
 /// Run `response` on this rank through `route` as `plan` says (see the module doc). `Err`: why it failed,
 /// naming the rank and GPU; the communicator must then be aborted.
