@@ -40,8 +40,9 @@ fn params_of_response(response: &Response, entry: &ResponseEntry) -> OpParams {
         postscale: response.postscale,
         splits: Vec::new(),
         parts: Vec::new(),
-        // Responses do not carry devices: a joined rank that later submits a GPU tensor of this name
-        // misses the cache once and negotiates it.
+        // A response says whether its tensors are on GPUs, not which GPU (each rank has its own): a joined
+        // rank that later submits a GPU tensor of this name finds other parameters, and every rank
+        // renegotiates it once.
         device: crate::protocol::message::CPU_DEVICE,
     }
 }
@@ -149,6 +150,7 @@ impl ResponseCache {
                 postscale: response.postscale,
                 error: None,
                 last_joined_rank: response.last_joined_rank,
+                on_gpu: response.on_gpu,
             };
             let params = own_params(&entry.name).unwrap_or_else(|| params_of_response(response, entry));
             self.insert(single, params);
@@ -304,6 +306,9 @@ mod tests {
         assert_eq!(cache.lookup(&request("b", vec![4])), CacheLookup::Miss);
         assert_eq!(cache.get(0).unwrap().entries[0].name, "a");
         assert!(cache.get(1).is_none());
+        let gpu = Response { on_gpu: true, ..response(CollectiveKind::Allreduce, &["g"]) };
+        cache.put(&gpu, |_| None);
+        assert!(cache.get(1).unwrap().on_gpu, "a hit on a GPU tensor runs on the GPU route, on a joined rank too");
     }
 
     #[test]

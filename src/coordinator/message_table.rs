@@ -308,6 +308,7 @@ fn join_response(last_joined: i32) -> Response {
         postscale: 1.0,
         error: None,
         last_joined_rank: last_joined,
+        on_gpu: false,
     }
 }
 

@@ -177,8 +177,12 @@ pub fn exchange_headers(t: &mut dyn Transport, mut header: RoundHeader) -> Resul
 /// Every rank's contribution to `cached` (the cached tensor at `bit`) if all of them sent it in their headers,
 /// each of the size the response says; `None` when some rank did not, sent another size, or the tensor does
 /// not ride in headers. A joined rank contributes zeros to an allreduce; an allgather, which a joined rank
-/// cannot join, is left to the ordinary path then (which reports it).
+/// cannot join, is left to the ordinary path then (which reports it). Tensors on GPUs never ride: their data
+/// is read by the GPU route only, in stream order, and every rank, a joined one too, takes part in it.
 fn eager_contributions(headers: &[RoundHeader], bit: usize, cached: &Response) -> Option<Vec<Option<Vec<u8>>>> {
+    if cached.on_gpu {
+        return None;
+    }
     let allgather = cached.kind == CollectiveKind::Allgather;
     // An allgather's contributions differ in size from rank to rank; the others' are all the tensor's.
     let (per_rank, tensor_bytes) = match cached.entries.first() {
@@ -764,6 +768,8 @@ mod tests {
         assert_eq!(eager_contributions(&all, 3, &allreduce(4)), None, "wrong size");
         let with_joined = [header(false, &[(3, &[1, 2])]), header(true, &[])];
         assert_eq!(eager_contributions(&with_joined, 3, &allreduce(2)), Some(vec![Some(vec![1, 2]), None]));
+        let on_gpu = Response { on_gpu: true, ..allreduce(2) };
+        assert_eq!(eager_contributions(&with_joined, 3, &on_gpu), None, "a GPU tensor runs on its GPU route");
         let too_large = vec![0; EAGER_TENSOR_BYTES + 1];
         let large = [header(false, &[(3, &too_large)]), header(false, &[(3, &too_large)])];
         assert_eq!(eager_contributions(&large, 3, &allreduce(too_large.len() as i64)), None, "too large to ride");

@@ -468,10 +468,9 @@ mod tests {
         );
         let r = construct_response(&[on(0, 0), on(1, CPU_DEVICE)], &[4, 6], false);
         assert!(r.error.unwrap().1.contains("rank 4 sent GPU 0; rank 6 sent CPU"), "global ranks are named");
-        assert!(
-            construct_response(&[on(0, 0), on(1, 1)], &ranks(2), false).error.is_none(),
-            "each rank on its own GPU"
-        );
+        let own = construct_response(&[on(0, 0), on(1, 1)], &ranks(2), false);
+        assert!(own.error.is_none() && own.on_gpu, "each rank on its own GPU: a GPU response");
+        assert!(!construct_response(&[on(0, CPU_DEVICE), on(1, CPU_DEVICE)], &ranks(2), false).on_gpu);
         assert!(construct_response(&[on(0, 0), on(1, 0)], &ranks(2), false).error.is_none(), "two ranks on one GPU");
         let broadcast = |rank: u32, device: i32| {
             changed(req(rank, CollectiveKind::Broadcast, &[2]), |p| {

@@ -1,4 +1,8 @@
-//! Running a response whose tensors are on a GPU, by host staging: rvod's stream waits for each tensor's
+//! Running a response whose tensors are on GPUs: on the process set's route ([`crate::engine::gpu_route`]),
+//! through NCCL ([`crate::engine::execute_nccl`]) where the route is NCCL and NCCL can run the response as
+//! the host path does ([`crate::gpu::plan`]), else by host staging, which this module does.
+//!
+//! Host staging: rvod's stream waits for each tensor's
 //! ready event, copies the inputs into the device's pinned buffer, and the host waits for that copy's event
 //! only; the CPU executor then runs the response unchanged on views of the pinned buffer; the results are
 //! copied back on rvod's stream (in place into the input's memory, or into a pooled device buffer), and the
@@ -14,10 +18,13 @@
 use std::sync::Arc;
 
 use crate::engine::execute::{Executor, TensorResult};
+use crate::engine::execute_nccl;
+use crate::engine::gpu_route::{GpuRoute, NcclRoute, Way};
 use crate::engine::table::TensorEntry;
 use crate::error::EngineError;
 use crate::gpu::cuda::CudaPinned;
 use crate::gpu::device::{Device, PinnedBuffer};
+use crate::gpu::plan::{nccl_plan, NcclPlan};
 use crate::gpu::runtime::DeviceContext;
 use crate::gpu::tensor::{DeviceDone, DeviceOutput};
 use crate::gpu::GpuError;
@@ -40,47 +47,29 @@ impl From<TransportError> for StagedFailure {
 
 type Results = Vec<Result<TensorResult, EngineError>>;
 
-/// What a process set's loop keeps about its GPU route: whether it has said which one it takes (at
-/// `info`, what `rvodrun --verbose` shows), once, at its first response with GPU tensors.
-#[derive(Default)]
-pub struct GpuRoute {
-    announced: bool,
-}
-
-impl GpuRoute {
-    fn announce(&mut self, set_id: u32, rank: usize, ordinal: i32) {
-        if !self.announced {
-            self.announced = true;
-            tracing::info!(
-                "process set {set_id}: GPU collectives via host staging (rank {rank} on GPU {ordinal}; the NCCL \
-                 route is not built yet)"
-            );
-        }
-    }
-}
-
 /// Alignment of each tensor's place in the pinned buffer.
 const ALIGN: usize = 64;
 
-/// Run `response` on this rank through `executor`, staging the entries that are on a GPU (see the module
-/// doc). Responses without GPU tensors run as they are.
+/// Run `response` on this rank: a response without GPU tensors through `executor` as it is; a GPU one on
+/// the process set's route (agreed with the other members at its first GPU response, see
+/// [`crate::engine::gpu_route`]): through NCCL ([`crate::engine::execute_nccl`]) where the route is NCCL and
+/// [`nccl_plan`] has calls for it, else by host staging (see the module doc).
 pub fn execute(
     executor: &mut Executor,
     route: &mut GpuRoute,
-    set_id: u32,
     t: &mut dyn Transport,
     response: &Response,
     entries: &mut [Option<TensorEntry>],
     phases: &mut OpRecord,
 ) -> Result<Results, StagedFailure> {
-    let Some(context) = entries.iter().flatten().find_map(|e| e.device.as_ref().map(|d| d.context.clone())) else {
+    if !response.on_gpu || response.error.is_some() {
         return Ok(executor.execute_recorded(t, response, entries, phases)?);
-    };
+    }
     let rank = t.rank();
-    route.announce(set_id, rank, context.ordinal());
-    let failed = |e: GpuError| StagedFailure::Gpu(EngineError::Gpu(format!("rank {rank}: {e}")));
-    let ordinal = context.ordinal();
-    if let Some(other) = entries.iter().flatten().filter_map(|e| e.device.as_ref()).find(|d| d.ordinal() != ordinal) {
+    let mut devices = entries.iter().flatten().filter_map(|e| e.device.as_ref());
+    let first = devices.next().map(|d| d.context.clone());
+    let ordinal = first.as_ref().map(|c| c.ordinal());
+    if let (Some(ordinal), Some(other)) = (ordinal, devices.find(|d| Some(d.ordinal()) != ordinal)) {
         let message = format!(
             "rank {rank}: the tensors of one {} are on GPUs {ordinal} and {}; rvod runs one op's tensors on one GPU",
             response.kind,
@@ -88,14 +77,64 @@ pub fn execute(
         );
         return Err(StagedFailure::Gpu(EngineError::Gpu(message)));
     }
-    // The loop may run on a caller's thread (see `engine::driver`): its current device stays what it was.
+    let ran = match route.way(t, ordinal)? {
+        Way::Refused(why) => {
+            let err = EngineError::Gpu(why.to_string());
+            return Ok(entries.iter().map(|_| Err(err.clone())).collect());
+        }
+        Way::Staging => None,
+        Way::Nccl(nccl) => match planned(nccl, response) {
+            Ok(plan) => Some(keeping_current_device(&nccl.context, rank, || {
+                Ok(execute_nccl::execute(nccl, &plan, response, entries, phases))
+            })?),
+            Err(why) => {
+                tracing::debug!("{} of '{}' goes through host staging: {why}", response.kind, first_name(response));
+                None
+            }
+        },
+    };
+    match ran {
+        Some(Ok(results)) => return Ok(results),
+        Some(Err(why)) => {
+            route.fail(&why);
+            return Err(StagedFailure::Gpu(EngineError::Gpu(why)));
+        }
+        None => {}
+    }
+    // A rank without a tensor on a GPU here (it joined) takes part with the host executor's zeros.
+    let Some(context) = first else {
+        return Ok(executor.execute_recorded(t, response, entries, phases)?);
+    };
+    keeping_current_device(&context, rank, || staged(executor, &context, t, response, entries, phases))
+}
+
+fn first_name(response: &Response) -> &str {
+    response.entries.first().map_or("", |e| e.name.as_str())
+}
+
+/// The NCCL calls for `response` on this rank, or why it goes through host staging.
+fn planned(route: &NcclRoute, response: &Response) -> Result<NcclPlan, String> {
+    if response.entries.iter().any(|e| e.packed) {
+        return Err("a packed group runs through host staging".into());
+    }
+    nccl_plan(response, route.comm.rank, route.comm.size, route.version)
+}
+
+/// Run `f`, which makes `context`'s GPU current, and make the thread's current device the one it was again
+/// (the loop may run on a caller's thread, see `engine::driver`).
+fn keeping_current_device<R>(
+    context: &DeviceContext,
+    rank: usize,
+    f: impl FnOnce() -> Result<R, StagedFailure>,
+) -> Result<R, StagedFailure> {
+    let failed = |e: GpuError| StagedFailure::Gpu(EngineError::Gpu(format!("rank {rank}: {e}")));
     let runtime = context.device().runtime();
     let previous = runtime.current_device().map_err(failed)?;
-    let outcome = staged(executor, &context, t, response, entries, phases);
+    let outcome = f();
     let restored = runtime.set_current_device(previous).map_err(failed);
-    let results = outcome?;
+    let value = outcome?;
     restored?;
-    Ok(results)
+    Ok(value)
 }
 
 /// [`execute`] of a response with GPU entries, all on `context`'s GPU.

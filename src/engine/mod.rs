@@ -11,8 +11,10 @@
 //!
 //! A communicator's loop, bottom to top (each uses only those above it in this list):
 //! - [`table`]: the tensors submitted on this rank and not yet completed; [`execute`]: running one agreed
-//!   response (packing fused tensors through [`crate::fusion`]); [`execute_device`]: one whose tensors
-//!   are on a GPU, staged through pinned host memory around [`execute`].
+//!   response (packing fused tensors through [`crate::fusion`]); [`gpu_route`]: the way a process set's
+//!   GPU collectives travel, agreed by its members (NCCL or host staging); [`execute_nccl`]: one whose
+//!   tensors are on GPUs, through NCCL; [`execute_device`]: one whose tensors are on GPUs, on the set's
+//!   route (through [`execute_nccl`], or staged through pinned host memory around [`execute`]).
 //! - [`shared`]: what callers and the loop share (the inbox, the stop request, values set by hand).
 //! - [`step`]: the loop's state and one step of it (negotiate, fuse, execute, complete handles).
 //! - [`fast_lane`]: a small synchronous op run by its caller as one exchange of round headers.
@@ -32,8 +34,10 @@ pub mod connect;
 pub mod driver;
 pub mod execute;
 pub mod execute_device;
+pub mod execute_nccl;
 pub mod fast_lane;
 pub mod fork;
+pub mod gpu_route;
 pub mod grouped;
 pub mod handles;
 pub mod process_sets;

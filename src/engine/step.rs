@@ -20,7 +20,8 @@ use crate::config::Config;
 use crate::coordinator::negotiation::{Negotiator, RoundOutcome};
 use crate::coordinator::stall::StallClock;
 use crate::engine::execute::{execute_eager, Executor, HierarchyChoice, TensorResult};
-use crate::engine::execute_device::{self, GpuRoute, StagedFailure};
+use crate::engine::execute_device::{self, StagedFailure};
+use crate::engine::gpu_route::GpuRoute;
 use crate::engine::handles::{CompletedPart, PartResult};
 use crate::engine::shared::{AppliedValues, Shared};
 use crate::engine::table::{TensorEntry, TensorTable};
@@ -121,6 +122,7 @@ impl Loop {
             }
             _ => None,
         };
+        let gpu_route = GpuRoute::new(shared.set_id, shared.global_ranks.clone(), &config);
         Loop {
             rounds: 0,
             autotune,
@@ -131,7 +133,7 @@ impl Loop {
             table: TensorTable::default(),
             negotiator,
             executor,
-            gpu_route: GpuRoute::default(),
+            gpu_route,
             finished: None,
             fast: Default::default(),
         }
@@ -477,12 +479,10 @@ impl Loop {
         let mut entries: Vec<Option<TensorEntry>> = response.entries.iter().map(|e| self.table.take(&e.name)).collect();
         let mut record =
             self.shared.timeline.op(response, entries.iter().map(|e| e.as_ref().map(|e| e.submitted)), agreed);
-        let set_id = self.shared.set_id;
         let transport = &mut *self.transport;
         let outcome = execute_device::execute(
             &mut self.executor,
             &mut self.gpu_route,
-            set_id,
             transport,
             response,
             &mut entries,

@@ -10,7 +10,8 @@
 //! ends the group, so compatible responses never overtake each other. A single response larger than the
 //! threshold still runs, alone.
 //!
-//! Only error-free allreduce responses (Adasum included) are fused; every other response passes through
+//! Tensors on GPUs fuse only with tensors on GPUs (their fusion buffer is on the device), host tensors only
+//! with host tensors. Only error-free allreduce responses (Adasum included) are fused; every other response passes through
 //! unchanged. A threshold of 0 disables fusion. The plan is a pure function of its input, so every rank
 //! that plans the same responses gets the same result.
 //!
@@ -78,6 +79,7 @@ fn fuses_with(group: &Response, next: &Response) -> bool {
         && next.reduce_op == group.reduce_op
         && next.prescale == group.prescale
         && next.postscale == group.postscale
+        && next.on_gpu == group.on_gpu
 }
 
 /// Bytes of each of the response's tensors, saturating instead of overflowing.
@@ -133,6 +135,13 @@ mod tests {
         let input = vec![f32_allreduce("a", 1), f32_allreduce("b", 1)];
         assert_eq!(names(&plan_fusion(input.clone(), 67)), vec![vec!["a"], vec!["b"]]);
         assert_eq!(names(&plan_fusion(input, 68)), vec![vec!["a", "b"]]);
+    }
+
+    #[test]
+    fn gpu_tensors_fuse_only_with_gpu_tensors() {
+        let gpu = |name| Response { on_gpu: true, ..f32_allreduce(name, 1) };
+        let input = vec![gpu("g1"), f32_allreduce("h1", 1), gpu("g2"), f32_allreduce("h2", 1)];
+        assert_eq!(names(&plan_fusion(input, 1024)), vec![vec!["g1", "g2"], vec!["h1", "h2"]]);
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! Setting up a process set's GPU route over its own transport (already authenticated by the job's
 //! secret): every member learns every other's host, GPU and NCCL, all take the same route
 //! ([`choice::choose`] on the same table), and for NCCL rank 0's unique id reaches every member by
-//! broadcast. No NCCL or CUDA call is made here (the caller passes what it found and how to make an id), so
+//! broadcast; after each member tried to start its communicator, all learn whether every one succeeded
+//! ([`agree_on_outcome`]). No NCCL or CUDA call is made here (the caller passes what it found and how to make an id), so
 //! it is tested with the in-memory transport.
 
 use crate::config::GpuTransport;
@@ -89,6 +90,25 @@ pub fn agree_on_route(
     let mut unique_id = [0u8; UNIQUE_ID_BYTES];
     unique_id.copy_from_slice(&message[1..]);
     Ok(Setup::Nccl { unique_id, reason })
+}
+
+/// After each member tried a step of the set-up (e.g. `ncclCommInitRank`), whether all succeeded: every
+/// member returns the same answer, the first failure as "rank R: why" (global rank), so none goes on to a
+/// collective that a member that failed would never join.
+pub fn agree_on_outcome(
+    t: &mut dyn Transport,
+    global_ranks: &[usize],
+    mine: Result<(), &str>,
+) -> Result<Result<(), String>, BootstrapError> {
+    let text = mine.err().map(|why| if why.is_empty() { "failed" } else { why }).unwrap_or("");
+    let everyone = exchange(t, text.as_bytes())?;
+    let failed = everyone.iter().enumerate().find(|(_, why)| !why.is_empty());
+    Ok(match failed {
+        Some((i, why)) => {
+            Err(format!("rank {}: {}", global_ranks.get(i).copied().unwrap_or(i), String::from_utf8_lossy(why)))
+        }
+        None => Ok(()),
+    })
 }
 
 /// The NCCL version every member loaded, or why NCCL cannot serve them all (one lacks it, or versions differ).
@@ -229,6 +249,19 @@ mod tests {
         let setups = agree(own, GpuTransport::Auto, Some("ncclGetUniqueId failed: ncclSystemError"));
         assert_eq!(setups[0], Err("ncclGetUniqueId failed: ncclSystemError".to_string()));
         assert_eq!(setups[1], Err("rank 10 could not create the NCCL unique id".to_string()));
+    }
+
+    #[test]
+    fn every_rank_learns_the_first_failure_of_a_step() {
+        let mesh = MemoryTransport::mesh_with_timeout(3, std::time::Duration::from_secs(5));
+        let outcomes = run_ranks(mesh, |t| {
+            let mine = if t.rank() == 0 { Ok(()) } else { Err("ncclCommInitRank failed") };
+            agree_on_outcome(t, &[4, 5, 6], mine).map_err(|e| e.to_string())
+        });
+        assert!(outcomes.iter().all(|o| *o == Ok(Err("rank 5: ncclCommInitRank failed".to_string()))), "{outcomes:?}");
+        let mesh = MemoryTransport::mesh_with_timeout(2, std::time::Duration::from_secs(5));
+        let outcomes = run_ranks(mesh, |t| agree_on_outcome(t, &[0, 1], Ok(())).map_err(|e| e.to_string()));
+        assert!(outcomes.iter().all(|o| *o == Ok(Ok(()))), "{outcomes:?}");
     }
 
     #[test]

@@ -13,7 +13,8 @@ pub struct Member {
     /// Global rank.
     pub rank: usize,
     pub host: String,
-    /// The GPU's identity on its host (its PCI bus id, e.g. `0000:3b:00.0`).
+    /// The GPU's identity on its host (its PCI bus id, e.g. `0000:3b:00.0`); empty when the member has no
+    /// GPU rvod can use (it joined before it submitted a GPU tensor, or its GPU failed).
     pub gpu: String,
 }
 
@@ -29,8 +30,18 @@ pub fn choose(setting: GpuTransport, members: &[Member], nccl: Result<&str, &str
     if setting == GpuTransport::Host {
         return Ok((Route::HostStaging, "RVOD_GPU_TRANSPORT=host".into()));
     }
-    let shared = shared_gpu(members);
     let forced = setting == GpuTransport::Nccl;
+    if let Some(without) = members.iter().find(|m| m.gpu.is_empty()) {
+        let why = format!(
+            "rank {} has no GPU rvod can use (it joined before it submitted a GPU tensor, or its GPU failed)",
+            without.rank
+        );
+        if forced {
+            return Err(format!("RVOD_GPU_TRANSPORT=nccl, but {why}"));
+        }
+        return Ok((Route::HostStaging, format!("{why}; staging through host memory")));
+    }
+    let shared = shared_gpu(members);
     match (shared, nccl) {
         (Some(shared), _) if forced => Err(format!(
             "RVOD_GPU_TRANSPORT=nccl, but {shared}, and NCCL refuses a GPU shared by two ranks (\"Duplicate GPU \
@@ -120,5 +131,19 @@ mod tests {
         assert!(error.contains("Duplicate GPU detected"), "{error}");
         let error = choose(GpuTransport::Nccl, &members(&[("a", "0")]), Err("no CUDA driver")).unwrap_err();
         assert_eq!(error, "RVOD_GPU_TRANSPORT=nccl, but NCCL is not available: no CUDA driver");
+    }
+
+    #[test]
+    fn a_member_without_a_gpu_stages_or_is_refused_when_nccl_is_forced() {
+        let one_without = members(&[("a", "0"), ("a", "")]);
+        let (route, why) = choose(GpuTransport::Auto, &one_without, Ok("2.30.7")).unwrap();
+        assert_eq!(route, Route::HostStaging);
+        assert_eq!(
+            why,
+            "rank 1 has no GPU rvod can use (it joined before it submitted a GPU tensor, or its GPU failed); staging \
+             through host memory"
+        );
+        let error = choose(GpuTransport::Nccl, &one_without, Ok("2.30.7")).unwrap_err();
+        assert!(error.starts_with("RVOD_GPU_TRANSPORT=nccl, but rank 1 has no GPU"), "{error}");
     }
 }

@@ -24,6 +24,7 @@ const ERROR_INSUFFICIENT_DRIVER: CudaStatus = 35;
 const ERROR_NO_DEVICE: CudaStatus = 100;
 const MEMCPY_HOST_TO_DEVICE: c_int = 1;
 const MEMCPY_DEVICE_TO_HOST: c_int = 2;
+const MEMCPY_DEVICE_TO_DEVICE: c_int = 3;
 const STREAM_NON_BLOCKING: c_uint = 0x01;
 const EVENT_DISABLE_TIMING: c_uint = 0x02;
 
@@ -42,6 +43,7 @@ struct Functions {
     malloc_host: unsafe extern "C" fn(*mut *mut c_void, usize) -> CudaStatus,
     free_host: unsafe extern "C" fn(*mut c_void) -> CudaStatus,
     memcpy_async: unsafe extern "C" fn(*mut c_void, *const c_void, usize, c_int, RawStream) -> CudaStatus,
+    memset_async: unsafe extern "C" fn(*mut c_void, c_int, usize, RawStream) -> CudaStatus,
     stream_create_with_flags: unsafe extern "C" fn(*mut RawStream, c_uint) -> CudaStatus,
     stream_destroy: unsafe extern "C" fn(RawStream) -> CudaStatus,
     event_create_with_flags: unsafe extern "C" fn(*mut RawEvent, c_uint) -> CudaStatus,
@@ -77,6 +79,7 @@ impl CudaRuntime {
             malloc_host: symbol(&lib, &path, "cudaMallocHost")?,
             free_host: symbol(&lib, &path, "cudaFreeHost")?,
             memcpy_async: symbol(&lib, &path, "cudaMemcpyAsync")?,
+            memset_async: symbol(&lib, &path, "cudaMemsetAsync")?,
             stream_create_with_flags: symbol(&lib, &path, "cudaStreamCreateWithFlags")?,
             stream_destroy: symbol(&lib, &path, "cudaStreamDestroy")?,
             event_create_with_flags: symbol(&lib, &path, "cudaEventCreateWithFlags")?,
@@ -278,6 +281,47 @@ impl CudaDevice {
             NOT_READY => Ok(false),
             status => self.rt.check(status, "cudaEventQuery", self.ordinal).map(|_| false),
         }
+    }
+
+    /// Enqueue a copy of `len` bytes from device memory at `src` to device memory at `dst` on `stream` (fusion
+    /// buffers of the NCCL route). Nothing is enqueued for `len == 0`.
+    ///
+    /// # Safety
+    /// Both ranges must be valid memory of this device, not overlapping, until the work on `stream` completes.
+    pub unsafe fn copy_on_device(
+        &self,
+        stream: &CudaStream,
+        src: DevicePtr,
+        dst: DevicePtr,
+        len: usize,
+    ) -> Result<(), GpuError> {
+        if len == 0 {
+            return Ok(());
+        }
+        // SAFETY: the caller's contract.
+        let status = unsafe {
+            (self.rt.f.memcpy_async)(
+                dst.0 as *mut c_void,
+                src.0 as *const c_void,
+                len,
+                MEMCPY_DEVICE_TO_DEVICE,
+                stream.raw,
+            )
+        };
+        self.rt.check(status, "cudaMemcpyAsync (device to device)", self.ordinal)
+    }
+
+    /// Enqueue zeroing `len` bytes of device memory at `dst` on `stream` (a joined rank's contribution).
+    ///
+    /// # Safety
+    /// The range must be valid memory of this device until the work on `stream` completes.
+    pub unsafe fn zero(&self, stream: &CudaStream, dst: DevicePtr, len: usize) -> Result<(), GpuError> {
+        if len == 0 {
+            return Ok(());
+        }
+        // SAFETY: the caller's contract.
+        let status = unsafe { (self.rt.f.memset_async)(dst.0 as *mut c_void, 0, len, stream.raw) };
+        self.rt.check(status, "cudaMemsetAsync", self.ordinal)
     }
 
     /// A stream the framework owns (e.g. `torch.cuda.current_stream().cuda_stream`), borrowed: never

@@ -14,9 +14,9 @@
 //! - [`runtime`]: per GPU of this process, rvod's stream, the pinned staging buffer and the pool of device
 //!   buffers results are made in; [`tensor`]: device tensors as the engine carries them (an input and its
 //!   ready event, a pooled result, the event after which results are written).
-//! - [`choice`]: which of NCCL and host staging a process set uses, and the reason (for `--verbose` once the
-//!   engine runs GPU collectives; nothing logs it yet).
-//! - [`bootstrap`]: a process set's members agree on the route over their own transport (and NCCL's unique id).
+//! - [`choice`]: which of NCCL and host staging a process set uses, and the reason (what `--verbose` shows).
+//! - [`bootstrap`]: a process set's members agree on the route over their own transport (and NCCL's unique id),
+//!   and on whether each member's set-up step succeeded.
 //! - [`plan`]: the NCCL calls one agreed response takes on this rank, or why it goes through host staging.
 //! - `standin` (unit tests only): an in-Rust stand-in for a [`device::Device`], whose streams run only when
 //!   waited for, for the staging logic's unit tests.
@@ -28,14 +28,15 @@
 //!   send/receive groups, PreMulSum, the duplicate-GPU refusal, and a peer that aborts or dies (an error
 //!   through [`nccl::wait_or_abort`], never a hang), and [`staging`] on those devices in stream order.
 //!
-//! Status (issue 30 item 1, in progress): the engine runs collectives on GPU tensors by host staging only
-//! (`engine::execute_device`: every op, fused, in place or not, async, process sets), where the libraries,
-//! a driver and a device are there; elsewhere a CUDA tensor is refused at submission with the reason (no
-//! driver, no NCCL found and where it was looked for, or `RVOD_GPU_TRANSPORT=nccl`, which asks for the
-//! route not built yet). Requests carry the device, so a CPU/GPU mix is a mismatch error. This runs in CI
-//! against the GPU stand-in only (`tests/python/test_gpu_device_path.py`); **nothing of it has run on a
-//! real GPU.** Not yet called by the engine: [`choice`], [`bootstrap`] and [`plan`] (the route agreement
-//! and the NCCL route), so no NCCL call is made for a collective yet.
+//! Status (issue 30 item 1, in progress): the engine runs collectives on GPU tensors where the libraries, a
+//! driver and a device are there (elsewhere a CUDA tensor is refused at submission with the reason: no
+//! driver, no NCCL found and where it was looked for). Each process set's members agree on a route at its
+//! first GPU response (`engine::gpu_route`, through [`bootstrap`] and [`choice`]): NCCL where every member
+//! has a GPU of its own (`engine::execute_nccl` runs what [`plan`] plans; the rest stages), host staging where
+//! ranks share one (`engine::execute_device`), as `RVOD_GPU_TRANSPORT` allows. Requests carry the device,
+//! so a CPU/GPU mix is a mismatch error; responses say whether they are GPU ones, so a joined rank takes
+//! part. Host staging has run on a real GPU (an H200, 1 and 2 ranks sharing it); **the NCCL route has run
+//! only against the GPU stand-in** (`tests/python/test_gpu_device_path.py`).
 
 pub mod bootstrap;
 pub mod choice;

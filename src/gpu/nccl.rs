@@ -442,9 +442,9 @@ impl Drop for Communicator {
 }
 
 /// Wait for enqueued NCCL work without hanging on a dead peer: poll `done` (e.g. `cudaEventQuery` of an
-/// event after the work) and `async_error` every `interval`; on an async error or after `timeout`, call
-/// `abort` and return the error. Horovod's behaviour with `NCCL_ASYNC_ERROR_HANDLING`, bounded by
-/// RVOD_TIMEOUT.
+/// event after the work) and `async_error`, back to back (yielding the CPU) for the first `interval`, so a
+/// short op is seen done at once, then every `interval`; on an async error or after `timeout`, call `abort`
+/// and return the error. Horovod's behaviour with `NCCL_ASYNC_ERROR_HANDLING`, bounded by RVOD_TIMEOUT.
 pub fn wait_or_abort(
     mut done: impl FnMut() -> Result<bool, String>,
     mut async_error: impl FnMut() -> Result<(), String>,
@@ -453,7 +453,8 @@ pub fn wait_or_abort(
     interval: Duration,
     what: &str,
 ) -> Result<(), String> {
-    let deadline = Instant::now() + timeout;
+    let started = Instant::now();
+    let deadline = started + timeout;
     loop {
         let failed = match (done(), async_error()) {
             (Ok(true), _) => return Ok(()),
@@ -471,7 +472,11 @@ pub fn wait_or_abort(
                 timeout.as_secs_f64()
             ));
         }
-        std::thread::sleep(interval);
+        if started.elapsed() < interval {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(interval);
+        }
     }
 }
 

@@ -1,5 +1,7 @@
 //! The CUDA state rvod keeps per GPU of this process: rvod's own stream, the pinned buffer host staging
-//! copies through, and the pool of device buffers results are made in.
+//! copies through, and the pool of device buffers results (and the NCCL route's fusion buffers) are made in.
+//! A process set's NCCL work runs on a stream of its own (`engine::gpu_route`), which takes pooled buffers
+//! through [`DeviceContext::buffer_for`].
 //!
 //! One [`DeviceContext`] per device ordinal, made on first use (after the libraries were loaded by the
 //! Python side, see [`crate::gpu::library::loaded`]) and kept for the rest of the process: streams and
@@ -14,6 +16,7 @@
 //! cannot be recorded, the memory is freed instead (cudaFree waits for the work that uses it).
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use crate::gpu::cuda::{CudaDevice, CudaEvent, CudaPinned, CudaStream, DeviceMemory};
@@ -37,11 +40,21 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 
 static CONTEXTS: OnceLock<Mutex<HashMap<i32, Arc<DeviceContext>>>> = OnceLock::new();
 
+/// The GPU of the latest [`context`] asked for (a tensor submitted on it, or its stream asked for); -1: none.
+static LAST_USED: AtomicI32 = AtomicI32::new(-1);
+
+/// The GPU this process last submitted a tensor on (or asked rvod's stream of): the GPU a rank that has
+/// no tensor in a GPU collective (it joined) takes part with.
+pub fn last_used() -> Option<i32> {
+    Some(LAST_USED.load(Ordering::Relaxed)).filter(|&ordinal| ordinal >= 0)
+}
+
 /// The context of GPU `ordinal`, made on first use; an error when the CUDA runtime was not loaded or the
 /// device cannot be used.
 pub fn context(ordinal: i32) -> Result<Arc<DeviceContext>, GpuError> {
     let mut contexts = lock(CONTEXTS.get_or_init(Default::default));
     if let Some(found) = contexts.get(&ordinal) {
+        LAST_USED.store(ordinal, Ordering::Relaxed);
         return Ok(found.clone());
     }
     let unloaded =
@@ -56,6 +69,7 @@ pub fn context(ordinal: i32) -> Result<Arc<DeviceContext>, GpuError> {
     })?;
     let made = Arc::new(DeviceContext { device, stream, pinned: Mutex::new(None), free: Mutex::new(HashMap::new()) });
     contexts.insert(ordinal, made.clone());
+    LAST_USED.store(ordinal, Ordering::Relaxed);
     Ok(made)
 }
 
@@ -162,12 +176,17 @@ impl DeviceContext {
     /// rvod's stream to write: a reused buffer is written only after its last reader's work (the stream
     /// waits for it).
     pub fn buffer(self: &Arc<Self>, len: usize) -> Result<PooledBuffer, GpuError> {
+        self.buffer_for(len, &self.stream)
+    }
+
+    /// [`DeviceContext::buffer`] for `writer`, a stream of this GPU other than rvod's (a process set's NCCL
+    /// stream): a reused buffer is written only after its last reader's work (`writer` waits for it).
+    pub fn buffer_for(self: &Arc<Self>, len: usize, writer: &CudaStream) -> Result<PooledBuffer, GpuError> {
         let class = len.max(1).next_power_of_two();
         let reused = lock(&self.free).get_mut(&class).and_then(Vec::pop);
         let memory = match reused {
             Some((memory, read)) => {
-                let waited =
-                    self.device.runtime().keeping_current_device(|| self.device.wait_event(&self.stream, &read));
+                let waited = self.device.runtime().keeping_current_device(|| self.device.wait_event(writer, &read));
                 if let Err(e) = waited {
                     lock(&self.free).entry(class).or_default().push((memory, read));
                     return Err(e);

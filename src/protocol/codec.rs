@@ -23,7 +23,7 @@ use crate::types::{CollectiveKind, DataType, ReduceOp};
 pub const WIRE_MAGIC: u32 = u32::from_le_bytes(*b"RVOD");
 
 /// Version of this format; ranks speaking different versions refuse each other's messages.
-pub const PROTOCOL_VERSION: u16 = 7;
+pub const PROTOCOL_VERSION: u16 = 8;
 
 /// Why a peer's bytes could not be decoded.
 #[derive(Clone, Debug, Error, PartialEq, Eq)]
@@ -456,6 +456,7 @@ impl Wire for Response {
             }
         }
         w.put_i32(self.last_joined_rank);
+        w.put_bool(self.on_gpu);
     }
 
     fn decode(r: &mut WireReader<'_>) -> Result<Self, DecodeError> {
@@ -472,7 +473,19 @@ impl Wire for Response {
             tag => return Err(DecodeError::BadTag { what: "response error flag", tag }),
         };
         let last_joined_rank = r.i32("response last joined rank")?;
-        Ok(Response { kind, entries, dtype, reduce_op, root_rank, prescale, postscale, error, last_joined_rank })
+        let on_gpu = r.bool("response GPU flag")?;
+        Ok(Response {
+            kind,
+            entries,
+            dtype,
+            reduce_op,
+            root_rank,
+            prescale,
+            postscale,
+            error,
+            last_joined_rank,
+            on_gpu,
+        })
     }
 }
 
@@ -532,20 +545,24 @@ pub(crate) mod tests {
             any::<f64>(),
             prop::option::of((0u8..2, ".{0,20}")),
             any::<i32>(),
+            any::<bool>(),
         )
-            .prop_map(|(kind, entries, dtype, op, root_rank, prescale, postscale, error, last_joined_rank)| {
-                Response {
-                    kind: CollectiveKind::from_code(kind).unwrap(),
-                    entries,
-                    dtype: DataType::from_code(dtype).unwrap(),
-                    reduce_op: ReduceOp::from_code(op).unwrap(),
-                    root_rank,
-                    prescale,
-                    postscale,
-                    error: error.map(|(k, m)| (ErrorKind::from_code(k).unwrap(), m)),
-                    last_joined_rank,
-                }
-            })
+            .prop_map(
+                |(kind, entries, dtype, op, root_rank, prescale, postscale, error, last_joined_rank, on_gpu)| {
+                    Response {
+                        kind: CollectiveKind::from_code(kind).unwrap(),
+                        entries,
+                        dtype: DataType::from_code(dtype).unwrap(),
+                        reduce_op: ReduceOp::from_code(op).unwrap(),
+                        root_rank,
+                        prescale,
+                        postscale,
+                        error: error.map(|(k, m)| (ErrorKind::from_code(k).unwrap(), m)),
+                        last_joined_rank,
+                        on_gpu,
+                    }
+                },
+            )
     }
 
     fn encode<T: Wire>(value: &T) -> Vec<u8> {

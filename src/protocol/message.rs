@@ -195,6 +195,10 @@ pub struct Response {
     pub error: Option<(ErrorKind, String)>,
     /// Join: the communicator rank that joined last. -1 otherwise.
     pub last_joined_rank: i32,
+    /// The tensors are on GPUs (each rank's own: the ordinal is a rank's business, not the response's).
+    /// Every rank, a joined one too, runs it on its process set's GPU route (`engine::execute_device`); GPU
+    /// and host tensors are never fused together.
+    pub on_gpu: bool,
 }
 
 impl Response {
@@ -216,6 +220,7 @@ impl Response {
             postscale: params.postscale,
             error: None,
             last_joined_rank: -1,
+            on_gpu: params.device != CPU_DEVICE,
         }
     }
 
@@ -241,6 +246,7 @@ impl Response {
             postscale: 1.0,
             error: None,
             last_joined_rank: -1,
+            on_gpu: false,
         }
     }
 }

@@ -47,8 +47,9 @@ pub fn loaded(py: Python<'_>) -> PyResult<&'static GpuLibraries> {
 /// (0 without a driver), `device_count` and `device_error` (why there is no device to use, e.g. "no CUDA
 /// driver: ..."); `gpu_transport` (RVOD_GPU_TRANSPORT); `gpu_collectives` (whether this build runs
 /// collectives on GPU tensors: where the libraries, a driver and a device are there), `nccl_collectives`
-/// (whether they go through NCCL: not yet, host staging runs them) and `unavailable` (the reason a GPU tensor
-/// is refused; None when it is not).
+/// (whether they may go through NCCL: where they run and `RVOD_GPU_TRANSPORT` is not `host`; each process
+/// set takes NCCL where every member has a GPU of its own, host staging where ranks share one) and
+/// `unavailable` (the reason a GPU tensor is refused; None when it is not).
 #[pyfunction]
 pub fn gpu_libraries(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let libs = loaded(py)?;
@@ -97,7 +98,7 @@ pub fn gpu_libraries(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     info.set_item("gpu_transport", config.transport.name())?;
     let unavailable = libs.unavailable();
     info.set_item("gpu_collectives", unavailable.is_none())?;
-    info.set_item("nccl_collectives", false)?;
+    info.set_item("nccl_collectives", unavailable.is_none() && config.transport != GpuTransport::Host)?;
     info.set_item("unavailable", unavailable)?;
     Ok(info)
 }
@@ -106,12 +107,8 @@ pub fn gpu_libraries(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
 /// why rvod cannot run collectives on it here (what is missing, or the device's own error).
 pub fn usable_device(py: Python<'_>, what: &str, device: i32) -> PyResult<Arc<DeviceContext>> {
     let reason = match loaded(py) {
-        Ok(libs) => match (libs.unavailable(), GpuConfig::from_env().map(|c| c.transport)) {
+        Ok(libs) => match (libs.unavailable(), GpuConfig::from_env()) {
             (Some(why), _) => why,
-            (None, Ok(GpuTransport::Nccl)) => "RVOD_GPU_TRANSPORT=nccl asks for NCCL, and this rvod runs collectives \
-                                               on GPU tensors by host staging only (its NCCL route is not built yet); \
-                                               unset it or set it to host"
-                .to_string(),
             (None, Err(error)) => error.to_string(),
             (None, Ok(_)) => match context(device) {
                 Ok(context) => return Ok(context),

@@ -21,6 +21,7 @@ fn response(kind: CollectiveKind, names: &[&str]) -> Response {
         postscale: 1.0,
         error: None,
         last_joined_rank: -1,
+        on_gpu: false,
     }
 }
 

@@ -152,7 +152,8 @@ def test_check_build_says_what_was_found():
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     section = lines[lines.index("GPU libraries (loaded at run time):") + 1:]
-    assert "    [ ] NCCL" in lines, "NCCL is ticked only where rvod runs GPU collectives"
+    nccl_box = "X" if GPU["gpu_collectives"] and GPU["nccl_collectives"] else " "
+    assert f"    [{nccl_box}] NCCL" in lines, "NCCL is ticked only where rvod runs GPU collectives through it"
     if GPU["nccl_version"]:
         assert section[0] == (f"    NCCL: {GPU['nccl_version_text']} (version code {GPU['nccl_version']}) "
                               f"from {GPU['nccl_path']}")
@@ -165,7 +166,8 @@ def test_check_build_says_what_was_found():
         assert section[2] == f"    CUDA driver: {GPU['device_error']}"
     assert section[3] == "    GPU transport (RVOD_GPU_TRANSPORT): auto"
     if GPU["gpu_collectives"]:
-        assert section[4] == "    Collectives on GPU tensors: yes (host staging; the NCCL route is not built yet)"
+        assert GPU["nccl_collectives"], "RVOD_GPU_TRANSPORT is auto here"
+        assert section[4] == "    Collectives on GPU tensors: yes (NCCL, or host staging where ranks share a GPU)"
     else:
         assert section[4] == f"    Collectives on GPU tensors: no: {GPU['unavailable']}"
 

@@ -1,7 +1,7 @@
 """The engine's GPU path against the GPU stand-in (tests/gpu_standin/): every op on stand-in GPU tensors
 (tests/python/workers/gpu_device_ops.py) against the same op on host arrays, with the framework's kernel that
 writes each input delayed on its stream (a missing wait reads the stand-in's 0xff fill), on ranks that share GPU 0
-(host staging) and ranks with a GPU each. Skipped where no C compiler is found. About a minute.
+(host staging) and ranks with a GPU each (NCCL). Skipped where no C compiler is found. About a minute.
 """
 
 from __future__ import annotations
@@ -43,8 +43,18 @@ def test_every_op_on_ranks_sharing_gpu_0_by_host_staging(run_rvodrun, job_env, r
     run_cases(run_rvodrun, job_env, ranks, "same", devices=1, stream_delay_us=300)
 
 
-def test_every_op_with_a_gpu_per_rank(run_rvodrun, job_env):
-    run_cases(run_rvodrun, job_env, 2, "own", devices=2, stream_delay_us=300)
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_every_op_with_a_gpu_per_rank_through_nccl(run_rvodrun, job_env, ranks):
+    """Each rank on a GPU of its own: the process set takes NCCL (what plan.rs sends to host staging, e.g.
+    Adasum, int16, scaled integer sums, uneven reducescatter, still stages, and every case must still pass). On 3
+    ranks the process set of ranks 0 and 1 starts a communicator of its own."""
+    job_env["RVOD_LOG_LEVEL"] = "info"
+    result = run_cases(run_rvodrun, job_env, ranks, "own", devices=ranks, stream_delay_us=300)
+    sets = [0, 1] if ranks == 3 else [0]
+    for set_id in sets:
+        for rank in range(ranks - set_id):
+            assert (f"process set {set_id}: GPU collectives via NCCL (rank {rank} on GPU {rank}): every rank of the "
+                    "process set has a GPU of its own; NCCL 2.21.5") in result.stderr, result.stderr[-3000:]
 
 
 def test_a_freed_result_is_not_reused_before_the_framework_stream_has_read_it(run_rvodrun, job_env):
@@ -101,5 +111,6 @@ def test_verbose_says_which_route_each_process_set_takes(run_rvodrun, job_env):
     result = run_rvodrun(["-np", "2", "--verbose", PYTHON, str(WORKERS / "gpu_device_failures.py")], timeout=90)
     assert result.returncode == 0, result.stdout + result.stderr
     for rank in (0, 1):
-        assert (f"process set 0: GPU collectives via host staging (rank {rank} on GPU 0; the NCCL route is not "
-                f"built yet)") in result.stderr, result.stderr
+        assert re.search(rf"process set 0: GPU collectives via host staging \(rank {rank} on GPU 0\): ranks 0 and 1 "
+                         r"share GPU 00000000:10:00.0 on host \S+; NCCL refuses a GPU shared by two ranks, so "
+                         r"collectives stage through host memory", result.stderr), result.stderr

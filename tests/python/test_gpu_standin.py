@@ -315,26 +315,26 @@ hvd.shutdown()
     ]
 
 
-def test_a_gpu_tensor_is_refused_where_nccl_is_demanded_as_the_nccl_route_is_not_built_yet():
+def test_nccl_demanded_runs_a_single_rank_through_nccl():
+    """RVOD_GPU_TRANSPORT=nccl forces the NCCL route: one rank on its own GPU takes it (a one-rank communicator)."""
     code = """
 import os
 os.environ["RVOD_GPU_TRANSPORT"] = "nccl"
+os.environ["RVOD_LOG_LEVEL"] = "info"
 import numpy as np, gpu_standin as g
 import rvod.numpy as hvd
+from rvod import _rvod
+print(_rvod.gpu_libraries()["nccl_collectives"])
 hvd.init()
-try:
-    hvd.allreduce(g.DeviceArray(np.ones(2, np.float32)), name="w")
-except ValueError as error:
-    print(type(error).__name__, error)
+result = hvd.allreduce(g.DeviceArray(np.arange(3, dtype=np.float32)), name="w", postscale_factor=2.0)
+print(g.read_capsule(result.__dlpack__())[1].tolist())
 hvd.shutdown()
 """
     result = python(code)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == (
-        "RvodInvalidArgumentError allreduce 'allreduce.w': the tensor is on CUDA device 0, and rvod cannot run "
-        "collectives on it here: RVOD_GPU_TRANSPORT=nccl asks for NCCL, and this rvod runs collectives on GPU tensors "
-        "by host staging only (its NCCL route is not built yet); unset it or set it to host. Move the tensor to the "
-        "CPU (e.g. tensor.cpu()).")
+    assert result.stdout.splitlines() == ["True", "[0.0, 2.0, 4.0]"], result.stdout + result.stderr
+    assert ("process set 0: GPU collectives via NCCL (rank 0 on GPU 0): RVOD_GPU_TRANSPORT=nccl; NCCL 2.21.5"
+            in result.stderr), result.stderr
 
 
 def test_rvod_reports_a_missing_driver_or_device_in_cudas_words():

@@ -89,7 +89,7 @@ def gpu_lines(gpu: dict[str, Any]) -> list[str]:
     elif gpu.get("nccl_collectives"):
         collectives = "yes (NCCL, or host staging where ranks share a GPU)"
     else:
-        collectives = "yes (host staging; the NCCL route is not built yet)"
+        collectives = "yes (host staging, as RVOD_GPU_TRANSPORT=host asks)"
     return [
         f"    NCCL: {nccl}",
         f"    CUDA runtime: {cuda}",

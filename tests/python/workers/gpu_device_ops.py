@@ -98,6 +98,13 @@ for dtype in dtypes:
                 check(f"allreduce.{np.dtype(dtype).name}.{op}.{in_place}.{pre}", got[0], expected,
                       np.dtype(dtype).kind != "f" or dtype == np.float16 and False)
 
+# int16: NCCL has no such type, so it stages on every route.
+host = values((6,), np.int16, 90)
+expected = hvd.allreduce(host, op=Sum, name="ref.ar.int16")
+arrays = [on_device(host)]
+handle, caps = submit(ops.ALLREDUCE, ["allreduce.dev.int16"], arrays, op=Sum)
+check("allreduce.int16", results(handle, caps, arrays, False)[0][0], expected, True)
+
 # A fused response: several tensors of one op, of two dtypes, and a grouped allreduce.
 hosts = [values((4,), np.float32, 100), values((2, 3), np.float32, 101), values((7,), np.float64, 102)]
 expected = [hvd.allreduce(h, op=Sum, name=f"ref.fused.{i}") for i, h in enumerate(hosts)]
@@ -148,12 +155,17 @@ for dtype in (np.float32, np.int64, np.uint8):
     got, received = results(handle, caps, arrays, False)
     check(f"alltoall.{name}", got[0], expected, True)
     check(f"alltoall.{name}.splits", received, list(expected_splits), True)
-    # Reducescatter.
-    host = values((size * 2 + 1, 3), dtype, 600)
-    expected = hvd.reducescatter(host, op=Sum, name=f"ref.rs.{name}")
-    arrays = [on_device(host)]
-    handle, caps = submit(ops.REDUCESCATTER, [f"reducescatter.dev.{name}"], arrays, op=Sum)
-    check(f"reducescatter.{name}", results(handle, caps, arrays, False)[0][0], expected, True)
+    # Reducescatter: uneven rows (the first ranks get one more; host staging on every route) and even ones
+    # (NCCL's ncclReduceScatter where each rank has a GPU of its own).
+    for rows, op in ((size * 2 + 1, Sum), (size * 2, Sum), (size * 2, Average)):
+        if op == Average and np.dtype(dtype).kind != "f":
+            continue
+        host = values((rows, 3), dtype, 600 + rows)
+        expected = hvd.reducescatter(host, op=op, name=f"ref.rs.{name}.{rows}.{op}")
+        arrays = [on_device(host)]
+        handle, caps = submit(ops.REDUCESCATTER, [f"reducescatter.dev.{name}.{rows}.{op}"], arrays, op=op)
+        check(f"reducescatter.{name}.{rows}.{op}", results(handle, caps, arrays, False)[0][0], expected,
+              np.dtype(dtype).kind != "f")
 
 # Async: many in flight at once, waited for in reverse.
 hosts = [values((8,), np.float32, 700 + i) for i in range(6)]
