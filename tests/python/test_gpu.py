@@ -7,8 +7,8 @@ naming the tensor and the reason. Single process or ``python -c`` subprocesses (
 process); about 10 s.
 
 Needs a GPU (skipped with the reason where ``torch.cuda.is_available()`` is False): workers/gpu_ops.py with
-1 rank (NCCL) and 2 ranks sharing the GPU (host staging). This version refuses GPU tensors, so on a GPU
-those are expected to fail (strict xfail) until the engine runs them; they have never run on a GPU.
+1 rank (NCCL) and 2 ranks sharing the GPU (host staging), each asserting the route the ranks announced. Host
+staging passed on an NVIDIA H200 (2026-11-28); scripts/gpu-check.sh runs these where a GPU is lent.
 """
 
 from __future__ import annotations
@@ -270,10 +270,16 @@ def test_the_gpu_worker_itself_runs_on_cpu_tensors(run_rvodrun, job_env):
 @not_yet
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("ranks", [1, 2], ids=["1-rank-nccl", "2-ranks-share-one-gpu-host-staging"])
-def test_cuda_tensors_match_the_cpu_results(run_rvodrun, ranks):
-    """Every op x dtype x variant, stream order, DistributedOptimizer and SyncBatchNorm (workers/gpu_ops.py)."""
-    result = run_rvodrun(["-np", str(ranks), PYTHON, GPU_OPS], timeout=240)
+def test_cuda_tensors_match_the_cpu_results(run_rvodrun, job_env, ranks):
+    """Every op x dtype x variant, stream order, DistributedOptimizer and SyncBatchNorm (workers/gpu_ops.py), on
+    the route the ranks must choose: NCCL for one rank with the GPU to itself, host staging for two sharing it."""
+    job_env.pop("RVOD_LOG_LEVEL", None)
+    result = run_rvodrun(["-np", str(ranks), "--verbose", PYTHON, GPU_OPS], timeout=240)
     assert_worker_job(result, dict.fromkeys(range(ranks), GPU_OPS_CHECKS))
+    route = "via NCCL" if ranks == 1 else "via host staging"
+    for rank in range(ranks):
+        assert re.search(rf"^\[{rank}\]<stderr>:.*process set 0: GPU collectives {route} \(rank {rank} on GPU 0",
+                         result.stderr, re.MULTILINE), result.stderr[-4000:]
 
 
 @needs_gpu
