@@ -60,6 +60,16 @@ def library_path() -> Path:
     return target
 
 
+def library_or_skip() -> Path:
+    """The stand-in library, or a module-level skip saying why it cannot be built (for test modules)."""
+    import pytest
+
+    try:
+        return library_path()
+    except StandinUnavailable as why:
+        pytest.skip(str(why), allow_module_level=True)
+
+
 def env(**settings: object) -> dict[str, str]:
     """The variables that make rvod load the stand-in, plus ``RVOD_STANDIN_*`` settings given by their suffix
     (``env(devices=3, stream_delay_us=2000)``)."""

@@ -16,10 +16,7 @@ import pytest
 import gpu_standin
 from jobs import PYTHON, WORKERS
 
-try:
-    LIBRARY = gpu_standin.library_path()
-except gpu_standin.StandinUnavailable as why:
-    pytest.skip(str(why), allow_module_level=True)
+LIBRARY = gpu_standin.library_or_skip()
 
 HERE = Path(__file__).resolve().parent
 pytestmark = pytest.mark.timeout(120)

@@ -30,8 +30,9 @@ _BFLOAT16_HINT = (" (NumPy bfloat16 arrays, such as ml_dtypes', cannot be export
                   "torch.bfloat16, or cast to float32)")
 
 
-class _CapsuleHolder:
-    """Makes an engine-produced capsule importable by ``np.from_dlpack``."""
+class HostCapsule:
+    """An engine-produced host capsule as an object with ``__dlpack__`` (what ``np.from_dlpack`` and
+    ``jax.dlpack.from_dlpack`` take; newer versions of both take no bare capsules)."""
 
     __slots__ = ("capsule",)
 
@@ -118,8 +119,8 @@ class NumpyAdapter(TensorAdapter):
         if device is not None and device[0] == _CUDA:
             return DeviceResult(capsule, device[1])
         if _rvod.relabel_bool_as_uint8(capsule):  # NumPy < 1.25 imports no DLPack bool: uint8, viewed as bool
-            return np.from_dlpack(_CapsuleHolder(capsule)).view(np.bool_)
-        return np.from_dlpack(_CapsuleHolder(capsule))
+            return np.from_dlpack(HostCapsule(capsule)).view(np.bool_)
+        return np.from_dlpack(HostCapsule(capsule))
 
     def copy_(self, dst, src):
         np.copyto(dst, src)

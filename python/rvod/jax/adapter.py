@@ -13,30 +13,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rvod.common.numpy_adapter import NumpyAdapter
+from rvod.common.numpy_adapter import HostCapsule, NumpyAdapter
 from rvod.common.ops import DTYPE_NAMES, TensorAdapter
 
 # The engine's element types (jax's dtype names are the same: bfloat16 is ml_dtypes'), as dtypes: a set lookup
 # of a dtype costs far less than its name.
 SUPPORTED_DTYPES = frozenset(jnp.dtype(name) for name in DTYPE_NAMES)
 _SUPPORTED_NAMES = ", ".join(sorted(DTYPE_NAMES))
-_CPU = 1  # DLPack's device type of host memory
-
-
-class _Capsule:
-    """An engine-produced capsule in the shape ``jax.dlpack.from_dlpack`` takes (an object with
-    ``__dlpack__``; newer JAX versions take no bare capsules)."""
-
-    __slots__ = ("capsule",)
-
-    def __init__(self, capsule):
-        self.capsule = capsule
-
-    def __dlpack__(self, stream=None, **kwargs):
-        return self.capsule
-
-    def __dlpack_device__(self):
-        return (_CPU, 0)
 
 
 def as_array(value, what="rvod.jax"):
@@ -69,7 +52,7 @@ class JaxAdapter(TensorAdapter):
     def from_dlpack(self, capsule):
         # Zero copy where the buffer is aligned as XLA wants (the engine's own allocations are); a result the
         # engine hands out of a larger buffer (a reducescatter's share) may not be, and is copied.
-        return jax.dlpack.from_dlpack(_Capsule(capsule))
+        return jax.dlpack.from_dlpack(HostCapsule(capsule))
 
     def from_ndarray(self, array):
         return jax.device_put(array)
