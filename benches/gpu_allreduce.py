@@ -1,14 +1,15 @@
 """Allreduce of CUDA tensors: rvod (rvod.torch, host staging) vs torch.distributed gloo on the same CUDA
 tensors, 2 ranks sharing one GPU (issue 30; run by scripts/gpu-check.sh on a lent GPU machine).
 
-    python benches/gpu_allreduce.py [--out gpu-bench.json] [--ranks 2] [--sizes 4096,...] [--iters 20]
+    python benches/gpu_allreduce.py [--out gpu-bench.json] [--ranks 2] [--rounds 5] [--sizes 4,4096,...]
+                                    [--iters 20]
 
 Both implementations stage through host memory here (NCCL refuses two ranks on one GPU, and gloo copies CUDA
 tensors to the host), so this compares like with like: the same ranks, tensors, sizes and timing, one job per
 implementation, in turn. Each job times, per size, in-place float32 allreduces of a tensor on
 ``cuda:local_rank % device_count`` after warm-ups, with ``torch.cuda.synchronize()`` before the clock stops
 (rank 0's mean per call; RVOD_BENCH_DEVICE=cpu: a dry run on CPU tensors). Reported: microseconds per call, algbw (bytes / time) and rvod's time over gloo's
-(below 1 is faster). Also times 1 rank alone (rvod: a staged copy round trip; no peer). Prints a table and
+(below 1 is faster). Also times 1 rank alone, the GPU its own (rvod's NCCL route: what rvod adds to an op). Prints a table and
 writes JSON.
 """
 
@@ -16,13 +17,14 @@ import argparse
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 KiB, MiB = 1 << 10, 1 << 20
-DEFAULT_SIZES = [4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB]
+DEFAULT_SIZES = [4, 4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB, 256 * MiB]
 
 
 def worker(impl: str, sizes: list[int], iters: int) -> None:
@@ -52,11 +54,11 @@ def worker(impl: str, sizes: list[int], iters: int) -> None:
         torch.cuda.set_device(device)
     results = {}
     for nbytes in sizes:
-        tensor = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+        tensor = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
         for _ in range(3):
             allreduce(tensor, f"warm.{nbytes}")
         synchronize()
-        count = iters if nbytes <= 16 * MiB else max(3, iters // 4)
+        count = iters if nbytes <= 16 * MiB else max(3, iters // 4) if nbytes <= 64 * MiB else 3
         started = time.perf_counter()
         for i in range(count):
             allreduce(tensor, f"timed.{nbytes}")
@@ -108,20 +110,32 @@ def main() -> None:
     parser.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)))
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     if args.worker:
         worker(args.worker, sizes, args.iters)
         return
-    report = {"ranks": args.ranks, "sizes": sizes, "rvod": run_job("rvod", args.ranks, sizes, args.iters),
-              "gloo": run_job("gloo", args.ranks, sizes, args.iters),
-              "rvod_1_rank": run_job("rvod", 1, sizes, args.iters)}
-    print(f"CUDA float32 allreduce, {args.ranks} ranks sharing one GPU (rank 0's mean per call)")
-    print(f"{'bytes':>10} {'rvod us':>10} {'gloo us':>10} {'rvod/gloo':>10} {'rvod GB/s':>10} {'1-rank us':>10}")
+    # Rounds alternate the implementations (rvod, gloo, rvod, gloo, ...) so a machine busy with something else
+    # slows both alike; each figure is the median over the rounds, each ratio the median of per-round ratios.
+    rounds = {"rvod": [], "gloo": []}
+    for _ in range(args.rounds):
+        for impl in rounds:
+            rounds[impl].append(run_job(impl, args.ranks, sizes, args.iters))
+    one_rank = run_job("rvod", 1, sizes, args.iters)
+    median = statistics.median
+    report = {"ranks": args.ranks, "sizes": sizes, "rounds": rounds, "rvod_1_rank": one_rank}
+    print(f"CUDA float32 allreduce, {args.ranks} ranks sharing one GPU (rank 0's mean per call; median of "
+          f"{args.rounds} alternating rounds); busbw = bytes / time * 2 (n - 1) / n")
+    print(f"{'bytes':>10} {'rvod us':>10} {'gloo us':>10} {'rvod/gloo time':>15} {'rvod busbw GB/s':>16} "
+          f"{'gloo busbw GB/s':>16} {'1-rank us':>10}")
+    factor = 2 * (args.ranks - 1) / args.ranks
     for n in sizes:
-        rv, gl, one = report["rvod"][n], report["gloo"][n], report["rvod_1_rank"][n]
-        print(f"{n:>10} {rv * 1e6:>10.1f} {gl * 1e6:>10.1f} {rv / gl:>10.2f} {n / rv / 1e9:>10.2f} {one * 1e6:>10.1f}")
+        rv, gl = median(r[n] for r in rounds["rvod"]), median(r[n] for r in rounds["gloo"])
+        ratio = median(a[n] / b[n] for a, b in zip(rounds["rvod"], rounds["gloo"]))
+        print(f"{n:>10} {rv * 1e6:>10.1f} {gl * 1e6:>10.1f} {ratio:>15.2f} {n / rv * factor / 1e9:>16.2f} "
+              f"{n / gl * factor / 1e9:>16.2f} {one_rank[n] * 1e6:>10.1f}")
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
 

@@ -7,7 +7,7 @@ naming the tensor and the reason. Single process or ``python -c`` subprocesses (
 process); about 10 s.
 
 Needs a GPU (skipped with the reason where ``torch.cuda.is_available()`` is False): workers/gpu_ops.py with
-1 rank (NCCL) and 2 ranks sharing the GPU (host staging), each asserting the route the ranks announced. Host
+1 rank (NCCL) and 2 and 4 ranks sharing the GPU (host staging), each asserting the route the ranks announced. Host
 staging passed on an NVIDIA H200 (2026-11-28); scripts/gpu-check.sh runs these where a GPU is lent.
 """
 
@@ -269,7 +269,8 @@ def test_the_gpu_worker_itself_runs_on_cpu_tensors(run_rvodrun, job_env):
 @needs_gpu
 @not_yet
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("ranks", [1, 2], ids=["1-rank-nccl", "2-ranks-share-one-gpu-host-staging"])
+@pytest.mark.parametrize("ranks", [1, 2, 4], ids=["1-rank-nccl", "2-ranks-share-one-gpu-host-staging",
+                                                  "4-ranks-share-one-gpu-host-staging"])
 def test_cuda_tensors_match_the_cpu_results(run_rvodrun, job_env, ranks):
     """Every op x dtype x variant, stream order, DistributedOptimizer and SyncBatchNorm (workers/gpu_ops.py), on
     the route the ranks must choose: NCCL for one rank with the GPU to itself, host staging for two sharing it."""
