@@ -6,11 +6,12 @@ tensors, 2 ranks sharing one GPU (issue 30; run by scripts/gpu-check.sh on a len
 
 Both implementations stage through host memory here (NCCL refuses two ranks on one GPU, and gloo copies CUDA
 tensors to the host), so this compares like with like: the same ranks, tensors, sizes and timing, one job per
-implementation, in turn. Each job times, per size, in-place float32 allreduces of a tensor on
-``cuda:local_rank % device_count`` after warm-ups, with ``torch.cuda.synchronize()`` before the clock stops
-(rank 0's mean per call; RVOD_BENCH_DEVICE=cpu: a dry run on CPU tensors). Reported: microseconds per call, algbw (bytes / time) and rvod's time over gloo's
-(below 1 is faster). Also times 1 rank alone, the GPU its own (rvod's NCCL route: what rvod adds to an op). Prints a table and
-writes JSON.
+implementation, in turn, for ``--rounds`` alternating rounds. Each job times, per size, in-place float32
+allreduces of a tensor on ``cuda:local_rank % device_count`` after warm-ups, with ``torch.cuda.synchronize()``
+before the clock stops (rank 0's mean per call; RVOD_BENCH_DEVICE=cpu: a dry run on CPU tensors). Reported:
+microseconds per call (medians over rounds), busbw, and rvod's time over gloo's (the median of per-round
+ratios; below 1 is faster). Also times 1 rank alone, the GPU its own (rvod's NCCL route: what rvod adds to
+an op). Prints a table and writes JSON.
 """
 
 import argparse
