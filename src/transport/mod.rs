@@ -65,6 +65,36 @@ pub enum TransportError {
     Protocol { peer: usize, detail: String },
 }
 
+/// The data-path methods of [`Transport`] for a transport whose inherent `send_bytes`, `recv_bytes` and
+/// `exchange_bytes` do the work and whose `settle` turns a failure into the error every rank agrees on
+/// (TCP and UCX: the control mesh names the rank that died). Used inside `impl Transport for ...`.
+macro_rules! settled_data_path {
+    () => {
+        fn send(&mut self, peer: usize, data: &[u8]) -> Result<(), $crate::transport::TransportError> {
+            let outcome = self.send_bytes(peer, data);
+            self.settle(outcome)
+        }
+
+        fn recv(&mut self, peer: usize, buf: &mut [u8]) -> Result<(), $crate::transport::TransportError> {
+            let outcome = self.recv_bytes(peer, buf);
+            self.settle(outcome)
+        }
+
+        fn exchange(
+            &mut self,
+            to: usize,
+            send: &[u8],
+            from: usize,
+            recv_len: usize,
+            sink: &mut dyn FnMut(usize, &[u8]),
+        ) -> Result<(), $crate::transport::TransportError> {
+            let outcome = self.exchange_bytes(to, send, from, recv_len, sink);
+            self.settle(outcome)
+        }
+    };
+}
+pub(crate) use settled_data_path;
+
 impl TransportError {
     /// The same error with its peer renumbered: peer `p` becomes `numbers[p]` (kept where `numbers` has no
     /// entry). Turns a part's ranks into the whole communicator's, or a communicator's into global ranks.

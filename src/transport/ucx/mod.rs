@@ -691,27 +691,7 @@ impl Transport for UcxTransport {
         "ucx"
     }
 
-    fn send(&mut self, peer: usize, data: &[u8]) -> Result<(), TransportError> {
-        let outcome = self.send_bytes(peer, data);
-        self.settle(outcome)
-    }
-
-    fn recv(&mut self, peer: usize, buf: &mut [u8]) -> Result<(), TransportError> {
-        let outcome = self.recv_bytes(peer, buf);
-        self.settle(outcome)
-    }
-
-    fn exchange(
-        &mut self,
-        to: usize,
-        send: &[u8],
-        from: usize,
-        recv_len: usize,
-        sink: &mut dyn FnMut(usize, &[u8]),
-    ) -> Result<(), TransportError> {
-        let outcome = self.exchange_bytes(to, send, from, recv_len, sink);
-        self.settle(outcome)
-    }
+    crate::transport::settled_data_path!();
 
     fn wait_for_activity(&mut self, waker: &Waker, timeout: Duration) -> Result<Activity, TransportError> {
         let deadline = handshake::deadline_after(timeout);
