@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use half::{bf16, f16};
 use rvod::config::Config;
 use rvod::engine::connect::connect_members;
+use rvod::engine::peer_hosts::PeerHosts;
 use rvod::ring;
 use rvod::transport::rendezvous::{RendezvousServer, StoreClient};
 use rvod::transport::{Activity, Transport, TransportError, Waker};
@@ -67,7 +68,15 @@ fn on_hosts<R: Send>(hosts: &[usize], body: impl Fn(&mut dyn Transport) -> R + S
                     .collect();
                     let config = Config::from_lookup(|name| vars.get(name).cloned(), None).unwrap();
                     let mut store = StoreClient::connect(server.addr(), SECRET, Duration::from_secs(10)).unwrap();
-                    let mut t = connect_members(&config, Some(LOOPBACK), Some(&mut store), "world", members).unwrap();
+                    let mut t = connect_members(
+                        &config,
+                        Some(LOOPBACK),
+                        Some(&mut store),
+                        "world",
+                        members,
+                        &PeerHosts::default(),
+                    )
+                    .unwrap();
                     body(t.as_mut())
                 })
             })

@@ -10,6 +10,7 @@ use crate::engine::affinity;
 use crate::engine::driver::Driver;
 use crate::engine::fast_lane::{SmallOp, SmallOutcome};
 use crate::engine::handles::{HandleId, HandleTable};
+use crate::engine::peer_hosts::PeerHosts;
 use crate::engine::shared::{AppliedValues, Shared};
 use crate::engine::step::Loop;
 use crate::engine::table::TensorEntry;
@@ -35,8 +36,9 @@ impl Communicator {
         config: &Config,
         handles: Arc<HandleTable>,
         timeline: Timeline,
+        hosts: PeerHosts,
     ) -> Result<Communicator, EngineError> {
-        let shared = Arc::new(Shared::new(handles, set_id, global_ranks, transport.label(), timeline)?);
+        let shared = Arc::new(Shared::new(handles, set_id, global_ranks, transport.label(), timeline, hosts)?);
         shared.waker.set_doorbell(transport.doorbell());
         let waiter = transport.idle_waiter();
         let driver = Arc::new(Driver::new(

@@ -7,6 +7,7 @@
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 use std::time::Duration;
 
+use super::peer_hosts::PeerHosts;
 use crate::config::{Config, HostsConfig, HostsTransport, Rendezvous, Topology};
 use crate::error::EngineError;
 use crate::transport::composite::{CompositeTransport, HostLayout};
@@ -48,6 +49,7 @@ pub fn connect_members(
     store: Option<&mut StoreClient>,
     scope: &str,
     members: &[usize],
+    hosts: &PeerHosts,
 ) -> Result<Box<dyn Transport>, EngineError> {
     let me = config.topology.rank;
     let local_rank = members
@@ -62,8 +64,8 @@ pub fn connect_members(
         return Err(EngineError::Internal("a multi-rank communicator needs the rendezvous store".into()));
     };
     let secret = &rdv.secret;
-    // Transports number peers by position; errors name them by global rank (`numbers[position]`).
-    let failed = |op: &str, numbers: &[usize], e: TransportError| EngineError::transport(op, &e.renumbered(numbers));
+    // Transports number peers by position; errors name them by global rank (`numbers[position]`) and host.
+    let failed = |op: &str, numbers: &[usize], e: TransportError| hosts.failure(op, &e.renumbered(numbers));
     let tcp_mesh = |store: &mut StoreClient, scope: &str, numbers: &[usize], rank: usize, linked: &[bool]| {
         TcpTransport::connect_mesh_linked(
             rank,
@@ -250,21 +252,33 @@ fn host_layout(
     Ok(HostLayout::from_keys(&keys))
 }
 
-/// Every rank publishes its host's rank count; the job is homogeneous when all are equal.
-pub fn all_hosts_equal(
+/// What every rank learns of the job's hosts at `init()`: the host each global rank runs on, and whether
+/// the job is homogeneous (every host runs as many ranks).
+pub struct JobHosts {
+    pub names: PeerHosts,
+    pub homogeneous: bool,
+}
+
+/// Every rank publishes its host's rank count and its host name (one key); all learn everyone's.
+pub fn job_hosts(
     store: &mut StoreClient,
     scope: &str,
     topo: &Topology,
     timeout: Duration,
-) -> Result<bool, EngineError> {
-    let fail = |e: TransportError| EngineError::transport("exchanging host sizes", &e);
-    store.set(&format!("{scope}/local_size/{}", topo.rank), topo.local_size.to_string().as_bytes()).map_err(fail)?;
-    let mut equal = true;
+) -> Result<JobHosts, EngineError> {
+    let fail = |e: TransportError| EngineError::transport("exchanging host names and sizes", &e);
+    let mine = format!("{} {}", topo.local_size, topo.hostname);
+    store.set(&format!("{scope}/host/{}", topo.rank), mine.as_bytes()).map_err(fail)?;
+    let mut homogeneous = true;
+    let mut names = Vec::with_capacity(topo.size);
     for rank in 0..topo.size {
-        let value = store.get_from(rank, &format!("{scope}/local_size/{rank}"), timeout).map_err(fail)?;
-        equal &= value == topo.local_size.to_string().as_bytes();
+        let value = store.get_from(rank, &format!("{scope}/host/{rank}"), timeout).map_err(fail)?;
+        let value = String::from_utf8_lossy(&value);
+        let (local_size, name) = value.split_once(' ').unwrap_or((&value, ""));
+        homogeneous &= local_size == topo.local_size.to_string();
+        names.push(name.to_string());
     }
-    Ok(equal)
+    Ok(JobHosts { names: PeerHosts::new(names), homogeneous })
 }
 
 #[cfg(test)]

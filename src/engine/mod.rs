@@ -4,7 +4,8 @@
 //!
 //! - [`submission`]: what callers hand in and get back; [`grouped`]: a grouped allreduce submitted as one
 //!   packed tensor per dtype.
-//! - [`handles`]: the handle table callers wait on.
+//! - [`handles`]: the handle table callers wait on; [`peer_hosts`]: the host each rank runs on, for errors
+//!   naming a peer.
 //! - [`process_sets`]: which sets exist and how ids are assigned.
 //! - [`connect`]: rendezvous and transport set-up; [`roll_call`]: every rank comes to `init()` in time, or the
 //!   error names those that did not.
@@ -40,6 +41,7 @@ pub mod fork;
 pub mod gpu_route;
 pub mod grouped;
 pub mod handles;
+pub mod peer_hosts;
 pub mod process_sets;
 pub mod roll_call;
 pub mod shared;
@@ -64,6 +66,7 @@ use crate::types::{CollectiveKind, DataType};
 
 use communicator::Communicator;
 use handles::{HandleId, HandleTable, WaitOutcome};
+use peer_hosts::PeerHosts;
 use process_sets::{ProcessSetEntry, ProcessSetRegistry};
 use submission::OpSubmission;
 use table::TensorEntry;
@@ -79,6 +82,8 @@ pub struct Engine {
     store: Mutex<Option<StoreClient>>,
     generation: u64,
     homogeneous: bool,
+    /// The host each global rank runs on, for errors naming a peer.
+    hosts: PeerHosts,
     /// Where this rank's data listeners bind (None in a job of size 1).
     data_addr: Option<std::net::IpAddr>,
     timeline: Timeline,
@@ -135,9 +140,12 @@ impl Meeting {
             Some(rdv) => Some(connect::data_address(rdv, topo.rank)?),
             None => None,
         };
-        let homogeneous = match store.as_mut() {
-            Some(s) => connect::all_hosts_equal(s, &format!("init{generation}"), &topo, config.start_timeout)?,
-            None => true,
+        let (homogeneous, hosts) = match store.as_mut() {
+            Some(s) => {
+                let found = connect::job_hosts(s, &format!("init{generation}"), &topo, config.start_timeout)?;
+                (found.homogeneous, found.names)
+            }
+            None => (true, PeerHosts::default()),
         };
         let timeline = Timeline::new(topo.rank, job_key(&config));
         if let Some(path) = config.timeline.as_deref().filter(|p| *p != timeline::DYNAMIC) {
@@ -150,6 +158,7 @@ impl Meeting {
             store: Mutex::new(store),
             generation,
             homogeneous,
+            hosts,
             data_addr,
             config,
             global: std::sync::OnceLock::new(),
@@ -202,7 +211,8 @@ impl Engine {
     fn start_communicator(&self, id: u32, sequence: u64, ranks: &[usize]) -> Result<Communicator, EngineError> {
         let scope = format!("init{}/set{sequence}", self.generation);
         let mut store = self.store.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        let transport = connect::connect_members(&self.config, self.data_addr, store.as_mut(), &scope, ranks)?;
+        let transport =
+            connect::connect_members(&self.config, self.data_addr, store.as_mut(), &scope, ranks, &self.hosts)?;
         drop(store);
         Communicator::start(
             id,
@@ -211,6 +221,7 @@ impl Engine {
             &self.config,
             Arc::clone(&self.handles),
             self.timeline.clone(),
+            self.hosts.clone(),
         )
     }
 

@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::engine::handles::HandleTable;
+use crate::engine::peer_hosts::PeerHosts;
 use crate::engine::table::TensorEntry;
 use crate::error::EngineError;
 use crate::protocol::round::StopReason;
@@ -35,6 +36,8 @@ pub(crate) struct Shared {
     /// Process set id and its ranks (global rank numbers, sorted), for messages.
     pub(crate) set_id: u32,
     pub(crate) global_ranks: Vec<usize>,
+    /// The host each global rank runs on, for errors naming a peer.
+    pub(crate) hosts: PeerHosts,
     /// What the transport is ("shm", "tcp", ...), for diagnostics.
     pub(crate) transport_kind: &'static str,
     pub(crate) timeline: SetTimeline,
@@ -64,6 +67,7 @@ impl Shared {
         global_ranks: Vec<usize>,
         transport_kind: &'static str,
         timeline: Timeline,
+        hosts: PeerHosts,
     ) -> Result<Shared, EngineError> {
         Ok(Shared {
             handles,
@@ -75,6 +79,7 @@ impl Shared {
             set_id,
             timeline: SetTimeline::new(timeline, set_id, &global_ranks, transport_kind),
             global_ranks,
+            hosts,
             transport_kind,
             autotune_applied: Mutex::new(Vec::new()),
             requested_values: Mutex::new(None),

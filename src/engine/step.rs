@@ -341,9 +341,12 @@ impl Loop {
     }
 
     /// The failure of `op` as users see it: the transport names the peer by its position in this
-    /// communicator, users know it by its global rank.
-    pub(super) fn transport_failure(&self, op: impl Into<String>, e: TransportError) -> EngineError {
-        EngineError::transport(op, &e.renumbered(&self.shared.global_ranks))
+    /// communicator, users know it by its global rank and host. The transport notes the cause first, to
+    /// pass on as it closes (a failure inside one part of a communicator spanning hosts reaches the
+    /// other part's peers too).
+    pub(super) fn transport_failure(&mut self, op: impl Into<String>, e: TransportError) -> EngineError {
+        self.transport.note_failure(&e);
+        self.shared.hosts.failure(op, &e.renumbered(&self.shared.global_ranks))
     }
 
     /// Why pending ops fail when this rank stopped the communicator.

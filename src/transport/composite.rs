@@ -196,6 +196,10 @@ pub struct CompositeTransport {
     layout: HostLayout,
     /// This host's members (communicator ranks, ascending); `local` numbers them 0..
     local_members: Vec<usize>,
+    /// The communicator rank of each number the local part may name: its members, then, offset by their
+    /// count, every communicator rank (a member on another host that a local peer blamed, see
+    /// `note_failure`).
+    local_names: Vec<usize>,
     local: Box<dyn Transport>,
     /// Numbered by communicator rank; connected (at least) to every member on another host.
     remote: Box<dyn Transport>,
@@ -229,7 +233,8 @@ impl CompositeTransport {
         let stop_watching = Waker::new().map_err(eventfd)?;
         let wake_local = Arc::new(Waker::new().map_err(eventfd)?);
         wake_local.set_doorbell(local.doorbell());
-        Ok(CompositeTransport { rank, layout, local_members, local, remote, stop_watching, wake_local })
+        let local_names = local_members.iter().copied().chain(0..layout.size()).collect();
+        Ok(CompositeTransport { rank, layout, local_members, local_names, local, remote, stop_watching, wake_local })
     }
 
     fn route(&self, peer: usize) -> Result<Route, TransportError> {
@@ -250,7 +255,7 @@ impl CompositeTransport {
     }
 
     fn local_error(&self, err: TransportError) -> TransportError {
-        err.renumbered(&self.local_members)
+        err.renumbered(&self.local_names)
     }
 }
 
@@ -312,8 +317,24 @@ impl Transport for CompositeTransport {
         self.noted(outcome)
     }
 
+    /// Both parts pass the cause on: the remote part to the other hosts, the local part to this host's
+    /// members, in its own numbers (a member on another host as the local part's size plus its rank).
     fn note_failure(&mut self, cause: &TransportError) {
         self.remote.note_failure(cause);
+        let local_size = self.local_members.len();
+        let layout = &self.layout;
+        let here = layout.host_of(self.rank);
+        let in_local_numbers: Vec<usize> = (0..layout.size())
+            .map(|r| if layout.host_of(r) == here { layout.local_index(r) } else { local_size + r })
+            .collect();
+        let cause = match cause {
+            TransportError::PeerClosed { peer } | TransportError::Io { peer, .. } => {
+                TransportError::PeerClosed { peer: *peer }
+            }
+            TransportError::Timeout { peer, seconds } => TransportError::Timeout { peer: *peer, seconds: *seconds },
+            _ => return,
+        };
+        self.local.note_failure(&cause.renumbered(&in_local_numbers));
     }
 
     fn doorbell(&self) -> Option<Doorbell> {
@@ -329,19 +350,18 @@ impl Transport for CompositeTransport {
     fn hosts(&mut self) -> Option<HostParts<'_>> {
         let layout = &self.layout;
         let index = layout.local_index(self.rank);
-        let local_members = self.local_members.clone();
-        let local = PartView::new(&mut *self.local, (0..local_members.len()).collect(), local_members);
+        let local = PartView::new(&mut *self.local, (0..self.local_members.len()).collect(), self.local_names.clone());
         let cross = PartView::new(&mut *self.remote, layout.cross_members(index), (0..layout.size()).collect());
         Some(HostParts { layout, local, cross })
     }
 }
 
 impl CompositeTransport {
-    /// A failure of either part (in communicator ranks) is the TCP part's to pass on when it closes: a
-    /// shared-memory peer that died is named to the other hosts too.
+    /// A failure of either part (in communicator ranks) is passed on by both parts when they close: a
+    /// shared-memory peer that died is named to the other hosts, a rank on another host to this host's.
     fn noted<T>(&mut self, outcome: Result<T, TransportError>) -> Result<T, TransportError> {
         if let Err(err) = &outcome {
-            self.remote.note_failure(err);
+            self.note_failure(err);
         }
         outcome
     }
@@ -355,7 +375,7 @@ impl CompositeTransport {
         sink: &mut dyn FnMut(usize, &[u8]),
     ) -> Result<(), TransportError> {
         let (to_route, from_route) = (self.route(to)?, self.route(from)?);
-        let names = &self.local_members;
+        let names = &self.local_names;
         let local_error = |e: TransportError| e.renumbered(names);
         match (to_route, from_route) {
             (Route::Local(t), Route::Local(f)) => self.local.exchange(t, send, f, recv_len, sink).map_err(local_error),

@@ -115,6 +115,20 @@ impl TransportError {
             other @ TransportError::Setup(_) => other,
         }
     }
+
+    /// The peers this error names (none for a set-up failure that names no rank).
+    pub fn peers(&self) -> Vec<usize> {
+        match self {
+            TransportError::PeerClosed { peer }
+            | TransportError::Timeout { peer, .. }
+            | TransportError::Io { peer, .. }
+            | TransportError::Protocol { peer, .. }
+            | TransportError::Connect { peer, .. }
+            | TransportError::KeyTimeout { peer, .. } => vec![*peer],
+            TransportError::NotConnected { peers } => peers.clone(),
+            TransportError::Setup(_) => Vec::new(),
+        }
+    }
 }
 
 impl From<&TransportError> for TransportErrorInfo {

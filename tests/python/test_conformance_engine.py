@@ -149,7 +149,7 @@ def test_shm_segment_is_unlinked_when_a_rank_never_maps_it(job_env, tmp_path, sh
         store = StoreConnection(job.port, job.secret)
         boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
         store.set("init0/arrived/1", b"1")
-        store.set("init0/local_size/1", b"2")
+        store.set("init0/host/1", b"2 localhost")
         store.set("init0/set1/host/1", f"localhost/{boot_id}".encode())
         job.start([0])
         deadline = time.monotonic() + 30
@@ -257,7 +257,7 @@ def test_warnings_about_dropped_strangers_are_rate_limited(job_env, tmp_path, ca
             garbage.close()
         store = StoreConnection(job.port, job.secret)
         store.set("init0/arrived/1", b"1")
-        store.set("init0/local_size/1", b"2")
+        store.set("init0/host/1", b"2 localhost")
         job.start([0])
         address = store.get("init0/set1/addr/0", wait_ms=20_000)
         assert address, job.report()

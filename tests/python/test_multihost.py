@@ -314,7 +314,7 @@ if os.environ["RVOD_RANK"] == "3":
     store = _rvod.StoreClient(os.environ["RVOD_RENDEZVOUS_ADDR"], int(os.environ["RVOD_RENDEZVOUS_PORT"]),
                               bytes.fromhex(os.environ["RVOD_SECRET"]), 30.0)
     boot_id = open("/proc/sys/kernel/random/boot_id").read().strip()
-    for key, value in [("arrived/3", "1"), ("local_size/3", "2"), ("set1/host/3", f"b/{boot_id}")]:
+    for key, value in [("arrived/3", "1"), ("host/3", "2 b"), ("set1/host/3", f"b/{boot_id}")]:
         store.set(f"init0/{key}", value.encode())
     print("listener", bytes(store.get("init0/set1/cross/addr/0", 30.0)).decode(), flush=True)
     store.close()

@@ -179,7 +179,7 @@ def test_strangers_are_dropped_and_the_job_is_unaffected(job_env, tmp_path):
         store = StoreConnection(job.port, job.secret)
         assert store.get("no such key", wait_ms=10) is None
         store.set("init0/arrived/1", b"1")
-        store.set("init0/local_size/1", b"2")
+        store.set("init0/host/1", b"2 localhost")
         job.start([0])
         # The global process set is the first registered communicator: scope init0/set1.
         address = store.get("init0/set1/addr/0", wait_ms=20_000)

@@ -2,7 +2,8 @@
 whose names are only names (tests/python/jobs.py's FakeHostsJob), so each "host"'s ranks share memory and
 the hosts talk over UCX (RVOD_TRANSPORT=ucx, UCX_TLS=tcp,self,sm). Checks --check-build's UCX section,
 which transport each communicator runs on, a remote rank that is killed or frozen (the others raise
-naming it), a failure inside UCX (an RvodInternalError naming the rank and UCX's message), a stranger
+naming it and its host, over TCP too), a failure inside UCX (an RvodInternalError naming the rank, its host
+and UCX's message), a stranger
 poking at UCX's own listening sockets (ignored), a libucp that cannot be loaded (a clear error when
 forced, TCP under auto, said only at INFO), and a bad RVOD_TRANSPORT. The same ops over real network
 namespaces are in test_multihost.py, every op x dtype with hierarchical algorithms on and off in
@@ -125,24 +126,27 @@ def test_links_between_hosts_run_over_ucx(job_env, tmp_path, hosts, size, expect
         job.report()
 
 
-@pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("transport", ["tcp", pytest.param("ucx", marks=pytest.mark.skipif(
+    _REASON is not None, reason=_REASON or ""))])
 @pytest.mark.parametrize("signal_name", ["SIGKILL", "SIGSTOP"])
-def test_a_remote_rank_killed_or_frozen_is_named_by_the_others(job_env, tmp_path, signal_name):
+def test_a_remote_rank_killed_or_frozen_is_named_by_the_others(job_env, tmp_path, signal_name, transport):
     """Rank 2, alone on host b, is SIGKILLed (or SIGSTOPped) while a 128 MiB allreduce is in flight: ranks 0
-    and 1 on host a raise naming rank 2, quickly for a kill, after RVOD_TIMEOUT (4 s) for a freeze."""
-    settings = {**ucx_env.SETTINGS, "RVOD_TIMEOUT": "4"}
+    and 1 on host a raise naming rank 2 and its host, quickly for a kill, after RVOD_TIMEOUT (4 s) for a freeze;
+    over UCX, and over TCP for comparison."""
+    between_hosts = ucx_env.SETTINGS if transport == "ucx" else {"RVOD_TRANSPORT": "tcp"}
+    settings = {**between_hosts, "RVOD_TIMEOUT": "4"}
     with FakeHostsJob("hosta:2,hostb:1", job_env, 3, [PYTHON, ERRORS, "kill", signal_name], tmp_path,
                       settings=settings) as job:
         job.start()
         survivors = job.wait(60, ranks=[0, 1])
         report = job.report()
     for rank, res in survivors.items():
-        assert "TRANSPORT shm+ucx" in res.stdout, report
+        assert f"TRANSPORT shm+{transport}" in res.stdout, report
         found = re.search(r"^SURVIVOR (\w+) ([\d.]+) (.*)$", res.stdout, re.MULTILINE)
         assert found, report
         kind, seconds, message = found.group(1), float(found.group(2)), found.group(3)
-        assert re.search(r"\brank 2\b", message), report
+        assert re.search(r"\brank 2 on host hostb\b", message), report
         if signal_name == "SIGKILL":
             assert kind in ("RvodInternalError", "RvodTimeoutError") and seconds < 3.0, report
         else:
@@ -164,8 +168,8 @@ ERROR_JOB = textwrap.dedent("""
 @pytest.mark.timeout(60)
 def test_a_failure_inside_ucx_is_an_internal_error_naming_the_rank_and_ucxs_message(job_env, tmp_path):
     """Host b's UCX may use shared memory only (UCX_TLS=sm,self), which cannot reach host a: UCX refuses to
-    connect the endpoints, and each rank's init() raises RvodInternalError naming the other rank and UCX's own
-    words, within seconds."""
+    connect the endpoints, and each rank's init() raises RvodInternalError naming the other rank, its host and
+    UCX's own words, within seconds."""
     with FakeHostsJob("hosta:1,hostb:1", job_env, 2, [PYTHON, "-c", ERROR_JOB], tmp_path,
                       settings={**ucx_env.SETTINGS, "RVOD_TIMEOUT": "5"}) as job:
         started = time.monotonic()
@@ -178,7 +182,7 @@ def test_a_failure_inside_ucx_is_an_internal_error_naming_the_rank_and_ucxs_mess
         assert res.returncode == 0, report
         # UCX logs its own view of the failure to stdout too (its default); the error is the last line.
         assert re.fullmatch(rf"ERROR RvodInternalError connecting to the other ranks over UCX failed: connection "
-                            rf"set-up with rank {1 - rank} failed: UCX (ucp_ep_create failed|could not reach it): "
+                            rf"set-up with rank {1 - rank} on host host{'ba'[rank]} failed: UCX (ucp_ep_create failed|could not reach it): "
                             r"[A-Z][\w ,.-]+", res.stdout.splitlines()[-1]), report
 
 

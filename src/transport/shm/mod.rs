@@ -57,6 +57,9 @@ const EXCHANGE_PIECE: usize = 256 * 1024;
 const SPIN: Duration = Duration::from_micros(50);
 /// How long a rank that finds a peer closed looks for a dead rank to name instead (see `closed_error`).
 const DEATH_GRACE: Duration = Duration::from_millis(200);
+/// How long a rank whose wait timed out waits for the peer it waited on to name a third rank (at most a
+/// quarter of the timeout; see `await_cause`).
+const CAUSE_GRACE: Duration = Duration::from_secs(1);
 /// Smallest staging area worth having when the full ones do not fit.
 const MIN_STAGING: usize = 4 << 20;
 const PAGE: usize = 4096;
@@ -362,10 +365,12 @@ impl ShmTransport {
     }
 
     /// The failure `peer` said it closed because of, when it blamed a third rank (see `note_failure`).
+    /// A blamed rank at or past this transport's size is one its owner numbers beyond it (a composite's rank
+    /// on another host, see `transport::composite`).
     fn cause_given_by(&self, peer: usize) -> Option<TransportError> {
         let cause = self.layout.slot(peer).cause.load(Ordering::Acquire);
         let blamed = usize::try_from(cause >> 1).ok()?.checked_sub(1)?;
-        if blamed == peer || blamed == self.rank || blamed >= self.layout.size() {
+        if blamed == peer || blamed == self.rank {
             return None;
         }
         Some(if cause & 1 == 1 {
@@ -460,10 +465,31 @@ impl ShmTransport {
                     return Err(self.failing(TransportError::PeerClosed { peer: dead }));
                 }
                 if start.elapsed() >= self.timeout {
+                    if let Some(passed_on) = self.await_cause(blame) {
+                        return Err(self.failing(passed_on));
+                    }
                     let peer = self.frozen_rank(blame);
                     return Err(self.failing(TransportError::Timeout { peer, seconds: self.timeout.as_secs_f64() }));
                 }
             }
+        }
+    }
+
+    /// After a wait on `blame` timed out: the third rank `blame` blames, if it says so within a grace. A
+    /// peer waiting on a frozen rank elsewhere (on another host, where no heartbeat shows) times out at
+    /// about the same moment; its word lets every survivor name the frozen rank, not the peer it waited on.
+    fn await_cause(&mut self, blame: usize) -> Option<TransportError> {
+        let deadline = Instant::now() + (self.timeout / 4).min(CAUSE_GRACE);
+        loop {
+            let slot = self.layout.slot(self.rank);
+            slot.heartbeat.store(liveness::monotonic_ms(), Ordering::Relaxed);
+            if let Some(passed_on) = self.cause_given_by(blame) {
+                return Some(passed_on);
+            }
+            if self.layout.slot(blame).closed.load(Ordering::Acquire) != 0 || Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(5));
         }
     }
 
@@ -638,7 +664,7 @@ impl Transport for ShmTransport {
             | TransportError::NotConnected { .. }
             | TransportError::Protocol { .. } => return,
         };
-        if blamed == self.rank || blamed >= self.layout.size() {
+        if blamed == self.rank {
             return;
         }
         let code = ((blamed as u64 + 1) << 1) | u64::from(timed_out);

@@ -359,7 +359,7 @@ def never_maps_mode():
                         bytes.fromhex(os.environ["RVOD_SECRET"]), 10.0)
     boot_id = open("/proc/sys/kernel/random/boot_id").read().strip()
     store.set(f"init0/arrived/{rank}", b"1")
-    store.set(f"init0/local_size/{rank}", os.environ["RVOD_LOCAL_SIZE"].encode())
+    store.set(f"init0/host/{rank}", f"{os.environ['RVOD_LOCAL_SIZE']} {os.environ['RVOD_HOSTNAME']}".encode())
     store.set(f"init0/set1/host/{rank}", f"{os.environ['RVOD_HOSTNAME']}/{boot_id}".encode())
     time.sleep(120)
 
