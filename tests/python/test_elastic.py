@@ -240,6 +240,29 @@ def test_keras_fit_goes_on_after_a_worker_dies(job_env, tmp_path):
     assert len(done) == 2 and {d["epoch"] for d in done} == {3} and len({d["params"] for d in done}) == 1
 
 
+@pytest.mark.timeout(200)
+def test_keras_sharded_optimizer_state_comes_back_from_buddy_copies(job_env, tmp_path):
+    """Keras with DistributedOptimizer(sharded=True) (Adam): rank 1 of 3 is killed in epoch 1; its slice of the
+    moments comes back from its buddy copy, and the world of 2 starts from exactly the state consolidated at
+    the last commit, then finishes with identical weights on both ranks."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("".join(f"{host}:1\n" for host in HOSTS))
+    env = dict(job_env, ELASTIC_OUT=str(tmp_path), ELASTIC_KILL="1:1:1:2", ELASTIC_SHARDED="1",
+               KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="3")
+    command = [sys.executable, *RVODRUN, "--min-np", "2", "--host-discovery-script", f"cat {hosts}",
+               sys.executable, str(WORKER.with_name("elastic_keras.py"))]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
+    report = f"stdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-6000:]}"
+    assert result.returncode == 0, report
+    second = [s for s in read(tmp_path, "starts.jsonl") if s["round"] == 2]
+    assert sorted(s["rank"] for s in second) == [0, 1] and {s["size"] for s in second} == {2}, report
+    last = [c for c in read(tmp_path, "commits.jsonl") if c["round"] == 1][-1]
+    assert (last["epoch"], last["batch"]) == (1, 1), report
+    assert {s["optimizer"] for s in second} == {last["optimizer"]} and last["optimizer"] != 0.0, report
+    done = read(tmp_path, "done.jsonl")
+    assert len(done) == 2 and {d["epoch"] for d in done} == {3} and len({d["params"] for d in done}) == 1
+
+
 @pytest.mark.timeout(120)
 def test_reset_limit_ends_the_job_with_the_reason(job_env, tmp_path):
     """--reset-limit 0: the first death needs a reset the limit does not allow; rvodrun says so and exits 1."""

@@ -10,6 +10,7 @@ broadcast from rank 0 matches them one to one (an optimizer that has no variable
 import numpy as np
 
 from rvod.common.elastic import ObjectState
+from rvod.common.sharded_commits import ShardCommits
 
 
 class VariablesState(ObjectState):
@@ -59,7 +60,12 @@ class KerasModelState(VariablesState):
     ``rvod.tensorflow.elastic.TensorFlowKerasState``. The model must be built (Horovod's ValueError
     otherwise). An optimizer that has not built its variables yet (Keras 3 builds them at the first step)
     is built from the model's trainable variables when the state first needs them, so a rank that has not
-    trained yet, or joins a running job, has the same variables as rank 0 for ``sync()`` to fill."""
+    trained yet, or joins a running job, has the same variables as rank 0 for ``sync()`` to fill.
+
+    A sharded optimizer's slots (this rank's slice of its state) are not among the variables: a commit keeps
+    this rank's slice and a buddy copy of another rank's (``rvod.common.sharded_commits``), and ``sync()``
+    lays the optimizer out for the new world with the slices of the last commit (a traced train function is
+    dropped, to be traced again on the new shards)."""
 
     def __init__(self, model, optimizer=None, backend=None, bcast_object=None, get_rank=None, **kwargs):
         if not getattr(model, "built", True):
@@ -68,6 +74,13 @@ class KerasModelState(VariablesState):
         self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
         self.backend = backend
         super().__init__(bcast_object=bcast_object, get_rank=get_rank, **kwargs)
+        sharded = self._sharded()
+        self._shard_commits = None if sharded is None else ShardCommits(
+            lambda: sharded._rvod_layout.describe(), sharded._rvod_shard_states)
+
+    def _sharded(self):
+        """The optimizer when it is a sharded DistributedOptimizer (``rvod.keras.sharded_optimizer``)."""
+        return self.optimizer if getattr(self.optimizer, "_rvod_sharding", None) is not None else None
 
     def _tracked(self):
         optimizer = self.optimizer
@@ -76,4 +89,20 @@ class KerasModelState(VariablesState):
         if not getattr(optimizer, "built", True):
             optimizer.build(self.model.trainable_variables)
         found = optimizer.variables
-        return list(self.model.variables) + list(found() if callable(found) else found)
+        slots = getattr(optimizer, "_rvod_slot_of", {}) if self._sharded() is not None else {}
+        return list(self.model.variables) + [v for v in (found() if callable(found) else found) if id(v) not in slots]
+
+    def save(self):
+        if self._shard_commits is not None:  # first: the collective that may fail, leaving the last commit whole
+            self._shard_commits.save()
+        super().save()
+
+    def sync(self):
+        if self._shard_commits is not None:
+            optimizer = self._sharded()
+            before = (optimizer._rvod_layout.size, optimizer._rvod_layout.rank)
+            optimizer._rvod_reshard(self._shard_commits.gather())
+            self._shard_commits.restart()
+            if (optimizer._rvod_layout.size, optimizer._rvod_layout.rank) != before:
+                self.model.train_function = None  # traced on the old shards
+        super().sync()

@@ -103,6 +103,16 @@ class ShardLayout:
         return self.params == other.params
 
 
+def check_own_shard(description, layout):
+    """Raise ValueError unless the sharded state dict with layout ``description`` is ``layout``'s own
+    (same ranks, rank and parameters): another job's or rank's must be loaded as the list of every rank's."""
+    saved = ShardLayout.from_description(description)
+    if saved.size != layout.size or saved.rank != layout.rank or not saved.same_parameters(layout):
+        raise ValueError(f"this state dict is rank {saved.rank}'s shard of a sharded optimizer of {saved.size} "
+                         f"ranks; this one is rank {layout.rank} of {layout.size}: load the list of every rank's "
+                         "state_dict() (resharded here) or a consolidated one (consolidate_state_dict())")
+
+
 @dataclass(frozen=True)
 class StateOps:
     """The tensor operations state moves need: ``is_per_element(value, numel)`` (a value the shape of a
@@ -204,5 +214,5 @@ def gather_held(held_by_rank):
         lost = ", ".join(f"rank {r} and its buddy rank {buddy_of(r, size)}" for r in missing)
         raise RuntimeError(f"the sharded optimizer state of the last commit is lost: {lost} of the {size}-rank world "
                            "died together, and no other rank keeps their slices; go back to the last "
-                           "consolidated checkpoint (consolidate_state_dict() saved with torch.save)")
+                           "consolidated checkpoint (what consolidate_state_dict() returned, saved)")
     return [merged[r] for r in range(size)]

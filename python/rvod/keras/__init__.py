@@ -22,21 +22,20 @@ from rvod.exceptions import (  # noqa: F401
     RvodTimeoutError,
 )
 from rvod.keras import callbacks, elastic
-from rvod.keras.callbacks import broadcast_variables
+from rvod.keras.callbacks import broadcast_optimizer, broadcast_variables
 from rvod.keras.compression import Compression
 from rvod.keras.optimizer import DistributedOptimizer
 
 
 def broadcast_global_variables(root_rank, model=None):
-    """Assign ``root_rank``'s values to ``model``'s variables and its optimizer's. Keras 3 has no global
-    variable collection, so the model must be given (or use ``BroadcastGlobalVariablesCallback``)."""
+    """Assign ``root_rank``'s values to ``model``'s variables and its optimizer's (for a sharded optimizer its
+    ``broadcast_state``). Keras 3 has no global variable collection, so the model must be given (or use
+    ``BroadcastGlobalVariablesCallback``)."""
     if model is None:
         raise RuntimeError("Keras 3 keeps no global variables: call broadcast_global_variables(root_rank, model) "
                            "or use callbacks.BroadcastGlobalVariablesCallback(root_rank) in model.fit")
-    variables = list(model.variables)
-    if model.optimizer is not None and model.optimizer.built:
-        variables += list(model.optimizer.variables)
-    broadcast_variables(variables, root_rank)
+    broadcast_variables(list(model.variables), root_rank)
+    broadcast_optimizer(model.optimizer, root_rank)
 
 
 def _as_array(value):

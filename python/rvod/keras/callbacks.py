@@ -12,11 +12,13 @@ import numpy as np
 
 import rvod.numpy as _np_ops
 from rvod.common.basics import rank, size
+from rvod.keras.sharded_state import is_sharded_slice
 
 
 def broadcast_variables(variables, root_rank):
-    """Assign ``root_rank``'s values to Keras (or backend) variables; all broadcasts are in flight at once."""
-    variables = list(variables)
+    """Assign ``root_rank``'s values to Keras (or backend) variables; all broadcasts are in flight at once.
+    The slots of a sharded optimizer (this rank's slice of its state) are left out."""
+    variables = [v for v in variables if not is_sharded_slice(v)]
     handles = [_np_ops.broadcast_async(np.array(keras.ops.convert_to_numpy(v), order="C"), root_rank)
                for v in variables]
     for variable, handle in zip(variables, handles):
@@ -28,6 +30,16 @@ def _optimizer_variables(optimizer):
         return []
     found = optimizer.variables
     return list(found() if callable(found) else found)
+
+
+def broadcast_optimizer(optimizer, root_rank, exclude=()):
+    """``root_rank``'s optimizer state on every rank: its variables' values (but those whose id is in
+    ``exclude``), or for a sharded optimizer its ``broadcast_state``."""
+    if getattr(optimizer, "_rvod_sharding", None) is not None:
+        if optimizer.built:
+            optimizer.broadcast_state(root_rank)
+        return
+    broadcast_variables([v for v in _optimizer_variables(optimizer) if id(v) not in exclude], root_rank)
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
@@ -47,10 +59,9 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         self.local_variables.add(id(var))
 
     def _broadcast(self, with_optimizer):
-        variables = list(self.model.variables)
+        broadcast_variables([v for v in self.model.variables if id(v) not in self.local_variables], self.root_rank)
         if with_optimizer:
-            variables += _optimizer_variables(self.model.optimizer)
-        broadcast_variables([v for v in variables if id(v) not in self.local_variables], self.root_rank)
+            broadcast_optimizer(self.model.optimizer, self.root_rank, self.local_variables)
 
     def on_train_begin(self, logs=None):
         self._broadcast(with_optimizer=False)

@@ -14,7 +14,7 @@ Keras 2 spellings scripts written for Horovod use on the optimizer are accepted 
 (``variables`` is a list that can also be called) and ``opt.lr`` (``learning_rate``).
 
 With ``sharded=True`` the subclass mixes in ``rvod.keras.sharded_optimizer`` instead, which shards the
-optimizer state across the ranks.
+optimizer state across the ranks and accumulates the N gradients itself (then reduce-scatters their sum once).
 """
 
 import keras
@@ -90,6 +90,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
     adasum = op == Adasum
     if sharded:
         refuse_unshardable(optimizer, adasum)
+        # The sharded optimizer accumulates whole gradients itself, then reduces their sum once.
+        config["gradient_accumulation_steps"] = None
     # Adasum reduces parameter updates, not gradients: no postscale, and a local variable keeps its own.
     reducer = gradient_reducer(keras.backend.backend(), compression=compression, sparse_as_dense=sparse_as_dense,
                                op=op, gradient_predivide_factor=gradient_predivide_factor, num_groups=num_groups,
@@ -102,10 +104,10 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
     distributed = cls.from_config(config)
     distributed._rvod_reducer = reducer
     if sharded:
-        scale = Reduction(op, gradient_predivide_factor, postscale_factor=postscale)
+        scale = Reduction(op, gradient_predivide_factor, postscale_factor=postscale / steps)
         distributed._rvod_sharding = dict(compression=compression, op=scale.op, prescale_factor=scale.prescale_factor,
                                           postscale_factor=scale.postscale_factor, process_set=process_set,
-                                          sparse_as_dense=sparse_as_dense)
+                                          sparse_as_dense=sparse_as_dense, passes=steps, base=base)
     if adasum:
         distributed._rvod_gradient_scale = postscale
     distributed.backward_passes_per_step = backward_passes_per_step

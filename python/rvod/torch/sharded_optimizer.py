@@ -29,7 +29,8 @@ import math
 
 import torch
 
-from rvod.common.sharding import SHARDED_KEY, Param, ShardLayout, StateOps, join_shards, split_params
+from rvod.common.sharding import (SHARDED_KEY, Param, ShardLayout, StateOps, check_own_shard, join_shards,
+                                  split_params)
 from rvod.torch import parameter_gathers
 from rvod.torch.functions import allgather_object, broadcast_object
 from rvod.common.reduce_ops import Max, Sum
@@ -353,13 +354,7 @@ class _ShardedOptimizer:
             everyone = [(sd[SHARDED_KEY], _inner_states(sd)) for sd in state_dict]
             return self._load_whole(self._consolidated(everyone))
         if SHARDED_KEY in state_dict:
-            saved = ShardLayout.from_description(state_dict[SHARDED_KEY])
-            if saved.size != self._layout.size or saved.rank != self._layout.rank or \
-                    not saved.same_parameters(self._layout):
-                raise ValueError(f"this state dict is rank {saved.rank}'s shard of a sharded optimizer of "
-                                 f"{saved.size} ranks; this one is rank {self._layout.rank} of {self._layout.size}"
-                                 ": load the list of every rank's state_dict() (resharded here) or a "
-                                 "consolidated one (consolidate_state_dict())")
+            check_own_shard(state_dict[SHARDED_KEY], self._layout)
             inner = {k: v for k, v in state_dict.items() if k != SHARDED_KEY}
             return super().load_state_dict(inner)
         self._load_whole(state_dict)

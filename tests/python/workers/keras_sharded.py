@@ -1,8 +1,16 @@
 """rvod.keras DistributedOptimizer(sharded=True), run by rvodrun with 2 ranks: model.fit with a sharded Adam
 for 60 steps gives the parameters of model.fit with the plain DistributedOptimizer (both in this job, in
 Keras' tf.function); each rank's optimizer variables hold 1/2 of the plain one's slots; eagerly, with
-op=Sum and gradient_predivide_factor; rvod.tensorflow's DistributedOptimizer takes sharded=True; refusals.
+op=Sum and gradient_predivide_factor; rvod.tensorflow's DistributedOptimizer takes sharded=True;
+backward_passes_per_step=2 as unsharded; refusals. Checkpoints: a state_dict() round trip, a consolidated
+state that a plain Adam loads and trains on as the sharded one does. With a directory argument, rank r writes
+its state_dict() there (sharded_r.pkl), rank 0 the consolidated state and the model's weights
+(checkpoint.pkl), for workers/keras_sharded_reshard.py.
 """
+
+import os
+import pickle
+import sys
 
 import keras
 import numpy as np
@@ -75,6 +83,58 @@ with check("eagerly, with op=Sum; gradient_predivide_factor; rvod.tensorflow's D
     plain = trained(rvod.tensorflow.DistributedOptimizer(keras.optimizers.Adam(0.01)), steps=10)
     assert max_difference(sharded, plain) < 2e-6
 
+with check("backward_passes_per_step=2 (Adam, SGD with momentum, eagerly) equals the unsharded optimizer's"):
+    for make, eager, tolerance in ((lambda: keras.optimizers.Adam(0.01), False, 2e-5),
+                                   (lambda: keras.optimizers.SGD(0.01, momentum=0.9), True, 2e-6)):
+        sharded = trained(hvd.DistributedOptimizer(make(), sharded=True, backward_passes_per_step=2), steps=20,
+                          run_eagerly=eager)
+        plain = trained(hvd.DistributedOptimizer(make(), backward_passes_per_step=2), steps=20)
+        difference = max_difference(sharded, plain)
+        assert difference < tolerance, f"parameters differ by {difference}"
+        assert int(sharded.optimizer.iterations) == int(plain.optimizer.iterations) == 10
+
+
+def go_on(model, start, steps=5):
+    """Train ``model`` on the next ``steps`` batches from batch ``start``."""
+    model.fit(X[start * BATCH:(start + steps) * BATCH], Y[start * BATCH:(start + steps) * BATCH], batch_size=BATCH,
+              epochs=1, shuffle=False, verbose=0)
+    return model
+
+
+with check("checkpoint: state_dict() is this rank's slice; loaded back, training goes on exactly as before"):
+    model = trained(hvd.DistributedOptimizer(keras.optimizers.Adam(0.01), sharded=True), steps=10)
+    optimizer, weights = model.optimizer, model.get_weights()
+    state = optimizer.state_dict()
+    assert sum(v.size for shard in state["shards"] for v in shard.values()) == slot_elements(optimizer)
+    whole = optimizer.consolidate_state_dict(to=None)
+    after = [w.copy() for w in go_on(model, 10).get_weights()]
+    model.set_weights(weights)
+    optimizer.load_state_dict(state)
+    again = go_on(model, 10).get_weights()
+    assert all(np.array_equal(a, b) for a, b in zip(after, again)), "training from the loaded state differs"
+
+with check("consolidated: a plain Adam loads it (set_weights) and trains on as the sharded optimizer does"):
+    plain = keras.optimizers.Adam(0.01)
+    fresh = make_model()
+    plain.build(fresh.trainable_variables)
+    plain.set_weights(whole)
+    assert int(plain.iterations) == 10
+    assert sum(int(np.prod(v.shape)) for v in plain.variables if len(v.shape) > 0) == 2 * TOTAL
+    distributed = make_model()
+    distributed.set_weights(weights)
+    optimizer = hvd.DistributedOptimizer(keras.optimizers.Adam(0.01))
+    optimizer.build(distributed.trainable_variables)
+    optimizer.set_weights(whole)
+    distributed.compile(optimizer=optimizer, loss="mse")
+    difference = max_difference(go_on(distributed, 10), model)
+    assert difference < 1e-6, f"parameters differ by {difference}"
+    if len(sys.argv) > 1:
+        with open(os.path.join(sys.argv[1], f"sharded_{R}.pkl"), "wb") as file:
+            pickle.dump(state, file)
+        if R == 0:
+            with open(os.path.join(sys.argv[1], "checkpoint.pkl"), "wb") as file:
+                pickle.dump({"whole": whole, "weights": weights}, file)
+
 with check("refusals: Adasum, clipnorm, global_clipnorm, use_ema, a tf.compat.v1 optimizer"):
     expect_error(ValueError, r"sharded=True does not take op=Adasum: Adasum combines whole parameter updates",
                  hvd.DistributedOptimizer, keras.optimizers.Adam(), op=hvd.Adasum, sharded=True)
@@ -84,6 +144,10 @@ with check("refusals: Adasum, clipnorm, global_clipnorm, use_ema, a tf.compat.v1
                  hvd.DistributedOptimizer, keras.optimizers.Adam(global_clipnorm=1.0), sharded=True)
     expect_error(ValueError, r"sharded=True cannot take use_ema",
                  hvd.DistributedOptimizer, keras.optimizers.Adam(use_ema=True), sharded=True)
+    expect_error(ValueError, r"sharded=True cannot shard Adafactor: it factors its state",
+                 hvd.DistributedOptimizer, keras.optimizers.Adafactor(), sharded=True)
+    expect_error(ValueError, r"load_state_dict\(\) needs the sharded optimizer built",
+                 hvd.DistributedOptimizer(keras.optimizers.Adam(), sharded=True).load_state_dict, state)
     expect_error(ValueError, r"sharded=True takes a Keras 3 optimizer",
                  rvod.tensorflow.DistributedOptimizer, tf.compat.v1.train.GradientDescentOptimizer(0.1), sharded=True)
 

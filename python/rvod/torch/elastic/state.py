@@ -4,16 +4,15 @@ A sharded ``DistributedOptimizer`` is committed as this rank's slice plus a budd
 and resharded for the new world at ``sync()`` (``_ShardedOptimizerHandler``)."""
 
 import copy
-import io
 
 import torch
 
 from rvod.common.elastic import ObjectState
-from rvod.common.sharding import buddy_of, gather_held
+from rvod.common.sharded_commits import ShardCommits
 from rvod.torch import parameter_gathers
 from rvod.torch.elastic.sampler import ElasticSampler
-from rvod.torch.functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
-from rvod.torch.mpi_ops import alltoall, rank, size
+from rvod.torch.functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from rvod.torch.mpi_ops import rank
 
 
 class _Handler:
@@ -56,31 +55,25 @@ class _OptimizerHandler(_StateDictHandler):
 
 class _ShardedOptimizerHandler(_OptimizerHandler):
     """A ``DistributedOptimizer(sharded=True)``: a commit keeps this rank's slice of the state and a copy of
-    the previous rank's (its buddy copy, received at the commit), both in memory. ``sync()`` (after a reset,
-    in the new world) lays the optimizer out for the new size and gives every rank its slice of the state
-    rank 0 committed, gathered from whoever holds each old slice; it raises, naming them, when a slice and
-    its buddy copy were both lost."""
+    the previous rank's (its buddy copy, received at the commit), both in memory (``ShardCommits``).
+    ``sync()`` (after a reset, in the new world) lays the optimizer out for the new size and gives every rank
+    its slice of the state rank 0 committed, gathered from whoever holds each old slice; it raises, naming
+    them, when a slice and its buddy copy were both lost."""
 
     def __init__(self, value):
         self.value = value
-        self._commits = 0
-        self._held = self._own()  # at construction ranks are not in step: no exchange
+        self._commits = self._tracking(value)
+
+    @staticmethod
+    def _tracking(optimizer):
+        return ShardCommits(lambda: optimizer._layout.describe(), lambda: copy.deepcopy(optimizer._shard_states()))
 
     def set_value(self, value):
         self.value = value
-        self._held = self._own()
-
-    def _own(self):
-        layout = self.value._layout
-        return {layout.rank: ({**layout.describe(), "commit": self._commits},
-                              copy.deepcopy(self.value._shard_states()))}
+        self._commits = self._tracking(value)
 
     def save(self):
-        self._commits += 1
-        self._held = self._own()
-        layout = self.value._layout
-        if layout.size > 1:
-            self._held[(layout.rank - 1) % layout.size] = _buddy_exchange(self._held[layout.rank], layout)
+        self._commits.save()
 
     def restore(self):
         """Nothing here: the world changes next, and ``sync()`` brings the committed slices back."""
@@ -89,24 +82,12 @@ class _ShardedOptimizerHandler(_OptimizerHandler):
         optimizer = self.value
         options = broadcast_object([{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
                                    0, name="elastic.sharded.options")
-        slices = gather_held(allgather_object(self._held, name="elastic.sharded.held"))
+        slices = self._commits.gather()
         optimizer._shard()
         optimizer._load_whole(optimizer._consolidated(slices))
         for group, group_options in zip(optimizer.param_groups, options):
             group.update(group_options)
-        self._commits = 0
-        self._held = self._own()
-
-
-def _buddy_exchange(own, layout):
-    """Send ``own`` to this rank's buddy; return what the rank whose buddy this one is sent."""
-    buffer = io.BytesIO()
-    torch.save(own, buffer)
-    payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
-    splits = torch.zeros(size(), dtype=torch.int32)
-    splits[buddy_of(layout.rank, layout.size)] = payload.numel()
-    received, _ = alltoall(payload, splits=splits, name="elastic.sharded.buddy")
-    return torch.load(io.BytesIO(received.numpy().tobytes()), weights_only=False)
+        self._commits.restart()
 
 
 class _SamplerHandler(_Handler):
@@ -160,7 +141,9 @@ class TorchState(ObjectState):
 
     def save(self):
         parameter_gathers.wait_all()  # a sharded optimizer's last step: commit the gathered parameters
-        for handler in self._handlers.values():
+        # Sharded optimizers first: their buddy exchange may fail (a rank died), leaving the last commit whole.
+        handlers = sorted(self._handlers.values(), key=lambda h: not isinstance(h, _ShardedOptimizerHandler))
+        for handler in handlers:
             handler.save()
         super().save()
 
