@@ -10,7 +10,8 @@ differentiable with the gradients Horovod defines:
 - reducescatter: the gradients are allgathered (times the set size for Sum) and scaled like the input.
 
 ``*_`` ops write their result into the input, ``*_async*`` ops return a handle for ``poll`` and
-``synchronize``. Waiting releases the GIL.
+``synchronize``. Waiting releases the GIL. Under ``torch.compile`` the synchronous ops put custom ops into
+the graph instead (``rvod.torch.compiled_ops``), which run these ones with these gradients.
 """
 
 import torch
@@ -31,6 +32,9 @@ from rvod.torch.adapter import TorchAdapter
 from rvod.torch.compression import Compression
 
 _adapter = TorchAdapter()
+# Whether torch.compile is tracing (then the synchronous ops go through ``compiled_ops``); torch.compile
+# takes the call as the constant True, and eagerly it costs a global read.
+_compiling = torch.compiler.is_compiling
 poll = _ops.poll
 synchronize = _ops.synchronize
 
@@ -63,16 +67,21 @@ class HorovodAllreduce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad = allreduce(grad_output, op=ctx.op, prescale_factor=ctx.factors[0], postscale_factor=ctx.factors[1],
-                         process_set=ctx.process_set)
-        return grad, None, None, None, None, None, None
+        return _allreduce_grad(grad_output, ctx.op, ctx.factors, ctx.process_set), None, None, None, None, None, None
+
+
+def _allreduce_grad(grad, op, factors, process_set):
+    """allreduce's transpose: the same allreduce of the output's gradient."""
+    return allreduce(grad, op=op, prescale_factor=factors[0], postscale_factor=factors[1], process_set=process_set)
 
 
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None, prescale_factor=1.0,
               postscale_factor=1.0, process_set=global_process_set):
     """Reduce ``tensor`` across ranks (default: Average) into a new tensor; differentiable."""
     compressed, context = compression.compress(tensor)
-    if compressed.requires_grad and torch.is_grad_enabled():
+    if _compiling():
+        reduced = _compiled.allreduce(compressed, average, name, op, prescale_factor, postscale_factor, process_set)
+    elif compressed.requires_grad and torch.is_grad_enabled():
         reduced = HorovodAllreduce.apply(compressed, average, name, op, prescale_factor, postscale_factor,
                                          process_set)
     else:  # nothing to differentiate: skip autograd's bookkeeping (a few microseconds per call)
@@ -91,6 +100,8 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                process_set=global_process_set):
     """Reduce ``tensor`` across ranks in place; returns it."""
+    if _compiling():
+        return _compiled.allreduce_(tensor, average, name, op, prescale_factor, postscale_factor, process_set)
     return _ops.allreduce(_adapter, tensor, average, name, op, prescale_factor, postscale_factor, process_set, True)
 
 
@@ -114,9 +125,13 @@ class HorovodGroupedAllreduce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grad_outputs):
-        grads = grouped_allreduce(list(grad_outputs), op=ctx.op, prescale_factor=ctx.factors[0],
-                                  postscale_factor=ctx.factors[1], process_set=ctx.process_set)
-        return (None,) * 6 + tuple(grads)
+        return (None,) * 6 + tuple(_grouped_allreduce_grad(list(grad_outputs), ctx.op, ctx.factors, ctx.process_set))
+
+
+def _grouped_allreduce_grad(grads, op, factors, process_set):
+    """grouped_allreduce's transpose: the same grouped allreduce of the outputs' gradients."""
+    return grouped_allreduce(grads, op=op, prescale_factor=factors[0], postscale_factor=factors[1],
+                             process_set=process_set)
 
 
 def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
@@ -126,8 +141,12 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
     if not tensors:
         raise RvodInvalidArgumentError("grouped_allreduce needs at least one tensor")
     compressed = [compression.compress(t) for t in tensors]
-    reduced = HorovodGroupedAllreduce.apply(average, name, op, prescale_factor, postscale_factor, process_set,
-                                            *[c for c, _ in compressed])
+    if _compiling():
+        reduced = _compiled.grouped_allreduce([c for c, _ in compressed], average, name, op, prescale_factor,
+                                              postscale_factor, process_set)
+    else:
+        reduced = HorovodGroupedAllreduce.apply(average, name, op, prescale_factor, postscale_factor, process_set,
+                                                *[c for c, _ in compressed])
     return [compression.decompress(r, context) for r, (_, context) in zip(reduced, compressed)]
 
 
@@ -141,6 +160,9 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                        process_set=global_process_set):
     """Reduce a list of tensors in place as one unit; returns the list."""
+    if _compiling():
+        return _compiled.grouped_allreduce_(list(tensors), average, name, op, prescale_factor, postscale_factor,
+                                            process_set)
     return _ops.wait_for(grouped_allreduce_async_, tensors, average, name, op, prescale_factor, postscale_factor,
                          process_set)
 
@@ -203,12 +225,19 @@ class HorovodAllgather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        reduced = allreduce(grad_output, op=Average, process_set=ctx.process_set)
-        return _own_rows([reduced], [ctx.rows], ctx.process_set)[0], None, None
+        return _allgather_grad(grad_output, ctx.rows, ctx.process_set), None, None
+
+
+def _allgather_grad(grad, rows, process_set):
+    """allgather's transpose: the gradient averaged across ranks, this rank's ``rows`` of it."""
+    reduced = allreduce(grad, op=Average, process_set=process_set)
+    return _own_rows([reduced], [rows], process_set)[0]
 
 
 def allgather(tensor, name=None, process_set=global_process_set):
     """Concatenate every rank's ``tensor`` along dim 0 (first dimensions may differ); differentiable."""
+    if _compiling():
+        return _compiled.allgather(tensor, name, process_set)
     if tensor.requires_grad and torch.is_grad_enabled():
         return HorovodAllgather.apply(tensor, name, process_set)
     return _ops.allgather(_adapter, tensor, name, process_set)  # nothing to differentiate, as allreduce
@@ -261,14 +290,19 @@ class HorovodBroadcast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad = allreduce(grad_output, op=Average, process_set=ctx.process_set)
-        if rank() != ctx.root_rank:
-            grad = torch.zeros_like(grad)
-        return grad, None, None, None
+        return _broadcast_grad(grad_output, ctx.root_rank, ctx.process_set), None, None, None
+
+
+def _broadcast_grad(grad, root_rank, process_set):
+    """broadcast's transpose: the gradient averaged across ranks on the root, zero elsewhere."""
+    grad = allreduce(grad, op=Average, process_set=process_set)
+    return grad if rank() == root_rank else torch.zeros_like(grad)
 
 
 def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
     """Return ``root_rank``'s ``tensor`` on every rank (``root_rank`` is a global rank); differentiable."""
+    if _compiling():
+        return _compiled.broadcast(tensor, root_rank, name, process_set)
     if isinstance(tensor, torch.Tensor) and tensor.requires_grad and torch.is_grad_enabled():
         return HorovodBroadcast.apply(tensor, root_rank, name, process_set)
     return _ops.broadcast(_adapter, tensor, root_rank, name, process_set)  # nothing to differentiate
@@ -281,6 +315,8 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_se
 
 def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
     """Overwrite ``tensor`` with ``root_rank``'s values; returns it."""
+    if _compiling():
+        return _compiled.broadcast_(tensor, root_rank, name, process_set)
     return _ops.broadcast(_adapter, tensor, root_rank, name, process_set, True)
 
 
@@ -324,15 +360,22 @@ class HorovodAlltoall(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output, grad_received_splits):
-        grad, _ = alltoall(grad_output, splits=ctx.received_splits, process_set=ctx.process_set)
-        return grad, None, None, None
+        return _alltoall_grad(grad_output, ctx.received_splits, ctx.process_set), None, None, None
+
+
+def _alltoall_grad(grad, received_splits, process_set):
+    """alltoall's transpose: each row of the gradient goes back to the rank it came from."""
+    return alltoall(grad, splits=received_splits, process_set=process_set)[0]
 
 
 def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
     """Scatter slices of dim 0 to the ranks and gather what they send; differentiable.
 
     Returns the output, or ``(output, received_splits)`` when ``splits`` is given."""
-    output, received_splits = HorovodAlltoall.apply(tensor, splits, name, process_set)
+    if _compiling():
+        output, received_splits = _compiled.alltoall(tensor, splits, name, process_set)
+    else:
+        output, received_splits = HorovodAlltoall.apply(tensor, splits, name, process_set)
     return output if splits is None else (output, received_splits)
 
 
@@ -363,8 +406,12 @@ class HorovodReducescatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        gathered = allgather(grad_output, process_set=ctx.process_set)
-        return _reducescatter_grad(gathered, ctx.op, ctx.factors, ctx.process_set), None, None, None, None, None
+        return _reducescatter_transpose(grad_output, ctx.op, ctx.factors, ctx.process_set), None, None, None, None, None
+
+
+def _reducescatter_transpose(grad, op, factors, process_set):
+    """reducescatter's transpose: the gradients of every rank's share, allgathered and scaled."""
+    return _reducescatter_grad(allgather(grad, process_set=process_set), op, factors, process_set)
 
 
 def reducescatter(tensor, name=None, compression=Compression.none, op=Average, process_set=global_process_set,
@@ -372,7 +419,10 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average, p
     """Reduce across ranks, then give rank r its share of dim 0 (the first ranks take the extra rows);
     differentiable. Only Average and Sum."""
     compressed, context = compression.compress(tensor)
-    reduced = HorovodReducescatter.apply(compressed, name, op, process_set, prescale_factor, postscale_factor)
+    if _compiling():
+        reduced = _compiled.reducescatter(compressed, name, op, process_set, prescale_factor, postscale_factor)
+    else:
+        reduced = HorovodReducescatter.apply(compressed, name, op, process_set, prescale_factor, postscale_factor)
     return compression.decompress(reduced, context)
 
 
@@ -429,3 +479,6 @@ def join(device=-1):
 def barrier(process_set=global_process_set):
     """Block until every rank of ``process_set`` reaches the barrier."""
     _ops.barrier(process_set)
+
+
+from rvod.torch import compiled_ops as _compiled  # noqa: E402  (its ops run the ones above)

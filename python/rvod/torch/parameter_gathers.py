@@ -5,10 +5,11 @@ returns without waiting, so the allgather overlaps whatever runs before the para
 next batch, ``zero_grad()``, the forward up to the first module). It is waited for, and the parameters
 written, by the first of:
 
-- a module's forward: a global forward pre-hook (``torch.nn.modules.module.register_module_forward_pre_hook``);
-- ``state_dict()`` or ``load_state_dict()`` of a module that holds such a parameter (hooks put on every
-  module whose forward ran since the optimizer was made), so checkpoints see the gathered values and a
-  loaded model state is not overwritten by a late allgather;
+- a module's forward: a global forward pre-hook (``torch.nn.modules.module.register_module_forward_pre_hook``;
+  a ``torch.compile``'d module runs it before its graph, not inside it);
+- ``state_dict()`` or ``load_state_dict()`` of a module that holds such a parameter, itself or in a
+  submodule (hooks put on every such module whose forward ran since the optimizer was made), so checkpoints
+  see the gathered values and a loaded model state is not overwritten by a late allgather;
 - ``hvd.broadcast_parameters``, and the optimizer's own ``step()``, ``synchronize()`` and elastic commits;
 - ``optimizer.wait_for_parameters()``, which code reading ``p`` or ``p.data`` itself between ``step()``
   and the next forward must call first.
@@ -26,6 +27,7 @@ _watched = weakref.WeakValueDictionary()  # id -> parameter of a sharded optimiz
 _seen = weakref.WeakSet()  # modules the forward pre-hook has looked at since the last watch()
 _hooked = weakref.WeakSet()  # modules with the state dict pre-hooks
 _installed = []
+_compiling = torch.compiler.is_compiling
 
 
 def wait_all():
@@ -39,9 +41,11 @@ def _on_state_dict(*_):
 
 
 def _before_forward(module, _inputs):
+    if _compiling():
+        return  # a compiled module's own call ran this hook before its graph
     if module not in _seen:
         _seen.add(module)
-        if module not in _hooked and any(_watched.get(id(p)) is p for p in module._parameters.values()):
+        if module not in _hooked and any(_watched.get(id(p)) is p for p in module.parameters()):
             _hooked.add(module)
             module.register_state_dict_pre_hook(_on_state_dict)
             module.register_load_state_dict_pre_hook(_on_state_dict)
