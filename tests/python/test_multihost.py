@@ -5,7 +5,8 @@ in for the host's own namespace, which may hold no documentation-range address; 
 Hosts a and b run jobs; host c plays a stranger and listens for ssh on port 2222, and host d is set up
 without rvod (its sshd's sessions see an empty directory where rvod is installed). Checks every op with
 every dtype and process sets spanning hosts on 2x2 and uneven 1+3 layouts (between the hosts over rvod's
-TCP, and over UCX where libucp can be loaded, as for a killed remote rank and the stranger), the topology each rank sees,
+TCP, and over UCX where libucp can be loaded, as for a killed remote rank, Ctrl-C, a killed rvodrun and the
+stranger), the topology each rank sees,
 hierarchical allreduce and allgather on and off giving the same bytes, a hostfile, --network-interface,
 --output-filename, -p/-i, --mpi and rvod.run(use_mpi=True), this machine mixed with remote hosts, a remote
 rank that is killed, Ctrl-C and a killed rvodrun (nothing left in any namespace, the secret on no command
@@ -241,11 +242,17 @@ def test_killed_remote_rank_ends_the_job_naming_host_and_rank(env, cluster, tran
 
 
 @pytest.mark.timeout(60)
-def test_ctrl_c_leaves_no_process_on_any_host(env, cluster):
-    process = subprocess.Popen(cluster.launch_args([PYTHON, *RVODRUN, "-np", "4", "-H", "a:2,b:2", *python_code("""
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_ctrl_c_leaves_no_process_on_any_host(env, cluster, transport):
+    process = subprocess.Popen(cluster.launch_args([PYTHON, *RVODRUN, *between_hosts(transport, env), "-np", "4",
+                                                    "-H", "a:2,b:2", *python_code("""
         import os, time
+        import numpy as np
         import rvod.numpy as hvd
+        from rvod import _rvod
         hvd.init()
+        assert hvd.allreduce(np.ones(3), op=hvd.Sum).tolist() == [4.0] * 3
+        assert _rvod.transport_kind() == "shm+" + os.environ["RVOD_TRANSPORT"], _rvod.transport_kind()
         print("ready", os.environ["RVOD_SECRET"], flush=True)
         time.sleep(120)
     """)]), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -276,10 +283,18 @@ def test_ctrl_c_leaves_no_process_on_any_host(env, cluster):
 
 
 @pytest.mark.timeout(60)
-def test_rvodrun_killed_outright_leaves_no_remote_process(env, cluster):
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_rvodrun_killed_outright_leaves_no_remote_process(env, cluster, transport):
     """SIGKILL to rvodrun: nothing can be forwarded, but every remote bootstrap sees its stdin end."""
-    process = subprocess.Popen(cluster.launch_args([PYTHON, *RVODRUN, "-np", "2", "-H", "a:1,b:1", *python_code("""
-        import time
+    process = subprocess.Popen(cluster.launch_args([PYTHON, *RVODRUN, *between_hosts(transport, env), "-np", "2",
+                                                    "-H", "a:1,b:1", *python_code("""
+        import os, time
+        import numpy as np
+        import rvod.numpy as hvd
+        from rvod import _rvod
+        hvd.init()
+        assert hvd.allreduce(np.ones(3), op=hvd.Sum).tolist() == [2.0] * 3
+        assert _rvod.transport_kind() == os.environ["RVOD_TRANSPORT"], _rvod.transport_kind()
         print("ready", flush=True)
         time.sleep(120)
     """)]), env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)

@@ -180,7 +180,10 @@ def test_a_failure_inside_ucx_is_an_internal_error_naming_the_rank_and_ucxs_mess
     assert time.monotonic() - started < 20, report
     for rank, res in results.items():
         assert res.returncode == 0, report
-        # UCX logs its own view of the failure to stdout too (its default); the error is the last line.
+        # UCX logs its own view of the failure on stderr (rvod sets UCX_LOG_FILE=stderr where unset): the
+        # script's stdout has the error line only.
+        assert len(res.stdout.splitlines()) == 1, report
+        assert re.search(r"UCX +(ERROR|WARN)", res.stderr), report
         assert re.fullmatch(rf"ERROR RvodInternalError connecting to the other ranks over UCX failed: connection "
                             rf"set-up with rank {1 - rank} on host host{'ba'[rank]} failed: UCX (ucp_ep_create failed|could not reach it): "
                             r"[A-Z][\w ,.-]+", res.stdout.splitlines()[-1]), report

@@ -200,15 +200,25 @@ pub fn rdma_transports(resources: &[String]) -> Vec<&str> {
 static LOADED: OnceLock<Result<Ucx, String>> = OnceLock::new();
 
 /// This process's libucp, loaded by the first call (later calls' `setting` is not used): `setting` is
-/// `RVOD_UCX_LIBRARY`.
+/// `RVOD_UCX_LIBRARY`. UCX's own log lines go to stderr, not its default stdout (the training script's
+/// output), unless `UCX_LOG_FILE` says otherwise; libucs reads that once, as it is loaded.
 pub fn ucx(setting: Option<&Path>) -> Result<&'static Ucx, String> {
     LOADED
-        .get_or_init(|| match setting {
-            Some(path) => Ucx::open(path, "from RVOD_UCX_LIBRARY"),
-            None => Ucx::open(Path::new("libucp.so.0"), "system library path"),
+        .get_or_init(|| {
+            if std::env::var_os("UCX_LOG_FILE").is_none() {
+                std::env::set_var("UCX_LOG_FILE", "stderr");
+            }
+            load(setting)
         })
         .as_ref()
         .map_err(Clone::clone)
+}
+
+fn load(setting: Option<&Path>) -> Result<Ucx, String> {
+    match setting {
+        Some(path) => Ucx::open(path, "from RVOD_UCX_LIBRARY"),
+        None => Ucx::open(Path::new("libucp.so.0"), "system library path"),
+    }
 }
 
 #[cfg(test)]
