@@ -9,12 +9,14 @@
 //! - [`message_table`]: the coordinator's requests-so-far, join state and stall detection.
 //! - [`validate`]: every rank's requests for a tensor turned into one response or one error.
 //! - [`result_size`]: allgathers and alltoalls whose result no rank could hold become errors.
-//! - [`stall`]: the stall warning and its clock.
+//! - [`stall`]: the stall warning and its clock; [`lateness`]: how late each rank announces what runs, and
+//!   the straggler it names.
 //! - `test_requests` (tests only): the request the unit tests start from.
 //!
 //! Invariant: every rank applies the same responses, in the same order, to the same cache state.
 
 pub mod cache;
+pub mod lateness;
 pub mod message_table;
 pub mod negotiation;
 pub mod pending;

@@ -15,9 +15,11 @@
 //!
 //! A rank starts a round when it has new work; an idle rank joins when a peer's header arrives.
 
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::coordinator::cache::{caches_kind, CacheLookup, ResponseCache};
+use crate::coordinator::lateness::{Lateness, NameChange};
 use crate::coordinator::message_table::MessageTable;
 use crate::coordinator::pending::{Announcement, PendingRequest, PendingRequests};
 use crate::protocol::bitset::BitSet;
@@ -78,6 +80,8 @@ pub struct RoundOutcome {
     /// On the coordinator: the request lists it received this round, each with its sender's communicator
     /// rank (its own first), for the timeline's ticks of each rank's readiness.
     pub received: ReceivedLists,
+    /// Ranks this round named the straggler, or no longer does (see [`crate::coordinator::lateness`]).
+    pub stragglers: Vec<NameChange>,
 }
 
 /// Request lists with their senders' communicator ranks (see [`RoundOutcome::received`]).
@@ -92,6 +96,8 @@ pub struct Negotiator {
     /// Cached entries pending longer than this are invalidated so the coordinator can report the stall.
     stall_check: Option<Duration>,
     coordinator: Option<MessageTable>,
+    /// How late each rank announces what runs (read by callers through [`Negotiator::lateness`]).
+    lateness: Arc<Mutex<Lateness>>,
 }
 
 /// `body` with its length in front, as `recv_message` reads it.
@@ -215,8 +221,14 @@ impl Negotiator {
             cache_capacity,
             announcement: None,
             stall_check,
+            lateness: Arc::new(Mutex::new(Lateness::new(global_ranks.len()))),
             coordinator: (rank == 0).then(|| MessageTable::new(global_ranks)),
         }
+    }
+
+    /// Keep each rank's lateness record in `lateness`, which callers read (`hvd.straggler_report()`).
+    pub fn share_lateness(&mut self, lateness: Arc<Mutex<Lateness>>) {
+        self.lateness = lateness;
     }
 
     /// The coordinator's state, on rank 0.
@@ -344,9 +356,15 @@ impl Negotiator {
             });
         }
 
+        let ready: BitSet = common.iter_ones().filter(|b| !invalid.contains(*b)).collect();
+        let stragglers = {
+            let hits: Vec<Option<&BitSet>> = headers.iter().map(|h| (!h.joined).then_some(&h.cache_hits)).collect();
+            let mut lateness = self.lateness.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            lateness.note_round(Instant::now(), &hits, &ready, &invalid)
+        };
         let mut responses = Vec::new();
         let mut eager = Vec::new();
-        for bit in common.iter_ones().filter(|b| !invalid.contains(*b)) {
+        for bit in ready.iter_ones() {
             if let Some(cached) = self.cache.get(bit) {
                 match eager_contributions(&headers, bit, cached) {
                     Some(contributions) => eager.push(EagerOp { response: cached.clone(), contributions }),
@@ -400,7 +418,7 @@ impl Negotiator {
         if let Some(values) = &tuned {
             self.apply(values, table);
         }
-        Ok(RoundOutcome { eager, responses, shutdown_by, tuned, received })
+        Ok(RoundOutcome { eager, responses, shutdown_by, tuned, received, stragglers })
     }
 
     /// This rank's header: classify new requests against the cache and collect hits and invalid bits.

@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use crate::config::Config;
+use crate::coordinator::lateness::RankLateness;
 use crate::engine::affinity;
 use crate::engine::driver::Driver;
 use crate::engine::fast_lane::{SmallOp, SmallOutcome};
@@ -76,6 +77,13 @@ impl Communicator {
 
     pub fn size(&self) -> usize {
         self.shared.global_ranks.len()
+    }
+
+    /// Each member's lateness record, by global rank (see [`crate::coordinator::lateness`]).
+    pub fn straggler_report(&self) -> Vec<(usize, RankLateness)> {
+        let lateness = self.shared.lateness.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let global = |rank: usize| self.shared.global_ranks.get(rank).copied().unwrap_or(rank);
+        lateness.report().iter().enumerate().map(|(rank, record)| (global(rank), record.clone())).collect()
     }
 
     /// The autotuned values this rank applied so far, in order (empty with autotune off).

@@ -301,6 +301,13 @@ impl Engine {
         registry.get(set_id)?.communicator.as_ref().map(|c| c.transport_kind())
     }
 
+    /// How late each member of process set `set_id` announces what runs, by global rank; `None` where this
+    /// rank is not a member.
+    pub fn straggler_report(&self, set_id: u32) -> Option<Vec<(usize, crate::coordinator::lateness::RankLateness)>> {
+        let registry = self.registry();
+        registry.get(set_id)?.communicator.as_ref().map(|c| c.straggler_report())
+    }
+
     /// Steps of process set `set_id`'s loop that callers ran themselves (see [`driver`]); `None` where this
     /// rank is not a member.
     pub fn caller_rounds(&self, set_id: u32) -> Option<u64> {

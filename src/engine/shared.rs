@@ -5,6 +5,7 @@
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use crate::coordinator::lateness::Lateness;
 use crate::engine::handles::HandleTable;
 use crate::engine::peer_hosts::PeerHosts;
 use crate::engine::table::TensorEntry;
@@ -38,6 +39,9 @@ pub(crate) struct Shared {
     pub(crate) global_ranks: Vec<usize>,
     /// The host each global rank runs on, for errors naming a peer.
     pub(crate) hosts: PeerHosts,
+    /// How late each member announces what runs (kept by the loop's negotiator; see
+    /// [`crate::coordinator::lateness`]).
+    pub(crate) lateness: Arc<Mutex<Lateness>>,
     /// What the transport is ("shm", "tcp", ...), for diagnostics.
     pub(crate) transport_kind: &'static str,
     pub(crate) timeline: SetTimeline,
@@ -78,6 +82,7 @@ impl Shared {
             idle: AtomicBool::new(false),
             set_id,
             timeline: SetTimeline::new(timeline, set_id, &global_ranks, transport_kind),
+            lateness: Arc::new(Mutex::new(Lateness::new(global_ranks.len()))),
             global_ranks,
             hosts,
             transport_kind,

@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use crate::autotune::manager::ParameterManager;
 use crate::config::Config;
+use crate::coordinator::lateness::{NameChange, RankLateness};
 use crate::coordinator::negotiation::{Negotiator, RoundOutcome};
 use crate::coordinator::stall::StallClock;
 use crate::engine::execute::{execute_eager, Executor, HierarchyChoice, TensorResult};
@@ -101,8 +102,9 @@ pub(crate) enum Step {
 
 impl Loop {
     pub(crate) fn new(shared: Arc<Shared>, mut transport: Box<dyn Transport>, config: Config) -> Loop {
-        let negotiator =
+        let mut negotiator =
             Negotiator::new(transport.rank(), shared.global_ranks.clone(), config.cache_capacity, config.stall_check);
+        negotiator.share_lateness(Arc::clone(&shared.lateness));
         let executor = Executor::new(HierarchyChoice {
             allreduce: config.hierarchical_allreduce,
             allgather: config.hierarchical_allgather,
@@ -271,6 +273,9 @@ impl Loop {
             for request in &list.requests {
                 self.shared.timeline.tick(&request.name, request.params.kind, *rank);
             }
+        }
+        for change in &outcome.stragglers {
+            self.say_straggler(change);
         }
         outcome.responses = plan_fusion(std::mem::take(&mut outcome.responses), self.config.fusion_threshold);
         let shutdown = stop.is_some();
@@ -463,6 +468,48 @@ impl Loop {
         }
     }
 
+    /// A rank named the straggler, or no longer: marked in the timeline, and said once per job (by this
+    /// communicator's rank 0) at WARN, or INFO when cleared.
+    fn say_straggler(&self, change: &NameChange) {
+        self.shared.timeline.straggler(change.rank, change.named, &change.why);
+        if self.transport.rank() != 0 {
+            return;
+        }
+        let rank = self.shared.global_ranks.get(change.rank).copied().unwrap_or(change.rank);
+        let host = self.shared.hosts.host_of(rank).map(|h| format!(" on host {h}")).unwrap_or_default();
+        if change.named {
+            tracing::warn!(
+                "In {}: rank {rank}{host} is holding the others back: {}",
+                self.shared.describe(),
+                change.why
+            );
+        } else {
+            tracing::info!("In {}: rank {rank}{host} keeps up again: {}", self.shared.describe(), change.why);
+        }
+    }
+
+    /// The slowest ranks by mean lateness (those ever last, at most 3), for the stall warning.
+    fn slowest_ranks(&self) -> Option<String> {
+        let lateness = self.shared.lateness.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut late: Vec<(usize, &RankLateness)> =
+            lateness.report().iter().enumerate().filter(|(_, r)| r.times_last > 0).collect();
+        late.sort_by_key(|(_, r)| std::cmp::Reverse(r.mean_lateness()));
+        let shown: Vec<String> = late
+            .iter()
+            .take(3)
+            .map(|(rank, r)| {
+                let global = self.shared.global_ranks.get(*rank).copied().unwrap_or(*rank);
+                format!(
+                    "{global} (last in {} of {} rounds, {:.1} ms late on average)",
+                    r.times_last,
+                    r.rounds,
+                    r.mean_lateness().as_secs_f64() * 1e3
+                )
+            })
+            .collect();
+        (!shown.is_empty()).then(|| format!("\nSlowest ranks: {}", shown.join(", ")))
+    }
+
     /// On the coordinator, warn about tensors some ranks never submitted.
     fn check_stalls(&mut self) {
         let (Some(clock), Some(limit)) = (self.stall_clock.as_mut(), self.config.stall_check) else { return };
@@ -473,7 +520,8 @@ impl Loop {
         let fail_after = self.config.stall_shutdown;
         if let Some(table) = self.negotiator.coordinator_mut() {
             if let Some(warning) = table.check_stalls(now, limit, fail_after) {
-                tracing::warn!("In {}: {warning}", self.shared.describe());
+                let slowest = self.slowest_ranks().unwrap_or_default();
+                tracing::warn!("In {}: {warning}{slowest}", self.shared.describe());
             }
         }
     }

@@ -523,6 +523,19 @@ pub fn transport_kind(process_set_id: u32) -> PyResult<Option<&'static str>> {
     Ok(engine()?.transport_kind(process_set_id))
 }
 
+/// `hvd.straggler_report()`'s records: (global rank, rounds, times last, mean lateness in seconds, named)
+/// for each member of the set; `None` where this rank is not a member.
+#[pyfunction]
+#[allow(clippy::type_complexity)]
+pub fn straggler_report(process_set_id: u32) -> PyResult<Option<Vec<(usize, u64, u64, f64, bool)>>> {
+    Ok(engine()?.straggler_report(process_set_id).map(|records| {
+        records
+            .into_iter()
+            .map(|(rank, r)| (rank, r.rounds, r.times_last, r.mean_lateness().as_secs_f64(), r.straggler))
+            .collect()
+    }))
+}
+
 #[pyfunction]
 pub fn process_sets() -> PyResult<Vec<(u32, Vec<usize>)>> {
     Ok(engine()?.process_sets())

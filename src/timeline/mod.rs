@@ -70,6 +70,8 @@ pub(crate) enum Event {
     Tick { set_id: u32, kind: CollectiveKind, name: String, rank: usize, ready_rank: usize, at: Instant },
     /// `rank` started a negotiation round.
     Cycle { rank: usize, at: Instant },
+    /// `rank`'s record names global rank `straggler` the straggler (`named`), or no longer does.
+    Straggler { rank: usize, straggler: usize, named: bool, why: String, at: Instant },
 }
 
 pub(crate) struct OpEvent {
@@ -278,6 +280,20 @@ impl SetTimeline {
             name: name.to_string(),
             rank: self.timeline.rank(),
             ready_rank: self.global_ranks.get(ready).copied().unwrap_or(ready),
+            at: Instant::now(),
+        });
+    }
+
+    /// Mark that communicator rank `straggler` is named the straggler (`named`) or no longer is, and why.
+    pub fn straggler(&self, straggler: usize, named: bool, why: &str) {
+        if !self.is_on() {
+            return;
+        }
+        self.timeline.send(Event::Straggler {
+            rank: self.timeline.rank(),
+            straggler: self.global_ranks.get(straggler).copied().unwrap_or(straggler),
+            named,
+            why: why.to_string(),
             at: Instant::now(),
         });
     }

@@ -279,6 +279,18 @@ impl Writer {
                     format!(r#"{{"name":"CYCLE_START","ph":"i","s":"t","ts":{ts},"pid":{ENGINE_ROW},"tid":{rank}}}"#);
                 self.push(&json);
             }
+            Event::Straggler { rank, straggler, named, why, at } => {
+                self.name_thread(ENGINE_ROW);
+                let ts = self.ts_us(*at);
+                let name = if *named { "STRAGGLER" } else { "STRAGGLER_CLEARED" };
+                let mut escaped = String::new();
+                escape_into(&mut escaped, why);
+                let why = escaped;
+                let json = format!(
+                    r#"{{"name":"{name}","ph":"i","s":"g","ts":{ts},"pid":{ENGINE_ROW},"tid":{rank},"args":{{"rank":{straggler},"why":"{why}"}}}}"#
+                );
+                self.push(&json);
+            }
         }
     }
 }

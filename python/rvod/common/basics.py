@@ -12,6 +12,7 @@ __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size",
     "is_homogeneous", "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built",
     "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "start_timeline", "stop_timeline",
+    "straggler_report",
 ]
 
 _topology = None
@@ -207,3 +208,24 @@ def stop_timeline():
     """Close the current timeline file; everything recorded so far is in it when this returns."""
     _topo()
     _rvod.stop_timeline()
+
+
+def straggler_report(process_set=None):
+    """How late each rank of ``process_set`` (default: every rank) announces the collectives every rank
+    then runs, as this rank has seen it: ``{global rank: {"rounds": decisions it took part in, "times_last":
+    how often it was last, "mean_lateness": seconds behind the first rank on average, "straggler": whether
+    it is named the straggler now}}``. A rank is named while it was last in 8 of the last 10 decisions,
+    at least 1 ms and a fifth of the time between decisions late on average; rank 0 of the set logs a
+    warning when one is named, and the timeline marks it. Raises ``ValueError`` where this rank is not a
+    member of the set."""
+    from rvod.common.process_sets import global_process_set, registered_id
+
+    process_set = global_process_set if process_set is None else process_set
+    _topo()
+    records = _rvod.straggler_report(registered_id(process_set))
+    if records is None:
+        raise ValueError(f"straggler_report(): this rank is not a member of {process_set}")
+    return {
+        rank: {"rounds": rounds, "times_last": times_last, "mean_lateness": mean, "straggler": named}
+        for rank, rounds, times_last, mean, named in records
+    }

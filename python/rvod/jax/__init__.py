@@ -63,13 +63,14 @@ from rvod.jax.mpi_ops import (
     size,
     start_timeline,
     stop_timeline,
+    straggler_report,
 )
 from rvod.jax.optimizer import DistributedOptimizer
 
 __all__ = [
     "allgather_object", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", "allreduce",
     "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "alltoall", "reducescatter",
-    "grouped_reducescatter", "join", "barrier", "init", "shutdown", "is_initialized", "start_timeline",
+    "grouped_reducescatter", "join", "barrier", "init", "shutdown", "is_initialized", "start_timeline", "straggler_report",
     "stop_timeline", "size", "local_size", "cross_size", "rank", "local_rank", "cross_rank", "is_homogeneous",
     "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built", "nccl_built", "ddl_built",
     "ccl_built", "cuda_built", "rocm_built", "ProcessSet", "global_process_set", "add_process_set",
