@@ -168,6 +168,26 @@ def test_removed_host_interrupts_without_restoring(job_env, tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_removed_host_hands_over_the_sharded_optimizer_slices(job_env, tmp_path):
+    """(c) with DistributedOptimizer(sharded=True): the discovery script drops the host of ranks 1 and 2 of 3
+    (a slice and its buddy copy on one host); before they leave they hand their slices to rank 0, and the
+    world of 1 starts, without restoring, from exactly the optimizer state of the interrupted commit."""
+    job = ElasticJob(job_env, tmp_path, "localhost:1\n127.0.0.1:2\n", ["--min-np", "1"], ELASTIC_SAMPLES="36",
+                     ELASTIC_SHARDED="1")
+    job.wait_for("progress.jsonl", progressed, 90)
+    job.set_hosts("localhost:1\n")
+    assert job.finish(100) == 0, job.report()
+    assert_every_sample_once_per_epoch(tmp_path, 3, 36)
+    worlds = assert_worlds_start_in_step(tmp_path)
+    assert sorted(worlds) == [1, 2] and worlds[2][0]["size"] == 1, job.report()
+    assert sorted((s["rank"], s["host"]) for s in worlds[1]) == [(0, "localhost"), (1, "127.0.0.1"), (2, "127.0.0.1")]
+    assert not read(tmp_path, "restores.jsonl")
+    assert "world 2 (removed): 1 ranks on localhost" in job.stderr, job.report()
+    interrupted = [c for c in read(tmp_path, "precommits.jsonl") if c["round"] == 1][-1]
+    assert worlds[2][0]["optimizer"] == interrupted["optimizer"] != 0.0, job.report()
+
+
+@pytest.mark.timeout(120)
 def test_below_min_np_past_the_elastic_timeout_fails_clearly(job_env, tmp_path):
     """(e) one of two single-slot hosts dies with --min-np 2: after --elastic-timeout, a clear error and a
     non-zero exit, nothing left running."""

@@ -4,7 +4,10 @@ A worker follows the driver protocol of ``rvod.common.elastic_worker``. Invarian
 are dense (0..size-1) and the ranks that carried the committed state come first, so rank 0, whose state
 ``sync()`` broadcasts, always holds the last commit. A worker only ever moves to a newer world.
 ``HostsUpdatedInterrupt`` is raised on every rank at the same ``check_host_updates()`` (rank 0's view of
-the latest world is broadcast), so no rank is left in a collective the others skipped.
+the latest world is broadcast), so no rank is left in a collective the others skipped; the old world still
+runs then, and ``hand_over()`` gives what leaving ranks hold to ranks that stay. Every rank of a new world,
+old or just started, takes the same path into it: the ranks agree (one collective) whether any of them
+needs ``sync()``; when none does (hosts were only removed) they all call ``relayout()`` instead.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ class State:
         latest = self._bcast_object(latest, 0, "elastic.check_host_updates")
         if latest is not None and latest > link.round:
             causes = link.causes(link.round, latest)
+            link.announced = latest
             raise HostsUpdatedInterrupt(skip_sync=causes == {"removed"})
 
     def save(self):
@@ -71,6 +75,16 @@ class State:
 
     def sync(self):
         raise NotImplementedError
+
+    def relayout(self):
+        """In a new world that skips ``sync()`` (hosts were only removed, every rank carried the state), lay
+        out again what depends on the world's size (a sharded optimizer's slices). Collective: every rank
+        calls it. Nothing by default."""
+
+    def hand_over(self, leaving):
+        """On every rank of a world that is about to be replaced (HostsUpdatedInterrupt, the world still runs):
+        keep what the next world needs from this rank on ranks that stay (``leaving``: this rank has no place
+        in it). Collective. Nothing by default."""
 
     def reset(self):
         """Called after the world changed; subclasses update what depends on the world (samplers)."""
@@ -111,33 +125,65 @@ def reset_engine(shutdown, init):
 
 def run_fn(func, reset, wrapping_errors=()):
     """Wraps ``func(state, ...)``: synchronise the state, run; on RvodInternalError restore the last commit
-    and reset; on HostsUpdatedInterrupt reset without restoring (and skip the sync when hosts were only
-    removed). ``reset()`` shuts the engine down and starts it in the next world. ``wrapping_errors``: a
-    framework's exception types that carry an RvodInternalError raised inside its compiled code (TensorFlow
-    turns one raised in a ``tf.function`` into a ``tf.errors.OpError`` naming it); they count as one.
-    Anything else, RvodMismatchError included (a bug in the script), is not retried."""
+    and reset; on HostsUpdatedInterrupt hand over what leaving ranks hold (``state.hand_over``) and reset
+    without restoring. ``reset()`` shuts the engine down and starts it in the next world. In an elastic job
+    the ranks of the new world agree whether to ``sync()``: yes when any of them asks (a rank that just
+    started, or one whose world changed otherwise than by hosts removed), else every rank calls
+    ``state.relayout()``. ``wrapping_errors``: a framework's exception types that carry an RvodInternalError
+    raised inside its compiled code (TensorFlow turns one raised in a ``tf.function`` into a
+    ``tf.errors.OpError`` naming it); they count as one. Anything else, RvodMismatchError included (a bug in
+    the script), is not retried."""
 
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):
         skip_sync = False
         while True:
             try:
-                if not skip_sync:
+                if _anyone_syncs(not skip_sync):
                     state.sync()
+                else:
+                    state.relayout()
                 return func(state, *args, **kwargs)
             except HostsUpdatedInterrupt as interrupt:
                 skip_sync = interrupt.skip_sync
+                try:
+                    state.hand_over(_leaving())
+                except Exception as error:
+                    if not (isinstance(error, RvodInternalError) or _carries_internal_error(error, wrapping_errors)):
+                        raise
+                    _restore_for_new_world(state)  # a rank died as the world was to change: a failure
+                    skip_sync = False
             except Exception as error:
                 if not (isinstance(error, RvodInternalError) or _carries_internal_error(error, wrapping_errors)):
                     raise
-                state.restore()
+                _restore_for_new_world(state)
                 skip_sync = False
-                if in_elastic_job():
-                    driver_link().request_reset()
             reset_until_running(reset)
             state.on_reset()
 
     return wrapper
+
+
+def _restore_for_new_world(state):
+    state.restore()
+    if in_elastic_job():
+        driver_link().request_reset()
+
+
+def _anyone_syncs(wanted: bool) -> bool:
+    """Whether any rank of this world wants ``sync()`` (collective in an elastic job: a rank that just
+    started always does, and its peers must take the same path)."""
+    if not in_elastic_job():
+        return wanted
+    return any(objects.allgather_object(wanted, name="elastic.sync_wanted"))
+
+
+def _leaving() -> bool:
+    """Whether this worker has no place in the world the driver announced (HostsUpdatedInterrupt)."""
+    if not in_elastic_job():
+        return False
+    link = driver_link()
+    return link.announced is not None and not link.has_place(link.announced)
 
 
 def _carries_internal_error(error, wrapping_errors) -> bool:

@@ -63,9 +63,10 @@ class KerasModelState(VariablesState):
     trained yet, or joins a running job, has the same variables as rank 0 for ``sync()`` to fill.
 
     A sharded optimizer's slots (this rank's slice of its state) are not among the variables: a commit keeps
-    this rank's slice and a buddy copy of another rank's (``rvod.common.sharded_commits``), and ``sync()``
-    lays the optimizer out for the new world with the slices of the last commit (a traced train function is
-    dropped, to be traced again on the new shards)."""
+    this rank's slice and a buddy copy of another rank's (``rvod.common.sharded_commits``), ``hand_over()``
+    gives a leaving rank's slice to a rank that stays, and ``sync()`` or ``relayout()`` lays the optimizer out
+    for the new world with the slices of the last commit (a traced train function is dropped, to be traced
+    again on the new shards)."""
 
     def __init__(self, model, optimizer=None, backend=None, bcast_object=None, get_rank=None, **kwargs):
         if not getattr(model, "built", True):
@@ -97,12 +98,21 @@ class KerasModelState(VariablesState):
             self._shard_commits.save()
         super().save()
 
-    def sync(self):
+    def hand_over(self, leaving):
+        if self._shard_commits is not None:
+            self._shard_commits.hand_over(leaving)
+
+    def relayout(self):
+        """Lay the sharded optimizer out for the new world, with the slices of the last commit (or hand-over)."""
         if self._shard_commits is not None:
             optimizer = self._sharded()
             before = (optimizer._rvod_layout.size, optimizer._rvod_layout.rank)
-            optimizer._rvod_reshard(self._shard_commits.gather())
-            self._shard_commits.restart()
+            slices = self._shard_commits.gather()
+            optimizer._rvod_reshard(slices)
+            self._shard_commits.restart(slices[0][0]["commit"])
             if (optimizer._rvod_layout.size, optimizer._rvod_layout.rank) != before:
                 self.model.train_function = None  # traced on the old shards
+
+    def sync(self):
+        self.relayout()
         super().sync()

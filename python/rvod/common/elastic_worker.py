@@ -47,6 +47,7 @@ class _DriverLink:
         self.round = int(os.environ.get(ROUND, "0"))
         self.timeout = float(os.environ.get(TIMEOUT, "600"))
         self._want_newer = False
+        self.announced: int | None = None  # the world check_host_updates() last told every rank of
         self._store = _rvod.StoreClient(os.environ["RVOD_RENDEZVOUS_ADDR"], int(os.environ["RVOD_RENDEZVOUS_PORT"]),
                                         bytes.fromhex(os.environ["RVOD_SECRET"]), self.timeout)
 
@@ -60,6 +61,11 @@ class _DriverLink:
             value = self._store.try_get(f"elastic/round/{r}/cause", 0)
             found.add(value.decode() if value is not None else "failure")
         return found
+
+    def has_place(self, round_: int) -> bool:
+        """Whether this worker has a place in world ``round_`` (no assignment: it was told to leave before)."""
+        assignment = self._store.try_get(f"elastic/round/{round_}/assign/{self.worker}", 0)
+        return assignment is not None and not json.loads(assignment).get("leave")
 
     def request_reset(self) -> None:
         """Asks for a new world (this one failed); the next ``enter_world`` waits for it."""

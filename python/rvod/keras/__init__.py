@@ -74,9 +74,11 @@ def reducescatter(value, name=None, op=Average):
 
 
 def load_model(filepath, custom_optimizers=None, custom_objects=None, compression=Compression.none,
-               legacy_opts=False):
+               legacy_opts=False, sharded=False):
     """``keras.models.load_model`` whose optimizer comes back wrapped in ``DistributedOptimizer`` with its
-    saved state (slots and iteration count). ``custom_optimizers`` are optimizer classes the file may name."""
+    saved state (slots and iteration count). ``custom_optimizers`` are optimizer classes the file may name.
+    ``sharded=True``: a sharded ``DistributedOptimizer`` that keeps this rank's slice of the saved state (a
+    plain optimizer's, as a sharded one's ``model.save()`` writes it too)."""
     objects = dict(custom_objects or {})
     for optimizer_class in custom_optimizers or []:
         objects[optimizer_class.__name__] = optimizer_class
@@ -84,11 +86,14 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None, compressio
     loaded = getattr(model, "optimizer", None)
     if loaded is None:
         return model
-    wrapped = DistributedOptimizer(loaded, compression=compression)
+    wrapped = DistributedOptimizer(loaded, compression=compression, sharded=sharded)
     if loaded.built:
         wrapped.build(model.trainable_variables)
-        for target, source in zip(wrapped.variables, loaded.variables):
-            target.assign(source)
+        if sharded:
+            wrapped.load_state_dict([_as_array(v) for v in loaded.variables])
+        else:
+            for target, source in zip(wrapped.variables, loaded.variables):
+                target.assign(source)
     model.optimizer = wrapped
     model.train_function = None
     return model

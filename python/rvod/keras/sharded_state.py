@@ -12,6 +12,12 @@ moments), this rank's alone, and *globals* (``iteration``, a learning-rate varia
   ``plain.build(model.trainable_variables); plain.set_weights(values)`` loads it. Collective.
 - ``load_state_dict(x)``: such a consolidated list, this rank's ``state_dict()``, or the list of every rank's
   ``state_dict()`` of a job of any size (resharded here). The optimizer must be built.
+- ``model.save()`` (Keras calls ``save_own_variables``): a plain optimizer's variables for the whole model, so
+  ``keras.models.load_model`` gives a plain optimizer with the whole state and ``hvd.load_model(path,
+  sharded=True)`` a sharded one. On one rank that is this rank's state; on more, the other ranks' slices are
+  needed: ``consolidate_state_dict(to=r)``, called on every rank, keeps its result on rank r for the next
+  ``model.save()`` there (while no step was taken since); without it ``model.save()`` raises ValueError
+  saying so. ``load_own_variables`` (``model.load_weights`` of a ``.keras`` file) takes such values, resharded.
 - ``broadcast_state(root_rank)`` (what ``broadcast_global_variables`` and ``BroadcastGlobalVariablesCallback``
   do for a sharded optimizer): the root's globals, and a consolidated list loaded on the root alone; each
   rank's slots are its own. ``broadcast_variables`` leaves slots out (``is_sharded_slice``).
@@ -22,6 +28,7 @@ its slot creation recorded, not allocated (``_plain_order``).
 
 import weakref
 
+import keras
 import numpy as np
 
 from rvod.common.objects import allgather_object, broadcast_object
@@ -89,6 +96,15 @@ class ShardedState:
             mine, name="sharded.keras.consolidate", process_set=self._rvod_sharding["process_set"])
         if to is not None and rank() != to:
             return None
+        values = self._rvod_consolidate(everyone)
+        self.__dict__["_rvod_consolidated"] = (self._rvod_stamp(), values)  # for model.save() (save_own_variables)
+        return values
+
+    def _rvod_stamp(self):
+        """What a consolidated state was taken at: the step and the layout."""
+        return int(keras.ops.convert_to_numpy(self.iterations)), self._rvod_layout.size, self._rvod_layout.rank
+
+    def _rvod_consolidate(self, everyone):
         joined, globals_ = self._rvod_join(everyone)
         values = []
         for kind, index, name in self._plain_order():
@@ -100,6 +116,36 @@ class ShardedState:
             values.append(np.zeros(variable.shape, dtype=str(variable.dtype)) if flat is None
                           else flat.reshape(variable.shape))
         return values
+
+    def save_own_variables(self, store):
+        """Keras' ``model.save()``: the variables of a plain optimizer for the whole model (see the module
+        docstring); ValueError on more than one rank unless ``consolidate_state_dict(to=this rank)`` was
+        called on every rank since the last step."""
+        if not self.built:
+            return super().save_own_variables(store)
+        if self._rvod_alone:
+            values = self._rvod_consolidate([self.state_dict()])
+        else:
+            stamp, values = self.__dict__.get("_rvod_consolidated") or (None, None)
+            if stamp != self._rvod_stamp():
+                from rvod.common.basics import rank
+
+                raise ValueError(
+                    f"model.save() with a sharded optimizer on {self._rvod_layout.size} ranks: rank {rank()} holds "
+                    "its slice of the optimizer state only. Call optimizer.consolidate_state_dict(to=R) on every "
+                    "rank (collective) after the last step, then model.save() on rank R saves the whole state "
+                    "(loadable by a plain optimizer, or resharded by hvd.load_model(path, sharded=True)); or save "
+                    "the weights alone (model.save_weights)")
+        self.__dict__["_rvod_consolidated"] = None
+        for i, value in enumerate(values):
+            store[str(i)] = value
+
+    def load_own_variables(self, store):
+        """Keras' loading of a saved model's optimizer into this one: a plain optimizer's variables (what
+        ``save_own_variables`` writes), resharded; Keras' warning, and nothing loaded, when it is not built."""
+        if not self.built:
+            return super().load_own_variables(store)
+        self.load_state_dict([np.asarray(store[str(i)]) for i in range(len(store.keys()))])
 
     def _rvod_join(self, everyone):
         """Per-variable slots ``{variable index: {slot name: flat array}}`` and the globals (the lowest

@@ -98,6 +98,7 @@ class _ShardedOptimizer:
                     params.append(Param(index, g, p.numel(), str(p.dtype).removeprefix("torch.")))
                 index += 1
         self._layout = ShardLayout(params, size, rank)
+        self._single = not included or size == 1
         self._index_of = {p: i for i, p in self._model_params.items()}
         self._shapes = {i: tuple(p.shape) for i, p in self._model_params.items()}
         self._shards, self._grads, self._shard_of = [], [], {}
@@ -113,6 +114,16 @@ class _ShardedOptimizer:
                 by_group[shard.group].append(flat)
         for g, group in enumerate(self.param_groups):
             group["params"] = by_group[g]  # the same dicts: LR schedulers of the wrapped optimizer still apply
+        # What every step allgathers: each parameter's chunk, a view of its shard (made once per layout).
+        self._gathered = [self._model_params[piece.param.index] for shard in self._layout.shards
+                          for piece in shard.pieces]
+        self._chunks = [flat.detach()[piece.offset:piece.offset + piece.stop - piece.start]
+                        for shard, flat in zip(self._layout.shards, self._shards) for piece in shard.pieces]
+        self._grad_views = {}  # parameter -> the part of its shard's gradient buffer its reduced chunk goes to
+        for index, piece in self._layout.piece_of.items():
+            p = self._model_params[index]
+            self._grad_views[p] = self._grads[self._shard_of[p]][piece.offset:piece.offset + piece.stop - piece.start]
+        self._gather_name = f"sharded.parameters.{self._parameter_names[self._gathered[0]]}" if self._gathered else ""
         self.state = collections.defaultdict(dict)
         parameter_gathers.watch(p for p in self._model_params.values() if p.requires_grad)
         self._loaded_whole = None  # a consolidated dict loaded here, until broadcast_optimizer_state sends it
@@ -132,9 +143,7 @@ class _ShardedOptimizer:
 
     def _grad_view(self, p):
         """The part of its shard's gradient buffer that receives ``p``'s reduced chunk."""
-        piece = self._layout.piece_of[self._index_of[p]]
-        s = self._shard_of[p]
-        return self._grads[s][piece.offset:piece.offset + piece.stop - piece.start]
+        return self._grad_views[p]
 
     # ------------------------------------------------------------------------ reduce-scatter the gradients
 
@@ -149,7 +158,7 @@ class _ShardedOptimizer:
         return self._compression.compress(grad.reshape(-1))
 
     def _alone(self):
-        return not self._process_set.included() or self._process_set.size() == 1
+        return self._single  # of the current layout (``_shard``)
 
     def _start_parameter(self, p):
         compressed, context = self._dense_flat(p)
@@ -205,18 +214,13 @@ class _ShardedOptimizer:
     def _start_gather(self):
         """Start allgathering every parameter's updated chunks (one grouped allgather, fused by the engine);
         ``wait_for_parameters`` writes them into the parameters."""
-        pieces = [(self._model_params[piece.param.index], flat.detach()[piece.offset:piece.offset + piece.stop
-                                                                         - piece.start])
-                  for shard, flat in zip(self._layout.shards, self._shards) for piece in shard.pieces]
-        if not pieces:
+        if not self._chunks:
             return
         if self._alone():
-            self._write_parameters([p for p, _ in pieces], [chunk for _, chunk in pieces])
+            self._write_parameters(self._gathered, self._chunks)
             return
-        handle = grouped_allgather_async([chunk for _, chunk in pieces],
-                                         name=f"sharded.parameters.{self._parameter_names[pieces[0][0]]}",
-                                         process_set=self._process_set)
-        self._gather = (handle, [p for p, _ in pieces])
+        handle = grouped_allgather_async(self._chunks, name=self._gather_name, process_set=self._process_set)
+        self._gather = (handle, self._gathered)
         parameter_gathers.gathering.add(self)
 
     def wait_for_parameters(self):

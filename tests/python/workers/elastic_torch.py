@@ -10,7 +10,8 @@ after writing the time to OUT/kills.jsonl; with ELASTIC_KILL_AT_INIT="round:rank
 kills itself as it joins that world, after every worker of it was ready but before its engine starts.
 Calls of state.restore() are logged to OUT/restores.jsonl. With ELASTIC_SHARDED=1 the optimizer is a sharded
 SGD with momentum, and a checksum of its consolidated state is added to every start and logged by rank 0 at
-every commit to OUT/commits.jsonl.
+every commit to OUT/commits.jsonl (once the commit returned) and OUT/precommits.jsonl (just before it, so
+also for a commit that raises HostsUpdatedInterrupt).
 """
 
 import json
@@ -97,6 +98,16 @@ def optimizer_checksum():
                      if torch.is_tensor(v)))
 
 
+def commit():
+    """state.commit(), with the optimizer checksum logged by rank 0 before and after (sharded)."""
+    committed = optimizer_checksum()
+    if hvd.rank() == 0 and SHARDED:
+        record("precommits.jsonl", round=world(), epoch=state.epoch, batch=state.batch, optimizer=committed)
+    state.commit()
+    if hvd.rank() == 0 and SHARDED:
+        record("commits.jsonl", round=world(), epoch=state.epoch, batch=state.batch, optimizer=committed)
+
+
 def world():
     return int(os.environ.get("RVOD_ELASTIC_ROUND", "0"))
 
@@ -127,20 +138,14 @@ def train(state):
             if state.batch % COMMIT_EVERY == 0:
                 if hvd.rank() == 0:
                     record("progress.jsonl", round=world(), size=hvd.size(), epoch=state.epoch, batch=state.batch)
-                committed = optimizer_checksum()
-                state.commit()
-                if hvd.rank() == 0 and SHARDED:
-                    record("commits.jsonl", round=world(), epoch=state.epoch, batch=state.batch, optimizer=committed)
+                commit()
         if hvd.rank() == 0:
             record("epochs.jsonl", epoch=state.epoch, counts=state.counter.tolist(), size=hvd.size())
         state.epoch += 1
         state.batch = 0
         state.counter = torch.zeros(NUM_SAMPLES)
         sampler.set_epoch(state.epoch)
-        committed = optimizer_checksum()
-        state.commit()
-        if hvd.rank() == 0 and SHARDED:
-            record("commits.jsonl", round=world(), epoch=state.epoch, batch=state.batch, optimizer=committed)
+        commit()
 
 
 train(state)

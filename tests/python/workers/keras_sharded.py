@@ -3,7 +3,9 @@ for 60 steps gives the parameters of model.fit with the plain DistributedOptimiz
 Keras' tf.function); each rank's optimizer variables hold 1/2 of the plain one's slots; eagerly, with
 op=Sum and gradient_predivide_factor; rvod.tensorflow's DistributedOptimizer takes sharded=True;
 backward_passes_per_step=2 as unsharded; refusals. Checkpoints: a state_dict() round trip, a consolidated
-state that a plain Adam loads and trains on as the sharded one does. With a directory argument, rank r writes
+state that a plain Adam loads and trains on as the sharded one does; model.save() refused until
+consolidate_state_dict(to=0), then saving the whole state that keras.models.load_model and
+hvd.load_model(sharded=True) load. With a directory argument, rank r writes
 its state_dict() there (sharded_r.pkl), rank 0 the consolidated state and the model's weights
 (checkpoint.pkl), for workers/keras_sharded_reshard.py.
 """
@@ -11,6 +13,7 @@ its state_dict() there (sharded_r.pkl), rank 0 the consolidated state and the mo
 import os
 import pickle
 import sys
+import tempfile
 
 import keras
 import numpy as np
@@ -19,6 +22,7 @@ from _check import check, expect_error, finish
 
 import rvod.keras as hvd
 import rvod.tensorflow
+from rvod.common.objects import broadcast_object
 
 hvd.init()
 tf.config.threading.set_intra_op_parallelism_threads(1)
@@ -94,6 +98,10 @@ with check("backward_passes_per_step=2 (Adam, SGD with momentum, eagerly) equals
         assert int(sharded.optimizer.iterations) == int(plain.optimizer.iterations) == 10
 
 
+def same(a, b):
+    return len(a) == len(b) and all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(a, b))
+
+
 def go_on(model, start, steps=5):
     """Train ``model`` on the next ``steps`` batches from batch ``start``."""
     model.fit(X[start * BATCH:(start + steps) * BATCH], Y[start * BATCH:(start + steps) * BATCH], batch_size=BATCH,
@@ -134,6 +142,26 @@ with check("consolidated: a plain Adam loads it (set_weights) and trains on as t
         if R == 0:
             with open(os.path.join(sys.argv[1], "checkpoint.pkl"), "wb") as file:
                 pickle.dump({"whole": whole, "weights": weights}, file)
+
+with check("model.save(): refused, naming consolidate_state_dict(), until it was called; then a plain load_model "
+           "and hvd.load_model(sharded=True) get the whole state"):
+    directory = sys.argv[1] if len(sys.argv) > 1 else broadcast_object(tempfile.mkdtemp(), 0, name="keras.tmp")
+    path = os.path.join(directory, "model.keras")
+    expect_error(ValueError, rf"model.save\(\) with a sharded optimizer on {N} ranks: rank {R} holds its slice of the "
+                 r"optimizer state only. Call optimizer.consolidate_state_dict\(to=R\) on every rank",
+                 model.save, os.path.join(directory, f"refused_{R}.keras"))
+    whole = model.optimizer.consolidate_state_dict(to=0)
+    if R == 0:
+        model.save(path)
+    rvod.tensorflow.barrier()
+    loaded = hvd.load_model(path, sharded=True)
+    assert same(loaded.optimizer.consolidate_state_dict(to=None), model.optimizer.consolidate_state_dict(to=None))
+    assert same(loaded.get_weights(), model.get_weights())
+    plain = keras.models.load_model(path)
+    if R == 0:
+        assert same([keras.ops.convert_to_numpy(v) for v in plain.optimizer.variables], whole)
+    expect_error(ValueError, r"Call optimizer.consolidate_state_dict\(to=R\)", go_on(model, 15, 1).save, path)
+
 
 with check("refusals: Adasum, clipnorm, global_clipnorm, use_ema, a tf.compat.v1 optimizer"):
     expect_error(ValueError, r"sharded=True does not take op=Adasum: Adasum combines whole parameter updates",

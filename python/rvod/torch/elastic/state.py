@@ -1,7 +1,8 @@
 """``TorchState``: a model, an optimizer, samplers and named objects, committed and restored together.
 
 A sharded ``DistributedOptimizer`` is committed as this rank's slice plus a buddy copy of another rank's,
-and resharded for the new world at ``sync()`` (``_ShardedOptimizerHandler``)."""
+handed to ranks that stay before a planned world change, and resharded for the new world at ``sync()`` or,
+when hosts were only removed, ``relayout()`` (``_ShardedOptimizerHandler``)."""
 
 import copy
 
@@ -56,9 +57,11 @@ class _OptimizerHandler(_StateDictHandler):
 class _ShardedOptimizerHandler(_OptimizerHandler):
     """A ``DistributedOptimizer(sharded=True)``: a commit keeps this rank's slice of the state and a copy of
     the previous rank's (its buddy copy, received at the commit), both in memory (``ShardCommits``).
-    ``sync()`` (after a reset, in the new world) lays the optimizer out for the new size and gives every rank
-    its slice of the state rank 0 committed, gathered from whoever holds each old slice; it raises, naming
-    them, when a slice and its buddy copy were both lost."""
+    ``hand_over(leaving)`` (hosts changed, the old world still runs) commits the live slices so that ranks
+    that stay hold them all. ``sync()`` (after a reset, in the new world) lays the optimizer out for the new
+    size and gives every rank its slice of the state rank 0 committed, gathered from whoever holds each old
+    slice, then commits it (buddy copies in the new world); it raises, naming them, when a slice and its buddy
+    copy were both lost."""
 
     def __init__(self, value):
         self.value = value
@@ -78,6 +81,9 @@ class _ShardedOptimizerHandler(_OptimizerHandler):
     def restore(self):
         """Nothing here: the world changes next, and ``sync()`` brings the committed slices back."""
 
+    def hand_over(self, leaving):
+        self._commits.hand_over(leaving)
+
     def sync(self):
         optimizer = self.value
         options = broadcast_object([{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
@@ -87,7 +93,7 @@ class _ShardedOptimizerHandler(_OptimizerHandler):
         optimizer._load_whole(optimizer._consolidated(slices))
         for group, group_options in zip(optimizer.param_groups, options):
             group.update(group_options)
-        self._commits.restart()
+        self._commits.restart(slices[0][0]["commit"])
 
 
 class _SamplerHandler(_Handler):
@@ -160,6 +166,19 @@ class TorchState(ObjectState):
         for handler in self._handlers.values():
             handler.sync()
         super().sync()
+
+    def _sharded_handlers(self):
+        return [h for h in self._handlers.values() if isinstance(h, _ShardedOptimizerHandler)]
+
+    def relayout(self):
+        """Hosts were only removed: the sharded optimizers take their slices of the new world."""
+        for handler in self._sharded_handlers():
+            handler.sync()
+
+    def hand_over(self, leaving):
+        parameter_gathers.wait_all()  # the parameters of the last step, which the next world goes on from
+        for handler in self._sharded_handlers():
+            handler.hand_over(leaving)
 
     def reset(self):
         for handler in self._handlers.values():
