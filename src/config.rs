@@ -74,6 +74,8 @@ pub struct Config {
     pub timeline: Option<String>,
     /// `RVOD_TIMELINE_MARK_CYCLES`: mark each negotiation round with `CYCLE_START`.
     pub timeline_mark_cycles: bool,
+    /// `RVOD_METRICS_PORT`: each rank serves Prometheus metrics at this port plus its local rank.
+    pub metrics_port: Option<u16>,
     /// `RVOD_ELASTIC_ROUND`: the world an elastic job's driver assigned this rank to. Ranks meet in the
     /// store under this round instead of their own count of inits, so a rank started for a re-formed world
     /// meets ranks that have been through several; `None` outside elastic jobs.
@@ -417,6 +419,7 @@ impl Config {
             launch,
             timeline: env.string("TIMELINE").filter(|path| !path.is_empty()),
             timeline_mark_cycles: env.flag("TIMELINE_MARK_CYCLES")?,
+            metrics_port: metrics_port(&env)?,
             elastic_round: match env.raw("ELASTIC_ROUND") {
                 None => None,
                 Some(_) => Some(env.usize("ELASTIC_ROUND", 0)? as u64),
@@ -518,6 +521,15 @@ fn rendezvous_port<F: Fn(&str) -> Option<String>>(env: &EnvReader<F>) -> Result<
     let Some((name, value)) = env.raw("RENDEZVOUS_PORT") else { return Ok(None) };
     match value.parse::<u16>() {
         Ok(port) if port != 0 => Ok(Some((port, name))),
+        _ => Err(EnvReader::<F>::error(name, value, "expected a port number in 1..65535")),
+    }
+}
+
+/// `METRICS_PORT`: the first of the ports the ranks of a host serve metrics at (each adds its local rank).
+fn metrics_port<F: Fn(&str) -> Option<String>>(env: &EnvReader<F>) -> Result<Option<u16>, ConfigError> {
+    let Some((name, value)) = env.raw("METRICS_PORT") else { return Ok(None) };
+    match value.parse::<u16>() {
+        Ok(port) if port != 0 => Ok(Some(port)),
         _ => Err(EnvReader::<F>::error(name, value, "expected a port number in 1..65535")),
     }
 }

@@ -82,6 +82,9 @@ pub struct RoundOutcome {
     pub received: ReceivedLists,
     /// Ranks this round named the straggler, or no longer does (see [`crate::coordinator::lateness`]).
     pub stragglers: Vec<NameChange>,
+    /// Collectives agreed through the response cache this round, and through the coordinator.
+    pub cache_hits: usize,
+    pub cache_misses: usize,
 }
 
 /// Request lists with their senders' communicator ranks (see [`RoundOutcome::received`]).
@@ -374,6 +377,7 @@ impl Negotiator {
             }
         }
 
+        let cache_hits = eager.len() + responses.len();
         let slow = any_uncached || !invalid.is_empty();
         if let Some(coordinator) = self.coordinator.as_mut().filter(|c| slow || c.has_pending()) {
             // Hits that wait for other ranks, so the coordinator sees the whole picture of each name (a rank
@@ -393,6 +397,7 @@ impl Negotiator {
             }
         }
         let mut received = Vec::new();
+        let mut cache_misses = 0;
         if slow {
             let new_responses;
             (new_responses, received) = self.slow_path(t, table, any_shutdown)?;
@@ -410,6 +415,7 @@ impl Negotiator {
                     }
                 }
             });
+            cache_misses = new_responses.len();
             responses.extend(new_responses);
         }
 
@@ -418,7 +424,7 @@ impl Negotiator {
         if let Some(values) = &tuned {
             self.apply(values, table);
         }
-        Ok(RoundOutcome { eager, responses, shutdown_by, tuned, received, stragglers })
+        Ok(RoundOutcome { eager, responses, shutdown_by, tuned, received, stragglers, cache_hits, cache_misses })
     }
 
     /// This rank's header: classify new requests against the cache and collect hits and invalid bits.

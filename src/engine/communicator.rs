@@ -79,6 +79,11 @@ impl Communicator {
         self.shared.global_ranks.len()
     }
 
+    /// The lateness record its loop keeps (see [`crate::coordinator::lateness`]).
+    pub fn lateness(&self) -> Arc<Mutex<crate::coordinator::lateness::Lateness>> {
+        Arc::clone(&self.shared.lateness)
+    }
+
     /// Each member's lateness record, by global rank (see [`crate::coordinator::lateness`]).
     pub fn straggler_report(&self) -> Vec<(usize, RankLateness)> {
         let lateness = self.shared.lateness.lock().unwrap_or_else(|poisoned| poisoned.into_inner());

@@ -17,12 +17,13 @@
 //! rank has nothing else pending or to announce, records no timeline and runs no autotuner; otherwise the
 //! op is not run ([`SmallOutcome::NotRun`]) and the caller submits it as usual.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::coordinator::negotiation::{decode_message, frame_single_hit, recv_body, rides_in_header};
 use crate::coordinator::pending::Announcement;
 use crate::engine::execute::{combine_of, concatenate, effective_postscale, fold_contributions};
 use crate::engine::handles::HandleId;
+use crate::engine::metrics::METRICS;
 use crate::engine::step::{naming_tensor, Loop, Scratch};
 use crate::engine::table::TensorEntry;
 use crate::error::EngineError;
@@ -103,6 +104,8 @@ impl Loop {
             Ok(()) if every_peer_said_the_same(&scratch, me, op.input.len()) => {
                 let mut op = op;
                 let result_len = self.complete_small(&mut op, &scratch, out);
+                METRICS.round(1, 0, Duration::ZERO);
+                METRICS.ran(op.params.kind, 1, op.input.len());
                 self.negotiator.ran_steady_hit(bit);
                 self.rounds += 1;
                 SmallOutcome::Done(result_len)

@@ -4,6 +4,7 @@
 //!
 //! - [`submission`]: what callers hand in and get back; [`grouped`]: a grouped allreduce submitted as one
 //!   packed tensor per dtype.
+//! - [`metrics`]: counters for Prometheus, served by [`metrics_server`] where `RVOD_METRICS_PORT` is set.
 //! - [`handles`]: the handle table callers wait on; [`peer_hosts`]: the host each rank runs on, for errors
 //!   naming a peer.
 //! - [`process_sets`]: which sets exist and how ids are assigned.
@@ -41,6 +42,8 @@ pub mod fork;
 pub mod gpu_route;
 pub mod grouped;
 pub mod handles;
+pub mod metrics;
+pub mod metrics_server;
 pub mod peer_hosts;
 pub mod process_sets;
 pub mod roll_call;
@@ -164,6 +167,15 @@ impl Meeting {
             global: std::sync::OnceLock::new(),
         };
         engine.register((0..topo.size).collect())?;
+        if let Some(global) = engine.global.get() {
+            metrics::METRICS.started(global.lateness());
+        }
+        if let Some(port) = engine.config.metrics_port {
+            let spans_hosts = engine.hosts.spans_hosts();
+            let ip = engine.data_addr.filter(|_| spans_hosts).unwrap_or(std::net::Ipv4Addr::LOCALHOST.into());
+            let port = port.saturating_add(u16::try_from(topo.local_rank).unwrap_or(u16::MAX));
+            metrics_server::serve(ip, port, topo.rank);
+        }
         for ranks in static_sets {
             engine.add_process_set(ranks)?;
         }

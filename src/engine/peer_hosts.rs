@@ -19,7 +19,7 @@ impl PeerHosts {
         PeerHosts { names: Arc::new(names) }
     }
 
-    fn spans_hosts(&self) -> bool {
+    pub fn spans_hosts(&self) -> bool {
         self.names.iter().any(|name| *name != self.names[0])
     }
 

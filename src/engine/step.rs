@@ -24,6 +24,7 @@ use crate::engine::execute::{execute_eager, Executor, HierarchyChoice, TensorRes
 use crate::engine::execute_device::{self, StagedFailure};
 use crate::engine::gpu_route::GpuRoute;
 use crate::engine::handles::{CompletedPart, PartResult};
+use crate::engine::metrics::METRICS;
 use crate::engine::shared::{AppliedValues, Shared};
 use crate::engine::table::{TensorEntry, TensorTable};
 use crate::error::EngineError;
@@ -240,8 +241,12 @@ impl Loop {
             });
         }
         self.rounds += 1;
+        let negotiating = Instant::now();
         let outcome = match self.negotiator.round(&mut *self.transport, &mut self.table, stop) {
-            Ok(outcome) => outcome,
+            Ok(outcome) => {
+                METRICS.round(outcome.cache_hits, outcome.cache_misses, negotiating.elapsed());
+                outcome
+            }
             Err(_) if shutdown => return Err(Ok(self.own_stop_reason(stop))),
             Err(e) => return Err(Err(self.transport_failure("negotiation", e))),
         };
@@ -255,7 +260,10 @@ impl Loop {
     pub(super) fn finish_round(&mut self, headers: Vec<RoundHeader>) -> Step {
         self.rounds += 1;
         let ended = match self.negotiator.decide(&mut *self.transport, &mut self.table, headers) {
-            Ok(outcome) => self.run_outcome(outcome, None).map(|()| None),
+            Ok(outcome) => {
+                METRICS.round(outcome.cache_hits, outcome.cache_misses, Duration::ZERO);
+                self.run_outcome(outcome, None).map(|()| None)
+            }
             Err(e) => Err(Err(self.transport_failure("negotiation", e))),
         };
         self.end_step(ended)
@@ -287,6 +295,7 @@ impl Loop {
                     self.shared.timeline.op(&eager.response, [entry.as_ref().map(|e| e.submitted)].into_iter(), agreed);
                 let result = execute_eager(eager, entry.as_mut());
                 record.finish();
+                METRICS.ran(eager.response.kind, 1, eager.response.tensor_bytes());
                 if let Some(entry) = entry {
                     self.complete(entry, result);
                 }
@@ -520,6 +529,7 @@ impl Loop {
         let fail_after = self.config.stall_shutdown;
         if let Some(table) = self.negotiator.coordinator_mut() {
             if let Some(warning) = table.check_stalls(now, limit, fail_after) {
+                METRICS.stall_warning();
                 let slowest = self.slowest_ranks().unwrap_or_default();
                 tracing::warn!("In {}: {warning}{slowest}", self.shared.describe());
             }
@@ -531,6 +541,7 @@ impl Loop {
         let mut record =
             self.shared.timeline.op(response, entries.iter().map(|e| e.as_ref().map(|e| e.submitted)), agreed);
         let transport = &mut *self.transport;
+        let started = Instant::now();
         let outcome = execute_device::execute(
             &mut self.executor,
             &mut self.gpu_route,
@@ -540,6 +551,12 @@ impl Loop {
             &mut record,
         );
         record.finish();
+        METRICS.collective(started.elapsed());
+        let bytes = response.tensor_bytes();
+        METRICS.ran(response.kind, response.entries.len(), bytes);
+        if response.entries.len() > 1 {
+            METRICS.fused(response.entries.len(), bytes);
+        }
         match outcome {
             Err(StagedFailure::Gpu(err)) => {
                 let parts = entries.into_iter().flatten().map(|entry| completed(entry, Err(err.clone())));

@@ -536,6 +536,12 @@ pub fn straggler_report(process_set_id: u32) -> PyResult<Option<Vec<(usize, u64,
     }))
 }
 
+/// Count an elastic reset this process took part in (`rvod_elastic_resets_total`).
+#[pyfunction]
+pub fn note_elastic_reset() {
+    crate::engine::metrics::METRICS.elastic_reset();
+}
+
 #[pyfunction]
 pub fn process_sets() -> PyResult<Vec<(u32, Vec<usize>)>> {
     Ok(engine()?.process_sets())

@@ -16,6 +16,7 @@ import copy
 import functools
 import sys
 
+from rvod import _rvod
 from rvod.common import basics, objects
 from rvod.common.elastic_worker import driver_link, in_elastic_job
 from rvod.exceptions import HostsUpdatedInterrupt, RvodInternalError, RvodMismatchError
@@ -159,6 +160,7 @@ def run_fn(func, reset, wrapping_errors=()):
                 _restore_for_new_world(state)
                 skip_sync = False
             reset_until_running(reset)
+            _rvod.note_elastic_reset()
             state.on_reset()
 
     return wrapper

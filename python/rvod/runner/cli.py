@@ -211,6 +211,11 @@ def build_parser() -> argparse.ArgumentParser:
     cycles.add_argument("--no-timeline-mark-cycles", dest="timeline_mark_cycles", action="store_const", const=False,
                         help=argparse.SUPPRESS)
 
+    parser.add_argument_group("metrics").add_argument(
+        "--metrics-port", dest="metrics_port", type=_positive_int, metavar="PORT",
+        help="each rank serves Prometheus metrics at http://<its host>:PORT+<local rank>/metrics (loopback unless "
+             "the job spans hosts; RVOD_METRICS_PORT)")
+
     stall = parser.add_argument_group("stall check")
     stall_choice = stall.add_mutually_exclusive_group()
     stall_choice.add_argument("--no-stall-check", dest="no_stall_check", action="store_const", const=True,

@@ -69,6 +69,7 @@ class JobSpec:
     autotune_gaussian_process_noise: float | None = None
     timeline_filename: str | None = None
     timeline_mark_cycles: bool | None = None
+    metrics_port: int | None = None  # --metrics-port: each rank serves Prometheus metrics at this + local rank
     no_stall_check: bool | None = None
     stall_warning_seconds: int | None = None
     stall_shutdown_seconds: int | None = None
@@ -104,6 +105,8 @@ class JobSpec:
             env["RVOD_TIMELINE"] = self.timeline_filename
             if self.timeline_mark_cycles is not None:
                 env["RVOD_TIMELINE_MARK_CYCLES"] = "1" if self.timeline_mark_cycles else "0"
+        if self.metrics_port is not None:
+            env["RVOD_METRICS_PORT"] = str(self.metrics_port)
         if self.autotune:
             env["RVOD_AUTOTUNE"] = "1"
             for value, name in ((self.autotune_log_file, "RVOD_AUTOTUNE_LOG"),
