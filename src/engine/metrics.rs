@@ -45,22 +45,13 @@ pub struct Metrics {
 }
 
 /// The process's metrics.
-pub static METRICS: Metrics = Metrics {
-    ops: [const { AtomicU64::new(0) }; KINDS.len()],
-    bytes: [const { AtomicU64::new(0) }; KINDS.len()],
-    fused: [const { AtomicU64::new(0) }; FUSED_BUCKETS.len()],
-    fused_count: AtomicU64::new(0),
-    fused_bytes: AtomicU64::new(0),
-    fused_tensors: AtomicU64::new(0),
-    cache_hits: AtomicU64::new(0),
-    cache_misses: AtomicU64::new(0),
-    negotiation_ns: AtomicU64::new(0),
-    collective_ns: AtomicU64::new(0),
-    stall_warnings: AtomicU64::new(0),
-    inits: AtomicU64::new(0),
-    elastic_resets: AtomicU64::new(0),
-    lateness: Mutex::new(None),
-};
+pub static METRICS: Metrics = Metrics::new();
+
+impl Default for Metrics {
+    fn default() -> Metrics {
+        Metrics::new()
+    }
+}
 
 fn add(counter: &AtomicU64, n: u64) {
     counter.fetch_add(n, Ordering::Relaxed);
@@ -71,6 +62,26 @@ fn nanos(d: Duration) -> u64 {
 }
 
 impl Metrics {
+    /// Every counter at zero, no lateness record.
+    pub const fn new() -> Metrics {
+        Metrics {
+            ops: [const { AtomicU64::new(0) }; KINDS.len()],
+            bytes: [const { AtomicU64::new(0) }; KINDS.len()],
+            fused: [const { AtomicU64::new(0) }; FUSED_BUCKETS.len()],
+            fused_count: AtomicU64::new(0),
+            fused_bytes: AtomicU64::new(0),
+            fused_tensors: AtomicU64::new(0),
+            cache_hits: AtomicU64::new(0),
+            cache_misses: AtomicU64::new(0),
+            negotiation_ns: AtomicU64::new(0),
+            collective_ns: AtomicU64::new(0),
+            stall_warnings: AtomicU64::new(0),
+            inits: AtomicU64::new(0),
+            elastic_resets: AtomicU64::new(0),
+            lateness: Mutex::new(None),
+        }
+    }
+
     /// `tensors` tensors of `kind`, `bytes` in all on this rank, ran.
     pub fn ran(&self, kind: CollectiveKind, tensors: usize, bytes: usize) {
         add(&self.ops[kind as usize], tensors as u64);
@@ -142,55 +153,39 @@ impl Metrics {
         buckets.push(("_sum".into(), get(&self.fused_bytes).to_string()));
         buckets.push(("_count".into(), get(&self.fused_count).to_string()));
         family("fusion_buffer_bytes", "histogram", "Sizes of the fusion buffers collectives ran through.", &buckets);
-        let one = |value: String| vec![(String::new(), value)];
-        family(
-            "fused_tensors_total",
-            "counter",
-            "Tensors that ran fused with others.",
-            &one(get(&self.fused_tensors).to_string()),
-        );
-        family(
-            "response_cache_hits_total",
-            "counter",
-            "Collectives agreed through the response cache.",
-            &one(get(&self.cache_hits).to_string()),
-        );
-        family(
-            "response_cache_misses_total",
-            "counter",
-            "Collectives agreed through the coordinator.",
-            &one(get(&self.cache_misses).to_string()),
-        );
-        family(
-            "negotiation_seconds_total",
-            "counter",
-            "Time spent in negotiation rounds.",
-            &one(seconds(&self.negotiation_ns).to_string()),
-        );
-        family(
-            "collective_seconds_total",
-            "counter",
-            "Time spent running collectives.",
-            &one(seconds(&self.collective_ns).to_string()),
-        );
-        family(
-            "stall_warnings_total",
-            "counter",
-            "Stall warnings (ranks missing for a tensor).",
-            &one(get(&self.stall_warnings).to_string()),
-        );
-        family(
-            "engine_starts_total",
-            "counter",
-            "Times this process's engine started (init).",
-            &one(get(&self.inits).to_string()),
-        );
-        family(
-            "elastic_resets_total",
-            "counter",
-            "Elastic resets this process took part in.",
-            &one(get(&self.elastic_resets).to_string()),
-        );
+        let counters: [(&str, &str, String); 8] = [
+            ("fused_tensors_total", "Tensors that ran fused with others.", get(&self.fused_tensors).to_string()),
+            (
+                "response_cache_hits_total",
+                "Collectives agreed through the response cache.",
+                get(&self.cache_hits).to_string(),
+            ),
+            (
+                "response_cache_misses_total",
+                "Collectives agreed through the coordinator.",
+                get(&self.cache_misses).to_string(),
+            ),
+            (
+                "negotiation_seconds_total",
+                "Time spent in negotiation rounds.",
+                seconds(&self.negotiation_ns).to_string(),
+            ),
+            ("collective_seconds_total", "Time spent running collectives.", seconds(&self.collective_ns).to_string()),
+            (
+                "stall_warnings_total",
+                "Stall warnings (ranks missing for a tensor).",
+                get(&self.stall_warnings).to_string(),
+            ),
+            ("engine_starts_total", "Times this process's engine started (init).", get(&self.inits).to_string()),
+            (
+                "elastic_resets_total",
+                "Elastic resets this process took part in.",
+                get(&self.elastic_resets).to_string(),
+            ),
+        ];
+        for (name, help, value) in counters {
+            family(name, "counter", help, &[(String::new(), value)]);
+        }
         let lateness = self.lateness.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone();
         let report = lateness.map(|l| l.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).report().to_vec());
         let ranks = report.unwrap_or_default();
@@ -226,22 +221,7 @@ mod tests {
 
     #[test]
     fn the_text_is_prometheus_exposition_with_every_family() {
-        let metrics = Metrics {
-            ops: [const { AtomicU64::new(0) }; KINDS.len()],
-            bytes: [const { AtomicU64::new(0) }; KINDS.len()],
-            fused: [const { AtomicU64::new(0) }; FUSED_BUCKETS.len()],
-            fused_count: AtomicU64::new(0),
-            fused_bytes: AtomicU64::new(0),
-            fused_tensors: AtomicU64::new(0),
-            cache_hits: AtomicU64::new(0),
-            cache_misses: AtomicU64::new(0),
-            negotiation_ns: AtomicU64::new(0),
-            collective_ns: AtomicU64::new(0),
-            stall_warnings: AtomicU64::new(0),
-            inits: AtomicU64::new(0),
-            elastic_resets: AtomicU64::new(0),
-            lateness: Mutex::new(None),
-        };
+        let metrics = Metrics::new();
         metrics.ran(CollectiveKind::Allreduce, 3, 4096);
         metrics.fused(3, 4096);
         metrics.fused(1, 1 << 30);
