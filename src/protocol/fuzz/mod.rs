@@ -20,7 +20,8 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use guard::{measure, set_current_input, Watchdog};
+pub(crate) use guard::measure;
+use guard::{set_current_input, Watchdog};
 
 /// Inputs per decoder in `cargo test`.
 pub(crate) const SHORT_RUN: u64 = 20_000;
@@ -29,7 +30,7 @@ pub(crate) const LONG_RUN: u64 = 10_000_000;
 /// One input taking longer than this is a hang (inputs are at most 4 KiB; decoders take microseconds).
 pub(crate) const HANG_LIMIT: Duration = Duration::from_secs(5);
 /// Inputs that decoded, kept in the corpus by the long run for later runs to mutate.
-const KEPT: usize = 24;
+const KEPT: usize = 12;
 /// Every run makes the same inputs; a failure names the index of its input.
 const SEED: u64 = 0x5256_4f44_4655_5a5a;
 
@@ -118,7 +119,7 @@ fn crash(target: &Target, index: u64, input: &[u8], what: &str) -> ! {
 }
 
 /// Feeds `target` `inputs` inputs; panics on the first that breaks it. A target with no corpus yet gets its
-/// seeds written as one.
+/// seeds written as one. Crash files stay in the corpus (inputs that once broke a decoder are good bases).
 pub(crate) fn run(target: &Target, inputs: u64) -> Report {
     for (i, seed) in target.seeds.iter().enumerate() {
         assert!((target.decode)(seed), "fuzz {}: seed {i} does not decode: {}", target.name, hex(seed));
@@ -128,7 +129,7 @@ pub(crate) fn run(target: &Target, inputs: u64) -> Report {
         save_corpus(target.name, &target.seeds, &[]);
     }
     let mut bases = target.seeds.clone();
-    bases.extend(stored.into_iter().filter(|(file, _)| !file.starts_with("crash-")).map(|(_, bytes)| bytes));
+    bases.extend(stored.into_iter().map(|(_, bytes)| bytes));
     let known: HashSet<u64> = bases.iter().map(|b| digest(b)).collect();
 
     let watchdog = Watchdog::start(HANG_LIMIT);

@@ -319,6 +319,20 @@ mod tests {
         assert!(matches!(delete_answer(&mut &[7u8][..]), Err(Failure::Framing(what)) if what == "unknown status 7"));
     }
 
+    /// Found by the fuzzer (tests/fuzz_corpus/store_answers/crash-4c3f197fbbbe1d0c.bin): an answer to a get
+    /// declaring a value of 33,619,967 bytes made the client set them all aside before they came; now a
+    /// value's memory grows as its bytes arrive.
+    #[test]
+    fn a_declared_value_costs_memory_only_as_it_arrives() {
+        let answer = [
+            0x00, 0x02, 0x00, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xf9, 0x02, 0x00, 0xff, 0xff, 0xff, 0xff, 0xff,
+            0xff, 0xff, 0xf9,
+        ];
+        let (read, held) = fuzz::measure(|| get_answer(&mut &answer[..]));
+        assert!(matches!(read, Err(Failure::Io(e)) if e.kind() == io::ErrorKind::UnexpectedEof));
+        assert!(held <= fuzz::allowance(answer.len()), "held {held} bytes for a {}-byte answer", answer.len());
+    }
+
     #[test]
     fn connect_waits_for_a_late_server() {
         let port = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap().local_addr().unwrap().port();

@@ -379,6 +379,17 @@ mod tests {
         assert!(err.to_string().contains("unknown operation 9"), "{err}");
     }
 
+    /// Found by the fuzzer (tests/fuzz_corpus/store_requests/crash-ad775a0733a0ab27.bin): a set declaring a
+    /// value of 262,149 bytes and sending 5 made the server set all 262,149 aside before they came (up to
+    /// 64 MiB per request); now a value's memory grows as its bytes arrive.
+    #[test]
+    fn a_declared_value_costs_memory_only_as_it_arrives() {
+        let input = [0x01, 0x00, 0x00, 0x00, 0x04, 0x00, 0x05, 0x63, 0x01, 0x75, 0x6e, 0x74];
+        let (read, held) = fuzz::measure(|| fuzz::ready(read_request(&mut &input[..])));
+        assert_eq!(read.unwrap_err().kind(), io::ErrorKind::UnexpectedEof);
+        assert!(held <= fuzz::allowance(input.len()), "held {held} bytes for a {}-byte request", input.len());
+    }
+
     #[test]
     fn failure_messages_are_framed() {
         assert_eq!(failure("no"), vec![STATUS_FAILED, 0, 2, b'n', b'o']);
