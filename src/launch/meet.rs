@@ -551,6 +551,44 @@ pub fn launcher(config: &Config) -> Option<Launcher> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::protocol::fuzz::{self, Target};
+
+    /// Decodes an offer; one that decodes must encode to one that decodes the same.
+    fn offer_decodes_stably(bytes: &[u8]) -> bool {
+        match Offer::decode(bytes) {
+            Ok(offer) => {
+                assert_eq!(Offer::decode(&offer.encode()).unwrap(), offer);
+                true
+            }
+            Err(err) => {
+                assert!(err.to_string().contains("rank 0"), "{err}");
+                false
+            }
+        }
+    }
+
+    fn offer_target() -> Target {
+        let offer = |addrs: &[&str], port, secret: &[u8]| {
+            Offer { addrs: addrs.iter().map(|a| a.to_string()).collect(), port, secret: secret.to_vec() }.encode()
+        };
+        let seeds = vec![
+            offer(&["10.0.0.1", "node1"], 4000, &[1, 2, 3]),
+            offer(&["::1"], 65535, &[0xff; 32]),
+            offer(&["h"], 1, &[0]),
+        ];
+        Target { name: "mpi_offer", seeds, decode: offer_decodes_stably }
+    }
+
+    #[test]
+    fn fuzz_short_mpi_offer() {
+        fuzz::run(&offer_target(), fuzz::SHORT_RUN);
+    }
+
+    #[test]
+    #[ignore = "long fuzz run: see docs/fuzzing.md"]
+    fn fuzz_long_mpi_offer() {
+        fuzz::run(&offer_target(), fuzz::LONG_RUN);
+    }
 
     #[test]
     fn offers_round_trip_and_reject_garbage() {

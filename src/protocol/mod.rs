@@ -7,9 +7,12 @@
 //! - [`codec`]: their versioned binary wire format, decoded defensively.
 //! - [`bitset`]: compact sets of response-cache bits, ANDed and ORed across ranks.
 //! - [`tuned`]: the knob values rank 0 announces in its round header.
+//! - `fuzz` (unit tests only): the mutation fuzzer every decoder of a peer's bytes runs under.
 
 pub mod bitset;
 pub mod codec;
+#[cfg(test)]
+pub(crate) mod fuzz;
 pub mod message;
 pub mod round;
 pub mod tuned;

@@ -217,7 +217,9 @@ mod tests {
     use super::*;
     use crate::protocol::codec::tests::{arb_request, arb_response};
     use crate::protocol::codec::{PROTOCOL_VERSION, WIRE_MAGIC};
+    use crate::protocol::fuzz::{self, Target};
     use proptest::prelude::*;
+    use proptest::strategy::ValueTree;
 
     fn arb_bitset() -> impl Strategy<Value = BitSet> {
         prop::collection::vec(0usize..300, 0..20).prop_map(|bits| bits.into_iter().collect())
@@ -381,6 +383,86 @@ mod tests {
             ResponseList::from_bytes(&w.into_bytes()),
             Err(DecodeError::LengthOverLimit { declared: u64::MAX, .. })
         ));
+    }
+
+    /// `count` values of `strategy`, the same every run.
+    fn samples<T: std::fmt::Debug>(strategy: impl Strategy<Value = T>, count: usize) -> Vec<T> {
+        let mut runner = proptest::test_runner::TestRunner::deterministic();
+        (0..count).map(|_| strategy.new_tree(&mut runner).unwrap().current()).collect()
+    }
+
+    /// Decodes a framed message; what decodes must encode to bytes that decode to the same encoding.
+    fn decodes_stably<M: WireMessage>(bytes: &[u8]) -> bool {
+        match M::from_bytes(bytes) {
+            Ok(message) => {
+                let encoded = message.to_bytes();
+                let again = M::from_bytes(&encoded).expect("a decoded message, encoded again, decodes");
+                assert_eq!(again.to_bytes(), encoded, "a decoded message encodes differently after a round trip");
+                true
+            }
+            Err(err) => {
+                assert!(!err.to_string().is_empty());
+                false
+            }
+        }
+    }
+
+    fn round_header_target() -> Target {
+        let mut seeds: Vec<Vec<u8>> = samples(arb_header(), 12).iter().map(RoundHeader::to_bytes).collect();
+        seeds.push(RoundHeader::default().to_bytes());
+        // What the fast lane sends: single-hit headers (coordinator::negotiation::frame_single_hit, unframed).
+        for (bit, data) in [(0, None), (5, Some(&[1u8, 2, 3, 4][..])), (130, Some(&[9u8; 16][..]))] {
+            let mut w = WireWriter::new();
+            RoundHeader::put_head(&mut w);
+            RoundHeader::encode_single_hit(&mut w, bit, data);
+            seeds.push(w.into_bytes());
+        }
+        Target { name: "round_header", seeds, decode: decodes_stably::<RoundHeader> }
+    }
+
+    fn request_list_target() -> Target {
+        let mut seeds: Vec<Vec<u8>> = samples(arb_request_list(), 12).iter().map(RequestList::to_bytes).collect();
+        seeds.push(RequestList::default().to_bytes());
+        Target { name: "request_list", seeds, decode: decodes_stably::<RequestList> }
+    }
+
+    fn response_list_target() -> Target {
+        let mut seeds: Vec<Vec<u8>> = samples(arb_response_list(), 12).iter().map(ResponseList::to_bytes).collect();
+        seeds.push(ResponseList::default().to_bytes());
+        Target { name: "response_list", seeds, decode: decodes_stably::<ResponseList> }
+    }
+
+    #[test]
+    fn fuzz_short_round_header() {
+        fuzz::run(&round_header_target(), fuzz::SHORT_RUN);
+    }
+
+    #[test]
+    fn fuzz_short_request_list() {
+        fuzz::run(&request_list_target(), fuzz::SHORT_RUN);
+    }
+
+    #[test]
+    fn fuzz_short_response_list() {
+        fuzz::run(&response_list_target(), fuzz::SHORT_RUN);
+    }
+
+    #[test]
+    #[ignore = "long fuzz run: see docs/fuzzing.md"]
+    fn fuzz_long_round_header() {
+        fuzz::run(&round_header_target(), fuzz::LONG_RUN);
+    }
+
+    #[test]
+    #[ignore = "long fuzz run: see docs/fuzzing.md"]
+    fn fuzz_long_request_list() {
+        fuzz::run(&request_list_target(), fuzz::LONG_RUN);
+    }
+
+    #[test]
+    #[ignore = "long fuzz run: see docs/fuzzing.md"]
+    fn fuzz_long_response_list() {
+        fuzz::run(&response_list_target(), fuzz::LONG_RUN);
     }
 
     #[test]

@@ -402,6 +402,7 @@ pub async fn accept_async<S: AsyncRead + AsyncWrite + Unpin>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::protocol::fuzz::{self, Target};
     use std::net::TcpListener;
     use std::thread;
 
@@ -474,6 +475,67 @@ mod tests {
             ConnectorSide::start(b"k", Purpose::Store, &[0; MAX_CLAIM_LEN + 1]),
             Err(HandshakeError::ClaimTooLong(_))
         ));
+    }
+
+    /// The acceptor fed `bytes` as everything the connector sends; true when it got as far as the proof.
+    fn acceptor_reads(bytes: &[u8]) -> bool {
+        let accepted = fuzz::ready(accept_async(&mut fuzz::Scripted(bytes), b"k", Purpose::Store, |_| true));
+        matches!(accepted, Ok(_) | Err(HandshakeError::BadProof))
+    }
+
+    /// The connector's steps (as `connect` takes them) fed `bytes` as the acceptor's challenge and verdict;
+    /// true when it took the challenge.
+    fn connector_reads(bytes: &[u8]) -> bool {
+        let (mut side, _hello) = ConnectorSide::start(b"k", Purpose::Store, b"claim").unwrap();
+        let Some((challenge, rest)) = bytes.split_first_chunk::<CHALLENGE_LEN>() else { return false };
+        if side.on_challenge(challenge).is_err() {
+            return false;
+        }
+        if let Some(verdict) = rest.first_chunk::<VERDICT_LEN>() {
+            assert!(side.on_verdict(verdict).is_err(), "a verdict made without the secret was taken");
+        }
+        true
+    }
+
+    fn acceptor_target() -> Target {
+        let seeds = [&b""[..], b"rank 3", &[7u8; MAX_CLAIM_LEN]]
+            .iter()
+            .map(|claim| {
+                let (_, mut hello) = ConnectorSide::start(b"k", Purpose::Store, claim).unwrap();
+                hello[PREAMBLE_LEN..PREAMBLE_LEN + NONCE_LEN].fill(0x11); // the same seed every run
+                hello.extend_from_slice(&[0x5a; MAC_LEN]);
+                hello
+            })
+            .collect();
+        Target { name: "handshake_acceptor", seeds, decode: acceptor_reads }
+    }
+
+    fn connector_target() -> Target {
+        let mut seed = preamble_and_nonce(Purpose::Store, &[3; NONCE_LEN]);
+        seed.extend_from_slice(&[0xa5; VERDICT_LEN]);
+        Target { name: "handshake_connector", seeds: vec![seed], decode: connector_reads }
+    }
+
+    #[test]
+    fn fuzz_short_handshake_acceptor() {
+        fuzz::run(&acceptor_target(), fuzz::SHORT_RUN);
+    }
+
+    #[test]
+    fn fuzz_short_handshake_connector() {
+        fuzz::run(&connector_target(), fuzz::SHORT_RUN);
+    }
+
+    #[test]
+    #[ignore = "long fuzz run: see docs/fuzzing.md"]
+    fn fuzz_long_handshake_acceptor() {
+        fuzz::run(&acceptor_target(), fuzz::LONG_RUN);
+    }
+
+    #[test]
+    #[ignore = "long fuzz run: see docs/fuzzing.md"]
+    fn fuzz_long_handshake_connector() {
+        fuzz::run(&connector_target(), fuzz::LONG_RUN);
     }
 
     #[test]

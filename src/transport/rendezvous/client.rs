@@ -7,7 +7,9 @@ use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
-use super::wire::{request_header, Op, MAX_KEY_LEN, MAX_VALUE_LEN, STATUS_FAILED, STATUS_MISSING, STATUS_OK};
+use super::wire::{
+    read_arriving, request_header, Op, MAX_KEY_LEN, MAX_VALUE_LEN, STATUS_FAILED, STATUS_MISSING, STATUS_OK,
+};
 use crate::transport::handshake::{self, Purpose};
 use crate::transport::TransportError;
 
@@ -63,10 +65,7 @@ impl StoreClient {
         let mut request = request_header(Op::Set, key.as_bytes(), 4 + value.len());
         request.extend_from_slice(&(value.len() as u32).to_be_bytes());
         request.extend_from_slice(value);
-        self.round_trip("set", key, &request, Duration::ZERO, |client| match client.read_u8()? {
-            STATUS_OK => Ok(()),
-            status => client.failure_or_unknown(status),
-        })
+        self.round_trip("set", key, &request, Duration::ZERO, set_answer)
     }
 
     /// Returns the value of `key`, waiting up to `timeout` for some client to set it.
@@ -127,20 +126,7 @@ impl StoreClient {
         let wait_ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
         let mut request = request_header(Op::Get, key.as_bytes(), 8);
         request.extend_from_slice(&wait_ms.to_be_bytes());
-        let value = self.round_trip("get", key, &request, timeout, |client| match client.read_u8()? {
-            STATUS_OK => {
-                let len = client.read_u32()? as usize;
-                if len > MAX_VALUE_LEN {
-                    return Err(Failure::Framing(format!("a value of {len} bytes")));
-                }
-                let mut value = vec![0u8; len];
-                client.stream.read_exact(&mut value)?;
-                Ok(Some(value))
-            }
-            STATUS_MISSING => Ok(None),
-            status => client.failure_or_unknown(status),
-        })?;
-        Ok(value)
+        self.round_trip("get", key, &request, timeout, get_answer)
     }
 
     /// Adds `delta` to the integer counter at `key` (a missing key counts as 0) and returns the new value.
@@ -148,24 +134,14 @@ impl StoreClient {
         check_key(key)?;
         let mut request = request_header(Op::Add, key.as_bytes(), 8);
         request.extend_from_slice(&delta.to_be_bytes());
-        self.round_trip("add", key, &request, Duration::ZERO, |client| match client.read_u8()? {
-            STATUS_OK => {
-                let mut bytes = [0u8; 8];
-                client.stream.read_exact(&mut bytes)?;
-                Ok(i64::from_be_bytes(bytes))
-            }
-            status => client.failure_or_unknown(status),
-        })
+        self.round_trip("add", key, &request, Duration::ZERO, add_answer)
     }
 
     /// Removes `key`; returns whether it existed.
     pub fn delete(&mut self, key: &str) -> Result<bool, TransportError> {
         check_key(key)?;
         let request = request_header(Op::Delete, key.as_bytes(), 0);
-        self.round_trip("delete", key, &request, Duration::ZERO, |client| match client.read_u8()? {
-            STATUS_OK => Ok(client.read_u8()? != 0),
-            status => client.failure_or_unknown(status),
-        })
+        self.round_trip("delete", key, &request, Duration::ZERO, delete_answer)
     }
 
     /// Sends `request` and reads its answer with `read_answer`, allowing `extra_wait` beyond the usual
@@ -176,9 +152,9 @@ impl StoreClient {
         key: &str,
         request: &[u8],
         extra_wait: Duration,
-        read_answer: impl FnOnce(&mut Self) -> Result<T, Failure>,
+        read_answer: impl FnOnce(&mut TcpStream) -> Result<T, Failure>,
     ) -> Result<T, TransportError> {
-        let answer = self.send_request(request, extra_wait).and_then(|()| read_answer(self));
+        let answer = self.send_request(request, extra_wait).and_then(|()| read_answer(&mut self.stream));
         answer.map_err(|failure| {
             let detail = match failure {
                 Failure::Io(err) if matches!(err.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
@@ -201,30 +177,63 @@ impl StoreClient {
         self.stream.write_all(request)?;
         Ok(())
     }
+}
 
-    fn read_u8(&mut self) -> Result<u8, Failure> {
-        let mut byte = [0u8; 1];
-        self.stream.read_exact(&mut byte)?;
-        Ok(byte[0])
+// The store's answers to each operation, read from `stream` (the client's connection; any bytes in tests).
+
+fn set_answer(stream: &mut impl Read) -> Result<(), Failure> {
+    match read_u8(stream)? {
+        STATUS_OK => Ok(()),
+        status => failure_or_unknown(stream, status),
     }
+}
 
-    fn read_u32(&mut self) -> Result<u32, Failure> {
-        let mut bytes = [0u8; 4];
-        self.stream.read_exact(&mut bytes)?;
-        Ok(u32::from_be_bytes(bytes))
-    }
-
-    /// Reads the message of a FAILED answer, or reports an unknown status.
-    fn failure_or_unknown<T>(&mut self, status: u8) -> Result<T, Failure> {
-        if status != STATUS_FAILED {
-            return Err(Failure::Framing(format!("unknown status {status}")));
+fn get_answer(stream: &mut impl Read) -> Result<Option<Vec<u8>>, Failure> {
+    match read_u8(stream)? {
+        STATUS_OK => {
+            let len = u32::from_be_bytes(read_array(stream)?) as usize;
+            if len > MAX_VALUE_LEN {
+                return Err(Failure::Framing(format!("a value of {len} bytes")));
+            }
+            Ok(Some(read_arriving(stream, len)?))
         }
-        let mut len = [0u8; 2];
-        self.stream.read_exact(&mut len)?;
-        let mut message = vec![0u8; u16::from_be_bytes(len) as usize];
-        self.stream.read_exact(&mut message)?;
-        Err(Failure::Refused(String::from_utf8_lossy(&message).into_owned()))
+        STATUS_MISSING => Ok(None),
+        status => failure_or_unknown(stream, status),
     }
+}
+
+fn add_answer(stream: &mut impl Read) -> Result<i64, Failure> {
+    match read_u8(stream)? {
+        STATUS_OK => Ok(i64::from_be_bytes(read_array(stream)?)),
+        status => failure_or_unknown(stream, status),
+    }
+}
+
+fn delete_answer(stream: &mut impl Read) -> Result<bool, Failure> {
+    match read_u8(stream)? {
+        STATUS_OK => Ok(read_u8(stream)? != 0),
+        status => failure_or_unknown(stream, status),
+    }
+}
+
+fn read_array<const N: usize>(stream: &mut impl Read) -> Result<[u8; N], Failure> {
+    let mut bytes = [0u8; N];
+    stream.read_exact(&mut bytes)?;
+    Ok(bytes)
+}
+
+fn read_u8(stream: &mut impl Read) -> Result<u8, Failure> {
+    Ok(read_array::<1>(stream)?[0])
+}
+
+/// Reads the message of a FAILED answer, or reports an unknown status.
+fn failure_or_unknown<T>(stream: &mut impl Read, status: u8) -> Result<T, Failure> {
+    if status != STATUS_FAILED {
+        return Err(Failure::Framing(format!("unknown status {status}")));
+    }
+    let len = u16::from_be_bytes(read_array(stream)?) as usize;
+    let message = read_arriving(stream, len)?;
+    Err(Failure::Refused(String::from_utf8_lossy(&message).into_owned()))
 }
 
 /// Why one request failed, before it is put into words.
@@ -253,8 +262,76 @@ fn check_key(key: &str) -> Result<(), TransportError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::protocol::fuzz::{self, Target};
     use crate::transport::rendezvous::RendezvousServer;
     use std::net::{Ipv4Addr, TcpListener};
+
+    /// Reads `bytes[1..]` as the answer to the operation `bytes[0]` picks; true when it is well framed.
+    fn client_reads(bytes: &[u8]) -> bool {
+        let Some((&op, mut answer)) = bytes.split_first() else { return false };
+        let stream = &mut answer;
+        let read = match op % 4 {
+            0 => set_answer(stream),
+            1 => get_answer(stream).map(drop),
+            2 => add_answer(stream).map(drop),
+            _ => delete_answer(stream).map(drop),
+        };
+        matches!(read, Ok(()) | Err(Failure::Refused(_)))
+    }
+
+    fn answers_target() -> Target {
+        let value = b"10.0.0.1:4000";
+        let seeds = vec![
+            vec![0, STATUS_OK],
+            [&[1, STATUS_OK][..], &(value.len() as u32).to_be_bytes(), value].concat(),
+            [&[1, STATUS_OK][..], &0u32.to_be_bytes()].concat(),
+            vec![1, STATUS_MISSING],
+            [&[2, STATUS_OK][..], &(-7i64).to_be_bytes()].concat(),
+            vec![3, STATUS_OK, 1],
+            [&[2, STATUS_FAILED][..], &9u16.to_be_bytes(), b"not a num"].concat(),
+        ];
+        Target { name: "store_answers", seeds, decode: client_reads }
+    }
+
+    #[test]
+    fn fuzz_short_store_answers() {
+        fuzz::run(&answers_target(), fuzz::SHORT_RUN);
+    }
+
+    #[test]
+    #[ignore = "long fuzz run: see docs/fuzzing.md"]
+    fn fuzz_long_store_answers() {
+        fuzz::run(&answers_target(), fuzz::LONG_RUN);
+    }
+
+    #[test]
+    fn answers_are_read_as_framed_and_a_huge_value_costs_nothing_before_it_comes() {
+        let answer = [&[STATUS_OK][..], &3u32.to_be_bytes(), b"abc"].concat();
+        assert_eq!(get_answer(&mut &answer[..]).ok(), Some(Some(b"abc".to_vec())));
+        let declared = [&[STATUS_OK][..], &(MAX_VALUE_LEN as u32).to_be_bytes()].concat();
+        assert!(
+            matches!(get_answer(&mut &declared[..]), Err(Failure::Io(e)) if e.kind() == io::ErrorKind::UnexpectedEof)
+        );
+        let over = [&[STATUS_OK][..], &(MAX_VALUE_LEN as u32 + 1).to_be_bytes()].concat();
+        assert!(matches!(get_answer(&mut &over[..]), Err(Failure::Framing(what)) if what.contains("bytes")));
+        let refused = [&[STATUS_FAILED][..], &2u16.to_be_bytes(), b"no"].concat();
+        assert!(matches!(add_answer(&mut &refused[..]), Err(Failure::Refused(message)) if message == "no"));
+        assert!(matches!(delete_answer(&mut &[7u8][..]), Err(Failure::Framing(what)) if what == "unknown status 7"));
+    }
+
+    /// Found by the fuzzer (tests/fuzz_corpus/store_answers/crash-4c3f197fbbbe1d0c.bin): an answer to a get
+    /// declaring a value of 33,619,967 bytes made the client set them all aside before they came; now a
+    /// value's memory grows as its bytes arrive.
+    #[test]
+    fn a_declared_value_costs_memory_only_as_it_arrives() {
+        let answer = [
+            0x00, 0x02, 0x00, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xf9, 0x02, 0x00, 0xff, 0xff, 0xff, 0xff, 0xff,
+            0xff, 0xff, 0xf9,
+        ];
+        let (read, held) = fuzz::measure(|| get_answer(&mut &answer[..]));
+        assert!(matches!(read, Err(Failure::Io(e)) if e.kind() == io::ErrorKind::UnexpectedEof));
+        assert!(held <= fuzz::allowance(answer.len()), "held {held} bytes for a {}-byte answer", answer.len());
+    }
 
     #[test]
     fn connect_waits_for_a_late_server() {

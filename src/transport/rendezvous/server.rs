@@ -12,11 +12,11 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{oneshot, Notify};
 
-use super::wire::{Op, MAX_KEY_LEN, MAX_VALUE_LEN, STATUS_FAILED, STATUS_MISSING, STATUS_OK};
+use super::wire::{read_arriving_async, Op, MAX_KEY_LEN, MAX_VALUE_LEN, STATUS_FAILED, STATUS_MISSING, STATUS_OK};
 use crate::transport::dropped_connections::DropLog;
 use crate::transport::handshake::{self, Purpose};
 
@@ -195,54 +195,67 @@ fn invalid(detail: String) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, detail)
 }
 
+/// One request as a client framed it (see [`super::wire`]).
+#[derive(Debug, PartialEq)]
+enum Request {
+    Set { key: Vec<u8>, value: Vec<u8> },
+    Get { key: Vec<u8>, wait: Duration },
+    Add { key: Vec<u8>, delta: i64 },
+    Delete { key: Vec<u8> },
+}
+
+/// Reads a client's next request; an error (the end of the stream included) ends the connection.
+async fn read_request<R: AsyncRead + Unpin>(stream: &mut R) -> io::Result<Request> {
+    let code = stream.read_u8().await?;
+    let op = Op::from_code(code).ok_or_else(|| invalid(format!("unknown operation {code}")))?;
+    let key_len = stream.read_u16().await? as usize;
+    if key_len > MAX_KEY_LEN {
+        return Err(invalid(format!("key of {key_len} bytes, the limit is {MAX_KEY_LEN}")));
+    }
+    let mut key = vec![0u8; key_len];
+    stream.read_exact(&mut key).await?;
+    Ok(match op {
+        Op::Set => {
+            let value_len = stream.read_u32().await? as usize;
+            if value_len > MAX_VALUE_LEN {
+                return Err(invalid(format!("value of {value_len} bytes, the limit is {MAX_VALUE_LEN}")));
+            }
+            Request::Set { key, value: read_arriving_async(stream, value_len).await? }
+        }
+        Op::Get => Request::Get { key, wait: Duration::from_millis(stream.read_u64().await?).min(MAX_GET_WAIT) },
+        Op::Add => Request::Add { key, delta: stream.read_i64().await? },
+        Op::Delete => Request::Delete { key },
+    })
+}
+
 /// Serves one authenticated client until it hangs up or breaks the framing.
 async fn answer_requests(stream: &mut BufReader<TcpStream>, store: &Store) -> io::Result<()> {
     loop {
-        let code = stream.read_u8().await?;
-        let op = Op::from_code(code).ok_or_else(|| invalid(format!("unknown operation {code}")))?;
-        let key_len = stream.read_u16().await? as usize;
-        if key_len > MAX_KEY_LEN {
-            return Err(invalid(format!("key of {key_len} bytes, the limit is {MAX_KEY_LEN}")));
-        }
-        let mut key = vec![0u8; key_len];
-        stream.read_exact(&mut key).await?;
-        let response = match op {
-            Op::Set => {
-                let value_len = stream.read_u32().await? as usize;
-                if value_len > MAX_VALUE_LEN {
-                    return Err(invalid(format!("value of {value_len} bytes, the limit is {MAX_VALUE_LEN}")));
-                }
-                let mut value = vec![0u8; value_len];
-                stream.read_exact(&mut value).await?;
+        let response = match read_request(stream).await? {
+            Request::Set { key, value } => {
                 store.set(key, value);
                 vec![STATUS_OK]
             }
-            Op::Get => {
-                let wait = Duration::from_millis(stream.read_u64().await?).min(MAX_GET_WAIT);
-                match store.get(&key, wait).await {
-                    Some(value) => {
-                        let mut response = Vec::with_capacity(5 + value.len());
-                        response.push(STATUS_OK);
-                        // Stored values passed the MAX_VALUE_LEN check (counters are short), so they fit in u32.
-                        response.extend_from_slice(&(value.len() as u32).to_be_bytes());
-                        response.extend_from_slice(&value);
-                        response
-                    }
-                    None => vec![STATUS_MISSING],
+            Request::Get { key, wait } => match store.get(&key, wait).await {
+                Some(value) => {
+                    let mut response = Vec::with_capacity(5 + value.len());
+                    response.push(STATUS_OK);
+                    // Stored values passed the MAX_VALUE_LEN check (counters are short), so they fit in u32.
+                    response.extend_from_slice(&(value.len() as u32).to_be_bytes());
+                    response.extend_from_slice(&value);
+                    response
                 }
-            }
-            Op::Add => {
-                let delta = stream.read_i64().await?;
-                match store.add(key, delta) {
-                    Ok(updated) => {
-                        let mut response = vec![STATUS_OK];
-                        response.extend_from_slice(&updated.to_be_bytes());
-                        response
-                    }
-                    Err(message) => failure(&message),
+                None => vec![STATUS_MISSING],
+            },
+            Request::Add { key, delta } => match store.add(key, delta) {
+                Ok(updated) => {
+                    let mut response = vec![STATUS_OK];
+                    response.extend_from_slice(&updated.to_be_bytes());
+                    response
                 }
-            }
-            Op::Delete => vec![STATUS_OK, u8::from(store.delete(&key))],
+                Err(message) => failure(&message),
+            },
+            Request::Delete { key } => vec![STATUS_OK, u8::from(store.delete(&key))],
         };
         stream.write_all(&response).await?;
     }
@@ -259,7 +272,9 @@ fn failure(message: &str) -> Vec<u8> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::wire::request_header;
     use super::*;
+    use crate::protocol::fuzz::{self, Target};
 
     fn block_on<F: std::future::Future>(future: F) -> F::Output {
         tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(future)
@@ -291,6 +306,88 @@ mod tests {
         });
         assert_eq!(value.as_deref(), Some(&b"v"[..]));
         assert_eq!(block_on(store.get(b"absent", Duration::from_millis(20))), None);
+    }
+
+    /// Reads requests from `bytes` until they end; true when it read at least one and ended between two.
+    fn server_reads(bytes: &[u8]) -> bool {
+        let mut stream = bytes;
+        let mut requests = 0;
+        loop {
+            match fuzz::ready(read_request(&mut stream)) {
+                Ok(_) => requests += 1,
+                Err(err) => return requests > 0 && stream.is_empty() && err.kind() == io::ErrorKind::UnexpectedEof,
+            }
+        }
+    }
+
+    fn requests_target() -> Target {
+        let set = |key: &[u8], value: &[u8]| {
+            let mut request = request_header(Op::Set, key, 4 + value.len());
+            request.extend_from_slice(&(value.len() as u32).to_be_bytes());
+            request.extend_from_slice(value);
+            request
+        };
+        let with = |op, key: &[u8], body: &[u8]| [request_header(op, key, body.len()), body.to_vec()].concat();
+        let requests = [
+            set(b"rank/0/addr", b"10.0.0.1:4000"),
+            set(b"", b""),
+            with(Op::Get, b"rank/1/addr", &5000u64.to_be_bytes()),
+            with(Op::Add, b"count", &(-3i64).to_be_bytes()),
+            with(Op::Delete, b"count", b""),
+        ];
+        let mut seeds: Vec<Vec<u8>> = requests.to_vec();
+        seeds.push(requests.concat());
+        Target { name: "store_requests", seeds, decode: server_reads }
+    }
+
+    #[test]
+    fn fuzz_short_store_requests() {
+        fuzz::run(&requests_target(), fuzz::SHORT_RUN);
+    }
+
+    #[test]
+    #[ignore = "long fuzz run: see docs/fuzzing.md"]
+    fn fuzz_long_store_requests() {
+        fuzz::run(&requests_target(), fuzz::LONG_RUN);
+    }
+
+    #[test]
+    fn requests_are_read_as_framed_and_a_huge_value_costs_nothing_before_it_comes() {
+        let mut set = request_header(Op::Set, b"k", 4);
+        set.extend_from_slice(&3u32.to_be_bytes());
+        set.extend_from_slice(b"abc");
+        assert_eq!(
+            fuzz::ready(read_request(&mut &set[..])).unwrap(),
+            Request::Set { key: b"k".to_vec(), value: b"abc".to_vec() }
+        );
+        // A value declared at the limit but never sent: an early end, not 64 MiB set aside.
+        let mut huge = request_header(Op::Set, b"k", 4);
+        huge.extend_from_slice(&(MAX_VALUE_LEN as u32).to_be_bytes());
+        let err = fuzz::ready(read_request(&mut &huge[..])).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::UnexpectedEof);
+        let mut over = request_header(Op::Set, b"k", 4);
+        over.extend_from_slice(&(MAX_VALUE_LEN as u32 + 1).to_be_bytes());
+        let err = fuzz::ready(read_request(&mut &over[..])).unwrap_err();
+        assert!(err.to_string().contains("limit"), "{err}");
+        let mut get = request_header(Op::Get, b"k", 8);
+        get.extend_from_slice(&u64::MAX.to_be_bytes());
+        assert_eq!(
+            fuzz::ready(read_request(&mut &get[..])).unwrap(),
+            Request::Get { key: b"k".to_vec(), wait: MAX_GET_WAIT }
+        );
+        let err = fuzz::ready(read_request(&mut &[9u8, 0, 0][..])).unwrap_err();
+        assert!(err.to_string().contains("unknown operation 9"), "{err}");
+    }
+
+    /// Found by the fuzzer (tests/fuzz_corpus/store_requests/crash-ad775a0733a0ab27.bin): a set declaring a
+    /// value of 262,149 bytes and sending 5 made the server set all 262,149 aside before they came (up to
+    /// 64 MiB per request); now a value's memory grows as its bytes arrive.
+    #[test]
+    fn a_declared_value_costs_memory_only_as_it_arrives() {
+        let input = [0x01, 0x00, 0x00, 0x00, 0x04, 0x00, 0x05, 0x63, 0x01, 0x75, 0x6e, 0x74];
+        let (read, held) = fuzz::measure(|| fuzz::ready(read_request(&mut &input[..])));
+        assert_eq!(read.unwrap_err().kind(), io::ErrorKind::UnexpectedEof);
+        assert!(held <= fuzz::allowance(input.len()), "held {held} bytes for a {}-byte request", input.len());
     }
 
     #[test]

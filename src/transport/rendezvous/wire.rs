@@ -16,7 +16,13 @@
 //! ```
 //!
 //! Keys are at most [`MAX_KEY_LEN`] bytes and values at most [`MAX_VALUE_LEN`]; either side treats a larger
-//! length, an unknown op or an unknown status as a broken connection.
+//! length, an unknown op or an unknown status as a broken connection. Values and messages are read as their
+//! bytes arrive ([`read_arriving`], [`read_arriving_async`]): a declared length costs memory only once the
+//! bytes have come.
+
+use std::io::{self, Read};
+
+use tokio::io::{AsyncRead, AsyncReadExt};
 
 /// Longest key, in bytes.
 pub const MAX_KEY_LEN: usize = 4 * 1024;
@@ -56,4 +62,28 @@ pub fn request_header(op: Op, key: &[u8], body_len: usize) -> Vec<u8> {
     out.extend_from_slice(&(key.len() as u16).to_be_bytes());
     out.extend_from_slice(key);
     out
+}
+
+/// Memory set aside for a value before its bytes arrive; a larger one grows as they come.
+const RESERVED: usize = 16 * 1024;
+
+/// The `len` bytes that come next on `stream`, or [`io::ErrorKind::UnexpectedEof`] if it ends first.
+pub fn read_arriving(stream: &mut impl Read, len: usize) -> io::Result<Vec<u8>> {
+    let mut bytes = Vec::with_capacity(len.min(RESERVED));
+    stream.take(len as u64).read_to_end(&mut bytes)?;
+    whole(bytes, len)
+}
+
+/// [`read_arriving`] for a tokio stream.
+pub async fn read_arriving_async<R: AsyncRead + Unpin>(stream: &mut R, len: usize) -> io::Result<Vec<u8>> {
+    let mut bytes = Vec::with_capacity(len.min(RESERVED));
+    stream.take(len as u64).read_to_end(&mut bytes).await?;
+    whole(bytes, len)
+}
+
+fn whole(bytes: Vec<u8>, len: usize) -> io::Result<Vec<u8>> {
+    if bytes.len() < len {
+        return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "early eof"));
+    }
+    Ok(bytes)
 }

@@ -298,6 +298,32 @@ impl HandshakeJob {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::protocol::fuzz::{self, Target};
+
+    fn claim_reads(bytes: &[u8]) -> bool {
+        match claimed_rank(bytes, "world", 1, 4) {
+            Some(rank) => {
+                assert!((2..4).contains(&rank));
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn claim_target() -> Target {
+        Target { name: "mesh_claim", seeds: vec![mesh_claim(3, "world"), mesh_claim(2, "world")], decode: claim_reads }
+    }
+
+    #[test]
+    fn fuzz_short_mesh_claim() {
+        fuzz::run(&claim_target(), fuzz::SHORT_RUN);
+    }
+
+    #[test]
+    #[ignore = "long fuzz run: see docs/fuzzing.md"]
+    fn fuzz_long_mesh_claim() {
+        fuzz::run(&claim_target(), fuzz::LONG_RUN);
+    }
 
     #[test]
     fn claims_round_trip_and_reject_strangers() {
