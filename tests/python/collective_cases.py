@@ -16,6 +16,7 @@ Importing this module imports no framework.
 
 from __future__ import annotations
 
+import importlib.metadata
 from dataclasses import dataclass
 
 OPS = ("sum", "average", "min", "max", "product")
@@ -23,6 +24,16 @@ SCATTER_OPS = ("sum", "average")  # Horovod's reducescatter takes Sum and Averag
 FLOAT_SCALES = ((0.5, 4.0), (4.0, 0.25))
 # Integer results stay exact: the factors are whole numbers.
 INT_SCALES = ((2.0, 1.0), (3.0, 1.0), (1.0, 3.0))
+
+
+def _torch_has_uint16() -> bool:
+    """Whether the installed PyTorch has torch.uint16 (2.3 and later), read from its distribution's version
+    so that no framework is imported; True where PyTorch is not installed."""
+    try:
+        major, minor = importlib.metadata.version("torch").split(".")[:2]
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return True
+    return (int(major), int(minor)) >= (2, 3)
 
 
 @dataclass(frozen=True)
@@ -62,9 +73,9 @@ FRAMEWORKS = {
         transports=("shm", "tcp"),
     ),
     "torch": Framework(
-        # torch.uint16 (PyTorch 2.3 and later) has almost no ops, but crosses to and from NumPy.
-        dtypes=("uint8", "uint16", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64",
-                "bool"),
+        # torch.uint16 (PyTorch 2.3 and later, left out before) has almost no ops, but crosses to and from NumPy.
+        dtypes=("uint8", *(("uint16",) if _torch_has_uint16() else ()), "int8", "int16", "int32", "int64", "float16",
+                "bfloat16", "float32", "float64", "bool"),
         variants=HOROVOD_API,
     ),
     "tensorflow": Framework(

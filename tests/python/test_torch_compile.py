@@ -11,7 +11,10 @@ import sys
 import pytest
 from jobs import WORKERS, assert_worker_job
 
-pytest.importorskip("torch", reason="rvod.torch needs PyTorch (pip install torch) to be tested")
+torch = pytest.importorskip("torch", reason="rvod.torch needs PyTorch (pip install torch) to be tested")
+if not hasattr(torch.library, "custom_op"):
+    pytest.skip(f"torch.compile traces rvod's ops from PyTorch 2.4 (torch.library.custom_op), this is "
+                f"{torch.__version__}; before, they break the graph and run eagerly", allow_module_level=True)
 pytest.importorskip("sklearn", reason="the training check uses scikit-learn's digits data")
 
 

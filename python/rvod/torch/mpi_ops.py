@@ -10,8 +10,9 @@ differentiable with the gradients Horovod defines:
 - reducescatter: the gradients are allgathered (times the set size for Sum) and scaled like the input.
 
 ``*_`` ops write their result into the input, ``*_async*`` ops return a handle for ``poll`` and
-``synchronize``. Waiting releases the GIL. Under ``torch.compile`` the synchronous ops put custom ops into
-the graph instead (``rvod.torch.compiled_ops``), which run these ones with these gradients.
+``synchronize``. Waiting releases the GIL. Under ``torch.compile`` (PyTorch 2.4 and later) the synchronous
+ops put custom ops into the graph instead (``rvod.torch.compiled_ops``), which run these ones with these
+gradients; with an older PyTorch they break the graph and run eagerly.
 """
 
 import torch
@@ -32,9 +33,13 @@ from rvod.torch.adapter import TorchAdapter
 from rvod.torch.compression import Compression
 
 _adapter = TorchAdapter()
-# Whether torch.compile is tracing (then the synchronous ops go through ``compiled_ops``); torch.compile
-# takes the call as the constant True, and eagerly it costs a global read.
-_compiling = torch.compiler.is_compiling
+# torch.compile traces the synchronous ops as custom ops (``compiled_ops``) from PyTorch 2.4, which has
+# ``torch.library.custom_op``. With an older PyTorch there are none: a compiled function breaks its graph at
+# an rvod op, which runs eagerly, and the ops never take the compiled path.
+TRACES_CUSTOM_OPS = hasattr(torch.library, "custom_op")
+# Whether the synchronous ops go through ``compiled_ops``: while torch.compile traces, which it takes as the
+# constant True; eagerly it costs a global read.
+_compiling = torch.compiler.is_compiling if TRACES_CUSTOM_OPS else lambda: False
 poll = _ops.poll
 synchronize = _ops.synchronize
 
@@ -481,4 +486,5 @@ def barrier(process_set=global_process_set):
     _ops.barrier(process_set)
 
 
-from rvod.torch import compiled_ops as _compiled  # noqa: E402  (its ops run the ones above)
+if TRACES_CUSTOM_OPS:
+    from rvod.torch import compiled_ops as _compiled  # noqa: E402  (its ops run the ones above)

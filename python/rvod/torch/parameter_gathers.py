@@ -27,7 +27,8 @@ _watched = weakref.WeakValueDictionary()  # id -> parameter of a sharded optimiz
 _seen = weakref.WeakSet()  # modules the forward pre-hook has looked at since the last watch()
 _hooked = weakref.WeakSet()  # modules with the state dict pre-hooks
 _installed = []
-_compiling = torch.compiler.is_compiling
+# Whether torch.compile is tracing (``torch._dynamo.is_compiling`` before PyTorch 2.3 named it).
+_compiling = getattr(torch.compiler, "is_compiling", None) or torch._dynamo.is_compiling
 
 
 def wait_all():

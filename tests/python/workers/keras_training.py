@@ -172,7 +172,7 @@ with check("backward_passes_per_step=2: local sums exchanged every second step, 
         same_on_every_rank(recorder.weights[epoch], f"aggregated.{epoch}")
         difference = max_difference(recorder.weights[epoch], expected.weights[epoch])
         assert difference < 1e-5, f"epoch {epoch}: max difference {difference}"
-    assert int(optimizer.iterations) == 2 * STEPS // 2, int(optimizer.iterations)
+    assert int(optimizer.iterations.numpy()) == 2 * STEPS // 2, int(optimizer.iterations.numpy())
 
 with check("run_eagerly, op=Sum, fp16 compression, rvod.tensorflow's DistributedOptimizer"):
     eager = make_model(0)
@@ -199,13 +199,13 @@ with check("load_model: the optimizer comes back distributed with its state, and
     loaded = hvd.load_model(path)
     assert isinstance(loaded.optimizer, _DistributedOptimizer), type(loaded.optimizer).__mro__
     assert type(loaded.optimizer).__name__ == "SGD"
-    assert int(loaded.optimizer.iterations) == EPOCHS * STEPS, int(loaded.optimizer.iterations)
+    assert int(loaded.optimizer.iterations.numpy()) == EPOCHS * STEPS, int(loaded.optimizer.iterations.numpy())
     momentums = [v.numpy() for v in loaded.optimizer.variables if "momentum" in v.path]
     assert momentums and all(np.abs(m).max() > 0 for m in momentums), "momentum slots were not restored"
     recorder = Recorder()
     loaded.fit(X, Y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[recorder])
     same_on_every_rank(recorder.weights[0], "loaded")
-    assert int(loaded.optimizer.iterations) == (EPOCHS + 1) * STEPS
+    assert int(loaded.optimizer.iterations.numpy()) == (EPOCHS + 1) * STEPS
 
 with check("value helpers, broadcast_global_variables, and one implementation behind rvod.tensorflow.keras"):
     assert np.array_equal(hvd.allreduce(np.array([R, 2.0 * R])), np.array([(N - 1) / 2, N - 1.0]))

@@ -257,27 +257,30 @@ with check("synchronize(), clipping, then step() inside skip_synchronize(); step
                in str(w.message) for w in caught), [str(w.message) for w in caught]
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), reduced)), "gradients reduced twice"
 
-with check("torch.amp.GradScaler: synchronize(), unscale_(), then scaler.step() inside skip_synchronize()"):
-    torch.manual_seed(0)
-    model = nn.Linear(4, 2).double()
-    shadow = copy.deepcopy(model)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                   named_parameters=model.named_parameters())
-    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
-    x = torch.full((3, 4), float(R + 1), dtype=torch.float64)
-    shadow(x).pow(2).sum().backward()
-    expected = [hvd.allreduce(p.grad, name=f"scaler.expected.{i}") for i, p in enumerate(shadow.parameters())]
-    scaler.scale(model(x).pow(2).sum()).backward()
-    opt.synchronize()
-    scaler.unscale_(opt)
-    for p, grad in zip(model.parameters(), expected):
-        assert torch.allclose(p.grad, grad, rtol=1e-12, atol=0), "unscaled gradients are not the ranks' average"
-    with opt.skip_synchronize():
-        scaler.step(opt)
-    scaler.update()
-    for p, q, grad in zip(model.parameters(), shadow.parameters(), expected):
-        assert torch.allclose(p.detach(), q.detach() - 0.1 * grad, rtol=1e-12, atol=1e-15)
-    same_on_every_rank(model.named_parameters(), "scaler")
+# PyTorch has a GradScaler for CPU tensors from 2.3 (test_torch_training expects one check fewer before).
+if hasattr(torch.amp, "GradScaler"):
+    with check("torch.amp.GradScaler: synchronize(), unscale_(), then scaler.step() inside skip_synchronize()"):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2).double()
+        shadow = copy.deepcopy(model)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters())
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        x = torch.full((3, 4), float(R + 1), dtype=torch.float64)
+        shadow(x).pow(2).sum().backward()
+        expected = [hvd.allreduce(p.grad, name=f"scaler.expected.{i}") for i, p in enumerate(shadow.parameters())]
+        scaler.scale(model(x).pow(2).sum()).backward()
+        opt.synchronize()
+        scaler.unscale_(opt)
+        for p, grad in zip(model.parameters(), expected):
+            assert torch.allclose(p.grad, grad, rtol=1e-12, atol=0), "unscaled gradients are not the ranks' average"
+        with opt.skip_synchronize():
+            scaler.step(opt)
+        scaler.update()
+        for p, q, grad in zip(model.parameters(), shadow.parameters(), expected):
+            assert torch.allclose(p.detach(), q.detach() - 0.1 * grad, rtol=1e-12, atol=1e-15)
+        same_on_every_rank(model.named_parameters(), "scaler")
+
 
 with check("zero_grad() between backward() and step() raises AssertionError; too many backward passes too"):
     model = nn.Linear(4, 2).double()
