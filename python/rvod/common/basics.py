@@ -215,7 +215,7 @@ def straggler_report(process_set=None):
     then runs, as this rank has seen it: ``{global rank: {"rounds": decisions it took part in, "times_last":
     how often it was last, "mean_lateness": seconds behind the first rank on average, "straggler": whether
     it is named the straggler now}}``. A rank is named while it was last in 8 of the last 10 decisions,
-    at least 1 ms and a fifth of the time between decisions late on average; rank 0 of the set logs a
+    at least 5 ms and a quarter of the time between decisions late on average; rank 0 of the set logs a
     warning when one is named, and the timeline marks it. Raises ``ValueError`` where this rank is not a
     member of the set."""
     from rvod.common.process_sets import global_process_set, registered_id

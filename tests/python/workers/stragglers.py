@@ -1,9 +1,9 @@
 """Straggler worker (4 ranks): each step submits two gradient-like allreduces asynchronously, each after a
 stretch of "compute" (a sleep), as backward hooks do, then waits for both.
 
-- ``slow``: rank 3's compute takes 1.5x the others' (20 ms -> 30 ms a step). Every rank's
+- ``slow``: rank 3's compute takes 1.5x the others' (40 ms -> 60 ms a step). Every rank's
   ``hvd.straggler_report()`` must name rank 3, and only it, within 10 steps; rank 3 was last in nearly every
-  decision, about 5 ms late on average; the non-members of a process set get a ValueError.
+  decision, about 15 ms late on average; the non-members of a process set get a ValueError.
 - ``balanced``: 10,000 steps without compute, every rank alike: nobody is ever named (checked every 100
   steps, and rank 0 logs no warning, which the test checks).
 """
@@ -40,7 +40,7 @@ def named():
 if mode == "slow":
     named_at = None
     for i in range(1, 21):
-        step(0.030 if rank == 3 else 0.020)
+        step(0.060 if rank == 3 else 0.040)
         if named_at is None and named() == [3]:
             named_at = i
     report = hvd.straggler_report()
@@ -52,7 +52,7 @@ if mode == "slow":
         assert sorted(report) == [0, 1, 2, 3], report
         assert set(report[3]) == {"rounds", "times_last", "mean_lateness", "straggler"}, report[3]
         assert report[3]["rounds"] >= 36 and report[3]["times_last"] >= report[3]["rounds"] - 4, report[3]
-        assert 0.002 <= report[3]["mean_lateness"] <= 0.05, report[3]
+        assert 0.008 <= report[3]["mean_lateness"] <= 0.06, report[3]
         for other in (0, 1, 2):
             assert report[other]["times_last"] <= 4 and report[other]["mean_lateness"] < 0.002, report[other]
     with check("a process set's report, or a ValueError for a non-member"):
