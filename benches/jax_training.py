@@ -21,10 +21,12 @@ distributed contenders' parameters are apart after the run (same data, same numb
 """
 
 import argparse
+import importlib.util
 import os
 import socket
 import statistics
 import time
+from pathlib import Path
 
 # One XLA CPU thread per rank, as the PyTorch benches run one thread per rank (set before jax starts).
 os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"),
@@ -40,6 +42,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import rvod.jax as hvd  # noqa: E402
 
 FEATURES, CLASSES = 64, 10  # scikit-learn's digits: 8x8 images, 10 classes
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "jax_digits.py"
 
 
 def parse_args():
@@ -53,18 +56,15 @@ def parse_args():
     return parser.parse_args()
 
 
-def init_params(sizes, seed=0):
-    """An MLP's parameters as a list of {"w", "b"} (NumPy, the same on every rank)."""
-    rng = np.random.default_rng(seed)
-    return [{"w": (rng.standard_normal((m, n)) / np.sqrt(m)).astype(np.float32), "b": np.zeros(n, np.float32)}
-            for m, n in zip(sizes[:-1], sizes[1:])]
+def digits_model():
+    """examples/jax_digits.py's MLP: its ``init_params(sizes, seed)`` and ``loss_fn(params, x, y)``."""
+    spec = importlib.util.spec_from_file_location("jax_digits", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.init_params, module.loss_fn
 
 
-def loss(params, x, y):
-    for layer in params[:-1]:
-        x = jax.nn.relu(x @ layer["w"] + layer["b"])
-    logits = x @ params[-1]["w"] + params[-1]["b"]
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+init_params, loss = digits_model()
 
 
 def make_step(tx):
@@ -104,7 +104,8 @@ def contenders(sizes, batch_size, mesh):
     rng = np.random.default_rng(1 + hvd.rank())  # this rank's batch
     x = rng.standard_normal((batch_size, FEATURES)).astype(np.float32)
     y = rng.integers(0, CLASSES, batch_size).astype(np.int32)
-    params = init_params(sizes)
+    # The same on every rank; as NumPy, so each contender's device_put makes its own copy (the steps donate).
+    params = jax.tree_util.tree_map(np.asarray, init_params(sizes, 0))
 
     def sgd():
         return optax.sgd(0.01, momentum=0.9)

@@ -149,6 +149,17 @@ def test_added_host_joins_from_the_committed_state(job_env, tmp_path):
     print(f"host added to training on it: {min(s['time'] for s in worlds[2]) - added_wall:.2f} s")
 
 
+def assert_removal_went_on_without_restoring(job, tmp_path, timeout, samples, new_size):
+    """After the discovery script dropped a host: the job ends well, every sample was seen once per epoch,
+    world 1 became world 2 of `new_size` ranks, and nothing was restored. Returns the worlds."""
+    assert job.finish(timeout) == 0, job.report()
+    assert_every_sample_once_per_epoch(tmp_path, 3, samples)
+    worlds = assert_worlds_start_in_step(tmp_path)
+    assert sorted(worlds) == [1, 2] and worlds[2][0]["size"] == new_size, job.report()
+    assert not read(tmp_path, "restores.jsonl")
+    return worlds
+
+
 @pytest.mark.timeout(180)
 def test_removed_host_interrupts_without_restoring(job_env, tmp_path):
     """(c) the discovery script drops a host: HostsUpdatedInterrupt at the next commit, no restore, its
@@ -156,11 +167,7 @@ def test_removed_host_interrupts_without_restoring(job_env, tmp_path):
     job = ElasticJob(job_env, tmp_path, "localhost:2\n127.0.0.1:1\n", ["--min-np", "2"], ELASTIC_SAMPLES="48")
     job.wait_for("progress.jsonl", progressed, 90)
     job.set_hosts("localhost:2\n")
-    assert job.finish(150) == 0, job.report()
-    assert_every_sample_once_per_epoch(tmp_path, 3, 48)
-    worlds = assert_worlds_start_in_step(tmp_path)
-    assert sorted(worlds) == [1, 2] and worlds[2][0]["size"] == 2, job.report()
-    assert not read(tmp_path, "restores.jsonl")
+    assert_removal_went_on_without_restoring(job, tmp_path, 150, 48, 2)
     assert "world 2 (removed): 2 ranks on localhost" in job.stderr
     assert "has no place in the new world 2 (its host was removed or blacklisted); exiting" in job.stderr
     done = read(tmp_path, "done.jsonl")
@@ -176,12 +183,8 @@ def test_removed_host_hands_over_the_sharded_optimizer_slices(job_env, tmp_path)
                      ELASTIC_SHARDED="1")
     job.wait_for("progress.jsonl", progressed, 90)
     job.set_hosts("localhost:1\n")
-    assert job.finish(100) == 0, job.report()
-    assert_every_sample_once_per_epoch(tmp_path, 3, 36)
-    worlds = assert_worlds_start_in_step(tmp_path)
-    assert sorted(worlds) == [1, 2] and worlds[2][0]["size"] == 1, job.report()
+    worlds = assert_removal_went_on_without_restoring(job, tmp_path, 100, 36, 1)
     assert sorted((s["rank"], s["host"]) for s in worlds[1]) == [(0, "localhost"), (1, "127.0.0.1"), (2, "127.0.0.1")]
-    assert not read(tmp_path, "restores.jsonl")
     assert "world 2 (removed): 1 ranks on localhost" in job.stderr, job.report()
     interrupted = [c for c in read(tmp_path, "precommits.jsonl") if c["round"] == 1][-1]
     assert worlds[2][0]["optimizer"] == interrupted["optimizer"] != 0.0, job.report()
