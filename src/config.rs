@@ -63,6 +63,10 @@ pub struct Config {
     /// algorithm on or off where a communicator spans hosts; `None` lets the executor choose.
     pub hierarchical_allreduce: Option<bool>,
     pub hierarchical_allgather: Option<bool>,
+    /// `RVOD_COMPRESSION_WITHIN_HOST`: compressed allreduces (`hvd.Compression.int8`, `.onebit`,
+    /// `.powersgd`) compress inside one host's shared memory too; by default they are exact there, since
+    /// memory is faster than the compression, and compress only between hosts.
+    pub compression_within_host: bool,
     /// Process sets may be added and removed after init (`RVOD_DYNAMIC_PROCESS_SETS`, Horovod's flag rule:
     /// on when > 0; also turned on by `init(process_sets="dynamic")`).
     pub dynamic_process_sets: bool,
@@ -415,6 +419,7 @@ impl Config {
             thread_affinity,
             hierarchical_allreduce: env.optional_flag("HIERARCHICAL_ALLREDUCE")?,
             hierarchical_allgather: env.optional_flag("HIERARCHICAL_ALLGATHER")?,
+            compression_within_host: env.flag("COMPRESSION_WITHIN_HOST")?,
             dynamic_process_sets: env.flag("DYNAMIC_PROCESS_SETS")?,
             launch,
             timeline: env.string("TIMELINE").filter(|path| !path.is_empty()),

@@ -1,7 +1,8 @@
 //! Element types, reduce operations and collective kinds shared by every layer.
 //!
 //! The numeric values of [`ReduceOp`] are Horovod's (`Average=0, Sum=1, Adasum=2, Min=3, Max=4, Product=5`),
-//! and [`DataType`] codes are stable wire values: both cross the network and the Python boundary.
+//! and [`DataType`] and [`Compression`] codes are stable wire values: they cross the network and the Python
+//! boundary.
 
 use std::fmt;
 
@@ -152,6 +153,70 @@ impl ReduceOp {
 impl fmt::Display for ReduceOp {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
+    }
+}
+
+/// How an allreduce's floating-point tensors travel (see `ring::compressed`): as they are, or compressed with
+/// error feedback. Every rank of an op must agree on it (a mismatch is an error naming both).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Compression {
+    #[default]
+    None,
+    /// Blockwise int8: each block of values sent as bytes with one float32 scale.
+    Int8,
+    /// Blockwise 1-bit: each value's sign, with one float32 scale (the block's mean magnitude).
+    OneBit,
+    /// PowerSGD: each matrix as two rank-`rank` factors, with a warm-started Q.
+    PowerSgd { rank: u8 },
+}
+
+impl Compression {
+    /// The wire and Python code: the kind in the low byte (0 none, 1 int8, 2 onebit, 3 powersgd), PowerSGD's
+    /// rank in the high byte.
+    pub fn code(self) -> u16 {
+        match self {
+            Compression::None => 0,
+            Compression::Int8 => 1,
+            Compression::OneBit => 2,
+            Compression::PowerSgd { rank } => 3 | (u16::from(rank) << 8),
+        }
+    }
+
+    /// The compression `code` stands for, or `None` if it stands for none (a PowerSGD rank must be 1-255).
+    pub fn from_code(code: u16) -> Option<Compression> {
+        let rank = (code >> 8) as u8;
+        match (code & 0xff, rank) {
+            (0, 0) => Some(Compression::None),
+            (1, 0) => Some(Compression::Int8),
+            (2, 0) => Some(Compression::OneBit),
+            (3, 1..) => Some(Compression::PowerSgd { rank }),
+            _ => None,
+        }
+    }
+
+    pub fn is_none(self) -> bool {
+        self == Compression::None
+    }
+
+    /// The kind's name in capitals (the timeline's phase names): "NONE", "INT8", "ONEBIT", "POWERSGD".
+    pub fn kind_name(self) -> &'static str {
+        match self {
+            Compression::None => "NONE",
+            Compression::Int8 => "INT8",
+            Compression::OneBit => "ONEBIT",
+            Compression::PowerSgd { .. } => "POWERSGD",
+        }
+    }
+}
+
+impl fmt::Display for Compression {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Compression::None => f.write_str("none"),
+            Compression::Int8 => f.write_str("int8"),
+            Compression::OneBit => f.write_str("onebit"),
+            Compression::PowerSgd { rank } => write!(f, "powersgd(rank={rank})"),
+        }
     }
 }
 

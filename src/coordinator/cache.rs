@@ -44,6 +44,7 @@ fn params_of_response(response: &Response, entry: &ResponseEntry) -> OpParams {
         // rank that later submits a GPU tensor of this name finds other parameters, and every rank
         // renegotiates it once.
         device: crate::protocol::message::CPU_DEVICE,
+        compression: response.compression,
     }
 }
 
@@ -151,6 +152,7 @@ impl ResponseCache {
                 error: None,
                 last_joined_rank: response.last_joined_rank,
                 on_gpu: response.on_gpu,
+                compression: response.compression,
             };
             let params = own_params(&entry.name).unwrap_or_else(|| params_of_response(response, entry));
             self.insert(single, params);

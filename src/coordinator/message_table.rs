@@ -10,7 +10,7 @@ use crate::coordinator::stall::{stall_warning, MissingRanks};
 use crate::coordinator::validate::{construct_response, describe};
 use crate::error::ErrorKind;
 use crate::protocol::message::{Request, Response, ResponseEntry};
-use crate::types::{CollectiveKind, DataType, ReduceOp};
+use crate::types::{CollectiveKind, Compression, DataType, ReduceOp};
 
 /// Name every rank's join request carries.
 pub const JOIN_NAME: &str = "join.noname";
@@ -309,6 +309,7 @@ fn join_response(last_joined: i32) -> Response {
         error: None,
         last_joined_rank: last_joined,
         on_gpu: false,
+        compression: Compression::None,
     }
 }
 

@@ -28,7 +28,7 @@ use crate::protocol::message::{OpParams, Response, CPU_DEVICE};
 use crate::protocol::round::{EagerPayload, RequestList, ResponseList, RoundHeader, StopReason};
 use crate::protocol::tuned::TunedValues;
 use crate::transport::{Transport, TransportError};
-use crate::types::{CollectiveKind, ReduceOp};
+use crate::types::{CollectiveKind, Compression, ReduceOp};
 
 /// Control messages larger than this are treated as corrupt.
 const MAX_CONTROL_MESSAGE: usize = 256 * 1024 * 1024;
@@ -55,11 +55,12 @@ pub struct EagerOp {
 
 /// Whether a cached tensor of `kind` with `bytes` of data (this rank's contribution) rides in the round
 /// headers when every rank hits it: a small allreduce (Adasum excepted: it is not a rank-order fold of the
-/// contributions, it always runs its tree), a small broadcast (every rank sends its data; all take the
+/// contributions, it always runs its tree; a compressed one too: its error feedback is kept where it runs),
+/// a small broadcast (every rank sends its data; all take the
 /// root's) or a small allgather (every rank's rows, concatenated in rank order).
-pub fn rides_in_header(kind: CollectiveKind, reduce_op: ReduceOp, bytes: usize) -> bool {
+pub fn rides_in_header(kind: CollectiveKind, reduce_op: ReduceOp, compression: Compression, bytes: usize) -> bool {
     let eager_kind = match kind {
-        CollectiveKind::Allreduce => reduce_op != ReduceOp::Adasum,
+        CollectiveKind::Allreduce => reduce_op != ReduceOp::Adasum && compression.is_none(),
         CollectiveKind::Broadcast | CollectiveKind::Allgather => true,
         _ => false,
     };
@@ -199,7 +200,9 @@ fn eager_contributions(headers: &[RoundHeader], bit: usize, cached: &Response) -
         _ => (Vec::new(), cached.tensor_bytes()),
     };
     let bytes_of = |rank: usize| if allgather { per_rank.get(rank).copied() } else { Some(tensor_bytes) };
-    let rides = |rank| bytes_of(rank).is_some_and(|bytes| rides_in_header(cached.kind, cached.reduce_op, bytes));
+    let rides = |rank| {
+        bytes_of(rank).is_some_and(|bytes| rides_in_header(cached.kind, cached.reduce_op, cached.compression, bytes))
+    };
     if !(0..headers.len()).all(rides) {
         return None;
     }
@@ -454,7 +457,12 @@ impl Negotiator {
                         let request = entry.request();
                         // A GPU tensor's data is read by the executor only, in stream order: it never rides.
                         if request.params.device == CPU_DEVICE
-                            && rides_in_header(request.params.kind, request.params.reduce_op, len)
+                            && rides_in_header(
+                                request.params.kind,
+                                request.params.reduce_op,
+                                request.params.compression,
+                                len,
+                            )
                             && eager_bytes + len <= EAGER_HEADER_BYTES
                         {
                             eager_bytes += len;
@@ -860,14 +868,18 @@ mod tests {
 
     #[test]
     fn small_allreduces_broadcasts_and_allgathers_ride_in_headers() {
-        assert!(rides_in_header(CollectiveKind::Allreduce, ReduceOp::Sum, EAGER_TENSOR_BYTES));
-        assert!(rides_in_header(CollectiveKind::Broadcast, ReduceOp::Sum, 8));
-        assert!(!rides_in_header(CollectiveKind::Allreduce, ReduceOp::Sum, EAGER_TENSOR_BYTES + 1));
-        assert!(!rides_in_header(CollectiveKind::Broadcast, ReduceOp::Sum, EAGER_TENSOR_BYTES + 1));
-        assert!(!rides_in_header(CollectiveKind::Allreduce, ReduceOp::Adasum, 4), "Adasum runs its tree");
-        assert!(rides_in_header(CollectiveKind::Allgather, ReduceOp::Sum, EAGER_TENSOR_BYTES));
-        assert!(!rides_in_header(CollectiveKind::Allgather, ReduceOp::Sum, EAGER_TENSOR_BYTES + 1));
-        assert!(!rides_in_header(CollectiveKind::Reducescatter, ReduceOp::Sum, 4));
-        assert!(!rides_in_header(CollectiveKind::Barrier, ReduceOp::Sum, 0));
+        assert!(rides_in_header(CollectiveKind::Allreduce, ReduceOp::Sum, Compression::None, EAGER_TENSOR_BYTES));
+        assert!(rides_in_header(CollectiveKind::Broadcast, ReduceOp::Sum, Compression::None, 8));
+        assert!(!rides_in_header(CollectiveKind::Allreduce, ReduceOp::Sum, Compression::None, EAGER_TENSOR_BYTES + 1));
+        assert!(!rides_in_header(CollectiveKind::Broadcast, ReduceOp::Sum, Compression::None, EAGER_TENSOR_BYTES + 1));
+        assert!(
+            !rides_in_header(CollectiveKind::Allreduce, ReduceOp::Adasum, Compression::None, 4),
+            "Adasum runs its tree"
+        );
+        assert!(!rides_in_header(CollectiveKind::Allreduce, ReduceOp::Sum, Compression::Int8, 4), "compressed");
+        assert!(rides_in_header(CollectiveKind::Allgather, ReduceOp::Sum, Compression::None, EAGER_TENSOR_BYTES));
+        assert!(!rides_in_header(CollectiveKind::Allgather, ReduceOp::Sum, Compression::None, EAGER_TENSOR_BYTES + 1));
+        assert!(!rides_in_header(CollectiveKind::Reducescatter, ReduceOp::Sum, Compression::None, 4));
+        assert!(!rides_in_header(CollectiveKind::Barrier, ReduceOp::Sum, Compression::None, 0));
     }
 }

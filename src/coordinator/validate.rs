@@ -154,7 +154,9 @@ pub fn construct_response(requests: &[Request], global_ranks: &[usize], any_join
                     format!("prescale={} postscale={}", r.params.prescale, r.params.postscale)
                 })
             };
-            shapes.and_then(|_| ops()).and_then(|_| scales())
+            let compressions =
+                || agree(requests, global_ranks, "compressions", name, kind, |r| r.params.compression.to_string());
+            shapes.and_then(|_| ops()).and_then(|_| scales()).and_then(|_| compressions())
         }
         CollectiveKind::Broadcast => {
             agree(requests, global_ranks, "tensor shapes", name, kind, |r| shape_text(&r.params.shape))

@@ -7,6 +7,7 @@
 //! per-tensor result.
 
 use crate::coordinator::negotiation::EagerOp;
+use crate::engine::execute_compressed;
 use crate::engine::table::TensorEntry;
 use crate::error::EngineError;
 use crate::fusion::layout::{FusionLayout, FusionSlot};
@@ -15,6 +16,7 @@ use crate::fusion::tensor_io::{Produced, TensorIo, TensorMemory};
 use crate::gpu::tensor::{DeviceDone, DeviceOutput};
 use crate::protocol::message::{shape_elements, Response, ResponseEntry};
 use crate::ring;
+use crate::ring::compressed::Feedback;
 use crate::ring::hierarchical::Step;
 use crate::ring::staged::{OwnPiece, StagedAllreduce};
 use crate::tensor::AlignedBuffer;
@@ -61,6 +63,10 @@ pub struct Executor {
     hierarchy: HierarchyChoice,
     /// Working memory of Adasum allreduces.
     adasum_scratch: Vec<u8>,
+    /// Compressed allreduces' per-tensor state (residuals, PowerSGD factors).
+    feedback: Feedback,
+    /// `RVOD_COMPRESSION_WITHIN_HOST`: compress inside one host's shared memory too.
+    compression_within_host: bool,
 }
 
 /// Whether allreduce and allgather take the hierarchical algorithms on communicators that span hosts:
@@ -177,8 +183,13 @@ fn row_bytes(shape: &[i64], dtype: DataType) -> usize {
 }
 
 impl Executor {
-    pub fn new(hierarchy: HierarchyChoice) -> Executor {
-        Executor { hierarchy, ..Executor::default() }
+    pub fn new(hierarchy: HierarchyChoice, compression_within_host: bool) -> Executor {
+        Executor { hierarchy, compression_within_host, ..Executor::default() }
+    }
+
+    /// Number of tensors whose compression state (residuals, PowerSGD factors) this executor keeps.
+    pub fn compressed_tensors(&self) -> usize {
+        self.feedback.tensors()
     }
 
     /// Change the hierarchical choices (autotune; every rank does it at the same round).
@@ -268,6 +279,10 @@ impl Executor {
         };
         if response.reduce_op == ReduceOp::Adasum {
             return self.adasum(t, response, entries, &layout);
+        }
+        if !response.compression.is_none() {
+            let (feedback, within_host) = (&mut self.feedback, self.compression_within_host);
+            return execute_compressed::allreduce(t, response, entries, &layout, feedback, within_host, phases);
         }
         let total = layout.total_bytes();
         let plain_single = matches!(response.entries.as_slice(), [spec] if !spec.packed);

@@ -73,7 +73,7 @@ impl SmallOp<'_> {
         match self.params.kind {
             CollectiveKind::Barrier => true,
             CollectiveKind::Allgather if self.params.shape.is_empty() || self.input.is_empty() => false,
-            kind => rides_in_header(kind, self.params.reduce_op, self.input.len()),
+            kind => rides_in_header(kind, self.params.reduce_op, self.params.compression, self.input.len()),
         }
     }
 }

@@ -35,6 +35,7 @@ pub mod communicator;
 pub mod connect;
 pub mod driver;
 pub mod execute;
+pub mod execute_compressed;
 pub mod execute_device;
 pub mod execute_nccl;
 pub mod fast_lane;

@@ -106,10 +106,10 @@ impl Loop {
         let mut negotiator =
             Negotiator::new(transport.rank(), shared.global_ranks.clone(), config.cache_capacity, config.stall_check);
         negotiator.share_lateness(Arc::clone(&shared.lateness));
-        let executor = Executor::new(HierarchyChoice {
-            allreduce: config.hierarchical_allreduce,
-            allgather: config.hierarchical_allgather,
-        });
+        let executor = Executor::new(
+            HierarchyChoice { allreduce: config.hierarchical_allreduce, allgather: config.hierarchical_allgather },
+            config.compression_within_host,
+        );
         let autotune = match &config.autotune {
             Some(settings) if shared.set_id == 0 && transport.rank() == 0 && transport.size() > 1 => {
                 let initial = TunedValues {

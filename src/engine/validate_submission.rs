@@ -41,6 +41,9 @@ pub fn check(op: &OpSubmission, size: usize) -> Result<(), EngineError> {
             return invalid("a grouped Adasum allreduce must be submitted as separate tensors, not packed".into());
         }
     }
+    if !p.compression.is_none() {
+        check_compression(op)?;
+    }
     if !p.prescale.is_finite() || !p.postscale.is_finite() {
         return invalid(format!("{}: prescale and postscale factors must be finite numbers", p.kind));
     }
@@ -90,6 +93,33 @@ pub fn check(op: &OpSubmission, size: usize) -> Result<(), EngineError> {
             }
         }
         _ => {}
+    }
+    Ok(())
+}
+
+/// A compressed op: an allreduce that sums or averages floating-point tensors submitted one by one (each
+/// tensor's error feedback and PowerSGD factors are kept by its name).
+fn check_compression(op: &OpSubmission) -> Result<(), EngineError> {
+    let p = &op.params;
+    let compression = p.compression;
+    if p.kind != CollectiveKind::Allreduce || !matches!(p.reduce_op, ReduceOp::Sum | ReduceOp::Average) {
+        let what =
+            if p.kind == CollectiveKind::Allreduce { format!("{} allreduce", p.reduce_op) } else { p.kind.to_string() };
+        return Err(EngineError::InvalidArgument(format!(
+            "{compression} compression applies to Sum and Average allreduces, not to {what}"
+        )));
+    }
+    if let Some(t) = op.tensors.iter().find(|t| !t.dtype.is_float()) {
+        return Err(EngineError::InvalidArgument(format!(
+            "{compression} compression applies to floating-point tensors (float16, bfloat16, float32, float64); \
+             tensor '{}' is {}",
+            t.name, t.dtype
+        )));
+    }
+    if op.tensors.iter().any(|t| t.packed.is_some()) {
+        return Err(EngineError::InvalidArgument(format!(
+            "a grouped allreduce with {compression} compression must be submitted as separate tensors, not packed"
+        )));
     }
     Ok(())
 }

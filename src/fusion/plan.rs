@@ -80,6 +80,7 @@ fn fuses_with(group: &Response, next: &Response) -> bool {
         && next.prescale == group.prescale
         && next.postscale == group.postscale
         && next.on_gpu == group.on_gpu
+        && next.compression == group.compression
 }
 
 /// Bytes of each of the response's tensors, saturating instead of overflowing.

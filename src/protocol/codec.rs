@@ -17,7 +17,7 @@ use thiserror::Error;
 
 use crate::error::ErrorKind;
 use crate::protocol::message::{OpParams, Request, Response, ResponseEntry};
-use crate::types::{CollectiveKind, DataType, ReduceOp};
+use crate::types::{CollectiveKind, Compression, DataType, ReduceOp};
 
 /// First four bytes of every framed message: `b"RVOD"` read as a little-endian `u32`.
 pub const WIRE_MAGIC: u32 = u32::from_le_bytes(*b"RVOD");
@@ -42,7 +42,7 @@ pub enum DecodeError {
     #[error("invalid tag {tag} for {what}")]
     BadTag { what: &'static str, tag: u8 },
     #[error("unknown {what} code {code}")]
-    BadEnumCode { what: &'static str, code: u8 },
+    BadEnumCode { what: &'static str, code: u16 },
     #[error("{what} is not valid UTF-8")]
     BadUtf8 { what: &'static str },
     #[error("{what} declares a length of {declared}, more than the {limit} the rest of the message can hold")]
@@ -345,7 +345,7 @@ impl Wire for DataType {
 
     fn decode(r: &mut WireReader<'_>) -> Result<Self, DecodeError> {
         let code = r.u8("dtype")?;
-        DataType::from_code(code).ok_or(DecodeError::BadEnumCode { what: "dtype", code })
+        DataType::from_code(code).ok_or(DecodeError::BadEnumCode { what: "dtype", code: code.into() })
     }
 }
 
@@ -356,7 +356,18 @@ impl Wire for ReduceOp {
 
     fn decode(r: &mut WireReader<'_>) -> Result<Self, DecodeError> {
         let code = r.u8("reduce op")?;
-        ReduceOp::from_code(code).ok_or(DecodeError::BadEnumCode { what: "reduce op", code })
+        ReduceOp::from_code(code).ok_or(DecodeError::BadEnumCode { what: "reduce op", code: code.into() })
+    }
+}
+
+impl Wire for Compression {
+    fn encode(&self, w: &mut WireWriter) {
+        w.put_u16(self.code());
+    }
+
+    fn decode(r: &mut WireReader<'_>) -> Result<Self, DecodeError> {
+        let code = r.u16("compression")?;
+        Compression::from_code(code).ok_or(DecodeError::BadEnumCode { what: "compression", code })
     }
 }
 
@@ -367,7 +378,7 @@ impl Wire for CollectiveKind {
 
     fn decode(r: &mut WireReader<'_>) -> Result<Self, DecodeError> {
         let code = r.u8("collective kind")?;
-        CollectiveKind::from_code(code).ok_or(DecodeError::BadEnumCode { what: "collective kind", code })
+        CollectiveKind::from_code(code).ok_or(DecodeError::BadEnumCode { what: "collective kind", code: code.into() })
     }
 }
 
@@ -378,7 +389,7 @@ impl Wire for ErrorKind {
 
     fn decode(r: &mut WireReader<'_>) -> Result<Self, DecodeError> {
         let code = r.u8("error kind")?;
-        ErrorKind::from_code(code).ok_or(DecodeError::BadEnumCode { what: "error kind", code })
+        ErrorKind::from_code(code).ok_or(DecodeError::BadEnumCode { what: "error kind", code: code.into() })
     }
 }
 
@@ -398,6 +409,7 @@ impl Wire for Request {
         w.put_i64s(&p.splits);
         w.put_i64s(&p.parts);
         w.put_i32(p.device);
+        p.compression.encode(w);
     }
 
     fn decode(r: &mut WireReader<'_>) -> Result<Self, DecodeError> {
@@ -415,6 +427,7 @@ impl Wire for Request {
             splits: r.i64s("request splits")?,
             parts: r.i64s("request group parts")?,
             device: r.i32("request device")?,
+            compression: Compression::decode(r)?,
         };
         Ok(Request { rank, name, params })
     }
@@ -457,6 +470,7 @@ impl Wire for Response {
         }
         w.put_i32(self.last_joined_rank);
         w.put_bool(self.on_gpu);
+        self.compression.encode(w);
     }
 
     fn decode(r: &mut WireReader<'_>) -> Result<Self, DecodeError> {
@@ -474,6 +488,7 @@ impl Wire for Response {
         };
         let last_joined_rank = r.i32("response last joined rank")?;
         let on_gpu = r.bool("response GPU flag")?;
+        let compression = Compression::decode(r)?;
         Ok(Response {
             kind,
             entries,
@@ -485,6 +500,7 @@ impl Wire for Response {
             error,
             last_joined_rank,
             on_gpu,
+            compression,
         })
     }
 }
@@ -494,8 +510,17 @@ pub(crate) mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    fn arb_compression() -> impl Strategy<Value = Compression> {
+        prop_oneof![
+            Just(Compression::None),
+            Just(Compression::Int8),
+            Just(Compression::OneBit),
+            (1u8..=255).prop_map(|rank| Compression::PowerSgd { rank }),
+        ]
+    }
+
     pub(crate) fn arb_request() -> impl Strategy<Value = Request> {
-        (
+        let fields = (
             any::<u32>(),
             0u8..7,
             ".{0,12}",
@@ -508,25 +533,29 @@ pub(crate) mod tests {
             prop::collection::vec(any::<i64>(), 0..4),
             prop::collection::vec(any::<i64>(), 0..6),
             -1i32..8,
-        )
-            .prop_map(
-                |(rank, kind, name, dtype, shape, op, root_rank, prescale, postscale, splits, parts, device)| Request {
-                    rank,
-                    name,
-                    params: OpParams {
-                        kind: CollectiveKind::from_code(kind).unwrap(),
-                        dtype: DataType::from_code(dtype).unwrap(),
-                        shape,
-                        reduce_op: ReduceOp::from_code(op).unwrap(),
-                        root_rank,
-                        prescale,
-                        postscale,
-                        splits,
-                        parts,
-                        device,
-                    },
+        );
+        (fields, arb_compression()).prop_map(
+            |(
+                (rank, kind, name, dtype, shape, op, root_rank, prescale, postscale, splits, parts, device),
+                compression,
+            )| Request {
+                rank,
+                name,
+                params: OpParams {
+                    kind: CollectiveKind::from_code(kind).unwrap(),
+                    dtype: DataType::from_code(dtype).unwrap(),
+                    shape,
+                    reduce_op: ReduceOp::from_code(op).unwrap(),
+                    root_rank,
+                    prescale,
+                    postscale,
+                    splits,
+                    parts,
+                    device,
+                    compression,
                 },
-            )
+            },
+        )
     }
 
     fn arb_entry() -> impl Strategy<Value = ResponseEntry> {
@@ -535,7 +564,7 @@ pub(crate) mod tests {
     }
 
     pub(crate) fn arb_response() -> impl Strategy<Value = Response> {
-        (
+        let fields = (
             0u8..7,
             prop::collection::vec(arb_entry(), 0..4),
             0u8..10,
@@ -546,23 +575,27 @@ pub(crate) mod tests {
             prop::option::of((0u8..2, ".{0,20}")),
             any::<i32>(),
             any::<bool>(),
+        );
+        (fields, arb_compression()).prop_map(
+            |(
+                (kind, entries, dtype, op, root_rank, prescale, postscale, error, last_joined_rank, on_gpu),
+                compression,
+            )| {
+                Response {
+                    kind: CollectiveKind::from_code(kind).unwrap(),
+                    entries,
+                    dtype: DataType::from_code(dtype).unwrap(),
+                    reduce_op: ReduceOp::from_code(op).unwrap(),
+                    root_rank,
+                    prescale,
+                    postscale,
+                    error: error.map(|(k, m)| (ErrorKind::from_code(k).unwrap(), m)),
+                    last_joined_rank,
+                    on_gpu,
+                    compression,
+                }
+            },
         )
-            .prop_map(
-                |(kind, entries, dtype, op, root_rank, prescale, postscale, error, last_joined_rank, on_gpu)| {
-                    Response {
-                        kind: CollectiveKind::from_code(kind).unwrap(),
-                        entries,
-                        dtype: DataType::from_code(dtype).unwrap(),
-                        reduce_op: ReduceOp::from_code(op).unwrap(),
-                        root_rank,
-                        prescale,
-                        postscale,
-                        error: error.map(|(k, m)| (ErrorKind::from_code(k).unwrap(), m)),
-                        last_joined_rank,
-                        on_gpu,
-                    }
-                },
-            )
     }
 
     fn encode<T: Wire>(value: &T) -> Vec<u8> {
@@ -600,6 +633,7 @@ pub(crate) mod tests {
                 splits: vec![],
                 parts: vec![],
                 device: -1,
+                compression: Compression::PowerSgd { rank: 4 },
             },
         }
     }

@@ -8,7 +8,7 @@
 //! the collective without its own request at hand (a joined rank contributes zeros of the right size).
 
 use crate::error::ErrorKind;
-use crate::types::{CollectiveKind, DataType, ReduceOp};
+use crate::types::{CollectiveKind, Compression, DataType, ReduceOp};
 
 /// One rank's announcement that a named tensor is ready for a collective.
 #[derive(Clone, Debug, PartialEq)]
@@ -39,6 +39,8 @@ pub struct OpParams {
     pub parts: Vec<i64>,
     /// Where the tensor lives: [`CPU_DEVICE`], or the CUDA device ordinal. Ranks must agree on CPU vs GPU.
     pub device: i32,
+    /// How an allreduce's tensor travels (every rank must agree).
+    pub compression: Compression,
 }
 
 /// `OpParams::device` of a tensor in host memory (Horovod's `CPU_DEVICE_ID`).
@@ -59,6 +61,7 @@ impl OpParams {
             splits: Vec::new(),
             parts: Vec::new(),
             device: CPU_DEVICE,
+            compression: Compression::None,
         }
     }
 
@@ -73,6 +76,7 @@ impl OpParams {
             postscale: self.postscale,
             splits: self.splits.clone(),
             device: self.device,
+            compression: self.compression,
             ..OpParams::new(self.kind)
         }
     }
@@ -87,7 +91,19 @@ impl OpParams {
 impl PartialEq for OpParams {
     fn eq(&self, other: &OpParams) -> bool {
         // Destructured, so a new field cannot be left out of the comparison.
-        let OpParams { kind, dtype, shape, reduce_op, root_rank, prescale, postscale, splits, parts, device } = self;
+        let OpParams {
+            kind,
+            dtype,
+            shape,
+            reduce_op,
+            root_rank,
+            prescale,
+            postscale,
+            splits,
+            parts,
+            device,
+            compression,
+        } = self;
         *kind == other.kind
             && *dtype == other.dtype
             && same_dims(shape, &other.shape)
@@ -98,6 +114,7 @@ impl PartialEq for OpParams {
             && same_dims(splits, &other.splits)
             && same_dims(parts, &other.parts)
             && *device == other.device
+            && *compression == other.compression
     }
 }
 
@@ -199,6 +216,8 @@ pub struct Response {
     /// Every rank, a joined one too, runs it on its process set's GPU route (`engine::execute_device`); GPU
     /// and host tensors are never fused together.
     pub on_gpu: bool,
+    /// An allreduce's compression; tensors of different compressions are never fused together.
+    pub compression: Compression,
 }
 
 impl Response {
@@ -221,6 +240,7 @@ impl Response {
             error: None,
             last_joined_rank: -1,
             on_gpu: params.device != CPU_DEVICE,
+            compression: params.compression,
         }
     }
 
@@ -247,6 +267,7 @@ impl Response {
             error: None,
             last_joined_rank: -1,
             on_gpu: false,
+            compression: Compression::None,
         }
     }
 }

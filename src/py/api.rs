@@ -30,7 +30,7 @@ use crate::py::dlpack::{export_capsule, export_device_capsule, import_capsule, i
 use crate::py::error::{invalid_argument, to_py_err};
 use crate::py::ndarray::{empty_like, empty_shaped, import_array};
 use crate::tensor::RawTensor;
-use crate::types::{CollectiveKind, DataType, ReduceOp};
+use crate::types::{CollectiveKind, Compression, DataType, ReduceOp};
 
 #[derive(Default)]
 struct ProcessState {
@@ -295,7 +295,7 @@ fn whole_tensor(name: String, imported: ImportedTensor, in_place: bool) -> Tenso
 /// current stream on its device (a `cudaStream_t` as a number), on which its ready event is recorded; without
 /// one, the producer is expected to have made rvod's stream (`device_stream`) wait for the tensor.
 #[pyfunction]
-#[pyo3(signature = (kind, names, tensors, in_place, reduce_op, prescale, postscale, root_rank, process_set_id, wait=false, packed=false, splits=None, stream=None))]
+#[pyo3(signature = (kind, names, tensors, in_place, reduce_op, prescale, postscale, root_rank, process_set_id, wait=false, packed=false, splits=None, stream=None, compression=0))]
 #[allow(clippy::too_many_arguments)]
 pub fn submit<'py>(
     py: Python<'py>,
@@ -312,9 +312,13 @@ pub fn submit<'py>(
     packed: bool,
     splits: Option<Vec<i64>>,
     stream: Option<usize>,
+    compression: u16,
 ) -> PyResult<Bound<'py, PyAny>> {
     let (kind, reduce_op) = read_codes(kind, reduce_op)?;
-    let params = Params { kind, in_place, reduce_op, prescale, postscale, root_rank, process_set_id, stream };
+    let compression = Compression::from_code(compression)
+        .ok_or_else(|| PyValueError::new_err(format!("unknown compression code {compression}")))?;
+    let params =
+        Params { kind, in_place, reduce_op, prescale, postscale, root_rank, process_set_id, stream, compression };
     // The names say which form this is: ops.py makes them (a tensor is the user's object, maybe a list).
     let Ok(name) = names.downcast::<PyString>() else {
         let names: Vec<String> = names.extract()?;
@@ -342,13 +346,14 @@ struct Params {
     process_set_id: u32,
     /// The framework's current stream, for tensors on a GPU.
     stream: Option<usize>,
+    compression: Compression,
 }
 
 impl Params {
     fn op(&self, tensors: Vec<TensorSubmission>, splits: Vec<i64>) -> OpSubmission {
-        let Params { kind, reduce_op, prescale, postscale, root_rank, .. } = *self;
+        let Params { kind, reduce_op, prescale, postscale, root_rank, compression, .. } = *self;
         OpSubmission {
-            params: OpParams { reduce_op, prescale, postscale, root_rank, splits, ..OpParams::new(kind) },
+            params: OpParams { reduce_op, prescale, postscale, root_rank, splits, compression, ..OpParams::new(kind) },
             tensors,
         }
     }
@@ -443,7 +448,7 @@ fn run_with<'py>(
     name: &str,
     array: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let Params { kind, in_place, reduce_op, prescale, postscale, root_rank, process_set_id, .. } = params;
+    let Params { kind, in_place, reduce_op, prescale, postscale, root_rank, process_set_id, compression, .. } = params;
     // A barrier is matched by the engine's own name for it, as `submit` does.
     let full_name;
     let name = if kind == CollectiveKind::Barrier {
@@ -464,7 +469,8 @@ fn run_with<'py>(
         // SAFETY: a zero-length view of no memory.
         None => (unsafe { RawTensor::new(std::ptr::null_mut(), 0) }, DataType::Uint8, Vec::new()),
     };
-    let params = OpParams { dtype, shape, reduce_op, prescale, postscale, root_rank, ..OpParams::new(kind) };
+    let params =
+        OpParams { dtype, shape, reduce_op, prescale, postscale, root_rank, compression, ..OpParams::new(kind) };
     let op = SmallOp { name, params, input, in_place };
     let run = SMALL_RESULT.with(|out| engine.run_small(op, process_set_id, &mut out.borrow_mut(), &Detached(py)));
     match run.map_err(to_py_err)? {

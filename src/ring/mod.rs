@@ -9,7 +9,8 @@
 //!
 //! - [`allreduce`], [`reducescatter`], [`allgather`], [`broadcast`], [`alltoall`]: the flat collectives
 //!   (ring, pipelined two-rank, chain); [`adasum`]: Adasum's combination; [`staged`]: allreduce through
-//!   staging areas every rank can read; [`hierarchical`]: the same over a communicator's local and cross parts.
+//!   staging areas every rank can read; [`hierarchical`]: the same over a communicator's local and cross parts;
+//!   [`compressed`]: int8, 1-bit and PowerSGD allreduce with error feedback.
 //! - [`reduce`]: the element-wise reduction and scaling kernels; [`bfloat16`]: their bfloat16 conversions;
 //!   [`streaming`]: reducing a message as it streams in.
 //! - [`chunks`]: how a buffer is cut into blocks per rank and step; [`disjoint`]: reading one range of a
@@ -27,6 +28,7 @@ mod args;
 mod bfloat16;
 pub mod broadcast;
 pub mod chunks;
+pub mod compressed;
 mod disjoint;
 pub mod hierarchical;
 pub mod reduce;

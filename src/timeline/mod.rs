@@ -61,6 +61,11 @@ pub enum Stage {
         collective: &'static str,
     },
     MemcpyOutFusionBuffer,
+    /// A compressed allreduce over `transport`; `compression` is its kind ("INT8", "ONEBIT", "POWERSGD").
+    Compressed {
+        transport: &'static str,
+        compression: &'static str,
+    },
 }
 
 pub(crate) enum Event {

@@ -22,6 +22,7 @@ fn response(kind: CollectiveKind, names: &[&str]) -> Response {
         error: None,
         last_joined_rank: -1,
         on_gpu: false,
+        compression: crate::types::Compression::None,
     }
 }
 

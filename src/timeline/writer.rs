@@ -301,6 +301,9 @@ fn stage_name(stage: Stage, op: &str) -> String {
         Stage::Collective(transport) => format!("{}_{op}", transport.to_ascii_uppercase()),
         Stage::Hierarchical { transport, collective } => format!("{}_{collective}", transport.to_ascii_uppercase()),
         Stage::MemcpyOutFusionBuffer => "MEMCPY_OUT_FUSION_BUFFER".to_string(),
+        Stage::Compressed { transport, compression } => {
+            format!("{}_{compression}_{op}", transport.to_ascii_uppercase())
+        }
     }
 }
 

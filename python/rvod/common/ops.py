@@ -229,12 +229,13 @@ class _Op:
     refusal take it (one record, not a dozen positional arguments). The hot paths (``_run_now``, ``_ran``,
     ``_submit_one``) call the engine with plain arguments instead and build one only when they fall back."""
 
-    __slots__ = ("kind", "in_place", "op", "prescale", "postscale", "root", "splits", "set_id", "packed")
+    __slots__ = ("kind", "in_place", "op", "prescale", "postscale", "root", "splits", "set_id", "packed",
+                 "compression")
 
     def __init__(self, kind, in_place=False, op=Sum, prescale=1.0, postscale=1.0, root=-1, splits=(),
-                 process_set=global_process_set, packed=False):
+                 process_set=global_process_set, packed=False, compression=0):
         self.kind, self.in_place, self.op, self.prescale, self.postscale = kind, in_place, op, prescale, postscale
-        self.root, self.splits, self.packed = int(root), splits, packed
+        self.root, self.splits, self.packed, self.compression = int(root), splits, packed, compression
         # Every rank belongs to the global set; the engine itself refuses ops before init().
         self.set_id = 0 if process_set is global_process_set else process_set_id_of(process_set)
 
@@ -242,7 +243,7 @@ class _Op:
         """``_rvod.submit`` of lists of ``names`` and ``tensors`` (capsules or arrays); ``stream``: the
         framework's current stream for tensors on a GPU (see ``TensorAdapter.stream_of``)."""
         return _submit_native(self.kind, names, tensors, self.in_place, self.op, self.prescale, self.postscale,
-                              self.root, self.set_id, wait, self.packed, self.splits, stream)
+                              self.root, self.set_id, wait, self.packed, self.splits, stream, self.compression)
 
     def full_name(self, name):
         return f"{_KIND_NAMES[self.kind]}.{name}"
@@ -366,12 +367,18 @@ def synchronize(handle):
 
 
 def allreduce_async(adapter, tensor, average=None, name=None, op=None, prescale_factor=1.0,
-                    postscale_factor=1.0, process_set=global_process_set, in_place=False):
+                    postscale_factor=1.0, process_set=global_process_set, in_place=False, compression=0):
+    """Start an allreduce of ``tensor``; ``compression``: the engine's code (see ``rvod.common.compression``)."""
     op = resolve_op(op, average)
     unnamed = name is None
     if unnamed:
         name = naming.next_suffix(process_set_id_of(process_set))
     try:
+        if compression:
+            record = _Op(ALLREDUCE, in_place, op, prescale_factor, postscale_factor, process_set=process_set,
+                         compression=compression)
+            return _submit(record, [record.full_name(name)], adapter, [tensor],
+                           _original if in_place else _new_tensor, tensor)
         return _submit_one(ALLREDUCE, name, adapter, tensor, in_place, _original if in_place else _new_tensor, op,
                            prescale_factor, postscale_factor, -1, process_set)
     except (TypeError, ValueError) as error:
@@ -381,8 +388,11 @@ def allreduce_async(adapter, tensor, average=None, name=None, op=None, prescale_
 
 
 def allreduce(adapter, tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-              process_set=global_process_set, in_place=False):
+              process_set=global_process_set, in_place=False, compression=0):
     """``synchronize(allreduce_async(...))``: the result, ``tensor`` itself when ``in_place``."""
+    if compression:
+        return wait_for(allreduce_async, adapter, tensor, average, name, op, prescale_factor, postscale_factor,
+                        process_set, in_place, compression)
     op = resolve_op(op, average)
     unnamed = name is None
     if unnamed:
@@ -406,15 +416,16 @@ def allreduce(adapter, tensor, average=None, name=None, op=None, prescale_factor
 
 
 def grouped_allreduce_async(adapter, tensors, average=None, name=None, op=None, prescale_factor=1.0,
-                            postscale_factor=1.0, process_set=global_process_set, in_place=False):
+                            postscale_factor=1.0, process_set=global_process_set, in_place=False, compression=0):
     op = resolve_op(op, average)
     tensors = list(tensors)
     if not tensors:
         raise RvodInvalidArgumentError("grouped_allreduce needs at least one tensor")
     # One name for the whole group: the engine packs it into one tensor per dtype (members that differ
     # across ranks are reported as '<name>_<index>'). Adasum needs every tensor's bounds on every rank, so
-    # its groups go tensor by tensor, one name each, and are fused (each tensor keeps its coefficients).
-    packed = op != Adasum
+    # its groups go tensor by tensor, one name each, and are fused (each tensor keeps its coefficients);
+    # so do compressed groups (each tensor keeps its error feedback and PowerSGD factors by name).
+    packed = op != Adasum and not compression
     if packed:
         names = [_prefixed("grouped_allreduce", name, process_set)]
     else:
@@ -422,7 +433,7 @@ def grouped_allreduce_async(adapter, tensors, average=None, name=None, op=None, 
     finish = _originals if in_place else _new_tensors
     try:
         record = _Op(ALLREDUCE, in_place, op, prescale_factor, postscale_factor, process_set=process_set,
-                     packed=packed)
+                     packed=packed, compression=compression)
         return _submit(record, names, adapter, tensors, finish, tensors)
     except (TypeError, ValueError) as error:
         if name is None:

@@ -1,5 +1,7 @@
 """Gradient compression for Keras 3 tensors of any backend (casts through ``keras.ops``):
-``Compression.none``, ``.fp16`` (as in Horovod) and ``.bf16``. The logic lives in ``rvod.common.compression``."""
+``Compression.none``, ``.fp16`` (as in Horovod) and ``.bf16``. The logic lives in ``rvod.common.compression``.
+``Compression.int8``, ``.onebit`` and ``.powersgd(rank=4)`` are compressed by the engine, with error feedback
+(docs/compression.md)."""
 
 import keras
 

@@ -2,10 +2,16 @@
 
 Names, argument order and defaults follow ``horovod.torch``, so a script written for it runs on NumPy
 data with ``import rvod.numpy as hvd``. Results are NumPy arrays; async ops return integer handles for
-``poll`` and ``synchronize``.
+``poll`` and ``synchronize``. ``allreduce`` and ``grouped_allreduce`` take a ``compression`` keyword
+(``Compression.none``, ``.fp16``, ``.bf16`` where ml_dtypes is installed, ``.int8``, ``.onebit``,
+``.powersgd(rank=4)``).
 """
 
+import numpy as _np
+
 from rvod.common import ops as _ops
+from rvod.common.compression import compressors as _compressors
+from rvod.common.compression import engine_code as _engine_code
 from rvod.common.basics import *  # noqa: F401,F403  (the basics: init, rank, size, ...)
 from rvod.common.objects import allgather_object, broadcast_object  # noqa: F401
 from rvod.common.ops import barrier, join, poll, synchronize
@@ -23,6 +29,37 @@ _adapter = NumpyAdapter()
 gps = global_process_set
 
 
+def _bfloat16():
+    try:
+        import ml_dtypes
+    except ImportError:
+        return None
+    return ml_dtypes.bfloat16
+
+
+def _is_floating(array):
+    dtype = _np.asarray(array).dtype
+    return dtype.kind == "f" or dtype == _bfloat16()
+
+
+def _cast(array, dtype):
+    if dtype is None:
+        raise RvodInvalidArgumentError("Compression.bf16 on NumPy arrays needs the ml_dtypes package")
+    return _np.asarray(array).astype(dtype)
+
+
+FP16Compressor, BF16Compressor, Compression = _compressors("rvod.numpy", _is_floating, _cast, _np.float16,
+                                                           _bfloat16())
+
+
+def _with_compression(compression, tensors, reduce):
+    """``reduce(tensors, code)`` of ``tensors`` compressed by ``compression``, decompressed."""
+    compressed = [compression.compress(t) for t in tensors]
+    wire = [c for c, _ in compressed]
+    reduced = reduce(wire, _engine_code(compression, wire))
+    return [compression.decompress(r, context) for r, (_, context) in zip(reduced, compressed)]
+
+
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                     process_set=gps):
     return _ops.allreduce_async(_adapter, tensor, average, name, op, prescale_factor, postscale_factor,
@@ -30,9 +67,12 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
 
 
 def allreduce(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-              process_set=gps):
+              process_set=gps, compression=Compression.none):
     """Reduce ``tensor`` across ranks (default: Average) into a new array."""
-    return _ops.allreduce(_adapter, tensor, average, name, op, prescale_factor, postscale_factor, process_set)
+    if compression is Compression.none:
+        return _ops.allreduce(_adapter, tensor, average, name, op, prescale_factor, postscale_factor, process_set)
+    return _with_compression(compression, [tensor], lambda wire, code: [_ops.allreduce(
+        _adapter, wire[0], average, name, op, prescale_factor, postscale_factor, process_set, compression=code)])[0]
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -54,10 +94,14 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
 
 
 def grouped_allreduce(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-                      process_set=gps):
+                      process_set=gps, compression=Compression.none):
     """Reduce a list of arrays as one unit; returns a list of new arrays."""
-    return _ops.wait_for(grouped_allreduce_async, tensors, average, name, op, prescale_factor, postscale_factor,
-                         process_set)
+    if compression is Compression.none:
+        return _ops.wait_for(grouped_allreduce_async, tensors, average, name, op, prescale_factor, postscale_factor,
+                             process_set)
+    return _with_compression(compression, list(tensors), lambda wire, code: _ops.wait_for(
+        _ops.grouped_allreduce_async, _adapter, wire, average, name, op, prescale_factor, postscale_factor,
+        process_set, False, code))
 
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,

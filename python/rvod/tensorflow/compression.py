@@ -1,6 +1,8 @@
 """Gradient compression for TensorFlow tensors: ``Compression.none``, ``Compression.fp16`` (as in Horovod)
 and ``Compression.bf16`` (rvod's addition). Integer and bool tensors pass through unchanged; the logic
-lives in ``rvod.common.compression``."""
+lives in ``rvod.common.compression``.
+``Compression.int8``, ``.onebit`` and ``.powersgd(rank=4)`` are compressed by the engine, with error feedback
+(docs/compression.md)."""
 
 import tensorflow as tf
 

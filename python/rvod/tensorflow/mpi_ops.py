@@ -48,6 +48,7 @@ from rvod.common.process_sets import (  # noqa: F401
 from rvod.common.reduce_ops import Adasum, Average, Max, Min, Product, Sum, resolve_op  # noqa: F401
 from rvod.exceptions import RvodInvalidArgumentError, RvodMismatchError
 from rvod.tensorflow.adapter import MismatchError, TensorFlowAdapter, as_tensor
+from rvod.common.compression import engine_code
 from rvod.tensorflow.compression import Compression
 from rvod.tensorflow.session_node import session_node
 
@@ -130,14 +131,15 @@ def _set_size(process_set):
 # ------------------------------------------------------------------------------------------------ allreduce
 
 
-def _allreduce_dense(tensor, name, op, prescale_factor, postscale_factor, process_set):
+def _allreduce_dense(tensor, name, op, prescale_factor, postscale_factor, process_set, compression=0):
+    """``compression``: the engine's code (see ``rvod.common.compression``); the gradient is reduced alike."""
     def eager(t):
         return [_wait(_ops.allreduce_async(_adapter, t, None, name, op, prescale_factor, postscale_factor,
-                                           process_set))]
+                                           process_set, False, compression))]
 
     def grad(dy):
         return _allreduce_dense(tf.convert_to_tensor(dy), _op_name(None), op, prescale_factor, postscale_factor,
-                                process_set)
+                                process_set, compression)
 
     return _differentiable(lambda x: _run(eager, [x], [x.dtype], [x.shape])[0], grad, tensor)
 
@@ -171,18 +173,19 @@ def allreduce(tensor, average=None, device_dense='', device_sparse='', compressi
     if isinstance(tensor, tf.IndexedSlices):
         return _allreduce_sparse(tensor, op, prescale_factor, postscale_factor, name, process_set)
     compressed, context = compression.compress(as_tensor(tensor, "allreduce"))
-    reduced = _allreduce_dense(compressed, name, op, prescale_factor, postscale_factor, process_set)
+    reduced = _allreduce_dense(compressed, name, op, prescale_factor, postscale_factor, process_set,
+                               engine_code(compression, [compressed]))
     return compression.decompress(reduced, context)
 
 
-def _grouped_allreduce_dense(tensors, name, op, prescale_factor, postscale_factor, process_set):
+def _grouped_allreduce_dense(tensors, name, op, prescale_factor, postscale_factor, process_set, compression=0):
     def eager(*ts):
         return _wait(_ops.grouped_allreduce_async(_adapter, list(ts), None, name, op, prescale_factor,
-                                                  postscale_factor, process_set))
+                                                  postscale_factor, process_set, False, compression))
 
     def grad(*dys):
         return _grouped_allreduce_dense([tf.convert_to_tensor(d) for d in dys], _op_name(None), op, prescale_factor,
-                                        postscale_factor, process_set)
+                                        postscale_factor, process_set, compression)
 
     forward = lambda *xs: _run(eager, xs, [x.dtype for x in xs], [x.shape for x in xs])  # noqa: E731
     return list(_differentiable(forward, grad, *tensors))
@@ -208,8 +211,9 @@ def grouped_allreduce(tensors, average=None, device_dense='', device_sparse='', 
         else:
             dense.append((i, compression.compress(as_tensor(tensor, "grouped_allreduce"))))
     if dense:
-        reduced = _grouped_allreduce_dense([c for _, (c, _) in dense], name, op, prescale_factor, postscale_factor,
-                                           process_set)
+        wire = [c for _, (c, _) in dense]
+        reduced = _grouped_allreduce_dense(wire, name, op, prescale_factor, postscale_factor, process_set,
+                                           engine_code(compression, wire))
         for (i, (_, context)), value in zip(dense, reduced):
             results[i] = compression.decompress(value, context)
     return results

@@ -31,6 +31,7 @@ from rvod.common.reduce_ops import Adasum, Average, Max, Min, Product, Sum, reso
 from rvod.exceptions import RvodInvalidArgumentError
 from rvod.torch.adapter import TorchAdapter
 from rvod.torch.compression import Compression
+from rvod.common.compression import engine_code
 
 _adapter = TorchAdapter()
 # torch.compile traces the synchronous ops as custom ops (``compiled_ops``) from PyTorch 2.4, which has
@@ -64,26 +65,50 @@ class HorovodAllreduce(torch.autograd.Function):
     """Allreduce whose gradient is the allreduce of the output gradient with the same op and factors."""
 
     @staticmethod
-    def forward(ctx, tensor, average, name, op, prescale_factor, postscale_factor, process_set):
+    def forward(ctx, tensor, average, name, op, prescale_factor, postscale_factor, process_set, compression=0):
         ctx.op = resolve_op(op, average)
         ctx.factors = (prescale_factor, postscale_factor)
         ctx.process_set = process_set
-        return _ops.allreduce(_adapter, tensor, None, name, ctx.op, prescale_factor, postscale_factor, process_set)
+        ctx.compression = compression
+        return _ops.allreduce(_adapter, tensor, None, name, ctx.op, prescale_factor, postscale_factor, process_set,
+                              compression=compression)
 
     @staticmethod
     def backward(ctx, grad_output):
-        return _allreduce_grad(grad_output, ctx.op, ctx.factors, ctx.process_set), None, None, None, None, None, None
+        grad = _allreduce_grad(grad_output, ctx.op, ctx.factors, ctx.process_set, ctx.compression)
+        return (grad,) + (None,) * 7
 
 
-def _allreduce_grad(grad, op, factors, process_set):
-    """allreduce's transpose: the same allreduce of the output's gradient."""
+def _allreduce_grad(grad, op, factors, process_set, compression=0):
+    """allreduce's transpose: the same allreduce of the output's gradient (compressed alike, not twice
+    differentiable then)."""
+    if compression:
+        return _ops.allreduce(_adapter, grad, None, None, op, factors[0], factors[1], process_set,
+                              compression=compression)
     return allreduce(grad, op=op, prescale_factor=factors[0], postscale_factor=factors[1], process_set=process_set)
+
+
+def _engine_code(compression, tensors):
+    """The engine's compression code for ``tensors`` (see ``rvod.common.compression``); torch.compile does
+    not trace compressed allreduces."""
+    code = engine_code(compression, tensors)
+    if code and _compiling():
+        raise RvodInvalidArgumentError(f"{compression!r}: a compressed allreduce cannot run inside torch.compile; "
+                                       "call it outside the compiled function (DistributedOptimizer does)")
+    return code
 
 
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None, prescale_factor=1.0,
               postscale_factor=1.0, process_set=global_process_set):
     """Reduce ``tensor`` across ranks (default: Average) into a new tensor; differentiable."""
     compressed, context = compression.compress(tensor)
+    code = _engine_code(compression, [compressed])
+    if code:
+        if compressed.requires_grad and torch.is_grad_enabled():
+            return HorovodAllreduce.apply(compressed, average, name, op, prescale_factor, postscale_factor,
+                                          process_set, code)
+        return _ops.allreduce(_adapter, compressed, average, name, op, prescale_factor, postscale_factor,
+                              process_set, compression=code)
     if _compiling():
         reduced = _compiled.allreduce(compressed, average, name, op, prescale_factor, postscale_factor, process_set)
     elif compressed.requires_grad and torch.is_grad_enabled():
@@ -121,20 +146,25 @@ class HorovodGroupedAllreduce(torch.autograd.Function):
     """Grouped allreduce; the gradients are grouped-allreduced with the same op and factors."""
 
     @staticmethod
-    def forward(ctx, average, name, op, prescale_factor, postscale_factor, process_set, *tensors):
+    def forward(ctx, average, name, op, prescale_factor, postscale_factor, process_set, compression, *tensors):
         ctx.op = resolve_op(op, average)
         ctx.factors = (prescale_factor, postscale_factor)
         ctx.process_set = process_set
-        return tuple(_ops.wait_for(grouped_allreduce_async, list(tensors), None, name, ctx.op, prescale_factor,
-                                   postscale_factor, process_set))
+        ctx.compression = compression
+        return tuple(_ops.wait_for(_ops.grouped_allreduce_async, _adapter, list(tensors), None, name, ctx.op,
+                                   prescale_factor, postscale_factor, process_set, False, compression))
 
     @staticmethod
     def backward(ctx, *grad_outputs):
-        return (None,) * 6 + tuple(_grouped_allreduce_grad(list(grad_outputs), ctx.op, ctx.factors, ctx.process_set))
+        grads = _grouped_allreduce_grad(list(grad_outputs), ctx.op, ctx.factors, ctx.process_set, ctx.compression)
+        return (None,) * 7 + tuple(grads)
 
 
-def _grouped_allreduce_grad(grads, op, factors, process_set):
+def _grouped_allreduce_grad(grads, op, factors, process_set, compression=0):
     """grouped_allreduce's transpose: the same grouped allreduce of the outputs' gradients."""
+    if compression:
+        return _ops.wait_for(_ops.grouped_allreduce_async, _adapter, grads, None, None, op, factors[0], factors[1],
+                             process_set, False, compression)
     return grouped_allreduce(grads, op=op, prescale_factor=factors[0], postscale_factor=factors[1],
                              process_set=process_set)
 
@@ -146,12 +176,13 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
     if not tensors:
         raise RvodInvalidArgumentError("grouped_allreduce needs at least one tensor")
     compressed = [compression.compress(t) for t in tensors]
-    if _compiling():
+    code = _engine_code(compression, [c for c, _ in compressed])
+    if _compiling() and not code:
         reduced = _compiled.grouped_allreduce([c for c, _ in compressed], average, name, op, prescale_factor,
                                               postscale_factor, process_set)
     else:
         reduced = HorovodGroupedAllreduce.apply(average, name, op, prescale_factor, postscale_factor, process_set,
-                                                *[c for c, _ in compressed])
+                                                code, *[c for c, _ in compressed])
     return [compression.decompress(r, context) for r, (_, context) in zip(reduced, compressed)]
 
 

@@ -22,7 +22,9 @@ import warnings
 
 import torch
 
+from rvod.common import ops as _ops
 from rvod.common.basics import size
+from rvod.common.compression import engine_code
 from rvod.common.gradients import (Reduction, Variables, check_backward_passes_per_step, refuse_rewrapping,
                                    split_evenly)
 from rvod.common.process_sets import global_process_set, registered_id
@@ -30,7 +32,7 @@ from rvod.common.reduce_ops import Adasum, Average
 from rvod.torch.adasum_optimizer import _DistributedAdasumOptimizer
 from rvod.torch.compression import Compression
 from rvod.torch.functions import broadcast_object
-from rvod.torch.mpi_ops import allreduce_async_, grouped_allreduce_async_, sparse_allreduce_async, synchronize
+from rvod.torch.mpi_ops import _adapter, sparse_allreduce_async, synchronize
 from rvod.torch.sharded_optimizer import _ShardedOptimizer, refuse_unshardable
 
 _STEP_AFTER_SYNCHRONIZE = (
@@ -148,9 +150,8 @@ class _DistributedOptimizer:
             return self._reduced_sparse(p, grad)
         dense = grad.to_dense() if grad.is_sparse else grad
         compressed, context = self._compression.compress(dense)
-        handle = allreduce_async_(compressed, name=self._parameter_names[p], op=self._op,
-                                  prescale_factor=self._scale[0], postscale_factor=self._scale[1],
-                                  process_set=self._process_set)
+        handle = _ops.allreduce_async(_adapter, compressed, None, self._parameter_names[p], self._op, *self._scale,
+                                      self._process_set, True, engine_code(self._compression, [compressed]))
 
         def finish():
             synchronize(handle)
@@ -170,10 +171,10 @@ class _DistributedOptimizer:
                 members.append((p, grad, self._compression.compress(grad.to_dense() if grad.is_sparse else grad)))
         handle = None
         if members:
-            handle = grouped_allreduce_async_([compressed for _, _, (compressed, _) in members],
-                                              name=self._parameter_names[group[0]], op=self._op,
-                                              prescale_factor=self._scale[0], postscale_factor=self._scale[1],
-                                              process_set=self._process_set)
+            tensors = [compressed for _, _, (compressed, _) in members]
+            handle = _ops.grouped_allreduce_async(_adapter, tensors, None, self._parameter_names[group[0]],
+                                                  self._op, *self._scale, self._process_set, True,
+                                                  engine_code(self._compression, tensors))
 
         def finish():
             if handle is not None:

@@ -1,0 +1,219 @@
+//! Block codecs of the quantized allreduce. A buffer of float32 values is cut into blocks of [`BLOCK`]
+//! values (the last may be shorter); each block is sent as its float32 scale (native-endian, 4 bytes) and
+//! then its payload:
+//!
+//! - int8: one signed byte per value, `round(value / scale)` with `scale = max |value| / 127`, so each value
+//!   comes back within half a step (`scale / 2`) of what it was;
+//! - 1-bit: one bit per value (set for `value >= 0`, first value in the lowest bit), with `scale` the mean
+//!   magnitude of the block; every value comes back as `+scale` or `-scale`.
+//!
+//! Encoding also yields the residual `value - decoded`, what error feedback carries to the next step. A
+//! block holding a NaN or an infinity decodes to NaN throughout (its scale is not finite), as an
+//! uncompressed sum with one would.
+
+/// Values per block.
+pub const BLOCK: usize = 256;
+const SCALE_BYTES: usize = 4;
+
+/// A block codec.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Codec {
+    Int8,
+    OneBit,
+}
+
+impl Codec {
+    fn payload_bytes(self, values: usize) -> usize {
+        match self {
+            Codec::Int8 => values,
+            Codec::OneBit => values.div_ceil(8),
+        }
+    }
+
+    /// Bytes of `values` values encoded.
+    pub fn encoded_len(self, values: usize) -> usize {
+        let full = values / BLOCK;
+        let rest = values % BLOCK;
+        let last = if rest > 0 { SCALE_BYTES + self.payload_bytes(rest) } else { 0 };
+        full * (SCALE_BYTES + self.payload_bytes(BLOCK)) + last
+    }
+
+    /// Encode `values` into `out` (`encoded_len(values.len())` bytes) and write `value - decoded` into
+    /// `residual` (as long as `values`).
+    pub fn encode(self, values: &[f32], out: &mut [u8], residual: &mut [f32]) {
+        let mut at = 0;
+        for (block, res) in values.chunks(BLOCK).zip(residual.chunks_mut(BLOCK)) {
+            let end = at + SCALE_BYTES + self.payload_bytes(block.len());
+            let (head, payload) = out[at..end].split_at_mut(SCALE_BYTES);
+            let scale = match self {
+                Codec::Int8 => encode_int8(block, payload),
+                Codec::OneBit => encode_onebit(block, payload),
+            };
+            head.copy_from_slice(&scale.to_ne_bytes());
+            self.decode_block(scale, payload, res);
+            for (r, &v) in res.iter_mut().zip(block) {
+                *r = v - *r;
+            }
+            at = end;
+        }
+    }
+
+    /// Add the values `bytes` encodes to `out` (as many values as `out` holds).
+    pub fn decode_add(self, bytes: &[u8], out: &mut [f32]) {
+        let mut decoded = [0.0f32; BLOCK];
+        self.for_each_block(bytes, out, |codec, scale, payload, out| {
+            let decoded = &mut decoded[..out.len()];
+            codec.decode_block(scale, payload, decoded);
+            for (o, d) in out.iter_mut().zip(decoded.iter()) {
+                *o += d;
+            }
+        });
+    }
+
+    /// Write the values `bytes` encodes into `out` (as many values as `out` holds).
+    pub fn decode(self, bytes: &[u8], out: &mut [f32]) {
+        self.for_each_block(bytes, out, |codec, scale, payload, out| codec.decode_block(scale, payload, out));
+    }
+
+    fn for_each_block(self, bytes: &[u8], out: &mut [f32], mut each: impl FnMut(Codec, f32, &[u8], &mut [f32])) {
+        let mut at = 0;
+        for block in out.chunks_mut(BLOCK) {
+            let end = at + SCALE_BYTES + self.payload_bytes(block.len());
+            let (head, payload) = bytes[at..end].split_at(SCALE_BYTES);
+            let mut scale = [0u8; SCALE_BYTES];
+            scale.copy_from_slice(head);
+            each(self, f32::from_ne_bytes(scale), payload, block);
+            at = end;
+        }
+    }
+
+    fn decode_block(self, scale: f32, payload: &[u8], out: &mut [f32]) {
+        match self {
+            Codec::Int8 => {
+                for (o, &q) in out.iter_mut().zip(payload) {
+                    *o = f32::from(q as i8) * scale;
+                }
+            }
+            Codec::OneBit => {
+                for (i, o) in out.iter_mut().enumerate() {
+                    let set = payload[i / 8] >> (i % 8) & 1 == 1;
+                    *o = if set { scale } else { -scale };
+                }
+            }
+        }
+    }
+}
+
+/// Encode one block as int8; returns its scale.
+fn encode_int8(block: &[f32], payload: &mut [u8]) -> f32 {
+    let max = block.iter().fold(0.0f32, |max, v| if v.abs() > max || v.is_nan() { v.abs() } else { max });
+    let scale = max / 127.0;
+    let inverse = if scale > 0.0 && scale.is_finite() { 1.0 / scale } else { 0.0 };
+    for (p, &v) in payload.iter_mut().zip(block) {
+        *p = (v * inverse).round().clamp(-127.0, 127.0) as i8 as u8;
+    }
+    if scale.is_finite() {
+        scale
+    } else {
+        f32::NAN
+    }
+}
+
+/// Encode one block as signs; returns its scale (the mean magnitude).
+fn encode_onebit(block: &[f32], payload: &mut [u8]) -> f32 {
+    payload.fill(0);
+    let mut magnitude = 0.0f64;
+    for (i, &v) in block.iter().enumerate() {
+        magnitude += f64::from(v.abs());
+        if v >= 0.0 {
+            payload[i / 8] |= 1 << (i % 8);
+        }
+    }
+    let scale = (magnitude / block.len() as f64) as f32;
+    if scale.is_finite() {
+        scale
+    } else {
+        f32::NAN
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn values(n: usize) -> Vec<f32> {
+        (0..n).map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0).collect()
+    }
+
+    fn round_trip(codec: Codec, input: &[f32]) -> (Vec<f32>, Vec<f32>) {
+        let mut bytes = vec![0u8; codec.encoded_len(input.len())];
+        let mut residual = vec![0.0; input.len()];
+        codec.encode(input, &mut bytes, &mut residual);
+        let mut decoded = vec![0.0; input.len()];
+        codec.decode(&bytes, &mut decoded);
+        (decoded, residual)
+    }
+
+    #[test]
+    fn sizes_count_a_scale_per_block() {
+        assert_eq!(Codec::Int8.encoded_len(0), 0);
+        assert_eq!(Codec::Int8.encoded_len(BLOCK), 4 + BLOCK);
+        assert_eq!(Codec::Int8.encoded_len(BLOCK + 3), 4 + BLOCK + 4 + 3);
+        assert_eq!(Codec::OneBit.encoded_len(BLOCK), 4 + BLOCK / 8);
+        assert_eq!(Codec::OneBit.encoded_len(9), 4 + 2);
+    }
+
+    #[test]
+    fn int8_comes_back_within_half_a_step_and_the_residual_is_what_was_lost() {
+        let input = values(3 * BLOCK + 17);
+        let (decoded, residual) = round_trip(Codec::Int8, &input);
+        for (block, (dec, res)) in input.chunks(BLOCK).zip(decoded.chunks(BLOCK).zip(residual.chunks(BLOCK))) {
+            let step = block.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 127.0;
+            for ((&v, &d), &r) in block.iter().zip(dec).zip(res) {
+                assert!((v - d).abs() <= step / 2.0 + 1e-6, "{v} came back as {d}");
+                assert_eq!(r, v - d);
+            }
+        }
+        // The largest magnitude of a block is exact (it is 127 steps).
+        let (decoded, _) = round_trip(Codec::Int8, &[-3.0, 1.0, 0.0]);
+        assert!((decoded[0] + 3.0).abs() < 1e-6 && decoded[2] == 0.0, "{decoded:?}");
+    }
+
+    #[test]
+    fn onebit_sends_signs_with_the_blocks_mean_magnitude() {
+        let (decoded, residual) = round_trip(Codec::OneBit, &[1.0, -3.0, 0.0, 2.0]);
+        assert_eq!(decoded, [1.5, -1.5, 1.5, 1.5]);
+        assert_eq!(residual, [-0.5, -1.5, -1.5, 0.5]);
+        let input = values(BLOCK + 5);
+        let (decoded, _) = round_trip(Codec::OneBit, &input);
+        let tail_mean = input[BLOCK..].iter().map(|v| v.abs()).sum::<f32>() / 5.0;
+        assert!((decoded[BLOCK].abs() - tail_mean).abs() < 1e-5, "the short last block has its own scale");
+    }
+
+    #[test]
+    fn decode_add_accumulates_and_zeros_stay_zero() {
+        let input = values(40);
+        let mut bytes = vec![0u8; Codec::Int8.encoded_len(40)];
+        let mut residual = vec![0.0; 40];
+        Codec::Int8.encode(&input, &mut bytes, &mut residual);
+        let mut once = vec![0.0; 40];
+        Codec::Int8.decode(&bytes, &mut once);
+        let mut twice = vec![0.0; 40];
+        Codec::Int8.decode_add(&bytes, &mut twice);
+        Codec::Int8.decode_add(&bytes, &mut twice);
+        assert!(once.iter().zip(&twice).all(|(a, b)| 2.0 * a == *b));
+        let (zeros, residual) = round_trip(Codec::Int8, &[0.0; 10]);
+        assert_eq!((zeros, residual), (vec![0.0; 10], vec![0.0; 10]));
+    }
+
+    #[test]
+    fn a_nan_spoils_only_its_block() {
+        let mut input = vec![1.0f32; BLOCK + 2];
+        input[3] = f32::NAN;
+        for codec in [Codec::Int8, Codec::OneBit] {
+            let (decoded, _) = round_trip(codec, &input);
+            assert!(decoded[..BLOCK].iter().all(|v| v.is_nan()), "{codec:?}");
+            assert!(decoded[BLOCK..].iter().all(|&v| v == 1.0), "{codec:?}");
+        }
+    }
+}

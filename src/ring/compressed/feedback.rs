@@ -1,0 +1,141 @@
+//! The state a compressed allreduce keeps between steps, per tensor name: the residual of what this rank
+//! could not send of its own values (`worker`), of the sums it reduced for the others (`server`, int8 and
+//! 1-bit), and PowerSGD's factor Q, warm-started from the last step.
+//!
+//! It lives as long as the engine's executor: an elastic job's new world starts with none (the engine says
+//! how many tensors' state it dropped when it shuts down).
+
+use rustc_hash::FxHashMap;
+
+/// What fills a tensor's state when it has none yet (zeros otherwise).
+pub type Init<'a> = Option<&'a dyn Fn(&mut [f32])>;
+
+/// Which kind of state of a tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    /// What this rank could not send of its own values.
+    Worker,
+    /// What this rank could not send of the sums it reduced for the others.
+    Server,
+    /// PowerSGD's factor Q.
+    Factor,
+}
+
+/// Per-tensor state of compressed allreduces.
+#[derive(Default)]
+pub struct Feedback {
+    worker: FxHashMap<String, Vec<f32>>,
+    server: FxHashMap<String, Vec<f32>>,
+    factor: FxHashMap<String, Vec<f32>>,
+    /// Hierarchical: the local rank that carries each tensor across hosts, and how many values each carries.
+    owners: FxHashMap<String, usize>,
+    carried: Vec<usize>,
+}
+
+impl Feedback {
+    fn map(&mut self, kind: Kind) -> &mut FxHashMap<String, Vec<f32>> {
+        match kind {
+            Kind::Worker => &mut self.worker,
+            Kind::Server => &mut self.server,
+            Kind::Factor => &mut self.factor,
+        }
+    }
+
+    /// `name`'s state of `kind`, `len` values: zeros when it has none yet or had another length (its
+    /// tensor changed shape), or `init`'s values where given.
+    pub fn get(&mut self, kind: Kind, name: &str, len: usize, init: Init<'_>) -> &mut [f32] {
+        let map = self.map(kind);
+        let fresh = map.get(name).map_or(true, |values| values.len() != len);
+        if fresh {
+            let mut values = vec![0.0; len];
+            if let Some(init) = init {
+                init(&mut values);
+            }
+            map.insert(name.to_string(), values);
+        }
+        map.get_mut(name).map(Vec::as_mut_slice).unwrap_or_default()
+    }
+
+    /// `name`'s state of `kind` if it has one.
+    pub fn peek(&self, kind: Kind, name: &str) -> Option<&[f32]> {
+        let map = match kind {
+            Kind::Worker => &self.worker,
+            Kind::Server => &self.server,
+            Kind::Factor => &self.factor,
+        };
+        map.get(name).map(Vec::as_slice)
+    }
+
+    /// Hierarchical: which of `local_size` local ranks carries tensor `name` (`len` values) across hosts. A
+    /// tensor keeps its carrier (and so its residual) for good; a new one goes to the rank carrying least.
+    /// Every rank of a host sees the same ops in the same order, so all agree.
+    pub fn carrier(&mut self, name: &str, len: usize, local_size: usize) -> usize {
+        if self.carried.len() != local_size {
+            self.owners.clear();
+            self.carried = vec![0; local_size];
+        }
+        if let Some(&owner) = self.owners.get(name) {
+            return owner;
+        }
+        let owner = (0..local_size).min_by_key(|&i| (self.carried[i], i)).unwrap_or(0);
+        if let Some(carried) = self.carried.get_mut(owner) {
+            *carried += len;
+        }
+        self.owners.insert(name.to_string(), owner);
+        owner
+    }
+
+    /// Number of tensors with any state.
+    pub fn tensors(&self) -> usize {
+        let mut names: Vec<&String> = self.worker.keys().chain(self.server.keys()).chain(self.factor.keys()).collect();
+        names.sort_unstable();
+        names.dedup();
+        names.len()
+    }
+
+    /// Drop every tensor's state.
+    pub fn clear(&mut self) {
+        self.worker.clear();
+        self.server.clear();
+        self.factor.clear();
+        self.owners.clear();
+        self.carried.clear();
+    }
+}
+
+impl Drop for Feedback {
+    fn drop(&mut self) {
+        let tensors = self.tensors();
+        if tensors > 0 {
+            // When an elastic job's world changes, the new one starts from none: say so.
+            tracing::info!("compressed allreduces: dropping the error feedback of {tensors} tensor(s)");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn state_starts_at_zero_or_its_init_and_restarts_when_the_length_changes() {
+        let mut feedback = Feedback::default();
+        assert_eq!(feedback.get(Kind::Worker, "w", 3, None), [0.0; 3]);
+        feedback.get(Kind::Worker, "w", 3, None)[1] = 2.5;
+        assert_eq!(feedback.get(Kind::Worker, "w", 3, None), [0.0, 2.5, 0.0], "kept between steps");
+        assert_eq!(feedback.get(Kind::Worker, "w", 2, None), [0.0; 2], "a new shape starts again");
+        let ones = |v: &mut [f32]| v.fill(1.0);
+        assert_eq!(feedback.get(Kind::Factor, "w", 2, Some(&ones)), [1.0; 2]);
+        assert_eq!(feedback.tensors(), 1);
+        feedback.get(Kind::Server, "b", 1, None);
+        assert_eq!(feedback.tensors(), 2);
+        feedback.clear();
+        assert_eq!(feedback.tensors(), 0);
+        // Carriers: balanced by values, and each tensor keeps its own.
+        assert_eq!(feedback.carrier("big", 100, 2), 0);
+        assert_eq!(feedback.carrier("small", 10, 2), 1);
+        assert_eq!(feedback.carrier("next", 10, 2), 1);
+        assert_eq!(feedback.carrier("big", 100, 2), 0);
+        assert!(feedback.peek(Kind::Worker, "w").is_none());
+    }
+}

@@ -1,0 +1,132 @@
+//! Compressed allreduce of floating-point tensors with error feedback ([`Compression`] other than none).
+//!
+//! The executor hands over one dense float32 vector holding every tensor of the op back to back (converted
+//! from the tensors' dtype, prescaled) and a [`Span`] per tensor; an algorithm leaves in it the approximate
+//! sum of every rank's values, the same bits on every rank. What a rank could not send is kept per tensor
+//! name in [`Feedback`] and added to that tensor's values the next time, so changes of fusion leave it
+//! intact.
+//!
+//! - [`blocks`]: the int8 and 1-bit block codecs.
+//! - [`quantized`]: the int8 and 1-bit allreduce, a reduce-scatter and an allgather of encoded blocks.
+//! - [`powersgd`]: PowerSGD's allreduce of low-rank factors.
+//! - [`feedback`]: the per-tensor state (residuals, PowerSGD's warm-started factors).
+//!
+//! [`Compression`]: crate::types::Compression
+
+pub mod blocks;
+pub mod feedback;
+pub mod powersgd;
+pub mod quantized;
+
+pub use feedback::Feedback;
+
+use crate::ring::allgather::allgatherv;
+use crate::ring::args::invalid_argument;
+use crate::transport::{HostParts, Transport, TransportError};
+use crate::types::{Combine, Compression, DataType};
+
+/// One tensor's place in the dense vector of an op's values.
+#[derive(Clone, Copy, Debug)]
+pub struct Span<'a> {
+    /// The tensor's name, which keys its error feedback.
+    pub name: &'a str,
+    /// Its shape (PowerSGD reads it as a matrix of `shape[0]` rows).
+    pub shape: &'a [i64],
+    /// Its first element in the dense vector.
+    pub start: usize,
+    /// Its number of elements.
+    pub len: usize,
+    /// This rank submitted it (a joined rank contributes zeros and keeps no residual for it).
+    pub contributes: bool,
+}
+
+impl Span<'_> {
+    fn range(&self) -> std::ops::Range<usize> {
+        self.start..self.start + self.len
+    }
+}
+
+/// Allreduce (sum) `values`, the tensors of `spans` back to back, compressed as `compression` says, with
+/// each tensor's error feedback from and into `feedback`. On one rank nothing is sent and `values` stays.
+pub fn allreduce(
+    t: &mut dyn Transport,
+    compression: Compression,
+    values: &mut [f32],
+    spans: &[Span<'_>],
+    feedback: &mut Feedback,
+) -> Result<(), TransportError> {
+    if let Some(span) = spans.iter().find(|s| s.start.checked_add(s.len).map_or(true, |end| end > values.len())) {
+        let detail = format!("tensor '{}' lies outside the op's {} values", span.name, values.len());
+        return Err(invalid_argument(t.rank(), "compressed allreduce", detail));
+    }
+    if t.size() == 1 {
+        return Ok(());
+    }
+    match compression {
+        Compression::None => sum_exactly(t, values),
+        Compression::Int8 => quantized::allreduce(t, blocks::Codec::Int8, values, spans, feedback),
+        Compression::OneBit => quantized::allreduce(t, blocks::Codec::OneBit, values, spans, feedback),
+        Compression::PowerSgd { rank } => powersgd::allreduce(t, usize::from(rank), values, spans, feedback),
+    }
+}
+
+/// The hierarchical compressed allreduce over a communicator that spans hosts: `values` summed exactly
+/// inside each host (shared memory: faster than any compression), each tensor's host sum compressed across
+/// hosts by one of the host's ranks (its carrier, see [`Feedback::carrier`], so it crosses once per host and
+/// keeps its residual there), and the results shared inside the host again. `on_step` is told of each step
+/// (0: the local sum, 1: the cross-host step, 2: the local share).
+pub fn allreduce_hierarchical(
+    mut parts: HostParts<'_>,
+    compression: Compression,
+    values: &mut [f32],
+    spans: &[Span<'_>],
+    feedback: &mut Feedback,
+    on_step: &mut dyn FnMut(u8),
+) -> Result<(), TransportError> {
+    sum_exactly(&mut parts.local, values)?;
+    on_step(0);
+    let (local_rank, local_size) = (parts.local.rank(), parts.local.size());
+    let carriers: Vec<usize> = spans.iter().map(|s| feedback.carrier(s.name, s.len, local_size)).collect();
+    let mut carried: Vec<f32> = Vec::new();
+    let mut carried_spans = Vec::new();
+    for (span, _) in spans.iter().zip(&carriers).filter(|(_, &carrier)| carrier == local_rank) {
+        carried_spans.push(Span { start: carried.len(), contributes: true, ..*span });
+        carried.extend_from_slice(&values[span.range()]);
+    }
+    allreduce(&mut parts.cross, compression, &mut carried, &carried_spans, feedback)?;
+    on_step(1);
+    let mut bytes_per_rank = vec![0usize; local_size];
+    for (span, &carrier) in spans.iter().zip(&carriers) {
+        bytes_per_rank[carrier] += span.len * std::mem::size_of::<f32>();
+    }
+    let mut everything = vec![0.0f32; values.len()];
+    allgatherv(&mut parts.local, f32_bytes_mut(&mut carried), f32_bytes_mut(&mut everything), &bytes_per_rank)?;
+    on_step(2);
+    let mut at: Vec<usize> = bytes_per_rank
+        .iter()
+        .scan(0, |start, &bytes| {
+            let here = *start;
+            *start += bytes / std::mem::size_of::<f32>();
+            Some(here)
+        })
+        .collect();
+    for (span, &carrier) in spans.iter().zip(&carriers) {
+        let from = at[carrier];
+        values[span.range()].copy_from_slice(&everything[from..from + span.len]);
+        at[carrier] += span.len;
+    }
+    Ok(())
+}
+
+/// The exact sum of `values` over the communicator (the ring's, bit-identical on every rank).
+pub(crate) fn sum_exactly(t: &mut dyn Transport, values: &mut [f32]) -> Result<(), TransportError> {
+    crate::ring::allreduce(t, f32_bytes_mut(values), DataType::Float32, Combine::Sum)
+}
+
+/// `values` as their native-endian bytes.
+pub(crate) fn f32_bytes_mut(values: &mut [f32]) -> &mut [u8] {
+    let len = std::mem::size_of_val(values);
+    // SAFETY: every bit pattern is a valid u8, u8 has alignment 1, and the byte slice covers exactly the
+    // memory of `values`, which it borrows mutably for its lifetime.
+    unsafe { std::slice::from_raw_parts_mut(values.as_mut_ptr().cast::<u8>(), len) }
+}

@@ -1,0 +1,285 @@
+//! PowerSGD (Vogels et al., 2019), as PyTorch DDP's hook runs it: each tensor of two or more dimensions is
+//! read as a matrix `M` of `shape[0]` rows, and where a rank-`r` pair of factors is at most half its size it
+//! travels as them; other tensors (vectors, small matrices) are summed exactly.
+//!
+//! One step, with every rank's error feedback added to its `M` first: `P = M Q` (Q warm-started from the
+//! last step; at first the same pseudo-random matrix on every rank, seeded by the tensor's name), `P`
+//! summed over the ranks and orthonormalised (Gram-Schmidt on its columns), `Q = M^T P` summed over the
+//! ranks; the sum of the ranks' matrices is then approximated by `P Q^T` and each rank keeps `M - P Q^T / n`
+//! (its share of what the approximation missed) for the next step. Two small allreduces per step, of
+//! `(rows + cols) r` values per tensor, all tensors' factors in one buffer each.
+
+use crate::ring::compressed::feedback::{Feedback, Kind};
+use crate::ring::compressed::{sum_exactly, Span};
+use crate::transport::{Transport, TransportError};
+
+/// A compressed tensor: its span and its matrix dimensions.
+struct Matrix<'s, 'a> {
+    span: &'s Span<'a>,
+    rows: usize,
+    cols: usize,
+}
+
+/// `span` as a matrix compressed at rank `r`, or `None` where it is sent exactly: fewer than two
+/// dimensions, or factors more than half the matrix's size (DDP's minimum compression rate of 2).
+fn as_matrix<'s, 'a>(span: &'s Span<'a>, r: usize) -> Option<Matrix<'s, 'a>> {
+    let rows = usize::try_from(*span.shape.first()?).ok().filter(|&rows| rows > 0)?;
+    if span.shape.len() < 2 || span.len % rows != 0 {
+        return None;
+    }
+    let cols = span.len / rows;
+    let factors = (rows + cols).checked_mul(r)?;
+    (r < rows.min(cols) && factors.checked_mul(2)? <= span.len).then_some(Matrix { span, rows, cols })
+}
+
+/// Allreduce (sum) `values` with rank-`r` PowerSGD; see the module doc.
+pub fn allreduce(
+    t: &mut dyn Transport,
+    r: usize,
+    values: &mut [f32],
+    spans: &[Span<'_>],
+    feedback: &mut Feedback,
+) -> Result<(), TransportError> {
+    let n = t.size() as f32;
+    let (matrices, plain): (Vec<_>, Vec<_>) = spans.iter().partition(|span| as_matrix(span, r).is_some());
+    let matrices: Vec<Matrix<'_, '_>> = matrices.into_iter().filter_map(|span| as_matrix(span, r)).collect();
+    if !plain.is_empty() {
+        let mut exact: Vec<f32> = plain.iter().flat_map(|span| values[span.range()].iter().copied()).collect();
+        sum_exactly(t, &mut exact)?;
+        let mut at = 0;
+        for span in &plain {
+            values[span.range()].copy_from_slice(&exact[at..at + span.len]);
+            at += span.len;
+        }
+    }
+    if matrices.is_empty() {
+        return Ok(());
+    }
+    for m in matrices.iter().filter(|m| m.span.contributes) {
+        let residual = feedback.get(Kind::Worker, m.span.name, m.span.len, None);
+        for (v, e) in values[m.span.range()].iter_mut().zip(residual.iter()) {
+            *v += e;
+        }
+    }
+    // P = M Q, summed and orthonormalised.
+    let mut ps = vec![0.0f32; matrices.iter().map(|m| m.rows * r).sum()];
+    let mut at = 0;
+    for m in &matrices {
+        let init = |q: &mut [f32]| seeded_uniform(m.span.name, q);
+        let q = feedback.get(Kind::Factor, m.span.name, m.cols * r, Some(&init));
+        multiply(&values[m.span.range()], m.rows, m.cols, q, r, &mut ps[at..at + m.rows * r]);
+        at += m.rows * r;
+    }
+    sum_exactly(t, &mut ps)?;
+    // Q = M^T P, summed.
+    let mut qs = vec![0.0f32; matrices.iter().map(|m| m.cols * r).sum()];
+    let (mut p_at, mut q_at) = (0, 0);
+    for m in &matrices {
+        let p = &mut ps[p_at..p_at + m.rows * r];
+        orthonormalise_columns(p, m.rows, r);
+        multiply_transposed(&values[m.span.range()], m.rows, m.cols, p, r, &mut qs[q_at..q_at + m.cols * r]);
+        p_at += m.rows * r;
+        q_at += m.cols * r;
+    }
+    sum_exactly(t, &mut qs)?;
+    // The sum is approximated by P Q^T; each rank keeps its share of what that missed.
+    let (mut p_at, mut q_at) = (0, 0);
+    for m in &matrices {
+        let p = &ps[p_at..p_at + m.rows * r];
+        let q = &qs[q_at..q_at + m.cols * r];
+        let own = &mut values[m.span.range()];
+        let residual = m.span.contributes.then(|| feedback.get(Kind::Worker, m.span.name, m.span.len, None));
+        let mut residual = residual.map(|res| res as *mut [f32]);
+        for row in 0..m.rows {
+            for col in 0..m.cols {
+                let approx: f32 = (0..r).map(|k| p[row * r + k] * q[col * r + k]).sum();
+                let at = row * m.cols + col;
+                if let Some(res) = residual.as_mut() {
+                    // SAFETY: `res` points at this tensor's residual in `feedback`, which nothing else
+                    // borrows until the loop ends.
+                    unsafe { (**res)[at] = own[at] - approx / n };
+                }
+                own[at] = approx;
+            }
+        }
+        feedback.get(Kind::Factor, m.span.name, m.cols * r, None).copy_from_slice(q);
+        p_at += m.rows * r;
+        q_at += m.cols * r;
+    }
+    Ok(())
+}
+
+/// `out = m q`: `m` is `rows x cols`, `q` is `cols x r`, row-major.
+fn multiply(m: &[f32], rows: usize, cols: usize, q: &[f32], r: usize, out: &mut [f32]) {
+    out.fill(0.0);
+    for row in 0..rows {
+        let out_row = &mut out[row * r..(row + 1) * r];
+        for (col, &value) in m[row * cols..(row + 1) * cols].iter().enumerate() {
+            for (o, &f) in out_row.iter_mut().zip(&q[col * r..(col + 1) * r]) {
+                *o += value * f;
+            }
+        }
+    }
+}
+
+/// `out = m^T p`: `m` is `rows x cols`, `p` is `rows x r`, `out` is `cols x r`, row-major.
+fn multiply_transposed(m: &[f32], rows: usize, cols: usize, p: &[f32], r: usize, out: &mut [f32]) {
+    out.fill(0.0);
+    for row in 0..rows {
+        let p_row = &p[row * r..(row + 1) * r];
+        for (col, &value) in m[row * cols..(row + 1) * cols].iter().enumerate() {
+            for (o, &f) in out[col * r..(col + 1) * r].iter_mut().zip(p_row) {
+                *o += value * f;
+            }
+        }
+    }
+}
+
+/// Gram-Schmidt on the `r` columns of the `rows x r` row-major `p`: each column made orthogonal to the ones
+/// before and of unit length. A column that was (almost) in the span of the ones before becomes zero: what
+/// is left of it after the projections is rounding noise, which normalising would blow up into a direction
+/// that is not orthogonal to them.
+fn orthonormalise_columns(p: &mut [f32], rows: usize, r: usize) {
+    let norm_of = |p: &[f32], k: usize| (0..rows).map(|i| p[i * r + k] * p[i * r + k]).sum::<f32>().sqrt();
+    for k in 0..r {
+        let before = norm_of(p, k);
+        // Twice: the second pass removes what rounding left of the first ("twice is enough").
+        for _ in 0..2 {
+            for j in 0..k {
+                let dot: f32 = (0..rows).map(|i| p[i * r + k] * p[i * r + j]).sum();
+                for i in 0..rows {
+                    p[i * r + k] -= dot * p[i * r + j];
+                }
+            }
+        }
+        let norm = norm_of(p, k);
+        let scale = if norm > f32::MIN_POSITIVE && norm > 1e-4 * before { 1.0 / norm } else { 0.0 };
+        for i in 0..rows {
+            p[i * r + k] *= scale;
+        }
+    }
+}
+
+/// Fill `out` with values in [-1, 1) from a generator seeded by `name` (FNV-1a, then SplitMix64): the same
+/// on every rank.
+fn seeded_uniform(name: &str, out: &mut [f32]) {
+    let mut state =
+        name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
+    for value in out {
+        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^= z >> 31;
+        *value = (z >> 40) as f32 / (1u64 << 23) as f32 - 1.0;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transport::memory::{run_ranks, MemoryTransport};
+
+    #[test]
+    fn only_matrices_whose_factors_are_at_most_half_their_size_are_compressed() {
+        let span = |shape: &'static [i64], len| Span { name: "t", shape, start: 0, len, contributes: true };
+        assert!(as_matrix(&span(&[64, 32], 2048), 4).is_some());
+        assert!(as_matrix(&span(&[8, 3, 3, 4], 288), 2).is_some(), "a conv kernel as 8 x 36");
+        assert!(as_matrix(&span(&[2048], 2048), 4).is_none(), "a vector");
+        assert!(as_matrix(&span(&[10, 10], 100), 4).is_none(), "80 factor values are more than half of 100");
+        assert!(as_matrix(&span(&[4, 512], 2048), 4).is_none(), "rank not below both dimensions");
+        assert!(as_matrix(&span(&[0, 5], 0), 1).is_none());
+    }
+
+    #[test]
+    fn orthonormalised_columns_are_orthogonal_and_of_unit_length() {
+        let mut p = vec![0.0f32; 20 * 3];
+        seeded_uniform("p", &mut p);
+        orthonormalise_columns(&mut p, 20, 3);
+        for a in 0..3 {
+            for b in 0..3 {
+                let dot: f32 = (0..20).map(|i| p[i * 3 + a] * p[i * 3 + b]).sum();
+                let expected = if a == b { 1.0 } else { 0.0 };
+                assert!((dot - expected).abs() < 1e-5, "columns {a}, {b}: {dot}");
+            }
+        }
+    }
+
+    #[test]
+    fn the_seed_depends_on_the_name_only() {
+        let (mut a, mut b, mut c) = (vec![0.0; 8], vec![0.0; 8], vec![0.0; 8]);
+        seeded_uniform("layer.weight", &mut a);
+        seeded_uniform("layer.weight", &mut b);
+        seeded_uniform("layer.bias", &mut c);
+        assert_eq!(a, b);
+        assert_ne!(a, c);
+        assert!(a.iter().all(|v| (-1.0..1.0).contains(v)));
+    }
+
+    /// Rank `rank`'s 48 x 40 matrix: `rank + 1` times a fixed rank-2 matrix (so the sum is rank 2 too), and
+    /// a 40-value vector.
+    fn contribution(rank: usize) -> Vec<f32> {
+        let u = |i: usize| [(i as f32 * 0.3).sin(), (i as f32 * 0.7).cos()];
+        let mut values: Vec<f32> = (0..48 * 40)
+            .map(|at| {
+                let (i, j) = (at / 40, at % 40);
+                let (a, b) = (u(i), u(j + 100));
+                (rank + 1) as f32 * (a[0] * b[0] + 0.5 * a[1] * b[1])
+            })
+            .collect();
+        values.extend((0..40).map(|i| i as f32 + rank as f32));
+        values
+    }
+
+    #[test]
+    fn a_low_rank_sum_is_recovered_the_vector_is_exact_and_the_ranks_agree() {
+        let n = 3;
+        let results = run_ranks(MemoryTransport::mesh(n), |t| {
+            let spans = [
+                Span { name: "w", shape: &[48, 40], start: 0, len: 48 * 40, contributes: true },
+                Span { name: "b", shape: &[40], start: 48 * 40, len: 40, contributes: true },
+            ];
+            let mut feedback = Feedback::default();
+            let mut values = contribution(t.rank());
+            allreduce(t, 4, &mut values, &spans, &mut feedback).unwrap();
+            let residual = feedback.peek(Kind::Worker, "w").map(<[f32]>::to_vec);
+            (values, residual, feedback.peek(Kind::Worker, "b").is_none())
+        });
+        let exact: Vec<f32> = (0..48 * 40 + 40).map(|i| (0..n).map(|r| contribution(r)[i]).sum()).collect();
+        for (rank, (values, _, no_vector_residual)) in results.iter().enumerate() {
+            assert_eq!(values, &results[0].0, "rank {rank} differs from rank 0");
+            assert!(no_vector_residual, "the vector went exactly and keeps no residual");
+        }
+        // Each rank keeps its distance from the mean; a rank-2 sum leaves nothing behind in all.
+        let missed = (0..48 * 40).map(|i| results.iter().map(|r| r.1.as_ref().unwrap()[i]).sum::<f32>().abs());
+        assert!(missed.fold(0.0, f32::max) < 1e-3);
+        let worst = results[0].0[..48 * 40].iter().zip(&exact).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+        assert!(worst < 1e-3, "rank-2 sum recovered at rank 4 within {worst}");
+        assert_eq!(&results[0].0[48 * 40..], &exact[48 * 40..], "the vector is summed exactly");
+    }
+
+    #[test]
+    fn a_full_rank_matrix_is_approximated_and_the_residual_is_each_ranks_share_of_the_miss() {
+        let n = 2;
+        let results = run_ranks(MemoryTransport::mesh(n), |t| {
+            let spans = [Span { name: "w", shape: &[32, 24], start: 0, len: 32 * 24, contributes: true }];
+            let mut values = vec![0.0f32; 32 * 24];
+            seeded_uniform(&format!("rank {}", t.rank()), &mut values);
+            let input = values.clone();
+            let mut feedback = Feedback::default();
+            allreduce(t, 2, &mut values, &spans, &mut feedback).unwrap();
+            (input, values, feedback.peek(Kind::Worker, "w").unwrap().to_vec())
+        });
+        // Each rank's residual is its input less half the approximation: the residuals and the
+        // approximation add up to the exact sum.
+        for (input, approx, residual) in &results {
+            for ((i, a), e) in input.iter().zip(approx).zip(residual) {
+                assert!((i - a / 2.0 - e).abs() < 1e-5);
+            }
+        }
+        let (a, b) = (&results[0], &results[1]);
+        let sum_error: f32 =
+            (0..32 * 24).map(|i| (a.0[i] + b.0[i] - a.1[i] - a.2[i] - b.2[i]).abs()).fold(0.0, f32::max);
+        assert!(sum_error < 1e-4, "{sum_error}");
+    }
+}
