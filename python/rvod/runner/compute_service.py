@@ -13,12 +13,18 @@ them asks for the shutdown the compute job waits for. Its keys:
 - ``compute/shutdown``: set once; the compute job ends when it sees it.
 
 Every wait has a timeout; a service that cannot be reached, or that goes away while a client waits, is a
-``ComputeServiceError`` naming its address, never a hang. Framework-free: the TensorFlow side is
+``ComputeServiceError`` naming its address, never a hang. ``exit_if_lost`` watches the service for clients
+that cannot be interrupted (tf.data's). Framework-free: the TensorFlow side is
 ``rvod.tensorflow.data.compute_service``.
 """
 
 from __future__ import annotations
 
+import atexit
+import json
+import os
+import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 
@@ -29,6 +35,7 @@ LOOPBACK_NAME = "lo"
 _SHAPE_TIMEOUT_SECONDS = 10.0
 _SHUTDOWN_POLL_SECONDS = 1.0
 _SLICE_SECONDS = 1.0
+_WATCH_SLICE_SECONDS = 0.25
 
 
 class ComputeServiceError(RvodError, RuntimeError):
@@ -79,6 +86,8 @@ class ComputeService:
             return
         try:
             self._client.shutdown()
+        except ComputeServiceError:
+            pass  # the store is gone already: nobody is left to tell
         finally:
             self._client.close()
             self._server.close()
@@ -189,11 +198,57 @@ class ComputeClient:
         """False once a shutdown was asked for (raises when the service itself is gone)."""
         return self._try_get(_SHUTDOWN_KEY, 0) is None
 
-    def wait_for_shutdown(self, poll: float = _SHUTDOWN_POLL_SECONDS) -> None:
-        """Blocks until a shutdown is asked for; ``ComputeServiceError`` when the service goes away first.
-        Waits in slices of ``poll`` seconds, so Ctrl-C interrupts it."""
-        while self._try_get(_SHUTDOWN_KEY, poll) is None:
+    def wait_for_shutdown(self) -> None:
+        """Blocks until a shutdown is asked for; ``ComputeServiceError`` when the service goes away first."""
+        while self._try_get(_SHUTDOWN_KEY, _SHUTDOWN_POLL_SECONDS) is None:
             pass
 
     def close(self) -> None:
         self._store.close()
+
+
+_watched: dict[str, tuple[threading.Thread, threading.Event]] = {}
+_watched_lock = threading.Lock()
+
+
+def exit_if_lost(compute_addresses: Mapping[str, Sequence[Sequence]], key: bytes, timeout: float) -> None:
+    """Starts (once per service and process) a thread that ends this process with exit status 1 and a message
+    naming the service if the service goes away before a shutdown was asked for. For clients, such as
+    tf.data's, that would otherwise wait for a dead service forever, in code Python cannot interrupt.
+    The thread stops when the process exits (a thread left in native code then would abort it)."""
+    service = json.dumps({nic: [list(addr) for addr in addrs] for nic, addrs in compute_addresses.items()},
+                         sort_keys=True)
+    with _watched_lock:
+        if service in _watched:
+            return
+        if not _watched:
+            atexit.register(_stop_watching)
+        stop = threading.Event()
+        watcher = ComputeClient(compute_addresses, key, timeout=timeout)
+        thread = threading.Thread(target=_exit_when_lost, args=(watcher, stop), name="rvod-compute-service-watchdog",
+                                  daemon=True)
+        _watched[service] = (thread, stop)
+    thread.start()
+
+
+def _exit_when_lost(watcher: ComputeClient, stop: threading.Event) -> None:
+    try:
+        while not stop.is_set():
+            if watcher._try_get(_SHUTDOWN_KEY, _WATCH_SLICE_SECONDS) is not None:
+                return
+    except ComputeServiceError as error:
+        print(f"rvod: the compute service at {watcher.address} went away before anyone asked it to shut down "
+              f"(did the compute job die?); its tf.data clients would wait for it forever, so this process exits. "
+              f"({error})", file=sys.stderr, flush=True)
+        os._exit(1)
+    finally:
+        watcher.close()
+
+
+def _stop_watching() -> None:
+    with _watched_lock:
+        watching = list(_watched.values())
+    for _, stop in watching:
+        stop.set()
+    for thread, _ in watching:
+        thread.join(timeout=5 * _WATCH_SLICE_SECONDS)

@@ -10,7 +10,7 @@ A training rank reads the config and either calls ``dataset.send_to_data_service
 
 Addresses are the loopback address unless the config names a NIC (``dispatchers_nic``). Waits for the
 service, its dispatchers and workers end after ``config.timeout`` seconds with a ``ComputeServiceError``.
-Once a rank has used the service, a watchdog thread ends the process with a message naming the service if the
+Once a rank has used the service, ``exit_if_lost`` ends the process with a message naming the service if the
 service goes away before someone asked it to shut down: the tf.data service client retries a dead dispatcher
 forever, and an error is better than a job that hangs.
 """
@@ -22,9 +22,7 @@ import dataclasses
 import json
 import logging
 import os
-import sys
 import tempfile
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
@@ -34,7 +32,7 @@ from typing import Any
 import tensorflow as tf
 
 from rvod.runner import network
-from rvod.runner.compute_service import ComputeClient, ComputeServiceError, ComputeServiceTimeout
+from rvod.runner.compute_service import ComputeClient, ComputeServiceError, ComputeServiceTimeout, exit_if_lost
 
 __all__ = ["TfDataServiceConfig", "tf_data_service", "send_to_data_service", "start_and_register_dispatcher",
            "compute_worker_fn", "ComputeServiceError", "ComputeServiceTimeout"]
@@ -120,7 +118,7 @@ def tf_data_service(compute_config: TfDataServiceConfig, rank: int):
     its workers registered. With ``dispatcher_side='training'`` this rank starts that dispatcher (rank 0 the
     only one when there is one dispatcher) and stops it on leaving."""
     compute = compute_config.compute_client(verbose=2)
-    _watch(compute_config)
+    exit_if_lost(compute_config.addresses, compute_config.key, compute_config.timeout)
     dispatcher_server = None
     if compute_config.dispatcher_side == "training" and (compute_config.dispatchers > 1 or rank == 0):
         dispatcher_server = start_and_register_dispatcher(compute_config.dispatchers, rank,
@@ -210,31 +208,3 @@ def compute_worker_fn(compute_config: TfDataServiceConfig):
             worker_server.stop()
         if dispatcher_server is not None:
             dispatcher_server.stop()
-
-
-_watched: set[str] = set()
-_watched_lock = threading.Lock()
-
-
-def _watch(compute_config: TfDataServiceConfig) -> None:
-    """Starts (once per service) the thread that ends this process when the service dies unasked."""
-    service = json.dumps(compute_config.to_dict()["addresses"], sort_keys=True)
-    with _watched_lock:
-        if service in _watched:
-            return
-        _watched.add(service)
-    watcher = compute_config.compute_client()
-    threading.Thread(target=_watch_until_shutdown, args=(watcher,), name="rvod-compute-service-watchdog",
-                     daemon=True).start()
-
-
-def _watch_until_shutdown(watcher: ComputeClient) -> None:
-    try:
-        watcher.wait_for_shutdown()
-    except ComputeServiceError as error:
-        print(f"rvod.tensorflow.data: the tf.data compute service at {watcher.address} went away before anyone "
-              f"asked it to shut down (did the compute job die?); its tf.data clients would wait for it forever, "
-              f"so this process exits. ({error})", file=sys.stderr, flush=True)
-        os._exit(1)
-    finally:
-        watcher.close()
