@@ -57,21 +57,34 @@ def digits():
     return train_test_split(images, data.target, test_size=0.25, random_state=42)
 
 
+class BatchCounter(keras.callbacks.Callback):
+    """How many batches this rank trained on (fewer than asked if the service ran out of data)."""
+
+    batches = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.batches += 1
+
+
 def train(args, dataset, x_test, y_test):
-    """Fits the model on batches from the service; returns (steps per rank, test accuracy)."""
+    """Fits the model on batches from the service; returns (batches per rank, test accuracy)."""
     steps_per_epoch = len(digits()[0]) // (hvd.size() * args.batch_size)
     model = digits_model()
     optimizer = hvd.DistributedOptimizer(keras.optimizers.SGD(args.lr * hvd.size(), momentum=0.9))
     model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
-    callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback()]
+    counter = BatchCounter()
+    callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback(), counter]
     model.fit(dataset, steps_per_epoch=steps_per_epoch, epochs=args.epochs, callbacks=callbacks,
               verbose=2 if hvd.rank() == 0 else 0)
+    batches = [int(n) for n in hvd.allgather(np.array([counter.batches]), name="batches")]
+    if len(set(batches)) != 1:
+        raise SystemExit(f"the ranks trained on different numbers of batches: {batches}")
     mine = slice(hvd.rank(), None, hvd.size())
     predictions = model.predict(x_test[mine], verbose=0).argmax(axis=1)
     correct, total = hvd.allreduce(np.array([(predictions == y_test[mine]).sum(), len(predictions)]), op=hvd.Sum,
                                    name="test.counts")
-    return steps_per_epoch * args.epochs, correct / total
+    return batches[0], correct / total
 
 
 def main():

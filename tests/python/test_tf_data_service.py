@@ -169,7 +169,8 @@ def test_two_training_ranks_take_their_batches_from_one_compute_worker(job_env, 
 def test_data_service_example_trains_with_training_side_dispatchers(job_env, run_rvodrun, tmp_path):
     pytest.importorskip("sklearn", reason="the digits examples need scikit-learn")
     compute = ComputeJob(job_env, tmp_path, 1, "--dispatcher-side", "training", "--timeout", "30")
-    training = run_rvodrun(["-np", "2", sys.executable, str(EXAMPLE), str(compute.config)], timeout=120)
+    training = run_rvodrun(["-np", "2", sys.executable, str(EXAMPLE), str(compute.config), "--epochs", "6"],
+                           timeout=120)
     report = f"exit {training.returncode}\n{training.stdout[-5000:]}\n{training.stderr[-5000:]}\n{compute.report()}"
     assert training.returncode == 0, report
     assert compute.wait(30) == 0, report
@@ -177,4 +178,5 @@ def test_data_service_example_trains_with_training_side_dispatchers(job_env, run
                       r"\(training side\): (\d+) batches of 32 per rank, test accuracy (\d\.\d+)$", training.stdout,
                       re.MULTILINE)
     assert final and float(final.group(2)) > 0.9, report
+    assert final.group(1) == str(6 * (1347 // (2 * 32))), report  # 6 epochs of the 1347 training images
     assert "[1]<stdout>:" not in training.stdout, "only rank 0 prints"
