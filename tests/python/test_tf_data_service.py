@@ -50,6 +50,8 @@ def test_compute_service_registers_dispatchers_and_workers_and_times_out_clearly
         client.register_worker_for_dispatcher(0, 1)
         client.wait_for_dispatcher_worker_registration(0, 1)
         assert client.is_running()
+        with pytest.raises(ComputeServiceError, match="rejected our proof: is the job secret the same everywhere"):
+            ComputeClient(service.addresses(), new_secret(), timeout=5)
         ComputeClient(service.addresses(), key, timeout=5).shutdown()
         assert not client.is_running()
         client.wait_for_shutdown()

@@ -61,18 +61,15 @@ class ComputeService:
     """Serves the compute service on loopback (or on the address of the first of ``nics``) until
     ``shutdown()``. ``addresses()`` is what clients need besides ``key``."""
 
-    NAME = "Compute service"
-
     def __init__(self, dispatchers: int, workers_per_dispatcher: int, key: bytes, nics: Sequence[str] | None = None):
         if dispatchers <= 0:
             raise ValueError(f"The number of dispatchers must be larger than 0: {dispatchers}")
         if workers_per_dispatcher <= 0:
             raise ValueError(f"The number of workers per dispatcher must be larger than 0: {workers_per_dispatcher}")
         nic = nics[0] if nics else None
-        self._name = nic or LOOPBACK_NAME
-        self._host = network.interface_address(nic) if nic else network.LOOPBACK
-        self._server = store.start_store(self._host, key)
-        self._addresses = {self._name: [(self._host, self._server.port)]}
+        host = network.interface_address(nic) if nic else network.LOOPBACK
+        self._server = store.start_store(host, key)
+        self._addresses = {nic or LOOPBACK_NAME: [(host, self._server.port)]}
         self._client = ComputeClient(self._addresses, key)
         self._client._set("compute/dispatchers", str(dispatchers))
         self._client._set("compute/workers_per_dispatcher", str(workers_per_dispatcher))
@@ -96,7 +93,8 @@ class ComputeService:
 
 class ComputeClient:
     """A connection to the compute service at one of ``compute_addresses`` (``{nic: [(host, port), ...]}``, as
-    ``ComputeService.addresses()`` gives), authenticated with ``key``. ``timeout`` bounds the connection."""
+    ``ComputeService.addresses()`` gives), authenticated with ``key``. ``timeout`` bounds the connection;
+    ``verbose`` is there for Horovod's signature (rvod logs through ``logging``)."""
 
     def __init__(self, compute_addresses: Mapping[str, Sequence[Sequence]], key: bytes, verbose: int = 1,
                  timeout: float = _SHAPE_TIMEOUT_SECONDS):
