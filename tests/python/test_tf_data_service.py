@@ -1,6 +1,8 @@
 """rvod.tensorflow.data (Horovod's tf.data compute service): the compute service's registrations, waits and
-errors without TensorFlow; then a compute job of 1 worker (``rvodrun -np 1 python -m
-rvod.tensorflow.data.compute_worker``) serving a training job of 2 ranks, and the data-service example.
+errors, and the watchdog that ends a process whose service died, without TensorFlow; then a compute job of 1
+worker (``rvodrun -np 1 python -m rvod.tensorflow.data.compute_worker``) serving a training job of 2 ranks
+until it is killed, and the data-service example with the dispatcher in the training job, which ends the
+compute job with a shutdown request.
 
 Each job's output goes to files (no pipe can fill up); every wait has a timeout, and the job tag kills what
 a failing test leaves behind."""
@@ -106,16 +108,14 @@ def test_a_process_whose_compute_service_dies_exits_with_a_message_instead_of_ha
         service.shutdown()
 
 
-class ComputeJob:
-    """``rvodrun -np N python -m rvod.tensorflow.data.compute_worker CONFIG ARGS`` in the background."""
+class Job:
+    """``rvodrun ARGS`` in the background, its output in files named after the job."""
 
-    def __init__(self, job_env, folder: Path, np: int, *args: str):
-        self.config = folder / "compute.json"
-        self.out, self.err = folder / "compute.out", folder / "compute.err"
-        command = [sys.executable, *RVODRUN, "-np", str(np), sys.executable, "-m",
-                   "rvod.tensorflow.data.compute_worker", str(self.config), *args]
+    def __init__(self, job_env, folder: Path, name: str, *args: str):
+        self.name, self.out, self.err = name, folder / f"{name}.out", folder / f"{name}.err"
         with open(self.out, "w") as out, open(self.err, "w") as err:
-            self.process = subprocess.Popen(command, env=job_env, stdout=out, stderr=err, cwd=folder)
+            self.process = subprocess.Popen([sys.executable, *RVODRUN, *args], env=job_env, stdout=out, stderr=err,
+                                            cwd=folder)
         self.tag = job_env[JOB_TAG_VARIABLE]
 
     def wait(self, timeout: float) -> int:
@@ -123,10 +123,23 @@ class ComputeJob:
             return self.process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             kill_tagged(self.tag)
-            pytest.fail(f"the compute job did not end within {timeout} s after the shutdown request\n{self.report()}")
+            pytest.fail(f"the {self.name} job did not end within {timeout} s\n{self.report()}")
+
+    def wait_for_lines(self, lines: list[str], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not all(line in self.out.read_text().splitlines() for line in lines):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"the {self.name} job did not print {lines} within {timeout} s\n{self.report()}")
+            time.sleep(0.2)
 
     def report(self) -> str:
-        return f"compute job stdout:\n{self.out.read_text()[-3000:]}\nstderr:\n{self.err.read_text()[-3000:]}"
+        return f"{self.name} job stdout:\n{self.out.read_text()[-4000:]}\nstderr:\n{self.err.read_text()[-4000:]}"
+
+
+def compute_job(job_env, folder: Path, *args: str) -> Job:
+    """``rvodrun -np 1 python -m rvod.tensorflow.data.compute_worker CONFIG ARGS``; its config is folder/compute.json."""
+    return Job(job_env, folder, "compute", "-np", "1", sys.executable, "-m", "rvod.tensorflow.data.compute_worker",
+               str(folder / "compute.json"), *args)
 
 
 def results(stdout: str) -> dict[int, dict]:
@@ -134,20 +147,20 @@ def results(stdout: str) -> dict[int, dict]:
     return {result["rank"]: result for result in found}
 
 
-@pytest.mark.timeout(150)
-def test_two_training_ranks_take_their_batches_from_one_compute_worker(job_env, run_rvodrun, tmp_path):
+@pytest.mark.timeout(180)
+def test_two_training_ranks_take_their_batches_from_one_compute_worker_and_end_when_it_dies(job_env, tmp_path):
     pytest.importorskip("tensorflow", reason="the tf.data service needs TensorFlow (pip install .[tensorflow])")
-    compute = ComputeJob(job_env, tmp_path, 1, "--timeout", "30")
-    training = run_rvodrun(["-np", "2", sys.executable, str(WORKER), str(compute.config), "64", "8"], timeout=120)
-    report = f"exit {training.returncode}\n{training.stdout[-5000:]}\n{training.stderr[-5000:]}\n{compute.report()}"
-    assert training.returncode == 0, report
-    assert compute.wait(30) == 0, report  # rank 0's shutdown request ended it
+    compute = compute_job(job_env, tmp_path, "--timeout", "30")
+    training = Job(job_env, tmp_path, "training", "-np", "2", sys.executable, str(WORKER),
+                   str(tmp_path / "compute.json"), "64", "8")
+    training.wait_for_lines(["[0]<stdout>:streaming", "[1]<stdout>:streaming"], timeout=150)
+    report = f"{training.report()}\n{compute.report()}"
     assert re.search(r"^\[0\]<stdout>:compute service of 1 dispatcher\(s\) \(compute side\) and 1 worker\(s\) at "
-                     r"\{'lo': \[\('127.0.0.1', \d+\)\]\}; config in ", compute.out.read_text(), re.M), report
+                     r"\{'lo': \[\('127.0.0.1', (\d+)\)\]\}; config in ", compute.out.read_text(), re.M), report
 
-    found = results(training.stdout)
+    found = results(training.out.read_text())
     assert sorted(found) == [0, 1], report
-    for rank, result in found.items():
+    for result in found.values():
         assert result["size"] == 2 and result["round_trip"], report
         config = result["config"]
         assert (config["dispatchers"], config["workers_per_dispatcher"], config["dispatcher_side"],
@@ -155,27 +168,40 @@ def test_two_training_ranks_take_their_batches_from_one_compute_worker(job_env, 
         assert [host for host, _ in config["addresses"]["lo"]] == ["127.0.0.1"], report
         # A job of its own: every rank gets all 8 batches of 8, in order (one worker).
         assert result["own"] == [list(range(start, start + 8)) for start in range(0, 64, 8)], report
-        # Missing config file, then a service that is gone: clear errors, in time.
+        # No config file yet, or a config whose service is not there: clear errors, in time.
         kind, message, seconds = result["no_config"]
         assert kind == "ComputeServiceTimeout" and "start the compute job first" in message and seconds < 2, report
         kind, message, seconds = result["dead"]
-        assert kind == "ComputeServiceError" and seconds < 5, report
-        assert message.startswith("cannot reach the compute service within 2 s (127.0.0.1:"), report
+        assert kind == "ComputeServiceError" and seconds < 3, report
+        assert message.startswith("cannot reach the compute service within 1 s (127.0.0.1:"), report
     # One job shared first come first served: the ranks' batches are disjoint and together the whole dataset.
     shared = found[0]["shared"] + found[1]["shared"]
     assert len(shared) == 8 and all(len(batch) == 8 for batch in shared), report
     assert sorted(value for batch in shared for value in batch) == list(range(0, 640, 10)), report
 
+    # The compute job dies (stopped without a shutdown request) while both ranks read from it.
+    port = config["addresses"]["lo"][0][1]
+    compute.process.terminate()
+    start = time.monotonic()
+    assert training.wait(40) != 0, training.report()
+    seconds = time.monotonic() - start
+    report = f"{training.report()}\n{compute.report()}"
+    assert seconds < 30, report
+    assert (f"rvod: the compute service at 127.0.0.1:{port} went away before anyone asked it to shut down "
+            "(did the compute job die?)") in training.err.read_text(), report
+    assert re.search(r"^rvodrun: rank [01] \(pid \d+\) exited with code 1$", training.err.read_text(), re.M), report
+    compute.wait(30)
+
 
 @pytest.mark.timeout(150)
 def test_data_service_example_trains_with_training_side_dispatchers(job_env, run_rvodrun, tmp_path):
     pytest.importorskip("sklearn", reason="the digits examples need scikit-learn")
-    compute = ComputeJob(job_env, tmp_path, 1, "--dispatcher-side", "training", "--timeout", "30")
-    training = run_rvodrun(["-np", "2", sys.executable, str(EXAMPLE), str(compute.config), "--epochs", "6"],
-                           timeout=120)
+    compute = compute_job(job_env, tmp_path, "--dispatcher-side", "training", "--timeout", "30")
+    training = run_rvodrun(["-np", "2", sys.executable, str(EXAMPLE), str(tmp_path / "compute.json"),
+                            "--epochs", "6"], timeout=120)
     report = f"exit {training.returncode}\n{training.stdout[-5000:]}\n{training.stderr[-5000:]}\n{compute.report()}"
     assert training.returncode == 0, report
-    assert compute.wait(30) == 0, report
+    assert compute.wait(30) == 0, report  # rank 0's shutdown request ended it
     final = re.search(r"^\[0\]<stdout>:trained on 2 ranks in [\d.]+ s with data from 1 tf.data worker\(s\) of 1 dispatcher\(s\) "
                       r"\(training side\): (\d+) batches of 32 per rank, test accuracy (\d\.\d+)$", training.stdout,
                       re.MULTILINE)
