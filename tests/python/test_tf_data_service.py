@@ -195,6 +195,7 @@ def test_two_training_ranks_take_their_batches_from_one_compute_worker_and_end_w
 
 @pytest.mark.timeout(150)
 def test_data_service_example_trains_with_training_side_dispatchers(job_env, run_rvodrun, tmp_path):
+    pytest.importorskip("tensorflow", reason="the tf.data service needs TensorFlow (pip install .[tensorflow])")
     pytest.importorskip("sklearn", reason="the digits examples need scikit-learn")
     compute = compute_job(job_env, tmp_path, "--dispatcher-side", "training", "--timeout", "30")
     training = run_rvodrun(["-np", "2", sys.executable, str(EXAMPLE), str(tmp_path / "compute.json"),
