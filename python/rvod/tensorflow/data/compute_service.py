@@ -120,12 +120,12 @@ def tf_data_service(compute_config: TfDataServiceConfig, rank: int):
     compute = compute_config.compute_client(verbose=2)
     exit_if_lost(compute_config.addresses, compute_config.key, compute_config.timeout)
     dispatcher_server = None
-    if compute_config.dispatcher_side == "training" and (compute_config.dispatchers > 1 or rank == 0):
-        dispatcher_server = start_and_register_dispatcher(compute_config.dispatchers, rank,
-                                                          compute_config.dispatchers_work_dir,
-                                                          compute_config.dispatchers_nic, compute)
     dispatcher_id = rank if compute_config.dispatchers > 1 else 0
     try:
+        if compute_config.dispatcher_side == "training" and (compute_config.dispatchers > 1 or rank == 0):
+            dispatcher_server = start_and_register_dispatcher(compute_config.dispatchers, rank,
+                                                              compute_config.dispatchers_work_dir,
+                                                              compute_config.dispatchers_nic, compute)
         dispatcher_address = compute.wait_for_dispatcher_registration(dispatcher_id, compute_config.timeout)
         compute.wait_for_dispatcher_worker_registration(dispatcher_id, compute_config.timeout)
         yield dispatcher_address
