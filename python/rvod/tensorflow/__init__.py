@@ -5,7 +5,8 @@ The names are ``horovod.tensorflow``'s: collectives on CPU tensors that work eag
 ``DistributedGradientTape``, ``DistributedOptimizer`` (Keras and ``tf.compat.v1.train`` optimizers),
 ``broadcast_variables``, ``broadcast_global_variables`` and ``BroadcastGlobalVariablesHook`` (TensorFlow 1
 graphs), ``broadcast_object``, ``allgather_object``, ``SyncBatchNormalization``, ``Compression`` and the
-basics; ``rvod.tensorflow.keras`` is ``rvod.keras``. Tensors cross to the engine through DLPack, so no
+basics; ``rvod.tensorflow.keras`` is ``rvod.keras``; ``rvod.tensorflow.data`` is Horovod's tf.data compute
+service (docs/tf-data-service.md). Tensors cross to the engine through DLPack, so no
 TensorFlow op is compiled and one wheel serves every TensorFlow version.
 """
 
