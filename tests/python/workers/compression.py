@@ -1,0 +1,134 @@
+"""Compressed allreduces (``Compression.int8``, ``.onebit``, ``.powersgd``) through rvod.numpy and rvod.torch
+on 2 or 3 ranks, against NumPy references (workers/_compression_reference.py).
+
+With ``RVOD_COMPRESSION_WITHIN_HOST=1`` (argument ``forced``): one step of int8 and 1-bit equals the
+reference of the algorithm; error feedback makes the mean of many steps of the same values converge to the
+exact sum (what was dropped is sent later); PowerSGD recovers a low-rank sum and sums vectors exactly;
+float16/bfloat16/float64 keep their dtype; Average is Sum over n; integers pass through exactly; every rank
+gets the same bits; refusals (Max, a mismatch between ranks naming both, a bad PowerSGD rank). Without it
+(argument ``default``): one host's shared memory reduces exactly, so the results equal uncompressed ones.
+"""
+
+import sys
+
+import numpy as np
+import rvod.numpy as hnp
+import rvod.torch as hvd
+import torch
+from _check import check, expect_error, finish
+from _compression_reference import encode_decode, low_rank, quantized_allreduce
+
+hvd.init()
+R, N = hvd.rank(), hvd.size()
+FORCED = sys.argv[1] == "forced"
+C = hnp.Compression
+
+
+def values(rank, shape, salt, dtype=np.float32):
+    return (np.random.default_rng([rank, salt]).standard_normal(shape) * (1 + rank)).astype(dtype)
+
+
+def every(shape, salt, dtype=np.float32):
+    return [values(r, shape, salt, dtype) for r in range(N)]
+
+
+def same_on_every_rank(result, label):
+    gathered = hnp.allgather(np.ascontiguousarray(result).reshape(1, -1), name=f"same.{label}")
+    assert all(np.array_equal(gathered[0], row) for row in gathered), f"{label}: ranks got different bits"
+
+
+if FORCED:
+    for kind, compressor in [("int8", C.int8), ("onebit", C.onebit)]:
+        with check(f"{kind}: one step equals the reference"):
+            shape = (3 * 256 * N + 77,)  # chunks of whole blocks and a short last block
+            got = hnp.allreduce(values(R, shape, 1), op=hnp.Sum, name=f"step.{kind}", compression=compressor)
+            want = quantized_allreduce(every(shape, 1), kind)
+            assert got.dtype == np.float32 and got.shape == shape
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+            same_on_every_rank(got, kind)
+
+    with check("round trips of the block codecs"):
+        block = np.array([-3.0, 1.0, 0.0, 2.0], dtype=np.float32)
+        np.testing.assert_allclose(encode_decode(block, "onebit"), [-1.5, 1.5, 1.5, 1.5])
+        assert np.abs(encode_decode(block, "int8") - block).max() <= 3.0 / 127 / 2 + 1e-7
+
+    for kind, compressor in [("int8", C.int8), ("onebit", C.onebit)]:
+        with check(f"{kind}: error feedback carries exactly what each step dropped"):
+            mine, every_rank = values(R, (1000,), 2), every((1000,), 2)
+            got = [hnp.allreduce(mine, op=hnp.Sum, name=f"feedback.{kind}", compression=compressor)
+                   for _ in range(8)]
+            want = quantized_allreduce(every_rank, kind, steps=8)
+            for step, (g, w) in enumerate(zip(got, want)):
+                np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4 * np.abs(w).max(), err_msg=f"step {step}")
+            assert not np.array_equal(got[0], got[1]), "the second step sent nothing of the first's residual"
+
+    with check("int8: the mean of many steps converges to the exact sum"):
+        mine, exact = values(R, (1000,), 2), np.sum(every((1000,), 2), axis=0)
+        results = [hnp.allreduce(mine, op=hnp.Sum, name="mean.int8", compression=C.int8) for _ in range(20)]
+        one_step, drift = np.abs(results[0] - exact).max(), np.abs(np.mean(results, axis=0) - exact).max()
+        # Without feedback every step would drop the same, and the mean would stay one step's error away.
+        assert drift < one_step / 5, f"mean of 20 steps {drift:.3g} off, one step {one_step:.3g}"
+
+    with check("powersgd recovers a low-rank sum and sums vectors exactly"):
+        a = low_rank((96, 80), 2, seed=7)
+        matrix, vector = (R + 1) * a, values(R, (80,), 3)
+        got_matrix, got_vector = hnp.grouped_allreduce([matrix, vector], op=hnp.Sum, name="psgd",
+                                                       compression=C.powersgd(rank=4))
+        exact = sum(range(1, N + 1)) * a
+        assert got_matrix.shape == (96, 80) and got_vector.shape == (80,)
+        assert np.abs(got_matrix - exact).max() <= 1e-4 * np.abs(exact).max(), np.abs(got_matrix - exact).max()
+        np.testing.assert_allclose(got_vector, np.sum(every((80,), 3), axis=0), rtol=1e-6, atol=1e-6)
+        same_on_every_rank(got_matrix, "psgd")
+
+    with check("powersgd of a full-rank matrix approximates it and feedback catches up"):
+        mine = values(R, (64, 48), 4)
+        exact = np.sum(every((64, 48), 4), axis=0)
+        results = [hnp.allreduce(mine, op=hnp.Sum, name="psgd.full", compression=C.powersgd(rank=4))
+                   for _ in range(40)]
+        first, drift = np.abs(results[0] - exact).max(), np.abs(np.mean(results, axis=0) - exact).max()
+        assert drift < first / 3, f"mean of 40 steps {drift:.3g} off, first step {first:.3g}"
+
+    with check("dtypes are kept and Average is Sum over the ranks"):
+        for dtype in [np.float16, np.float64]:
+            got = hnp.allreduce(values(R, (600,), 5, dtype), op=hnp.Average, name=f"avg.{np.dtype(dtype).name}",
+                                compression=C.int8)
+            want = quantized_allreduce([v.astype(np.float32) for v in every((600,), 5, dtype)], "int8") / N
+            assert got.dtype == dtype, got.dtype
+            np.testing.assert_allclose(got.astype(np.float32), want, rtol=2e-3, atol=2e-3 * np.abs(want).max())
+        t = torch.tensor(values(R, (600,), 6)).to(torch.bfloat16)
+        got = hvd.allreduce(t, op=hvd.Sum, name="bf16", compression=hvd.Compression.int8)
+        assert got.dtype == torch.bfloat16 and got.shape == (600,)
+
+    with check("integers pass through uncompressed"):
+        got = hnp.allreduce(np.arange(1000, dtype=np.int64) * (R + 1), op=hnp.Sum, name="ints",
+                            compression=C.int8)
+        np.testing.assert_array_equal(got, np.arange(1000) * sum(range(1, N + 1)))
+
+    with check("torch allreduce, in place and async, and its gradient"):
+        x = torch.tensor(values(R, (700,), 8), requires_grad=True)
+        y = hvd.allreduce(x, op=hvd.Sum, name="torch.int8", compression=hvd.Compression.int8)
+        want = quantized_allreduce(every((700,), 8), "int8")
+        np.testing.assert_allclose(y.detach().numpy(), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+        y.backward(torch.ones(700))
+        # The gradient of a sum-allreduce is the sum-allreduce of the output gradients: N everywhere.
+        np.testing.assert_allclose(x.grad.numpy(), np.full(700, N, dtype=np.float32), rtol=1e-2)
+
+    with check("refusals name the problem"):
+        expect_error(hnp.RvodInvalidArgumentError, r"int8 compression applies to Sum and Average allreduces, "
+                     r"not to Max", hnp.allreduce, values(R, (10,), 9), op=hnp.Max, name="max", compression=C.int8)
+        expect_error(ValueError, r"powersgd rank must be an integer from 1 to 255, got 0", C.powersgd, rank=0)
+        mine = C.int8 if R == 0 else C.none
+        message = expect_error(hnp.RvodMismatchError, r"compressions", hnp.allreduce, values(R, (512,), 10),
+                               name="mixed", compression=mine)
+        assert "int8" in message and "none" in message, message
+        after = hnp.allreduce(np.ones(4, dtype=np.float32), op=hnp.Sum, name="after")
+        np.testing.assert_array_equal(after, np.full(4, N, dtype=np.float32))
+else:
+    with check("one host's shared memory reduces exactly unless forced"):
+        for compressor in [C.int8, C.onebit, C.powersgd(rank=2)]:
+            mine = values(R, (64, 40), 11)
+            got = hnp.allreduce(mine, op=hnp.Sum, name=f"exact.{compressor!r}", compression=compressor)
+            exact = hnp.allreduce(mine, op=hnp.Sum, name=f"plain.{compressor!r}")
+            np.testing.assert_array_equal(got, exact)
+
+finish(R)
