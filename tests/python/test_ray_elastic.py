@@ -2,11 +2,13 @@
 a head and a second raylet, 1 CPU each, so one worker per node): the second node is killed mid-training
 and a third node added (``ray start --address``); the job goes on at 1 rank, grows back to 2, finishes,
 and returns every rank's values, equal on every rank. The driver learns of the training through
-ray_logger and a callback; the callback is what kills and adds the nodes, at steps the training reached."""
+ray_logger and a callback; the callback is what kills and adds the nodes, at steps the training reached.
+First, on the same cluster, a function that raises on every worker fails the job with its traceback."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -58,7 +60,7 @@ class _Cluster:
         kill_tagged(self.tag)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def cluster():
     from ray.cluster_utils import Cluster
 
@@ -111,6 +113,27 @@ def _train():
     result = {"rank": hvd.rank(), "size": hvd.size(), "step": state.step, "total": state.total, "runs": state.runs}
     hvd.shutdown()
     return result
+
+
+def _raise():
+    import rvod.numpy as hvd
+
+    hvd.init()
+    raise ValueError(f"bad input on rank {hvd.rank()}")
+
+
+@pytest.mark.timeout(60)
+def test_a_function_raising_on_every_worker_fails_the_job_with_its_traceback(cluster):
+    executor = ElasticRayExecutor(ElasticRayExecutor.create_settings(min_num_proc=2, elastic_timeout=30))
+    executor.start()
+    try:
+        with pytest.raises(RuntimeError) as raised:
+            executor.run(_raise)
+    finally:
+        executor.shutdown()
+    message = str(raised.value)
+    assert "the elastic job failed" in message and "is blacklisted" in message, message
+    assert re.search(r"rank [01] raised:\n.*ValueError: bad input on rank [01]", message, re.S), message
 
 
 @pytest.mark.timeout(180)

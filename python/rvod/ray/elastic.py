@@ -160,7 +160,7 @@ class _ActorWorker:
     def describe_exit(self) -> str:
         outcome = self._poll()
         assert outcome is not None
-        return {"done": "finished", "left": "left the job", "failed": f"raised:\n{outcome.detail}",
+        return {"done": "finished", "left": "returned without training further", "failed": f"raised:\n{outcome.detail}",
                 "died": f"died with its Ray actor ({outcome.detail})"}[outcome.kind]
 
 
