@@ -170,3 +170,35 @@ def test_a_killed_node_shrinks_the_job_and_an_added_node_grows_it_back(cluster):
     # What the driver was told: the sizes rank 0 logged, step after step.
     sizes = [item["size"] for item in logged]
     assert [item["step"] for item in logged][-1] == first["step"] and sizes[0] == 2 and sizes[-1] == 2 and 1 in sizes
+
+
+def test_settings_take_horovods_names_and_refuse_contradictions():
+    settings = ElasticRayExecutor.create_settings(min_workers=2, max_workers=4, cooldown_range=(1, 5), nics="eth0")
+    assert (settings.min_num_proc, settings.max_num_proc, settings.cooldown_range) == (2, 4, (1, 5))
+    assert settings.engine_env()["RVOD_NETWORK_INTERFACE"] == "eth0"
+    with pytest.warns(DeprecationWarning, match="min_np and max_np are deprecated"):
+        assert ElasticRayExecutor.create_settings(min_np=3).min_num_proc == 3
+    with pytest.raises(ValueError, match="give one of min_num_proc, min_np, not several"):
+        ElasticRayExecutor.create_settings(min_num_proc=2, min_np=3)
+    with pytest.raises(ValueError, match="max_num_proc one >= min_num_proc, got 3 and 2"):
+        ElasticRayExecutor.create_settings(min_num_proc=3, max_num_proc=2)
+    with pytest.raises(ValueError, match="use_gpu is False"):
+        ElasticRayExecutor(settings, gpus_per_worker=1)
+    executor = ElasticRayExecutor(settings, cpus_per_slot=2)  # Horovod's older name
+    assert executor.settings.discovery.cpus_per_worker == 2
+    with pytest.raises(RuntimeError, match="not started; call start"):
+        executor.run(lambda: None)
+
+
+def test_discovery_counts_the_slots_of_alive_nodes(monkeypatch):
+    def node(node_id, alive, **resources):
+        return {"NodeID": node_id, "NodeManagerHostname": "box", "NodeManagerAddress": "10.0.0.1",
+                "Alive": alive, "Resources": resources}
+
+    nodes = [node("aaaaaaaa11", True, CPU=4.0, GPU=1.0), node("bbbbbbbb22", False, CPU=8.0),
+             node("cccccccc33", True, CPU=3.0), node("dddddddd44", True, CPU=1.0)]
+    monkeypatch.setattr(ray, "nodes", lambda: nodes)
+    from rvod.ray import RayHostDiscovery
+
+    assert RayHostDiscovery(cpus_per_worker=2).find_available_hosts_and_slots() == {"box/aaaaaaaa": 2, "box/cccccccc": 1}
+    assert RayHostDiscovery(use_gpu=True, cpus_per_worker=1).find_available_hosts_and_slots() == {"box/aaaaaaaa": 1}

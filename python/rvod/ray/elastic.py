@@ -229,11 +229,11 @@ class ElasticRayExecutor:
         ``timeout_s``: how long ranks wait for each other in ``hvd.init()``; ``nics``: the network interfaces
         the ranks use; ``verbose`` >= 2 tells of every worker that starts and ends. ``ssh_identity_file``
         is accepted for Horovod's scripts and unused: Ray starts the workers."""
+        low = _one_of(1, min_num_proc=min_num_proc, min_np=min_np, min_workers=min_workers)
+        high = _one_of(None, max_num_proc=max_num_proc, max_np=max_np, max_workers=max_workers)
         if min_np is not None or max_np is not None:
             warnings.warn("min_np and max_np are deprecated, use min_num_proc and max_num_proc", DeprecationWarning,
                           stacklevel=2)
-        low = _one_of(1, min_num_proc=min_num_proc, min_np=min_np, min_workers=min_workers)
-        high = _one_of(None, max_num_proc=max_num_proc, max_np=max_np, max_workers=max_workers)
         if not isinstance(low, int) or low < 1 or (high is not None and (not isinstance(high, int) or high < low)):
             raise ValueError(f"min_num_proc must be an integer >= 1 and max_num_proc one >= min_num_proc, got "
                              f"{low!r} and {high!r}")
