@@ -143,8 +143,10 @@ class _ActorWorker:
         if self.outcome is None and ray.wait([self._call], timeout=0)[0]:
             try:
                 self.outcome = ray.get(self._call)
-            except ray.exceptions.RayError as error:
+            except ray.exceptions.RayActorError as error:
                 self.outcome = _Outcome("died", detail=str(error).strip().splitlines()[0][:300])
+            except ray.exceptions.RayError as error:  # e.g. a result Ray could not hand back
+                self.outcome = _Outcome("failed", detail=str(error))
             if self.outcome.kind != "done":
                 _kill(self.actor)  # gives its resources back at once; a finished one goes with the job
         return self.outcome
