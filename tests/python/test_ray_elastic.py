@@ -3,7 +3,8 @@ a head and a second raylet, 1 CPU each, so one worker per node): the second node
 and a third node added (``ray start --address``); the job goes on at 1 rank, grows back to 2, finishes,
 and returns every rank's values, equal on every rank. The driver learns of the training through
 ray_logger and a callback; the callback is what kills and adds the nodes, at steps the training reached.
-First, on the same cluster, a function that raises on every worker fails the job with its traceback."""
+First, on the same cluster: a function that raises on every worker fails the job with its traceback, and
+ray_logger's values reach RayExecutor.run's callbacks, fixed and elastic (``min_workers``)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ ray = pytest.importorskip("ray", reason="rvod.ray needs Ray (pip install ray) to
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 from conftest import JOB_TAG_VARIABLE, kill_tagged, ray_token_auth_disabled  # noqa: E402
 
-from rvod.ray import ElasticRayExecutor  # noqa: E402
+from rvod.ray import ElasticRayExecutor, RayExecutor  # noqa: E402
 
 # Ray's workers cannot import the tests' modules: functions from this one travel by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -134,6 +135,35 @@ def test_a_function_raising_on_every_worker_fails_the_job_with_its_traceback(clu
     message = str(raised.value)
     assert "the elastic job failed" in message and "is blacklisted" in message, message
     assert re.search(r"rank [01] raised:\n.*ValueError: bad input on rank [01]", message, re.S), message
+
+
+def _logging_sum(scale):
+    import numpy as np
+
+    import rvod.numpy as hvd
+    from rvod.ray import ray_logger
+
+    hvd.init()
+    ray_logger.log({"rank": hvd.rank(), "size": hvd.size()})  # rank 0 only
+    ray_logger.log({"every": hvd.rank()}, chief_only=False)
+    total = float(hvd.allreduce(np.array([scale * (hvd.rank() + 1.0)]), op=hvd.Sum, name="sum")[0])
+    hvd.shutdown()
+    return total
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("mode", [{"num_workers": 2}, {"min_workers": 1, "max_workers": 2}], ids=["fixed", "elastic"])
+def test_ray_executor_run_calls_back_with_what_ranks_log(cluster, mode):
+    logged = []
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=30), cpus_per_worker=1, **mode)
+    executor.start()
+    try:
+        results = executor.run(_logging_sum, kwargs={"scale": 10}, callbacks=[logged.append])
+    finally:
+        executor.shutdown()
+    assert results == [30.0, 30.0]
+    assert {"rank": 0, "size": 2} in logged
+    assert sorted(item["every"] for item in logged if "every" in item) == [0, 1] and len(logged) == 3
 
 
 @pytest.mark.timeout(180)

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
-import threading
 import traceback
 import warnings
 from collections.abc import Callable, Sequence
@@ -268,7 +266,6 @@ class ElasticRayExecutor:
         self.gpus_per_worker = gpus
         self.env_vars = {str(name): str(value) for name, value in (env_vars or {}).items()}
         self._started = False
-        self._queue: Any = None
 
     def start(self) -> None:
         """Checks that Ray runs and its hosts can be discovered; the workers start in ``run()``."""
@@ -285,13 +282,9 @@ class ElasticRayExecutor:
         with the traceback of a worker whose function raised."""
         if not self._started:
             raise RuntimeError(f"{WHERE}: the executor is not started; call start() first")
-        from ray.util.queue import Queue
-
-        here = ray.get_runtime_context().get_node_id()
-        self._queue = Queue(actor_options={
-            "num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(here, soft=False)})
+        delivery = ray_logger.Delivery(callbacks)
         options = {"num_cpus": self.cpus_per_worker, "num_gpus": self.gpus_per_worker}
-        launcher = _ActorLauncher(worker_fn, self._queue, options, self.env_vars)
+        launcher = _ActorLauncher(worker_fn, delivery.queue, options, self.env_vars)
         settings = self.settings
         driver = ElasticDriver(
             ElasticSettings(min_np=settings.min_num_proc, max_np=settings.max_num_proc, discovery_script=None,
@@ -299,24 +292,15 @@ class ElasticRayExecutor:
                             reset_limit=settings.reset_limit, cooldown_range=settings.cooldown_range),
             launcher, settings.discovery.find_available_hosts_and_slots, engine_settings=settings.engine_env(),
             verbose=settings.verbose >= 2, who=WHERE)
-        delivery = _Delivery(self._queue, list(callbacks or []))
         try:
             status = driver.run()
         finally:
-            delivery.finish()
-            self._close_queue()
-        if delivery.error is not None:
-            raise RuntimeError(f"{WHERE}: a callback raised") from delivery.error
+            delivery.close()
+        delivery.raise_error()
         return _results(driver, status)
 
-    def _close_queue(self) -> None:
-        queue, self._queue = self._queue, None
-        if queue is not None:
-            _kill(queue.actor)
-
     def shutdown(self) -> None:
-        """Releases what the executor holds (``run`` stops its workers itself); ``start()`` may be called again."""
-        self._close_queue()
+        """``run`` stops its workers and its queue itself; after this, ``start()`` is needed again."""
         self._started = False
 
 
@@ -335,41 +319,3 @@ def _results(driver: ElasticDriver, status: int) -> list[Any]:
         raise RuntimeError(f"{WHERE}: the elastic job ended without a result from every rank of its last world "
                            f"(got ranks {ranks} of {len(world)})")
     return [outcome.value for outcome in done]
-
-
-class _Delivery:
-    """Calls the callbacks on the driver with what workers log, from a thread, until ``finish()``."""
-
-    def __init__(self, queue: Any, callbacks: list[Callable[[Any], Any]]):
-        self._queue = queue
-        self._callbacks = callbacks
-        self._done = threading.Event()
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._deliver, name="rvod.ray callbacks", daemon=True)
-        if callbacks:
-            self._thread.start()
-
-    def _deliver(self) -> None:
-        from ray.util.queue import Empty
-
-        while True:
-            try:
-                item = self._queue.get(timeout=0.1)
-            except Empty:
-                if self._done.is_set():
-                    return
-                continue
-            except Exception as error:  # noqa: BLE001 - the queue's actor is gone: nothing more will come
-                print(f"{WHERE}: callbacks stopped: {error}", file=sys.stderr, flush=True)
-                return
-            for callback in self._callbacks:
-                try:
-                    callback(item)
-                except BaseException as error:  # noqa: BLE001 - raised by run() once the job ended
-                    self.error = self.error or error
-
-    def finish(self) -> None:
-        """Delivers what is still queued, then stops (bounded: 30 s)."""
-        self._done.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=30)
