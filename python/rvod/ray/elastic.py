@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import traceback
 import warnings
 from collections.abc import Callable, Sequence
@@ -167,8 +168,10 @@ class _ActorWorker:
 class _ActorLauncher:
     """Starts the elastic driver's workers as Ray actors (``rvod.runner.elastic.Launcher``)."""
 
-    def __init__(self, fn: Callable[[], Any], queue: Any, options: dict[str, Any], env: dict[str, str]):
+    def __init__(self, fn: Callable[[], Any], queue: Any, options: dict[str, Any], env: dict[str, str],
+                 verbose: bool):
         self._fn = fn
+        self._verbose = verbose
         self._queue = queue
         self._options = options
         self._env = env
@@ -185,6 +188,9 @@ class _ActorLauncher:
             worker.outcome = _Outcome("died", detail=str(error))
             return worker
         actor = self._class.options(**self._options, **placement).remote()
+        if self._verbose:
+            print(f"{WHERE}: started worker {worker_id} as rank {slot.rank} on {slot.hostname}", file=sys.stderr,
+                  flush=True)
         return _ActorWorker(actor, actor.run.remote(self._fn, {**self._env, **env}, self._queue))
 
     def stop(self, handles: list[_ActorWorker]) -> None:
@@ -256,8 +262,9 @@ class ElasticRayExecutor:
         if gpus and not use_gpu:
             raise ValueError("gpus_per_worker is set but use_gpu is False; set use_gpu=True to reserve GPUs")
         gpus = (gpus or 1) if use_gpu else 0
-        if cpus < 0 or (use_gpu and gpus <= 0):
-            raise ValueError(f"cpus_per_worker must be >= 0 and gpus_per_worker > 0, got {cpus} and {gpus}")
+        if cpus < 0 or (cpus == 0 and not use_gpu) or (use_gpu and gpus <= 0):
+            raise ValueError(f"cpus_per_worker must be > 0 (>= 0 with use_gpu: slots are counted from them) and "
+                             f"gpus_per_worker > 0, got {cpus} and {gpus}")
         if override_discovery or settings.discovery is None:
             settings.discovery = RayHostDiscovery(use_gpu=use_gpu, cpus_per_worker=cpus, gpus_per_worker=gpus or 1)
         self.settings = settings
@@ -284,7 +291,7 @@ class ElasticRayExecutor:
             raise RuntimeError(f"{WHERE}: the executor is not started; call start() first")
         delivery = ray_logger.Delivery(callbacks)
         options = {"num_cpus": self.cpus_per_worker, "num_gpus": self.gpus_per_worker}
-        launcher = _ActorLauncher(worker_fn, delivery.queue, options, self.env_vars)
+        launcher = _ActorLauncher(worker_fn, delivery.queue, options, self.env_vars, self.settings.verbose >= 2)
         settings = self.settings
         driver = ElasticDriver(
             ElasticSettings(min_np=settings.min_num_proc, max_np=settings.max_num_proc, discovery_script=None,
