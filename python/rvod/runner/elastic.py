@@ -359,7 +359,7 @@ class ElasticDriver:
             now = time.monotonic()
             if self._received:
                 signum = self._received.pop(0)
-                self.failure = f"rvodrun received {signal_name(signum)}"
+                self.failure = f"{self.who} received {signal_name(signum)}"
                 self._say(f"received {signal_name(signum)}, stopping the job")
                 return 128 + signum
             # A remote worker's death is known from its host's status line before ssh exits and its output
