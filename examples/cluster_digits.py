@@ -1,17 +1,34 @@
 """The training function that examples/ray_torch_digits.py and examples/spark_torch_digits.py run on every
 rank: a small CNN on scikit-learn's digits data (no download) with rvod.torch, Horovod style. Each rank
 trains on its shard, DistributedOptimizer averages gradients, and the function returns this rank's test
-accuracy (over the whole test set) and its training time."""
+accuracy (over the whole test set) and its training time. ``digits_data`` and ``digits_model`` are the data
+and the model (examples/ray_elastic_digits.py trains them elastically)."""
 
 import time
+
+
+def digits_data(seed=42):
+    """(x_train, x_test, y_train, y_test): the digits as 1x8x8 float images in [0, 1] and int64 labels."""
+    import torch
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    images = torch.tensor(digits.images / 16.0, dtype=torch.float32).unsqueeze(1)
+    labels = torch.tensor(digits.target, dtype=torch.int64)
+    return train_test_split(images, labels, test_size=0.25, random_state=seed)
+
+
+def digits_model():
+    from torch import nn
+
+    return nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+                         nn.Linear(16 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10))
 
 
 def train_digits(epochs=8, batch_size=32, lr=0.02, seed=42):
     import torch
     import torch.nn.functional as F
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-    from torch import nn
 
     import rvod.torch as hvd
 
@@ -19,14 +36,10 @@ def train_digits(epochs=8, batch_size=32, lr=0.02, seed=42):
     try:
         torch.set_num_threads(1)
         torch.manual_seed(seed)
-        digits = load_digits()
-        images = torch.tensor(digits.images / 16.0, dtype=torch.float32).unsqueeze(1)
-        labels = torch.tensor(digits.target, dtype=torch.int64)
-        x_train, x_test, y_train, y_test = train_test_split(images, labels, test_size=0.25, random_state=seed)
+        x_train, x_test, y_train, y_test = digits_data(seed)
         mine = slice(hvd.rank(), None, hvd.size())  # this rank's shard
         x_train, y_train, x_test, y_test = x_train[mine], y_train[mine], x_test[mine], y_test[mine]
-        model = nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
-                              nn.Linear(16 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10))
+        model = digits_model()
         optimizer = torch.optim.SGD(model.parameters(), lr=lr * hvd.size(), momentum=0.9)
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())

@@ -169,7 +169,8 @@ def _driver(min_np, max_np, hosts):
     settings = driver.ElasticSettings(min_np=min_np, max_np=max_np, discovery_script=None, fixed_hosts=None,
                                       slots_per_host=None, elastic_timeout=1.0, reset_limit=None,
                                       cooldown_range=None)
-    job = driver.ElasticDriver(JobSpec(), settings, ["true"], None)
+    job = driver.ElasticDriver(settings, driver.ProcessLauncher(JobSpec(), ["true"], None), lambda: hosts,
+                               engine_settings={})
     job.hosts = hosts
     return job
 

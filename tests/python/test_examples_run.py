@@ -45,3 +45,17 @@ def test_ray_and_spark_digits(job_env, example):
     assert result.returncode == 0, result.stderr[-5000:]
     found = accuracies(result.stdout)
     assert sorted(found) == [0, 1] and min(found.values()) >= 0.9, result.stdout[-3000:]
+
+
+@pytest.mark.timeout(240)
+def test_ray_elastic_digits(job_env):
+    """examples/ray_elastic_digits.py on a local Ray instance of 2 CPUs: 2 workers train elastically; rank 0's
+    ray_logger lines reach the driver's callback, every epoch at 2 workers, and both ranks end equally accurate."""
+    result = subprocess.run([sys.executable, str(EXAMPLES / "ray_elastic_digits.py"), "--num-cpus", "2", "--epochs", "6"],
+                            env=job_env, capture_output=True, text=True, timeout=230, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-5000:]
+    epochs = re.findall(r"^epoch (\d+): (\d+) workers, mean loss ([\d.]+)", result.stdout, re.M)
+    assert [(int(epoch), int(workers)) for epoch, workers, _ in epochs] == [(epoch, 2) for epoch in range(6)]
+    assert float(epochs[-1][2]) < float(epochs[0][2]), result.stdout
+    found = accuracies(result.stdout)
+    assert sorted(found) == [0, 1] and min(found.values()) >= 0.9 and len(set(found.values())) == 1, result.stdout

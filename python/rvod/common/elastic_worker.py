@@ -12,6 +12,9 @@ driver through the job's rendezvous store (authenticated with the job's secret),
 - ``elastic/reset/<worker>/<R>``: a worker of world R whose collective failed asks for a new world;
 - ``elastic/finished``: a worker finished training, so no new world will be formed; a worker still waiting
   for one exits with status 0.
+
+A worker that is a process of its own (rvodrun's) leaves by exiting with status 0; one that is not (a Ray
+actor, after ``leave_by_raising()``) raises ``LeftTheJob`` out of ``init()`` and the function that called it.
 """
 
 from __future__ import annotations
@@ -32,6 +35,28 @@ _POLL_SECONDS = 0.02
 _ASSIGNED = {"rank": "RVOD_RANK", "size": "RVOD_SIZE", "local_rank": "RVOD_LOCAL_RANK",
              "local_size": "RVOD_LOCAL_SIZE", "cross_rank": "RVOD_CROSS_RANK", "cross_size": "RVOD_CROSS_SIZE",
              "hostname": "RVOD_HOSTNAME"}
+
+
+class LeftTheJob(BaseException):
+    """This worker has no place in the job any more (its host was removed, or training finished while it
+    waited for a new world). A BaseException, so that the training function's own handlers let it through."""
+
+
+_leave_by_raising = False
+
+
+def leave_by_raising() -> None:
+    """Workers of this process leave by raising LeftTheJob instead of exiting the process."""
+    global _leave_by_raising
+    _leave_by_raising = True
+
+
+def _leave(message: str) -> None:
+    print(f"rvod elastic: {message}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    if _leave_by_raising:
+        raise LeftTheJob(message)
+    os._exit(0)  # the engine is shut down already; the script's own exit would try to train on
 
 
 def in_elastic_job() -> bool:
@@ -79,10 +104,8 @@ class _DriverLink:
 
     def _exit_if_finished(self) -> None:
         if self._store.try_get("elastic/finished", 0) is not None:
-            print(f"rvod elastic: worker {self.worker}: the job finished training while this worker waited for a "
-                  "new world; exiting", file=sys.stderr, flush=True)
-            sys.stdout.flush()
-            os._exit(0)  # the engine is shut down already; the script's own exit would try to train on
+            _leave(f"worker {self.worker}: the job finished training while this worker waited for a new world; "
+                   "exiting")
 
     def wait_for_newer_round(self) -> None:
         """Blocks until the driver has formed a world newer than this worker's."""
@@ -108,10 +131,8 @@ class _DriverLink:
             assignment = self._store.get(f"elastic/round/{round_}/assign/{self.worker}", self.timeout)
             place = json.loads(assignment)
             if place.get("leave"):
-                print(f"rvod elastic: worker {self.worker} has no place in the new world {round_} "
-                      "(its host was removed or blacklisted); exiting", file=sys.stderr, flush=True)
-                sys.stdout.flush()
-                os._exit(0)  # the engine is shut down already; the script's own exit would try to train on
+                _leave(f"worker {self.worker} has no place in the new world {round_} (its host was removed or "
+                       "blacklisted); exiting")
             self._store.set(f"elastic/round/{round_}/ready/{self.worker}", b"1")
             while self._store.try_get(f"elastic/round/{round_}/go", 0.05) is None:
                 if self.latest_round() > round_:

@@ -7,11 +7,16 @@ secret and the store's address reach the actors as arguments of Ray calls, never
 ``run()`` calls a function on every rank and returns the results in rank order; when a rank raises or its
 actor dies, every actor is stopped (no rank is left waiting in a collective) and ``run()`` raises naming the
 rank; ``start()`` may then be called again.
+
+With ``min_workers`` (Horovod's newer spelling of elastic Ray jobs) the executor is an ``ElasticRayExecutor``
+underneath (rvod.ray.elastic): no placement group, workers follow the nodes. ``run(..., callbacks=...)``
+passes what rank 0 logs with ``ray_logger`` to the callbacks on the driver, in both modes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +26,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rvod.ray import ray_logger
 from rvod.runner import cluster_job
 
 WHERE = "rvod.ray"
@@ -86,7 +92,8 @@ class _Worker:
     def execute(self, fn: Callable[[Any], Any]) -> Any:
         return self._outcome(cluster_job.call(self.rank, fn, (self.executable,), {}))
 
-    def run(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    def run(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any], queue: Any = None) -> Any:
+        ray_logger.configure(queue)
         return self._outcome(cluster_job.call(self.rank, fn, args, kwargs))
 
     def _outcome(self, outcome: tuple[bool, Any]) -> Any:
@@ -100,7 +107,9 @@ class RayExecutor:
     """horovod.ray.RayExecutor: rvod workers as Ray actors.
 
     Give ``num_workers`` (workers packed onto as few nodes as possible) or ``num_hosts`` and
-    ``num_workers_per_host`` (one bundle per node, on distinct nodes). ``ray.init()`` must have been called.
+    ``num_workers_per_host`` (one bundle per node, on distinct nodes); or ``min_workers`` (and
+    ``max_workers``, ``reset_limit``, ``cooldown_range``, ``elastic_timeout``, ``override_discovery``) for an
+    elastic job whose ``run`` trains under ``hvd.elastic.run``. ``ray.init()`` must have been called.
     """
 
     @classmethod
@@ -117,7 +126,23 @@ class RayExecutor:
 
     def __init__(self, settings: RaySettings | None = None, num_workers: int | None = None,
                  num_hosts: int | None = None, num_workers_per_host: int = 1, cpus_per_worker: int = 1,
-                 use_gpu: bool = False, gpus_per_worker: int | None = None):
+                 use_gpu: bool = False, gpus_per_worker: int | None = None, min_workers: int | None = None,
+                 max_workers: int | None = None, reset_limit: int | None = None,
+                 cooldown_range: tuple[int, int] | None = None, elastic_timeout: float | None = None,
+                 override_discovery: bool = True):
+        self._elastic = None
+        if min_workers is not None or max_workers is not None:
+            if num_workers is not None or num_hosts is not None:
+                raise ValueError("give num_workers (or num_hosts) for a fixed job, or min_workers for an elastic one, "
+                                 "not both")
+            if min_workers is None:
+                raise ValueError("max_workers needs min_workers: an elastic job needs a positive min_workers")
+            self._elastic = _elastic_executor(settings, min_workers, max_workers, reset_limit, cooldown_range,
+                                              elastic_timeout, override_discovery, cpus_per_worker, use_gpu,
+                                              gpus_per_worker)
+            self.settings = self._elastic.settings
+            self.workers = []
+            return
         if gpus_per_worker and not use_gpu:
             raise ValueError("gpus_per_worker is set but use_gpu is False; set use_gpu=True to reserve GPUs")
         if num_workers is not None and num_hosts is not None:
@@ -157,7 +182,15 @@ class RayExecutor:
               executable_kwargs: dict[str, Any] | None = None,
               extra_env_vars: dict[str, str] | None = None) -> None:
         """Start the workers: place them, give each its rank, serve the store in rank 0, and create
-        ``executable_cls(*executable_args, **executable_kwargs)`` in every worker (for ``execute``)."""
+        ``executable_cls(*executable_args, **executable_kwargs)`` in every worker (for ``execute``). An
+        elastic executor starts its workers in ``run()``, and has no executable."""
+        if self._elastic is not None:
+            if executable_cls is not None:
+                raise ValueError(f"{WHERE}: an elastic executor (min_workers) runs functions only; it has no "
+                                 "executable_cls")
+            self._elastic.env_vars.update({str(k): str(v) for k, v in (extra_env_vars or {}).items()})
+            self._elastic.start()
+            return
         if self.workers:
             raise RuntimeError(f"{WHERE}: the executor is already started; call shutdown() first")
         if not ray.is_initialized():
@@ -215,6 +248,9 @@ class RayExecutor:
             raise
 
     def _require_started(self) -> None:
+        if self._elastic is not None:
+            raise RuntimeError(f"{WHERE}: an elastic executor (min_workers) has only run(); its workers start and "
+                               "stop with the job")
         if not self.workers:
             raise RuntimeError(f"{WHERE}: the executor is not started; call start() first")
 
@@ -226,10 +262,22 @@ class RayExecutor:
         return [worker.run.remote(fn, args, kwargs) for worker in self.workers]
 
     def run(self, fn: Callable[..., Any], args: Sequence[Any] | None = None,
-            kwargs: dict[str, Any] | None = None) -> list[Any]:
+            kwargs: dict[str, Any] | None = None, callbacks: Sequence[Callable[[Any], Any]] | None = None) -> list[Any]:
         """``fn(*args, **kwargs)`` on every rank; the results in rank order. If a rank raises or its actor
-        dies, every worker is stopped and RuntimeError names the rank (with its traceback)."""
-        return self._gather(self.run_remote(fn, args, kwargs))
+        dies, every worker is stopped and RuntimeError names the rank (with its traceback). Each callback
+        is called on the driver with every value rank 0 logs with ``ray_logger.log``. Elastic: the results of
+        the ranks of the world that finished (see ``ElasticRayExecutor.run``)."""
+        if self._elastic is not None:
+            return self._elastic.run(functools.partial(fn, *(args or []), **(kwargs or {})), callbacks)
+        self._require_started()
+        delivery = ray_logger.Delivery(callbacks)
+        try:
+            args, kwargs = list(args or []), dict(kwargs or {})
+            results = self._gather([worker.run.remote(fn, args, kwargs, delivery.queue) for worker in self.workers])
+        finally:
+            delivery.close()
+        delivery.raise_error()
+        return results
 
     def execute(self, fn: Callable[[Any], Any]) -> list[Any]:
         """``fn(executable)`` on every rank (the object ``start(executable_cls=...)`` created); results in
@@ -279,6 +327,9 @@ class RayExecutor:
 
     def shutdown(self) -> None:
         """Stop every worker and give back the placement group (``start()`` may be called again)."""
+        if self._elastic is not None:
+            self._elastic.shutdown()
+            return
         workers, self.workers = self.workers, []
         for worker in workers:
             try:
@@ -288,3 +339,17 @@ class RayExecutor:
         if self._placement_group is not None:
             remove_placement_group(self._placement_group)
             self._placement_group = None
+
+
+def _elastic_executor(settings, min_workers, max_workers, reset_limit, cooldown_range, elastic_timeout,
+                      override_discovery, cpus_per_worker, use_gpu, gpus_per_worker):
+    """The ElasticRayExecutor behind ``RayExecutor(min_workers=...)``, with ``settings``'s values."""
+    from rvod.ray.elastic import ElasticRayExecutor
+
+    base = settings or RaySettings()
+    elastic_settings = ElasticRayExecutor.create_settings(
+        min_num_proc=min_workers, max_num_proc=max_workers, reset_limit=reset_limit, cooldown_range=cooldown_range,
+        elastic_timeout=elastic_timeout, timeout_s=base.timeout_s, nics=base.nics, verbose=base.verbose)
+    elastic_settings.discovery = getattr(settings, "discovery", None)
+    return ElasticRayExecutor(elastic_settings, use_gpu=use_gpu, cpus_per_worker=cpus_per_worker,
+                              gpus_per_worker=gpus_per_worker, override_discovery=override_discovery)

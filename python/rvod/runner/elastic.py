@@ -10,6 +10,10 @@ the job come first in every new world, in their old order, so rank 0 always hold
 The job ends when its workers end: status 0 when every worker of the last world exited 0. It fails, with
 a line saying why, when fewer than --min-np slots stay usable for --elastic-timeout seconds, when more
 than --reset-limit resets would be needed, or when every discovered host is blacklisted for good.
+
+The driver knows workers only as handles (``WorkerHandle``) made by a ``Launcher``: ``ProcessLauncher``
+starts processes (locally or over ssh) for rvodrun and rvod.run; rvod.ray's elastic executor starts Ray
+actors. Hosts come from a ``discover()`` callable (rvodrun's: ``discover(settings)``).
 """
 
 from __future__ import annotations
@@ -22,15 +26,15 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from rvod.runner import network, store
 from rvod.runner.hosts import Host, Slot, local_names
 from rvod.runner.job import JobSpec
 from rvod.runner.ssh import SshSettings, forwarded_environment, remote_python_command
-from rvod.runner.supervisor import STOP_GRACE_SECONDS, WorkerProcess, WorkerSpec, describe_exit, signal_name
+from rvod.runner.supervisor import STOP_GRACE_SECONDS, WorkerProcess, WorkerSpec, signal_name
 from rvod.runner.worker_env import worker_env
 
 DEFAULT_ELASTIC_TIMEOUT = 600.0
@@ -114,11 +118,38 @@ class Blacklist:
         return self._until.get(host, 0.0) == float("inf")
 
 
+class WorkerHandle(Protocol):
+    """One started worker, as the driver sees it."""
+
+    @property
+    def returncode(self) -> int | None:
+        """None while it runs; 0 when it ended well (it finished, or left the job when told to)."""
+
+    def finished(self) -> bool:
+        """It ended and what it had to say (its output) has come through."""
+
+    def describe_exit(self) -> str:
+        """How it ended, for a message ("exited with code 1")."""
+
+
+class Launcher(Protocol):
+    """How an elastic job's workers start and stop: processes (``ProcessLauncher``) or Ray actors."""
+
+    def rendezvous_address(self, hosts: Sequence[str]) -> str:
+        """The address the job's store listens on, reachable from ``hosts`` (the hosts discovered first)."""
+
+    def start(self, worker_id: int, slot: Slot, env: dict[str, str]) -> WorkerHandle:
+        """Starts a worker with the job's ``env`` (rendezvous, identity, elastic variables) on ``slot``'s host."""
+
+    def stop(self, handles: list[WorkerHandle]) -> None:
+        """Stops every worker of ``handles`` still running, and waits for them (bounded)."""
+
+
 @dataclass
 class _ElasticWorker:
     id: int
     host: str
-    process: WorkerProcess
+    process: WorkerHandle
     rank: int | None = None
     leaving: bool = False
     reported: bool = False
@@ -150,18 +181,23 @@ def topology(placed: list[tuple[int, str]]) -> dict[int, Slot]:
     return slots
 
 
-def _say(text: str) -> None:
-    print(f"rvodrun: {text}", file=sys.stderr, flush=True)
+def _say(text: str, who: str = "rvodrun") -> None:
+    print(f"{who}: {text}", file=sys.stderr, flush=True)
 
 
 class ElasticDriver:
-    def __init__(self, spec: JobSpec, settings: ElasticSettings, command: list[str], ssh: SshSettings):
-        self.spec = spec
+    """Forms the worlds of one elastic job. ``discover()``: the hosts available now (host -> slots; ValueError
+    with the reason when they cannot be known); ``engine_settings``: RVOD_* variables every worker gets;
+    ``who``: the name its messages start with."""
+
+    def __init__(self, settings: ElasticSettings, launcher: Launcher, discover: Callable[[], dict[str, int]], *,
+                 engine_settings: dict[str, str], verbose: bool = False, who: str = "rvodrun"):
         self.settings = settings
-        self.command = command
-        self.engine_settings = spec.engine_env()
-        self.ssh = ssh
-        self.nics = list(spec.nics)
+        self.launcher = launcher
+        self.discover = discover
+        self.engine_settings = engine_settings
+        self.verbose = verbose
+        self.who = who
         self.secret = os.urandom(32)
         self.blacklist = Blacklist(settings.cooldown_range)
         self.hosts: dict[str, int] = {}
@@ -172,28 +208,23 @@ class ElasticDriver:
         self.resets = 0
         self.failure: str | None = None
         self._next_id = 0
-        self._local = local_names()
         self._received: list[int] = []
+
+    def _say(self, text: str) -> None:
+        _say(text, self.who)
 
     # -- hosts ---------------------------------------------------------------------------------------
 
     def _refresh_hosts(self) -> None:
         try:
-            self.hosts = discover(self.settings)
+            self.hosts = self.discover()
         except ValueError as error:
-            _say(f"host discovery script {self.settings.discovery_script!r} failed ({error}); keeping the "
-                 f"hosts it listed last")
+            what = (f"host discovery script {self.settings.discovery_script!r}" if self.settings.discovery_script
+                    else "host discovery")
+            self._say(f"{what} failed ({error}); keeping the hosts it listed last")
 
     def _usable(self, now: float) -> dict[str, int]:
         return {host: slots for host, slots in self.hosts.items() if not self.blacklist.blocked(host, now)}
-
-    def _rendezvous_address(self) -> str:
-        if self.nics:
-            return network.interface_address(self.nics[0])
-        remote = [host for host in self.hosts if host.lower() not in self._local]
-        if remote:
-            return network.route_source(network.resolve(self.ssh.resolved_hostname(remote[0])))
-        return network.LOOPBACK
 
     # -- worlds --------------------------------------------------------------------------------------
 
@@ -263,7 +294,7 @@ class ElasticDriver:
         for worker in members:
             worker.rank = slots[worker.id].rank
         self.world = _World(self.round, members)
-        _say(f"world {self.round} ({cause}): {len(members)} ranks on "
+        self._say(f"world {self.round} ({cause}): {len(members)} ranks on "
              f"{', '.join(sorted({w.host for w in members}))}" + (f"; {len(new)} started" if new else ""))
         return True
 
@@ -272,21 +303,11 @@ class ElasticDriver:
         return self._next_id
 
     def _start(self, worker_id: int, slot: Slot) -> _ElasticWorker:
-        remote = slot.hostname.lower() not in self._local
-        base = forwarded_environment(os.environ) if remote else os.environ
-        env = worker_env(base, slot, rendezvous_addr=self.rendezvous_addr, rendezvous_port=self.port,
+        env = worker_env({}, slot, rendezvous_addr=self.rendezvous_addr, rendezvous_port=self.port,
                          secret=self.secret, settings=self.engine_settings)
         env.update({"RVOD_ELASTIC_WORKER_ID": str(worker_id), "RVOD_ELASTIC_ROUND": str(self.round),
                     "RVOD_ELASTIC_TIMEOUT": repr(self.settings.elastic_timeout)})
-        ssh_command = None
-        if remote:
-            ssh_command = self.ssh.command(slot.hostname, remote_python_command(env, ["-m", "rvod.runner.remote"]))
-        worker_spec = WorkerSpec(rank=slot.rank, command=self.command, env=env, hostname=slot.hostname,
-                                 ssh_command=ssh_command)
-        process = WorkerProcess.start(worker_spec, timestamp=self.spec.prefix_timestamp)
-        if self.spec.verbose:
-            _say(f"started worker {worker_id} as rank {slot.rank} on {slot.hostname} (pid {process.process.pid})")
-        worker = _ElasticWorker(worker_id, slot.hostname, process)
+        worker = _ElasticWorker(worker_id, slot.hostname, self.launcher.start(worker_id, slot, env))
         self.workers.append(worker)
         return worker
 
@@ -302,7 +323,7 @@ class ElasticDriver:
                 previous[signum] = signal.signal(signum, lambda number, _frame: self._received.append(number))
         try:
             self._refresh_hosts()
-            self.rendezvous_addr = self._rendezvous_address()
+            self.rendezvous_addr = self.launcher.rendezvous_address(list(self.hosts))
             server = store.start_store(self.rendezvous_addr, self.secret)
             try:
                 from rvod._rvod import StoreClient
@@ -316,11 +337,11 @@ class ElasticDriver:
                     collect(client)
                 return status
             finally:
-                self._stop_all()
+                self.launcher.stop([worker.process for worker in self.workers])
                 server.close()
         except ElasticFailure as error:
             self.failure = str(error)
-            _say(f"elastic job failed: {error}")
+            self._say(f"elastic job failed: {error}")
             return 1
         finally:
             for signum, handler in previous.items():
@@ -338,8 +359,8 @@ class ElasticDriver:
             now = time.monotonic()
             if self._received:
                 signum = self._received.pop(0)
-                self.failure = f"rvodrun received {signal_name(signum)}"
-                _say(f"received {signal_name(signum)}, stopping the job")
+                self.failure = f"{self.who} received {signal_name(signum)}"
+                self._say(f"received {signal_name(signum)}, stopping the job")
                 return 128 + signum
             # A remote worker's death is known from its host's status line before ssh exits and its output
             # is drained (finished()); acting on it at once keeps the next world from planning around a
@@ -348,22 +369,23 @@ class ElasticDriver:
                            if not w.reported and (w.process.finished() or w.process.returncode is not None)]:
                 worker.reported = True
                 code = worker.process.returncode
+                assert code is not None
                 where = f"worker {worker.id} (rank {worker.rank} on {worker.host})"
                 if worker.leaving:
-                    if self.spec.verbose:
-                        _say(f"{where} left the job: it {describe_exit(code)}")
+                    if self.verbose:
+                        self._say(f"{where} left the job: it {worker.process.describe_exit()}")
                 elif code == 0:
                     if not finishing:
                         self._finish(client)
                     finishing = True
-                    if self.spec.verbose:
-                        _say(f"{where} finished")
+                    if self.verbose:
+                        self._say(f"{where} finished")
                 elif finishing:
                     status = status or (128 - code if code < 0 else code)
-                    self.failure = f"{where} {describe_exit(code)}"
-                    _say(self.failure)
+                    self.failure = f"{where} {worker.process.describe_exit()}"
+                    self._say(self.failure)
                 else:
-                    _say(f"{where} {describe_exit(code)}; {self.blacklist.add(worker.host, now)}")
+                    self._say(f"{where} {worker.process.describe_exit()}; {self.blacklist.add(worker.host, now)}")
                     wanted = wanted or "failure"
             if finishing:
                 if not any(w.process.returncode is None for w in self.workers if not w.leaving):
@@ -423,19 +445,50 @@ class ElasticDriver:
             if not worker.joined:
                 worker.leaving = True
 
-    def _stop_all(self) -> None:
-        running = [w for w in self.workers if w.process.group_alive()]
-        for worker in running:
-            worker.process.signal_group(signal.SIGTERM)
+
+class ProcessLauncher:
+    """rvodrun's workers: ``command`` as a process on this machine, or over ssh on another host."""
+
+    def __init__(self, spec: JobSpec, command: list[str], ssh: SshSettings):
+        self.spec = spec
+        self.command = command
+        self.ssh = ssh
+        self._local = local_names()
+
+    def rendezvous_address(self, hosts: Sequence[str]) -> str:
+        if self.spec.nics:
+            return network.interface_address(self.spec.nics[0])
+        remote = [host for host in hosts if host.lower() not in self._local]
+        if remote:
+            return network.route_source(network.resolve(self.ssh.resolved_hostname(remote[0])))
+        return network.LOOPBACK
+
+    def start(self, worker_id: int, slot: Slot, env: dict[str, str]) -> WorkerProcess:
+        remote = slot.hostname.lower() not in self._local
+        env = {**(forwarded_environment(os.environ) if remote else os.environ), **env}
+        ssh_command = None
+        if remote:
+            ssh_command = self.ssh.command(slot.hostname, remote_python_command(env, ["-m", "rvod.runner.remote"]))
+        worker_spec = WorkerSpec(rank=slot.rank, command=self.command, env=env, hostname=slot.hostname,
+                                 ssh_command=ssh_command)
+        process = WorkerProcess.start(worker_spec, timestamp=self.spec.prefix_timestamp)
+        if self.spec.verbose:
+            _say(f"started worker {worker_id} as rank {slot.rank} on {slot.hostname} (pid {process.process.pid})")
+        return process
+
+    def stop(self, handles: list[WorkerProcess]) -> None:
+        running = [process for process in handles if process.group_alive()]
+        for process in running:
+            process.signal_group(signal.SIGTERM)
         deadline = time.monotonic() + STOP_GRACE_SECONDS
         while running and time.monotonic() < deadline:
             time.sleep(_POLL_SECONDS)
-            running = [w for w in running if w.process.group_alive()]
-        for worker in running:
-            worker.process.signal_group(signal.SIGKILL)
-        for worker in self.workers:
-            worker.process.process.wait()
-            worker.process.finish_output(1.0)
+            running = [process for process in running if process.group_alive()]
+        for process in running:
+            process.signal_group(signal.SIGKILL)
+        for process in handles:
+            process.process.wait()
+            process.finish_output(1.0)
 
 
 def _place(slot: Slot) -> dict:
@@ -460,16 +513,20 @@ def elastic_settings(spec: JobSpec, fixed_hosts: list[Host] | None) -> ElasticSe
     cooldown = spec.cooldown_range
     if cooldown is not None and not 0 <= cooldown[0] <= cooldown[1]:
         raise ValueError(f"--blacklist-cooldown-range MIN MAX needs 0 <= MIN <= MAX, got {cooldown[0]} {cooldown[1]}")
-    timeout = spec.elastic_timeout
-    for name in ("RVOD_ELASTIC_TIMEOUT", "HOROVOD_ELASTIC_TIMEOUT"):
-        if timeout is None and os.environ.get(name):
-            try:
-                timeout = float(os.environ[name])
-            except ValueError:
-                raise ValueError(f"{name} must be a number of seconds, got {os.environ[name]!r}") from None
-    if timeout is None:
-        timeout = DEFAULT_ELASTIC_TIMEOUT
     return ElasticSettings(min_np=min_np, max_np=max_np, discovery_script=spec.host_discovery_script,
                            fixed_hosts=fixed_hosts, slots_per_host=spec.slots_per_host,
-                           elastic_timeout=float(timeout), reset_limit=spec.reset_limit, cooldown_range=cooldown)
+                           elastic_timeout=elastic_timeout(spec.elastic_timeout), reset_limit=spec.reset_limit,
+                           cooldown_range=cooldown)
+
+
+def elastic_timeout(given: float | None) -> float:
+    """``given``, else RVOD_ELASTIC_TIMEOUT (HOROVOD_ELASTIC_TIMEOUT), else the default (ValueError when the
+    variable is not a number)."""
+    for name in ("RVOD_ELASTIC_TIMEOUT", "HOROVOD_ELASTIC_TIMEOUT"):
+        if given is None and os.environ.get(name):
+            try:
+                given = float(os.environ[name])
+            except ValueError:
+                raise ValueError(f"{name} must be a number of seconds, got {os.environ[name]!r}") from None
+    return float(given if given is not None else DEFAULT_ELASTIC_TIMEOUT)
 

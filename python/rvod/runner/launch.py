@@ -15,6 +15,7 @@ the mpirun launch (rvod.runner.mpi) and the elastic driver (rvod.runner.elastic)
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import secrets
 import shutil
@@ -259,7 +260,9 @@ def elastic_driver(spec: JobSpec, command: list[str]) -> elastic.ElasticDriver:
     settings = elastic.elastic_settings(spec, fixed)
     for nic in spec.nics:
         network.interface_address(nic)  # a NIC this machine lacks: ValueError
-    return elastic.ElasticDriver(spec, settings, command, _ssh_settings(spec))
+    return elastic.ElasticDriver(settings, elastic.ProcessLauncher(spec, command, _ssh_settings(spec)),
+                                 functools.partial(elastic.discover, settings), engine_settings=spec.engine_env(),
+                                 verbose=spec.verbose)
 
 
 def run_commandline() -> None:
