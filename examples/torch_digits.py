@@ -30,6 +30,8 @@ def parse_args():
     parser.add_argument("--lr", type=float, default=0.02, help="learning rate for one rank")
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--fp16-allreduce", action="store_true", help="send gradients as float16")
+    parser.add_argument("--compression", choices=["none", "fp16", "int8", "onebit", "powersgd"], default="none",
+                        help="how gradients travel between hosts (docs/compression.md); powersgd at rank 4")
     parser.add_argument("--seed", type=int, default=42)
     return parser.parse_args()
 
@@ -104,7 +106,10 @@ def main():
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size(), momentum=args.momentum)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
-    compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
+    compression = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16, "int8": hvd.Compression.int8,
+                   "onebit": hvd.Compression.onebit, "powersgd": hvd.Compression.powersgd(rank=4)}[args.compression]
+    if args.fp16_allreduce:
+        compression = hvd.Compression.fp16
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                          compression=compression)
 

@@ -67,6 +67,9 @@ pub struct Config {
     /// `.powersgd`) compress inside one host's shared memory too; by default they are exact there, since
     /// memory is faster than the compression, and compress only between hosts.
     pub compression_within_host: bool,
+    /// `RVOD_COMPRESSION_WARMUP_STEPS`: each compressed tensor is reduced exactly for its first this many
+    /// allreduces (default 0).
+    pub compression_warmup_steps: u64,
     /// Process sets may be added and removed after init (`RVOD_DYNAMIC_PROCESS_SETS`, Horovod's flag rule:
     /// on when > 0; also turned on by `init(process_sets="dynamic")`).
     pub dynamic_process_sets: bool,
@@ -420,6 +423,7 @@ impl Config {
             hierarchical_allreduce: env.optional_flag("HIERARCHICAL_ALLREDUCE")?,
             hierarchical_allgather: env.optional_flag("HIERARCHICAL_ALLGATHER")?,
             compression_within_host: env.flag("COMPRESSION_WITHIN_HOST")?,
+            compression_warmup_steps: env.usize("COMPRESSION_WARMUP_STEPS", 0)? as u64,
             dynamic_process_sets: env.flag("DYNAMIC_PROCESS_SETS")?,
             launch,
             timeline: env.string("TIMELINE").filter(|path| !path.is_empty()),

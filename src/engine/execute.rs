@@ -16,7 +16,7 @@ use crate::fusion::tensor_io::{Produced, TensorIo, TensorMemory};
 use crate::gpu::tensor::{DeviceDone, DeviceOutput};
 use crate::protocol::message::{shape_elements, Response, ResponseEntry};
 use crate::ring;
-use crate::ring::compressed::Feedback;
+use crate::ring::compressed::{self, Feedback};
 use crate::ring::hierarchical::Step;
 use crate::ring::staged::{OwnPiece, StagedAllreduce};
 use crate::tensor::AlignedBuffer;
@@ -65,8 +65,8 @@ pub struct Executor {
     adasum_scratch: Vec<u8>,
     /// Compressed allreduces' per-tensor state (residuals, PowerSGD factors).
     feedback: Feedback,
-    /// `RVOD_COMPRESSION_WITHIN_HOST`: compress inside one host's shared memory too.
-    compression_within_host: bool,
+    /// How compressed allreduces run (the configuration's choices).
+    compression: compressed::Settings,
 }
 
 /// Whether allreduce and allgather take the hierarchical algorithms on communicators that span hosts:
@@ -183,8 +183,8 @@ fn row_bytes(shape: &[i64], dtype: DataType) -> usize {
 }
 
 impl Executor {
-    pub fn new(hierarchy: HierarchyChoice, compression_within_host: bool) -> Executor {
-        Executor { hierarchy, compression_within_host, ..Executor::default() }
+    pub fn new(hierarchy: HierarchyChoice, compression: compressed::Settings) -> Executor {
+        Executor { hierarchy, compression, ..Executor::default() }
     }
 
     /// Number of tensors whose compression state (residuals, PowerSGD factors) this executor keeps.
@@ -281,8 +281,8 @@ impl Executor {
             return self.adasum(t, response, entries, &layout);
         }
         if !response.compression.is_none() {
-            let (feedback, within_host) = (&mut self.feedback, self.compression_within_host);
-            return execute_compressed::allreduce(t, response, entries, &layout, feedback, within_host, phases);
+            let (feedback, settings) = (&mut self.feedback, self.compression);
+            return execute_compressed::allreduce(t, response, entries, &layout, feedback, settings, phases);
         }
         let total = layout.total_bytes();
         let plain_single = matches!(response.entries.as_slice(), [spec] if !spec.packed);

@@ -7,7 +7,8 @@
 //!   host has the same number of ranks; compressed among all ranks otherwise;
 //! - inside one host over shared memory: exact, since memory is faster than the compression, unless
 //!   `RVOD_COMPRESSION_WITHIN_HOST` forces it;
-//! - any other transport (TCP, UCX between single-rank hosts): compressed among all ranks.
+//! - any other transport (TCP, UCX between single-rank hosts): compressed among all ranks;
+//! - exact, whatever the transport, during a tensor's warm-up steps (`RVOD_COMPRESSION_WARMUP_STEPS`).
 
 use half::{bf16, f16};
 
@@ -18,7 +19,7 @@ use crate::fusion::layout::FusionLayout;
 use crate::fusion::packing::{gather, scatter};
 use crate::fusion::tensor_io::{TensorIo, TensorMemory};
 use crate::protocol::message::Response;
-use crate::ring::compressed::{self, Feedback, Span};
+use crate::ring::compressed::{self, Feedback, Settings, Span};
 use crate::tensor::AlignedBuffer;
 use crate::timeline::{OpRecord, Stage};
 use crate::transport::{Transport, TransportError};
@@ -49,14 +50,14 @@ fn route(t: &mut dyn Transport, within_host: bool) -> Route {
 }
 
 /// Run the compressed allreduce `response` (its tensors in `layout`; `entries[i]` is `None` where this
-/// rank joined). `within_host`: compress inside a host too.
+/// rank joined) as `settings` say.
 pub(crate) fn allreduce(
     t: &mut dyn Transport,
     response: &Response,
     entries: &mut [Option<TensorEntry>],
     layout: &FusionLayout,
     feedback: &mut Feedback,
-    within_host: bool,
+    settings: Settings,
     phases: &mut OpRecord,
 ) -> Result<Vec<Result<TensorResult, EngineError>>, TransportError> {
     let (dtype, compression) = (response.dtype, response.compression);
@@ -91,7 +92,8 @@ pub(crate) fn allreduce(
     }
     scale(&mut values, response.prescale);
 
-    let route = route(t, within_host);
+    let warm = feedback.step_past_warmup(spans.iter().map(|s| s.name), settings.warmup_steps);
+    let route = if warm { route(t, settings.within_host) } else { Route::Exact };
     let label = t.label();
     tracing::debug!(
         "{compression} allreduce of {} tensor(s), {} values, {route:?} over {label}: {}",

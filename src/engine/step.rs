@@ -31,6 +31,7 @@ use crate::error::EngineError;
 use crate::fusion::plan_fusion;
 use crate::protocol::round::{RoundHeader, StopReason};
 use crate::protocol::tuned::TunedValues;
+use crate::ring::compressed;
 use crate::transport::{Activity, Transport, TransportError};
 use crate::types::CollectiveKind;
 
@@ -108,7 +109,10 @@ impl Loop {
         negotiator.share_lateness(Arc::clone(&shared.lateness));
         let executor = Executor::new(
             HierarchyChoice { allreduce: config.hierarchical_allreduce, allgather: config.hierarchical_allgather },
-            config.compression_within_host,
+            compressed::Settings {
+                within_host: config.compression_within_host,
+                warmup_steps: config.compression_warmup_steps,
+            },
         );
         let autotune = match &config.autotune {
             Some(settings) if shared.set_id == 0 && transport.rank() == 0 && transport.size() > 1 => {

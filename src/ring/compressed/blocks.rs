@@ -1,6 +1,6 @@
-//! Block codecs of the quantized allreduce. A buffer of float32 values is cut into blocks of [`BLOCK`]
-//! values (the last may be shorter); each block is sent as its float32 scale (native-endian, 4 bytes) and
-//! then its payload:
+//! Block codecs of the quantized allreduce. A buffer of float32 values is cut into blocks ([`BLOCK`] values
+//! for int8, [`ONEBIT_BLOCK`] for 1-bit; the last may be shorter); each block is sent as its float32 scale
+//! (native-endian, 4 bytes) and then its payload:
 //!
 //! - int8: one signed byte per value, `round(value / scale)` with `scale = max |value| / 127`, so each value
 //!   comes back within half a step (`scale / 2`) of what it was;
@@ -11,8 +11,12 @@
 //! block holding a NaN or an infinity decodes to NaN throughout (its scale is not finite), as an
 //! uncompressed sum with one would.
 
-/// Values per block.
+/// Values per int8 block, and the unit the allreduce cuts a buffer into chunks by (a multiple of every
+/// codec's block).
 pub const BLOCK: usize = 256;
+/// Values per 1-bit block: small, because a value much larger than its block's mean magnitude is sent as
+/// that mean until its residual has grown to about the block's length times it (error feedback's memory).
+pub const ONEBIT_BLOCK: usize = 32;
 const SCALE_BYTES: usize = 4;
 
 /// A block codec.
@@ -23,6 +27,14 @@ pub enum Codec {
 }
 
 impl Codec {
+    /// Values per block.
+    pub fn block(self) -> usize {
+        match self {
+            Codec::Int8 => BLOCK,
+            Codec::OneBit => ONEBIT_BLOCK,
+        }
+    }
+
     fn payload_bytes(self, values: usize) -> usize {
         match self {
             Codec::Int8 => values,
@@ -32,17 +44,17 @@ impl Codec {
 
     /// Bytes of `values` values encoded.
     pub fn encoded_len(self, values: usize) -> usize {
-        let full = values / BLOCK;
-        let rest = values % BLOCK;
+        let block = self.block();
+        let (full, rest) = (values / block, values % block);
         let last = if rest > 0 { SCALE_BYTES + self.payload_bytes(rest) } else { 0 };
-        full * (SCALE_BYTES + self.payload_bytes(BLOCK)) + last
+        full * (SCALE_BYTES + self.payload_bytes(block)) + last
     }
 
     /// Encode `values` into `out` (`encoded_len(values.len())` bytes) and write `value - decoded` into
     /// `residual` (as long as `values`).
     pub fn encode(self, values: &[f32], out: &mut [u8], residual: &mut [f32]) {
         let mut at = 0;
-        for (block, res) in values.chunks(BLOCK).zip(residual.chunks_mut(BLOCK)) {
+        for (block, res) in values.chunks(self.block()).zip(residual.chunks_mut(self.block())) {
             let end = at + SCALE_BYTES + self.payload_bytes(block.len());
             let (head, payload) = out[at..end].split_at_mut(SCALE_BYTES);
             let scale = match self {
@@ -77,7 +89,7 @@ impl Codec {
 
     fn for_each_block(self, bytes: &[u8], out: &mut [f32], mut each: impl FnMut(Codec, f32, &[u8], &mut [f32])) {
         let mut at = 0;
-        for block in out.chunks_mut(BLOCK) {
+        for block in out.chunks_mut(self.block()) {
             let end = at + SCALE_BYTES + self.payload_bytes(block.len());
             let (head, payload) = bytes[at..end].split_at(SCALE_BYTES);
             let mut scale = [0u8; SCALE_BYTES];
@@ -159,7 +171,7 @@ mod tests {
         assert_eq!(Codec::Int8.encoded_len(0), 0);
         assert_eq!(Codec::Int8.encoded_len(BLOCK), 4 + BLOCK);
         assert_eq!(Codec::Int8.encoded_len(BLOCK + 3), 4 + BLOCK + 4 + 3);
-        assert_eq!(Codec::OneBit.encoded_len(BLOCK), 4 + BLOCK / 8);
+        assert_eq!(Codec::OneBit.encoded_len(BLOCK), (BLOCK / ONEBIT_BLOCK) * (4 + ONEBIT_BLOCK / 8));
         assert_eq!(Codec::OneBit.encoded_len(9), 4 + 2);
     }
 
@@ -184,10 +196,10 @@ mod tests {
         let (decoded, residual) = round_trip(Codec::OneBit, &[1.0, -3.0, 0.0, 2.0]);
         assert_eq!(decoded, [1.5, -1.5, 1.5, 1.5]);
         assert_eq!(residual, [-0.5, -1.5, -1.5, 0.5]);
-        let input = values(BLOCK + 5);
+        let input = values(ONEBIT_BLOCK + 5);
         let (decoded, _) = round_trip(Codec::OneBit, &input);
-        let tail_mean = input[BLOCK..].iter().map(|v| v.abs()).sum::<f32>() / 5.0;
-        assert!((decoded[BLOCK].abs() - tail_mean).abs() < 1e-5, "the short last block has its own scale");
+        let tail_mean = input[ONEBIT_BLOCK..].iter().map(|v| v.abs()).sum::<f32>() / 5.0;
+        assert!((decoded[ONEBIT_BLOCK].abs() - tail_mean).abs() < 1e-5, "the short last block has its own scale");
     }
 
     #[test]
@@ -212,8 +224,9 @@ mod tests {
         input[3] = f32::NAN;
         for codec in [Codec::Int8, Codec::OneBit] {
             let (decoded, _) = round_trip(codec, &input);
-            assert!(decoded[..BLOCK].iter().all(|v| v.is_nan()), "{codec:?}");
-            assert!(decoded[BLOCK..].iter().all(|&v| v == 1.0), "{codec:?}");
+            let block = codec.block();
+            assert!(decoded[..block].iter().all(|v| v.is_nan()), "{codec:?}");
+            assert!(decoded[block..].iter().all(|&v| v == 1.0), "{codec:?}");
         }
     }
 }

@@ -30,6 +30,8 @@ pub struct Feedback {
     /// Hierarchical: the local rank that carries each tensor across hosts, and how many values each carries.
     owners: FxHashMap<String, usize>,
     carried: Vec<usize>,
+    /// How many compressed allreduces of each tensor ran (warm-up steps included).
+    steps: FxHashMap<String, u64>,
 }
 
 impl Feedback {
@@ -85,6 +87,21 @@ impl Feedback {
         owner
     }
 
+    /// Count one more step of each of `names`; whether every one of them had run at least `warmup` steps
+    /// before (until then an op is reduced exactly). Every rank runs the same ops, so all agree.
+    pub fn step_past_warmup<'n>(&mut self, names: impl IntoIterator<Item = &'n str>, warmup: u64) -> bool {
+        let mut past = true;
+        for name in names {
+            let steps = match self.steps.get_mut(name) {
+                Some(steps) => steps,
+                None => self.steps.entry(name.to_string()).or_insert(0),
+            };
+            past &= *steps >= warmup;
+            *steps += 1;
+        }
+        past
+    }
+
     /// Number of tensors with any state.
     pub fn tensors(&self) -> usize {
         let mut names: Vec<&String> = self.worker.keys().chain(self.server.keys()).chain(self.factor.keys()).collect();
@@ -100,6 +117,7 @@ impl Feedback {
         self.factor.clear();
         self.owners.clear();
         self.carried.clear();
+        self.steps.clear();
     }
 }
 
@@ -133,6 +151,12 @@ mod tests {
         assert_eq!(feedback.tensors(), 0);
         // Carriers: balanced by values, and each tensor keeps its own.
         assert_eq!(feedback.carrier("big", 100, 2), 0);
+        // Warm-up: exact until every tensor of the op has run `warmup` steps.
+        assert!(!feedback.step_past_warmup(["x"], 2));
+        assert!(!feedback.step_past_warmup(["x", "y"], 2), "y is new");
+        assert!(!feedback.step_past_warmup(["x", "y"], 2), "y has run one step");
+        assert!(feedback.step_past_warmup(["x", "y"], 2));
+        assert!(feedback.step_past_warmup(["z"], 0));
         assert_eq!(feedback.carrier("small", 10, 2), 1);
         assert_eq!(feedback.carrier("next", 10, 2), 1);
         assert_eq!(feedback.carrier("big", 100, 2), 0);

@@ -25,6 +25,17 @@ use crate::ring::args::invalid_argument;
 use crate::transport::{HostParts, Transport, TransportError};
 use crate::types::{Combine, Compression, DataType};
 
+/// How compressed allreduces run, from the configuration.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Settings {
+    /// Compress inside one host's shared memory too (`RVOD_COMPRESSION_WITHIN_HOST`).
+    pub within_host: bool,
+    /// Reduce each tensor exactly for its first this many steps (`RVOD_COMPRESSION_WARMUP_STEPS`), as DDP's
+    /// PowerSGD hook (`start_powerSGD_iter`) and 1-bit Adam's warm-up do: early gradients change fast and
+    /// the compressors' memory of them would lag.
+    pub warmup_steps: u64,
+}
+
 /// One tensor's place in the dense vector of an op's values.
 #[derive(Clone, Copy, Debug)]
 pub struct Span<'a> {

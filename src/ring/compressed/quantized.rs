@@ -1,46 +1,114 @@
 //! The int8 and 1-bit allreduce: a reduce-scatter and an allgather of encoded blocks, with error feedback on
 //! both sides.
 //!
-//! Each rank adds its residual to its values and encodes them in `n` chunks of whole blocks; chunk `j`
-//! goes to rank `j` (one all-to-all), which decodes the `n` contributions, sums them in rank order, adds
-//! its own residual of that sum, and encodes the result once more; an allgather of those encodings gives
-//! every rank every chunk, which all decode alike (the owner too, so every rank holds the same bits). A
-//! rank sends and receives about `2 (n-1)/n` of the encoded size: a quarter (int8) or a thirty-second
-//! (1-bit) of the float32 ring's traffic, plus a 4-byte scale per 256 values.
+//! The values are cut into units of at most [`BLOCK`] values that never cross a tensor's end, each reduced
+//! by a rank chosen from its tensor's name and its place in it: a tensor's blocks, the ranks that reduce
+//! them and so its result are the same whatever it is fused with. Each rank adds its residual to its values
+//! and encodes them; the units rank `j` owns go to rank `j` (one all-to-all), which decodes the `n`
+//! contributions, sums them in rank order, adds its own residual of that sum, and encodes the result once
+//! more; an allgather of those encodings gives every rank every unit, which all decode alike (the owner too,
+//! so every rank holds the same bits). A rank sends and receives about
+//! `2 (n-1)/n` of the encoded size: a quarter (int8) or a thirty-second (1-bit) of the float32 ring's
+//! traffic, plus a 4-byte scale per block.
 
 use std::ops::Range;
 
 use crate::ring::allgather::allgatherv;
 use crate::ring::alltoall::alltoallv;
-use crate::ring::chunks::segment_bounds;
 use crate::ring::compressed::blocks::{Codec, BLOCK};
 use crate::ring::compressed::feedback::{Feedback, Kind};
 use crate::ring::compressed::Span;
 use crate::transport::{Transport, TransportError};
 
-/// The elements of `total` owned by each of `n` ranks: whole blocks, split as evenly as they go.
-fn chunks(total: usize, n: usize) -> Vec<Range<usize>> {
-    let blocks = total.div_ceil(BLOCK);
-    (0..n)
-        .map(|j| {
-            let (first, count) = segment_bounds(blocks, n, j);
-            (first * BLOCK).min(total)..((first + count) * BLOCK).min(total)
-        })
-        .collect()
+/// A unit of values: at most [`BLOCK`] values of one tensor (or of no tensor), and the rank that reduces it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Unit {
+    range: Range<usize>,
+    /// The span it belongs to, and its first value's offset in that tensor.
+    tensor: Option<(usize, usize)>,
+    owner: usize,
 }
 
-/// Where `spans` meet `range`: (the span, the first element of the overlap in the tensor, the overlap in the
-/// dense vector).
-fn overlaps<'s, 'a>(
-    spans: &'s [Span<'a>],
-    range: &Range<usize>,
-) -> impl Iterator<Item = (&'s Span<'a>, usize, Range<usize>)> + 's {
-    let range = range.clone();
-    spans.iter().filter_map(move |span| {
-        let start = span.start.max(range.start);
-        let end = (span.start + span.len).min(range.end);
-        (start < end).then(|| (span, start - span.start, start..end))
-    })
+/// The units of `total` values laid out as `spans` on `n` ranks: each span cut into pieces of [`BLOCK`]
+/// values (the last may be shorter), and the values no span covers likewise. A tensor's `k`-th unit is
+/// reduced by rank `(seed + k) mod n`, `seed` a hash of its name: the same rank whatever the tensor is fused
+/// with, so that rank keeps the unit's residual from step to step.
+fn units(spans: &[Span<'_>], total: usize, n: usize) -> Vec<Unit> {
+    let mut units = Vec::with_capacity(total / BLOCK + spans.len() + 1);
+    let mut cut = |range: Range<usize>, tensor: Option<(usize, &str, usize)>| {
+        let seed = tensor.map_or(0, |(_, name, _)| name_seed(name));
+        let mut at = range.start;
+        let mut k = 0usize;
+        while at < range.end {
+            let end = (at + BLOCK).min(range.end);
+            let owner = (seed.wrapping_add(k as u64) % n.max(1) as u64) as usize;
+            units.push(Unit {
+                range: at..end,
+                tensor: tensor.map(|(i, _, first)| (i, first + at - range.start)),
+                owner,
+            });
+            at = end;
+            k += 1;
+        }
+    };
+    let mut ordered: Vec<(usize, &Span<'_>)> = spans.iter().enumerate().collect();
+    ordered.sort_by_key(|(_, span)| span.start);
+    let mut covered = 0;
+    for (i, span) in ordered {
+        let start = span.start.max(covered);
+        let end = (span.start + span.len).max(start);
+        cut(covered..start, None);
+        cut(start..end, Some((i, span.name, start - span.start)));
+        covered = covered.max(end);
+    }
+    cut(covered..total, None);
+    units
+}
+
+/// FNV-1a of `name`: where a tensor's units start being dealt out.
+fn name_seed(name: &str) -> u64 {
+    name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
+}
+
+/// The units rank `owner` reduces, in order.
+fn owned_by(units: &[Unit], owner: usize) -> Vec<Unit> {
+    units.iter().filter(|unit| unit.owner == owner).cloned().collect()
+}
+
+/// Bytes of `units` encoded by `codec`.
+fn encoded_len(codec: Codec, units: &[Unit]) -> usize {
+    units.iter().map(|unit| codec.encoded_len(unit.range.len())).sum()
+}
+
+/// Encode `units` of `values` one after another into `out`, writing what was lost into `residual` (both
+/// indexed like `values`, or by the units' places in a packed buffer of them with `packed`).
+fn encode(codec: Codec, units: &[Unit], values: &[f32], out: &mut [u8], residual: &mut [f32], packed: bool) {
+    let (mut at, mut value_at) = (0, 0);
+    for unit in units {
+        let len = unit.range.len();
+        let range = if packed { value_at..value_at + len } else { unit.range.clone() };
+        let size = codec.encoded_len(len);
+        codec.encode(&values[range.clone()], &mut out[at..at + size], &mut residual[range]);
+        at += size;
+        value_at += len;
+    }
+}
+
+/// Decode `bytes` (`units` one after another) into `values`, adding if `add`; `packed` as for [`encode`].
+fn decode(codec: Codec, units: &[Unit], bytes: &[u8], values: &mut [f32], add: bool, packed: bool) {
+    let (mut at, mut value_at) = (0, 0);
+    for unit in units {
+        let len = unit.range.len();
+        let range = if packed { value_at..value_at + len } else { unit.range.clone() };
+        let size = codec.encoded_len(len);
+        if add {
+            codec.decode_add(&bytes[at..at + size], &mut values[range]);
+        } else {
+            codec.decode(&bytes[at..at + size], &mut values[range]);
+        }
+        at += size;
+        value_at += len;
+    }
 }
 
 /// Allreduce (sum) `values` as `codec` blocks; see the module doc.
@@ -58,50 +126,60 @@ pub fn allreduce(
             *v += r;
         }
     }
-    let chunks = chunks(values.len(), n);
-    let sizes: Vec<usize> = chunks.iter().map(|c| codec.encoded_len(c.len())).collect();
+    let units = units(spans, values.len(), n);
+    let by_rank: Vec<Vec<Unit>> = (0..n).map(|owner| owned_by(&units, owner)).collect();
+    let sizes: Vec<usize> = by_rank.iter().map(|owned| encoded_len(codec, owned)).collect();
     let mut send = vec![0u8; sizes.iter().sum()];
     let mut residual = vec![0.0f32; values.len()];
     let mut at = 0;
-    for (chunk, &size) in chunks.iter().zip(&sizes) {
-        codec.encode(&values[chunk.clone()], &mut send[at..at + size], &mut residual[chunk.clone()]);
+    for (owned, &size) in by_rank.iter().zip(&sizes) {
+        encode(codec, owned, values, &mut send[at..at + size], &mut residual, false);
         at += size;
     }
     for span in spans.iter().filter(|s| s.contributes) {
         feedback.get(Kind::Worker, span.name, span.len, None).copy_from_slice(&residual[span.range()]);
     }
 
-    // Reduce-scatter: every rank's encoding of this rank's chunk, summed in rank order.
-    let mine = chunks[rank].clone();
+    // Reduce-scatter: every rank's encoding of the units this rank owns, summed in rank order.
+    let mine = &by_rank[rank];
     let my_size = sizes[rank];
     let mut received = vec![0u8; my_size * n];
     alltoallv(t, &send, &sizes, &mut received, &vec![my_size; n])?;
-    let mut reduced = vec![0.0f32; mine.len()];
-    for contribution in received.chunks_exact(my_size.max(1)).take(n) {
-        codec.decode_add(contribution, &mut reduced);
-    }
-    for (span, offset, overlap) in overlaps(spans, &mine) {
-        let residual = feedback.get(Kind::Server, span.name, span.len, None);
-        let residual = &residual[offset..offset + overlap.len()];
-        for (v, r) in reduced[overlap.start - mine.start..overlap.end - mine.start].iter_mut().zip(residual) {
-            *v += r;
+    let mut reduced = vec![0.0f32; mine.iter().map(|unit| unit.range.len()).sum()];
+    if my_size > 0 {
+        for contribution in received.chunks_exact(my_size) {
+            decode(codec, mine, contribution, &mut reduced, true, true);
         }
     }
+    let server_places = |unit: &Unit| unit.tensor.map(|(i, offset)| (&spans[i], offset..offset + unit.range.len()));
+    let mut value_at = 0;
+    for unit in mine {
+        if let Some((span, range)) = server_places(unit) {
+            let residual = feedback.get(Kind::Server, span.name, span.len, None);
+            for (v, r) in reduced[value_at..value_at + unit.range.len()].iter_mut().zip(&residual[range]) {
+                *v += r;
+            }
+        }
+        value_at += unit.range.len();
+    }
     let mut own = vec![0u8; my_size];
-    let mut server_residual = vec![0.0f32; mine.len()];
-    codec.encode(&reduced, &mut own, &mut server_residual);
-    for (span, offset, overlap) in overlaps(spans, &mine) {
-        let residual = feedback.get(Kind::Server, span.name, span.len, None);
-        residual[offset..offset + overlap.len()]
-            .copy_from_slice(&server_residual[overlap.start - mine.start..overlap.end - mine.start]);
+    let mut server_residual = vec![0.0f32; reduced.len()];
+    encode(codec, mine, &reduced, &mut own, &mut server_residual, true);
+    let mut value_at = 0;
+    for unit in mine {
+        if let Some((span, range)) = server_places(unit) {
+            let residual = feedback.get(Kind::Server, span.name, span.len, None);
+            residual[range].copy_from_slice(&server_residual[value_at..value_at + unit.range.len()]);
+        }
+        value_at += unit.range.len();
     }
 
-    // Allgather: every chunk's encoded sum, decoded alike by every rank.
+    // Allgather: every rank's encoded sums, decoded alike by every rank.
     let mut all = vec![0u8; send.len()];
     allgatherv(t, &own, &mut all, &sizes)?;
     let mut at = 0;
-    for (chunk, &size) in chunks.iter().zip(&sizes) {
-        codec.decode(&all[at..at + size], &mut values[chunk.clone()]);
+    for (owned, &size) in by_rank.iter().zip(&sizes) {
+        decode(codec, owned, &all[at..at + size], values, false, false);
         at += size;
     }
     Ok(())
@@ -113,11 +191,22 @@ mod tests {
     use crate::transport::memory::{run_ranks, MemoryTransport};
 
     #[test]
-    fn chunks_are_whole_blocks_and_cover_everything() {
-        let total = 5 * BLOCK + 7;
-        let chunks = chunks(total, 3);
-        assert_eq!(chunks, vec![0..2 * BLOCK, 2 * BLOCK..4 * BLOCK, 4 * BLOCK..total]);
-        assert_eq!(super::chunks(10, 4), vec![0..10, 10..10, 10..10, 10..10]);
+    fn units_never_cross_a_tensors_end_and_each_keeps_its_rank_whatever_it_is_fused_with() {
+        let spans = [
+            Span { name: "a", shape: &[600], start: 0, len: 600, contributes: true },
+            Span { name: "b", shape: &[10], start: 600, len: 10, contributes: true },
+        ];
+        let all = units(&spans, 620, 3);
+        let ranges: Vec<_> = all.iter().map(|u| u.range.clone()).collect();
+        assert_eq!(ranges, vec![0..256, 256..512, 512..600, 600..610, 610..620]);
+        assert_eq!(all[1].tensor, Some((0, 256)));
+        assert_eq!(all[4].tensor, None);
+        let seed = name_seed("a") % 3;
+        let owners: Vec<_> = all[..3].iter().map(|u| u.owner as u64).collect();
+        assert_eq!(owners, vec![seed, (seed + 1) % 3, (seed + 2) % 3], "dealt out in turn");
+        // "b" alone, or after "a": the same owner and offsets.
+        let alone = units(&[Span { start: 0, ..spans[1] }], 10, 3);
+        assert_eq!((alone[0].owner, alone[0].tensor), (all[3].owner, Some((0, 0))));
     }
 
     /// Rank `r`'s values of the test: two tensors, 300 and 77 values.

@@ -7,6 +7,8 @@ exact sum (what was dropped is sent later); PowerSGD recovers a low-rank sum and
 float16/bfloat16/float64 keep their dtype; Average is Sum over n; integers pass through exactly; every rank
 gets the same bits; refusals (Max, a mismatch between ranks naming both, a bad PowerSGD rank). Without it
 (argument ``default``): one host's shared memory reduces exactly, so the results equal uncompressed ones.
+Across two hosts of two ranks (argument ``hosts``): each host's sum is exact and the hosts' sums are
+compressed between them, with error feedback, as the reference of two ranks holding those sums.
 """
 
 import sys
@@ -20,7 +22,8 @@ from _compression_reference import encode_decode, low_rank, quantized_allreduce
 
 hvd.init()
 R, N = hvd.rank(), hvd.size()
-FORCED = sys.argv[1] == "forced"
+MODE = sys.argv[1]
+FORCED = MODE == "forced"
 C = hnp.Compression
 
 
@@ -123,6 +126,27 @@ if FORCED:
         assert "int8" in message and "none" in message, message
         after = hnp.allreduce(np.ones(4, dtype=np.float32), op=hnp.Sum, name="after")
         np.testing.assert_array_equal(after, np.full(4, N, dtype=np.float32))
+elif MODE == "hosts":
+    def host_sums(shape, salt):
+        """Each host's exact sum (ranks 0, 1 on the first host, 2, 3 on the second)."""
+        rows = every(shape, salt)
+        return [rows[0] + rows[1], rows[2] + rows[3]]
+
+    for kind, compressor in [("int8", C.int8), ("onebit", C.onebit)]:
+        with check(f"{kind} across hosts: exact inside each, compressed between, feedback kept"):
+            got = [hnp.allreduce(values(R, (2000,), 12), op=hnp.Sum, name=f"hosts.{kind}", compression=compressor)
+                   for _ in range(3)]
+            want = quantized_allreduce(host_sums((2000,), 12), kind, steps=3)
+            for step, (g, w) in enumerate(zip(got, want)):
+                np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4 * np.abs(w).max(), err_msg=f"step {step}")
+            same_on_every_rank(got[-1], f"hosts.{kind}")
+
+    with check("powersgd across hosts recovers a low-rank sum"):
+        a = low_rank((96, 80), 2, seed=13)
+        got = hnp.allreduce((R + 1) * a, op=hnp.Average, name="hosts.psgd", compression=C.powersgd(rank=4))
+        want = np.float32(sum(range(1, N + 1)) / N) * a
+        assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max(), np.abs(got - want).max()
+        same_on_every_rank(got, "hosts.psgd")
 else:
     with check("one host's shared memory reduces exactly unless forced"):
         for compressor in [C.int8, C.onebit, C.powersgd(rank=2)]:

@@ -1,0 +1,89 @@
+"""Training with every compressor (argument ``torch`` or ``keras``): the digits CNN of the framework's
+example trains for the same epochs with ``Compression.none``, ``.int8``, ``.onebit`` and
+``.powersgd(rank=4)`` from the same initial weights, and rank 0 prints each test accuracy
+(``accuracy <name> <value>``) for the test to compare with the uncompressed one. Run with
+``RVOD_COMPRESSION_WITHIN_HOST=1`` so one host's ranks compress as hosts would."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
+
+FRAMEWORK = sys.argv[1]
+EPOCHS = int(sys.argv[2])
+
+
+def train_torch():
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+    from torch_digits import DigitsNet, datasets, evaluate
+
+    import rvod.torch as hvd
+
+    hvd.init()
+    torch.set_num_threads(1)
+    train_set, test_set = datasets(42)
+    sampler = DistributedSampler(train_set, num_replicas=hvd.size(), rank=hvd.rank(), seed=42)
+    test_loader = DataLoader(test_set, batch_size=256,
+                             sampler=DistributedSampler(test_set, hvd.size(), hvd.rank(), shuffle=False))
+    for name, compression in [("none", hvd.Compression.none), ("int8", hvd.Compression.int8),
+                              ("onebit", hvd.Compression.onebit), ("powersgd", hvd.Compression.powersgd(rank=4))]:
+        torch.manual_seed(42)
+        model = DigitsNet()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.02 * hvd.size(), momentum=0.9)
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                             compression=compression)
+        loader = DataLoader(train_set, batch_size=32, sampler=sampler)
+        for epoch in range(EPOCHS):
+            model.train()
+            sampler.set_epoch(epoch)
+            for x, y in loader:
+                optimizer.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                optimizer.step()
+        accuracy = evaluate(model, test_loader)
+        for key, tensor in model.state_dict().items():
+            if not torch.equal(hvd.broadcast(tensor, root_rank=0, name=f"check.{name}.{key}"), tensor):
+                raise SystemExit(f"rank {hvd.rank()}: {key} differs from rank 0's after training with {name}")
+        if hvd.rank() == 0:
+            print(f"accuracy {name} {accuracy:.4f}", flush=True)
+
+
+def train_keras():
+    import keras
+    import numpy as np
+    from keras_digits import digits_model
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    import rvod.keras as hvd
+
+    hvd.init()
+    digits = load_digits()
+    images = (digits.images / 16.0).astype("float32")[..., None]
+    x_train, x_test, y_train, y_test = train_test_split(images, digits.target, test_size=0.25, random_state=42)
+    steps = len(x_train) // (hvd.size() * 32)
+    shard = slice(hvd.rank(), steps * hvd.size() * 32, hvd.size())
+    x_train, y_train = x_train[shard], y_train[shard]
+    mine = slice(hvd.rank(), None, hvd.size())
+    for name, compression in [("none", hvd.Compression.none), ("int8", hvd.Compression.int8),
+                              ("onebit", hvd.Compression.onebit), ("powersgd", hvd.Compression.powersgd(rank=4))]:
+        keras.utils.set_random_seed(42)  # the same initial weights on every rank and for every compressor
+        model = digits_model()
+        optimizer = hvd.DistributedOptimizer(keras.optimizers.SGD(0.02 * hvd.size(), momentum=0.9),
+                                             compression=compression)
+        model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(x_train, y_train, batch_size=32, epochs=EPOCHS, shuffle=False, verbose=0)
+        for i, weight in enumerate(model.get_weights()):
+            if not np.array_equal(hvd.broadcast(weight, root_rank=0, name=f"check.{name}.{i}"), weight):
+                raise SystemExit(f"rank {hvd.rank()}: weight {i} differs from rank 0's after training with {name}")
+        predictions = model.predict(x_test[mine], verbose=0).argmax(axis=1)
+        correct, total = hvd.allreduce(np.array([(predictions == y_test[mine]).sum(), len(predictions)]),
+                                       op=hvd.Sum, name=f"test.{name}")
+        if hvd.rank() == 0:
+            print(f"accuracy {name} {correct / total:.4f}", flush=True)
+
+
+{"torch": train_torch, "keras": train_keras}[FRAMEWORK]()
