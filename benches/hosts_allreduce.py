@@ -77,20 +77,27 @@ class Hosts:
         return ["ip", "netns", "exec", self.ns[host]]
 
 
-def rank_envs(impl, store_port, secret, hosts):
+def rank_envs(impl, store_port, secret, hosts, per_host=PER_HOST, gloo_port=None):
+    """(host, environment) of each rank, `per_host` ranks on each of the two hosts: gloo's env:// variables
+    for "gloo", else what rvodrun would give an rvod rank with RVOD_SETTINGS[impl] (and gloo's variables
+    too where `gloo_port` is given, for ranks that hold both)."""
     from rvod.runner.hosts import assign_slots, parse_hosts
     from rvod.runner.worker_env import worker_env
 
+    n = 2 * per_host
     base = {k: v for k, v in os.environ.items() if not k.startswith(("RVOD_", "HOROVOD_"))}
     envs = []
-    for slot in assign_slots(parse_hosts(f"hosta:{PER_HOST},hostb:{PER_HOST}"), N):
-        host = slot.rank // PER_HOST
+    for slot in assign_slots(parse_hosts(f"hosta:{per_host},hostb:{per_host}"), n):
+        host = slot.rank // per_host
+        gloo = dict(RANK=str(slot.rank), WORLD_SIZE=str(n), LOCAL_RANK=str(slot.local_rank), MASTER_ADDR=ADDRS[0],
+                    MASTER_PORT=str(store_port if impl == "gloo" else gloo_port), GLOO_SOCKET_IFNAME=hosts.veth[host])
         if impl == "gloo":
-            env = dict(base, RANK=str(slot.rank), WORLD_SIZE=str(N), LOCAL_RANK=str(slot.local_rank),
-                       MASTER_ADDR=ADDRS[0], MASTER_PORT=str(store_port), GLOO_SOCKET_IFNAME=hosts.veth[host])
+            env = dict(base, **gloo)
         else:
             env = worker_env(base, slot, rendezvous_addr=ADDRS[0], rendezvous_port=store_port, secret=secret,
                              settings=RVOD_SETTINGS[impl])
+            if gloo_port is not None:
+                env.update(gloo)
         env["OMP_NUM_THREADS"] = "1"
         envs.append((host, env))
     return envs
@@ -104,37 +111,50 @@ sys.stdin.read()
 """
 
 
+def start_store(hosts, secret):
+    """rvod's rendezvous store, served in the first namespace: (its process, its port)."""
+    store = subprocess.Popen(hosts.exec_prefix(0) + [sys.executable, "-c", STORE, ADDRS[0]], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    store.stdin.write(secret.hex() + "\n")
+    store.stdin.flush()
+    return store, int(store.stdout.readline())
+
+
+def launch(hosts, envs, argv, logs, name, timeout):
+    """Run `argv` once per (host, env) of `envs` in its host's namespace; rank 0's stdout (the others' output
+    goes to logs/name.rankN.log), once every rank has exited 0."""
+    procs = []
+    try:
+        for rank, (host, env) in enumerate(envs):
+            log = open(logs / f"{name}.rank{rank}.log", "w")
+            procs.append(subprocess.Popen(hosts.exec_prefix(host) + [sys.executable] + argv, env=env,
+                                          stdout=subprocess.PIPE if rank == 0 else log, stderr=log, text=True))
+        out, _ = procs[0].communicate(timeout=timeout)
+        for p in procs[1:]:
+            p.wait(timeout=30)
+        if any(p.returncode for p in procs):
+            raise RuntimeError(f"{name} job failed; see {logs}")
+        return out
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
 def run_job(impl, plan, hosts, logs, timeout):
     secret = secrets.token_bytes(16)
     store = None
     if impl == "gloo":
         port = 29000 + secrets.randbelow(20000)
     else:
-        store = subprocess.Popen(hosts.exec_prefix(0) + [sys.executable, "-c", STORE, ADDRS[0]], stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, text=True)
-        store.stdin.write(secret.hex() + "\n")
-        store.stdin.flush()
-        port = int(store.stdout.readline())
-    procs = []
+        store, port = start_store(hosts, secret)
     try:
-        for rank, (host, env) in enumerate(rank_envs(impl, port, secret, hosts)):
-            log = open(logs / f"{impl}.rank{rank}.log", "w")
-            procs.append(subprocess.Popen(hosts.exec_prefix(host) + [sys.executable, str(WORKER),
-                                          "gloo" if impl == "gloo" else "rvod", json.dumps(plan)],
-                                          env=env, stdout=subprocess.PIPE if rank == 0 else log, stderr=log,
-                                          text=True))
-        out, _ = procs[0].communicate(timeout=timeout)
-        for p in procs[1:]:
-            p.wait(timeout=30)
-        if procs[0].returncode != 0 or any(p.returncode for p in procs):
-            raise RuntimeError(f"{impl} job failed; see {logs}")
+        argv = [str(WORKER), "gloo" if impl == "gloo" else "rvod", json.dumps(plan)]
+        out = launch(hosts, rank_envs(impl, port, secret, hosts), argv, logs, impl, timeout)
         line = [ln for ln in out.splitlines() if ln.startswith("{")][-1]
         return {int(k): v for k, v in json.loads(line)["seconds"].items()}
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
         if store is not None:
             store.kill()
             store.wait()
