@@ -92,6 +92,7 @@ pub(crate) fn allreduce(
     }
     scale(&mut values, response.prescale);
 
+    feedback.begin(compression.code());
     let warm = feedback.step_past_warmup(spans.iter().map(|s| s.name), settings.warmup_steps);
     let route = if warm { route(t, settings.within_host) } else { Route::Exact };
     let label = t.label();

@@ -27,6 +27,12 @@ pub enum Codec {
 }
 
 impl Codec {
+    /// The codec the reduced sums travel in: int8 for both (a sum of 1-bit values re-encoded as signs
+    /// loses what error feedback then needs many steps to send).
+    pub fn for_sums(self) -> Codec {
+        Codec::Int8
+    }
+
     /// Values per block.
     pub fn block(self) -> usize {
         match self {

@@ -21,12 +21,17 @@ pub enum Kind {
     Factor,
 }
 
+/// A tensor's state of one kind, and the compression (its code) that made it.
+type States = FxHashMap<String, (u16, Vec<f32>)>;
+
 /// Per-tensor state of compressed allreduces.
 #[derive(Default)]
 pub struct Feedback {
-    worker: FxHashMap<String, Vec<f32>>,
-    server: FxHashMap<String, Vec<f32>>,
-    factor: FxHashMap<String, Vec<f32>>,
+    worker: States,
+    server: States,
+    factor: States,
+    /// The compression of the op running now (see [`Feedback::begin`]).
+    scheme: u16,
     /// Hierarchical: the local rank that carries each tensor across hosts, and how many values each carries.
     owners: FxHashMap<String, usize>,
     carried: Vec<usize>,
@@ -35,7 +40,13 @@ pub struct Feedback {
 }
 
 impl Feedback {
-    fn map(&mut self, kind: Kind) -> &mut FxHashMap<String, Vec<f32>> {
+    /// An op compressed as `compression` (its code) starts: state another compression left for a tensor
+    /// is not used (a residual of 1-bit values means nothing to PowerSGD), the tensor starts afresh.
+    pub fn begin(&mut self, compression: u16) {
+        self.scheme = compression;
+    }
+
+    fn map(&mut self, kind: Kind) -> &mut States {
         match kind {
             Kind::Worker => &mut self.worker,
             Kind::Server => &mut self.server,
@@ -46,16 +57,17 @@ impl Feedback {
     /// `name`'s state of `kind`, `len` values: zeros when it has none yet or had another length (its
     /// tensor changed shape), or `init`'s values where given.
     pub fn get(&mut self, kind: Kind, name: &str, len: usize, init: Init<'_>) -> &mut [f32] {
+        let scheme = self.scheme;
         let map = self.map(kind);
-        let fresh = map.get(name).map_or(true, |values| values.len() != len);
+        let fresh = map.get(name).map_or(true, |(made_by, values)| *made_by != scheme || values.len() != len);
         if fresh {
             let mut values = vec![0.0; len];
             if let Some(init) = init {
                 init(&mut values);
             }
-            map.insert(name.to_string(), values);
+            map.insert(name.to_string(), (scheme, values));
         }
-        map.get_mut(name).map(Vec::as_mut_slice).unwrap_or_default()
+        map.get_mut(name).map(|(_, values)| values.as_mut_slice()).unwrap_or_default()
     }
 
     /// `name`'s state of `kind` if it has one.
@@ -65,7 +77,7 @@ impl Feedback {
             Kind::Server => &self.server,
             Kind::Factor => &self.factor,
         };
-        map.get(name).map(Vec::as_slice)
+        map.get(name).map(|(_, values)| values.as_slice())
     }
 
     /// Hierarchical: which of `local_size` local ranks carries tensor `name` (`len` values) across hosts. A
@@ -142,6 +154,10 @@ mod tests {
         feedback.get(Kind::Worker, "w", 3, None)[1] = 2.5;
         assert_eq!(feedback.get(Kind::Worker, "w", 3, None), [0.0, 2.5, 0.0], "kept between steps");
         assert_eq!(feedback.get(Kind::Worker, "w", 2, None), [0.0; 2], "a new shape starts again");
+        feedback.get(Kind::Worker, "w", 2, None)[0] = 1.0;
+        feedback.begin(3);
+        assert_eq!(feedback.get(Kind::Worker, "w", 2, None), [0.0; 2], "another compression starts again");
+        feedback.begin(0);
         let ones = |v: &mut [f32]| v.fill(1.0);
         assert_eq!(feedback.get(Kind::Factor, "w", 2, Some(&ones)), [1.0; 2]);
         assert_eq!(feedback.tensors(), 1);

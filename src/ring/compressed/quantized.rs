@@ -162,9 +162,11 @@ pub fn allreduce(
         }
         value_at += unit.range.len();
     }
-    let mut own = vec![0u8; my_size];
+    let sums = codec.for_sums();
+    let gather_sizes: Vec<usize> = by_rank.iter().map(|owned| encoded_len(sums, owned)).collect();
+    let mut own = vec![0u8; gather_sizes[rank]];
     let mut server_residual = vec![0.0f32; reduced.len()];
-    encode(codec, mine, &reduced, &mut own, &mut server_residual, true);
+    encode(sums, mine, &reduced, &mut own, &mut server_residual, true);
     let mut value_at = 0;
     for unit in mine {
         if let Some((span, range)) = server_places(unit) {
@@ -175,11 +177,11 @@ pub fn allreduce(
     }
 
     // Allgather: every rank's encoded sums, decoded alike by every rank.
-    let mut all = vec![0u8; send.len()];
-    allgatherv(t, &own, &mut all, &sizes)?;
+    let mut all = vec![0u8; gather_sizes.iter().sum()];
+    allgatherv(t, &own, &mut all, &gather_sizes)?;
     let mut at = 0;
-    for (owned, &size) in by_rank.iter().zip(&sizes) {
-        decode(codec, owned, &all[at..at + size], values, false, false);
+    for (owned, &size) in by_rank.iter().zip(&gather_sizes) {
+        decode(sums, owned, &all[at..at + size], values, false, false);
         at += size;
     }
     Ok(())
