@@ -28,7 +28,9 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 EPOCHS = 4
 BATCH = 32
 # Each rank's torch computes on one thread: two ranks share this machine's cores.
-RANK_ENV = {"OMP_NUM_THREADS": "1"}
+RANK_ENV = {"OMP_NUM_THREADS": "1", "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1"}
+# Few Parquet files: small data, and each file is a Spark task.
+FILES_PER_RANK = 2
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +41,8 @@ def spark():
     master = os.environ.get("RVOD_TEST_SPARK_MASTER", "local-cluster[2,1,1024]")
     session = (SparkSession.builder.master(master).appName("rvod-estimator-tests")
                .config("spark.ui.enabled", "false").config("spark.executor.memory", "768m")
-               .config("spark.driver.memory", "768m").config("spark.sql.shuffle.partitions", "4").getOrCreate())
+               .config("spark.driver.memory", "768m").config("spark.sql.shuffle.partitions", "4")
+               .config("spark.sql.execution.arrow.pyspark.enabled", "true").getOrCreate())
     session.sparkContext.setLogLevel("ERROR")
     yield session
     session.stop()
@@ -56,7 +59,9 @@ def digits():
 
 
 def frame(spark, x, y):
-    return spark.createDataFrame([(row.tolist(), int(label)) for row, label in zip(x, y)], ["features", "label"])
+    import pandas as pd
+
+    return spark.createDataFrame(pd.DataFrame({"features": list(x), "label": y}))
 
 
 def mlp():
@@ -92,12 +97,13 @@ def torch_estimator(store, **overrides):
     settings = dict(backend=SparkBackend(num_proc=2, env=RANK_ENV), store=store, model=model,
                     optimizer=torch.optim.Adam(model.parameters(), lr=0.01),
                     loss=torch.nn.functional.cross_entropy, feature_cols=["features"], label_cols=["label"],
-                    batch_size=BATCH, epochs=EPOCHS, random_seed=1, verbose=0)
+                    batch_size=BATCH, epochs=EPOCHS, random_seed=1, verbose=0,
+                    partitions_per_process=FILES_PER_RANK)
     settings.update(overrides)
     return TorchEstimator(**settings)
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(420)
 def test_torch_fit_on_two_ranks_matches_plain_training_and_transform_predicts(spark, digits, tmp_path):
     x_train, x_test, y_train, y_test = digits
     store = Store.create(str(tmp_path / "store"))
@@ -137,6 +143,62 @@ def test_torch_fit_on_two_ranks_matches_plain_training_and_transform_predicts(sp
         expected = trained(torch.from_numpy(np.array([row["features"] for row in predicted], np.float32)))
     np.testing.assert_allclose(logits, expected.numpy(), rtol=1e-5, atol=1e-5)
     assert float((logits.argmax(1) == y_test).mean()) == got
+
+
+def keras_mlp():
+    import keras
+
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((64,)), keras.layers.Dense(64, activation="relu"),
+                             keras.layers.Dense(10, activation="softmax")])
+
+
+def keras_plain_accuracy(x_train, y_train, x_test, y_test, batch):
+    import keras
+
+    model = keras_mlp()
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy")
+    model.fit(x_train, y_train, batch_size=batch, epochs=EPOCHS, verbose=0)
+    return float((model.predict(x_test, verbose=0).argmax(1) == y_test).mean())
+
+
+@pytest.mark.timeout(420)
+def test_keras_fit_on_two_ranks_matches_plain_training_and_transform_predicts(spark, digits, tmp_path):
+    keras = pytest.importorskip("keras")
+    pytest.importorskip("tensorflow")
+    from rvod.spark.keras import KerasEstimator
+
+    x_train, x_test, y_train, y_test = digits
+    store = Store.create(str(tmp_path / "store"))
+    estimator = KerasEstimator(backend=SparkBackend(num_proc=2, env=RANK_ENV), store=store, model=keras_mlp(),
+                               optimizer=keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy",
+                               metrics=["accuracy"], feature_cols=["features"], label_cols=["label"],
+                               batch_size=BATCH, epochs=EPOCHS, validation=0.1, random_seed=1, verbose=0,
+                               run_id="keras-digits", partitions_per_process=FILES_PER_RANK)
+    fitted = estimator.fit(frame(spark, x_train, y_train))
+    trained = fitted.getModel()
+    got = float((trained.predict(x_test, verbose=0).argmax(1) == y_test).mean())
+    plain = keras_plain_accuracy(x_train, y_train, x_test, y_test, 2 * BATCH)
+    assert got >= 0.9 and got >= plain - 0.03, (got, plain)
+
+    history = fitted.getHistory()
+    assert {"loss", "accuracy", "val_loss", "val_accuracy"} <= set(history), history
+    assert len(history["loss"]) == EPOCHS and history["loss"][-1] < history["loss"][0]
+
+    checkpoint = store.get_checkpoint_path("keras-digits")
+    assert store.exists(checkpoint)
+    from rvod.spark.keras.remote import model_from_bytes
+
+    saved = model_from_bytes(store.read(checkpoint), compile=False)
+    for mine, theirs in zip(saved.get_weights(), trained.get_weights()):
+        np.testing.assert_array_equal(mine, theirs)
+
+    predicted = fitted.transform(frame(spark, x_test, y_test)).collect()
+    assert [row["label"] for row in predicted] == y_test.tolist()
+    outputs = np.array([row["label__output"].toArray() for row in predicted])
+    assert outputs.shape == (len(y_test), 10) and outputs.dtype == np.float64
+    expected = trained.predict(np.array([row["features"] for row in predicted], np.float32), verbose=0)
+    np.testing.assert_allclose(outputs, expected, rtol=1e-5, atol=1e-6)
 
 
 def _correct_fraction(output, label):
