@@ -5,8 +5,10 @@ is named; the stores' paths and the errors of the stores this machine cannot tes
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -40,6 +42,7 @@ def spark():
 
     master = os.environ.get("RVOD_TEST_SPARK_MASTER", "local-cluster[2,1,1024]")
     session = (SparkSession.builder.master(master).appName("rvod-estimator-tests")
+               .config("spark.executorEnv.OMP_NUM_THREADS", "1")
                .config("spark.ui.enabled", "false").config("spark.executor.memory", "768m")
                .config("spark.driver.memory", "768m").config("spark.sql.shuffle.partitions", "4")
                .config("spark.sql.execution.arrow.pyspark.enabled", "true").getOrCreate())
@@ -221,6 +224,24 @@ def test_a_failing_rank_is_named(spark, digits, tmp_path):
     message = str(failure.value)
     assert message.startswith("rvod.spark.run: rank 1 on "), message
     assert "ValueError: rank one's batches fail on purpose" in message
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("example", ["spark_torch_estimator_digits", "spark_keras_estimator_digits"])
+def test_examples_fit_and_predict(spark, example, capsys):
+    """The examples run in this module's Spark session (they use the active one and leave it running)."""
+    if "keras" in example:
+        pytest.importorskip("keras")
+        pytest.importorskip("tensorflow")
+    path = Path(__file__).resolve().parents[2] / "examples" / f"{example}.py"
+    spec = importlib.util.spec_from_file_location(example, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(["-np", "2", "--epochs", "4"])
+    out = capsys.readouterr().out
+    assert "checkpoint in the store: True" in out, out
+    found = re.search(r"trained on 2 ranks in [\d.]+ s; validation accuracy ([\d.]+); test accuracy ([\d.]+)", out)
+    assert found and float(found.group(1)) >= 0.85 and float(found.group(2)) >= 0.9, out
 
 
 def test_stores_place_data_and_runs_and_name_what_they_lack(tmp_path):
