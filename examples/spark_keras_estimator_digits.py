@@ -28,7 +28,18 @@ from rvod.spark.common.store import Store
 from rvod.spark.keras import KerasEstimator
 
 
+LEARNING_RATE = 0.005
+
+
+def build_model():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Conv2D(16, 3, padding="same", activation="relu"),
+                             keras.layers.MaxPooling2D(), keras.layers.Flatten(), keras.layers.Dense(64, activation="relu"),
+                             keras.layers.Dense(10, activation="softmax")])
+
+
 def main(argv=None):
+    """Returns the fitted model and the store (gone with its temporary folder unless --store was given)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--master", default="local[2]", help="Spark master (default: local[2])")
     parser.add_argument("-np", "--num-proc", type=int, default=2)
@@ -47,15 +58,11 @@ def main(argv=None):
         train = spark.createDataFrame(pd.DataFrame({"features": x_train, "label": y_train}))
         test = spark.createDataFrame(pd.DataFrame({"features": x_test, "label": y_test}))
 
-        keras.utils.set_random_seed(0)
-        model = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Conv2D(16, 3, padding="same", activation="relu"),
-                                  keras.layers.MaxPooling2D(), keras.layers.Flatten(),
-                                  keras.layers.Dense(64, activation="relu"),
-                                  keras.layers.Dense(10, activation="softmax")])
+        model = build_model()
         with tempfile.TemporaryDirectory(prefix="rvod-store-") as folder:
             store = Store.create(args.store or folder)
             estimator = KerasEstimator(
-                num_proc=args.num_proc, store=store, model=model, optimizer=keras.optimizers.Adam(0.005),
+                num_proc=args.num_proc, store=store, model=model, optimizer=keras.optimizers.Adam(LEARNING_RATE),
                 loss="sparse_categorical_crossentropy", metrics=["accuracy"], feature_cols=["features"],
                 label_cols=["label"], validation=0.1, batch_size=args.batch_size, epochs=args.epochs,
                 random_seed=0, partitions_per_process=2, run_id="digits", verbose=1)
@@ -73,6 +80,7 @@ def main(argv=None):
     finally:
         if started_here:
             spark.stop()
+    return fitted, store
 
 
 if __name__ == "__main__":

@@ -28,11 +28,21 @@ from rvod.spark.common.store import Store
 from rvod.spark.torch import TorchEstimator
 
 
+LEARNING_RATE = 0.005
+
+
+def build_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+                         nn.Linear(16 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10))
+
+
 def accuracy(output, label):
     return float((output.argmax(1) == label).float().mean())
 
 
 def main(argv=None):
+    """Returns the fitted model and the store (gone with its temporary folder unless --store was given)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--master", default="local[2]", help="Spark master (default: local[2])")
     parser.add_argument("-np", "--num-proc", type=int, default=2)
@@ -51,14 +61,12 @@ def main(argv=None):
         train = spark.createDataFrame(pd.DataFrame({"features": x_train, "label": y_train}))
         test = spark.createDataFrame(pd.DataFrame({"features": x_test, "label": y_test}))
 
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
-                              nn.Linear(16 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10))
+        model = build_model()
         with tempfile.TemporaryDirectory(prefix="rvod-store-") as folder:
             store = Store.create(args.store or folder)
             estimator = TorchEstimator(
                 num_proc=args.num_proc, store=store, model=model,
-                optimizer=torch.optim.Adam(model.parameters(), lr=0.005), loss=nn.functional.cross_entropy,
+                optimizer=torch.optim.Adam(model.parameters(), lr=LEARNING_RATE), loss=nn.functional.cross_entropy,
                 metrics=[accuracy], feature_cols=["features"], label_cols=["label"], input_shapes=[[-1, 1, 8, 8]],
                 validation=0.1, batch_size=args.batch_size, epochs=args.epochs, random_seed=0,
                 partitions_per_process=2, run_id="digits", verbose=1)
@@ -76,6 +84,7 @@ def main(argv=None):
     finally:
         if started_here:
             spark.stop()
+    return fitted, store
 
 
 if __name__ == "__main__":

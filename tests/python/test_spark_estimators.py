@@ -1,7 +1,9 @@
 """rvod.spark's estimators on Spark local-cluster (2 executors of 1 core, JVMs this module starts) with
-scikit-learn's digits: a fit on 2 ranks reaches the accuracy of the same model trained plainly, transform's
-prediction columns are the returned model's own predictions, checkpoints land in the store, a failing rank
-is named; the stores' paths and the errors of the stores this machine cannot test."""
+scikit-learn's digits, through the examples (examples/spark_torch_estimator_digits.py,
+examples/spark_keras_estimator_digits.py, run in this module's Spark session): a fit on 2 ranks reaches
+the accuracy of the same model trained plainly, transform's prediction columns are the returned model's own
+predictions, checkpoints land in the store, a failing rank is named; the stores' paths and the errors of
+the stores this machine cannot test."""
 
 from __future__ import annotations
 
@@ -10,7 +12,6 @@ import io
 import os
 import re
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -27,12 +28,11 @@ from rvod.spark.common.store import DBFSLocalStore, HDFSStore, LocalStore, Store
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 EPOCHS = 4
-BATCH = 32
-# Each rank's torch computes on one thread: two ranks share this machine's cores.
-RANK_ENV = {"OMP_NUM_THREADS": "1", "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1"}
-# Few Parquet files: small data, and each file is a Spark task.
-FILES_PER_RANK = 2
+BATCH = 32  # the examples' default
+# Each rank computes on one thread: two ranks share this machine's cores.
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1"}
 
 
 @pytest.fixture(scope="module")
@@ -41,11 +41,13 @@ def spark():
     from pyspark.sql import SparkSession
 
     master = os.environ.get("RVOD_TEST_SPARK_MASTER", "local-cluster[2,1,1024]")
-    session = (SparkSession.builder.master(master).appName("rvod-estimator-tests")
-               .config("spark.executorEnv.OMP_NUM_THREADS", "1")
+    builder = (SparkSession.builder.master(master).appName("rvod-estimator-tests")
                .config("spark.ui.enabled", "false").config("spark.executor.memory", "768m")
                .config("spark.driver.memory", "768m").config("spark.sql.shuffle.partitions", "4")
-               .config("spark.sql.execution.arrow.pyspark.enabled", "true").getOrCreate())
+               .config("spark.sql.execution.arrow.pyspark.enabled", "true"))
+    for name, value in ONE_THREAD.items():
+        builder = builder.config(f"spark.executorEnv.{name}", value)
+    session = builder.getOrCreate()
     session.sparkContext.setLogLevel("ERROR")
     yield session
     session.stop()
@@ -53,12 +55,12 @@ def spark():
 
 @pytest.fixture(scope="module")
 def digits():
+    """The examples' split."""
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
     data = load_digits()
-    x = (data.data / 16.0).astype(np.float32)
-    return train_test_split(x, data.target.astype(np.int64), test_size=0.25, random_state=0)
+    return train_test_split((data.data / 16.0).astype(np.float32), data.target, test_size=0.25, random_state=0)
 
 
 def frame(spark, x, y):
@@ -67,145 +69,114 @@ def frame(spark, x, y):
     return spark.createDataFrame(pd.DataFrame({"features": list(x), "label": y}))
 
 
-def mlp():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+def run_example(name, store_path, capsys):
+    """Runs the example in this process (and so in the module's Spark session); returns it, its fitted model
+    and store, and the accuracies it printed."""
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fitted, store = module.main(["-np", "2", "--epochs", str(EPOCHS), "--store", str(store_path)])
+    out = capsys.readouterr().out
+    assert "checkpoint in the store: True" in out, out
+    found = re.search(r"trained on 2 ranks in [\d.]+ s; validation accuracy ([\d.]+); test accuracy ([\d.]+)", out)
+    assert found, out
+    return module, fitted, store, float(found.group(1)), float(found.group(2))
 
 
-def accuracy(model, x, y):
-    with torch.no_grad():
-        return float((model(torch.from_numpy(x)).argmax(1).numpy() == y).mean())
+def assert_transform_gives_the_models_outputs(spark, fitted, x, y, predict):
+    """transform keeps the rows and their columns, and adds label__output: a DenseVector of the 10 class
+    scores per row, the returned model's own outputs for that row."""
+    predicted = fitted.transform(frame(spark, x, y)).collect()
+    assert fitted.getOutputCols() == ["label__output"]
+    assert [row["label"] for row in predicted] == y.tolist()
+    outputs = np.array([row["label__output"].toArray() for row in predicted])
+    assert outputs.shape == (len(y), 10) and outputs.dtype == np.float64
+    features = np.array([row["features"] for row in predicted], np.float32)
+    np.testing.assert_allclose(outputs, predict(features), rtol=1e-5, atol=1e-6)
 
 
-def plain_accuracy(x_train, y_train, x_test, y_test, batch):
-    """The same model, optimizer and epochs trained in this process with the 2 ranks' combined batch."""
-    model = mlp()
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+def torch_predict(model):
+    def predict(x):
+        with torch.no_grad():
+            return model(torch.from_numpy(x).reshape(-1, 1, 8, 8)).numpy()
+
+    return predict
+
+
+def torch_plain_accuracy(example, x_train, y_train, x_test, y_test):
+    """The example's model and optimizer trained in this process for as many epochs on the 2 ranks'
+    combined batch."""
+    model = example.build_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=example.LEARNING_RATE)
+    x, y = torch.from_numpy(x_train).reshape(-1, 1, 8, 8), torch.from_numpy(y_train.astype(np.int64))
     generator = np.random.default_rng(0)
     for _ in range(EPOCHS):
-        order = generator.permutation(len(x_train))
-        for first in range(0, len(order) - batch + 1, batch):
-            chosen = order[first:first + batch]
+        order = generator.permutation(len(x))
+        for first in range(0, len(order) - 2 * BATCH + 1, 2 * BATCH):
+            chosen = order[first:first + 2 * BATCH]
             optimizer.zero_grad()
-            torch.nn.functional.cross_entropy(model(torch.from_numpy(x_train[chosen])),
-                                              torch.from_numpy(y_train[chosen])).backward()
+            torch.nn.functional.cross_entropy(model(x[chosen]), y[chosen]).backward()
             optimizer.step()
-    return accuracy(model, x_test, y_test)
-
-
-def torch_estimator(store, **overrides):
-    from rvod.spark.torch import TorchEstimator
-
-    model = mlp()
-    settings = dict(backend=SparkBackend(num_proc=2, env=RANK_ENV), store=store, model=model,
-                    optimizer=torch.optim.Adam(model.parameters(), lr=0.01),
-                    loss=torch.nn.functional.cross_entropy, feature_cols=["features"], label_cols=["label"],
-                    batch_size=BATCH, epochs=EPOCHS, random_seed=1, verbose=0,
-                    partitions_per_process=FILES_PER_RANK)
-    settings.update(overrides)
-    return TorchEstimator(**settings)
+    return float((torch_predict(model)(x_test).argmax(1) == y_test).mean())
 
 
 @pytest.mark.timeout(420)
-def test_torch_fit_on_two_ranks_matches_plain_training_and_transform_predicts(spark, digits, tmp_path):
+def test_torch_estimator_matches_plain_training_checkpoints_and_transform_predicts(spark, digits, tmp_path, capsys):
     x_train, x_test, y_train, y_test = digits
-    store = Store.create(str(tmp_path / "store"))
-    estimator = torch_estimator(store, validation=0.1, metrics=[_correct_fraction], run_id="digits")
-    started = time.monotonic()
-    fitted = estimator.fit(frame(spark, x_train, y_train))
-    took = time.monotonic() - started
-
-    # Accuracy: that of the same model trained plainly on the 2 ranks' combined batch, within 3 points.
+    example, fitted, store, validation, printed = run_example("spark_torch_estimator_digits", tmp_path, capsys)
     trained = fitted.getModel()
-    got, plain = accuracy(trained, x_test, y_test), plain_accuracy(x_train, y_train, x_test, y_test, 2 * BATCH)
-    assert got >= 0.9 and got >= plain - 0.03, (got, plain, took)
+    got = float((torch_predict(trained)(x_test).argmax(1) == y_test).mean())
+    plain = torch_plain_accuracy(example, x_train, y_train, x_test, y_test)
+    assert printed == pytest.approx(got, abs=1e-3)  # the example's accuracy, from transform's predictions
+    assert got >= 0.9 and got >= plain - 0.03 and validation >= 0.85, (got, plain, validation)
 
-    # History: one entry per epoch with the train and validation loss and metric, the loss going down.
     history = fitted.getHistory()
     assert [entry["epoch"] for entry in history] == list(range(EPOCHS))
-    assert set(history[-1]["train"]) == {"loss", "_correct_fraction"} == set(history[-1]["validation"])
+    assert set(history[-1]["train"]) == {"loss", "accuracy"} == set(history[-1]["validation"])
     assert history[-1]["train"]["loss"] < history[0]["train"]["loss"]
-    assert history[-1]["validation"]["_correct_fraction"] >= 0.85
 
     # The store: the Parquet data and the last epoch's checkpoint, equal to the returned model.
     assert store.exists(store.get_train_data_path()) and store.exists(store.get_val_data_path())
-    checkpoint_path = store.get_checkpoint_path("digits")
-    assert checkpoint_path == str(tmp_path / "store" / "runs" / "digits" / "checkpoint")
-    checkpoint = torch.load(io.BytesIO(store.read(checkpoint_path)), weights_only=False)
+    path = store.get_checkpoint_path("digits")
+    assert path == str(tmp_path / "runs" / "digits" / "checkpoint")
+    checkpoint = torch.load(io.BytesIO(store.read(path)), weights_only=False)
     assert checkpoint["epoch"] == EPOCHS - 1 and len(checkpoint["history"]) == EPOCHS
     for name, value in trained.state_dict().items():
         assert torch.equal(checkpoint["model"][name], value), name
 
-    # Transform: a DenseVector of the 10 logits per row, the returned model's own outputs for that row.
-    predicted = fitted.transform(frame(spark, x_test, y_test)).collect()
-    assert fitted.getOutputCols() == ["label__output"]
-    assert [row["label"] for row in predicted] == y_test.tolist()  # rows and their columns kept, in order
-    logits = np.array([row["label__output"].toArray() for row in predicted])
-    assert logits.shape == (len(y_test), 10) and logits.dtype == np.float64
-    with torch.no_grad():
-        expected = trained(torch.from_numpy(np.array([row["features"] for row in predicted], np.float32)))
-    np.testing.assert_allclose(logits, expected.numpy(), rtol=1e-5, atol=1e-5)
-    assert float((logits.argmax(1) == y_test).mean()) == got
-
-
-def keras_mlp():
-    import keras
-
-    keras.utils.set_random_seed(0)
-    return keras.Sequential([keras.Input((64,)), keras.layers.Dense(64, activation="relu"),
-                             keras.layers.Dense(10, activation="softmax")])
-
-
-def keras_plain_accuracy(x_train, y_train, x_test, y_test, batch):
-    import keras
-
-    model = keras_mlp()
-    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy")
-    model.fit(x_train, y_train, batch_size=batch, epochs=EPOCHS, verbose=0)
-    return float((model.predict(x_test, verbose=0).argmax(1) == y_test).mean())
+    assert_transform_gives_the_models_outputs(spark, fitted, x_test[:60], y_test[:60], torch_predict(trained))
 
 
 @pytest.mark.timeout(420)
-def test_keras_fit_on_two_ranks_matches_plain_training_and_transform_predicts(spark, digits, tmp_path):
+def test_keras_estimator_matches_plain_training_checkpoints_and_transform_predicts(spark, digits, tmp_path, capsys):
     keras = pytest.importorskip("keras")
     pytest.importorskip("tensorflow")
-    from rvod.spark.keras import KerasEstimator
+    from rvod.spark.keras.remote import model_from_bytes
 
     x_train, x_test, y_train, y_test = digits
-    store = Store.create(str(tmp_path / "store"))
-    estimator = KerasEstimator(backend=SparkBackend(num_proc=2, env=RANK_ENV), store=store, model=keras_mlp(),
-                               optimizer=keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy",
-                               metrics=["accuracy"], feature_cols=["features"], label_cols=["label"],
-                               batch_size=BATCH, epochs=EPOCHS, validation=0.1, random_seed=1, verbose=0,
-                               run_id="keras-digits", partitions_per_process=FILES_PER_RANK)
-    fitted = estimator.fit(frame(spark, x_train, y_train))
+    example, fitted, store, validation, printed = run_example("spark_keras_estimator_digits", tmp_path, capsys)
     trained = fitted.getModel()
-    got = float((trained.predict(x_test, verbose=0).argmax(1) == y_test).mean())
-    plain = keras_plain_accuracy(x_train, y_train, x_test, y_test, 2 * BATCH)
-    assert got >= 0.9 and got >= plain - 0.03, (got, plain)
+
+    def predict(x):
+        return trained.predict(x.reshape(-1, 8, 8, 1), verbose=0)
+
+    got = float((predict(x_test).argmax(1) == y_test).mean())
+    plain_model = example.build_model()
+    plain_model.compile(optimizer=keras.optimizers.Adam(example.LEARNING_RATE), loss="sparse_categorical_crossentropy")
+    plain_model.fit(x_train.reshape(-1, 8, 8, 1), y_train, batch_size=2 * BATCH, epochs=EPOCHS, verbose=0)
+    plain = float((plain_model.predict(x_test.reshape(-1, 8, 8, 1), verbose=0).argmax(1) == y_test).mean())
+    assert printed == pytest.approx(got, abs=1e-3)
+    assert got >= 0.9 and got >= plain - 0.03 and validation >= 0.85, (got, plain, validation)
 
     history = fitted.getHistory()
     assert {"loss", "accuracy", "val_loss", "val_accuracy"} <= set(history), history
     assert len(history["loss"]) == EPOCHS and history["loss"][-1] < history["loss"][0]
 
-    checkpoint = store.get_checkpoint_path("keras-digits")
-    assert store.exists(checkpoint)
-    from rvod.spark.keras.remote import model_from_bytes
-
-    saved = model_from_bytes(store.read(checkpoint), compile=False)
+    saved = model_from_bytes(store.read(store.get_checkpoint_path("digits")), compile=False)
     for mine, theirs in zip(saved.get_weights(), trained.get_weights()):
         np.testing.assert_array_equal(mine, theirs)
 
-    predicted = fitted.transform(frame(spark, x_test, y_test)).collect()
-    assert [row["label"] for row in predicted] == y_test.tolist()
-    outputs = np.array([row["label__output"].toArray() for row in predicted])
-    assert outputs.shape == (len(y_test), 10) and outputs.dtype == np.float64
-    expected = trained.predict(np.array([row["features"] for row in predicted], np.float32), verbose=0)
-    np.testing.assert_allclose(outputs, expected, rtol=1e-5, atol=1e-6)
-
-
-def _correct_fraction(output, label):
-    return float((output.argmax(1) == label).float().mean())
+    assert_transform_gives_the_models_outputs(spark, fitted, x_test[:60], y_test[:60], predict)
 
 
 def _fail_on_rank_one(batch):
@@ -214,34 +185,22 @@ def _fail_on_rank_one(batch):
     return batch
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 def test_a_failing_rank_is_named(spark, digits, tmp_path):
+    from rvod.spark.torch import TorchEstimator
+
     x_train, _, y_train, _ = digits
-    estimator = torch_estimator(Store.create(str(tmp_path / "store")), epochs=1,
-                                transformation_fn=_fail_on_rank_one)
+    model = torch.nn.Linear(64, 10)
+    estimator = TorchEstimator(backend=SparkBackend(num_proc=2), store=Store.create(str(tmp_path)), model=model,
+                               optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                               loss=torch.nn.functional.cross_entropy, feature_cols=["features"],
+                               label_cols=["label"], epochs=1, partitions_per_process=1,
+                               transformation_fn=_fail_on_rank_one)
     with pytest.raises(RuntimeError) as failure:
-        estimator.fit(frame(spark, x_train[:400], y_train[:400]))
+        estimator.fit(frame(spark, x_train[:200], y_train[:200]))
     message = str(failure.value)
     assert message.startswith("rvod.spark.run: rank 1 on "), message
     assert "ValueError: rank one's batches fail on purpose" in message
-
-
-@pytest.mark.timeout(420)
-@pytest.mark.parametrize("example", ["spark_torch_estimator_digits", "spark_keras_estimator_digits"])
-def test_examples_fit_and_predict(spark, example, capsys):
-    """The examples run in this module's Spark session (they use the active one and leave it running)."""
-    if "keras" in example:
-        pytest.importorskip("keras")
-        pytest.importorskip("tensorflow")
-    path = Path(__file__).resolve().parents[2] / "examples" / f"{example}.py"
-    spec = importlib.util.spec_from_file_location(example, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.main(["-np", "2", "--epochs", "4"])
-    out = capsys.readouterr().out
-    assert "checkpoint in the store: True" in out, out
-    found = re.search(r"trained on 2 ranks in [\d.]+ s; validation accuracy ([\d.]+); test accuracy ([\d.]+)", out)
-    assert found and float(found.group(1)) >= 0.85 and float(found.group(2)) >= 0.9, out
 
 
 def test_stores_place_data_and_runs_and_name_what_they_lack(tmp_path):
@@ -266,7 +225,8 @@ def test_stores_place_data_and_runs_and_name_what_they_lack(tmp_path):
 def test_params_are_checked_before_anything_runs(tmp_path):
     from rvod.spark.torch import TorchEstimator
 
+    model = torch.nn.Linear(64, 10)
     with pytest.raises(ValueError, match=r"TorchEstimator needs the params \['store', 'label_cols'\]"):
-        TorchEstimator(model=mlp(), feature_cols=["features"])._check_params()
+        TorchEstimator(model=model, feature_cols=["features"])._check_params()
     with pytest.raises(ValueError, match="give num_proc or backend, not both"):
-        torch_estimator(Store.create(str(tmp_path)), num_proc=2)._get_or_create_backend()
+        TorchEstimator(model=model, num_proc=2, backend=SparkBackend(num_proc=2))._get_or_create_backend()
