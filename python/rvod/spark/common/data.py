@@ -151,7 +151,8 @@ def read_shard(store, path: str, rank: int, size: int, columns: Sequence[str],
         raise ValueError(f"{WHERE}: rank {rank} of {size} has no rows to train on: {path} has {len(groups)} row "
                          f"groups of {sum(rows for _, _, rows in groups)} rows; give it more rows or fewer ranks")
     table = pa.concat_tables([parquet.read_row_group(index, columns=list(columns)) for parquet, index, _ in mine])
-    return {column: as_model_array(_column_to_numpy(table.column(column))) for column in columns}
+    # Copies: Arrow's buffers are read-only, and frameworks warn about (or refuse) read-only arrays.
+    return {column: np.array(as_model_array(_column_to_numpy(table.column(column)))) for column in columns}
 
 
 class Batches:

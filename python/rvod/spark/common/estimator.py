@@ -122,8 +122,9 @@ class HorovodModel(Model, ModelParams):
             raise ValueError(f"{WHERE}: feature columns {missing} are not in the DataFrame to transform")
         predict = self._predict_fn()
         first = df.select(*feature_cols).first()
-        if first is None:
-            return df.sparkSession.createDataFrame([], df.schema)
+        if first is None:  # nothing to learn the outputs' shapes from: vectors
+            return df.sparkSession.createDataFrame([], StructType(
+                list(df.schema.fields) + [StructField(name, VectorUDT(), True) for name in output_cols]))
         probe = predict(features_of([first], feature_cols))
         if len(probe) != len(label_cols):
             raise ValueError(f"{WHERE}: the model gives {len(probe)} outputs for {len(label_cols)} label columns")
