@@ -2,8 +2,8 @@
 //! for int8, [`ONEBIT_BLOCK`] for 1-bit; the last may be shorter); each block is sent as its float32 scale
 //! (native-endian, 4 bytes) and then its payload:
 //!
-//! - int8: one signed byte per value, `round(value / scale)` with `scale = max |value| / 127`, so each value
-//!   comes back within half a step (`scale / 2`) of what it was;
+//! - int8: one signed byte per value, `value / scale` rounded half away from zero, with
+//!   `scale = max |value| / 127`, so each value comes back within half a step (`scale / 2`) of what it was;
 //! - 1-bit: one bit per value (set for `value >= 0`, first value in the lowest bit), with `scale` the mean
 //!   magnitude of the block; every value comes back as `+scale` or `-scale`.
 //!
@@ -122,30 +122,29 @@ impl Codec {
     }
 }
 
-/// Encode one block as int8; returns its scale.
+/// Encode one block as int8; returns its scale. Rounds half away from zero through a truncating cast (no
+/// call to `round` per value); the largest magnitude and the NaN check are separate passes, so each
+/// vectorises.
 fn encode_int8(block: &[f32], payload: &mut [u8]) -> f32 {
-    let max = block.iter().fold(0.0f32, |max, v| if v.abs() > max || v.is_nan() { v.abs() } else { max });
+    let max = block.iter().fold(0.0f32, |max, v| max.max(v.abs()));
     let scale = max / 127.0;
-    let inverse = if scale > 0.0 && scale.is_finite() { 1.0 / scale } else { 0.0 };
+    if !scale.is_finite() || block.iter().any(|v| v.is_nan()) {
+        payload.fill(0);
+        return f32::NAN;
+    }
+    let inverse = if scale > 0.0 { 1.0 / scale } else { 0.0 };
     for (p, &v) in payload.iter_mut().zip(block) {
-        *p = (v * inverse).round().clamp(-127.0, 127.0) as i8 as u8;
+        let x = v * inverse;
+        *p = ((x + 0.5f32.copysign(x)) as i32).clamp(-127, 127) as i8 as u8;
     }
-    if scale.is_finite() {
-        scale
-    } else {
-        f32::NAN
-    }
+    scale
 }
 
-/// Encode one block as signs; returns its scale (the mean magnitude).
+/// Encode one block as signs (a byte of eight values at a time); returns its scale (the mean magnitude).
 fn encode_onebit(block: &[f32], payload: &mut [u8]) -> f32 {
-    payload.fill(0);
-    let mut magnitude = 0.0f64;
-    for (i, &v) in block.iter().enumerate() {
-        magnitude += f64::from(v.abs());
-        if v >= 0.0 {
-            payload[i / 8] |= 1 << (i % 8);
-        }
+    let magnitude: f64 = block.iter().map(|v| f64::from(v.abs())).sum();
+    for (byte, values) in payload.iter_mut().zip(block.chunks(8)) {
+        *byte = values.iter().enumerate().fold(0u8, |bits, (i, &v)| bits | (u8::from(v >= 0.0) << i));
     }
     let scale = (magnitude / block.len() as f64) as f32;
     if scale.is_finite() {

@@ -6,10 +6,10 @@
 //! them and so its result are the same whatever it is fused with. Each rank adds its residual to its values
 //! and encodes them; the units rank `j` owns go to rank `j` (one all-to-all), which decodes the `n`
 //! contributions, sums them in rank order, adds its own residual of that sum, and encodes the result once
-//! more; an allgather of those encodings gives every rank every unit, which all decode alike (the owner too,
-//! so every rank holds the same bits). A rank sends and receives about
-//! `2 (n-1)/n` of the encoded size: a quarter (int8) or a thirty-second (1-bit) of the float32 ring's
-//! traffic, plus a 4-byte scale per block.
+//! more, as int8 for either codec (see [`Codec::for_sums`]); an allgather of those encodings gives every
+//! rank every unit, which all decode alike (the owner too, so every rank holds the same bits). A rank sends
+//! and receives about `(n-1)/n` of each encoded size: in all a quarter (int8) or about 5/32 (1-bit out,
+//! int8 back) of the float32 ring's traffic, plus a 4-byte scale per block.
 
 use std::ops::Range;
 

@@ -67,7 +67,7 @@ def quantized_allreduce(contributions, kind, steps=1, sizes=None):
             worker[rank] = sent - decoded
             summed += decoded
         summed += server
-        result = _each_unit(summed, all_units, kind)
+        result = _each_unit(summed, all_units, "int8")  # the sums travel as int8 for either codec
         server = summed - result
         results.append(result)
     return results if steps > 1 else results[0]
