@@ -16,7 +16,8 @@
 //!   response (packing fused tensors through [`crate::fusion`]); [`gpu_route`]: the way a process set's
 //!   GPU collectives travel, agreed by its members (NCCL or host staging); [`execute_nccl`]: one whose
 //!   tensors are on GPUs, through NCCL; [`execute_device`]: one whose tensors are on GPUs, on the set's
-//!   route (through [`execute_nccl`], or staged through pinned host memory around [`execute`]).
+//!   route (through [`execute_nccl`], or staged through pinned host memory around [`execute`]);
+//!   [`execute_compressed`]: a compressed allreduce (int8, 1-bit, PowerSGD) on the communicator's route.
 //! - [`shared`]: what callers and the loop share (the inbox, the stop request, values set by hand).
 //! - [`step`]: the loop's state and one step of it (negotiate, fuse, execute, complete handles).
 //! - [`fast_lane`]: a small synchronous op run by its caller as one exchange of round headers.
