@@ -56,6 +56,13 @@ fn tensor_io(entry: Option<&mut TensorEntry>, len: usize, dtype: DataType) -> Te
     TensorIo::new(entry.map_or(TensorMemory::Joined, TensorEntry::memory), len, dtype)
 }
 
+/// The first `len` bytes of `buffer`, made (or grown to) at least that long.
+fn grown(buffer: &mut Option<AlignedBuffer>, len: usize) -> &mut [u8] {
+    let buffer = buffer.get_or_insert_with(|| AlignedBuffer::zeroed(len));
+    buffer.ensure_len(len);
+    &mut buffer.as_mut_slice()[..len]
+}
+
 /// Reusable memory for fused and scratch work; grows to the largest need and stays.
 #[derive(Default)]
 pub struct Executor {
@@ -65,6 +72,8 @@ pub struct Executor {
     adasum_scratch: Vec<u8>,
     /// Compressed allreduces' per-tensor state (residuals, PowerSGD factors).
     feedback: Feedback,
+    /// Compressed allreduces' values as float32.
+    compressed_values: Vec<f32>,
     /// How compressed allreduces run (the configuration's choices).
     compression: compressed::Settings,
 }
@@ -198,9 +207,7 @@ impl Executor {
     }
 
     fn fusion_buffer(&mut self, len: usize) -> &mut [u8] {
-        let buffer = self.fusion_buffer.get_or_insert_with(|| AlignedBuffer::zeroed(len));
-        buffer.ensure_len(len);
-        &mut buffer.as_mut_slice()[..len]
+        grown(&mut self.fusion_buffer, len)
     }
 
     /// Run `response`. `entries[i]` is this rank's tensor for `response.entries[i]`, or `None` if this rank
@@ -281,8 +288,10 @@ impl Executor {
             return self.adasum(t, response, entries, &layout);
         }
         if !response.compression.is_none() {
-            let (feedback, settings) = (&mut self.feedback, self.compression);
-            return execute_compressed::allreduce(t, response, entries, &layout, feedback, settings, phases);
+            let packed = grown(&mut self.fusion_buffer, layout.total_bytes());
+            let scratch = execute_compressed::Scratch { packed, values: &mut self.compressed_values };
+            let state = (&mut self.feedback, self.compression);
+            return execute_compressed::allreduce(t, response, entries, &layout, state, scratch, phases);
         }
         let total = layout.total_bytes();
         let plain_single = matches!(response.entries.as_slice(), [spec] if !spec.packed);

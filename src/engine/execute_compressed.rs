@@ -20,7 +20,6 @@ use crate::fusion::packing::{gather, scatter};
 use crate::fusion::tensor_io::{TensorIo, TensorMemory};
 use crate::protocol::message::Response;
 use crate::ring::compressed::{self, Feedback, Settings, Span};
-use crate::tensor::AlignedBuffer;
 use crate::timeline::{OpRecord, Stage};
 use crate::transport::{Transport, TransportError};
 use crate::types::DataType;
@@ -49,6 +48,14 @@ fn route(t: &mut dyn Transport, within_host: bool) -> Route {
     }
 }
 
+/// Memory a compressed allreduce reuses from op to op (allocating and zeroing megabytes per op cost more than
+/// PowerSGD's arithmetic on them): the tensors packed in their dtype, `layout`'s total bytes of the
+/// executor's fusion buffer, and the values as float32.
+pub(crate) struct Scratch<'a> {
+    pub packed: &'a mut [u8],
+    pub values: &'a mut Vec<f32>,
+}
+
 /// Run the compressed allreduce `response` (its tensors in `layout`; `entries[i]` is `None` where this
 /// rank joined) as `settings` say.
 pub(crate) fn allreduce(
@@ -56,8 +63,8 @@ pub(crate) fn allreduce(
     response: &Response,
     entries: &mut [Option<TensorEntry>],
     layout: &FusionLayout,
-    feedback: &mut Feedback,
-    settings: Settings,
+    (feedback, settings): (&mut Feedback, Settings),
+    scratch: Scratch<'_>,
     phases: &mut OpRecord,
 ) -> Result<Vec<Result<TensorResult, EngineError>>, TransportError> {
     let (dtype, compression) = (response.dtype, response.compression);
@@ -67,7 +74,7 @@ pub(crate) fn allreduce(
         ));
         return Ok(entries.iter().map(|_| Err(err.clone())).collect());
     }
-    let (slots, total) = (layout.slots(), layout.total_bytes());
+    let slots = layout.slots();
     let contributes: Vec<bool> = entries.iter().map(Option::is_some).collect();
     let mut tensors: Vec<TensorIo<'_>> = entries
         .iter_mut()
@@ -76,21 +83,20 @@ pub(crate) fn allreduce(
             TensorIo::new(entry.as_mut().map_or(TensorMemory::Joined, TensorEntry::memory), slot.bytes, dtype)
         })
         .collect();
-    let mut packed = AlignedBuffer::zeroed(total);
-    gather(&tensors, slots, 0, packed.as_mut_slice());
+    let Scratch { packed, values } = scratch;
+    gather(&tensors, slots, 0, packed);
     phases.mark(Stage::MemcpyInFusionBuffer);
 
     let counts: Vec<usize> = slots.iter().map(|slot| slot.bytes / dtype.size()).collect();
-    let mut values = vec![0.0f32; counts.iter().sum()];
+    values.clear();
     let mut spans = Vec::with_capacity(slots.len());
-    let mut start = 0;
     for (((slot, &count), spec), &contributes) in slots.iter().zip(&counts).zip(&response.entries).zip(&contributes) {
-        let bytes = &packed.as_mut_slice()[slot.offset..slot.offset + slot.bytes];
-        to_f32(bytes, dtype, &mut values[start..start + count]);
+        let start = values.len();
+        to_f32(&packed[slot.offset..slot.offset + slot.bytes], dtype, values);
         spans.push(Span { name: &spec.name, shape: &spec.shape, start, len: count, contributes });
-        start += count;
     }
-    scale(&mut values, response.prescale);
+    let values = values.as_mut_slice();
+    scale(values, response.prescale);
 
     feedback.begin(compression.code());
     let warm = feedback.step_past_warmup(spans.iter().map(|s| s.name), settings.warmup_steps);
@@ -113,21 +119,21 @@ pub(crate) fn allreduce(
                 _ => Stage::Hierarchical { transport: local, collective: "ALLGATHER" },
             })
         };
-        compressed::allreduce_hierarchical(parts, compression, &mut values, &spans, feedback, &mut on_step)?;
+        compressed::allreduce_hierarchical(parts, compression, values, &spans, feedback, &mut on_step)?;
     } else if route == Route::Exact {
-        compressed::sum_exactly(t, &mut values)?;
+        compressed::sum_exactly(t, values)?;
         phases.mark_collective();
     } else {
-        compressed::allreduce(t, compression, &mut values, &spans, feedback)?;
+        compressed::allreduce(t, compression, values, &spans, feedback)?;
         phases.mark(Stage::Compressed { transport: label, compression: kind });
     }
 
-    scale(&mut values, effective_postscale(response.reduce_op, response.postscale, t.size()));
+    scale(values, effective_postscale(response.reduce_op, response.postscale, t.size()));
     for ((slot, &count), span) in slots.iter().zip(&counts).zip(&spans) {
-        let bytes = &mut packed.as_mut_slice()[slot.offset..slot.offset + slot.bytes];
+        let bytes = &mut packed[slot.offset..slot.offset + slot.bytes];
         from_f32(&values[span.start..span.start + count], dtype, bytes);
     }
-    scatter(&mut tensors, slots, 0, packed.as_slice());
+    scatter(&mut tensors, slots, 0, packed);
     phases.mark(Stage::MemcpyOutFusionBuffer);
     Ok(tensors.into_iter().map(|io| Ok(io.finish().into())).collect())
 }
@@ -139,16 +145,16 @@ fn scale(values: &mut [f32], factor: f64) {
     }
 }
 
-/// `bytes` (native-endian values of the floating-point `dtype`) as float32 into `out`.
-fn to_f32(bytes: &[u8], dtype: DataType, out: &mut [f32]) {
-    let width = dtype.size();
-    for (o, b) in out.iter_mut().zip(bytes.chunks_exact(width)) {
-        *o = match dtype {
-            DataType::Float16 => f16::from_ne_bytes([b[0], b[1]]).to_f32(),
-            DataType::Bfloat16 => bf16::from_ne_bytes([b[0], b[1]]).to_f32(),
-            DataType::Float64 => f64::from_ne_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]) as f32,
-            _ => f32::from_ne_bytes([b[0], b[1], b[2], b[3]]),
-        };
+/// `bytes` (native-endian values of the floating-point `dtype`) as float32, appended to `out`.
+fn to_f32(bytes: &[u8], dtype: DataType, out: &mut Vec<f32>) {
+    let values = bytes.chunks_exact(dtype.size());
+    match dtype {
+        DataType::Float16 => out.extend(values.map(|b| f16::from_ne_bytes([b[0], b[1]]).to_f32())),
+        DataType::Bfloat16 => out.extend(values.map(|b| bf16::from_ne_bytes([b[0], b[1]]).to_f32())),
+        DataType::Float64 => {
+            out.extend(values.map(|b| f64::from_ne_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]) as f32))
+        }
+        _ => out.extend(values.map(|b| f32::from_ne_bytes([b[0], b[1], b[2], b[3]]))),
     }
 }
 
@@ -175,9 +181,9 @@ mod tests {
         for dtype in [DataType::Float16, DataType::Bfloat16, DataType::Float32, DataType::Float64] {
             let mut bytes = vec![0u8; values.len() * dtype.size()];
             from_f32(&values, dtype, &mut bytes);
-            let mut back = [0.0f32; 4];
+            let mut back = vec![7.0f32];
             to_f32(&bytes, dtype, &mut back);
-            assert_eq!(back, values, "{dtype}");
+            assert_eq!(back[1..], values, "{dtype}");
         }
     }
 
