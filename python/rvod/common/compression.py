@@ -65,7 +65,7 @@ class CastCompressor(Compressor):
         return tensor if ctx is None else cls.cast(tensor, ctx)
 
 
-class EngineCompressor(Compressor):
+class EngineCompressor(NoneCompressor):
     """Leaves tensors as they are in Python; the engine compresses them (``engine_code`` says how)."""
 
     engine_code = 0
@@ -73,14 +73,6 @@ class EngineCompressor(Compressor):
     @staticmethod
     def is_floating(tensor):
         raise NotImplementedError
-
-    @staticmethod
-    def compress(tensor):
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor
 
 
 class PowerSGDCompressor(EngineCompressor):
