@@ -23,6 +23,13 @@ pytest.importorskip("sklearn")
 pytest.importorskip("pyarrow")
 cloudpickle = pytest.importorskip("cloudpickle")
 
+# The examples train with torch in this process (the plain reference model), where the rest of the suite has
+# already loaded TensorFlow and JAX. torch.optim imports torch._dynamo, which imports triton if it is
+# installed (the CUDA wheel ships it), and loading triton's LLVM next to theirs aborts the whole process
+# (SIGABRT in triton/knobs.py, reproduced with test_jax + test_tensorflow_ops + this module). On CPU torch needs
+# no triton: unless something loaded it already, this process treats it as absent.
+sys.modules.setdefault("triton", None)
+
 from rvod.spark.common.backend import SparkBackend  # noqa: E402
 from rvod.spark.common.store import DBFSLocalStore, HDFSStore, LocalStore, Store  # noqa: E402
 

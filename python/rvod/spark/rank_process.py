@@ -51,8 +51,11 @@ def remove_orphaned_workdirs(root: str | None = None) -> list[str]:
         match = _WORKDIR_NAME.fullmatch(entry.name)
         if match is None or _alive(int(match.group(1))) or not entry.is_dir(follow_symlinks=False):
             continue
-        if entry.stat(follow_symlinks=False).st_uid != os.geteuid():
-            continue
+        try:
+            if entry.stat(follow_symlinks=False).st_uid != os.geteuid():
+                continue
+        except FileNotFoundError:
+            continue  # another task (this job's other rank) removed it first
         shutil.rmtree(entry.path, ignore_errors=True)
         removed.append(entry.path)
     return removed
