@@ -10,21 +10,10 @@ several hosts the store must be a path every host sees (or hdfs://...). Spark 4 
 executors need this Python's packages (PYSPARK_PYTHON defaults to this interpreter here).
 """
 
-import argparse
-import os
-import sys
-import tempfile
-import time
-
-import numpy as np
-import pandas as pd
 import torch
-from pyspark.sql import SparkSession
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 from torch import nn
 
-from rvod.spark.common.store import Store
+import estimator_digits
 from rvod.spark.torch import TorchEstimator
 
 
@@ -41,50 +30,20 @@ def accuracy(output, label):
     return float((output.argmax(1) == label).float().mean())
 
 
+def make_estimator(args, store):
+    model = build_model()
+    return TorchEstimator(
+        num_proc=args.num_proc, store=store, model=model,
+        optimizer=torch.optim.Adam(model.parameters(), lr=LEARNING_RATE), loss=nn.functional.cross_entropy,
+        metrics=[accuracy], feature_cols=["features"], label_cols=["label"], input_shapes=[[-1, 1, 8, 8]],
+        validation=0.1, batch_size=args.batch_size, epochs=args.epochs, random_seed=0,
+        partitions_per_process=2, run_id="digits", verbose=1)
+
+
 def main(argv=None):
     """Returns the fitted model and the store (gone with its temporary folder unless --store was given)."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--master", default="local[2]", help="Spark master (default: local[2])")
-    parser.add_argument("-np", "--num-proc", type=int, default=2)
-    parser.add_argument("--epochs", type=int, default=8)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--store", help="store path (default: a temporary folder)")
-    args = parser.parse_args(argv)
-
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    started_here = SparkSession.getActiveSession() is None
-    spark = SparkSession.builder.master(args.master).appName("rvod estimator digits").getOrCreate()
-    try:
-        digits = load_digits()
-        x = list((digits.data / 16.0).astype(np.float32))
-        x_train, x_test, y_train, y_test = train_test_split(x, digits.target, test_size=0.25, random_state=0)
-        train = spark.createDataFrame(pd.DataFrame({"features": x_train, "label": y_train}))
-        test = spark.createDataFrame(pd.DataFrame({"features": x_test, "label": y_test}))
-
-        model = build_model()
-        with tempfile.TemporaryDirectory(prefix="rvod-store-") as folder:
-            store = Store.create(args.store or folder)
-            estimator = TorchEstimator(
-                num_proc=args.num_proc, store=store, model=model,
-                optimizer=torch.optim.Adam(model.parameters(), lr=LEARNING_RATE), loss=nn.functional.cross_entropy,
-                metrics=[accuracy], feature_cols=["features"], label_cols=["label"], input_shapes=[[-1, 1, 8, 8]],
-                validation=0.1, batch_size=args.batch_size, epochs=args.epochs, random_seed=0,
-                partitions_per_process=2, run_id="digits", verbose=1)
-            start = time.perf_counter()
-            fitted = estimator.fit(train)
-            seconds = time.perf_counter() - start
-            last = fitted.getHistory()[-1]
-            print(f"checkpoint in the store: {store.exists(store.get_checkpoint_path('digits'))}")
-
-        rows = fitted.transform(test).select("label", "label__output").collect()
-        predicted = np.array([row["label__output"].toArray().argmax() for row in rows])
-        labels = np.array([row["label"] for row in rows])
-        print(f"trained on {args.num_proc} ranks in {seconds:.1f} s; validation accuracy "
-              f"{last['validation']['accuracy']:.3f}; test accuracy {float((predicted == labels).mean()):.3f}")
-    finally:
-        if started_here:
-            spark.stop()
-    return fitted, store
+    return estimator_digits.main(argv, __doc__.splitlines()[0], make_estimator,
+                                 lambda fitted: fitted.getHistory()[-1]["validation"]["accuracy"])
 
 
 if __name__ == "__main__":

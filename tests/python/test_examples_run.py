@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 TESTS = Path(__file__).resolve().parent
 # Modules the examples import rather than scripts (run through the examples that import them).
-NOT_SCRIPTS = {"cluster_digits.py"}
+NOT_SCRIPTS = {"cluster_digits.py", "estimator_digits.py"}
 
 
 def test_every_example_is_run_by_some_test():

@@ -79,6 +79,8 @@ def frame(spark, x, y):
 def run_example(name, store_path, capsys):
     """Runs the example in this process (and so in the module's Spark session); returns it, its fitted model
     and store, and the accuracies it printed."""
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))  # the examples import estimator_digits from their folder
     spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
