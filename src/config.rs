@@ -70,6 +70,10 @@ pub struct Config {
     /// `RVOD_COMPRESSION_WARMUP_STEPS`: each compressed tensor is reduced exactly for its first this many
     /// allreduces (default 0).
     pub compression_warmup_steps: u64,
+    /// `RVOD_NEGOTIATION`: how a communicator's ranks combine their round headers: `auto` (default: every
+    /// rank sends its header to every other rank on small communicators, a tree on larger ones, see
+    /// `coordinator::tree`), `all_to_all` or `tree` (forced, for tests and benchmarks).
+    pub negotiation: Negotiation,
     /// Process sets may be added and removed after init (`RVOD_DYNAMIC_PROCESS_SETS`, Horovod's flag rule:
     /// on when > 0; also turned on by `init(process_sets="dynamic")`).
     pub dynamic_process_sets: bool,
@@ -93,6 +97,18 @@ pub struct Config {
     pub gpu: GpuConfig,
     /// What carries bytes between hosts (`RVOD_TRANSPORT`) and where libucp comes from.
     pub hosts: HostsConfig,
+}
+
+/// `RVOD_NEGOTIATION`: how the ranks of a communicator combine their round headers. rvod's own setting.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Negotiation {
+    /// All-to-all on small communicators, a tree on larger ones.
+    #[default]
+    Auto,
+    /// Every rank sends its header to every other rank (small data rides along).
+    AllToAll,
+    /// Headers combined by recursive doubling; requests gathered and responses broadcast along trees.
+    Tree,
 }
 
 /// `RVOD_TRANSPORT`: what carries bytes between hosts (inside a host, shared memory stays rvod's own).
@@ -424,6 +440,7 @@ impl Config {
             hierarchical_allgather: env.optional_flag("HIERARCHICAL_ALLGATHER")?,
             compression_within_host: env.flag("COMPRESSION_WITHIN_HOST")?,
             compression_warmup_steps: env.usize("COMPRESSION_WARMUP_STEPS", 0)? as u64,
+            negotiation: negotiation(&env)?,
             dynamic_process_sets: env.flag("DYNAMIC_PROCESS_SETS")?,
             launch,
             timeline: env.string("TIMELINE").filter(|path| !path.is_empty()),
@@ -438,6 +455,19 @@ impl Config {
             hosts: hosts_config(&env)?,
         })
     }
+}
+
+/// `NEGOTIATION`.
+fn negotiation<F: Fn(&str) -> Option<String>>(env: &EnvReader<F>) -> Result<Negotiation, ConfigError> {
+    Ok(match env.raw("NEGOTIATION") {
+        None => Negotiation::Auto,
+        Some((name, value)) => match value.to_ascii_lowercase().replace('-', "_").as_str() {
+            "auto" => Negotiation::Auto,
+            "all_to_all" => Negotiation::AllToAll,
+            "tree" => Negotiation::Tree,
+            _ => return Err(EnvReader::<F>::error(name, value, "expected auto, all_to_all or tree")),
+        },
+    })
 }
 
 /// `TRANSPORT`, `UCX_LIBRARY`.
@@ -794,6 +824,15 @@ mod tests {
         );
         assert_eq!(with(&[("RVOD_IFACE_ADDR", "eth0")]).unwrap_err().name, "RVOD_IFACE_ADDR");
         assert_eq!(with(&[("RVOD_NETWORK_INTERFACE", " , ")]).unwrap_err().name, "RVOD_NETWORK_INTERFACE");
+    }
+
+    #[test]
+    fn negotiation_is_auto_unless_forced() {
+        assert_eq!(config(&[]).unwrap().negotiation, Negotiation::Auto);
+        assert_eq!(config(&[("RVOD_NEGOTIATION", "tree")]).unwrap().negotiation, Negotiation::Tree);
+        assert_eq!(config(&[("RVOD_NEGOTIATION", "All-To-All")]).unwrap().negotiation, Negotiation::AllToAll);
+        let err = config(&[("RVOD_NEGOTIATION", "star")]).unwrap_err();
+        assert_eq!((err.name.as_str(), err.reason.as_str()), ("RVOD_NEGOTIATION", "expected auto, all_to_all or tree"));
     }
 
     #[test]

@@ -13,19 +13,28 @@
 //! A round decides and returns what it decided ([`RoundOutcome`]); the engine fuses the agreed responses
 //! (`crate::fusion`) and records the coordinator's ticks in the timeline.
 //!
-//! A rank starts a round when it has new work; an idle rank joins when a peer's header arrives.
+//! Small communicators send every header to every rank (all-to-all: one step, and small tensors' data rides
+//! along); larger ones combine the headers into one [`RoundSummary`] by recursive doubling, gather requests
+//! and broadcast responses along binomial trees (see [`crate::coordinator::tree`]), so a rank sends
+//! O(log n) messages per round. Both reach the same verdict from the same headers.
+//!
+//! A rank starts a round when it has new work; an idle rank joins when a peer's first message arrives.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::config::Negotiation;
 use crate::coordinator::cache::{caches_kind, CacheLookup, ResponseCache};
 use crate::coordinator::lateness::{Lateness, NameChange};
 use crate::coordinator::message_table::MessageTable;
 use crate::coordinator::pending::{Announcement, PendingRequest, PendingRequests};
+use crate::coordinator::tree;
 use crate::protocol::bitset::BitSet;
 use crate::protocol::codec::{WireMessage, WireWriter};
 use crate::protocol::message::{OpParams, Response, CPU_DEVICE};
 use crate::protocol::round::{EagerPayload, RequestList, ResponseList, RoundHeader, StopReason};
+use crate::protocol::summary::{RankRequests, RoundSummary};
 use crate::protocol::tuned::TunedValues;
 use crate::transport::{Transport, TransportError};
 use crate::types::{CollectiveKind, Compression, ReduceOp};
@@ -39,6 +48,9 @@ const MAX_CONTROL_MESSAGE: usize = 256 * 1024 * 1024;
 /// 3.6 us and 16 KiB 10 -> 6 us against a 4 KiB limit, 4 ranks on 2 cores 8 KiB 46-52 -> 22-27 us; at 32 KiB
 /// riding gained little and cost allgathers as much (this VM, alternating jobs).
 pub const EAGER_TENSOR_BYTES: usize = 16 << 10;
+/// ... and while a rank sends at most this much of one tensor's data in all (its size times the `n - 1`
+/// peers): 16 KiB up to 4 ranks, 6.8 KiB at 8. Beyond that a data exchange after the round costs less.
+pub const EAGER_SENT_BYTES: usize = 48 << 10;
 /// At most this much eager data rides in one header, so headers stay small.
 pub const EAGER_HEADER_BYTES: usize = 64 * 1024;
 
@@ -53,18 +65,34 @@ pub struct EagerOp {
     pub contributions: Vec<Option<Vec<u8>>>,
 }
 
+/// How many bytes of one tensor ride in the round headers of `n` ranks negotiating all-to-all (see
+/// [`EAGER_SENT_BYTES`]); nothing rides on a tree, which has no headers to ride in.
+pub fn eager_limit(n: usize, tree: bool) -> usize {
+    if tree {
+        0
+    } else {
+        EAGER_TENSOR_BYTES.min(EAGER_SENT_BYTES / n.saturating_sub(1).max(1))
+    }
+}
+
 /// Whether a cached tensor of `kind` with `bytes` of data (this rank's contribution) rides in the round
-/// headers when every rank hits it: a small allreduce (Adasum excepted: it is not a rank-order fold of the
+/// headers when every rank hits it (up to `limit` bytes, see [`eager_limit`]): a small allreduce (Adasum excepted: it is not a rank-order fold of the
 /// contributions, it always runs its tree; a compressed one too: its error feedback is kept where it runs),
 /// a small broadcast (every rank sends its data; all take the
 /// root's) or a small allgather (every rank's rows, concatenated in rank order).
-pub fn rides_in_header(kind: CollectiveKind, reduce_op: ReduceOp, compression: Compression, bytes: usize) -> bool {
+pub fn rides_in_header(
+    kind: CollectiveKind,
+    reduce_op: ReduceOp,
+    compression: Compression,
+    bytes: usize,
+    limit: usize,
+) -> bool {
     let eager_kind = match kind {
         CollectiveKind::Allreduce => reduce_op != ReduceOp::Adasum && compression.is_none(),
         CollectiveKind::Broadcast | CollectiveKind::Allgather => true,
         _ => false,
     };
-    eager_kind && bytes <= EAGER_TENSOR_BYTES
+    eager_kind && bytes <= limit
 }
 
 /// What a round decided.
@@ -102,21 +130,42 @@ pub struct Negotiator {
     coordinator: Option<MessageTable>,
     /// How late each rank announces what runs (read by callers through [`Negotiator::lateness`]).
     lateness: Arc<Mutex<Lateness>>,
+    /// Rounds travel along trees (see [`crate::coordinator::tree`]), not all-to-all.
+    tree: bool,
+    /// Bytes of one tensor that ride in round headers ([`eager_limit`]).
+    eager_limit: usize,
+}
+
+/// What a rank saw of the other ranks' headers in a round: all of them (all-to-all), or only the summary,
+/// with its own cache hits (tree).
+enum Seen {
+    Every(Vec<RoundHeader>),
+    Own(BitSet),
+}
+
+/// Control messages (round headers and summaries, request and response lists) this process has sent, for
+/// the metrics: per round, O(log n) on a tree, `n - 1` all-to-all.
+pub static CONTROL_MESSAGES_SENT: AtomicU64 = AtomicU64::new(0);
+
+/// Count `messages` control messages sent.
+pub(crate) fn count_sent(messages: usize) {
+    CONTROL_MESSAGES_SENT.fetch_add(messages as u64, Ordering::Relaxed);
 }
 
 /// `body` with its length in front, as `recv_message` reads it.
-fn framed(body: &[u8]) -> Vec<u8> {
+pub(crate) fn framed(body: &[u8]) -> Vec<u8> {
     let mut frame = Vec::with_capacity(4 + body.len());
     frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
     frame.extend_from_slice(body);
     frame
 }
 
-fn send_message(t: &mut dyn Transport, peer: usize, body: &[u8]) -> Result<(), TransportError> {
+pub(crate) fn send_message(t: &mut dyn Transport, peer: usize, body: &[u8]) -> Result<(), TransportError> {
+    count_sent(1);
     t.send(peer, &framed(body))
 }
 
-fn recv_message<M: WireMessage>(t: &mut dyn Transport, peer: usize) -> Result<M, TransportError> {
+pub(crate) fn recv_message<M: WireMessage>(t: &mut dyn Transport, peer: usize) -> Result<M, TransportError> {
     let mut body = Vec::new();
     recv_body(t, peer, &mut body)?;
     decode_message(peer, &body)
@@ -173,6 +222,7 @@ pub fn exchange_headers(t: &mut dyn Transport, mut header: RoundHeader) -> Resul
     for peer in (0..n).filter(|&p| p != me) {
         t.send(peer, &frame)?;
     }
+    count_sent(n - 1);
     let mut headers = Vec::with_capacity(n);
     for peer in 0..n {
         if peer == me {
@@ -189,7 +239,12 @@ pub fn exchange_headers(t: &mut dyn Transport, mut header: RoundHeader) -> Resul
 /// not ride in headers. A joined rank contributes zeros to an allreduce; an allgather, which a joined rank
 /// cannot join, is left to the ordinary path then (which reports it). Tensors on GPUs never ride: their data
 /// is read by the GPU route only, in stream order, and every rank, a joined one too, takes part in it.
-fn eager_contributions(headers: &[RoundHeader], bit: usize, cached: &Response) -> Option<Vec<Option<Vec<u8>>>> {
+fn eager_contributions(
+    headers: &[RoundHeader],
+    bit: usize,
+    cached: &Response,
+    limit: usize,
+) -> Option<Vec<Option<Vec<u8>>>> {
     if cached.on_gpu {
         return None;
     }
@@ -201,7 +256,8 @@ fn eager_contributions(headers: &[RoundHeader], bit: usize, cached: &Response) -
     };
     let bytes_of = |rank: usize| if allgather { per_rank.get(rank).copied() } else { Some(tensor_bytes) };
     let rides = |rank| {
-        bytes_of(rank).is_some_and(|bytes| rides_in_header(cached.kind, cached.reduce_op, cached.compression, bytes))
+        bytes_of(rank)
+            .is_some_and(|bytes| rides_in_header(cached.kind, cached.reduce_op, cached.compression, bytes, limit))
     };
     if !(0..headers.len()).all(rides) {
         return None;
@@ -220,9 +276,20 @@ fn eager_contributions(headers: &[RoundHeader], bit: usize, cached: &Response) -
 }
 
 impl Negotiator {
-    /// `global_ranks[r]` is the global rank of communicator rank `r`; `rank` is this rank's position.
-    pub fn new(rank: usize, global_ranks: Vec<usize>, cache_capacity: usize, stall_check: Option<Duration>) -> Self {
+    /// `global_ranks[r]` is the global rank of communicator rank `r`; `rank` is this rank's position;
+    /// `negotiation` chooses all-to-all or trees (see [`tree::uses_tree`]).
+    pub fn new(
+        rank: usize,
+        global_ranks: Vec<usize>,
+        cache_capacity: usize,
+        stall_check: Option<Duration>,
+        negotiation: Negotiation,
+    ) -> Self {
+        let n = global_ranks.len();
+        let tree = tree::uses_tree(negotiation, n);
         Negotiator {
+            tree,
+            eager_limit: eager_limit(n, tree),
             cache: ResponseCache::new(cache_capacity),
             cache_capacity,
             announcement: None,
@@ -230,6 +297,16 @@ impl Negotiator {
             lateness: Arc::new(Mutex::new(Lateness::new(global_ranks.len()))),
             coordinator: (rank == 0).then(|| MessageTable::new(global_ranks)),
         }
+    }
+
+    /// Whether rounds travel along trees rather than all-to-all.
+    pub fn negotiates_on_trees(&self) -> bool {
+        self.tree
+    }
+
+    /// Bytes of one tensor that ride in round headers (see [`eager_limit`]).
+    pub fn eager_limit(&self) -> usize {
+        self.eager_limit
     }
 
     /// Keep each rank's lateness record in `lateness`, which callers read (`hvd.straggler_report()`).
@@ -277,7 +354,7 @@ impl Negotiator {
     /// coordinator holds for other ranks). `None` otherwise.
     pub fn steady_hit(&self, name: &str, params: &OpParams) -> Option<usize> {
         let quiet = self.announcement.is_none() && self.coordinator.as_ref().map_or(true, |c| !c.has_pending());
-        if !quiet || self.wants_round() || !caches_kind(params.kind) {
+        if self.tree || !quiet || self.wants_round() || !caches_kind(params.kind) {
             return None;
         }
         match self.cache.lookup_params(name, params) {
@@ -306,8 +383,13 @@ impl Negotiator {
     ) -> Result<RoundOutcome, TransportError> {
         let mut header = self.local_header(table, shutdown);
         header.tuned = self.announcement.take();
-        let headers = exchange_headers(t, header)?;
-        self.decide(t, table, headers)
+        if !self.tree {
+            let headers = exchange_headers(t, header)?;
+            return self.decide(t, table, headers);
+        }
+        let own = RoundSummary::of(t.rank(), &header);
+        let summary = tree::combine_summaries(t, own)?;
+        self.settle(t, table, summary, Seen::Own(header.cache_hits))
     }
 
     /// The rest of a round once every rank's header is in (`headers[r]` from communicator rank `r`, this
@@ -319,26 +401,25 @@ impl Negotiator {
         table: &mut impl PendingRequests,
         headers: Vec<RoundHeader>,
     ) -> Result<RoundOutcome, TransportError> {
-        let n = headers.len();
+        let summary = RoundSummary::of_all(&headers);
+        self.settle(t, table, summary, Seen::Every(headers))
+    }
+
+    /// The verdict of a round from the `summary` of every rank's header, and what this rank `seen` of them.
+    fn settle(
+        &mut self,
+        t: &mut dyn Transport,
+        table: &mut impl PendingRequests,
+        summary: RoundSummary,
+        seen: Seen,
+    ) -> Result<RoundOutcome, TransportError> {
         let shutdown_by: Vec<(usize, StopReason)> =
-            (0..n).filter_map(|r| headers[r].shutdown.map(|why| (r, why))).collect();
+            summary.shutdown_by.iter().map(|&(rank, why)| (rank as usize, why)).collect();
         let any_shutdown = !shutdown_by.is_empty();
-        let any_uncached = headers.iter().any(|h| h.has_uncached);
-        let mut invalid = BitSet::new();
-        for h in &headers {
-            invalid.union_with(&h.invalid);
-        }
-        let mut common: Option<BitSet> = None;
-        let active: Vec<&RoundHeader> = headers.iter().filter(|h| !h.joined).collect();
-        let voters = if active.is_empty() { headers.iter().collect() } else { active };
-        for h in voters {
-            match common.as_mut() {
-                None => common = Some(h.cache_hits.clone()),
-                Some(c) => c.intersect_with(&h.cache_hits),
-            }
-        }
-        let common = common.unwrap_or_default();
-        if headers.iter().any(|h| h.joined) {
+        let any_uncached = summary.has_uncached;
+        let mut invalid = summary.invalid.clone();
+        let common = summary.common_hits();
+        if summary.joined > 0 {
             // Only allreduce runs while ranks have joined: a cached hit of another kind goes back to the
             // coordinator, which fails it at once on every active rank (a joined rank cannot take part).
             for bit in common.iter_ones() {
@@ -363,7 +444,14 @@ impl Negotiator {
         }
 
         let ready: BitSet = common.iter_ones().filter(|b| !invalid.contains(*b)).collect();
-        let stragglers = {
+        // On a tree, a rank's lateness is not seen: only the summary of every header is.
+        let headers = match &seen {
+            Seen::Every(headers) => headers.as_slice(),
+            Seen::Own(_) => &[],
+        };
+        let stragglers = if headers.is_empty() {
+            Vec::new()
+        } else {
             let hits: Vec<Option<&BitSet>> = headers.iter().map(|h| (!h.joined).then_some(&h.cache_hits)).collect();
             let mut lateness = self.lateness.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
             lateness.note_round(Instant::now(), &hits, &ready, &invalid)
@@ -372,7 +460,9 @@ impl Negotiator {
         let mut eager = Vec::new();
         for bit in ready.iter_ones() {
             if let Some(cached) = self.cache.get(bit) {
-                match eager_contributions(&headers, bit, cached) {
+                let contributions =
+                    if headers.is_empty() { None } else { eager_contributions(headers, bit, cached, self.eager_limit) };
+                match contributions {
                     Some(contributions) => eager.push(EagerOp { response: cached.clone(), contributions }),
                     None => responses.push(cached.clone()),
                 }
@@ -382,7 +472,10 @@ impl Negotiator {
 
         let cache_hits = eager.len() + responses.len();
         let slow = any_uncached || !invalid.is_empty();
-        if let Some(coordinator) = self.coordinator.as_mut().filter(|c| slow || c.has_pending()) {
+        // On a tree each rank's waiting hits travel with its requests (see `slow_path`), and a coordinator
+        // with pending requests always asks for the slow path (see `local_header`).
+        let coordinator = self.coordinator.as_mut().filter(|c| !headers.is_empty() && (slow || c.has_pending()));
+        if let Some(coordinator) = coordinator {
             // Hits that wait for other ranks, so the coordinator sees the whole picture of each name (a rank
             // waiting on a cached `allreduce.x` while another submitted `allgather.x`).
             let mut waits = Vec::new();
@@ -402,8 +495,12 @@ impl Negotiator {
         let mut received = Vec::new();
         let mut cache_misses = 0;
         if slow {
+            let waiting = match &seen {
+                Seen::Every(_) => BitSet::new(),
+                Seen::Own(hits) => hits.iter_ones().filter(|b| !common.contains(*b) && !invalid.contains(*b)).collect(),
+            };
             let new_responses;
-            (new_responses, received) = self.slow_path(t, table, any_shutdown)?;
+            (new_responses, received) = self.slow_path(t, table, any_shutdown, waiting)?;
             for response in &new_responses {
                 self.cache.put(response, |name| table.request(name).map(|request| request.params.clone()));
             }
@@ -422,8 +519,8 @@ impl Negotiator {
             responses.extend(new_responses);
         }
 
-        // Only the coordinator decides; its header is the same on every rank.
-        let tuned = headers.first().and_then(|h| h.tuned.clone());
+        // Only the coordinator announces values; every rank sees them in the summary.
+        let tuned = summary.tuned;
         if let Some(values) = &tuned {
             self.apply(values, table);
         }
@@ -436,8 +533,11 @@ impl Negotiator {
         let cache = &self.cache;
         let use_cache = cache.capacity() > 0;
         let stall_deadline = self.stall_check.and_then(|d| Instant::now().checked_sub(d));
-        let forced = self.wants_round();
+        // On a tree the coordinator sees the other ranks' waiting hits only on the slow path, so it asks for
+        // that path while it holds requests.
+        let forced = self.wants_round() || (self.tree && self.coordinator.as_ref().is_some_and(|c| c.has_pending()));
         let mut eager_bytes = 0;
+        let eager_limit = self.eager_limit;
         table.for_each(|entry, announcement| {
             if *announcement == Announcement::Unsent && use_cache && caches_kind(entry.request().params.kind) {
                 match cache.lookup(entry.request()) {
@@ -462,6 +562,7 @@ impl Negotiator {
                                 request.params.reduce_op,
                                 request.params.compression,
                                 len,
+                                eager_limit,
                             )
                             && eager_bytes + len <= EAGER_HEADER_BYTES
                         {
@@ -482,11 +583,13 @@ impl Negotiator {
 
     /// Workers send their uncached requests to the coordinator, which answers everyone. Returns the
     /// responses and, on the coordinator, the request lists it received (see [`RoundOutcome::received`]).
+    /// On a tree, `waiting` (this rank's cache hits not every rank hit) travels with the requests.
     fn slow_path(
         &mut self,
         t: &mut dyn Transport,
         table: &mut impl PendingRequests,
         shutdown: bool,
+        waiting: BitSet,
     ) -> Result<(Vec<Response>, ReceivedLists), TransportError> {
         let (me, n) = (t.rank(), t.size());
         let mut mine = RequestList::default();
@@ -497,30 +600,17 @@ impl Negotiator {
                 mine.waited_ms.push(i64::try_from(entry.submitted().elapsed().as_millis()).unwrap_or(i64::MAX));
             }
         });
-        let waited = |list: &RequestList, i: usize| {
-            Duration::from_millis(list.waited_ms.get(i).copied().unwrap_or(0).clamp(0, 1 << 40) as u64)
-        };
+        if self.tree {
+            return self.slow_path_on_tree(t, mine, waiting, shutdown);
+        }
         match self.coordinator.as_mut() {
             Some(coordinator) => {
-                for (i, request) in mine.requests.iter().enumerate() {
-                    coordinator.add_waited(request.clone(), waited(&mine, i));
-                }
                 let mut received = Vec::with_capacity(n);
+                add_requests(coordinator, me, me, &mine)?;
                 received.push((me, mine));
                 for peer in (0..n).filter(|&p| p != me) {
                     let list = recv_message::<RequestList>(t, peer)?;
-                    for (i, request) in list.requests.iter().enumerate() {
-                        if request.rank as usize != peer {
-                            return Err(TransportError::Protocol {
-                                peer,
-                                detail: format!(
-                                    "its request says it comes from position {} of the communicator",
-                                    request.rank
-                                ),
-                            });
-                        }
-                        coordinator.add_waited(request.clone(), waited(&list, i));
-                    }
+                    add_requests(coordinator, peer, peer, &list)?;
                     received.push((peer, list));
                 }
                 let decision = ResponseList { responses: coordinator.ready_responses(), shutdown };
@@ -537,74 +627,79 @@ impl Negotiator {
             }
         }
     }
+
+    /// [`slow_path`](Self::slow_path) along trees: request lists gathered up a binomial tree to the
+    /// coordinator, its response list broadcast down it.
+    fn slow_path_on_tree(
+        &mut self,
+        t: &mut dyn Transport,
+        mine: RequestList,
+        waiting: BitSet,
+        shutdown: bool,
+    ) -> Result<(Vec<Response>, ReceivedLists), TransportError> {
+        let me = t.rank();
+        let lists = tree::gather_to_root(t, RankRequests { rank: me as u32, list: mine, waiting_hits: waiting })?;
+        let cache = &self.cache;
+        let Some(coordinator) = self.coordinator.as_mut() else {
+            let lowest = me & me.wrapping_neg();
+            let body = tree::broadcast_from_root(t, Vec::new())?;
+            let decision: ResponseList = decode_message(me - lowest, &body)?;
+            return Ok((decision.responses, Vec::new()));
+        };
+        let waits = lists.iter().flat_map(|(_, list)| {
+            list.waiting_hits
+                .iter_ones()
+                .filter_map(move |bit| cache.get(bit).map(|cached| (list.rank, cached.clone())))
+        });
+        coordinator.note_cached_waits(waits.collect());
+        let mut received = Vec::with_capacity(lists.len());
+        for (peer, list) in lists {
+            add_requests(coordinator, peer, list.rank as usize, &list.list)?;
+            received.push((list.rank as usize, list.list));
+        }
+        let decision = ResponseList { responses: coordinator.ready_responses(), shutdown };
+        tree::broadcast_from_root(t, decision.to_bytes())?;
+        Ok((decision.responses, received))
+    }
+}
+
+/// Give the coordinator `rank`'s request `list`, which came through `peer`; a request claiming another
+/// rank is a protocol error naming the peer.
+fn add_requests(
+    coordinator: &mut MessageTable,
+    peer: usize,
+    rank: usize,
+    list: &RequestList,
+) -> Result<(), TransportError> {
+    for (i, request) in list.requests.iter().enumerate() {
+        if request.rank as usize != rank {
+            return Err(TransportError::Protocol {
+                peer,
+                detail: format!(
+                    "a request in rank {rank}'s list says it comes from position {} of the communicator",
+                    request.rank
+                ),
+            });
+        }
+        let waited_ms = list.waited_ms.get(i).copied().unwrap_or(0).clamp(0, 1 << 40) as u64;
+        coordinator.add_waited(request.clone(), Duration::from_millis(waited_ms));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::coordinator::test_requests::{allreduce_request, changed};
+    use crate::coordinator::test_requests::{allreduce_request, changed, FakeEntry, FakeTable};
     use crate::error::ErrorKind;
-    use crate::protocol::message::Request;
     use crate::transport::memory::{run_ranks, MemoryTransport};
 
-    /// A table of pending requests without an engine: each rank's contribution is plain bytes.
-    #[derive(Default)]
-    struct FakeTable {
-        entries: Vec<(FakeEntry, Announcement)>,
-    }
-
-    struct FakeEntry {
-        request: Request,
-        submitted: Instant,
-        data: Vec<u8>,
-    }
-
-    impl PendingRequest for FakeEntry {
-        fn request(&self) -> &Request {
-            &self.request
-        }
-        fn submitted(&self) -> Instant {
-            self.submitted
-        }
-        fn contribution_len(&self) -> usize {
-            self.data.len()
-        }
-        fn copy_contribution(&self, dst: &mut [u8]) {
-            dst.copy_from_slice(&self.data);
-        }
-    }
-
-    impl PendingRequests for FakeTable {
-        type Entry = FakeEntry;
-        fn for_each(&mut self, mut visit: impl FnMut(&FakeEntry, &mut Announcement)) {
-            for (entry, announcement) in &mut self.entries {
-                visit(entry, announcement);
-            }
-        }
-        fn request(&self, name: &str) -> Option<&Request> {
-            self.entries.iter().map(|(e, _)| &e.request).find(|r| r.name == name)
-        }
-        fn has_join(&self) -> bool {
-            self.entries.iter().any(|(e, _)| e.request.params.kind == CollectiveKind::Join)
-        }
-    }
-
-    impl FakeTable {
-        /// Submit an allreduce of `count` float32 values, each byte of the contribution set to `fill`.
-        fn submit(&mut self, rank: usize, name: &str, count: i64, fill: u8) {
-            let request = allreduce_request(rank as u32, name, &[count]);
-            let data = vec![fill; count as usize * 4];
-            self.entries.push((FakeEntry { request, submitted: Instant::now(), data }, Announcement::Unsent));
-        }
-
-        /// What the engine does once a response ran: the entry leaves the table.
-        fn complete(&mut self, name: &str) {
-            self.entries.retain(|(e, _)| e.request.name != name);
-        }
-    }
-
     fn negotiator(rank: usize, size: usize) -> Negotiator {
-        Negotiator::new(rank, (0..size).collect(), 16, None)
+        Negotiator::new(rank, (0..size).collect(), 16, None, Negotiation::AllToAll)
+    }
+
+    fn negotiator_on_tree(rank: usize, size: usize) -> Negotiator {
+        Negotiator::new(rank, (0..size).collect(), 16, None, Negotiation::Tree)
     }
 
     fn names(responses: &[Response]) -> Vec<String> {
@@ -776,6 +871,72 @@ mod tests {
         }
     }
 
+    /// On a tree (any size, beyond a power of two too) a round decides what the all-to-all round decides:
+    /// the coordinator answers new requests, the cache serves them next time without it (no data rides),
+    /// a hit waits for the last rank, a mismatch fails on every rank naming the rank, rank 0's tuned values
+    /// and a stop reach everyone.
+    #[test]
+    fn on_a_tree_rounds_reach_the_all_to_all_verdicts() {
+        let tuned = TunedValues {
+            fusion_threshold: 4096,
+            cycle_time: Duration::from_micros(2500),
+            cache_enabled: true,
+            hierarchical_allreduce: None,
+            hierarchical_allgather: Some(false),
+        };
+        for n in [2, 5, 8, 11] {
+            let outcomes = run_ranks(MemoryTransport::mesh(n), |t| {
+                let (rank, last) = (t.rank(), n - 1);
+                let mut negotiator = negotiator_on_tree(rank, n);
+                assert!(negotiator.negotiates_on_trees() && negotiator.eager_limit() == 0);
+                let mut table = FakeTable::default();
+                table.submit(rank, "grad", 2, 1);
+                let first = negotiator.round(t, &mut table, None).unwrap();
+                assert_eq!((names(&first.responses), first.cache_misses), (vec!["grad".to_string()], 1));
+                table.complete("grad");
+
+                // Cached now: every rank but the last hits it; the last also has a mismatched tensor.
+                if rank == 0 {
+                    negotiator.announce(tuned.clone());
+                }
+                if rank != last {
+                    table.submit(rank, "grad", 2, 1);
+                }
+                table.submit(rank, "shapes", 3 + (rank == last) as i64, 0);
+                let second = negotiator.round(t, &mut table, None).unwrap();
+                assert_eq!(second.tuned.as_ref(), Some(&tuned), "rank {rank}");
+                let errors: Vec<(String, bool)> =
+                    second.responses.iter().map(|r| (r.entries[0].name.clone(), r.error.is_some())).collect();
+                assert_eq!(errors, [("shapes".to_string(), true)], "rank {rank}: grad waits for rank {last}");
+                let message = second.responses[0].error.as_ref().map(|e| e.1.clone()).unwrap_or_default();
+                table.complete("shapes");
+
+                if rank == last {
+                    table.submit(rank, "grad", 2, 1);
+                }
+                let stop = (rank == 1).then_some(StopReason::Exiting);
+                let third = negotiator.round(t, &mut table, stop).unwrap();
+                assert!(third.eager.is_empty(), "nothing rides on a tree");
+                assert_eq!((names(&third.responses), third.cache_hits), (vec!["grad".to_string()], 1), "rank {rank}");
+                (message, third.shutdown_by)
+            });
+            for (message, shutdown_by) in &outcomes {
+                assert!(message.contains(&format!("rank {} sent [4]", n - 1)), "n={n}: {message}");
+                assert_eq!(shutdown_by, &[(1, StopReason::Exiting)], "n={n}");
+            }
+        }
+    }
+
+    #[test]
+    fn eager_data_gives_way_as_ranks_grow() {
+        assert_eq!(eager_limit(2, false), EAGER_TENSOR_BYTES);
+        assert_eq!(eager_limit(4, false), EAGER_TENSOR_BYTES);
+        assert_eq!(eager_limit(8, false), EAGER_SENT_BYTES / 7);
+        assert_eq!(eager_limit(1, false), EAGER_TENSOR_BYTES);
+        assert_eq!(eager_limit(64, false), EAGER_SENT_BYTES / 63);
+        assert_eq!(eager_limit(4, true), 0);
+    }
+
     fn header(joined: bool, eager: &[(u64, &[u8])]) -> RoundHeader {
         RoundHeader {
             joined,
@@ -795,16 +956,30 @@ mod tests {
     fn eager_only_when_every_active_rank_sent_the_right_size() {
         let allreduce = |bytes| cached(CollectiveKind::Allreduce, bytes, &[]);
         let all = [header(false, &[(3, &[1, 2])]), header(false, &[(1, &[9]), (3, &[3, 4])])];
-        assert_eq!(eager_contributions(&all, 3, &allreduce(2)), Some(vec![Some(vec![1, 2]), Some(vec![3, 4])]));
-        assert_eq!(eager_contributions(&all, 1, &allreduce(1)), None, "rank 0 did not send bit 1");
-        assert_eq!(eager_contributions(&all, 3, &allreduce(4)), None, "wrong size");
+        assert_eq!(
+            eager_contributions(&all, 3, &allreduce(2), EAGER_TENSOR_BYTES),
+            Some(vec![Some(vec![1, 2]), Some(vec![3, 4])])
+        );
+        assert_eq!(eager_contributions(&all, 1, &allreduce(1), EAGER_TENSOR_BYTES), None, "rank 0 did not send bit 1");
+        assert_eq!(eager_contributions(&all, 3, &allreduce(4), EAGER_TENSOR_BYTES), None, "wrong size");
         let with_joined = [header(false, &[(3, &[1, 2])]), header(true, &[])];
-        assert_eq!(eager_contributions(&with_joined, 3, &allreduce(2)), Some(vec![Some(vec![1, 2]), None]));
+        assert_eq!(
+            eager_contributions(&with_joined, 3, &allreduce(2), EAGER_TENSOR_BYTES),
+            Some(vec![Some(vec![1, 2]), None])
+        );
         let on_gpu = Response { on_gpu: true, ..allreduce(2) };
-        assert_eq!(eager_contributions(&with_joined, 3, &on_gpu), None, "a GPU tensor runs on its GPU route");
+        assert_eq!(
+            eager_contributions(&with_joined, 3, &on_gpu, EAGER_TENSOR_BYTES),
+            None,
+            "a GPU tensor runs on its GPU route"
+        );
         let too_large = vec![0; EAGER_TENSOR_BYTES + 1];
         let large = [header(false, &[(3, &too_large)]), header(false, &[(3, &too_large)])];
-        assert_eq!(eager_contributions(&large, 3, &allreduce(too_large.len() as i64)), None, "too large to ride");
+        assert_eq!(
+            eager_contributions(&large, 3, &allreduce(too_large.len() as i64), EAGER_TENSOR_BYTES),
+            None,
+            "too large to ride"
+        );
     }
 
     #[test]
@@ -812,11 +987,22 @@ mod tests {
         // Rows of one byte (shape [rows]): rank 0 has one row, rank 1 two.
         let allgather = |rows: &[i64]| cached(CollectiveKind::Allgather, rows[0], rows);
         let all = [header(false, &[(3, &[1])]), header(false, &[(3, &[2, 3])])];
-        assert_eq!(eager_contributions(&all, 3, &allgather(&[1, 2])), Some(vec![Some(vec![1]), Some(vec![2, 3])]));
-        assert_eq!(eager_contributions(&all, 3, &allgather(&[2, 1])), None, "rows differ from the response's");
-        assert_eq!(eager_contributions(&all, 3, &allgather(&[1])), None, "one rank's rows missing");
+        assert_eq!(
+            eager_contributions(&all, 3, &allgather(&[1, 2]), EAGER_TENSOR_BYTES),
+            Some(vec![Some(vec![1]), Some(vec![2, 3])])
+        );
+        assert_eq!(
+            eager_contributions(&all, 3, &allgather(&[2, 1]), EAGER_TENSOR_BYTES),
+            None,
+            "rows differ from the response's"
+        );
+        assert_eq!(eager_contributions(&all, 3, &allgather(&[1]), EAGER_TENSOR_BYTES), None, "one rank's rows missing");
         let with_joined = [header(false, &[(3, &[1])]), header(true, &[])];
-        assert_eq!(eager_contributions(&with_joined, 3, &allgather(&[1, 0])), None, "a joined rank cannot gather");
+        assert_eq!(
+            eager_contributions(&with_joined, 3, &allgather(&[1, 0]), EAGER_TENSOR_BYTES),
+            None,
+            "a joined rank cannot gather"
+        );
     }
 
     #[test]
@@ -868,18 +1054,57 @@ mod tests {
 
     #[test]
     fn small_allreduces_broadcasts_and_allgathers_ride_in_headers() {
-        assert!(rides_in_header(CollectiveKind::Allreduce, ReduceOp::Sum, Compression::None, EAGER_TENSOR_BYTES));
-        assert!(rides_in_header(CollectiveKind::Broadcast, ReduceOp::Sum, Compression::None, 8));
-        assert!(!rides_in_header(CollectiveKind::Allreduce, ReduceOp::Sum, Compression::None, EAGER_TENSOR_BYTES + 1));
-        assert!(!rides_in_header(CollectiveKind::Broadcast, ReduceOp::Sum, Compression::None, EAGER_TENSOR_BYTES + 1));
+        assert!(rides_in_header(
+            CollectiveKind::Allreduce,
+            ReduceOp::Sum,
+            Compression::None,
+            EAGER_TENSOR_BYTES,
+            EAGER_TENSOR_BYTES
+        ));
+        assert!(rides_in_header(CollectiveKind::Broadcast, ReduceOp::Sum, Compression::None, 8, EAGER_TENSOR_BYTES));
+        assert!(!rides_in_header(
+            CollectiveKind::Allreduce,
+            ReduceOp::Sum,
+            Compression::None,
+            EAGER_TENSOR_BYTES + 1,
+            EAGER_TENSOR_BYTES
+        ));
+        assert!(!rides_in_header(
+            CollectiveKind::Broadcast,
+            ReduceOp::Sum,
+            Compression::None,
+            EAGER_TENSOR_BYTES + 1,
+            EAGER_TENSOR_BYTES
+        ));
         assert!(
-            !rides_in_header(CollectiveKind::Allreduce, ReduceOp::Adasum, Compression::None, 4),
+            !rides_in_header(CollectiveKind::Allreduce, ReduceOp::Adasum, Compression::None, 4, EAGER_TENSOR_BYTES),
             "Adasum runs its tree"
         );
-        assert!(!rides_in_header(CollectiveKind::Allreduce, ReduceOp::Sum, Compression::Int8, 4), "compressed");
-        assert!(rides_in_header(CollectiveKind::Allgather, ReduceOp::Sum, Compression::None, EAGER_TENSOR_BYTES));
-        assert!(!rides_in_header(CollectiveKind::Allgather, ReduceOp::Sum, Compression::None, EAGER_TENSOR_BYTES + 1));
-        assert!(!rides_in_header(CollectiveKind::Reducescatter, ReduceOp::Sum, Compression::None, 4));
-        assert!(!rides_in_header(CollectiveKind::Barrier, ReduceOp::Sum, Compression::None, 0));
+        assert!(
+            !rides_in_header(CollectiveKind::Allreduce, ReduceOp::Sum, Compression::Int8, 4, EAGER_TENSOR_BYTES),
+            "compressed"
+        );
+        assert!(rides_in_header(
+            CollectiveKind::Allgather,
+            ReduceOp::Sum,
+            Compression::None,
+            EAGER_TENSOR_BYTES,
+            EAGER_TENSOR_BYTES
+        ));
+        assert!(!rides_in_header(
+            CollectiveKind::Allgather,
+            ReduceOp::Sum,
+            Compression::None,
+            EAGER_TENSOR_BYTES + 1,
+            EAGER_TENSOR_BYTES
+        ));
+        assert!(!rides_in_header(
+            CollectiveKind::Reducescatter,
+            ReduceOp::Sum,
+            Compression::None,
+            4,
+            EAGER_TENSOR_BYTES
+        ));
+        assert!(!rides_in_header(CollectiveKind::Barrier, ReduceOp::Sum, Compression::None, 0, EAGER_TENSOR_BYTES));
     }
 }

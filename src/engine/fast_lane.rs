@@ -19,7 +19,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::coordinator::negotiation::{decode_message, frame_single_hit, recv_body, rides_in_header};
+use crate::coordinator::negotiation::{count_sent, decode_message, frame_single_hit, recv_body, rides_in_header};
 use crate::coordinator::pending::Announcement;
 use crate::engine::execute::{combine_of, concatenate, effective_postscale, fold_contributions};
 use crate::engine::handles::HandleId;
@@ -67,13 +67,14 @@ impl SmallOp<'_> {
         (self.params.kind != CollectiveKind::Barrier).then(|| self.input.as_slice())
     }
 
-    /// Whether its data, if any, rides in the header. An allgather's result is read as every rank's rows
-    /// (all as many as this rank's, see [`Loop::complete_small`]), which takes rows of at least one byte.
-    fn rides(&self) -> bool {
+    /// Whether its data, if any, rides in the header (up to `limit` bytes). An allgather's result is read
+    /// as every rank's rows (all as many as this rank's, see [`Loop::complete_small`]), which takes rows of
+    /// at least one byte.
+    fn rides(&self, limit: usize) -> bool {
         match self.params.kind {
             CollectiveKind::Barrier => true,
             CollectiveKind::Allgather if self.params.shape.is_empty() || self.input.is_empty() => false,
-            kind => rides_in_header(kind, self.params.reduce_op, self.params.compression, self.input.len()),
+            kind => rides_in_header(kind, self.params.reduce_op, self.params.compression, self.input.len(), limit),
         }
     }
 }
@@ -84,6 +85,7 @@ fn exchange_frames(t: &mut dyn Transport, frame: &[u8], bodies: &mut [Vec<u8>]) 
     for peer in (0..t.size()).filter(|&p| p != me) {
         t.send(peer, frame)?;
     }
+    count_sent(t.size() - 1);
     for peer in (0..t.size()).filter(|&p| p != me) {
         recv_body(t, peer, &mut bodies[peer])?;
     }
@@ -125,7 +127,7 @@ impl Loop {
             && self.shared.stop_requested().is_none()
             && !self.shared.has_queued()
             && !self.shared.has_requested_values();
-        if !(idle && op.rides()) {
+        if !(idle && op.rides(self.negotiator.eager_limit())) {
             return None;
         }
         self.negotiator.steady_hit(op.name, &op.params)

@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::coordinator::lateness::Lateness;
+use crate::coordinator::negotiation::CONTROL_MESSAGES_SENT;
 use crate::types::CollectiveKind;
 
 const KINDS: [CollectiveKind; 7] = [
@@ -35,6 +36,7 @@ pub struct Metrics {
     fused_tensors: AtomicU64,
     cache_hits: AtomicU64,
     cache_misses: AtomicU64,
+    rounds: AtomicU64,
     negotiation_ns: AtomicU64,
     collective_ns: AtomicU64,
     stall_warnings: AtomicU64,
@@ -73,6 +75,7 @@ impl Metrics {
             fused_tensors: AtomicU64::new(0),
             cache_hits: AtomicU64::new(0),
             cache_misses: AtomicU64::new(0),
+            rounds: AtomicU64::new(0),
             negotiation_ns: AtomicU64::new(0),
             collective_ns: AtomicU64::new(0),
             stall_warnings: AtomicU64::new(0),
@@ -103,6 +106,7 @@ impl Metrics {
     pub fn round(&self, hits: usize, misses: usize, negotiation: Duration) {
         add(&self.cache_hits, hits as u64);
         add(&self.cache_misses, misses as u64);
+        add(&self.rounds, 1);
         add(&self.negotiation_ns, nanos(negotiation));
     }
 
@@ -153,7 +157,7 @@ impl Metrics {
         buckets.push(("_sum".into(), get(&self.fused_bytes).to_string()));
         buckets.push(("_count".into(), get(&self.fused_count).to_string()));
         family("fusion_buffer_bytes", "histogram", "Sizes of the fusion buffers collectives ran through.", &buckets);
-        let counters: [(&str, &str, String); 8] = [
+        let counters: [(&str, &str, String); 10] = [
             ("fused_tensors_total", "Tensors that ran fused with others.", get(&self.fused_tensors).to_string()),
             (
                 "response_cache_hits_total",
@@ -164,6 +168,12 @@ impl Metrics {
                 "response_cache_misses_total",
                 "Collectives agreed through the coordinator.",
                 get(&self.cache_misses).to_string(),
+            ),
+            ("negotiation_rounds_total", "Negotiation rounds run.", get(&self.rounds).to_string()),
+            (
+                "negotiation_messages_total",
+                "Control messages sent in negotiation rounds (n - 1 per round all-to-all, O(log n) on a tree).",
+                CONTROL_MESSAGES_SENT.load(Ordering::Relaxed).to_string(),
             ),
             (
                 "negotiation_seconds_total",
@@ -237,6 +247,8 @@ mod tests {
         assert!(text.contains("rvod_fusion_buffer_bytes_count 2\n"), "{text}");
         assert!(text.contains("rvod_response_cache_hits_total 2\n"), "{text}");
         assert!(text.contains("rvod_negotiation_seconds_total 1.5\n"), "{text}");
+        assert!(text.contains("rvod_negotiation_rounds_total 1\n"), "{text}");
+        assert!(text.contains("# TYPE rvod_negotiation_messages_total counter\n"), "{text}");
         assert!(text.contains("rvod_engine_starts_total 1\n"), "{text}");
         assert!(text.contains("rvod_rank_straggler{rank=\"1\"} 0\n"), "{text}");
         for line in text.lines().filter(|l| !l.starts_with('#')) {

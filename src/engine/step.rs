@@ -104,8 +104,13 @@ pub(crate) enum Step {
 
 impl Loop {
     pub(crate) fn new(shared: Arc<Shared>, mut transport: Box<dyn Transport>, config: Config) -> Loop {
-        let mut negotiator =
-            Negotiator::new(transport.rank(), shared.global_ranks.clone(), config.cache_capacity, config.stall_check);
+        let mut negotiator = Negotiator::new(
+            transport.rank(),
+            shared.global_ranks.clone(),
+            config.cache_capacity,
+            config.stall_check,
+            config.negotiation,
+        );
         negotiator.share_lateness(Arc::clone(&shared.lateness));
         let executor = Executor::new(
             HierarchyChoice { allreduce: config.hierarchical_allreduce, allgather: config.hierarchical_allgather },

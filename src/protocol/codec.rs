@@ -23,7 +23,7 @@ use crate::types::{CollectiveKind, Compression, DataType, ReduceOp};
 pub const WIRE_MAGIC: u32 = u32::from_le_bytes(*b"RVOD");
 
 /// Version of this format; ranks speaking different versions refuse each other's messages.
-pub const PROTOCOL_VERSION: u16 = 8;
+pub const PROTOCOL_VERSION: u16 = 9;
 
 /// Why a peer's bytes could not be decoded.
 #[derive(Clone, Debug, Error, PartialEq, Eq)]
@@ -58,6 +58,8 @@ pub enum MessageKind {
     RoundHeader = 1,
     RequestList = 2,
     ResponseList = 3,
+    RoundSummary = 4,
+    GatheredRequests = 5,
 }
 
 impl fmt::Display for MessageKind {
@@ -66,6 +68,8 @@ impl fmt::Display for MessageKind {
             MessageKind::RoundHeader => "round header",
             MessageKind::RequestList => "request list",
             MessageKind::ResponseList => "response list",
+            MessageKind::RoundSummary => "round summary",
+            MessageKind::GatheredRequests => "gathered request lists",
         })
     }
 }

@@ -217,9 +217,8 @@ mod tests {
     use super::*;
     use crate::protocol::codec::tests::{arb_request, arb_response};
     use crate::protocol::codec::{PROTOCOL_VERSION, WIRE_MAGIC};
-    use crate::protocol::fuzz::{self, Target};
+    use crate::protocol::fuzz::{self, decodes_stably, samples, Target};
     use proptest::prelude::*;
-    use proptest::strategy::ValueTree;
 
     fn arb_bitset() -> impl Strategy<Value = BitSet> {
         prop::collection::vec(0usize..300, 0..20).prop_map(|bits| bits.into_iter().collect())
@@ -383,28 +382,6 @@ mod tests {
             ResponseList::from_bytes(&w.into_bytes()),
             Err(DecodeError::LengthOverLimit { declared: u64::MAX, .. })
         ));
-    }
-
-    /// `count` values of `strategy`, the same every run.
-    fn samples<T: std::fmt::Debug>(strategy: impl Strategy<Value = T>, count: usize) -> Vec<T> {
-        let mut runner = proptest::test_runner::TestRunner::deterministic();
-        (0..count).map(|_| strategy.new_tree(&mut runner).unwrap().current()).collect()
-    }
-
-    /// Decodes a framed message; what decodes must encode to bytes that decode to the same encoding.
-    fn decodes_stably<M: WireMessage>(bytes: &[u8]) -> bool {
-        match M::from_bytes(bytes) {
-            Ok(message) => {
-                let encoded = message.to_bytes();
-                let again = M::from_bytes(&encoded).expect("a decoded message, encoded again, decodes");
-                assert_eq!(again.to_bytes(), encoded, "a decoded message encodes differently after a round trip");
-                true
-            }
-            Err(err) => {
-                assert!(!err.to_string().is_empty());
-                false
-            }
-        }
     }
 
     fn round_header_target() -> Target {

@@ -239,6 +239,32 @@ impl tokio::io::AsyncWrite for Scripted<'_> {
     }
 }
 
+/// `count` values of `strategy`, the same every run (seeds for a target).
+pub(crate) fn samples<T: std::fmt::Debug>(
+    strategy: impl proptest::strategy::Strategy<Value = T>,
+    count: usize,
+) -> Vec<T> {
+    use proptest::strategy::ValueTree;
+    let mut runner = proptest::test_runner::TestRunner::deterministic();
+    (0..count).map(|_| strategy.new_tree(&mut runner).unwrap().current()).collect()
+}
+
+/// Decodes a framed message; what decodes must encode to bytes that decode to the same encoding.
+pub(crate) fn decodes_stably<M: crate::protocol::codec::WireMessage>(bytes: &[u8]) -> bool {
+    match M::from_bytes(bytes) {
+        Ok(message) => {
+            let encoded = message.to_bytes();
+            let again = M::from_bytes(&encoded).expect("a decoded message, encoded again, decodes");
+            assert_eq!(again.to_bytes(), encoded, "a decoded message encodes differently after a round trip");
+            true
+        }
+        Err(err) => {
+            assert!(!err.to_string().is_empty());
+            false
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

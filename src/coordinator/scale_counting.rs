@@ -1,0 +1,176 @@
+//! Proof by counting (tests only): communicators of 2 to 256 ranks, as threads over the in-memory
+//! transport, run real negotiation rounds and collectives while every message and byte each rank sends is
+//! counted. A steady-state round and a small allreduce cost O(log n) messages per rank; a large allreduce
+//! sends within 5% of the `2(n-1)/n` bytes per byte of the buffer that bounds any allreduce.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::config::Negotiation;
+use crate::coordinator::negotiation::Negotiator;
+use crate::coordinator::test_requests::FakeTable;
+use crate::coordinator::tree::ALL_TO_ALL_MAX_RANKS;
+use crate::ring;
+use crate::transport::memory::{run_ranks, MemoryTransport};
+use crate::transport::{Activity, Transport, TransportError, Waker};
+use crate::types::{Combine, DataType};
+
+/// Messages and bytes one rank has sent.
+#[derive(Default)]
+struct Sent {
+    messages: AtomicU64,
+    bytes: AtomicU64,
+}
+
+impl Sent {
+    fn take(&self) -> (u64, u64) {
+        (self.messages.swap(0, Ordering::Relaxed), self.bytes.swap(0, Ordering::Relaxed))
+    }
+
+    fn note(&self, bytes: usize) {
+        if bytes > 0 {
+            self.messages.fetch_add(1, Ordering::Relaxed);
+            self.bytes.fetch_add(bytes as u64, Ordering::Relaxed);
+        }
+    }
+}
+
+/// A transport that counts what it sends (an empty send is no message).
+struct Counting {
+    inner: MemoryTransport,
+    sent: Arc<Sent>,
+}
+
+impl Transport for Counting {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn size(&self) -> usize {
+        self.inner.size()
+    }
+    fn label(&self) -> &'static str {
+        "counting"
+    }
+    fn send(&mut self, peer: usize, data: &[u8]) -> Result<(), TransportError> {
+        self.sent.note(data.len());
+        self.inner.send(peer, data)
+    }
+    fn recv(&mut self, peer: usize, buf: &mut [u8]) -> Result<(), TransportError> {
+        self.inner.recv(peer, buf)
+    }
+    fn exchange(
+        &mut self,
+        to: usize,
+        send: &[u8],
+        from: usize,
+        recv_len: usize,
+        sink: &mut dyn FnMut(usize, &[u8]),
+    ) -> Result<(), TransportError> {
+        self.sent.note(send.len());
+        self.inner.exchange(to, send, from, recv_len, sink)
+    }
+    fn peek(&mut self, peer: usize, buf: &mut [u8]) -> bool {
+        self.inner.peek(peer, buf)
+    }
+    fn wait_for_activity(&mut self, waker: &Waker, timeout: Duration) -> Result<Activity, TransportError> {
+        self.inner.wait_for_activity(waker, timeout)
+    }
+    fn close(&mut self) {
+        self.inner.close()
+    }
+}
+
+fn counted_mesh(n: usize) -> Vec<Counting> {
+    MemoryTransport::mesh(n).into_iter().map(|inner| Counting { inner, sent: Arc::default() }).collect()
+}
+
+fn log2_floor(n: usize) -> u64 {
+    u64::from(usize::BITS - 1 - n.leading_zeros())
+}
+
+fn log2_ceil(n: usize) -> u64 {
+    u64::from(n.next_power_of_two().trailing_zeros())
+}
+
+/// What one rank sent in each phase: (messages, bytes).
+#[derive(Debug)]
+struct Counts {
+    uncached_round: (u64, u64),
+    steady_round: (u64, u64),
+    small_allreduce: (u64, u64),
+    large_allreduce: (u64, u64),
+}
+
+/// On `n` ranks: a round with a new tensor (the slow path), a steady-state round with it cached, a 4-byte
+/// allreduce and an allreduce of `large` bytes; each rank's sends counted in each.
+fn count(n: usize, large: usize) -> Vec<Counts> {
+    run_ranks(counted_mesh(n), |t| {
+        let rank = t.rank();
+        let mut negotiator = Negotiator::new(rank, (0..n).collect(), 64, None, Negotiation::Auto);
+        let mut table = FakeTable::default();
+        // 256 float32 values: 1 KiB, too large to ride in the headers of more than a few dozen ranks.
+        table.submit(rank, "grad", 256, 1);
+        let first = negotiator.round(t, &mut table, None).expect("uncached round");
+        assert_eq!(first.responses.len(), 1, "n={n} rank {rank}");
+        table.complete("grad");
+        let uncached_round = t.sent.take();
+        table.submit(rank, "grad", 256, 1);
+        let steady = negotiator.round(t, &mut table, None).expect("steady round");
+        assert_eq!(steady.cache_hits, 1, "n={n} rank {rank}");
+        let steady_round = t.sent.take();
+
+        let mut small = 1.0f32.to_le_bytes();
+        ring::allreduce(t, &mut small, DataType::Float32, Combine::Sum).expect("small allreduce");
+        assert_eq!(f32::from_le_bytes(small), n as f32);
+        let small_allreduce = t.sent.take();
+
+        let mut buf: Vec<u8> = (0..large / 4).flat_map(|i| ((i % 7) as f32).to_le_bytes()).collect();
+        ring::allreduce(t, &mut buf, DataType::Float32, Combine::Sum).expect("large allreduce");
+        assert_eq!(&buf[4..8], &(n as f32).to_le_bytes(), "n={n}");
+        let large_allreduce = t.sent.take();
+        Counts { uncached_round, steady_round, small_allreduce, large_allreduce }
+    })
+}
+
+#[test]
+fn costs_per_rank_grow_as_log_n_and_large_allreduces_stay_at_the_bandwidth_bound() {
+    for n in [2, 3, 4, 5, 8, 9, 16, 17, 31, 64, 100, 128, 256] {
+        // Large enough that the allreduce is bandwidth-bound at every size here.
+        let large = if n <= 32 { 4 << 20 } else { 8 << 20 };
+        let counts = count(n, large);
+        let most = |phase: fn(&Counts) -> (u64, u64)| {
+            counts.iter().map(phase).fold((0, 0), |a, b| (a.0.max(b.0), a.1.max(b.1)))
+        };
+        let (steady, steady_bytes) = most(|c| c.steady_round);
+        let (uncached, _) = most(|c| c.uncached_round);
+        let (small, small_bytes) = most(|c| c.small_allreduce);
+        let (_, large_bytes) = most(|c| c.large_allreduce);
+        // Recursive doubling: log2 n exchanges; where n is no power of two, the ranks beyond the largest one
+        // fold onto a partner first and get the total back (in a round the partner also opens with its own
+        // summary, which wakes an idle folded rank: one more message).
+        let folds = u64::from(!n.is_power_of_two());
+        let doubling = log2_floor(n) + 2 * folds;
+        let small_doubling = log2_floor(n) + folds;
+        if n <= ALL_TO_ALL_MAX_RANKS {
+            // All-to-all: one header to each peer, whatever the round.
+            assert_eq!(steady, n as u64 - 1, "n={n}: steady-state round");
+            assert_eq!(uncached, 2 * (n as u64 - 1), "n={n}: rank 0 answers every rank");
+        } else {
+            assert!(steady <= doubling, "n={n}: a steady-state round sent {steady} messages (> {doubling})");
+            // The summary, one gathered list up, and at most ceil(log2 n) copies of the answer down.
+            let bound = doubling + 1 + log2_ceil(n);
+            assert!(uncached <= bound, "n={n}: an uncached round sent {uncached} messages (> {bound})");
+            assert!(steady_bytes <= doubling * 96, "n={n}: a steady-state round sent {steady_bytes} bytes");
+        }
+        assert!(small <= small_doubling, "n={n}: a 4-byte allreduce sent {small} messages (> {small_doubling})");
+        assert!(small_bytes <= 4 * small_doubling, "n={n}: a 4-byte allreduce sent {small_bytes} bytes");
+        let bound = 2.0 * (n - 1) as f64 / n as f64 * large as f64;
+        let ratio = large_bytes as f64 / bound;
+        assert!(ratio <= 1.05, "n={n}: a {large}-byte allreduce sent {large_bytes} bytes, {ratio:.3}x the bound");
+        eprintln!(
+            "n={n:>3}: steady round {steady} msgs {steady_bytes} B, uncached round {uncached} msgs, \
+             4 B allreduce {small} msgs, large allreduce {ratio:.3}x the 2(n-1)/n bound"
+        );
+    }
+}

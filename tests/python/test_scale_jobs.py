@@ -1,0 +1,96 @@
+"""Proof by running (issue 32 item 5): jobs of 16, 32 and 64 ranks on this 2-core host, over shared memory
+and over TCP. They are oversubscribed, so what is checked is what scales, not how fast: every op on a few
+dtypes gives exact results (tests/python/workers/scale_job.py), a steady-state negotiation round sends
+O(log N) control messages per rank (read from each rank's metrics), memory per rank does not grow with N, and
+a rank killed in a 16-rank job still ends the job with rvodrun naming it. Each job's figures are printed
+(pytest -s) for docs/scale.md."""
+
+import json
+import random
+import re
+import signal
+import socket
+import statistics
+import sys
+
+import pytest
+from jobs import WORKERS, assert_worker_job
+
+from conftest import JOB_TAG_VARIABLE, tagged_pids
+
+
+def free_port_run(count: int) -> int:
+    """A port P such that P .. P + count - 1 are all free on loopback now, below the kernel's ephemeral range
+    (where the job's own connections could take one of them meanwhile)."""
+    low, _ = (int(v) for v in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+    for _ in range(50):
+        base = random.randrange(10_000, max(low - count, 10_001))
+        held = []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket()
+                held.append(sock)
+                sock.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        finally:
+            for sock in held:
+                sock.close()
+        return base
+    raise AssertionError(f"no {count} consecutive free ports")
+
+
+def run_scale_job(run_rvodrun, job_env, size: int, transport: str) -> list[dict]:
+    job_env.update(RVOD_SHM="1" if transport == "shm" else "0", RVOD_TIMEOUT="120")
+    port = free_port_run(size)
+    result = run_rvodrun(["-np", str(size), "--metrics-port", str(port), sys.executable,
+                          str(WORKERS / "scale_job.py")], timeout=240)
+    assert_worker_job(result, {rank: 3 for rank in range(size)})
+    figures = [json.loads(line.split(" ", 1)[1]) for line in result.stdout.splitlines() if line.startswith("SCALE ")]
+    assert sorted(f["rank"] for f in figures) == list(range(size)), result.stdout[-3000:]
+    summary = {
+        "setup_s_median": statistics.median(f["setup_s"] for f in figures),
+        "private_mb_mean": round(statistics.mean(f["private_mb"] for f in figures), 1),
+        "shared_memory_mb_max": max(f["shared_memory_mb"] for f in figures),
+        "sockets_max": max(f["sockets"] for f in figures),
+        "messages_per_round_max": max(f["messages_per_round"] for f in figures),
+    }
+    print(f"\n{size} ranks over {transport}: {summary}")
+    return figures
+
+
+@pytest.mark.timeout(600)
+def test_16_32_and_64_ranks_over_shared_memory_cost_log_n_messages_and_flat_memory(run_rvodrun, job_env):
+    private = {}
+    for size in (16, 32, 64):
+        figures = run_scale_job(run_rvodrun, job_env, size, "shm")
+        private[size] = statistics.mean(f["private_mb"] for f in figures)
+    # Private memory per rank is what the process needs, not a share per peer (the shared-memory segment,
+    # mapped by every rank of the host, is counted apart).
+    assert private[64] <= 1.15 * private[16] + 8, private
+
+
+@pytest.mark.timeout(300)
+def test_16_ranks_over_tcp(run_rvodrun, job_env):
+    figures = run_scale_job(run_rvodrun, job_env, 16, "tcp")
+    assert max(f["messages_per_round"] for f in figures) <= 4
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_killed_in_a_16_rank_job_ends_it_naming_the_rank(run_rvodrun, job_env):
+    job_env.update(RVOD_TIMEOUT="30")
+    code = """
+import os, signal
+import numpy as np
+import rvod.numpy as hvd
+hvd.init()
+for step in range(100000):
+    if step == 20 and hvd.rank() == 11:
+        os.kill(os.getpid(), signal.SIGKILL)
+    hvd.allreduce(np.ones(8, np.float32), name="loop")
+"""
+    result = run_rvodrun(["-np", "16", sys.executable, "-c", code], timeout=100)
+    assert result.returncode == 128 + signal.SIGKILL, result.stderr[-3000:]
+    assert re.search(r"^rvodrun: rank 11 \(pid \d+\) was killed by signal SIGKILL$", result.stderr, re.MULTILINE), \
+        result.stderr[-3000:]
+    assert tagged_pids(job_env[JOB_TAG_VARIABLE]) == []

@@ -1,0 +1,92 @@
+"""Scale worker (issue 32, proof by running): one rank of a 16-64 rank job on this host. Every op on a few
+dtypes with exact results; then what scales, read from the rank's own metrics endpoint (RVOD_METRICS_PORT
++ local rank) and /proc: control messages per steady-state negotiation round, set-up time, memory (private,
+and the host's shared-memory segment as mapped by this rank) and open sockets.
+Prints one `SCALE {...}` line per rank for the test to compare across job sizes."""
+
+import json
+import math
+import os
+import re
+import time
+import urllib.request
+
+import numpy as np
+
+started = time.monotonic()
+import rvod.numpy as hvd  # noqa: E402
+from _check import check, finish, say  # noqa: E402
+
+hvd.init()
+setup_s = time.monotonic() - started
+R, N = hvd.rank(), hvd.size()
+
+with check("allreduce: sum, min, max on float32, float64, int32, int64"):
+    for dtype in (np.float32, np.float64, np.int32, np.int64):
+        x = np.arange(37, dtype=dtype) + R
+        total = hvd.allreduce(x, op=hvd.Sum, name=f"sum.{np.dtype(dtype).name}")
+        assert total.dtype == dtype and np.array_equal(total, np.arange(37, dtype=dtype) * N + N * (N - 1) // 2)
+        assert np.array_equal(hvd.allreduce(x, op=hvd.Min, name=f"min.{np.dtype(dtype).name}"), np.arange(37) + 0)
+        assert np.array_equal(hvd.allreduce(x, op=hvd.Max, name=f"max.{np.dtype(dtype).name}"), np.arange(37) + N - 1)
+    big = hvd.allreduce(np.full(300_001, R, np.float32), op=hvd.Sum, name="large")
+    assert np.all(big == N * (N - 1) / 2), big[:4]
+with check("allgather with uneven rows, broadcast from the last rank, alltoall, reducescatter, barrier"):
+    rows = hvd.allgather(np.full((R % 3, 2), R, np.int32), name="rows")
+    expected = np.concatenate([np.full((r % 3, 2), r, np.int32) for r in range(N)])
+    assert rows.shape == expected.shape and np.array_equal(rows, expected)
+    b = hvd.broadcast(np.arange(5, dtype=np.float64) * (R + 1), root_rank=N - 1, name="bcast")
+    assert np.array_equal(b, np.arange(5, dtype=np.float64) * N)
+    sent = np.arange(N, dtype=np.int64) + 1000 * R
+    got = hvd.alltoall(sent, name="a2a")
+    assert np.array_equal(got, np.arange(N, dtype=np.int64) * 1000 + R)
+    part = hvd.reducescatter(np.ones(2 * N, np.float32), op=hvd.Sum, name="rs")
+    assert part.shape == (2,) and np.all(part == N)
+    hvd.barrier()
+
+# Steady state: the same small allreduce, cached, many times.
+port = int(os.environ["RVOD_METRICS_PORT"]) + hvd.local_rank()
+
+
+def scrape():
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as reply:
+        text = reply.read().decode()
+    return {name: float(value) for name, value in re.findall(r"^(rvod_negotiation_\w+_total) (\S+)$", text, re.M)}
+
+
+hvd.allreduce(np.ones(4, np.float32), op=hvd.Sum, name="steady")  # the coordinator's round: cached from now on
+before = scrape()
+for step in range(30):
+    hvd.allreduce(np.ones(4, np.float32), op=hvd.Sum, name="steady")
+after = scrape()
+rounds = after["rvod_negotiation_rounds_total"] - before["rvod_negotiation_rounds_total"]
+messages = after["rvod_negotiation_messages_total"] - before["rvod_negotiation_messages_total"]
+with check("steady-state rounds send O(log N) control messages"):
+    assert rounds >= 30, rounds
+    per_round = messages / rounds
+    bound = math.floor(math.log2(N)) + (0 if N & (N - 1) == 0 else 2)
+    assert per_round <= bound, f"{per_round:.2f} control messages per round at {N} ranks (bound {bound})"
+
+status = open("/proc/self/status").read()
+
+
+def status_mb(field):
+    return int(re.search(rf"{field}:\s+(\d+) kB", status).group(1)) / 1024
+
+
+
+
+def open_sockets():
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        except OSError:  # the listing's own descriptor, closed by now
+            pass
+    return count
+
+
+sockets = open_sockets()
+say("SCALE " + json.dumps({"rank": R, "size": N, "setup_s": round(setup_s, 3), "private_mb": round(status_mb("RssAnon"), 1),
+                           "shared_memory_mb": round(status_mb("RssShmem"), 1),
+                           "sockets": sockets, "messages_per_round": round(messages / rounds, 3)}))
+finish(R)
