@@ -43,28 +43,34 @@ with check("allgather with uneven rows, broadcast from the last rank, alltoall, 
     assert part.shape == (2,) and np.all(part == N)
     hvd.barrier()
 
-# Steady state: the same small allreduce, cached, many times.
-port = int(os.environ["RVOD_METRICS_PORT"]) + hvd.local_rank()
+# Steady state: the same small allreduce, cached, many times; its control messages per round are read from
+# this rank's metrics where it serves them on loopback (jobs on one host; across hosts they listen on the
+# host's address, and the test counts them on one host).
+metrics_port = os.environ.get("RVOD_METRICS_PORT")
 
 
 def scrape():
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as reply:
+    url = f"http://127.0.0.1:{int(metrics_port) + hvd.local_rank()}/metrics"
+    with urllib.request.urlopen(url, timeout=30) as reply:
         text = reply.read().decode()
     return {name: float(value) for name, value in re.findall(r"^(rvod_negotiation_\w+_total) (\S+)$", text, re.M)}
 
 
 hvd.allreduce(np.ones(4, np.float32), op=hvd.Sum, name="steady")  # the coordinator's round: cached from now on
-before = scrape()
+before = scrape() if metrics_port else None
 for step in range(30):
     hvd.allreduce(np.ones(4, np.float32), op=hvd.Sum, name="steady")
-after = scrape()
-rounds = after["rvod_negotiation_rounds_total"] - before["rvod_negotiation_rounds_total"]
-messages = after["rvod_negotiation_messages_total"] - before["rvod_negotiation_messages_total"]
-with check("steady-state rounds send O(log N) control messages"):
-    assert rounds >= 30, rounds
-    per_round = messages / rounds
-    bound = math.floor(math.log2(N)) + (0 if N & (N - 1) == 0 else 2)
-    assert per_round <= bound, f"{per_round:.2f} control messages per round at {N} ranks (bound {bound})"
+per_round = None
+if metrics_port:
+    after = scrape()
+    rounds = after["rvod_negotiation_rounds_total"] - before["rvod_negotiation_rounds_total"]
+    messages = after["rvod_negotiation_messages_total"] - before["rvod_negotiation_messages_total"]
+    with check("steady-state rounds send O(log N) control messages"):
+        assert rounds >= 30, rounds
+        per_round = round(messages / rounds, 3)
+        bound = math.floor(math.log2(N)) + (0 if N & (N - 1) == 0 else 2)
+        # A round in flight at either scrape may have its messages counted and not its end, or the reverse.
+        assert messages <= bound * (rounds + 1), f"{messages} control messages in {rounds} rounds at {N} ranks"
 
 status = open("/proc/self/status").read()
 
@@ -88,5 +94,5 @@ def open_sockets():
 sockets = open_sockets()
 say("SCALE " + json.dumps({"rank": R, "size": N, "setup_s": round(setup_s, 3), "private_mb": round(status_mb("RssAnon"), 1),
                            "shared_memory_mb": round(status_mb("RssShmem"), 1),
-                           "sockets": sockets, "messages_per_round": round(messages / rounds, 3)}))
+                           "sockets": sockets, "messages_per_round": per_round}))
 finish(R)
