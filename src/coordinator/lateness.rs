@@ -1,6 +1,7 @@
 //! Stragglers: how late each rank announces the collectives every rank ends up running, so that the rank
-//! holding the others back can be named. Every rank sees every rank's round headers, so each keeps this
-//! record from the same announcements (the times are its own clock's).
+//! holding the others back can be named. Where every rank sees every rank's round headers (all-to-all
+//! negotiation), each keeps this record from the same announcements (the times are its own clock's); on a
+//! tree each learns, one round later, which rank was last and by how much ([`Lateness::note_last`]).
 //!
 //! A collective's lateness for rank `r` is the time from the round in which the first rank announced it
 //! to the round in which `r` did (zero for the first). Each decision (a round in which cached collectives
@@ -129,6 +130,13 @@ impl Lateness {
     pub fn note_arrivals(&mut self, now: Instant, arrivals: &[Instant]) -> Vec<NameChange> {
         let Some(first) = arrivals.iter().min().copied() else { return Vec::new() };
         let lateness = arrivals.iter().map(|at| Some(at.saturating_duration_since(first))).collect();
+        self.record(now, lateness)
+    }
+
+    /// A decision on a tree (see `coordinator::tree`) at `now`, where only the last rank to announce and by
+    /// how much it was later than the first are known: the others count as on time.
+    pub fn note_last(&mut self, now: Instant, last: usize, by: Duration) -> Vec<NameChange> {
+        let lateness = (0..self.ranks.len()).map(|rank| Some(if rank == last { by } else { Duration::ZERO })).collect();
         self.record(now, lateness)
     }
 

@@ -34,7 +34,7 @@ use crate::protocol::bitset::BitSet;
 use crate::protocol::codec::{WireMessage, WireWriter};
 use crate::protocol::message::{OpParams, Response, CPU_DEVICE};
 use crate::protocol::round::{EagerPayload, RequestList, ResponseList, RoundHeader, StopReason};
-use crate::protocol::summary::{RankRequests, RoundSummary};
+use crate::protocol::summary::{Ages, RankRequests, RoundSummary};
 use crate::protocol::tuned::TunedValues;
 use crate::transport::{Transport, TransportError};
 use crate::types::{CollectiveKind, Compression, ReduceOp};
@@ -134,6 +134,10 @@ pub struct Negotiator {
     tree: bool,
     /// Bytes of one tensor that ride in round headers ([`eager_limit`]).
     eager_limit: usize,
+    /// On a tree: when this rank first announced each cache hit it still announces, and its age for the
+    /// last decision (see [`Ages`]), sent with the next round's summary.
+    announced: rustc_hash::FxHashMap<usize, Instant>,
+    age_to_send: Option<Duration>,
 }
 
 /// What a rank saw of the other ranks' headers in a round: all of them (all-to-all), or only the summary,
@@ -290,6 +294,8 @@ impl Negotiator {
         Negotiator {
             tree,
             eager_limit: eager_limit(n, tree),
+            announced: Default::default(),
+            age_to_send: None,
             cache: ResponseCache::new(cache_capacity),
             cache_capacity,
             announcement: None,
@@ -387,7 +393,13 @@ impl Negotiator {
             let headers = exchange_headers(t, header)?;
             return self.decide(t, table, headers);
         }
-        let own = RoundSummary::of(t.rank(), &header);
+        let now = Instant::now();
+        self.announced.retain(|bit, _| header.cache_hits.contains(*bit));
+        for bit in header.cache_hits.iter_ones() {
+            self.announced.entry(bit).or_insert(now);
+        }
+        let mut own = RoundSummary::of(t.rank(), &header);
+        own.ages = self.age_to_send.take().map(|age| Ages::of(t.rank(), micros(age)));
         let summary = tree::combine_summaries(t, own)?;
         self.settle(t, table, summary, Seen::Own(header.cache_hits))
     }
@@ -444,13 +456,31 @@ impl Negotiator {
         }
 
         let ready: BitSet = common.iter_ones().filter(|b| !invalid.contains(*b)).collect();
-        // On a tree, a rank's lateness is not seen: only the summary of every header is.
+        // On a tree a rank sees only the summary of every header: the last rank of the previous decision, and
+        // its own age for this one, sent with the next round's summary.
         let headers = match &seen {
             Seen::Every(headers) => headers.as_slice(),
             Seen::Own(_) => &[],
         };
         let stragglers = if headers.is_empty() {
-            Vec::new()
+            let now = Instant::now();
+            self.age_to_send = ready
+                .iter_ones()
+                .filter_map(|bit| self.announced.remove(&bit))
+                .map(|at| now.saturating_duration_since(at))
+                .min(); // none on a joined rank: it announces nothing that runs
+            for bit in invalid.iter_ones() {
+                self.announced.remove(&bit);
+            }
+            let mut lateness = self.lateness.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            match summary.ages {
+                Some(ages) => lateness.note_last(
+                    now,
+                    ages.youngest_rank as usize,
+                    Duration::from_micros(ages.oldest_us.saturating_sub(ages.youngest_us)),
+                ),
+                None => Vec::new(),
+            }
         } else {
             let hits: Vec<Option<&BitSet>> = headers.iter().map(|h| (!h.joined).then_some(&h.cache_hits)).collect();
             let mut lateness = self.lateness.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
@@ -663,6 +693,10 @@ impl Negotiator {
     }
 }
 
+fn micros(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+}
+
 /// Give the coordinator `rank`'s request `list`, which came through `peer`; a request claiming another
 /// rank is a protocol error naming the peer.
 fn add_requests(
@@ -857,6 +891,52 @@ mod tests {
         let [(name, Some((kind, message)))] = &outcomes[0][..] else { panic!("one refused response: {outcomes:?}") };
         assert_eq!((name.as_str(), *kind), ("rows", ErrorKind::Invalid));
         assert!(message.starts_with("Allgather of tensor 'rows': rank 2 sent 4398046511104 rows"), "{message}");
+    }
+
+    /// On a tree each rank learns, a round later, which rank announced last and by how much: rank 6 of 9,
+    /// which submits each step's tensor a round after the others (8 ms later), is named on every rank.
+    #[test]
+    fn on_a_tree_the_rank_that_announces_last_is_named_the_straggler() {
+        let (n, late_rank) = (9, 6);
+        let named = run_ranks(MemoryTransport::mesh(n), |t| {
+            let rank = t.rank();
+            let mut negotiator = negotiator_on_tree(rank, n);
+            let mut table = FakeTable::default();
+            table.submit(rank, "grad", 2, 1);
+            negotiator.round(t, &mut table, None).unwrap();
+            table.complete("grad");
+            let mut changes = Vec::new();
+            for _ in 0..lateness_window_rounds() {
+                if rank != late_rank {
+                    table.submit(rank, "grad", 2, 1);
+                }
+                let waiting = negotiator.round(t, &mut table, None).unwrap();
+                assert!(waiting.responses.is_empty(), "rank {rank}: rank {late_rank} has not announced it");
+                changes.extend(waiting.stragglers);
+                std::thread::sleep(Duration::from_millis(8));
+                if rank == late_rank {
+                    table.submit(rank, "grad", 2, 1);
+                }
+                let ran = negotiator.round(t, &mut table, None).unwrap();
+                assert_eq!(names(&ran.responses), ["grad"], "rank {rank}");
+                changes.extend(ran.stragglers);
+                table.complete("grad");
+            }
+            let report = negotiator.lateness.lock().unwrap().report().to_vec();
+            (changes, report)
+        });
+        for (rank, (changes, report)) in named.iter().enumerate() {
+            let named: Vec<usize> = changes.iter().filter(|c| c.named).map(|c| c.rank).collect();
+            assert_eq!(named, [late_rank], "rank {rank}: {changes:?}");
+            assert!(report[late_rank].times_last >= 8, "rank {rank}: {report:?}");
+            assert!(report[late_rank].mean_lateness() >= Duration::from_millis(5), "rank {rank}: {report:?}");
+            assert!(report.iter().enumerate().all(|(r, l)| r == late_rank || l.times_last <= 1), "{report:?}");
+        }
+    }
+
+    /// Enough decisions for the straggler window, and one more (a tree learns of a decision a round late).
+    fn lateness_window_rounds() -> usize {
+        crate::coordinator::lateness::WINDOW + 2
     }
 
     #[test]

@@ -6,6 +6,8 @@
 //!   to stop and why, and rank 0's autotuned values. Two summaries combine ([`RoundSummary::combine`])
 //!   associatively and commutatively, so recursive doubling reaches the same summary of every rank on every
 //!   rank, whatever order the groups met in.
+//!   It also carries how early each rank announced what the previous round ran ([`Ages`]), reduced to the
+//!   rank that was last and by how much: the straggler record on a tree.
 //! - [`GatheredRequests`]: the uncached requests of a subtree of ranks on their way to the coordinator,
 //!   each rank's list with its rank and the cache bits it hit that are still waiting for other ranks.
 
@@ -18,7 +20,32 @@ const HAS_UNCACHED: u8 = 1;
 const HAS_ACTIVE_HITS: u8 = 1 << 1;
 const HAS_ALL_HITS: u8 = 1 << 2;
 const HAS_TUNED: u8 = 1 << 3;
-const KNOWN: u8 = HAS_UNCACHED | HAS_ACTIVE_HITS | HAS_ALL_HITS | HAS_TUNED;
+const HAS_AGES: u8 = 1 << 4;
+const KNOWN: u8 = HAS_UNCACHED | HAS_ACTIVE_HITS | HAS_ALL_HITS | HAS_TUNED | HAS_AGES;
+
+/// How long before the previous round's decision the ranks announced what it ran (each rank's own clock:
+/// a rank's age is the time from its first announcement of those collectives to the decision). The youngest
+/// was the last to announce; the others were that much earlier.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Ages {
+    /// The smallest age, in microseconds, and its rank (the lowest rank among equals).
+    pub youngest_us: u64,
+    pub youngest_rank: u32,
+    /// The largest age, in microseconds.
+    pub oldest_us: u64,
+}
+
+impl Ages {
+    /// One rank's age.
+    pub fn of(rank: usize, age_us: u64) -> Ages {
+        Ages { youngest_us: age_us, youngest_rank: rank as u32, oldest_us: age_us }
+    }
+
+    fn combine(self, other: Ages) -> Ages {
+        let youngest = (self.youngest_us, self.youngest_rank).min((other.youngest_us, other.youngest_rank));
+        Ages { youngest_us: youngest.0, youngest_rank: youngest.1, oldest_us: self.oldest_us.max(other.oldest_us) }
+    }
+}
 
 /// The round headers of a group of ranks, combined.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -39,6 +66,8 @@ pub struct RoundSummary {
     pub shutdown_by: Vec<(u32, StopReason)>,
     /// Rank 0's autotuned values, if its header carried them.
     pub tuned: Option<TunedValues>,
+    /// The ranks' ages for the previous round's decision (set by the caller, not from the header).
+    pub ages: Option<Ages>,
 }
 
 impl RoundSummary {
@@ -53,6 +82,7 @@ impl RoundSummary {
             invalid: header.invalid.clone(),
             shutdown_by: header.shutdown.map(|why| (rank as u32, why)).into_iter().collect(),
             tuned: header.tuned.clone(),
+            ages: None,
         }
     }
 
@@ -84,6 +114,10 @@ impl RoundSummary {
         if self.tuned.is_none() {
             self.tuned = other.tuned;
         }
+        self.ages = match (self.ages, other.ages) {
+            (Some(a), Some(b)) => Some(a.combine(b)),
+            (a, b) => a.or(b),
+        };
     }
 
     /// The cache bits every voting rank hit: those that have not joined, or every rank when all have.
@@ -131,6 +165,7 @@ impl Wire for RoundSummary {
             (self.active_hits.is_some(), HAS_ACTIVE_HITS),
             (self.all_hits.is_some(), HAS_ALL_HITS),
             (self.tuned.is_some(), HAS_TUNED),
+            (self.ages.is_some(), HAS_AGES),
         ] {
             if set {
                 flags |= flag;
@@ -148,6 +183,11 @@ impl Wire for RoundSummary {
         if let Some(tuned) = &self.tuned {
             tuned.encode(w);
         }
+        if let Some(ages) = &self.ages {
+            w.put_u64(ages.youngest_us);
+            w.put_u32(ages.youngest_rank);
+            w.put_u64(ages.oldest_us);
+        }
     }
 
     fn decode(r: &mut WireReader<'_>) -> Result<Self, DecodeError> {
@@ -162,6 +202,15 @@ impl Wire for RoundSummary {
         let invalid = BitSet::decode(r)?;
         let stopped: Vec<Stopped> = r.seq("stopping ranks")?;
         let tuned = if flags & HAS_TUNED != 0 { Some(TunedValues::decode(r)?) } else { None };
+        let ages = if flags & HAS_AGES != 0 {
+            Some(Ages {
+                youngest_us: r.u64("youngest age")?,
+                youngest_rank: r.u32("youngest rank")?,
+                oldest_us: r.u64("oldest age")?,
+            })
+        } else {
+            None
+        };
         Ok(RoundSummary {
             ranks,
             joined,
@@ -171,6 +220,7 @@ impl Wire for RoundSummary {
             invalid,
             shutdown_by: stopped.into_iter().map(|Stopped(rank, why)| (rank, why)).collect(),
             tuned,
+            ages,
         })
     }
 }
@@ -257,7 +307,16 @@ mod tests {
     }
 
     fn arb_summary() -> impl Strategy<Value = RoundSummary> {
-        prop::collection::vec(arb_header(), 1..6).prop_map(|headers| RoundSummary::of_all(&headers))
+        let ages = prop::option::of(prop::collection::vec(0u64..1_000_000, 1..6));
+        (prop::collection::vec(arb_header(), 1..6), ages).prop_map(|(headers, ages)| {
+            let mut summary = RoundSummary::of_all(&headers);
+            for (rank, age) in ages.unwrap_or_default().into_iter().enumerate() {
+                let mut one = RoundSummary { ages: Some(Ages::of(rank, age)), ..RoundSummary::default() };
+                one.combine(std::mem::take(&mut summary));
+                summary = one;
+            }
+            summary
+        })
     }
 
     fn arb_gathered() -> impl Strategy<Value = GatheredRequests> {
@@ -348,6 +407,22 @@ mod tests {
         from_one.combine(RoundSummary::of(0, &headers[0]));
         assert_eq!(from_one.tuned, Some(tuned.clone()));
         assert_eq!(RoundSummary::from_bytes(&from_one.to_bytes()).unwrap().tuned, Some(tuned));
+    }
+
+    #[test]
+    fn ages_name_the_youngest_rank_whatever_the_grouping() {
+        let ages = [(0, 900), (1, 40), (2, 40), (3, 1200)];
+        let mut forward = RoundSummary::default();
+        let mut backward = RoundSummary::default();
+        for &(rank, age) in &ages {
+            forward.combine(RoundSummary { ages: Some(Ages::of(rank, age)), ..RoundSummary::default() });
+        }
+        for &(rank, age) in ages.iter().rev() {
+            backward.combine(RoundSummary { ages: Some(Ages::of(rank, age)), ..RoundSummary::default() });
+        }
+        let expected = Ages { youngest_us: 40, youngest_rank: 1, oldest_us: 1200 };
+        assert_eq!((forward.ages, backward.ages), (Some(expected), Some(expected)));
+        assert_eq!(RoundSummary::from_bytes(&forward.to_bytes()).unwrap().ages, Some(expected));
     }
 
     #[test]
