@@ -1,0 +1,305 @@
+//! Which algorithm a flat allreduce, allgather or broadcast runs, by message size and number of ranks, as
+//! MPI libraries and NCCL choose: the latency-bound algorithms (`log2(n)` steps) for small messages, the
+//! bandwidth-bound ones (ring, pipelined chain) where each step's bytes make latency negligible.
+//!
+//! Every choice is a pure function of the size in bytes, the number of ranks, whether the transport's
+//! hand-offs are cheap (the same on every rank of a communicator) and the configured override
+//! (`RVOD_ALLREDUCE_ALGORITHM`, `RVOD_ALLGATHER_ALGORITHM`, `RVOD_BROADCAST_ALGORITHM`, parsed in
+//! `crate::config`), so every rank of a collective picks the same algorithm without talking.
+//!
+//! The constants come from timing each algorithm over the in-memory transport (ranks as threads, 2 shared
+//! cores, release build; the median of a few runs): see each constant for what was measured.
+
+use std::fmt;
+
+/// How an allreduce combines the ranks' buffers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum AllreduceAlgorithm {
+    /// `log2(n)` exchanges of the whole buffer: fewest steps, most bytes.
+    RecursiveDoubling,
+    /// Reduce-scatter by recursive halving, then allgather by recursive doubling: `2 log2(n)` steps and
+    /// the ring's bytes (ranks beyond the largest power of two fold their buffer onto a partner first).
+    Rabenseifner,
+    /// Reduce-scatter and allgather around the ring: `2(n - 1)` steps, bandwidth-optimal; on two ranks over
+    /// shared memory, the pipelined two-rank exchange (the same schedule, in pieces).
+    Ring,
+}
+
+/// How an allgather(v) collects the ranks' blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum AllgatherAlgorithm {
+    /// Bruck's algorithm: `ceil(log2 n)` steps, any `n`, blocks of any size.
+    Bruck,
+    /// `n - 1` steps around the ring, each block written straight into its place.
+    Ring,
+}
+
+/// How a broadcast spreads the root's buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BroadcastAlgorithm {
+    /// `ceil(log2 n)` rounds, each a whole-buffer send.
+    Tree,
+    /// Root -> root+1 -> ... in pipelined chunks: about `S / bandwidth` once the pipeline is full.
+    Chain,
+}
+
+/// The configured algorithm per collective; `None`: chosen by size and number of ranks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Overrides {
+    pub allreduce: Option<AllreduceAlgorithm>,
+    pub allgather: Option<AllgatherAlgorithm>,
+    pub broadcast: Option<BroadcastAlgorithm>,
+}
+
+/// An algorithm's name in knobs, logs and the timeline, and its parsing from a knob's value.
+pub trait Named: Sized + Copy + 'static {
+    /// Every algorithm of the kind.
+    const ALL: &'static [Self];
+    fn name(self) -> &'static str;
+
+    /// `auto` (`None`) or one of [`Named::ALL`] by name (case and `-`/`_` ignored); `Err` lists the
+    /// accepted values.
+    fn parse_choice(value: &str) -> Result<Option<Self>, String> {
+        let wanted = value.trim().to_ascii_lowercase().replace('-', "_");
+        if wanted == "auto" {
+            return Ok(None);
+        }
+        if let Some(found) = Self::ALL.iter().find(|a| a.name() == wanted) {
+            return Ok(Some(*found));
+        }
+        let names: Vec<&str> = std::iter::once("auto").chain(Self::ALL.iter().map(|a| a.name())).collect();
+        Err(format!("expected one of {}", names.join(", ")))
+    }
+}
+
+impl Named for AllreduceAlgorithm {
+    const ALL: &'static [Self] = &[Self::RecursiveDoubling, Self::Rabenseifner, Self::Ring];
+    fn name(self) -> &'static str {
+        match self {
+            Self::RecursiveDoubling => "recursive_doubling",
+            Self::Rabenseifner => "rabenseifner",
+            Self::Ring => "ring",
+        }
+    }
+}
+
+impl Named for AllgatherAlgorithm {
+    const ALL: &'static [Self] = &[Self::Bruck, Self::Ring];
+    fn name(self) -> &'static str {
+        match self {
+            Self::Bruck => "bruck",
+            Self::Ring => "ring",
+        }
+    }
+}
+
+impl Named for BroadcastAlgorithm {
+    const ALL: &'static [Self] = &[Self::Tree, Self::Chain];
+    fn name(self) -> &'static str {
+        match self {
+            Self::Tree => "tree",
+            Self::Chain => "chain",
+        }
+    }
+}
+
+macro_rules! display_by_name {
+    ($($kind:ty),*) => {$(
+        impl fmt::Display for $kind {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(self.name())
+            }
+        }
+    )*};
+}
+display_by_name!(AllreduceAlgorithm, AllgatherAlgorithm, BroadcastAlgorithm);
+
+/// Allreduces of at most this many bytes use recursive doubling (any `n`): a handful of whole-buffer
+/// exchanges beat twice as many steps of pieces. Per link recursive doubling sends `log2(n) * S` bytes in
+/// `log2(n)` steps, the ring `2(n-1)/n * S` in `2(n-1)` steps; with TCP's ~22 us per step and ~1.5 GB/s
+/// links they cost the same near 100 KiB for n = 2..8. Measured over the in-memory transport (2 cores,
+/// n = 2 and 4), recursive doubling is 1.5-3x faster at 64 KiB and the ring 2x faster from 128-256 KiB.
+pub const RECURSIVE_DOUBLING_MAX_BYTES: usize = 64 * 1024;
+
+/// Two ranks over a transport with cheap hand-offs use the pipelined two-rank exchange from this size on:
+/// each rank moves and reduces half the buffer, reducing straight out of the channel, where recursive
+/// doubling exchanges and reduces all of it through a scratch copy (2 ranks over shared memory, this VM,
+/// 64 KiB in place: 17.6 -> 12.3 us in cache, 26.8 -> 19.9 us from DRAM; no change at 16 KiB, where the
+/// second hand-off costs what the halving saves).
+pub const PIPELINE_THRESHOLD_BYTES: usize = 8 << 10;
+
+/// Above [`RECURSIVE_DOUBLING_MAX_BYTES`], allreduces on more than [`RING_ONLY_MAX_RANKS`] ranks use
+/// Rabenseifner's algorithm until each rank's ring block (`bytes / n`) reaches this size, the ring from
+/// there: Rabenseifner moves the ring's bytes in `2 log2(n)` steps instead of `2(n - 1)`, which matters
+/// while a step's latency is a good part of its cost.
+pub const RING_MIN_BLOCK_BYTES: usize = 256 * 1024;
+
+/// Up to this many ranks the ring's `2(n - 1)` steps are no more than Rabenseifner's (with its fold on 3
+/// ranks), so medium and large allreduces keep the ring.
+pub const RING_ONLY_MAX_RANKS: usize = 4;
+
+/// Allgathers whose result is at most this many bytes use Bruck's algorithm.
+pub const BRUCK_MAX_BYTES: usize = 64 * 1024;
+
+/// Broadcasts of at most this many bytes go down the tree on any number of ranks. At this size the chain,
+/// with two chunks, is no slower than the tree for n = 3 and 4 (and identical at n = 2).
+pub const BROADCAST_CHAIN_THRESHOLD_BYTES: usize = 1024 * 1024;
+
+/// Chunk forwarded at once along the broadcast chain: large enough that the per-step latency (~22 us over
+/// TCP) is small against its transfer time, small enough that the pipeline fills quickly.
+pub const BROADCAST_CHUNK_BYTES: usize = 512 * 1024;
+
+/// The allreduce of `bytes` on `n` ranks: `forced` if configured, else recursive doubling for small
+/// buffers, Rabenseifner's for medium ones on more than [`RING_ONLY_MAX_RANKS`] ranks, the ring for large
+/// ones. Two ranks with `cheap_handoffs` take the (pipelined) ring from [`PIPELINE_THRESHOLD_BYTES`].
+pub fn choose_allreduce(
+    bytes: usize,
+    n: usize,
+    cheap_handoffs: bool,
+    forced: Option<AllreduceAlgorithm>,
+) -> AllreduceAlgorithm {
+    if let Some(forced) = forced {
+        return forced;
+    }
+    if n == 2 && cheap_handoffs && bytes >= PIPELINE_THRESHOLD_BYTES {
+        return AllreduceAlgorithm::Ring;
+    }
+    if bytes <= RECURSIVE_DOUBLING_MAX_BYTES {
+        AllreduceAlgorithm::RecursiveDoubling
+    } else if n <= RING_ONLY_MAX_RANKS || bytes / n >= RING_MIN_BLOCK_BYTES {
+        AllreduceAlgorithm::Ring
+    } else {
+        AllreduceAlgorithm::Rabenseifner
+    }
+}
+
+/// The allgather of `total_bytes` (all ranks' blocks together) on `n` ranks: `forced` if configured, else
+/// Bruck's algorithm up to [`BRUCK_MAX_BYTES`], the ring above.
+pub fn choose_allgather(total_bytes: usize, n: usize, forced: Option<AllgatherAlgorithm>) -> AllgatherAlgorithm {
+    if let Some(forced) = forced {
+        return forced;
+    }
+    if n > 2 && total_bytes <= BRUCK_MAX_BYTES {
+        AllgatherAlgorithm::Bruck
+    } else {
+        AllgatherAlgorithm::Ring
+    }
+}
+
+/// The broadcast of `bytes` on `n` ranks: `forced` if configured, else the tree up to
+/// [`BROADCAST_CHAIN_THRESHOLD_BYTES`] and while it is faster, the chain above. The tree takes
+/// `ceil(log2 n)` whole-buffer rounds, the chain `n - 2 + k` steps of one of its `k` chunks, so the chain
+/// wins once `k (ceil(log2 n) - 1) > n - 2`: from 1 MiB up to n = 4, 1.5 MiB at n = 8, about 2.5 MiB at
+/// n = 16 and 58 MiB at n = 1,024.
+pub fn choose_broadcast(bytes: usize, n: usize, forced: Option<BroadcastAlgorithm>) -> BroadcastAlgorithm {
+    if let Some(forced) = forced {
+        return forced;
+    }
+    if n <= 2 || bytes <= BROADCAST_CHAIN_THRESHOLD_BYTES {
+        return BroadcastAlgorithm::Tree;
+    }
+    let chunks = bytes.div_ceil(BROADCAST_CHUNK_BYTES);
+    let tree_rounds = n.next_power_of_two().ilog2() as usize;
+    if chunks.saturating_mul(tree_rounds - 1) > n - 2 {
+        BroadcastAlgorithm::Chain
+    } else {
+        BroadcastAlgorithm::Tree
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use AllreduceAlgorithm::{Rabenseifner, RecursiveDoubling, Ring};
+
+    const KIB: usize = 1024;
+    const MIB: usize = 1024 * 1024;
+
+    #[test]
+    fn small_allreduces_double_large_ones_ring_and_medium_ones_on_many_ranks_halve() {
+        for n in [2, 3, 4, 5, 8, 16, 1024] {
+            assert_eq!(choose_allreduce(0, n, false, None), RecursiveDoubling, "n={n}");
+            assert_eq!(choose_allreduce(4, n, true, None), RecursiveDoubling, "n={n}");
+            assert_eq!(choose_allreduce(64 * KIB, n, false, None), RecursiveDoubling, "n={n}");
+            assert_eq!(choose_allreduce(1 << 30, n, false, None), Ring, "n={n}");
+        }
+        // Up to 4 ranks, as before: the ring above 64 KiB.
+        for n in 2..=4 {
+            assert_eq!(choose_allreduce(64 * KIB + 1, n, false, None), Ring, "n={n}");
+        }
+        // More ranks: Rabenseifner until each rank's block reaches RING_MIN_BLOCK_BYTES.
+        for n in [5, 8, 16, 33, 1024] {
+            assert_eq!(choose_allreduce(64 * KIB + 4, n, false, None), Rabenseifner, "n={n}");
+            let ring_from = n * RING_MIN_BLOCK_BYTES;
+            assert_eq!(choose_allreduce(ring_from - 4, n, false, None), Rabenseifner, "n={n}");
+            assert_eq!(choose_allreduce(ring_from, n, false, None), Ring, "n={n}");
+        }
+    }
+
+    #[test]
+    fn two_ranks_with_cheap_hand_offs_pipeline_from_8_kib() {
+        assert_eq!(choose_allreduce(PIPELINE_THRESHOLD_BYTES - 4, 2, true, None), RecursiveDoubling);
+        assert_eq!(choose_allreduce(PIPELINE_THRESHOLD_BYTES, 2, true, None), Ring);
+        assert_eq!(choose_allreduce(PIPELINE_THRESHOLD_BYTES, 2, false, None), RecursiveDoubling);
+        assert_eq!(choose_allreduce(PIPELINE_THRESHOLD_BYTES, 3, true, None), RecursiveDoubling);
+    }
+
+    #[test]
+    fn allgathers_use_bruck_for_small_results_on_more_than_two_ranks() {
+        use AllgatherAlgorithm::{Bruck, Ring};
+        assert_eq!(choose_allgather(100, 2, None), Ring, "two ranks: one step either way");
+        for n in [3, 4, 7, 16, 1024] {
+            assert_eq!(choose_allgather(0, n, None), Bruck, "n={n}");
+            assert_eq!(choose_allgather(BRUCK_MAX_BYTES, n, None), Bruck, "n={n}");
+            assert_eq!(choose_allgather(BRUCK_MAX_BYTES + 1, n, None), Ring, "n={n}");
+        }
+    }
+
+    #[test]
+    fn broadcasts_take_the_chain_later_on_more_ranks() {
+        use BroadcastAlgorithm::{Chain, Tree};
+        for n in [2, 3, 4, 8, 16, 1024] {
+            assert_eq!(choose_broadcast(MIB, n, None), Tree, "n={n}");
+        }
+        assert_eq!(choose_broadcast(4 * MIB, 2, None), Tree, "two ranks: one send either way");
+        for n in [3, 4] {
+            assert_eq!(choose_broadcast(MIB + 1, n, None), Chain, "n={n}");
+        }
+        assert_eq!(choose_broadcast(3 * MIB / 2, 8, None), Tree);
+        assert_eq!(choose_broadcast(3 * MIB / 2 + 1, 8, None), Chain);
+        assert_eq!(choose_broadcast(2 * MIB, 16, None), Tree);
+        assert_eq!(choose_broadcast(3 * MIB, 16, None), Chain);
+        assert_eq!(choose_broadcast(16 * MIB, 1024, None), Tree);
+        assert_eq!(choose_broadcast(64 * MIB, 1024, None), Chain);
+    }
+
+    #[test]
+    fn a_configured_algorithm_wins_at_every_size() {
+        for (bytes, n) in [(0, 1), (4, 2), (100 * KIB, 8), (1 << 30, 33)] {
+            for &a in AllreduceAlgorithm::ALL {
+                assert_eq!(choose_allreduce(bytes, n, true, Some(a)), a);
+            }
+            for &a in AllgatherAlgorithm::ALL {
+                assert_eq!(choose_allgather(bytes, n, Some(a)), a);
+            }
+            for &a in BroadcastAlgorithm::ALL {
+                assert_eq!(choose_broadcast(bytes, n, Some(a)), a);
+            }
+        }
+    }
+
+    #[test]
+    fn knob_values_parse_by_name_and_errors_list_the_accepted_ones() {
+        assert_eq!(AllreduceAlgorithm::parse_choice("auto"), Ok(None));
+        assert_eq!(AllreduceAlgorithm::parse_choice(" Recursive-Doubling "), Ok(Some(RecursiveDoubling)));
+        assert_eq!(AllreduceAlgorithm::parse_choice("rabenseifner"), Ok(Some(Rabenseifner)));
+        assert_eq!(AllgatherAlgorithm::parse_choice("BRUCK"), Ok(Some(AllgatherAlgorithm::Bruck)));
+        assert_eq!(BroadcastAlgorithm::parse_choice("chain"), Ok(Some(BroadcastAlgorithm::Chain)));
+        assert_eq!(
+            AllreduceAlgorithm::parse_choice("tree"),
+            Err("expected one of auto, recursive_doubling, rabenseifner, ring".to_string())
+        );
+        assert_eq!(BroadcastAlgorithm::parse_choice("ring"), Err("expected one of auto, tree, chain".to_string()));
+        assert_eq!(AllreduceAlgorithm::Rabenseifner.to_string(), "rabenseifner");
+    }
+}
