@@ -92,8 +92,9 @@ pub struct HierarchyChoice {
 
 /// Whether a hierarchical collective of `bytes` runs on a communicator laid out as `layout`. It applies
 /// where there are several hosts, all with the same number of ranks, more than one each; then it runs
-/// when forced, or by default above the size where the flat allreduce leaves recursive doubling (small
-/// buffers are latency-bound, and recursive doubling crosses hosts in as few steps). Depends only on the
+/// when forced, or by default above the size where the flat allreduce on up to 4 ranks leaves recursive
+/// doubling, 64 KiB (small buffers are latency-bound, and recursive doubling crosses hosts in as few
+/// steps). Depends only on the
 /// response and on what every rank agreed, so every rank takes the same path.
 fn hierarchical_pays(forced: Option<bool>, layout: &HostLayout, bytes: usize) -> bool {
     let applies = layout.hosts() > 1 && layout.is_homogeneous() && layout.members(0).len() > 1;

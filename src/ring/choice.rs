@@ -7,8 +7,13 @@
 //! (`RVOD_ALLREDUCE_ALGORITHM`, `RVOD_ALLGATHER_ALGORITHM`, `RVOD_BROADCAST_ALGORITHM`, parsed in
 //! `crate::config`), so every rank of a collective picks the same algorithm without talking.
 //!
-//! The constants come from timing each algorithm over the in-memory transport (ranks as threads, 2 shared
-//! cores, release build; the median of a few runs): see each constant for what was measured.
+//! The constants come from timing each algorithm over the in-memory transport (ranks as threads on a shared
+//! 2-core VM, release build, float32 sums; the median of 5 rounds; `measure_algorithms` in
+//! `tests/ring_algorithms.rs`, numbers in `docs/performance.md`): see each constant for what was measured.
+//! That transport has no wire latency and its ranks share two cores, so it shows what each algorithm
+//! costs in copies and reductions but understates what its number of steps costs over shared memory
+//! (a few microseconds each) or TCP (~22 us); where the two disagree the constants lean towards fewer
+//! steps.
 
 use std::fmt;
 
@@ -114,12 +119,19 @@ macro_rules! display_by_name {
 }
 display_by_name!(AllreduceAlgorithm, AllgatherAlgorithm, BroadcastAlgorithm);
 
-/// Allreduces of at most this many bytes use recursive doubling (any `n`): a handful of whole-buffer
-/// exchanges beat twice as many steps of pieces. Per link recursive doubling sends `log2(n) * S` bytes in
-/// `log2(n)` steps, the ring `2(n-1)/n * S` in `2(n-1)` steps; with TCP's ~22 us per step and ~1.5 GB/s
-/// links they cost the same near 100 KiB for n = 2..8. Measured over the in-memory transport (2 cores,
-/// n = 2 and 4), recursive doubling is 1.5-3x faster at 64 KiB and the ring 2x faster from 128-256 KiB.
+/// Allreduces of at most this many bytes on up to [`RING_ONLY_MAX_RANKS`] ranks use recursive doubling: a
+/// handful of whole-buffer exchanges beat twice as many steps of pieces. Per link recursive doubling sends
+/// `log2(n) * S` bytes in `log2(n)` steps, the ring `2(n-1)/n * S` in `2(n-1)` steps; with TCP's ~22 us per
+/// step and ~1.5 GB/s links they cost the same near 100 KiB for n = 2..8. Measured (n = 2 and 4) recursive
+/// doubling is 1.5-3x faster at 64 KiB and the ring 2x faster from 128-256 KiB.
 pub const RECURSIVE_DOUBLING_MAX_BYTES: usize = 64 * 1024;
+
+/// [`RECURSIVE_DOUBLING_MAX_BYTES`] on more than [`RING_ONLY_MAX_RANKS`] ranks, where Rabenseifner's is the
+/// alternative: recursive doubling sends `log2(n)` whole buffers, Rabenseifner's two in `2 log2(n)` steps.
+/// Measured, recursive doubling against Rabenseifner's (us): n = 5: 64 / 86 at 32 KiB, 112 / 102 at 64 KiB;
+/// n = 8: 78 / 90 at 16 KiB, 115 / 112 at 32 KiB, 185 / 157 at 64 KiB; n = 12: 193 / 193 at 32 KiB;
+/// n = 16: 245 / 292 at 16 KiB, 425 / 334 at 32 KiB, 908 / 476 at 64 KiB.
+pub const RECURSIVE_DOUBLING_MAX_BYTES_MANY_RANKS: usize = 32 * 1024;
 
 /// Two ranks over a transport with cheap hand-offs use the pipelined two-rank exchange from this size on:
 /// each rank moves and reduces half the buffer, reducing straight out of the channel, where recursive
@@ -128,21 +140,32 @@ pub const RECURSIVE_DOUBLING_MAX_BYTES: usize = 64 * 1024;
 /// second hand-off costs what the halving saves).
 pub const PIPELINE_THRESHOLD_BYTES: usize = 8 << 10;
 
-/// Above [`RECURSIVE_DOUBLING_MAX_BYTES`], allreduces on more than [`RING_ONLY_MAX_RANKS`] ranks use
-/// Rabenseifner's algorithm until each rank's ring block (`bytes / n`) reaches this size, the ring from
+/// Above [`RECURSIVE_DOUBLING_MAX_BYTES_MANY_RANKS`], allreduces on more than [`RING_ONLY_MAX_RANKS`] ranks
+/// use Rabenseifner's algorithm until each rank's ring block (`bytes / n`) reaches this size, the ring from
 /// there: Rabenseifner moves the ring's bytes in `2 log2(n)` steps instead of `2(n - 1)`, which matters
-/// while a step's latency is a good part of its cost.
-pub const RING_MIN_BLOCK_BYTES: usize = 256 * 1024;
+/// while a step's latency is a good part of its cost; the ring streams small blocks through the cache,
+/// which matters more for large buffers. Measured, Rabenseifner's against the ring (us): n = 5: 279 / 334
+/// at 256 KiB, 757 / 642 at 512 KiB; n = 6: 2811 / 3300 at 1 MiB; n = 8: 407 / 410 at 256 KiB, 11186 /
+/// 9989 at 1 MiB; n = 12: 376 / 616 at 128 KiB, 1634 / 1545 at 256 KiB; n = 16: 476 / 651 at 64 KiB, 1227 /
+/// 1087 at 128 KiB, 13037 / 7726 at 1 MiB: the crossing lies at blocks of 20-100 KiB with no wire
+/// latency, and later with it (16 ranks over TCP: 30 ring steps cost ~660 us more than 8).
+pub const RING_MIN_BLOCK_BYTES: usize = 64 * 1024;
 
-/// Up to this many ranks the ring's `2(n - 1)` steps are no more than Rabenseifner's (with its fold on 3
-/// ranks), so medium and large allreduces keep the ring.
+/// Up to this many ranks medium and large allreduces keep the ring as before: Rabenseifner's saves at most
+/// 2 steps there (none on 2 ranks; on 3 it adds a whole-buffer fold), and measured at n = 4 it is within
+/// the noise of the ring from 128 KiB to 4 MiB.
 pub const RING_ONLY_MAX_RANKS: usize = 4;
 
-/// Allgathers whose result is at most this many bytes use Bruck's algorithm.
-pub const BRUCK_MAX_BYTES: usize = 64 * 1024;
+/// Allgathers whose result is at most this many bytes per rank on more than 2 ranks use Bruck's algorithm
+/// (`ceil(log2 n)` steps against the ring's `n - 1`, so the limit grows with `n`); two ranks take one step
+/// either way. Measured, Bruck's against the ring (us, total result): n = 4: 28 / 34 at 16 KiB, 56 / 46 at
+/// 64 KiB; n = 8: 68 / 80 at 16 KiB, 124 / 116 at 64 KiB; n = 16: 233 / 243 at 16 KiB, 329 / 306 at 64 KiB,
+/// 1692 / 1105 at 256 KiB.
+pub const BRUCK_MAX_BYTES_PER_RANK: usize = 4 * 1024;
 
-/// Broadcasts of at most this many bytes go down the tree on any number of ranks. At this size the chain,
-/// with two chunks, is no slower than the tree for n = 3 and 4 (and identical at n = 2).
+/// Broadcasts of at most this many bytes go down the tree on any number of ranks (unchanged from before the
+/// choice depended on `n`). At this size the chain, with two chunks, is no slower than the tree for n = 3
+/// and 4 (and identical at n = 2).
 pub const BROADCAST_CHAIN_THRESHOLD_BYTES: usize = 1024 * 1024;
 
 /// Chunk forwarded at once along the broadcast chain: large enough that the per-step latency (~22 us over
@@ -150,8 +173,10 @@ pub const BROADCAST_CHAIN_THRESHOLD_BYTES: usize = 1024 * 1024;
 pub const BROADCAST_CHUNK_BYTES: usize = 512 * 1024;
 
 /// The allreduce of `bytes` on `n` ranks: `forced` if configured, else recursive doubling for small
-/// buffers, Rabenseifner's for medium ones on more than [`RING_ONLY_MAX_RANKS`] ranks, the ring for large
-/// ones. Two ranks with `cheap_handoffs` take the (pipelined) ring from [`PIPELINE_THRESHOLD_BYTES`].
+/// buffers ([`RECURSIVE_DOUBLING_MAX_BYTES`], or [`RECURSIVE_DOUBLING_MAX_BYTES_MANY_RANKS`] on more than
+/// [`RING_ONLY_MAX_RANKS`] ranks), Rabenseifner's for medium ones on more than [`RING_ONLY_MAX_RANKS`]
+/// ranks, the ring for large ones (from blocks of [`RING_MIN_BLOCK_BYTES`]). Two ranks with
+/// `cheap_handoffs` take the (pipelined) ring from [`PIPELINE_THRESHOLD_BYTES`].
 pub fn choose_allreduce(
     bytes: usize,
     n: usize,
@@ -164,9 +189,16 @@ pub fn choose_allreduce(
     if n == 2 && cheap_handoffs && bytes >= PIPELINE_THRESHOLD_BYTES {
         return AllreduceAlgorithm::Ring;
     }
-    if bytes <= RECURSIVE_DOUBLING_MAX_BYTES {
+    if n <= RING_ONLY_MAX_RANKS {
+        return if bytes <= RECURSIVE_DOUBLING_MAX_BYTES {
+            AllreduceAlgorithm::RecursiveDoubling
+        } else {
+            AllreduceAlgorithm::Ring
+        };
+    }
+    if bytes <= RECURSIVE_DOUBLING_MAX_BYTES_MANY_RANKS {
         AllreduceAlgorithm::RecursiveDoubling
-    } else if n <= RING_ONLY_MAX_RANKS || bytes / n >= RING_MIN_BLOCK_BYTES {
+    } else if bytes / n >= RING_MIN_BLOCK_BYTES {
         AllreduceAlgorithm::Ring
     } else {
         AllreduceAlgorithm::Rabenseifner
@@ -174,12 +206,12 @@ pub fn choose_allreduce(
 }
 
 /// The allgather of `total_bytes` (all ranks' blocks together) on `n` ranks: `forced` if configured, else
-/// Bruck's algorithm up to [`BRUCK_MAX_BYTES`], the ring above.
+/// Bruck's algorithm on more than 2 ranks up to [`BRUCK_MAX_BYTES_PER_RANK`] times `n`, the ring above.
 pub fn choose_allgather(total_bytes: usize, n: usize, forced: Option<AllgatherAlgorithm>) -> AllgatherAlgorithm {
     if let Some(forced) = forced {
         return forced;
     }
-    if n > 2 && total_bytes <= BRUCK_MAX_BYTES {
+    if n > 2 && total_bytes <= BRUCK_MAX_BYTES_PER_RANK.saturating_mul(n) {
         AllgatherAlgorithm::Bruck
     } else {
         AllgatherAlgorithm::Ring
@@ -189,8 +221,11 @@ pub fn choose_allgather(total_bytes: usize, n: usize, forced: Option<AllgatherAl
 /// The broadcast of `bytes` on `n` ranks: `forced` if configured, else the tree up to
 /// [`BROADCAST_CHAIN_THRESHOLD_BYTES`] and while it is faster, the chain above. The tree takes
 /// `ceil(log2 n)` whole-buffer rounds, the chain `n - 2 + k` steps of one of its `k` chunks, so the chain
-/// wins once `k (ceil(log2 n) - 1) > n - 2`: from 1 MiB up to n = 4, 1.5 MiB at n = 8, about 2.5 MiB at
-/// n = 16 and 58 MiB at n = 1,024.
+/// wins once `k (ceil(log2 n) - 1) > n - 2` where every rank has its own link: from 1 MiB up to n = 4,
+/// 1.5 MiB at n = 8, 2.5 MiB at n = 16 and 57 MiB at n = 1,024. (Over the in-memory transport on 2 shared
+/// cores, where the cores and not the links are the bottleneck, the chain was as fast or faster from
+/// 512 KiB-1 MiB at n = 4, 8 and 16; that cannot show the tree's parallel links, so this follows the
+/// model.)
 pub fn choose_broadcast(bytes: usize, n: usize, forced: Option<BroadcastAlgorithm>) -> BroadcastAlgorithm {
     if let Some(forced) = forced {
         return forced;
@@ -220,16 +255,17 @@ mod tests {
         for n in [2, 3, 4, 5, 8, 16, 1024] {
             assert_eq!(choose_allreduce(0, n, false, None), RecursiveDoubling, "n={n}");
             assert_eq!(choose_allreduce(4, n, true, None), RecursiveDoubling, "n={n}");
-            assert_eq!(choose_allreduce(64 * KIB, n, false, None), RecursiveDoubling, "n={n}");
+            assert_eq!(choose_allreduce(32 * KIB, n, false, None), RecursiveDoubling, "n={n}");
             assert_eq!(choose_allreduce(1 << 30, n, false, None), Ring, "n={n}");
         }
-        // Up to 4 ranks, as before: the ring above 64 KiB.
+        // Up to 4 ranks, as before: recursive doubling up to 64 KiB, the ring above.
         for n in 2..=4 {
+            assert_eq!(choose_allreduce(64 * KIB, n, false, None), RecursiveDoubling, "n={n}");
             assert_eq!(choose_allreduce(64 * KIB + 1, n, false, None), Ring, "n={n}");
         }
-        // More ranks: Rabenseifner until each rank's block reaches RING_MIN_BLOCK_BYTES.
+        // More ranks: Rabenseifner above 32 KiB until each rank's block reaches RING_MIN_BLOCK_BYTES.
         for n in [5, 8, 16, 33, 1024] {
-            assert_eq!(choose_allreduce(64 * KIB + 4, n, false, None), Rabenseifner, "n={n}");
+            assert_eq!(choose_allreduce(32 * KIB + 4, n, false, None), Rabenseifner, "n={n}");
             let ring_from = n * RING_MIN_BLOCK_BYTES;
             assert_eq!(choose_allreduce(ring_from - 4, n, false, None), Rabenseifner, "n={n}");
             assert_eq!(choose_allreduce(ring_from, n, false, None), Ring, "n={n}");
@@ -250,9 +286,12 @@ mod tests {
         assert_eq!(choose_allgather(100, 2, None), Ring, "two ranks: one step either way");
         for n in [3, 4, 7, 16, 1024] {
             assert_eq!(choose_allgather(0, n, None), Bruck, "n={n}");
-            assert_eq!(choose_allgather(BRUCK_MAX_BYTES, n, None), Bruck, "n={n}");
-            assert_eq!(choose_allgather(BRUCK_MAX_BYTES + 1, n, None), Ring, "n={n}");
+            assert_eq!(choose_allgather(n * 4 * KIB, n, None), Bruck, "n={n}");
+            assert_eq!(choose_allgather(n * 4 * KIB + 1, n, None), Ring, "n={n}");
         }
+        assert_eq!(choose_allgather(16 * KIB, 4, None), Bruck);
+        assert_eq!(choose_allgather(64 * KIB, 16, None), Bruck);
+        assert_eq!(choose_allgather(64 * KIB, 8, None), Ring);
     }
 
     #[test]
