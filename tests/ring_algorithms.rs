@@ -301,13 +301,13 @@ fn time_op(n: usize, bytes: usize, op: impl Fn(&mut MemoryTransport, &mut Vec<u8
 }
 
 /// The measurement behind the constants of `rvod::ring::choice`: each algorithm's time per op over the
-/// in-memory transport at n = 2, 4, 8, 16 (`cargo test --release --test ring_algorithms -- --ignored
+/// in-memory transport at n = 2 to 16 (`cargo test --release --test ring_algorithms -- --ignored
 /// --nocapture`).
 #[test]
 #[ignore = "timing, run by hand in release"]
 fn measure_algorithms() {
-    for n in [2, 4, 8, 16] {
-        for kib in [4, 16, 64, 128, 256, 512, 1024, 4096, 16384] {
+    for n in [2, 4, 5, 6, 8, 12, 16] {
+        for kib in [4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096] {
             let bytes = kib * 1024;
             let row: Vec<String> = AllreduceAlgorithm::ALL
                 .iter()
