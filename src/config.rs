@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use crate::launched::{BindAddress, LaunchEnv, LaunchPlan};
-use crate::ring::choice::{Named, Overrides};
+use crate::types::{AlgorithmOverrides, Named};
 
 /// Where this rank sits in the job and how to reach the others.
 #[derive(Clone, Debug, PartialEq)]
@@ -67,7 +67,7 @@ pub struct Config {
     /// `RVOD_ALLREDUCE_ALGORITHM`, `RVOD_ALLGATHER_ALGORITHM`, `RVOD_BROADCAST_ALGORITHM`: the flat algorithm
     /// each collective runs; `auto` (the default, `None`) chooses by size and number of ranks (see
     /// [`crate::ring::choice`]).
-    pub collective_algorithms: Overrides,
+    pub collective_algorithms: AlgorithmOverrides,
     /// `RVOD_COMPRESSION_WITHIN_HOST`: compressed allreduces (`hvd.Compression.int8`, `.onebit`,
     /// `.powersgd`) compress inside one host's shared memory too; by default they are exact there, since
     /// memory is faster than the compression, and compress only between hosts.
@@ -435,7 +435,7 @@ impl Config {
             thread_affinity,
             hierarchical_allreduce: env.optional_flag("HIERARCHICAL_ALLREDUCE")?,
             hierarchical_allgather: env.optional_flag("HIERARCHICAL_ALLGATHER")?,
-            collective_algorithms: Overrides {
+            collective_algorithms: AlgorithmOverrides {
                 allreduce: env.algorithm("ALLREDUCE_ALGORITHM")?,
                 allgather: env.algorithm("ALLGATHER_ALGORITHM")?,
                 broadcast: env.algorithm("BROADCAST_ALGORITHM")?,
@@ -826,15 +826,15 @@ mod tests {
 
     #[test]
     fn algorithm_knobs_force_an_algorithm_or_leave_the_choice() {
-        use crate::ring::choice::{AllgatherAlgorithm, AllreduceAlgorithm, BroadcastAlgorithm};
-        assert_eq!(config(&[]).unwrap().collective_algorithms, Overrides::default());
+        use crate::types::{AllgatherAlgorithm, AllreduceAlgorithm, BroadcastAlgorithm};
+        assert_eq!(config(&[]).unwrap().collective_algorithms, AlgorithmOverrides::default());
         let c = config(&[
             ("RVOD_ALLREDUCE_ALGORITHM", "rabenseifner"),
             ("RVOD_ALLGATHER_ALGORITHM", "Bruck"),
             ("RVOD_BROADCAST_ALGORITHM", "auto"),
         ])
         .unwrap();
-        let want = Overrides {
+        let want = AlgorithmOverrides {
             allreduce: Some(AllreduceAlgorithm::Rabenseifner),
             allgather: Some(AllgatherAlgorithm::Bruck),
             broadcast: None,

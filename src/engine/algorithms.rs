@@ -5,21 +5,23 @@
 
 use std::collections::HashSet;
 
-use crate::ring::choice::{self, AllgatherAlgorithm, AllreduceAlgorithm, BroadcastAlgorithm, Named, Overrides};
+use crate::ring::choice::{
+    self, AlgorithmOverrides, AllgatherAlgorithm, AllreduceAlgorithm, BroadcastAlgorithm, Named,
+};
 use crate::transport::Transport;
 use crate::types::CollectiveKind;
 
 /// One communicator's algorithm choices: the configured overrides and what was logged already.
 #[derive(Debug, Default)]
 pub struct Algorithms {
-    overrides: Overrides,
+    overrides: AlgorithmOverrides,
     /// How the log names the communicator ("the global process set", ...).
     communicator: String,
     announced: HashSet<(CollectiveKind, &'static str)>,
 }
 
 impl Algorithms {
-    pub fn new(overrides: Overrides, communicator: String) -> Algorithms {
+    pub fn new(overrides: AlgorithmOverrides, communicator: String) -> Algorithms {
         Algorithms { overrides, communicator, announced: HashSet::new() }
     }
 

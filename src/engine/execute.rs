@@ -203,7 +203,7 @@ impl Executor {
 
     /// This executor with the configured algorithm `overrides`, logging its choices under `communicator`'s
     /// name.
-    pub fn with_algorithms(self, overrides: ring::choice::Overrides, communicator: String) -> Executor {
+    pub fn with_algorithms(self, overrides: ring::choice::AlgorithmOverrides, communicator: String) -> Executor {
         Executor { algorithms: Algorithms::new(overrides, communicator), ..self }
     }
 
