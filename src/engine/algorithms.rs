@@ -54,7 +54,7 @@ impl Algorithms {
         let why = if forced { "configured" } else { "by size and number of ranks" };
         let (name, ranks, rank) = (kind.name(), t.size(), t.rank());
         let algorithm = algorithm.name();
-        let communicator = &self.communicator;
+        let communicator = if self.communicator.is_empty() { "this communicator" } else { &self.communicator };
         if rank == 0 {
             tracing::info!(
                 "{communicator}: {name} by {algorithm} ({why}; first at {bytes} bytes on {ranks} ranks, {})",

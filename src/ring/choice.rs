@@ -54,9 +54,9 @@ pub const RING_MIN_BLOCK_BYTES: usize = 64 * 1024;
 /// the noise of the ring from 128 KiB to 4 MiB.
 pub const RING_ONLY_MAX_RANKS: usize = 4;
 
-/// Allgathers whose result is at most this many bytes per rank on more than 2 ranks use Bruck's algorithm
-/// (`ceil(log2 n)` steps against the ring's `n - 1`, so the limit grows with `n`); two ranks take one step
-/// either way. Measured, Bruck's against the ring (us, total result): n = 4: 28 / 34 at 16 KiB, 56 / 46 at
+/// Allgathers whose result is at most this many bytes per rank on 4 or more ranks use Bruck's algorithm
+/// (`ceil(log2 n)` steps against the ring's `n - 1`, so the limit grows with `n`); 2 and 3 ranks take as
+/// many steps either way, and the ring copies less. Measured, Bruck's against the ring (us, total result): n = 4: 28 / 34 at 16 KiB, 56 / 46 at
 /// 64 KiB; n = 8: 68 / 80 at 16 KiB, 124 / 116 at 64 KiB; n = 16: 233 / 243 at 16 KiB, 329 / 306 at 64 KiB,
 /// 1692 / 1105 at 256 KiB.
 pub const BRUCK_MAX_BYTES_PER_RANK: usize = 4 * 1024;
@@ -104,12 +104,12 @@ pub fn choose_allreduce(
 }
 
 /// The allgather of `total_bytes` (all ranks' blocks together) on `n` ranks: `forced` if configured, else
-/// Bruck's algorithm on more than 2 ranks up to [`BRUCK_MAX_BYTES_PER_RANK`] times `n`, the ring above.
+/// Bruck's algorithm on 4 or more ranks up to [`BRUCK_MAX_BYTES_PER_RANK`] times `n`, the ring above.
 pub fn choose_allgather(total_bytes: usize, n: usize, forced: Option<AllgatherAlgorithm>) -> AllgatherAlgorithm {
     if let Some(forced) = forced {
         return forced;
     }
-    if n > 2 && total_bytes <= BRUCK_MAX_BYTES_PER_RANK.saturating_mul(n) {
+    if n >= 4 && total_bytes <= BRUCK_MAX_BYTES_PER_RANK.saturating_mul(n) {
         AllgatherAlgorithm::Bruck
     } else {
         AllgatherAlgorithm::Ring
@@ -179,10 +179,11 @@ mod tests {
     }
 
     #[test]
-    fn allgathers_use_bruck_for_small_results_on_more_than_two_ranks() {
+    fn allgathers_use_bruck_for_small_results_on_four_or_more_ranks() {
         use AllgatherAlgorithm::{Bruck, Ring};
         assert_eq!(choose_allgather(100, 2, None), Ring, "two ranks: one step either way");
-        for n in [3, 4, 7, 16, 1024] {
+        assert_eq!(choose_allgather(100, 3, None), Ring, "three ranks: two steps either way");
+        for n in [4, 5, 7, 16, 1024] {
             assert_eq!(choose_allgather(0, n, None), Bruck, "n={n}");
             assert_eq!(choose_allgather(n * 4 * KIB, n, None), Bruck, "n={n}");
             assert_eq!(choose_allgather(n * 4 * KIB + 1, n, None), Ring, "n={n}");
