@@ -7,6 +7,7 @@
 use std::time::Duration;
 
 use crate::launched::{BindAddress, LaunchEnv, LaunchPlan};
+use crate::types::{AlgorithmOverrides, Named};
 
 /// Where this rank sits in the job and how to reach the others.
 #[derive(Clone, Debug, PartialEq)]
@@ -63,6 +64,10 @@ pub struct Config {
     /// algorithm on or off where a communicator spans hosts; `None` lets the executor choose.
     pub hierarchical_allreduce: Option<bool>,
     pub hierarchical_allgather: Option<bool>,
+    /// `RVOD_ALLREDUCE_ALGORITHM`, `RVOD_ALLGATHER_ALGORITHM`, `RVOD_BROADCAST_ALGORITHM`: the flat algorithm
+    /// each collective runs; `auto` (the default, `None`) chooses by size and number of ranks (see
+    /// [`crate::ring::choice`]).
+    pub collective_algorithms: AlgorithmOverrides,
     /// `RVOD_COMPRESSION_WITHIN_HOST`: compressed allreduces (`hvd.Compression.int8`, `.onebit`,
     /// `.powersgd`) compress inside one host's shared memory too; by default they are exact there, since
     /// memory is faster than the compression, and compress only between hosts.
@@ -317,6 +322,14 @@ impl<F: Fn(&str) -> Option<String>> EnvReader<F> {
         }
     }
 
+    /// A collective's algorithm by name, or `auto` (`None`, also when unset).
+    fn algorithm<A: Named>(&self, key: &str) -> Result<Option<A>, ConfigError> {
+        match self.raw(key) {
+            None => Ok(None),
+            Some((name, value)) => A::parse_choice(&value).map_err(|reason| Self::error(name, value, &reason)),
+        }
+    }
+
     fn string(&self, key: &str) -> Option<String> {
         self.raw(key).map(|(_, v)| v)
     }
@@ -438,6 +451,11 @@ impl Config {
             thread_affinity,
             hierarchical_allreduce: env.optional_flag("HIERARCHICAL_ALLREDUCE")?,
             hierarchical_allgather: env.optional_flag("HIERARCHICAL_ALLGATHER")?,
+            collective_algorithms: AlgorithmOverrides {
+                allreduce: env.algorithm("ALLREDUCE_ALGORITHM")?,
+                allgather: env.algorithm("ALLGATHER_ALGORITHM")?,
+                broadcast: env.algorithm("BROADCAST_ALGORITHM")?,
+            },
             compression_within_host: env.flag("COMPRESSION_WITHIN_HOST")?,
             compression_warmup_steps: env.usize("COMPRESSION_WARMUP_STEPS", 0)? as u64,
             negotiation: negotiation(&env)?,
@@ -843,6 +861,41 @@ mod tests {
         assert_eq!((c.hierarchical_allreduce, c.hierarchical_allgather), (Some(true), Some(false)));
         let err = config(&[("RVOD_HIERARCHICAL_ALLGATHER", "sometimes")]).unwrap_err();
         assert_eq!(err.name, "RVOD_HIERARCHICAL_ALLGATHER");
+    }
+
+    #[test]
+    fn algorithm_knobs_force_an_algorithm_or_leave_the_choice() {
+        use crate::types::{AllgatherAlgorithm, AllreduceAlgorithm, BroadcastAlgorithm};
+        assert_eq!(config(&[]).unwrap().collective_algorithms, AlgorithmOverrides::default());
+        let c = config(&[
+            ("RVOD_ALLREDUCE_ALGORITHM", "rabenseifner"),
+            ("RVOD_ALLGATHER_ALGORITHM", "Bruck"),
+            ("RVOD_BROADCAST_ALGORITHM", "auto"),
+        ])
+        .unwrap();
+        let want = AlgorithmOverrides {
+            allreduce: Some(AllreduceAlgorithm::Rabenseifner),
+            allgather: Some(AllgatherAlgorithm::Bruck),
+            broadcast: None,
+        };
+        assert_eq!(c.collective_algorithms, want);
+        let c = config(&[("RVOD_ALLREDUCE_ALGORITHM", "recursive_doubling"), ("RVOD_BROADCAST_ALGORITHM", "chain")]);
+        let c = c.unwrap().collective_algorithms;
+        assert_eq!(c.allreduce, Some(AllreduceAlgorithm::RecursiveDoubling));
+        assert_eq!(c.broadcast, Some(BroadcastAlgorithm::Chain));
+        let err = config(&[("RVOD_ALLREDUCE_ALGORITHM", "tree")]).unwrap_err();
+        assert_eq!(err.name, "RVOD_ALLREDUCE_ALGORITHM");
+        assert_eq!(err.reason, "expected one of auto, recursive_doubling, rabenseifner, ring");
+        let err = config(&[("RVOD_ALLGATHER_ALGORITHM", "ring2")]).unwrap_err();
+        assert_eq!(
+            (err.name.as_str(), err.reason.as_str()),
+            ("RVOD_ALLGATHER_ALGORITHM", "expected one of auto, bruck, ring")
+        );
+        let err = config(&[("RVOD_BROADCAST_ALGORITHM", "ring")]).unwrap_err();
+        assert_eq!(
+            (err.name.as_str(), err.reason.as_str()),
+            ("RVOD_BROADCAST_ALGORITHM", "expected one of auto, tree, chain")
+        );
     }
 
     #[test]

@@ -1,4 +1,5 @@
-//! Element types, reduce operations and collective kinds shared by every layer.
+//! Element types, reduce operations, collective kinds and the names of the collective algorithms shared by
+//! every layer.
 //!
 //! The numeric values of [`ReduceOp`] are Horovod's (`Average=0, Sum=1, Adasum=2, Min=3, Max=4, Product=5`),
 //! and [`DataType`] and [`Compression`] codes are stable wire values: they cross the network and the Python
@@ -279,6 +280,109 @@ impl fmt::Display for CollectiveKind {
         f.write_str(self.name())
     }
 }
+
+/// How an allreduce combines the ranks' buffers (chosen by `crate::ring::choice`, or configured).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum AllreduceAlgorithm {
+    /// `log2(n)` exchanges of the whole buffer: fewest steps, most bytes.
+    RecursiveDoubling,
+    /// Reduce-scatter by recursive halving, then allgather by recursive doubling: `2 log2(n)` steps and
+    /// the ring's bytes (ranks beyond the largest power of two fold their buffer onto a partner first).
+    Rabenseifner,
+    /// Reduce-scatter and allgather around the ring: `2(n - 1)` steps, bandwidth-optimal; on two ranks over
+    /// shared memory, the pipelined two-rank exchange (the same schedule, in pieces).
+    Ring,
+}
+
+/// How an allgather(v) collects the ranks' blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum AllgatherAlgorithm {
+    /// Bruck's algorithm: `ceil(log2 n)` steps, any `n`, blocks of any size.
+    Bruck,
+    /// `n - 1` steps around the ring, each block written straight into its place.
+    Ring,
+}
+
+/// How a broadcast spreads the root's buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BroadcastAlgorithm {
+    /// `ceil(log2 n)` rounds, each a whole-buffer send.
+    Tree,
+    /// Root -> root+1 -> ... in pipelined chunks: about `S / bandwidth` once the pipeline is full.
+    Chain,
+}
+
+/// The configured algorithm per collective; `None`: chosen by size and number of ranks (see
+/// `crate::ring::choice`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AlgorithmOverrides {
+    pub allreduce: Option<AllreduceAlgorithm>,
+    pub allgather: Option<AllgatherAlgorithm>,
+    pub broadcast: Option<BroadcastAlgorithm>,
+}
+
+/// An algorithm's name in knobs, logs and the timeline, and its parsing from a knob's value.
+pub trait Named: Sized + Copy + 'static {
+    /// Every algorithm of the kind.
+    const ALL: &'static [Self];
+    fn name(self) -> &'static str;
+
+    /// `auto` (`None`) or one of [`Named::ALL`] by name (case and `-`/`_` ignored); `Err` lists the
+    /// accepted values.
+    fn parse_choice(value: &str) -> Result<Option<Self>, String> {
+        let wanted = value.trim().to_ascii_lowercase().replace('-', "_");
+        if wanted == "auto" {
+            return Ok(None);
+        }
+        if let Some(found) = Self::ALL.iter().find(|a| a.name() == wanted) {
+            return Ok(Some(*found));
+        }
+        let names: Vec<&str> = std::iter::once("auto").chain(Self::ALL.iter().map(|a| a.name())).collect();
+        Err(format!("expected one of {}", names.join(", ")))
+    }
+}
+
+impl Named for AllreduceAlgorithm {
+    const ALL: &'static [Self] = &[Self::RecursiveDoubling, Self::Rabenseifner, Self::Ring];
+    fn name(self) -> &'static str {
+        match self {
+            Self::RecursiveDoubling => "recursive_doubling",
+            Self::Rabenseifner => "rabenseifner",
+            Self::Ring => "ring",
+        }
+    }
+}
+
+impl Named for AllgatherAlgorithm {
+    const ALL: &'static [Self] = &[Self::Bruck, Self::Ring];
+    fn name(self) -> &'static str {
+        match self {
+            Self::Bruck => "bruck",
+            Self::Ring => "ring",
+        }
+    }
+}
+
+impl Named for BroadcastAlgorithm {
+    const ALL: &'static [Self] = &[Self::Tree, Self::Chain];
+    fn name(self) -> &'static str {
+        match self {
+            Self::Tree => "tree",
+            Self::Chain => "chain",
+        }
+    }
+}
+
+macro_rules! display_by_name {
+    ($($kind:ty),*) => {$(
+        impl fmt::Display for $kind {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(self.name())
+            }
+        }
+    )*};
+}
+display_by_name!(AllreduceAlgorithm, AllgatherAlgorithm, BroadcastAlgorithm);
 
 #[cfg(test)]
 mod tests {

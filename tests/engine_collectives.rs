@@ -339,3 +339,40 @@ fn values_set_by_hand_on_rank_0_apply_on_every_rank_after_the_same_round() {
         assert!(applied[0][0].round >= 1);
     });
 }
+
+#[test]
+fn configured_algorithms_run_and_give_the_same_results() {
+    over_every_transport(|| {
+        let forced = [
+            ("RVOD_ALLREDUCE_ALGORITHM", "rabenseifner"),
+            ("RVOD_ALLGATHER_ALGORITHM", "bruck"),
+            ("RVOD_BROADCAST_ALGORITHM", "chain"),
+        ];
+        let (engines, _server) = start_job(3, &forced);
+        // Large enough not to ride in the round headers.
+        let count = 30_001;
+        let outs = on_every_rank(&engines, |rank, engine| {
+            let mut results = Vec::new();
+            let mut r = f32_bytes(&vec![rank as f32 + 1.0; count]);
+            results.push(wait(engine, engine.submit(allreduce("r", &mut r, count as i64, ReduceOp::Sum), 0).unwrap()));
+            let rows = (rank + 1) * 5_000;
+            let mut g = f32_bytes(&vec![rank as f32; rows * 2]);
+            let mut sub = OpSubmission::new(CollectiveKind::Allgather);
+            sub.tensors.push(tensor("g", &mut g, DataType::Float32, vec![rows as i64, 2]));
+            results.push(wait(engine, engine.submit(sub, 0).unwrap()));
+            let mut b = f32_bytes(&vec![rank as f32; count]);
+            let mut sub = OpSubmission::new(CollectiveKind::Broadcast);
+            sub.params.root_rank = 1;
+            sub.tensors.push(tensor("b", &mut b, DataType::Float32, vec![count as i64]));
+            results.push(wait(engine, engine.submit(sub, 0).unwrap()));
+            results.into_iter().map(|r| r.unwrap()).collect::<Vec<_>>()
+        });
+        for results in &outs {
+            let data = |i: usize| as_f32(results[i].tensors[0].as_ref().unwrap().buffer.as_slice());
+            assert_eq!(data(0), vec![6.0; count]);
+            let gathered: Vec<f32> = (0..3).flat_map(|r| vec![r as f32; (r + 1) * 5_000 * 2]).collect();
+            assert_eq!(data(1), gathered);
+            assert_eq!(data(2), vec![1.0; count]);
+        }
+    });
+}

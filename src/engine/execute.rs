@@ -7,6 +7,7 @@
 //! per-tensor result.
 
 use crate::coordinator::negotiation::EagerOp;
+use crate::engine::algorithms::Algorithms;
 use crate::engine::execute_compressed;
 use crate::engine::table::TensorEntry;
 use crate::error::EngineError;
@@ -16,6 +17,7 @@ use crate::fusion::tensor_io::{Produced, TensorIo, TensorMemory};
 use crate::gpu::tensor::{DeviceDone, DeviceOutput};
 use crate::protocol::message::{shape_elements, Response, ResponseEntry};
 use crate::ring;
+use crate::ring::choice::Named;
 use crate::ring::compressed::{self, Feedback};
 use crate::ring::hierarchical::Step;
 use crate::ring::staged::{OwnPiece, StagedAllreduce};
@@ -76,6 +78,8 @@ pub struct Executor {
     compressed_values: Vec<f32>,
     /// How compressed allreduces run (the configuration's choices).
     compression: compressed::Settings,
+    /// Which flat algorithm each allreduce, allgather and broadcast runs.
+    algorithms: Algorithms,
 }
 
 /// Whether allreduce and allgather take the hierarchical algorithms on communicators that span hosts:
@@ -88,19 +92,22 @@ pub struct HierarchyChoice {
 
 /// Whether a hierarchical collective of `bytes` runs on a communicator laid out as `layout`. It applies
 /// where there are several hosts, all with the same number of ranks, more than one each; then it runs
-/// when forced, or by default above the size where the flat allreduce leaves recursive doubling (small
-/// buffers are latency-bound, and recursive doubling crosses hosts in as few steps). Depends only on the
+/// when forced, or by default above the size where the flat allreduce on up to 4 ranks leaves recursive
+/// doubling, 64 KiB (small buffers are latency-bound, and recursive doubling crosses hosts in as few
+/// steps). Depends only on the
 /// response and on what every rank agreed, so every rank takes the same path.
 fn hierarchical_pays(forced: Option<bool>, layout: &HostLayout, bytes: usize) -> bool {
     let applies = layout.hosts() > 1 && layout.is_homogeneous() && layout.members(0).len() > 1;
-    applies && forced.unwrap_or(bytes > ring::RING_THRESHOLD_BYTES)
+    applies && forced.unwrap_or(bytes > ring::choice::RECURSIVE_DOUBLING_MAX_BYTES)
 }
 
-/// Allreduce `buf` with the algorithm `forced` and the communicator's layout call for; with a `src`, out of
-/// place: `buf` gets the result of reducing `src`, which is left as it is.
+/// Allreduce `buf` with the algorithm `forced`, the communicator's layout and `algorithms` call for; with a
+/// `src`, out of place: `buf` gets the result of reducing `src`, which is left as it is.
+#[allow(clippy::too_many_arguments)]
 fn allreduce_buffer(
     t: &mut dyn Transport,
     forced: Option<bool>,
+    algorithms: &mut Algorithms,
     src: Option<&[u8]>,
     buf: &mut [u8],
     dtype: DataType,
@@ -117,11 +124,9 @@ fn allreduce_buffer(
             return ring::hierarchical::allreduce(parts, buf, dtype, combine, &mut on_step);
         }
     }
-    match src {
-        Some(src) => ring::allreduce_into(t, src, buf, dtype, combine)?,
-        None => ring::allreduce(t, buf, dtype, combine)?,
-    }
-    phases.mark_collective();
+    let algorithm = algorithms.allreduce(t, buf.len());
+    ring::allreduce_by(t, src, buf, dtype, combine, algorithm)?;
+    phases.mark_algorithm(algorithm.name());
     Ok(())
 }
 
@@ -196,6 +201,12 @@ impl Executor {
         Executor { hierarchy, compression, ..Executor::default() }
     }
 
+    /// This executor with the configured algorithm `overrides`, logging its choices under `communicator`'s
+    /// name.
+    pub fn with_algorithms(self, overrides: ring::choice::AlgorithmOverrides, communicator: String) -> Executor {
+        Executor { algorithms: Algorithms::new(overrides, communicator), ..self }
+    }
+
     /// Number of tensors whose compression state (residuals, PowerSGD factors) this executor keeps.
     pub fn compressed_tensors(&self) -> usize {
         self.feedback.tensors()
@@ -238,9 +249,14 @@ impl Executor {
             CollectiveKind::Allgather => {
                 // An allgather marks its own phases (a hierarchical one has three).
                 let forced = self.hierarchy.allgather;
-                return each(entries, |e| allgather(t, forced, response, e, phases));
+                let algorithms = &mut self.algorithms;
+                return each(entries, |e| allgather(t, forced, algorithms, response, e, phases));
             }
-            CollectiveKind::Broadcast => each(entries, |e| broadcast(t, response, e)),
+            CollectiveKind::Broadcast => {
+                // A broadcast marks its phase with its algorithm.
+                let algorithms = &mut self.algorithms;
+                return each(entries, |e| broadcast(t, algorithms, response, e, phases));
+            }
             CollectiveKind::Alltoall => each(entries, |e| alltoall(t, response, e)),
             CollectiveKind::Reducescatter => {
                 let size = t.size();
@@ -297,7 +313,7 @@ impl Executor {
         let plain_single = matches!(response.entries.as_slice(), [spec] if !spec.packed);
         let staged = staging_pays(t, total, plain_single);
         if let ([entry], [spec], true, false) = (&mut *entries, response.entries.as_slice(), plain_single, staged) {
-            return Ok(vec![Ok(allreduce_single(t, &reduction, entry, spec, phases)?)]);
+            return Ok(vec![Ok(allreduce_single(t, &reduction, &mut self.algorithms, entry, spec, phases)?)]);
         }
         let unscaled = reduction.prescale == 1.0 && reduction.postscale == 1.0;
         if t.size() == 1 && unscaled && entries.iter().all(|e| e.as_ref().map_or(true, |e| e.in_place)) {
@@ -312,7 +328,8 @@ impl Executor {
         if staged {
             allreduce_staged(t, &reduction, &mut tensors, slots, total, phases)?;
         } else {
-            allreduce_fused(t, &reduction, &mut tensors, slots, self.fusion_buffer(total), phases)?;
+            let buffer = grown(&mut self.fusion_buffer, total);
+            allreduce_fused(t, &reduction, &mut self.algorithms, &mut tensors, slots, buffer, phases)?;
         }
         Ok(tensors.into_iter().map(|io| Ok(io.finish().into())).collect())
     }
@@ -332,6 +349,7 @@ struct Reduction {
 fn allreduce_single(
     t: &mut dyn Transport,
     reduction: &Reduction,
+    algorithms: &mut Algorithms,
     entry: &mut Option<TensorEntry>,
     spec: &ResponseEntry,
     phases: &mut OpRecord,
@@ -354,7 +372,7 @@ fn allreduce_single(
         None => owned.insert(AlignedBuffer::zeroed(len)).as_mut_slice(),
     };
     ring::scale_in_place(buf, dtype, prescale);
-    allreduce_buffer(t, forced, src, buf, dtype, combine, phases)?;
+    allreduce_buffer(t, forced, algorithms, src, buf, dtype, combine, phases)?;
     ring::scale_in_place(buf, dtype, postscale);
     let out = match (entry, owned) {
         (Some(e), Some(b)) if !e.in_place => output(b, spec.shape.clone(), dtype),
@@ -408,6 +426,7 @@ fn allreduce_staged(
 fn allreduce_fused(
     t: &mut dyn Transport,
     reduction: &Reduction,
+    algorithms: &mut Algorithms,
     tensors: &mut [TensorIo<'_>],
     slots: &[FusionSlot],
     buffer: &mut [u8],
@@ -417,7 +436,7 @@ fn allreduce_fused(
     gather(tensors, slots, 0, buffer);
     ring::scale_in_place(buffer, dtype, prescale);
     phases.mark(Stage::MemcpyInFusionBuffer);
-    allreduce_buffer(t, forced, None, buffer, dtype, combine, phases)?;
+    allreduce_buffer(t, forced, algorithms, None, buffer, dtype, combine, phases)?;
     ring::scale_in_place(buffer, dtype, postscale);
     scatter(tensors, slots, 0, buffer);
     phases.mark(Stage::MemcpyOutFusionBuffer);
@@ -619,6 +638,7 @@ fn each(
 fn allgather(
     t: &mut dyn Transport,
     forced: Option<bool>,
+    algorithms: &mut Algorithms,
     response: &Response,
     entry: &mut TensorEntry,
     phases: &mut OpRecord,
@@ -649,8 +669,9 @@ fn allgather(
             )?
         }
         _ => {
-            ring::allgatherv(t, entry.input.as_slice(), out.as_mut_slice(), &bytes_per_rank)?;
-            phases.mark_collective();
+            let algorithm = algorithms.allgather(t, out.len());
+            ring::allgatherv_by(t, entry.input.as_slice(), out.as_mut_slice(), &bytes_per_rank, algorithm)?;
+            phases.mark_algorithm(algorithm.name());
         }
     }
     Ok(Ok(TensorResult { output: output(out, spec.allgather_shape(), dtype), ..TensorResult::default() }))
@@ -658,12 +679,16 @@ fn allgather(
 
 fn broadcast(
     t: &mut dyn Transport,
+    algorithms: &mut Algorithms,
     response: &Response,
     entry: &mut TensorEntry,
+    phases: &mut OpRecord,
 ) -> Result<Result<TensorResult, EngineError>, TransportError> {
     let root = response.root_rank.max(0) as usize;
+    let algorithm = algorithms.broadcast(t, entry.input.len());
     if entry.in_place {
-        ring::broadcast(t, entry.input.as_mut_slice(), root)?;
+        ring::broadcast_by(t, entry.input.as_mut_slice(), root, algorithm)?;
+        phases.mark_algorithm(algorithm.name());
         return Ok(Ok(TensorResult::default()));
     }
     let mut out = if t.rank() == root {
@@ -671,7 +696,8 @@ fn broadcast(
     } else {
         AlignedBuffer::for_overwrite(entry.input.len())
     };
-    ring::broadcast(t, out.as_mut_slice(), root)?;
+    ring::broadcast_by(t, out.as_mut_slice(), root, algorithm)?;
+    phases.mark_algorithm(algorithm.name());
     Ok(Ok(TensorResult {
         output: output(out, entry.request.params.shape.clone(), response.dtype),
         ..TensorResult::default()

@@ -12,8 +12,9 @@
 //!   error names those that did not.
 //!
 //! A communicator's loop, bottom to top (each uses only those above it in this list):
-//! - [`table`]: the tensors submitted on this rank and not yet completed; [`execute`]: running one agreed
-//!   response (packing fused tensors through [`crate::fusion`]); [`gpu_route`]: the way a process set's
+//! - [`table`]: the tensors submitted on this rank and not yet completed; [`algorithms`]: which flat
+//!   algorithm each allreduce, allgather and broadcast runs, logged once per choice; [`execute`]: running one
+//!   agreed response (packing fused tensors through [`crate::fusion`]); [`gpu_route`]: the way a process set's
 //!   GPU collectives travel, agreed by its members (NCCL or host staging); [`execute_nccl`]: one whose
 //!   tensors are on GPUs, through NCCL; [`execute_device`]: one whose tensors are on GPUs, on the set's
 //!   route (through [`execute_nccl`], or staged through pinned host memory around [`execute`]);
@@ -32,6 +33,7 @@
 //! with a result or an error, including when the engine stops or fails.
 
 pub mod affinity;
+pub mod algorithms;
 pub mod communicator;
 pub mod connect;
 pub mod driver;

@@ -118,7 +118,8 @@ impl Loop {
                 within_host: config.compression_within_host,
                 warmup_steps: config.compression_warmup_steps,
             },
-        );
+        )
+        .with_algorithms(config.collective_algorithms, shared.describe());
         let autotune = match &config.autotune {
             Some(settings) if shared.set_id == 0 && transport.rank() == 0 && transport.size() > 1 => {
                 let initial = TunedValues {

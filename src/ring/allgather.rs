@@ -1,22 +1,41 @@
 //! Allgather with per-rank sizes: every rank ends with all ranks' blocks, concatenated in rank order.
 //!
-//! Ring algorithm: `n - 1` steps, each forwarding the block received in the previous step to the right
+//! Two algorithms, chosen by the result's size and the number of ranks ([`choose_allgather`]) or forced by
+//! the configuration: Bruck's (see [`bruck`](super::bruck)), `ceil(log2 n)` steps, for small results; the
+//! ring for large ones: `n - 1` steps, each forwarding the block received in the previous step to the right
 //! neighbour while the next block arrives from the left straight into its final place.
 //! `allgather_ring` is also the second half of the large-message allreduce.
+//!
+//! [`choose_allgather`]: crate::ring::choice::choose_allgather
 
 use crate::ring::args::{expect_len, invalid_argument};
+use crate::ring::bruck::allgather_bruck;
+use crate::ring::choice::{choose_allgather, AllgatherAlgorithm};
 use crate::ring::chunks::{allgather_step, Blocks};
 use crate::ring::disjoint::read_write_pair;
 use crate::tensor::{copy_streaming, STREAMING_MIN_BYTES};
 use crate::transport::{Transport, TransportError};
 
 /// Gather every rank's `send` into `recv` in rank order; rank `r` contributes `bytes_per_rank[r]` bytes
-/// (possibly 0) and `recv.len()` is their sum.
+/// (possibly 0) and `recv.len()` is their sum. The algorithm is the one the total size and the number of
+/// ranks call for.
 pub fn allgatherv(
     t: &mut dyn Transport,
     send: &[u8],
     recv: &mut [u8],
     bytes_per_rank: &[usize],
+) -> Result<(), TransportError> {
+    let algorithm = choose_allgather(recv.len(), t.size(), None);
+    allgatherv_by(t, send, recv, bytes_per_rank, algorithm)
+}
+
+/// [`allgatherv`] by `algorithm` (every rank must pass the same).
+pub fn allgatherv_by(
+    t: &mut dyn Transport,
+    send: &[u8],
+    recv: &mut [u8],
+    bytes_per_rank: &[usize],
+    algorithm: AllgatherAlgorithm,
 ) -> Result<(), TransportError> {
     const OP: &str = "allgatherv";
     let rank = t.rank();
@@ -35,7 +54,10 @@ pub fn allgatherv(
         own.copy_from_slice(send);
     }
     if t.size() > 1 && blocks.total() > 0 {
-        ring(t, recv, &blocks, streaming)?;
+        match algorithm {
+            AllgatherAlgorithm::Bruck => allgather_bruck(t, recv, &blocks)?,
+            AllgatherAlgorithm::Ring => ring(t, recv, &blocks, streaming)?,
+        }
     }
     Ok(())
 }

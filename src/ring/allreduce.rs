@@ -1,19 +1,24 @@
 //! Allreduce: every rank's buffer becomes the element-wise combination of all ranks' buffers, with
 //! bitwise identical results on every rank.
 //!
-//! Small buffers use recursive doubling: `log2(n)` whole-buffer exchanges, with the ranks beyond the
-//! largest power of two first folding their data onto a partner and getting the result back at the end.
-//! Partners always combine in rank order (lower rank's operand on the left), so both compute the same
-//! expression on the same bits even where `a ⊕ b` and `b ⊕ a` differ (NaN payloads). Large buffers use
-//! the bandwidth-optimal ring: reduce-scatter, where each block is combined along one chain, then
-//! allgather, which copies the finished blocks to everyone. Two ranks over a transport with cheap hand-offs
-//! (shared memory; see [`Capabilities`]) pipeline the two phases instead (see [`two_ranks_pipelined`]).
+//! Three algorithms, chosen by size and number of ranks ([`choose_allreduce`]) or forced by the
+//! configuration. Recursive doubling: `log2(n)` whole-buffer exchanges, with the ranks beyond the largest
+//! power of two first folding their data onto a partner and getting the result back at the end. Partners
+//! always combine in rank order (lower rank's operand on the left), so both compute the same expression on
+//! the same bits even where `a ⊕ b` and `b ⊕ a` differ (NaN payloads). Rabenseifner's (see
+//! [`rabenseifner`](super::rabenseifner)): recursive halving, then recursive doubling of the pieces. The
+//! bandwidth-optimal ring: reduce-scatter, where each block is combined along one chain, then allgather,
+//! which copies the finished blocks to everyone. Two ranks over a transport with cheap hand-offs (shared
+//! memory; see [`Capabilities`]) pipeline the ring's two phases instead (see [`two_ranks_pipelined`]).
 //!
 //! [`Capabilities`]: crate::transport::Capabilities
+//! [`choose_allreduce`]: crate::ring::choice::choose_allreduce
 
 use crate::ring::allgather::allgather_ring;
 use crate::ring::args::invalid_argument;
+use crate::ring::choice::{choose_allreduce, AllreduceAlgorithm};
 use crate::ring::chunks::Blocks;
+use crate::ring::rabenseifner::rabenseifner;
 use crate::ring::reduce::reduce_into;
 use crate::ring::reducescatter::reduce_scatter_ring;
 use crate::ring::streaming::StreamingReducer;
@@ -21,44 +26,26 @@ use crate::tensor::{copy_streaming, STREAMING_MIN_BYTES};
 use crate::transport::{Transport, TransportError};
 use crate::types::{Combine, DataType};
 
-/// Buffers of at most this many bytes use recursive doubling, larger ones the ring. Per link, recursive
-/// doubling sends `log2(n) * S` bytes in `log2(n)` steps and the ring `2(n-1)/n * S` in `2(n-1)` steps; with
-/// TCP's ~22 us per step and ~1.5 GB/s links they cost the same near 100 KiB for n = 2..8. Measured over the
-/// in-memory transport (2 cores, n = 2 and 4), recursive doubling is 1.5-3x faster at 64 KiB and the ring
-/// 2x faster from 128-256 KiB.
-pub const RING_THRESHOLD_BYTES: usize = 64 * 1024;
-
-/// Two ranks over a transport with cheap hand-offs use [`two_ranks_pipelined`] from this size on: each rank
-/// moves and reduces half the buffer, reducing straight out of the channel, where recursive doubling
-/// exchanges and reduces all of it through a scratch copy (2 ranks over shared memory, this VM, 64 KiB in
-/// place: 17.6 -> 12.3 us in cache, 26.8 -> 19.9 us from DRAM; no change at 16 KiB, where the second
-/// hand-off costs what the halving saves).
-pub const PIPELINE_THRESHOLD_BYTES: usize = 8 << 10;
-
 /// Piece of the pipelined two-rank allreduce: small enough that a reduced piece is still in cache when it
 /// is sent back, large enough that the two hand-offs per piece cost little (a few microseconds over
 /// shared memory, which is why TCP, with ~22 us per hand-off, keeps the ring).
 const PIPELINE_PIECE_BYTES: usize = 256 * 1024;
 
-/// Combine `buf` element-wise across all ranks, in place.
+/// Combine `buf` element-wise across all ranks, in place, by the algorithm its size and the number of
+/// ranks call for.
 pub fn allreduce(
     t: &mut dyn Transport,
     buf: &mut [u8],
     dtype: DataType,
     combine: Combine,
 ) -> Result<(), TransportError> {
-    check_whole_elements(t, buf.len(), dtype)?;
-    if t.size() == 2 && buf.len() >= PIPELINE_THRESHOLD_BYTES && t.capabilities().cheap_handoffs {
-        return two_ranks_pipelined(t, None, buf, dtype, combine);
-    }
-    allreduce_general(t, buf, dtype, combine)
+    let algorithm = choose_allreduce(buf.len(), t.size(), t.capabilities().cheap_handoffs, None);
+    allreduce_by(t, None, buf, dtype, combine, algorithm)
 }
 
 /// Combine `src` element-wise across all ranks into `dst` (of the same length), leaving `src` as it is:
-/// the same bits as copying `src` into `dst` and reducing in place. Two ranks with cheap hand-offs read
-/// `src` and write `dst` piece by piece, and the ring reads `src` in its reduce-scatter, so the result costs
-/// no pass of its own over memory (a 64 MiB copy takes about as long as the collective); small buffers are
-/// copied first.
+/// the same bits as copying `src` into `dst` and reducing in place, by the algorithm its size and the number
+/// of ranks call for.
 pub fn allreduce_into(
     t: &mut dyn Transport,
     src: &[u8],
@@ -66,23 +53,55 @@ pub fn allreduce_into(
     dtype: DataType,
     combine: Combine,
 ) -> Result<(), TransportError> {
-    if src.len() != dst.len() {
-        let detail = format!("the source has {} bytes and the destination {}", src.len(), dst.len());
-        return Err(invalid_argument(t.rank(), "allreduce", detail));
+    let algorithm = choose_allreduce(src.len(), t.size(), t.capabilities().cheap_handoffs, None);
+    allreduce_by(t, Some(src), dst, dtype, combine, algorithm)
+}
+
+/// Combine `buf` element-wise across all ranks by `algorithm` (every rank must pass the same), in place; with
+/// a `src` (of `buf`'s length), out of place: `buf` gets the result and `src` is left as it is. Two ranks with
+/// cheap hand-offs read `src` and write `buf` piece by piece, and the ring and Rabenseifner's read `src` in
+/// their first steps, so the result costs no pass of its own over memory (a 64 MiB copy takes about as long
+/// as the collective); recursive doubling copies `src` first.
+pub fn allreduce_by(
+    t: &mut dyn Transport,
+    src: Option<&[u8]>,
+    buf: &mut [u8],
+    dtype: DataType,
+    combine: Combine,
+    algorithm: AllreduceAlgorithm,
+) -> Result<(), TransportError> {
+    if let Some(src) = src {
+        if src.len() != buf.len() {
+            let detail = format!("the source has {} bytes and the destination {}", src.len(), buf.len());
+            return Err(invalid_argument(t.rank(), "allreduce", detail));
+        }
     }
-    check_whole_elements(t, src.len(), dtype)?;
+    check_whole_elements(t, buf.len(), dtype)?;
     let n = t.size();
-    if n == 2 && src.len() >= PIPELINE_THRESHOLD_BYTES && t.capabilities().cheap_handoffs {
-        return two_ranks_pipelined(t, Some(src), dst, dtype, combine);
+    if n <= 1 || buf.is_empty() {
+        if let Some(src) = src {
+            buf.copy_from_slice(src);
+        }
+        return Ok(());
     }
-    if n > 1 && src.len() > RING_THRESHOLD_BYTES {
-        // The ring's reduce-scatter reads `src` and writes every block but one; the allgather the rest.
-        let blocks = Blocks::even(src.len() / dtype.size(), n, dtype.size());
-        reduce_scatter_ring(t, Some(src), dst, &blocks, dtype, combine)?;
-        return allgather_ring(t, dst, &blocks);
+    match algorithm {
+        AllreduceAlgorithm::Ring if n == 2 && t.capabilities().cheap_handoffs => {
+            two_ranks_pipelined(t, src, buf, dtype, combine)
+        }
+        AllreduceAlgorithm::Ring => {
+            // The reduce-scatter reads `src` and writes every block but one; the allgather the rest.
+            let blocks = Blocks::even(buf.len() / dtype.size(), n, dtype.size());
+            reduce_scatter_ring(t, src, buf, &blocks, dtype, combine)?;
+            allgather_ring(t, buf, &blocks)
+        }
+        AllreduceAlgorithm::Rabenseifner => rabenseifner(t, src, buf, dtype, combine),
+        AllreduceAlgorithm::RecursiveDoubling => {
+            if let Some(src) = src {
+                buf.copy_from_slice(src);
+            }
+            recursive_doubling(t, buf, dtype, combine)
+        }
     }
-    dst.copy_from_slice(src);
-    allreduce_general(t, dst, dtype, combine)
 }
 
 fn check_whole_elements(t: &dyn Transport, len: usize, dtype: DataType) -> Result<(), TransportError> {
@@ -91,26 +110,6 @@ fn check_whole_elements(t: &dyn Transport, len: usize, dtype: DataType) -> Resul
         return Err(invalid_argument(t.rank(), "allreduce", detail));
     }
     Ok(())
-}
-
-/// Every case but the two-rank pipeline, in place.
-fn allreduce_general(
-    t: &mut dyn Transport,
-    buf: &mut [u8],
-    dtype: DataType,
-    combine: Combine,
-) -> Result<(), TransportError> {
-    let n = t.size();
-    if n <= 1 || buf.is_empty() {
-        return Ok(());
-    }
-    if buf.len() <= RING_THRESHOLD_BYTES {
-        recursive_doubling(t, buf, dtype, combine)
-    } else {
-        let blocks = Blocks::even(buf.len() / dtype.size(), n, dtype.size());
-        reduce_scatter_ring(t, None, buf, &blocks, dtype, combine)?;
-        allgather_ring(t, buf, &blocks)
-    }
 }
 
 /// Two ranks: rank 0 owns the first half of the elements, rank 1 the second. Piece by piece, each rank
@@ -209,6 +208,7 @@ fn recursive_doubling(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ring::choice::RECURSIVE_DOUBLING_MAX_BYTES;
     use crate::transport::memory::{run_ranks, MemoryTransport};
     use crate::transport::{Activity, Capabilities, Waker};
     use std::time::Duration;
@@ -221,7 +221,7 @@ mod tests {
     fn nan_payloads_come_out_identical_on_every_rank() {
         // x86 keeps the first operand's payload when adding two NaNs, so a ⊕ b and b ⊕ a differ bitwise.
         for n in 2..=5 {
-            for count in [3, RING_THRESHOLD_BYTES / 4 + 1] {
+            for count in [3, RECURSIVE_DOUBLING_MAX_BYTES / 4 + 1] {
                 let results = run_ranks(MemoryTransport::mesh(n), |t| {
                     let nan = f32::from_bits(0x7fc0_0000 | (t.rank() as u32 + 1));
                     let mut buf = f32_bytes((0..count).map(|_| nan));
@@ -236,7 +236,7 @@ mod tests {
     #[test]
     fn both_sides_of_the_threshold_sum_correctly() {
         for n in [3, 4] {
-            for count in [RING_THRESHOLD_BYTES / 4, RING_THRESHOLD_BYTES / 4 + 1] {
+            for count in [RECURSIVE_DOUBLING_MAX_BYTES / 4, RECURSIVE_DOUBLING_MAX_BYTES / 4 + 1] {
                 let results = run_ranks(MemoryTransport::mesh(n), |t| {
                     let mut buf = f32_bytes((0..count).map(|i| (i % 7) as f32 + t.rank() as f32));
                     allreduce(t, &mut buf, DataType::Float32, Combine::Sum).unwrap();
@@ -314,7 +314,7 @@ mod tests {
 
     #[test]
     fn two_ranks_pipeline_where_the_transport_says_hand_offs_are_cheap() {
-        let count = RING_THRESHOLD_BYTES / 4; // 64 KiB: recursive doubling unless the two ranks pipeline
+        let count = RECURSIVE_DOUBLING_MAX_BYTES / 4; // 64 KiB: recursive doubling unless the two ranks pipeline
         let want = f32_bytes((0..count).map(|i| (i % 5) as f32 * 0.5 + 1.0));
         for into in [false, true] {
             let (cheap, costly) = (two_ranks(count, true, into), two_ranks(count, false, into));

@@ -1,24 +1,31 @@
 //! Broadcast: the root's buffer is copied to every rank.
 //!
-//! Small buffers go down a binomial tree (`ceil(log2 n)` rounds, each a whole-buffer send). Large ones
-//! flow down a pipelined chain root -> root+1 -> ... in chunks, each middle rank forwarding chunk `k`
-//! while chunk `k + 1` arrives, so the time approaches `S / bandwidth` however many ranks there are,
-//! while a tree needs `log2(n) * S / bandwidth` and scatter+allgather `2 * S / bandwidth`.
+//! Two algorithms, chosen by size and number of ranks ([`choose_broadcast`]) or forced by the
+//! configuration. The binomial tree: `ceil(log2 n)` rounds, each a whole-buffer send. The pipelined chain
+//! root -> root+1 -> ... in chunks, each middle rank forwarding chunk `k` while chunk `k + 1` arrives, so the
+//! time approaches `S / bandwidth` however many ranks there are once the pipeline is full (`n - 2` chunk
+//! steps), while a tree needs `log2(n) * S / bandwidth`.
+//!
+//! [`choose_broadcast`]: crate::ring::choice::choose_broadcast
 
 use crate::ring::args::invalid_argument;
+use crate::ring::choice::{choose_broadcast, BroadcastAlgorithm, BROADCAST_CHUNK_BYTES};
 use crate::ring::disjoint::read_write_pair;
 use crate::transport::{Transport, TransportError};
 
-/// Buffers larger than this take the pipelined chain. At this size the chain, with two chunks, is already
-/// no slower than the tree for every n >= 3 (and identical at n = 2).
-pub const BROADCAST_CHAIN_THRESHOLD_BYTES: usize = 1024 * 1024;
-
-/// Chunk forwarded at once along the chain: large enough that the per-step latency (~22 us over TCP) is
-/// small against its transfer time, small enough that the pipeline fills quickly.
-pub const BROADCAST_CHUNK_BYTES: usize = 512 * 1024;
-
-/// Copy `root`'s `buf` into `buf` on every rank.
+/// Copy `root`'s `buf` into `buf` on every rank, by the algorithm its size and the number of ranks call for.
 pub fn broadcast(t: &mut dyn Transport, buf: &mut [u8], root: usize) -> Result<(), TransportError> {
+    let algorithm = choose_broadcast(buf.len(), t.size(), None);
+    broadcast_by(t, buf, root, algorithm)
+}
+
+/// Copy `root`'s `buf` into `buf` on every rank by `algorithm` (every rank must pass the same).
+pub fn broadcast_by(
+    t: &mut dyn Transport,
+    buf: &mut [u8],
+    root: usize,
+    algorithm: BroadcastAlgorithm,
+) -> Result<(), TransportError> {
     let (rank, n) = (t.rank(), t.size());
     if root >= n {
         return Err(invalid_argument(rank, "broadcast", format!("root rank {root} is not below the size {n}")));
@@ -26,10 +33,9 @@ pub fn broadcast(t: &mut dyn Transport, buf: &mut [u8], root: usize) -> Result<(
     if n <= 1 || buf.is_empty() {
         return Ok(());
     }
-    if buf.len() <= BROADCAST_CHAIN_THRESHOLD_BYTES {
-        binomial_tree(t, buf, root)
-    } else {
-        pipelined_chain(t, buf, root)
+    match algorithm {
+        BroadcastAlgorithm::Tree => binomial_tree(t, buf, root),
+        BroadcastAlgorithm::Chain => pipelined_chain(t, buf, root),
     }
 }
 
@@ -83,6 +89,7 @@ fn pipelined_chain(t: &mut dyn Transport, buf: &mut [u8], root: usize) -> Result
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ring::choice::BROADCAST_CHAIN_THRESHOLD_BYTES;
     use crate::transport::memory::{run_ranks, MemoryTransport};
 
     fn check(n: usize, root: usize, len: usize) {

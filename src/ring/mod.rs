@@ -7,10 +7,12 @@
 //! all ranks of an allreduce produce the same bits. Inconsistent arguments return an `InvalidInput`
 //! [`TransportError::Io`] instead of panicking.
 //!
+//! - [`choice`]: which algorithm a flat allreduce, allgather or broadcast runs, by size and number of ranks.
 //! - [`allreduce`], [`reducescatter`], [`allgather`], [`broadcast`], [`alltoall`]: the flat collectives
-//!   (ring, pipelined two-rank, chain); [`adasum`]: Adasum's combination; [`staged`]: allreduce through
-//!   staging areas every rank can read; [`hierarchical`]: the same over a communicator's local and cross parts;
-//!   [`compressed`]: int8, 1-bit and PowerSGD allreduce with error feedback.
+//!   (recursive doubling, ring, pipelined two-rank, tree, chain); [`rabenseifner`]: allreduce by recursive
+//!   halving and doubling; [`bruck`]: Bruck's allgather; [`adasum`]: Adasum's combination; [`staged`]:
+//!   allreduce through staging areas every rank can read; [`hierarchical`]: the same over a communicator's
+//!   local and cross parts; [`compressed`]: int8, 1-bit and PowerSGD allreduce with error feedback.
 //! - [`reduce`]: the element-wise reduction and scaling kernels; [`bfloat16`]: their bfloat16 conversions;
 //!   [`streaming`]: reducing a message as it streams in.
 //! - [`chunks`]: how a buffer is cut into blocks per rank and step; [`disjoint`]: reading one range of a
@@ -27,20 +29,24 @@ pub mod alltoall;
 mod args;
 mod bfloat16;
 pub mod broadcast;
+mod bruck;
+pub mod choice;
 pub mod chunks;
 pub mod compressed;
 mod disjoint;
 pub mod hierarchical;
+mod rabenseifner;
 pub mod reduce;
 pub mod reducescatter;
 pub mod staged;
 mod streaming;
 
 pub use adasum::adasum_allreduce;
-pub use allgather::allgatherv;
-pub use allreduce::{allreduce, allreduce_into, RING_THRESHOLD_BYTES};
+pub use allgather::{allgatherv, allgatherv_by};
+pub use allreduce::{allreduce, allreduce_by, allreduce_into};
 pub use alltoall::alltoallv;
-pub use broadcast::{broadcast, BROADCAST_CHAIN_THRESHOLD_BYTES, BROADCAST_CHUNK_BYTES};
+pub use broadcast::{broadcast, broadcast_by};
+pub use choice::{BROADCAST_CHAIN_THRESHOLD_BYTES, BROADCAST_CHUNK_BYTES};
 pub use chunks::{segment_bounds, Blocks};
 pub use reduce::{reduce_into, scale_in_place};
 pub use reducescatter::reducescatter;

@@ -5,7 +5,8 @@
 //!   rank, the rank number as thread id, so a straggler shows as the rank whose `NEGOTIATE_<OP>` bar ends
 //!   last-submitted. The coordinator adds a tick per rank as that rank's request reaches it.
 //! - Each op's bar (`ALLREDUCE`, ...) holds its phases: `QUEUE` (agreed, waiting behind other responses),
-//!   `MEMCPY_IN_FUSION_BUFFER`, the transport's collective (`SHM_ALLREDUCE`, `TCP_ALLGATHER`, ...),
+//!   `MEMCPY_IN_FUSION_BUFFER`, the transport's collective (`SHM_ALLREDUCE`, `TCP_ALLGATHER`, ...; a flat
+//!   allreduce, allgather or broadcast names its algorithm in the phase's args: `{"algorithm":"ring"}`),
 //!   `MEMCPY_OUT_FUSION_BUFFER`. A hierarchical allreduce shows its steps instead of one collective:
 //!   `SHM_REDUCESCATTER` inside the host, `TCP_ALLREDUCE` across hosts, `SHM_ALLGATHER` inside the host
 //!   (pipelined in pieces for large buffers, so they alternate; `TCP_ALLREDUCE` is then the time this rank
@@ -54,6 +55,12 @@ pub enum Stage {
     MemcpyInFusionBuffer,
     /// The transport's collective; `&'static str` is the transport ("shm", "tcp").
     Collective(&'static str),
+    /// The transport's collective by a named algorithm ("ring", "rabenseifner", "bruck", "tree", ...; see
+    /// [`crate::ring::choice`]): named as [`Stage::Collective`] is, with the algorithm in its `args`.
+    Algorithm {
+        transport: &'static str,
+        algorithm: &'static str,
+    },
     /// A step of a hierarchical collective: `transport` is the part's ("shm" inside the host, "tcp" across
     /// hosts), `collective` the step's ("REDUCESCATTER", "ALLREDUCE", "ALLGATHER").
     Hierarchical {
@@ -342,6 +349,14 @@ impl OpRecord {
         if let Some(recording) = &self.recording {
             let transport = recording.0.transport;
             self.mark(Stage::Collective(transport));
+        }
+    }
+
+    /// The phase that just ended was the transport's collective, by `algorithm`.
+    pub fn mark_algorithm(&mut self, algorithm: &'static str) {
+        if let Some(recording) = &self.recording {
+            let transport = recording.0.transport;
+            self.mark(Stage::Algorithm { transport, algorithm });
         }
     }
 

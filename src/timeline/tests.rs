@@ -167,6 +167,32 @@ fn a_failed_switch_keeps_recording_into_the_current_file() {
 }
 
 #[test]
+fn a_collective_by_a_named_algorithm_keeps_its_name_and_says_the_algorithm() {
+    let path = temp_path("algorithm");
+    let t = Timeline::new(0, "job-algorithm".into());
+    let set = SetTimeline::new(t.clone(), 0, &[0], "tcp");
+    t.start(path.clone(), false).unwrap();
+    for (kind, name, algorithm) in [
+        (CollectiveKind::Allreduce, "allreduce.by", "rabenseifner"),
+        (CollectiveKind::Allgather, "allgather.by", "bruck"),
+        (CollectiveKind::Broadcast, "broadcast.by", "tree"),
+    ] {
+        let mut phases = set.op(&response(kind, &[name]), [Some(Instant::now())].into_iter(), Instant::now());
+        phases.mark_algorithm(algorithm);
+        phases.finish();
+    }
+    t.stop();
+    let text = std::fs::read_to_string(&path).unwrap();
+    assert!(is_valid_json(&text), "{text}");
+    for (phase, algorithm) in [("TCP_ALLREDUCE", "rabenseifner"), ("TCP_ALLGATHER", "bruck"), ("TCP_BROADCAST", "tree")]
+    {
+        let span = text.lines().find(|l| l.contains(&format!("\"name\":\"{phase}\""))).unwrap_or_default();
+        assert!(span.contains(&format!("\"args\":{{\"algorithm\":\"{algorithm}\"}}")), "{phase}: {text}");
+    }
+    let _ = std::fs::remove_file(&path);
+}
+
+#[test]
 fn an_unwritable_path_is_a_clear_error() {
     let t = Timeline::new(0, "job".into());
     let err = t.start(PathBuf::from("/nonexistent-dir-rvod/t.json"), false).unwrap_err();

@@ -258,8 +258,9 @@ impl Writer {
                     }
                     self.span("QUEUE", op.agreed, op.started, row, op.rank, None);
                     self.span(&op_name, op.started, op.end, row, op.rank, Some(&args));
-                    for ((_, from, to), name) in op.phases.iter().zip(&phase_names) {
-                        self.span(name, *from, *to, row, op.rank, None);
+                    for ((stage, from, to), name) in op.phases.iter().zip(&phase_names) {
+                        let args = stage_args(*stage);
+                        self.span(name, *from, *to, row, op.rank, args.as_deref());
                     }
                 }
             }
@@ -298,12 +299,22 @@ impl Writer {
 fn stage_name(stage: Stage, op: &str) -> String {
     match stage {
         Stage::MemcpyInFusionBuffer => "MEMCPY_IN_FUSION_BUFFER".to_string(),
-        Stage::Collective(transport) => format!("{}_{op}", transport.to_ascii_uppercase()),
+        Stage::Collective(transport) | Stage::Algorithm { transport, .. } => {
+            format!("{}_{op}", transport.to_ascii_uppercase())
+        }
         Stage::Hierarchical { transport, collective } => format!("{}_{collective}", transport.to_ascii_uppercase()),
         Stage::MemcpyOutFusionBuffer => "MEMCPY_OUT_FUSION_BUFFER".to_string(),
         Stage::Compressed { transport, compression } => {
             format!("{}_{compression}_{op}", transport.to_ascii_uppercase())
         }
+    }
+}
+
+/// The `args` of a phase's span: the algorithm of a collective that names one.
+fn stage_args(stage: Stage) -> Option<String> {
+    match stage {
+        Stage::Algorithm { algorithm, .. } => Some(format!(r#"{{"algorithm":"{algorithm}"}}"#)),
+        _ => None,
     }
 }
 

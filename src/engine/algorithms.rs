@@ -1,0 +1,69 @@
+//! The flat collective algorithms one communicator runs: chosen per op by [`crate::ring::choice`] from the
+//! op's size, the number of ranks and the configured overrides (`RVOD_ALLREDUCE_ALGORITHM`, ...), and each
+//! (collective, algorithm) logged once, the first time it runs, at INFO on the communicator's rank 0 (shown
+//! by `rvodrun --verbose`) and at DEBUG on the others.
+
+use std::collections::HashSet;
+
+use crate::ring::choice::{
+    self, AlgorithmOverrides, AllgatherAlgorithm, AllreduceAlgorithm, BroadcastAlgorithm, Named,
+};
+use crate::transport::Transport;
+use crate::types::CollectiveKind;
+
+/// One communicator's algorithm choices: the configured overrides and what was logged already.
+#[derive(Debug, Default)]
+pub struct Algorithms {
+    overrides: AlgorithmOverrides,
+    /// How the log names the communicator ("the global process set", ...).
+    communicator: String,
+    announced: HashSet<(CollectiveKind, &'static str)>,
+}
+
+impl Algorithms {
+    pub fn new(overrides: AlgorithmOverrides, communicator: String) -> Algorithms {
+        Algorithms { overrides, communicator, announced: HashSet::new() }
+    }
+
+    /// The allreduce of `bytes` on `t`'s communicator.
+    pub fn allreduce(&mut self, t: &dyn Transport, bytes: usize) -> AllreduceAlgorithm {
+        let cheap = t.capabilities().cheap_handoffs;
+        let chosen = choice::choose_allreduce(bytes, t.size(), cheap, self.overrides.allreduce);
+        self.announce(t, CollectiveKind::Allreduce, chosen, self.overrides.allreduce.is_some(), bytes);
+        chosen
+    }
+
+    /// The allgather of `total_bytes` (every rank's blocks together) on `t`'s communicator.
+    pub fn allgather(&mut self, t: &dyn Transport, total_bytes: usize) -> AllgatherAlgorithm {
+        let chosen = choice::choose_allgather(total_bytes, t.size(), self.overrides.allgather);
+        self.announce(t, CollectiveKind::Allgather, chosen, self.overrides.allgather.is_some(), total_bytes);
+        chosen
+    }
+
+    /// The broadcast of `bytes` on `t`'s communicator.
+    pub fn broadcast(&mut self, t: &dyn Transport, bytes: usize) -> BroadcastAlgorithm {
+        let chosen = choice::choose_broadcast(bytes, t.size(), self.overrides.broadcast);
+        self.announce(t, CollectiveKind::Broadcast, chosen, self.overrides.broadcast.is_some(), bytes);
+        chosen
+    }
+
+    fn announce(&mut self, t: &dyn Transport, kind: CollectiveKind, algorithm: impl Named, forced: bool, bytes: usize) {
+        if t.size() <= 1 || !self.announced.insert((kind, algorithm.name())) {
+            return;
+        }
+        let why = if forced { "configured" } else { "by size and number of ranks" };
+        let (name, ranks, rank) = (kind.name(), t.size(), t.rank());
+        let algorithm = algorithm.name();
+        let communicator = if self.communicator.is_empty() { "this communicator" } else { &self.communicator };
+        if rank == 0 {
+            tracing::info!(
+                "{communicator}: {name} by {algorithm} ({why}; first at {bytes} bytes on {ranks} ranks, {})",
+                t.label()
+            );
+        } else {
+            tracing::debug!(
+                "{communicator}: rank {rank}: {name} by {algorithm} ({why}; first at {bytes} bytes on {ranks} ranks)"
+            );
+        }
+    }
+}
