@@ -1,7 +1,8 @@
 //! Proof by counting (tests only): communicators of 2 to 256 ranks, as threads over the in-memory
 //! transport, run real negotiation rounds and collectives while every message and byte each rank sends is
-//! counted. A steady-state round and a small allreduce cost O(log n) messages per rank; a large allreduce
-//! sends within 5% of the `2(n-1)/n` bytes per byte of the buffer that bounds any allreduce.
+//! counted. A steady-state round, a small allreduce, a small allgather (Bruck's) and a small broadcast (a
+//! binomial tree) cost O(log n) messages per rank; the ring sends within 5% of the `2(n-1)/n` bytes per byte
+//! of the buffer that bounds any allreduce, and so does Rabenseifner's where n is a power of two.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -14,7 +15,7 @@ use crate::coordinator::tree::ALL_TO_ALL_MAX_RANKS;
 use crate::ring;
 use crate::transport::memory::{run_ranks, MemoryTransport};
 use crate::transport::{Activity, Transport, TransportError, Waker};
-use crate::types::{Combine, DataType};
+use crate::types::{AllreduceAlgorithm, Combine, DataType};
 
 /// Messages and bytes one rank has sent.
 #[derive(Default)]
@@ -99,11 +100,15 @@ struct Counts {
     uncached_round: (u64, u64),
     steady_round: (u64, u64),
     small_allreduce: (u64, u64),
-    large_allreduce: (u64, u64),
+    small_allgather: (u64, u64),
+    small_broadcast: (u64, u64),
+    ring_allreduce: (u64, u64),
+    rabenseifner_allreduce: (u64, u64),
 }
 
 /// On `n` ranks: a round with a new tensor (the slow path), a steady-state round with it cached, a 4-byte
-/// allreduce and an allreduce of `large` bytes; each rank's sends counted in each.
+/// allreduce, allgather and broadcast (their algorithms chosen as the engine chooses them), and allreduces of
+/// `large` bytes by the ring and by Rabenseifner's; each rank's sends counted in each.
 fn count(n: usize, large: usize) -> Vec<Counts> {
     run_ranks(counted_mesh(n), |t| {
         let rank = t.rank();
@@ -125,20 +130,41 @@ fn count(n: usize, large: usize) -> Vec<Counts> {
         assert_eq!(f32::from_le_bytes(small), n as f32);
         let small_allreduce = t.sent.take();
 
-        let mut buf: Vec<u8> = (0..large / 4).flat_map(|i| ((i % 7) as f32).to_le_bytes()).collect();
-        ring::allreduce(t, &mut buf, DataType::Float32, Combine::Sum).expect("large allreduce");
-        assert_eq!(&buf[4..8], &(n as f32).to_le_bytes(), "n={n}");
-        let large_allreduce = t.sent.take();
-        Counts { uncached_round, steady_round, small_allreduce, large_allreduce }
+        let mut gathered = vec![0u8; 4 * n];
+        ring::allgatherv(t, &(rank as u32).to_le_bytes(), &mut gathered, &vec![4; n]).expect("small allgather");
+        assert!(gathered.chunks(4).enumerate().all(|(r, c)| c == (r as u32).to_le_bytes()), "n={n}");
+        let small_allgather = t.sent.take();
+        let mut word = if rank == n - 1 { 7u32 } else { 0 }.to_le_bytes();
+        ring::broadcast(t, &mut word, n - 1).expect("small broadcast");
+        assert_eq!(u32::from_le_bytes(word), 7);
+        let small_broadcast = t.sent.take();
+
+        let mut large_by = |algorithm| {
+            let mut buf: Vec<u8> = (0..large / 4).flat_map(|i| ((i % 7) as f32).to_le_bytes()).collect();
+            ring::allreduce_by(t, None, &mut buf, DataType::Float32, Combine::Sum, algorithm).expect("large allreduce");
+            assert_eq!(&buf[4..8], &(n as f32).to_le_bytes(), "n={n} {algorithm:?}");
+            t.sent.take()
+        };
+        let ring_allreduce = large_by(AllreduceAlgorithm::Ring);
+        let rabenseifner_allreduce = large_by(AllreduceAlgorithm::Rabenseifner);
+        Counts {
+            uncached_round,
+            steady_round,
+            small_allreduce,
+            small_allgather,
+            small_broadcast,
+            ring_allreduce,
+            rabenseifner_allreduce,
+        }
     })
 }
 
 #[test]
 fn costs_per_rank_grow_as_log_n_and_large_allreduces_stay_at_the_bandwidth_bound() {
-    for n in [2, 3, 4, 5, 8, 9, 16, 17, 31, 64, 128, 256] {
-        // Above the size where the ring takes over (one block of 4 KiB per rank, at least 256 KiB): its bytes
-        // per rank are what matter here, not its time (debug builds reduce slowly).
-        let large = (n * 4096).max(256 << 10);
+    for n in [2, 3, 4, 5, 8, 9, 16, 17, 31, 64, 256] {
+        // The ring and Rabenseifner's are forced: their bytes per rank matter here, not their time (debug
+        // builds reduce slowly), so one block of 2 KiB per rank, at least 128 KiB, will do.
+        let large = (n * 2048).max(128 << 10);
         let counts = count(n, large);
         let most = |phase: fn(&Counts) -> (u64, u64)| {
             counts.iter().map(phase).fold((0, 0), |a, b| (a.0.max(b.0), a.1.max(b.1)))
@@ -146,7 +172,10 @@ fn costs_per_rank_grow_as_log_n_and_large_allreduces_stay_at_the_bandwidth_bound
         let (steady, steady_bytes) = most(|c| c.steady_round);
         let (uncached, _) = most(|c| c.uncached_round);
         let (small, small_bytes) = most(|c| c.small_allreduce);
-        let (_, large_bytes) = most(|c| c.large_allreduce);
+        let (gather, _) = most(|c| c.small_allgather);
+        let (bcast, _) = most(|c| c.small_broadcast);
+        let (_, ring_bytes) = most(|c| c.ring_allreduce);
+        let (_, rabenseifner_bytes) = most(|c| c.rabenseifner_allreduce);
         // Recursive doubling: log2 n exchanges; where n is no power of two, the ranks beyond the largest one
         // fold onto a partner first and get the total back (in a round the partner also opens with its own
         // summary, which wakes an idle folded rank: one more message).
@@ -166,12 +195,21 @@ fn costs_per_rank_grow_as_log_n_and_large_allreduces_stay_at_the_bandwidth_bound
         }
         assert!(small <= small_doubling, "n={n}: a 4-byte allreduce sent {small} messages (> {small_doubling})");
         assert!(small_bytes <= 4 * small_doubling, "n={n}: a 4-byte allreduce sent {small_bytes} bytes");
+        // Bruck's allgather: ceil(log2 n) steps (the ring's n - 1 up to 3 ranks, the same count there); a
+        // binomial tree: no rank sends more than ceil(log2 n) copies.
+        assert!(gather <= log2_ceil(n), "n={n}: a 4-byte allgather sent {gather} messages");
+        assert!(bcast <= log2_ceil(n), "n={n}: a 4-byte broadcast sent {bcast} messages");
         let bound = 2.0 * (n - 1) as f64 / n as f64 * large as f64;
-        let ratio = large_bytes as f64 / bound;
-        assert!(ratio <= 1.05, "n={n}: a {large}-byte allreduce sent {large_bytes} bytes, {ratio:.3}x the bound");
+        let ring_ratio = ring_bytes as f64 / bound;
+        let rabenseifner_ratio = rabenseifner_bytes as f64 / bound;
+        assert!(ring_ratio <= 1.05, "n={n}: the ring sent {ring_bytes} bytes of {large}, {ring_ratio:.3}x the bound");
+        if n.is_power_of_two() {
+            assert!(rabenseifner_ratio <= 1.05, "n={n}: Rabenseifner's sent {rabenseifner_ratio:.3}x the bound");
+        }
         eprintln!(
             "n={n:>3}: steady round {steady} msgs {steady_bytes} B, uncached round {uncached} msgs, \
-             4 B allreduce {small} msgs, large allreduce {ratio:.3}x the 2(n-1)/n bound"
+             4 B allreduce {small} msgs, allgather {gather}, broadcast {bcast}; large allreduce: ring \
+             {ring_ratio:.3}x the 2(n-1)/n bound, Rabenseifner's {rabenseifner_ratio:.3}x"
         );
     }
 }
