@@ -277,54 +277,56 @@ def core_size(n):
     return 1 << (n.bit_length() - 1)
 
 
+def fold_in(sim, nbytes, reduce):
+    """Ranks p.. (p the largest power of two <= N) hand their buffer to rank - p; returns p."""
+    p = core_size(sim.n)
+    if p < sim.n:
+        extra = np.arange(p, sim.n)
+        sim.send(extra, extra - p, nbytes, reduce)
+    return p
+
+
+def fold_out(sim, p, nbytes):
+    """Ranks below N - p hand the result back to the ranks that folded onto them."""
+    if p < sim.n:
+        extra = np.arange(p, sim.n)
+        sim.send(extra - p, extra, nbytes)
+
+
+def exchange_with_xor(sim, p, dist, nbytes, reduce):
+    """One step among the power-of-two core: every rank r < p exchanges with r ^ dist."""
+    if p == sim.n:
+        sim.permutation(lambda r: r ^ dist, nbytes, reduce)
+    else:
+        core = np.arange(p)
+        sim.send(core, core ^ dist, nbytes, reduce)
+
+
 def recursive_doubling(sim, nbytes, reduce=True):
     """Exchange with rank ^ 2^k for k < log2(p), p the largest power of two <= N; ranks p.. first fold onto
     rank - p and get the result back at the end (2 more steps)."""
-    n = sim.n
-    p = core_size(n)
-    if p < n:
-        extra = np.arange(p, n)
-        sim.send(extra, extra - p, nbytes, reduce)
-    core = np.arange(p)
+    p = fold_in(sim, nbytes, reduce)
     dist = 1
     while dist < p:
-        if p == n:
-            sim.permutation(lambda r, d=dist: r ^ d, nbytes, reduce)
-        else:
-            sim.send(core, core ^ dist, nbytes, reduce)
+        exchange_with_xor(sim, p, dist, nbytes, reduce)
         dist <<= 1
-    if p < n:
-        extra = np.arange(p, n)
-        sim.send(extra - p, extra, nbytes)
+    fold_out(sim, p, nbytes)
 
 
 def rabenseifner(sim, nbytes, reduce=True):
     """Reduce-scatter by recursive halving, then allgather by recursive doubling, on the power-of-two core
     (the others fold in first and get the result last, with the whole vector)."""
-    n = sim.n
-    p = core_size(n)
-    if p < n:
-        extra = np.arange(p, n)
-        sim.send(extra, extra - p, nbytes, reduce)
-    core = np.arange(p)
+    p = fold_in(sim, nbytes, reduce)
     sizes = []
     dist, size = p // 2, nbytes / 2
     while dist >= 1:
         sizes.append((dist, size))
         dist, size = dist // 2, size / 2
     for dist, size in sizes:
-        if p == n:
-            sim.permutation(lambda r, d=dist: r ^ d, size, reduce)
-        else:
-            sim.send(core, core ^ dist, size, reduce)
+        exchange_with_xor(sim, p, dist, size, reduce)
     for dist, size in reversed(sizes):
-        if p == n:
-            sim.permutation(lambda r, d=dist: r ^ d, size)
-        else:
-            sim.send(core, core ^ dist, size)
-    if p < n:
-        extra = np.arange(p, n)
-        sim.send(extra - p, extra, nbytes)
+        exchange_with_xor(sim, p, dist, size, False)
+    fold_out(sim, p, nbytes)
 
 
 def ring_allreduce(sim, nbytes):

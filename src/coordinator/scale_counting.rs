@@ -4,86 +4,19 @@
 //! binomial tree) cost O(log n) messages per rank; the ring sends within 5% of the `2(n-1)/n` bytes per byte
 //! of the buffer that bounds any allreduce, and so does Rabenseifner's where n is a power of two.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
-use std::time::Duration;
-
 use crate::config::Negotiation;
 use crate::coordinator::negotiation::Negotiator;
 use crate::coordinator::test_requests::FakeTable;
 use crate::coordinator::tree::ALL_TO_ALL_MAX_RANKS;
 use crate::ring;
-use crate::transport::memory::{run_ranks, MemoryTransport};
-use crate::transport::{Activity, Transport, TransportError, Waker};
+use crate::transport::memory::{run_ranks, Recorded};
+use crate::transport::{Capabilities, Transport};
 use crate::types::{AllreduceAlgorithm, Combine, DataType};
 
-/// Messages and bytes one rank has sent.
-#[derive(Default)]
-struct Sent {
-    messages: AtomicU64,
-    bytes: AtomicU64,
-}
-
-impl Sent {
-    fn take(&self) -> (u64, u64) {
-        (self.messages.swap(0, Ordering::Relaxed), self.bytes.swap(0, Ordering::Relaxed))
-    }
-
-    fn note(&self, bytes: usize) {
-        if bytes > 0 {
-            self.messages.fetch_add(1, Ordering::Relaxed);
-            self.bytes.fetch_add(bytes as u64, Ordering::Relaxed);
-        }
-    }
-}
-
-/// A transport that counts what it sends (an empty send is no message).
-struct Counting {
-    inner: MemoryTransport,
-    sent: Arc<Sent>,
-}
-
-impl Transport for Counting {
-    fn rank(&self) -> usize {
-        self.inner.rank()
-    }
-    fn size(&self) -> usize {
-        self.inner.size()
-    }
-    fn label(&self) -> &'static str {
-        "counting"
-    }
-    fn send(&mut self, peer: usize, data: &[u8]) -> Result<(), TransportError> {
-        self.sent.note(data.len());
-        self.inner.send(peer, data)
-    }
-    fn recv(&mut self, peer: usize, buf: &mut [u8]) -> Result<(), TransportError> {
-        self.inner.recv(peer, buf)
-    }
-    fn exchange(
-        &mut self,
-        to: usize,
-        send: &[u8],
-        from: usize,
-        recv_len: usize,
-        sink: &mut dyn FnMut(usize, &[u8]),
-    ) -> Result<(), TransportError> {
-        self.sent.note(send.len());
-        self.inner.exchange(to, send, from, recv_len, sink)
-    }
-    fn peek(&mut self, peer: usize, buf: &mut [u8]) -> bool {
-        self.inner.peek(peer, buf)
-    }
-    fn wait_for_activity(&mut self, waker: &Waker, timeout: Duration) -> Result<Activity, TransportError> {
-        self.inner.wait_for_activity(waker, timeout)
-    }
-    fn close(&mut self) {
-        self.inner.close()
-    }
-}
-
-fn counted_mesh(n: usize) -> Vec<Counting> {
-    MemoryTransport::mesh(n).into_iter().map(|inner| Counting { inner, sent: Arc::default() }).collect()
+/// A rank's sends since the last call, as (messages, bytes), forgotten.
+fn take_sent(t: &mut Recorded) -> (u64, u64) {
+    let sent = std::mem::take(&mut t.sent);
+    (sent.len() as u64, sent.iter().sum::<usize>() as u64)
 }
 
 fn log2_floor(n: usize) -> u64 {
@@ -110,7 +43,7 @@ struct Counts {
 /// allreduce, allgather and broadcast (their algorithms chosen as the engine chooses them), and allreduces of
 /// `large` bytes by the ring and by Rabenseifner's; each rank's sends counted in each.
 fn count(n: usize, large: usize) -> Vec<Counts> {
-    run_ranks(counted_mesh(n), |t| {
+    run_ranks(Recorded::mesh(n, Capabilities::NONE), |t| {
         let rank = t.rank();
         let mut negotiator = Negotiator::new(rank, (0..n).collect(), 64, None, Negotiation::Auto);
         let mut table = FakeTable::default();
@@ -119,31 +52,31 @@ fn count(n: usize, large: usize) -> Vec<Counts> {
         let first = negotiator.round(t, &mut table, None).expect("uncached round");
         assert_eq!(first.responses.len(), 1, "n={n} rank {rank}");
         table.complete("grad");
-        let uncached_round = t.sent.take();
+        let uncached_round = take_sent(t);
         table.submit(rank, "grad", 256, 1);
         let steady = negotiator.round(t, &mut table, None).expect("steady round");
         assert_eq!(steady.cache_hits, 1, "n={n} rank {rank}");
-        let steady_round = t.sent.take();
+        let steady_round = take_sent(t);
 
         let mut small = 1.0f32.to_le_bytes();
         ring::allreduce(t, &mut small, DataType::Float32, Combine::Sum).expect("small allreduce");
         assert_eq!(f32::from_le_bytes(small), n as f32);
-        let small_allreduce = t.sent.take();
+        let small_allreduce = take_sent(t);
 
         let mut gathered = vec![0u8; 4 * n];
         ring::allgatherv(t, &(rank as u32).to_le_bytes(), &mut gathered, &vec![4; n]).expect("small allgather");
         assert!(gathered.chunks(4).enumerate().all(|(r, c)| c == (r as u32).to_le_bytes()), "n={n}");
-        let small_allgather = t.sent.take();
+        let small_allgather = take_sent(t);
         let mut word = if rank == n - 1 { 7u32 } else { 0 }.to_le_bytes();
         ring::broadcast(t, &mut word, n - 1).expect("small broadcast");
         assert_eq!(u32::from_le_bytes(word), 7);
-        let small_broadcast = t.sent.take();
+        let small_broadcast = take_sent(t);
 
         let mut large_by = |algorithm| {
             let mut buf: Vec<u8> = (0..large / 4).flat_map(|i| ((i % 7) as f32).to_le_bytes()).collect();
             ring::allreduce_by(t, None, &mut buf, DataType::Float32, Combine::Sum, algorithm).expect("large allreduce");
             assert_eq!(&buf[4..8], &(n as f32).to_le_bytes(), "n={n} {algorithm:?}");
-            t.sent.take()
+            take_sent(t)
         };
         let ring_allreduce = large_by(AllreduceAlgorithm::Ring);
         let rabenseifner_allreduce = large_by(AllreduceAlgorithm::Rabenseifner);

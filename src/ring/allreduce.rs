@@ -209,9 +209,8 @@ fn recursive_doubling(
 mod tests {
     use super::*;
     use crate::ring::choice::RECURSIVE_DOUBLING_MAX_BYTES;
-    use crate::transport::memory::{run_ranks, MemoryTransport};
-    use crate::transport::{Activity, Capabilities, Waker};
-    use std::time::Duration;
+    use crate::transport::memory::{run_ranks, MemoryTransport, Recorded};
+    use crate::transport::Capabilities;
 
     fn f32_bytes(values: impl IntoIterator<Item = f32>) -> Vec<u8> {
         values.into_iter().flat_map(f32::to_ne_bytes).collect()
@@ -249,58 +248,11 @@ mod tests {
         }
     }
 
-    /// A transport that only forwards to a memory transport, says it has cheap hand-offs or not, and
-    /// records how many bytes each exchange sends: the pipelined two-rank path is the one that sends halves
-    /// where recursive doubling sends the whole buffer.
-    struct Handoffs {
-        inner: MemoryTransport,
-        cheap: bool,
-        exchanged: Vec<usize>,
-    }
-
-    impl Transport for Handoffs {
-        fn rank(&self) -> usize {
-            self.inner.rank()
-        }
-        fn size(&self) -> usize {
-            self.inner.size()
-        }
-        fn label(&self) -> &'static str {
-            "test"
-        }
-        fn capabilities(&self) -> Capabilities {
-            Capabilities { cheap_handoffs: self.cheap }
-        }
-        fn send(&mut self, peer: usize, data: &[u8]) -> Result<(), TransportError> {
-            self.inner.send(peer, data)
-        }
-        fn recv(&mut self, peer: usize, buf: &mut [u8]) -> Result<(), TransportError> {
-            self.inner.recv(peer, buf)
-        }
-        fn exchange(
-            &mut self,
-            to: usize,
-            send: &[u8],
-            from: usize,
-            recv_len: usize,
-            sink: &mut dyn FnMut(usize, &[u8]),
-        ) -> Result<(), TransportError> {
-            self.exchanged.push(send.len());
-            self.inner.exchange(to, send, from, recv_len, sink)
-        }
-        fn wait_for_activity(&mut self, waker: &Waker, timeout: Duration) -> Result<Activity, TransportError> {
-            self.inner.wait_for_activity(waker, timeout)
-        }
-        fn close(&mut self) {
-            self.inner.close();
-        }
-    }
-
     /// Each rank's result and exchange sizes of an allreduce of `count` floats on two ranks (in place, or
     /// out of place with `into`) over transports with cheap hand-offs or not.
     fn two_ranks(count: usize, cheap: bool, into: bool) -> Vec<(Vec<u8>, Vec<usize>)> {
-        let mesh = MemoryTransport::mesh(2).into_iter().map(|inner| Handoffs { inner, cheap, exchanged: Vec::new() });
-        run_ranks(mesh.collect(), |t| {
+        // The pipelined two-rank path sends halves where recursive doubling sends the whole buffer.
+        run_ranks(Recorded::mesh(2, Capabilities { cheap_handoffs: cheap }), |t| {
             let src = f32_bytes((0..count).map(|i| (i % 5) as f32 * 0.25 + t.rank() as f32));
             let mut buf = if into { vec![0; src.len()] } else { src.clone() };
             if into {
@@ -308,7 +260,7 @@ mod tests {
             } else {
                 allreduce(t, &mut buf, DataType::Float32, Combine::Sum).unwrap();
             }
-            (buf, std::mem::take(&mut t.exchanged))
+            (buf, std::mem::take(&mut t.sent))
         })
     }
 

@@ -6,6 +6,7 @@
 //! byte has arrived for the timeout. `exchange` hands incoming bytes to its sink in pseudo-random,
 //! often odd-sized pieces, so algorithms are exercised against arbitrary piece boundaries.
 //! Dropping a `MemoryTransport` closes it, so a rank thread that stops early makes its peers fail fast.
+//! `Recorded` (tests only) wraps one, records what it sends and claims given capabilities.
 
 use std::collections::VecDeque;
 use std::io;
@@ -315,6 +316,73 @@ pub fn run_ranks<T: Send, R: Send>(mesh: Vec<T>, body: impl Fn(&mut T) -> R + Sy
             .map(|handle| handle.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)))
             .collect()
     })
+}
+
+/// A memory transport that claims `capabilities` and records the size of every message it sends (an
+/// exchange's sending side included; an empty send is no message), for tests that count what an algorithm
+/// sends or take the path a transport's capabilities choose.
+#[cfg(test)]
+pub(crate) struct Recorded {
+    pub(crate) inner: MemoryTransport,
+    pub(crate) capabilities: crate::transport::Capabilities,
+    pub(crate) sent: Vec<usize>,
+}
+
+#[cfg(test)]
+impl Recorded {
+    /// One recording transport per rank of an `n`-rank mesh.
+    pub(crate) fn mesh(n: usize, capabilities: crate::transport::Capabilities) -> Vec<Recorded> {
+        MemoryTransport::mesh(n).into_iter().map(|inner| Recorded { inner, capabilities, sent: Vec::new() }).collect()
+    }
+
+    fn note(&mut self, bytes: usize) {
+        if bytes > 0 {
+            self.sent.push(bytes);
+        }
+    }
+}
+
+#[cfg(test)]
+impl Transport for Recorded {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn size(&self) -> usize {
+        self.inner.size()
+    }
+    fn label(&self) -> &'static str {
+        "recorded"
+    }
+    fn capabilities(&self) -> crate::transport::Capabilities {
+        self.capabilities
+    }
+    fn send(&mut self, peer: usize, data: &[u8]) -> Result<(), TransportError> {
+        self.note(data.len());
+        self.inner.send(peer, data)
+    }
+    fn recv(&mut self, peer: usize, buf: &mut [u8]) -> Result<(), TransportError> {
+        self.inner.recv(peer, buf)
+    }
+    fn exchange(
+        &mut self,
+        to: usize,
+        send: &[u8],
+        from: usize,
+        recv_len: usize,
+        sink: &mut dyn FnMut(usize, &[u8]),
+    ) -> Result<(), TransportError> {
+        self.note(send.len());
+        self.inner.exchange(to, send, from, recv_len, sink)
+    }
+    fn peek(&mut self, peer: usize, buf: &mut [u8]) -> bool {
+        self.inner.peek(peer, buf)
+    }
+    fn wait_for_activity(&mut self, waker: &Waker, timeout: Duration) -> Result<Activity, TransportError> {
+        self.inner.wait_for_activity(waker, timeout)
+    }
+    fn close(&mut self) {
+        self.inner.close();
+    }
 }
 
 #[cfg(test)]
