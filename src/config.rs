@@ -79,6 +79,10 @@ pub struct Config {
     /// rank sends its header to every other rank on small communicators, a tree on larger ones, see
     /// `coordinator::tree`), `all_to_all` or `tree` (forced, for tests and benchmarks).
     pub negotiation: Negotiation,
+    /// `RVOD_CONNECTIONS`: when a communicator's TCP connections are made: `auto` (default: all at set-up on
+    /// small communicators, each when first needed on larger ones, see `engine::connect`), `full_mesh` or
+    /// `on_demand` (forced).
+    pub connections: Connections,
     /// Process sets may be added and removed after init (`RVOD_DYNAMIC_PROCESS_SETS`, Horovod's flag rule:
     /// on when > 0; also turned on by `init(process_sets="dynamic")`).
     pub dynamic_process_sets: bool,
@@ -114,6 +118,18 @@ pub enum Negotiation {
     AllToAll,
     /// Headers combined by recursive doubling; requests gathered and responses broadcast along trees.
     Tree,
+}
+
+/// `RVOD_CONNECTIONS`: when the TCP connections between a communicator's ranks are made. rvod's own setting.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Connections {
+    /// A full mesh at set-up on small communicators, connections on demand on larger ones.
+    #[default]
+    Auto,
+    /// Every pair of ranks connected at set-up.
+    FullMesh,
+    /// A pair connected when an operation first needs it.
+    OnDemand,
 }
 
 /// `RVOD_TRANSPORT`: what carries bytes between hosts (inside a host, shared memory stays rvod's own).
@@ -459,6 +475,7 @@ impl Config {
             compression_within_host: env.flag("COMPRESSION_WITHIN_HOST")?,
             compression_warmup_steps: env.usize("COMPRESSION_WARMUP_STEPS", 0)? as u64,
             negotiation: negotiation(&env)?,
+            connections: connections(&env)?,
             dynamic_process_sets: env.flag("DYNAMIC_PROCESS_SETS")?,
             launch,
             timeline: env.string("TIMELINE").filter(|path| !path.is_empty()),
@@ -484,6 +501,19 @@ fn negotiation<F: Fn(&str) -> Option<String>>(env: &EnvReader<F>) -> Result<Nego
             "all_to_all" => Negotiation::AllToAll,
             "tree" => Negotiation::Tree,
             _ => return Err(EnvReader::<F>::error(name, value, "expected auto, all_to_all or tree")),
+        },
+    })
+}
+
+/// `CONNECTIONS`.
+fn connections<F: Fn(&str) -> Option<String>>(env: &EnvReader<F>) -> Result<Connections, ConfigError> {
+    Ok(match env.raw("CONNECTIONS") {
+        None => Connections::Auto,
+        Some((name, value)) => match value.to_ascii_lowercase().replace('-', "_").as_str() {
+            "auto" => Connections::Auto,
+            "full_mesh" => Connections::FullMesh,
+            "on_demand" => Connections::OnDemand,
+            _ => return Err(EnvReader::<F>::error(name, value, "expected auto, full_mesh or on_demand")),
         },
     })
 }
@@ -842,6 +872,18 @@ mod tests {
         );
         assert_eq!(with(&[("RVOD_IFACE_ADDR", "eth0")]).unwrap_err().name, "RVOD_IFACE_ADDR");
         assert_eq!(with(&[("RVOD_NETWORK_INTERFACE", " , ")]).unwrap_err().name, "RVOD_NETWORK_INTERFACE");
+    }
+
+    #[test]
+    fn connections_are_auto_unless_forced() {
+        assert_eq!(config(&[]).unwrap().connections, Connections::Auto);
+        assert_eq!(config(&[("RVOD_CONNECTIONS", "on-demand")]).unwrap().connections, Connections::OnDemand);
+        assert_eq!(config(&[("RVOD_CONNECTIONS", "FULL_MESH")]).unwrap().connections, Connections::FullMesh);
+        let err = config(&[("RVOD_CONNECTIONS", "lazy")]).unwrap_err();
+        assert_eq!(
+            (err.name.as_str(), err.reason.as_str()),
+            ("RVOD_CONNECTIONS", "expected auto, full_mesh or on_demand")
+        );
     }
 
     #[test]

@@ -2,13 +2,16 @@
 //! among the members of a process set: shared memory when every member runs on this host (and `RVOD_SHM`
 //! is not 0); across hosts a [`CompositeTransport`] (shared memory among this host's members, TCP or UCX to
 //! the others, see [`hosts_transport`]); TCP for everyone where shared memory is off or cannot be set up,
-//! and TCP or UCX for everyone where no host has two members.
+//! and TCP or UCX for everyone where no host has two members. TCP links are made at set-up, a full mesh, on
+//! communicators of up to 8 ranks (where negotiation is all-to-all and uses every pair at once), and each when
+//! first needed on larger ones (`RVOD_CONNECTIONS`), so a rank holds only the links its algorithms use.
 
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 use std::time::Duration;
 
 use super::peer_hosts::PeerHosts;
-use crate::config::{Config, HostsConfig, HostsTransport, Rendezvous, Topology};
+use crate::config::{Config, Connections, HostsConfig, HostsTransport, Rendezvous, Topology};
+use crate::coordinator::tree::ALL_TO_ALL_MAX_RANKS;
 use crate::error::EngineError;
 use crate::transport::composite::{CompositeTransport, HostLayout};
 use crate::transport::memory::MemoryTransport;
@@ -66,38 +69,43 @@ pub fn connect_members(
     let secret = &rdv.secret;
     // Transports number peers by position; errors name them by global rank (`numbers[position]`) and host.
     let failed = |op: &str, numbers: &[usize], e: TransportError| hosts.failure(op, &e.renumbered(numbers));
-    let tcp_mesh = |store: &mut StoreClient, scope: &str, numbers: &[usize], rank: usize, linked: &[bool]| {
-        TcpTransport::connect_mesh_linked(
-            rank,
-            numbers.len(),
-            store,
-            scope,
-            secret,
-            bind,
-            &bind.to_string(),
-            config.timeout,
-            linked,
-        )
-        .map_err(|e| failed("connecting to the other ranks", numbers, e))
+    let on_demand = |numbers: &[usize]| match config.connections {
+        Connections::Auto => numbers.len() > ALL_TO_ALL_MAX_RANKS,
+        Connections::FullMesh => false,
+        Connections::OnDemand => true,
     };
+    // A TCP mesh among `numbers`: connected on demand (larger communicators) or in full at set-up; UCX's
+    // control mesh (`eager`) always in full, since UCX connects every pair through it.
+    let tcp_mesh =
+        |store: &mut StoreClient, scope: &str, numbers: &[usize], rank: usize, linked: &[bool], eager: bool| {
+            let (size, host, timeout) = (numbers.len(), bind.to_string(), config.timeout);
+            let built = if on_demand(numbers) && !eager {
+                TcpTransport::connect_on_demand(rank, size, store, scope, secret, bind, &host, timeout, linked)
+            } else {
+                TcpTransport::connect_mesh_linked(rank, size, store, scope, secret, bind, &host, timeout, linked)
+            };
+            built.map_err(|e| failed("connecting to the other ranks", numbers, e))
+        };
     let everyone = vec![true; members.len()];
     if !config.shm {
-        return Ok(Box::new(tcp_mesh(store, scope, members, local_rank, &everyone)?));
+        return Ok(Box::new(tcp_mesh(store, scope, members, local_rank, &everyone, false)?));
     }
     let layout = host_layout(store, scope, local_rank, members, &config.topology.hostname, config.timeout)?;
     if layout.hosts() == 1 {
         if let Some(shm) = shared_memory(config, store, scope, members, local_rank)? {
             return Ok(Box::new(shm));
         }
-        return Ok(Box::new(tcp_mesh(store, scope, members, local_rank, &everyone)?));
+        return Ok(Box::new(tcp_mesh(store, scope, members, local_rank, &everyone, false)?));
     }
     let host = layout.host_of(local_rank);
     let host_members = layout.members(host).len();
     let over_ucx = hosts_transport(config, store, scope, local_rank, members)?;
     // Between hosts: rvod's TCP mesh, or UCX over an authenticated TCP mesh kept as its control channel.
     let cross = |store: &mut StoreClient, scope: &str, linked: &[bool]| -> Result<Box<dyn Transport>, EngineError> {
-        let Some(ucx) = over_ucx else { return Ok(Box::new(tcp_mesh(store, scope, members, local_rank, linked)?)) };
-        let control = tcp_mesh(store, &format!("{scope}-ucx"), members, local_rank, linked)?;
+        let Some(ucx) = over_ucx else {
+            return Ok(Box::new(tcp_mesh(store, scope, members, local_rank, linked, false)?));
+        };
+        let control = tcp_mesh(store, &format!("{scope}-ucx"), members, local_rank, linked, true)?;
         let transport = UcxTransport::over(control, ucx, config.timeout)
             .map_err(|e| failed("connecting to the other ranks over UCX", members, e))?;
         Ok(Box::new(transport))
@@ -114,7 +122,14 @@ pub fn connect_members(
     } else {
         match shared_memory(config, store, &local_scope, &here, index)? {
             Some(shm) => Box::new(shm),
-            None => Box::new(tcp_mesh(store, &format!("{local_scope}/tcp"), &here, index, &vec![true; host_members])?),
+            None => Box::new(tcp_mesh(
+                store,
+                &format!("{local_scope}/tcp"),
+                &here,
+                index,
+                &vec![true; host_members],
+                false,
+            )?),
         }
     };
     let linked: Vec<bool> = (0..members.len()).map(|r| layout.host_of(r) != host).collect();
@@ -164,12 +179,10 @@ fn hosts_transport(
             let (ucx, why) = rdma_here(hosts);
             let fail = |e: TransportError| EngineError::transport("exchanging RDMA support", &e.renumbered(members));
             store.set(&format!("{scope}/rdma/{local_rank}"), if ucx.is_some() { b"1" } else { b"0" }).map_err(fail)?;
-            let mut without = None;
-            for (rank, &global) in members.iter().enumerate() {
-                if store.get_from(rank, &format!("{scope}/rdma/{rank}"), config.timeout).map_err(fail)? != b"1" {
-                    without = without.or(Some(global));
-                }
-            }
+            let keys: Vec<(usize, String)> =
+                (0..members.len()).map(|rank| (rank, format!("{scope}/rdma/{rank}"))).collect();
+            let answers = store.get_all_from(&keys, config.timeout).map_err(fail)?;
+            let without = members.iter().zip(&answers).find(|(_, answer)| answer.as_slice() != b"1").map(|(&g, _)| g);
             match (ucx, without) {
                 (Some(ucx), None) => {
                     tracing::info!("rank {me}: between hosts through UCX (RVOD_TRANSPORT=auto): {why}");
@@ -245,10 +258,8 @@ fn host_layout(
 ) -> Result<HostLayout, EngineError> {
     let fail = |e: TransportError| EngineError::transport("exchanging host names", &e.renumbered(members));
     store.set(&format!("{scope}/host/{local_rank}"), host_identity(hostname).as_bytes()).map_err(fail)?;
-    let mut keys = Vec::with_capacity(members.len());
-    for rank in 0..members.len() {
-        keys.push(store.get_from(rank, &format!("{scope}/host/{rank}"), timeout).map_err(fail)?);
-    }
+    let names: Vec<(usize, String)> = (0..members.len()).map(|rank| (rank, format!("{scope}/host/{rank}"))).collect();
+    let keys = store.get_all_from(&names, timeout).map_err(fail)?;
     Ok(HostLayout::from_keys(&keys))
 }
 
@@ -271,8 +282,8 @@ pub fn job_hosts(
     store.set(&format!("{scope}/host/{}", topo.rank), mine.as_bytes()).map_err(fail)?;
     let mut homogeneous = true;
     let mut names = Vec::with_capacity(topo.size);
-    for rank in 0..topo.size {
-        let value = store.get_from(rank, &format!("{scope}/host/{rank}"), timeout).map_err(fail)?;
+    let keys: Vec<(usize, String)> = (0..topo.size).map(|rank| (rank, format!("{scope}/host/{rank}"))).collect();
+    for value in store.get_all_from(&keys, timeout).map_err(fail)? {
         let value = String::from_utf8_lossy(&value);
         let (local_size, name) = value.split_once(' ').unwrap_or((&value, ""));
         homogeneous &= local_size == topo.local_size.to_string();

@@ -250,12 +250,14 @@ impl Engine {
         let fail = |e: crate::transport::TransportError| EngineError::transport("agreeing on a process set", &e);
         let key = |rank: usize| format!("init{}/register{sequence}/{rank}", self.generation);
         store.set(&key(topo.rank), format!("{ranks:?}").as_bytes()).map_err(fail)?;
-        let mut proposals: Vec<(usize, String)> = Vec::with_capacity(topo.size);
-        for rank in 0..topo.size {
-            let wait = self.config.start_timeout.max(self.config.timeout);
-            let value = store.get_from(rank, &key(rank), wait).map_err(fail)?;
-            proposals.push((rank, String::from_utf8_lossy(&value).into_owned()));
-        }
+        let wait = self.config.start_timeout.max(self.config.timeout);
+        let keys: Vec<(usize, String)> = (0..topo.size).map(|rank| (rank, key(rank))).collect();
+        let values = store.get_all_from(&keys, wait).map_err(fail)?;
+        let proposals: Vec<(usize, String)> = values
+            .iter()
+            .enumerate()
+            .map(|(rank, value)| (rank, String::from_utf8_lossy(value).into_owned()))
+            .collect();
         if proposals.iter().all(|(_, p)| *p == proposals[0].1) {
             return Ok(());
         }

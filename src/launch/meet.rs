@@ -453,16 +453,18 @@ fn exchange_hosts(
     let mine = format!("{}\n{local}\n{reached}", host_identity(&topo.hostname));
     client.set(&key(topo.rank), mine.as_bytes()).map_err(fail)?;
     let mut peers = Vec::with_capacity(topo.size);
-    for rank in 0..topo.size {
-        let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
-        let value = client.get(&key(rank), left).map_err(|e| {
-            EngineError::StartTimeout(format!(
-                "{}: rank {rank} did not register with rank 0's rendezvous store within {:.1} s ({e}); \
-                 is it running and calling hvd.init()?",
-                who(config, plan),
-                config.start_timeout.as_secs_f64()
-            ))
-        })?;
+    let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+    let keys: Vec<(usize, String)> = (0..topo.size).map(|rank| (rank, key(rank))).collect();
+    let values = client.get_all_from(&keys, left).map_err(|e| {
+        let rank = e.peers().first().map_or_else(|| "a rank".to_string(), |rank| format!("rank {rank}"));
+        EngineError::StartTimeout(format!(
+            "{}: {rank} did not register with rank 0's rendezvous store within {:.1} s ({e}); \
+             is it running and calling hvd.init()?",
+            who(config, plan),
+            config.start_timeout.as_secs_f64()
+        ))
+    })?;
+    for value in values {
         let text = String::from_utf8_lossy(&value);
         let mut parts = text.splitn(3, '\n');
         let host = parts.next().unwrap_or_default().to_string();

@@ -13,6 +13,10 @@ use super::wire::{
 use crate::transport::handshake::{self, Purpose};
 use crate::transport::TransportError;
 
+/// Most `get` requests [`StoreClient::get_all_from`] writes before it reads their answers (a batch's
+/// requests and answers, some tens of KiB, fit the sockets' buffers, so neither side blocks the other).
+pub const GET_BATCH: usize = 256;
+
 /// Pause between attempts to reach a store that is not listening yet.
 const CONNECT_RETRY_PAUSE: Duration = Duration::from_millis(50);
 
@@ -51,6 +55,12 @@ impl StoreClient {
             .map_err(|err| TransportError::Setup(format!("rendezvous store at {addr}: {err}")))?;
         stream.set_nodelay(true).map_err(|err| TransportError::Setup(format!("rendezvous store at {addr}: {err}")))?;
         Ok(StoreClient { stream, addr, io_timeout: timeout.max(Duration::from_millis(1)) })
+    }
+
+    /// A second connection to the same store (authenticated with `secret`, the same limits), for a user that
+    /// looks keys up later on a thread of its own.
+    pub fn another(&self, secret: &[u8]) -> Result<StoreClient, TransportError> {
+        StoreClient::connect(self.addr, secret, self.io_timeout)
     }
 
     /// Stores `value` under `key`, replacing any previous value, and wakes every `get` waiting for it.
@@ -101,6 +111,40 @@ impl StoreClient {
                 return Err(self.missing_from(peer, key, timeout));
             }
         }
+    }
+
+    /// The values of `keys`, each set by the rank it names (as [`get_from`](Self::get_from)), in order, waiting
+    /// up to `timeout` for each to appear. The requests go out [`GET_BATCH`] at a time, each batch written
+    /// at once and its answers read after it, so a rank learning N keys waits for N / [`GET_BATCH`] round
+    /// trips, not N. A key still missing is a [`TransportError::KeyTimeout`] naming its rank; the client must
+    /// then be dropped (the batch's later answers are still on their way).
+    pub fn get_all_from(
+        &mut self,
+        keys: &[(usize, String)],
+        timeout: Duration,
+    ) -> Result<Vec<Vec<u8>>, TransportError> {
+        let deadline = handshake::deadline_after(timeout);
+        let mut values = Vec::with_capacity(keys.len());
+        for batch in keys.chunks(GET_BATCH) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let wait_ms = u64::try_from(left.as_millis()).unwrap_or(u64::MAX);
+            let mut requests = Vec::new();
+            for (_, key) in batch {
+                check_key(key)?;
+                requests.extend_from_slice(&request_header(Op::Get, key.as_bytes(), 8));
+                requests.extend_from_slice(&wait_ms.to_be_bytes());
+            }
+            let first = &batch[0].1;
+            self.send_request(&requests, left).map_err(|failure| self.failed("get", first, failure))?;
+            for (peer, key) in batch {
+                match get_answer(&mut self.stream) {
+                    Ok(Some(value)) => values.push(value),
+                    Ok(None) => return Err(self.missing_from(*peer, key, timeout)),
+                    Err(failure) => return Err(self.failed("get", key, failure)),
+                }
+            }
+        }
+        Ok(values)
     }
 
     fn missing_from(&self, peer: usize, key: &str, timeout: Duration) -> TransportError {
@@ -155,20 +199,21 @@ impl StoreClient {
         read_answer: impl FnOnce(&mut TcpStream) -> Result<T, Failure>,
     ) -> Result<T, TransportError> {
         let answer = self.send_request(request, extra_wait).and_then(|()| read_answer(&mut self.stream));
-        answer.map_err(|failure| {
-            let detail = match failure {
-                Failure::Io(err) if matches!(err.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
-                    "no answer in time".to_string()
-                }
-                Failure::Io(err) if err.kind() == io::ErrorKind::UnexpectedEof => {
-                    "the store closed the connection".into()
-                }
-                Failure::Io(err) => err.to_string(),
-                Failure::Framing(what) => format!("malformed answer: {what}"),
-                Failure::Refused(message) => message,
-            };
-            TransportError::Setup(format!("rendezvous store at {}: {op} '{key}' failed: {detail}", self.addr))
-        })
+        answer.map_err(|failure| self.failed(op, key, failure))
+    }
+
+    /// The error a request `op` on `key` that ended in `failure` reports.
+    fn failed(&self, op: &str, key: &str, failure: Failure) -> TransportError {
+        let detail = match failure {
+            Failure::Io(err) if matches!(err.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+                "no answer in time".to_string()
+            }
+            Failure::Io(err) if err.kind() == io::ErrorKind::UnexpectedEof => "the store closed the connection".into(),
+            Failure::Io(err) => err.to_string(),
+            Failure::Framing(what) => format!("malformed answer: {what}"),
+            Failure::Refused(message) => message,
+        };
+        TransportError::Setup(format!("rendezvous store at {}: {op} '{key}' failed: {detail}", self.addr))
     }
 
     fn send_request(&mut self, request: &[u8], extra_wait: Duration) -> Result<(), Failure> {
@@ -364,6 +409,32 @@ mod tests {
         // The connection is still usable after refused requests.
         client.set("empty", b"").unwrap();
         assert_eq!(client.get("empty", Duration::ZERO).unwrap(), b"");
+    }
+
+    #[test]
+    fn many_keys_come_back_in_order_in_batches_waiting_for_late_ones_and_a_missing_one_is_named() {
+        let server = RendezvousServer::start(Ipv4Addr::LOCALHOST.into(), 0, b"k".to_vec()).unwrap();
+        let mut client = StoreClient::connect(server.addr(), b"k", Duration::from_secs(5)).unwrap();
+        let count = 2 * GET_BATCH + 3;
+        for rank in (0..count).filter(|rank| rank % 97 != 5) {
+            client.set(&format!("host/{rank}"), format!("h{rank}").as_bytes()).unwrap();
+        }
+        let mut late = client.another(b"k").unwrap();
+        let setter = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(150));
+            for rank in (0..count).filter(|rank| rank % 97 == 5) {
+                late.set(&format!("host/{rank}"), format!("h{rank}").as_bytes()).unwrap();
+            }
+        });
+        let keys: Vec<(usize, String)> = (0..count).map(|rank| (rank, format!("host/{rank}"))).collect();
+        let values = client.get_all_from(&keys, Duration::from_secs(10)).unwrap();
+        setter.join().unwrap();
+        let expected: Vec<Vec<u8>> = (0..count).map(|rank| format!("h{rank}").into_bytes()).collect();
+        assert_eq!(values, expected);
+        let mut fresh = client.another(b"k").unwrap();
+        let keys = [(0, "host/0".to_string()), (7, "host/never".to_string())];
+        let err = fresh.get_all_from(&keys, Duration::from_millis(100)).unwrap_err();
+        assert!(matches!(&err, TransportError::KeyTimeout { peer: 7, key, .. } if key == "host/never"), "{err}");
     }
 
     #[test]

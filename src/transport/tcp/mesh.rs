@@ -55,33 +55,9 @@ impl TcpTransport {
         timeout: Duration,
         linked: &[bool],
     ) -> Result<TcpTransport, TransportError> {
-        if linked.len() != size {
-            return Err(TransportError::Setup(format!("{} link flags for {size} ranks", linked.len())));
-        }
-        if rank >= size || size > u32::MAX as usize {
-            return Err(TransportError::Setup(format!("rank {rank} is outside a communicator of {size} ranks")));
-        }
-        if scope.len() + 4 > MAX_CLAIM_LEN {
-            return Err(TransportError::Setup(format!(
-                "mesh scope '{scope}' is {} bytes long, the limit is {}",
-                scope.len(),
-                MAX_CLAIM_LEN - 4
-            )));
-        }
+        check_mesh(rank, size, scope, linked)?;
         let deadline = handshake::deadline_after(timeout);
-        // Set-up errors name no rank of their own: this rank raises them, and inside a process set its position
-        // here is not the rank users know.
-        let setup_error = |what: &str, err: io::Error| TransportError::Setup(format!("{what}: {err}"));
-        let listener =
-            TcpListener::bind((bind, 0)).map_err(|err| setup_error(&format!("cannot listen on {bind}"), err))?;
-        let port = listener.local_addr().map_err(|err| setup_error("listener address", err))?.port();
-        let host = if advertise_host.contains(':') && !advertise_host.starts_with('[') {
-            format!("[{advertise_host}]")
-        } else {
-            advertise_host.to_string()
-        };
-        store.set(&address_key(scope, rank), format!("{host}:{port}").as_bytes())?;
-
+        let listener = listen_and_publish(store, scope, rank, bind, advertise_host)?;
         let events = Arc::new(Waker::new().map_err(|err| setup_error("eventfd", err))?);
         let abort = AtomicBool::new(false);
         let mut links: Vec<Option<Link>> = (0..size).map(|_| None).collect();
@@ -116,22 +92,65 @@ struct MeshIdentity<'a> {
     linked: &'a [bool],
 }
 
-fn address_key(scope: &str, rank: usize) -> String {
+/// Set-up errors name no rank of their own: this rank raises them, and inside a process set its position here
+/// is not the rank users know.
+pub(super) fn setup_error(what: &str, err: io::Error) -> TransportError {
+    TransportError::Setup(format!("{what}: {err}"))
+}
+
+/// Whether `rank`, `size`, `scope` and `linked` describe a mesh this rank can join.
+pub(super) fn check_mesh(rank: usize, size: usize, scope: &str, linked: &[bool]) -> Result<(), TransportError> {
+    if linked.len() != size {
+        return Err(TransportError::Setup(format!("{} link flags for {size} ranks", linked.len())));
+    }
+    if rank >= size || size > u32::MAX as usize {
+        return Err(TransportError::Setup(format!("rank {rank} is outside a communicator of {size} ranks")));
+    }
+    if scope.len() + 4 > MAX_CLAIM_LEN {
+        return Err(TransportError::Setup(format!(
+            "mesh scope '{scope}' is {} bytes long, the limit is {}",
+            scope.len(),
+            MAX_CLAIM_LEN - 4
+        )));
+    }
+    Ok(())
+}
+
+/// Listens on `(bind, ephemeral port)` and publishes `advertise_host:port` as this rank's address in `scope`.
+pub(super) fn listen_and_publish(
+    store: &mut StoreClient,
+    scope: &str,
+    rank: usize,
+    bind: IpAddr,
+    advertise_host: &str,
+) -> Result<TcpListener, TransportError> {
+    let listener = TcpListener::bind((bind, 0)).map_err(|err| setup_error(&format!("cannot listen on {bind}"), err))?;
+    let port = listener.local_addr().map_err(|err| setup_error("listener address", err))?.port();
+    let host = if advertise_host.contains(':') && !advertise_host.starts_with('[') {
+        format!("[{advertise_host}]")
+    } else {
+        advertise_host.to_string()
+    };
+    store.set(&address_key(scope, rank), format!("{host}:{port}").as_bytes())?;
+    Ok(listener)
+}
+
+pub(super) fn address_key(scope: &str, rank: usize) -> String {
     format!("{scope}/addr/{rank}")
 }
 
 /// The identity a connecting rank claims: its rank and the scope of the mesh.
-fn mesh_claim(rank: usize, scope: &str) -> Vec<u8> {
+pub(super) fn mesh_claim(rank: usize, scope: &str) -> Vec<u8> {
     let mut claim = (rank as u32).to_be_bytes().to_vec();
     claim.extend_from_slice(scope.as_bytes());
     claim
 }
 
-/// The rank claimed by `claim` if it belongs to `scope` and is one that connects to `acceptor_rank`.
+/// The rank claimed by `claim` if it belongs to `scope` and is another rank of the mesh than `acceptor_rank`.
 fn claimed_rank(claim: &[u8], scope: &str, acceptor_rank: usize, size: usize) -> Option<usize> {
     let (rank, claimed_scope) = claim.split_first_chunk::<4>()?;
     let rank = u32::from_be_bytes(*rank) as usize;
-    (claimed_scope == scope.as_bytes() && rank > acceptor_rank && rank < size).then_some(rank)
+    (claimed_scope == scope.as_bytes() && rank != acceptor_rank && rank < size).then_some(rank)
 }
 
 /// Socket settings for the data path. Buffer sizes are left to the kernel's autotuning: fixed 4 MiB
@@ -165,7 +184,7 @@ fn connect_lower(
     Ok(streams)
 }
 
-fn connect_to(address: &str, deadline: Instant) -> io::Result<TcpStream> {
+pub(super) fn connect_to(address: &str, deadline: Instant) -> io::Result<TcpStream> {
     let mut last_error = io::Error::new(io::ErrorKind::NotFound, "the address resolves to nothing");
     for candidate in address.to_socket_addrs()? {
         let left = deadline.saturating_duration_since(Instant::now());
@@ -180,6 +199,37 @@ fn connect_to(address: &str, deadline: Instant) -> io::Result<TcpStream> {
     Err(last_error)
 }
 
+/// What an accepting rank does with authenticated connections: which claimed ranks it lets in, and where
+/// the streams of those it let in go. Called from the threads that authenticate connections.
+pub(super) trait Admission: Send + Sync {
+    /// Whether `peer`, whose claim is authentic, is let in (answered in the handshake's verdict).
+    fn admit(&self, peer: usize) -> bool;
+    /// The authenticated connection from `peer`, which `admit` let in.
+    fn deliver(&self, peer: usize, stream: TcpStream);
+    /// `peer` was let in, but its connection broke before the handshake finished.
+    fn failed(&self, _peer: usize) {}
+}
+
+/// The eager mesh's admission: every higher rank, handed to the set-up over a channel.
+struct HigherRanks {
+    rank: usize,
+    done: mpsc::Sender<(usize, TcpStream)>,
+    events: Arc<Waker>,
+}
+
+impl Admission for HigherRanks {
+    fn admit(&self, peer: usize) -> bool {
+        peer > self.rank
+    }
+
+    fn deliver(&self, peer: usize, stream: TcpStream) {
+        // The receiver is gone only if set-up already finished or failed; then the stream just closes.
+        if self.done.send((peer, stream)).is_ok() {
+            self.events.wake();
+        }
+    }
+}
+
 /// Accepts connections until every higher rank has authenticated. Each handshake runs on its own short-lived
 /// thread, so a silent stranger delays nobody; finished ones come back over a channel and ring `events`.
 fn accept_higher(
@@ -192,9 +242,14 @@ fn accept_higher(
     let rank = mesh.rank;
     let fail = |detail: String| TransportError::Setup(format!("accepting the other ranks: {detail}"));
     listener.set_nonblocking(true).map_err(|err| fail(err.to_string()))?;
-    let secret: Arc<[u8]> = mesh.secret.into();
-    let scope: Arc<str> = mesh.scope.into();
     let (done_tx, done_rx) = mpsc::channel::<(usize, TcpStream)>();
+    let handshakes = Handshakes {
+        rank,
+        size: mesh.size,
+        scope: mesh.scope.into(),
+        secret: mesh.secret.into(),
+        admission: Arc::new(HigherRanks { rank, done: done_tx, events: events.clone() }),
+    };
     let mut accepted: Vec<Option<TcpStream>> = (0..mesh.size).map(|_| None).collect();
     let mut missing = (rank + 1..mesh.size).filter(|&peer| mesh.linked[peer]).count();
     while missing > 0 {
@@ -225,39 +280,56 @@ fn accept_higher(
         ];
         poll_once(&mut fds, left).map_err(|err| fail(err.to_string()))?;
         events.drain();
-        loop {
-            match listener.accept() {
-                Ok((stream, from)) => {
-                    let job = HandshakeJob {
-                        rank,
-                        size: mesh.size,
-                        scope: scope.clone(),
-                        secret: secret.clone(),
-                        deadline: deadline.min(Instant::now() + ACCEPT_HANDSHAKE_LIMIT),
-                        done: done_tx.clone(),
-                        events: events.clone(),
-                    };
-                    let spawned = std::thread::Builder::new()
-                        .name("rvod-mesh-handshake".into())
-                        .spawn(move || job.run(stream, from));
-                    if let Err(err) = spawned {
-                        tracing::warn!(rank, %from, error = %err, "mesh: no thread to authenticate a connection");
-                    }
-                }
-                Err(err) if err.kind() == io::ErrorKind::WouldBlock => break,
-                Err(err) if err.kind() == io::ErrorKind::Interrupted => {}
-                Err(err) => {
-                    tracing::warn!(rank, error = %err, "mesh: accept failed");
-                    break;
-                }
-            }
-        }
+        handshakes.accept_waiting(listener, deadline);
     }
     Ok(accepted.into_iter().enumerate().filter_map(|(peer, stream)| Some((peer, stream?))).collect())
 }
 
 /// Connections the mesh listeners of this process dropped (rate-limited warnings).
 static MESH_DROPS: DropLog = DropLog::new("mesh");
+
+/// Authenticates the connections a rank's listener accepts, each on a short-lived thread of its own, and
+/// hands those its [`Admission`] lets in to it.
+pub(super) struct Handshakes {
+    pub(super) rank: usize,
+    pub(super) size: usize,
+    pub(super) scope: Arc<str>,
+    pub(super) secret: Arc<[u8]>,
+    pub(super) admission: Arc<dyn Admission>,
+}
+
+impl Handshakes {
+    /// Accepts every connection waiting on the (non-blocking) `listener` and starts authenticating each,
+    /// giving it until `deadline` at most.
+    pub(super) fn accept_waiting(&self, listener: &TcpListener, deadline: Instant) {
+        loop {
+            match listener.accept() {
+                Ok((stream, from)) => {
+                    let job = HandshakeJob {
+                        rank: self.rank,
+                        size: self.size,
+                        scope: self.scope.clone(),
+                        secret: self.secret.clone(),
+                        deadline: deadline.min(Instant::now() + ACCEPT_HANDSHAKE_LIMIT),
+                        admission: self.admission.clone(),
+                    };
+                    let spawned = std::thread::Builder::new()
+                        .name("rvod-mesh-handshake".into())
+                        .spawn(move || job.run(stream, from));
+                    if let Err(err) = spawned {
+                        tracing::warn!(rank = self.rank, %from, error = %err, "mesh: no thread to authenticate a connection");
+                    }
+                }
+                Err(err) if err.kind() == io::ErrorKind::WouldBlock => break,
+                Err(err) if err.kind() == io::ErrorKind::Interrupted => {}
+                Err(err) => {
+                    tracing::warn!(rank = self.rank, error = %err, "mesh: accept failed");
+                    break;
+                }
+            }
+        }
+    }
+}
 
 /// Authenticates one accepted connection on its own thread.
 struct HandshakeJob {
@@ -266,8 +338,7 @@ struct HandshakeJob {
     scope: Arc<str>,
     secret: Arc<[u8]>,
     deadline: Instant,
-    done: mpsc::Sender<(usize, TcpStream)>,
-    events: Arc<Waker>,
+    admission: Arc<dyn Admission>,
 }
 
 impl HandshakeJob {
@@ -277,18 +348,22 @@ impl HandshakeJob {
             MESH_DROPS.dropped(from, &format!("cannot make it blocking: {err}"));
             return;
         }
+        let (mut claimed, mut admitted) = (None, false);
         let verified = handshake::accept(&mut stream, &self.secret, Purpose::Mesh, self.deadline, |claim| {
-            claimed_rank(claim, scope, rank, size).is_some()
+            claimed = claimed_rank(claim, scope, rank, size);
+            admitted = claimed.is_some_and(|peer| self.admission.admit(peer));
+            admitted
         });
-        match verified.map(|claim| claimed_rank(&claim, scope, rank, size)) {
-            Ok(Some(peer)) => {
-                // The receiver is gone only if set-up already finished or failed; then the stream just closes.
-                if self.done.send((peer, stream)).is_ok() {
-                    self.events.wake();
+        match (verified, claimed) {
+            (Ok(_), Some(peer)) => self.admission.deliver(peer, stream),
+            (Ok(_), None) => {}
+            // A rank of this mesh that is not let in (a connection crossing this rank's own) is told so in the
+            // verdict and needs no warning.
+            (Err(handshake::HandshakeError::Unexpected), Some(_)) if !admitted => {}
+            (Err(err), claimed) => {
+                if let Some(peer) = claimed.filter(|_| admitted) {
+                    self.admission.failed(peer);
                 }
-            }
-            Ok(None) => {}
-            Err(err) => {
                 MESH_DROPS.dropped(from, &format!("rank {rank}: it failed authentication: {err}"));
             }
         }
@@ -303,7 +378,7 @@ mod tests {
     fn claim_reads(bytes: &[u8]) -> bool {
         match claimed_rank(bytes, "world", 1, 4) {
             Some(rank) => {
-                assert!((2..4).contains(&rank));
+                assert!(rank != 1 && rank < 4);
                 true
             }
             None => false,
@@ -331,6 +406,7 @@ mod tests {
         assert_eq!(claimed_rank(&claim, "world", 1, 4), Some(3));
         assert_eq!(claimed_rank(&claim, "other", 1, 4), None);
         assert_eq!(claimed_rank(&claim, "world", 3, 4), None);
+        assert_eq!(claimed_rank(&mesh_claim(0, "world"), "world", 3, 4), Some(0));
         assert_eq!(claimed_rank(&claim, "world", 0, 3), None);
         assert_eq!(claimed_rank(b"ab", "world", 0, 4), None);
     }

@@ -28,11 +28,17 @@
 //! it would without the byte. Blamed ranks from 128 up are not passed on.
 
 //!
-//! Files: [`link`] (one peer's connection and the cause byte), [`mesh`] (set-up), this module (the data
-//! path: waiting, reading ahead, send, receive and exchange).
+//! Connections on demand ([`TcpTransport::connect_on_demand`]): instead of the full mesh, set-up only listens,
+//! and a peer's connection is made (dialed, or accepted on a thread of the transport's own) when an operation
+//! first needs that peer; waits also watch for peers' connections arriving and take them in.
+//!
+//! Files: [`link`] (one peer's connection and the cause byte), [`mesh`] (set-up of the full mesh, and
+//! authenticating accepted connections), [`on_demand`] (connections made when first needed), this module
+//! (the data path: waiting, reading ahead, send, receive and exchange).
 
 mod link;
 mod mesh;
+mod on_demand;
 
 use std::io::{self, Read};
 use std::os::fd::AsRawFd;
@@ -116,7 +122,12 @@ pub struct TcpTransport {
     poll_ranks: Vec<usize>,
     /// The first failure of this rank, passed on to the peers by `close`.
     cause: Option<Cause>,
+    /// Where links are made when first needed: the dialing side and the accepting thread.
+    on_demand: Option<on_demand::OnDemand>,
 }
+
+/// The `poll_ranks` entry of the descriptor that says peers' connections arrived (connections on demand).
+const ARRIVED: usize = usize::MAX;
 
 impl TcpTransport {
     fn from_links(rank: usize, links: Vec<Option<Link>>, timeout: Duration) -> TcpTransport {
@@ -129,6 +140,23 @@ impl TcpTransport {
             poll_fds: Vec::new(),
             poll_ranks: Vec::new(),
             cause: None,
+            on_demand: None,
+        }
+    }
+
+    /// How many peers this rank holds a connection with.
+    pub fn connected_peers(&self) -> usize {
+        self.links.iter().flatten().count()
+    }
+
+    /// Takes in the peers' connections that arrived (connections on demand).
+    fn adopt_arrived(&mut self) {
+        let Some(on_demand) = self.on_demand.as_ref() else { return };
+        for (peer, stream) in on_demand.take_arrived() {
+            match mesh::tune(&stream) {
+                Ok(()) => self.links[peer] = Some(Link::new(stream)),
+                Err(err) => tracing::warn!(rank = self.rank, peer, error = %err, "mesh: dropped a connection"),
+            }
         }
     }
 
@@ -197,8 +225,17 @@ impl TcpTransport {
         (cause.peer != self.rank && cause.peer != peer && cause.peer < self.size).then_some(cause)
     }
 
+    /// The link with `peer`, made now if it is made on demand and not there yet.
     fn link(&mut self, peer: usize) -> Result<&mut Link, TransportError> {
         let (rank, size) = (self.rank, self.size);
+        if self.links.get(peer).is_some_and(Option::is_none) {
+            if let Some(on_demand) = self.on_demand.as_mut().filter(|on_demand| on_demand.may_link(peer)) {
+                let stream = on_demand.connect(peer, self.timeout)?;
+                mesh::tune(&stream)
+                    .map_err(|err| TransportError::Connect { peer, detail: format!("socket options: {err}") })?;
+                self.links[peer] = Some(Link::new(stream));
+            }
+        }
         self.links.get_mut(peer).and_then(Option::as_mut).ok_or_else(|| TransportError::Io {
             peer,
             source: io::Error::new(
@@ -297,6 +334,10 @@ impl TcpTransport {
                     self.poll_ranks.push(peer);
                 }
             }
+            if let Some(on_demand) = &self.on_demand {
+                self.poll_fds.push(libc::pollfd { fd: on_demand.arrived_fd(), events: libc::POLLIN, revents: 0 });
+                self.poll_ranks.push(ARRIVED);
+            }
             match poll_spin_then_block(&mut self.poll_fds, left) {
                 Ok(Some(_)) | Ok(None) => {}
                 Err(source) => return Err(TransportError::Io { peer: blamed, source }),
@@ -304,6 +345,12 @@ impl TcpTransport {
             let (mut writable, mut readable) = (false, false);
             for i in 0..self.poll_fds.len() {
                 let (peer, revents) = (self.poll_ranks[i], self.poll_fds[i].revents);
+                if peer == ARRIVED {
+                    if revents != 0 {
+                        self.adopt_arrived();
+                    }
+                    continue;
+                }
                 if let Some(link) = self.links[peer].as_mut() {
                     link.take_urgent(revents);
                 }
@@ -391,7 +438,8 @@ impl TcpTransport {
             }
             if got < recv_len && try_read {
                 let want = (recv_len - got).min(STAGING_LEN);
-                let Some(link) = self.links.get(from).and_then(Option::as_ref) else {
+                self.link(from)?;
+                let Some(link) = self.links[from].as_ref() else {
                     return Err(TransportError::PeerClosed { peer: from });
                 };
                 match read_step(&link.stream, &mut self.staging[..want], from)? {
@@ -443,38 +491,52 @@ impl Transport for TcpTransport {
         }
     }
     fn wait_for_activity(&mut self, waker: &Waker, timeout: Duration) -> Result<Activity, TransportError> {
-        if self.links.iter().flatten().any(|link| !link.pending().is_empty() || link.ended.is_some()) {
-            return Ok(Activity::Peer);
-        }
-        self.poll_fds.clear();
-        self.poll_fds.push(libc::pollfd { fd: waker.as_raw_fd(), events: libc::POLLIN, revents: 0 });
-        for link in self.links.iter().flatten() {
-            let events = libc::POLLIN | libc::POLLPRI;
-            self.poll_fds.push(libc::pollfd { fd: link.stream.as_raw_fd(), events, revents: 0 });
-        }
         let deadline = handshake::deadline_after(timeout);
         loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match poll_spin_then_block(&mut self.poll_fds, left) {
-                Ok(Some(_)) => break,
-                Ok(None) if left.is_zero() => break,
-                Ok(None) => {}
-                Err(source) => return Err(TransportError::Io { peer: self.rank, source }),
+            self.adopt_arrived();
+            if self.links.iter().flatten().any(|link| !link.pending().is_empty() || link.ended.is_some()) {
+                return Ok(Activity::Peer);
             }
-        }
-        for (link, fd) in self.links.iter_mut().flatten().zip(&self.poll_fds[1..]) {
-            link.take_urgent(fd.revents);
-        }
-        if self.poll_fds[0].revents & libc::POLLIN != 0 {
-            Ok(Activity::Local)
-        } else if self.poll_fds[1..].iter().any(|fd| fd.revents & (libc::POLLIN | libc::POLLPRI | ALERT) != 0) {
-            Ok(Activity::Peer)
-        } else {
-            Ok(Activity::Idle)
+            self.poll_fds.clear();
+            self.poll_fds.push(libc::pollfd { fd: waker.as_raw_fd(), events: libc::POLLIN, revents: 0 });
+            for link in self.links.iter().flatten() {
+                let events = libc::POLLIN | libc::POLLPRI;
+                self.poll_fds.push(libc::pollfd { fd: link.stream.as_raw_fd(), events, revents: 0 });
+            }
+            let links = self.poll_fds.len();
+            if let Some(on_demand) = &self.on_demand {
+                self.poll_fds.push(libc::pollfd { fd: on_demand.arrived_fd(), events: libc::POLLIN, revents: 0 });
+            }
+            loop {
+                let left = deadline.saturating_duration_since(Instant::now());
+                match poll_spin_then_block(&mut self.poll_fds, left) {
+                    Ok(Some(_)) => break,
+                    Ok(None) if left.is_zero() => break,
+                    Ok(None) => {}
+                    Err(source) => return Err(TransportError::Io { peer: self.rank, source }),
+                }
+            }
+            for (link, fd) in self.links.iter_mut().flatten().zip(&self.poll_fds[1..links]) {
+                link.take_urgent(fd.revents);
+            }
+            if self.poll_fds[0].revents & libc::POLLIN != 0 {
+                return Ok(Activity::Local);
+            }
+            if self.poll_fds[1..links].iter().any(|fd| fd.revents & (libc::POLLIN | libc::POLLPRI | ALERT) != 0) {
+                return Ok(Activity::Peer);
+            }
+            // A peer's connection arrived: take it in and watch it too (its first bytes are on their way).
+            let arrived = self.poll_fds[links..].iter().any(|fd| fd.revents != 0);
+            if !arrived || deadline <= Instant::now() {
+                return Ok(Activity::Idle);
+            }
         }
     }
 
     fn close(&mut self) {
+        if let Some(on_demand) = self.on_demand.as_mut() {
+            on_demand.stop();
+        }
         let cause = self.cause.and_then(|cause| Some((cause.peer, cause.to_byte()?)));
         let deadline = Instant::now() + CAUSE_SEND_LIMIT;
         for (peer, link) in self.links.iter().enumerate() {

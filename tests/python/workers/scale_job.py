@@ -1,7 +1,8 @@
 """Scale worker (issue 32, proof by running): one rank of a 16-64 rank job on this host. Every op on a few
 dtypes with exact results; then what scales, read from the rank's own metrics endpoint (RVOD_METRICS_PORT
 + local rank) and /proc: control messages per steady-state negotiation round, set-up time, memory (private,
-and the host's shared-memory segment as mapped by this rank) and open sockets.
+and the host's shared-memory segment as mapped by this rank) and open sockets (after set-up, after every op but
+alltoall, and after alltoall, which is the one op that talks to every peer).
 Prints one `SCALE {...}` line per rank for the test to compare across job sizes."""
 
 import json
@@ -17,8 +18,23 @@ started = time.monotonic()
 import rvod.numpy as hvd  # noqa: E402
 from _check import check, finish, say  # noqa: E402
 
+init_started, init_cpu_started = time.monotonic(), time.process_time()
 hvd.init()
+init_s, init_cpu_s = time.monotonic() - init_started, time.process_time() - init_cpu_started
 setup_s = time.monotonic() - started
+
+
+def open_sockets():
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        except OSError:  # the listing's own descriptor, closed by now
+            pass
+    return count
+
+
+sockets_at_setup = open_sockets()
 R, N = hvd.rank(), hvd.size()
 
 with check("allreduce: sum, min, max on float32, float64, int32, int64"):
@@ -30,15 +46,12 @@ with check("allreduce: sum, min, max on float32, float64, int32, int64"):
         assert np.array_equal(hvd.allreduce(x, op=hvd.Max, name=f"max.{np.dtype(dtype).name}"), np.arange(37) + N - 1)
     big = hvd.allreduce(np.full(300_001, R, np.float32), op=hvd.Sum, name="large")
     assert np.all(big == N * (N - 1) / 2), big[:4]
-with check("allgather with uneven rows, broadcast from the last rank, alltoall, reducescatter, barrier"):
+with check("allgather with uneven rows, broadcast from the last rank, reducescatter, barrier"):
     rows = hvd.allgather(np.full((R % 3, 2), R, np.int32), name="rows")
     expected = np.concatenate([np.full((r % 3, 2), r, np.int32) for r in range(N)])
     assert rows.shape == expected.shape and np.array_equal(rows, expected)
     b = hvd.broadcast(np.arange(5, dtype=np.float64) * (R + 1), root_rank=N - 1, name="bcast")
     assert np.array_equal(b, np.arange(5, dtype=np.float64) * N)
-    sent = np.arange(N, dtype=np.int64) + 1000 * R
-    got = hvd.alltoall(sent, name="a2a")
-    assert np.array_equal(got, np.arange(N, dtype=np.int64) * 1000 + R)
     part = hvd.reducescatter(np.ones(2 * N, np.float32), op=hvd.Sum, name="rs")
     assert part.shape == (2,) and np.all(part == N)
     hvd.barrier()
@@ -79,20 +92,15 @@ def status_mb(field):
     return int(re.search(rf"{field}:\s+(\d+) kB", status).group(1)) / 1024
 
 
-
-
-def open_sockets():
-    count = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
-        except OSError:  # the listing's own descriptor, closed by now
-            pass
-    return count
-
-
 sockets = open_sockets()
-say("SCALE " + json.dumps({"rank": R, "size": N, "setup_s": round(setup_s, 3), "private_mb": round(status_mb("RssAnon"), 1),
+with check("alltoall"):
+    sent = np.arange(N, dtype=np.int64) + 1000 * R
+    got = hvd.alltoall(sent, name="a2a")
+    assert np.array_equal(got, np.arange(N, dtype=np.int64) * 1000 + R)
+sockets_after_alltoall = open_sockets()
+say("SCALE " + json.dumps({"rank": R, "size": N, "setup_s": round(setup_s, 3), "init_s": round(init_s, 3),
+                           "init_cpu_s": round(init_cpu_s, 4), "private_mb": round(status_mb("RssAnon"), 1),
                            "shared_memory_mb": round(status_mb("RssShmem"), 1),
-                           "sockets": sockets, "messages_per_round": per_round}))
+                           "sockets_at_setup": sockets_at_setup, "sockets": sockets,
+                           "sockets_after_alltoall": sockets_after_alltoall, "messages_per_round": per_round}))
 finish(R)
