@@ -18,8 +18,9 @@ allreduce with its negotiation, (d) a 256 MiB allreduce with its negotiation:
 - after: issue 32's design. The round's summary combined by recursive doubling (ranks beyond the largest power
   of two fold onto a partner first and get the result back last), uncached requests gathered along a binomial
   tree (lists concatenate on the way up) and the response list broadcast along one, data in the headers only
-  while N <= 8, recursive doubling <= 64 KiB, Rabenseifner <= 4 MiB, ring above; `after-hier` is the
-  hierarchical variant for large allreduces (ring inside a host of --ranks-per-host over shared memory, ring
+  while N <= 8, then src/ring/choice.rs's choice: recursive doubling <= 32 KiB, Rabenseifner's until each
+  rank's block (S/N) reaches 64 KiB (512 KiB on more than 16 ranks, a power of two), the ring from there;
+  `after-hier` is the hierarchical variant for large allreduces (Rabenseifner <= 4 MiB, above: ring inside a host of --ranks-per-host over shared memory, ring
   across hosts, ring inside the host again).
 - horovod: Horovod's controller. One MPI_Allreduce (bitwise AND) of the cache bit vector per cycle, a second
   one (OR) only when a rank has invalid bits (not in steady state); uncached: MPI_Gather of the lengths and
@@ -58,7 +59,29 @@ TARGET_N = 1024
 # rvod's thresholds (src/coordinator/negotiation.rs EAGER_TENSOR_BYTES, src/ring/allreduce.rs RING_THRESHOLD_BYTES)
 EAGER_BYTES = 16 * KiB
 RECURSIVE_DOUBLING_BYTES = 64 * KiB
-RABENSEIFNER_BYTES = 4 * MiB  # after: Rabenseifner up to here (issue 32's "medium"), ring above
+RABENSEIFNER_BYTES = 4 * MiB  # after-hier: Rabenseifner up to here, the hierarchical allreduce above
+# after: src/ring/choice.rs choose_allreduce on more than 4 ranks (the model's N): recursive doubling up to
+# 32 KiB, Rabenseifner's until each rank's block reaches ring_min_block_bytes(N), the ring from there.
+RECURSIVE_DOUBLING_BYTES_MANY_RANKS = 32 * KiB
+RING_MIN_BLOCK_BYTES = 64 * KiB
+RING_MIN_BLOCK_BYTES_MANY_RANKS = 512 * KiB
+RING_MEASURED_MAX_RANKS = 16
+
+
+def ring_min_block_bytes(n):
+    """src/ring/choice.rs ring_min_block_bytes: larger blocks before the ring on many ranks, a power of two."""
+    if n > RING_MEASURED_MAX_RANKS and n & (n - 1) == 0:
+        return RING_MIN_BLOCK_BYTES_MANY_RANKS
+    return RING_MIN_BLOCK_BYTES
+
+
+def after_allreduce_algorithm(n, nbytes):
+    """The flat algorithm rvod chooses after issue 32 for an allreduce of nbytes on n > 4 ranks."""
+    if nbytes <= RECURSIVE_DOUBLING_BYTES_MANY_RANKS:
+        return "recursive_doubling"
+    if nbytes // n >= ring_min_block_bytes(n):
+        return "ring"
+    return "rabenseifner"
 EAGER_MAX_RANKS = 8  # after: data rides in the headers only while N <= 8
 
 # Message sizes (bytes) of the control traffic, from the wire formats (src/protocol/round.rs), rounded up.
@@ -434,6 +457,9 @@ def data_allreduce(design, sim, nbytes):
     """The data exchange of an allreduce of nbytes (after its negotiation)."""
     if design == "ring":
         ring_allreduce(sim, nbytes)
+    elif design == "after":
+        {"recursive_doubling": recursive_doubling, "rabenseifner": rabenseifner,
+         "ring": lambda sim, nbytes: ring_allreduce(sim, nbytes)}[after_allreduce_algorithm(sim.n, nbytes)](sim, nbytes)
     elif nbytes <= RECURSIVE_DOUBLING_BYTES:
         recursive_doubling(sim, nbytes)
     elif design in ("after", "after-hier") and nbytes <= RABENSEIFNER_BYTES:

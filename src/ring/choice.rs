@@ -49,6 +49,20 @@ pub const PIPELINE_THRESHOLD_BYTES: usize = 8 << 10;
 /// latency, and later with it (16 ranks over TCP: 30 ring steps cost ~660 us more than 8).
 pub const RING_MIN_BLOCK_BYTES: usize = 64 * 1024;
 
+/// [`RING_MIN_BLOCK_BYTES`] on more than [`RING_MEASURED_MAX_RANKS`] ranks where `n` is a power of two. A ring
+/// step moves one block and pays one message latency, so the share of the bandwidth it loses is the
+/// latency's share of a block's transfer: over RDMA (~3 us a message, 12.5 GB/s a link) 12.5% at 256 KiB
+/// blocks, 6.7% at 512 KiB, while Rabenseifner's moves the same bytes in `2 log2(n)` steps and loses under
+/// 1%; at 1,024 ranks a 256 MiB allreduce is 0.87x of the bandwidth bound by the ring and 0.99x by
+/// Rabenseifner's (`benches/scale_model.py`, docs/scale.md). Where `n` is not a power of two, Rabenseifner's
+/// first folds the extra ranks' whole buffers onto partners, which costs more than the ring's latency, so
+/// those keep [`RING_MIN_BLOCK_BYTES`] (the hierarchical allreduce is their answer at that scale).
+pub const RING_MIN_BLOCK_BYTES_MANY_RANKS: usize = 512 * 1024;
+
+/// Up to this many ranks the ring starts at [`RING_MIN_BLOCK_BYTES`], which was measured there (beyond, the
+/// wire's latency decides, see [`RING_MIN_BLOCK_BYTES_MANY_RANKS`]).
+pub const RING_MEASURED_MAX_RANKS: usize = 16;
+
 /// Up to this many ranks medium and large allreduces keep the ring as before: Rabenseifner's saves at most
 /// 2 steps there (none on 2 ranks; on 3 it adds a whole-buffer fold), and measured at n = 4 it is within
 /// the noise of the ring from 128 KiB to 4 MiB.
@@ -73,7 +87,8 @@ pub const BROADCAST_CHUNK_BYTES: usize = 512 * 1024;
 /// The allreduce of `bytes` on `n` ranks: `forced` if configured, else recursive doubling for small
 /// buffers ([`RECURSIVE_DOUBLING_MAX_BYTES`], or [`RECURSIVE_DOUBLING_MAX_BYTES_MANY_RANKS`] on more than
 /// [`RING_ONLY_MAX_RANKS`] ranks), Rabenseifner's for medium ones on more than [`RING_ONLY_MAX_RANKS`]
-/// ranks, the ring for large ones (from blocks of [`RING_MIN_BLOCK_BYTES`]). Two ranks with
+/// ranks, the ring for large ones (from blocks of [`RING_MIN_BLOCK_BYTES`], or of
+/// [`RING_MIN_BLOCK_BYTES_MANY_RANKS`] on more than [`RING_MEASURED_MAX_RANKS`] ranks, a power of two). Two ranks with
 /// `cheap_handoffs` take the (pipelined) ring from [`PIPELINE_THRESHOLD_BYTES`].
 pub fn choose_allreduce(
     bytes: usize,
@@ -96,10 +111,20 @@ pub fn choose_allreduce(
     }
     if bytes <= RECURSIVE_DOUBLING_MAX_BYTES_MANY_RANKS {
         AllreduceAlgorithm::RecursiveDoubling
-    } else if bytes / n >= RING_MIN_BLOCK_BYTES {
+    } else if bytes / n >= ring_min_block_bytes(n) {
         AllreduceAlgorithm::Ring
     } else {
         AllreduceAlgorithm::Rabenseifner
+    }
+}
+
+/// Each rank's block (`bytes / n`) from which an allreduce on `n` (more than [`RING_ONLY_MAX_RANKS`]) ranks
+/// takes the ring instead of Rabenseifner's.
+pub fn ring_min_block_bytes(n: usize) -> usize {
+    if n > RING_MEASURED_MAX_RANKS && n.is_power_of_two() {
+        RING_MIN_BLOCK_BYTES_MANY_RANKS
+    } else {
+        RING_MIN_BLOCK_BYTES
     }
 }
 
@@ -161,13 +186,21 @@ mod tests {
             assert_eq!(choose_allreduce(64 * KIB, n, false, None), RecursiveDoubling, "n={n}");
             assert_eq!(choose_allreduce(64 * KIB + 1, n, false, None), Ring, "n={n}");
         }
-        // More ranks: Rabenseifner above 32 KiB until each rank's block reaches RING_MIN_BLOCK_BYTES.
-        for n in [5, 8, 16, 33, 1024] {
+        // More ranks: Rabenseifner above 32 KiB until each rank's block reaches RING_MIN_BLOCK_BYTES (or, on
+        // more than 16 ranks a power of two, RING_MIN_BLOCK_BYTES_MANY_RANKS).
+        for (n, block) in [(5, 64 * KIB), (8, 64 * KIB), (16, 64 * KIB), (33, 64 * KIB), (1000, 64 * KIB)]
+            .into_iter()
+            .chain([(32, 512 * KIB), (1024, 512 * KIB), (16384, 512 * KIB)])
+        {
+            assert_eq!(ring_min_block_bytes(n), block, "n={n}");
             assert_eq!(choose_allreduce(32 * KIB + 4, n, false, None), Rabenseifner, "n={n}");
-            let ring_from = n * RING_MIN_BLOCK_BYTES;
+            let ring_from = n * block;
             assert_eq!(choose_allreduce(ring_from - 4, n, false, None), Rabenseifner, "n={n}");
             assert_eq!(choose_allreduce(ring_from, n, false, None), Ring, "n={n}");
         }
+        // Issue 32's large case: 256 MiB on 1,024 ranks is Rabenseifner's (256 KiB blocks), on 1,000 the ring.
+        assert_eq!(choose_allreduce(256 * MIB, 1024, false, None), Rabenseifner);
+        assert_eq!(choose_allreduce(256 * MIB, 1000, false, None), Ring);
     }
 
     #[test]

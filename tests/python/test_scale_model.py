@@ -92,6 +92,13 @@ def test_times_grow_with_n(scenario):
         if not m.applies(design, scenario):
             continue
         times = [m.run(design, scenario, n, m.CLUSTER).time() for n in (16, 64, 256, 1024)]
+        if design == "after" and scenario == "allreduce_256MiB":
+            # The algorithm changes with N (the ring up to 256 ranks, Rabenseifner's at 1,024, where the
+            # ring's blocks fall below 512 KiB): never slower than a plain ring, negotiation included.
+            rings = [m.run("ring", scenario, n, m.CLUSTER).time() for n in (16, 64, 256, 1024)]
+            assert all(t <= 1.01 * r for t, r in zip(times, rings)), (times, rings)
+            assert times[3] < 0.9 * rings[3], (times, rings)
+            continue
         assert times == sorted(times), (design, scenario, times)
 
 
@@ -103,6 +110,11 @@ def test_issue_targets_in_the_model_at_1024():
     assert results[("cached", "after", 1024)]["msgs"] == 10
     verdicts = {label: ok for label, _, ok in m.targets(results, m.CLUSTER)}
     assert any("after-hier" in label and ok for label, ok in verdicts.items())
+    # Every target holds for rvod's own choice too (the flat 256 MiB allreduce at 1,024 ranks is Rabenseifner's).
+    assert all(verdicts.values()), verdicts
+    assert m.after_allreduce_algorithm(1024, 256 * MiB) == "rabenseifner"
+    assert m.after_allreduce_algorithm(1000, 256 * MiB) == "ring"
+    assert m.after_allreduce_algorithm(256, 256 * MiB) == "ring"
 
 
 def test_rabenseifner_moves_the_bandwidth_bound_in_2_log2_n_steps():
