@@ -17,7 +17,7 @@ use crate::transport::composite::{CompositeTransport, HostLayout};
 use crate::transport::memory::MemoryTransport;
 use crate::transport::rendezvous::StoreClient;
 use crate::transport::shm::ShmTransport;
-use crate::transport::tcp::TcpTransport;
+use crate::transport::tcp::{MeshPlace, TcpTransport};
 use crate::transport::ucx::{self, Ucx, UcxTransport};
 use crate::transport::{Transport, TransportError};
 
@@ -79,10 +79,11 @@ pub fn connect_members(
     let tcp_mesh =
         |store: &mut StoreClient, scope: &str, numbers: &[usize], rank: usize, linked: &[bool], eager: bool| {
             let (size, host, timeout) = (numbers.len(), bind.to_string(), config.timeout);
+            let place = MeshPlace { rank, size, scope, secret, bind, advertise_host: &host, timeout, linked };
             let built = if on_demand(numbers) && !eager {
-                TcpTransport::connect_on_demand(rank, size, store, scope, secret, bind, &host, timeout, linked)
+                TcpTransport::connect_on_demand(store, &place)
             } else {
-                TcpTransport::connect_mesh_linked(rank, size, store, scope, secret, bind, &host, timeout, linked)
+                TcpTransport::connect_mesh_linked(store, &place)
             };
             built.map_err(|e| failed("connecting to the other ranks", numbers, e))
         };

@@ -20,11 +20,25 @@ use crate::transport::{TransportError, Waker};
 /// Longest time an accepted connection may take to authenticate before it is dropped.
 const ACCEPT_HANDSHAKE_LIMIT: Duration = Duration::from_secs(10);
 
+/// Where a rank joins a TCP mesh: its place, the store scope the ranks meet in, the job secret, the address
+/// it listens on (`bind`, an ephemeral port) and advertises (`advertise_host`), the no-progress limit of
+/// set-up and of every operation (`timeout`), and which ranks it connects with (`linked`, by rank, the same
+/// relation on every rank; operations with the others are errors).
+#[derive(Clone, Copy, Debug)]
+pub struct MeshPlace<'a> {
+    pub rank: usize,
+    pub size: usize,
+    pub scope: &'a str,
+    pub secret: &'a [u8],
+    pub bind: IpAddr,
+    pub advertise_host: &'a str,
+    pub timeout: Duration,
+    pub linked: &'a [bool],
+}
+
 impl TcpTransport {
-    /// Builds the mesh for `rank` of `size`, rendezvousing through `store` under `scope`.
-    ///
-    /// Listens on `(bind, ephemeral port)` and advertises `advertise_host:port`. `timeout` bounds the whole
-    /// set-up and is then the no-progress limit of every operation.
+    /// Builds the full mesh for `rank` of `size`, rendezvousing through `store` under `scope` (see
+    /// [`MeshPlace`] for the rest).
     #[allow(clippy::too_many_arguments)]
     pub fn connect_mesh(
         rank: usize,
@@ -37,24 +51,15 @@ impl TcpTransport {
         timeout: Duration,
     ) -> Result<TcpTransport, TransportError> {
         let linked = vec![true; size];
-        Self::connect_mesh_linked(rank, size, store, scope, secret, bind, advertise_host, timeout, &linked)
+        let place = MeshPlace { rank, size, scope, secret, bind, advertise_host, timeout, linked: &linked };
+        Self::connect_mesh_linked(store, &place)
     }
 
-    /// [`connect_mesh`](Self::connect_mesh), connecting only the pairs of ranks that `linked` (by rank, the
-    /// same relation on every rank) says talk to each other: the ranks on other hosts, in a communicator
-    /// whose members on this host use shared memory. Operations with an unlinked rank are errors.
-    #[allow(clippy::too_many_arguments)]
-    pub fn connect_mesh_linked(
-        rank: usize,
-        size: usize,
-        store: &mut StoreClient,
-        scope: &str,
-        secret: &[u8],
-        bind: IpAddr,
-        advertise_host: &str,
-        timeout: Duration,
-        linked: &[bool],
-    ) -> Result<TcpTransport, TransportError> {
+    /// [`connect_mesh`](Self::connect_mesh), connecting only the pairs of ranks that `place.linked` says talk
+    /// to each other: the ranks on other hosts, in a communicator whose members on this host use shared
+    /// memory.
+    pub fn connect_mesh_linked(store: &mut StoreClient, place: &MeshPlace<'_>) -> Result<TcpTransport, TransportError> {
+        let MeshPlace { rank, size, scope, secret, bind, advertise_host, timeout, linked } = *place;
         check_mesh(rank, size, scope, linked)?;
         let deadline = handshake::deadline_after(timeout);
         let listener = listen_and_publish(store, scope, rank, bind, advertise_host)?;

@@ -40,6 +40,8 @@ mod link;
 mod mesh;
 mod on_demand;
 
+pub use mesh::MeshPlace;
+
 use std::io::{self, Read};
 use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};

@@ -18,13 +18,13 @@
 //! [`TransportError::PeerClosed`], as a closed link is; a frozen peer's handshake times out.
 
 use std::io;
-use std::net::{IpAddr, TcpListener, TcpStream};
+use std::net::{TcpListener, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::mesh::{self, Admission, Handshakes};
+use super::mesh::{self, Admission, Handshakes, MeshPlace};
 use super::{poll_once, TcpTransport};
 use crate::transport::handshake::{self, HandshakeError, Purpose};
 use crate::transport::rendezvous::StoreClient;
@@ -113,23 +113,12 @@ enum Dialed {
 }
 
 impl TcpTransport {
-    /// A transport for `rank` of `size` that connects to a peer only when an operation first needs it,
-    /// authenticated as in [`connect_mesh`](Self::connect_mesh); `linked` says which ranks may be connected
-    /// (the same relation on every rank; operations with others are errors). Set-up listens on
-    /// `(bind, ephemeral port)`, advertises `advertise_host:port` in `store` under `scope` and opens a second
-    /// connection to the store for looking up peers later; it waits for no other rank.
-    #[allow(clippy::too_many_arguments)]
-    pub fn connect_on_demand(
-        rank: usize,
-        size: usize,
-        store: &mut StoreClient,
-        scope: &str,
-        secret: &[u8],
-        bind: IpAddr,
-        advertise_host: &str,
-        timeout: Duration,
-        linked: &[bool],
-    ) -> Result<TcpTransport, TransportError> {
+    /// A transport for `place.rank` that connects to a peer only when an operation first needs it,
+    /// authenticated as in [`connect_mesh`](Self::connect_mesh), and only to the ranks `place.linked` names.
+    /// Set-up listens, advertises this rank's address in `store` and opens a second connection to the store
+    /// for looking up peers later; it waits for no other rank.
+    pub fn connect_on_demand(store: &mut StoreClient, place: &MeshPlace<'_>) -> Result<TcpTransport, TransportError> {
+        let MeshPlace { rank, size, scope, secret, bind, advertise_host, timeout, linked } = *place;
         mesh::check_mesh(rank, size, scope, linked)?;
         let listener = mesh::listen_and_publish(store, scope, rank, bind, advertise_host)?;
         listener.set_nonblocking(true).map_err(|err| mesh::setup_error("listener", err))?;
@@ -317,7 +306,7 @@ impl Drop for OnDemand {
 
 #[cfg(test)]
 mod tests {
-    use std::net::Ipv4Addr;
+    use std::net::{IpAddr, Ipv4Addr};
     use std::sync::Barrier;
 
     use super::*;
@@ -347,18 +336,17 @@ mod tests {
                 std::thread::spawn(move || {
                     let mut store = StoreClient::connect(addr, SECRET, TIMEOUT).unwrap();
                     let everyone = vec![true; size];
-                    let transport = TcpTransport::connect_on_demand(
+                    let place = MeshPlace {
                         rank,
                         size,
-                        &mut store,
                         scope,
-                        SECRET,
-                        localhost,
-                        "127.0.0.1",
-                        TIMEOUT,
-                        &everyone,
-                    )
-                    .unwrap();
+                        secret: SECRET,
+                        bind: localhost,
+                        advertise_host: "127.0.0.1",
+                        timeout: TIMEOUT,
+                        linked: &everyone,
+                    };
+                    let transport = TcpTransport::connect_on_demand(&mut store, &place).unwrap();
                     (shared.0)(transport, &shared.1)
                 })
             })
@@ -482,18 +470,17 @@ mod tests {
         let server = RendezvousServer::start(localhost, 0, SECRET.to_vec()).unwrap();
         let mut store = StoreClient::connect(server.addr(), SECRET, TIMEOUT).unwrap();
         let linked = [false, true, false];
-        let mut t = TcpTransport::connect_on_demand(
-            0,
-            3,
-            &mut store,
-            "unlinked",
-            SECRET,
-            localhost,
-            "127.0.0.1",
-            TIMEOUT,
-            &linked,
-        )
-        .unwrap();
+        let place = MeshPlace {
+            rank: 0,
+            size: 3,
+            scope: "unlinked",
+            secret: SECRET,
+            bind: localhost,
+            advertise_host: "127.0.0.1",
+            timeout: TIMEOUT,
+            linked: &linked,
+        };
+        let mut t = TcpTransport::connect_on_demand(&mut store, &place).unwrap();
         let err = t.send(2, b"x").unwrap_err();
         assert!(matches!(err, TransportError::Io { peer: 2, .. }), "{err}");
         assert_eq!(t.connected_peers(), 0);
