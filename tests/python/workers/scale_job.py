@@ -82,8 +82,10 @@ if metrics_port:
         assert rounds >= 30, rounds
         per_round = round(messages / rounds, 3)
         bound = math.floor(math.log2(N)) + (0 if N & (N - 1) == 0 else 2)
-        # A round in flight at either scrape may have its messages counted and not its end, or the reverse.
-        assert messages <= bound * (rounds + 1), f"{messages} control messages in {rounds} rounds at {N} ranks"
+        # A round in flight at either scrape may have its messages counted and not its end, or the reverse,
+        # and the window may take in one uncached round (its gather and broadcast messages on top); CI once
+        # saw 137 messages in 33 rounds at 16 ranks, one over 4 x 34. All-to-all would send 15 a round.
+        assert messages <= bound * (rounds + 2), f"{messages} control messages in {rounds} rounds at {N} ranks"
 
 status = open("/proc/self/status").read()
 
