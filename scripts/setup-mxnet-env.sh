@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates the MXNet environment .venv-mxnet (MXNet 1.9.1 needs numpy<1.24, which the other frameworks do not
 # accept, so it has its own venv) with requirements/mxnet.txt and the rvod wheel, and prints the wheel.
-#   bash scripts/setup-mxnet-env.sh [WHEEL]
+#   bash scripts/setup-mxnet-env.sh [WHEEL]     (RVOD_MXNET_PYTHON: the interpreter, CPython 3.8-3.11)
 # The wheel is WHEEL (or $RVOD_WHEEL) when given, else the one in dist/ when there is one (so CI builds the
 # extension once), else one built here with maturin (needs cargo). Debian packages: libmxnet.so needs
 # libquadmath0 and libgomp1; they are installed with apt-get when missing (as root, or with sudo).
@@ -38,8 +38,22 @@ if [ ${#missing[@]} -gt 0 ]; then
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 
+# MXNet 1.9.1 needs numpy 1.23, whose wheels exist for CPython 3.8 to 3.11 only (later ones would build NumPy
+# from source, which fails on 3.12+); say so in a sentence rather than as pip's build error.
+PYTHON=${RVOD_MXNET_PYTHON:-python3}
 if [ ! -x "$VENV/bin/python" ]; then
-    python3 -m venv "$VENV"
+    version=$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null) || {
+        echo "setup-mxnet-env: cannot run $PYTHON (set RVOD_MXNET_PYTHON to a CPython 3.8-3.11)" >&2
+        exit 1
+    }
+    case "$version" in
+        3.8 | 3.9 | 3.10 | 3.11) ;;
+        *)
+            echo "setup-mxnet-env: MXNet 1.9.1 runs on CPython 3.8 to 3.11 (its numpy 1.23 has no wheels for" \
+                 "later ones), and $PYTHON is $version; set RVOD_MXNET_PYTHON to a CPython 3.8-3.11" >&2
+            exit 1 ;;
+    esac
+    "$PYTHON" -m venv "$VENV"
 fi
 "$VENV/bin/python" -m pip install -q --upgrade pip
 "$VENV/bin/python" -m pip install -q -r requirements/mxnet.txt

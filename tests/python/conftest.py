@@ -157,3 +157,11 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
     outcome = yield
     _as_set_up_failure(outcome.get_result())
+
+
+def pytest_report_header() -> str:
+    """The run says which CPythons the wheel is tested under (test_wheel_install.py)."""
+    from interpreters import supported_cpythons
+
+    found = ", ".join(f"{version} ({path})" for version, path in supported_cpythons().items())
+    return f"CPython >= 3.10 found for the wheel's test: {found or 'none'}"
