@@ -11,7 +11,8 @@ kills itself as it joins that world, after every worker of it was ready but befo
 Calls of state.restore() are logged to OUT/restores.jsonl. With ELASTIC_SHARDED=1 the optimizer is a sharded
 SGD with momentum, and a checksum of its consolidated state is added to every start and logged by rank 0 at
 every commit to OUT/commits.jsonl (once the commit returned) and OUT/precommits.jsonl (just before it, so
-also for a commit that raises HostsUpdatedInterrupt).
+also for a commit that raises HostsUpdatedInterrupt). With ELASTIC_STOP_FILE set, training ends after the first
+epoch that ends once that file exists (rank 0 looks; the ranks agree by allreduce), whatever ELASTIC_EPOCHS says.
 """
 
 import json
@@ -31,6 +32,7 @@ BATCH = 2
 COMMIT_EVERY = int(os.environ.get("ELASTIC_COMMIT_EVERY", "2"))
 STEP_SECONDS = float(os.environ.get("ELASTIC_STEP_SECONDS", "0.05"))
 KILLS = [tuple(int(x) for x in spec.split(":")) for spec in os.environ.get("ELASTIC_KILL", "").split(",") if spec]
+STOP_FILE = os.environ.get("ELASTIC_STOP_FILE")
 KILLS_AT_INIT = [tuple(int(x) for x in spec.split(":"))
                  for spec in os.environ.get("ELASTIC_KILL_AT_INIT", "").split(",") if spec]
 
@@ -108,6 +110,11 @@ def commit():
         record("commits.jsonl", round=world(), epoch=state.epoch, batch=state.batch, optimizer=committed)
 
 
+def stop_requested():
+    seen = float(hvd.rank() == 0 and os.path.exists(STOP_FILE))
+    return hvd.allreduce(torch.tensor([seen]), op=hvd.Max, name="stop_requested").item() > 0
+
+
 def world():
     return int(os.environ.get("RVOD_ELASTIC_ROUND", "0"))
 
@@ -146,6 +153,8 @@ def train(state):
         state.counter = torch.zeros(NUM_SAMPLES)
         sampler.set_epoch(state.epoch)
         commit()
+        if STOP_FILE and stop_requested():
+            break
 
 
 train(state)
