@@ -7,7 +7,8 @@ What runs is marked in the Markdown, invisibly to a reader:
   script (a page reads top to bottom), on 2 ranks with rvodrun (`np=N` says otherwise). The marker may say
   `job=NAME` (the pages of one job run in one rvodrun job, each page in a namespace of its own, so one
   framework is imported once), `needs=MODULE` (the job is skipped, saying so, where MODULE is not
-  importable: MXNet lives in an environment of its own), and `rvodrun="ARGS"` (flags for rvodrun).
+  importable: MXNet lives in an environment of its own), `rvodrun="ARGS"` (flags for rvodrun), and
+  `launcher=python` (the job runs with plain Python: for examples that start ranks themselves, `rvod.run`).
 - `<!-- run after -->` before a ```python block: runs with plain Python once the page's job has ended, in
   the same folder (to read what the job wrote, a timeline say).
 - `<!-- output -->` before a ```text block: lines the page's job (or its after-blocks) must print, each
@@ -164,8 +165,9 @@ def test_the_examples_run_and_print_what_the_guides_say(job, job_env, tmp_path):
     np = job.setting("np", "2")
     rvodrun_args = shlex.split(job.setting("rvodrun", ""))
     driver = _driver(job.pages, tmp_path)
-    result = _run([sys.executable, "-m", "rvod.runner", "-np", np, *rvodrun_args, sys.executable, str(driver)],
-                  job_env, tmp_path)
+    launcher = [] if job.setting("launcher", "rvodrun") == "python" else \
+        [sys.executable, "-m", "rvod.runner", "-np", np, *rvodrun_args]
+    result = _run([*launcher, sys.executable, str(driver)], job_env, tmp_path)
     assert result.returncode == 0, f"job {job.name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     printed = result.stdout.splitlines()
     for page in job.pages:
