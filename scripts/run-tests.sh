@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 stage_done() { echo "== $1 took $((SECONDS - STAGE_START)) s"; STAGE_START=$SECONDS; }
 STAGE_START=$SECONDS
 bash scripts/setup-system.sh
-WHEEL=$(bash scripts/setup-env.sh pytest pytest-timeout scikit-learn torch "tensorflow-cpu==2.21.*" "keras>=3.3" mpi4py "ray[train]" pyspark pyarrow pandas "jax[cpu]" optax ruff mypy | tail -n 1)
+WHEEL=$(bash scripts/setup-env.sh pytest pytest-timeout scikit-learn torch "tensorflow-cpu==2.21.*" "keras>=3.3" mpi4py "ray[train]" pyspark pyarrow pandas "jax[cpu]" optax ruff mypy "mkdocs>=1.6,<2" "mkdocs-material>=9.5,<10" "mkdocstrings[python]>=0.29,<2" | tail -n 1)
 VENV=${RVOD_VENV:-.venv}
 
 stage_done "set-up (Debian packages, .venv, wheel)"

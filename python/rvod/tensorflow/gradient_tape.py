@@ -36,7 +36,8 @@ def DistributedGradientTape(gradtape, device_dense='', device_sparse='', compres
                             sparse_as_dense=False, op=Average, gradient_predivide_factor=1.0, num_groups=0, groups=None,
                             process_set=global_process_set, scale_local_gradients=True):
     """Wrap ``gradtape`` so that ``gradient()`` averages (``op``) gradients across ``process_set``.
-    Arguments are Horovod's; ``device_dense``/``device_sparse`` are ignored (CPU-only build)."""
+    Arguments are Horovod's; ``device_dense``/``device_sparse`` are ignored (rvod.tensorflow reduces tensors in
+    host memory)."""
     if not isinstance(gradtape, tf.GradientTape):
         raise TypeError(f"DistributedGradientTape wraps a tf.GradientTape, got {type(gradtape).__name__}")
     refuse_rewrapping(gradtape, _DistributedGradientTape, what="tape", wrapper="DistributedGradientTape")

@@ -1,9 +1,9 @@
 """rvod for PyTorch: ``import rvod.torch as hvd`` in place of ``import horovod.torch as hvd``.
 
-The names are ``horovod.torch``'s (collectives on CPU tensors, DistributedOptimizer, broadcast helpers,
-Compression, SyncBatchNorm, the basics); rvod adds ``Compression.bf16`` and its own exception classes.
-CUDA tensors go to the engine, which says why it cannot run them here (no driver, no NCCL found and
-where it looked, or that this version runs no GPU collectives yet: README, "GPU status").
+The names are ``horovod.torch``'s (collectives, DistributedOptimizer, broadcast helpers, Compression,
+SyncBatchNorm, the basics); rvod adds ``Compression.bf16`` and its own exception classes. CUDA tensors run
+through NCCL or host staging; where no GPU is usable (no driver, no CUDA runtime or NCCL found) the engine
+says why, naming the tensor (README, "GPU status").
 """
 
 from rvod.exceptions import (
