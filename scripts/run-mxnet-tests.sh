@@ -17,4 +17,4 @@ VENV=${RVOD_MXNET_VENV:-.venv-mxnet}
 echo "== pytest, MXNet environment (wheel: $WHEEL)"
 cd tests
 PATH="$PWD/../$VENV/bin:$PATH" MXNET_SUBGRAPH_VERBOSE=0 \
-    "../$VENV/bin/python" -m pytest python/test_mxnet_*.py -q -rs -p no:cacheprovider "$@"
+    "../$VENV/bin/python" -m pytest python/test_mxnet_*.py python/test_docs_site.py -k "mxnet" -q -rs -p no:cacheprovider "$@"

@@ -170,28 +170,23 @@ impl Writer {
         }
     }
 
-    /// `ts(at)` as JSON microseconds.
-    fn ts_us(&self, at: Instant) -> String {
-        let ns = self.ts(at);
-        format!("{}.{:03}", ns / 1000, ns % 1000)
+    /// `ts(at)` as JSON microseconds: whole ones. Microseconds since the epoch take 16 digits, which a double
+    /// (what trace viewers read them into) holds exactly only without a fraction; with nanoseconds after the
+    /// point, back-to-back phases rounded into each other and Perfetto dropped them as overlapping.
+    fn ts_us(&self, at: Instant) -> u128 {
+        self.ts(at) / 1000
     }
 
-    /// One complete ("X") event.
+    /// One complete ("X") event, from `start` to `end` in whole microseconds: it ends exactly where an event
+    /// starting at `end` begins, never after.
     fn span(&mut self, name: &str, start: Instant, end: Instant, row: u64, rank: usize, args: Option<&str>) {
-        let ts = self.ts(start);
-        let dur_ns = end.saturating_duration_since(start).as_nanos();
+        let ts = self.ts_us(start);
+        let dur = self.ts_us(end).saturating_sub(ts);
         if !self.pending.is_empty() {
             self.pending.push_str(",\n");
         }
         let out = &mut self.pending;
-        let _ = write!(
-            out,
-            r#"{{"name":"{name}","ph":"X","ts":{}.{:03},"dur":{}.{:03},"pid":{row},"tid":{rank}"#,
-            ts / 1000,
-            ts % 1000,
-            dur_ns / 1000,
-            dur_ns % 1000
-        );
+        let _ = write!(out, r#"{{"name":"{name}","ph":"X","ts":{ts},"dur":{dur},"pid":{row},"tid":{rank}"#);
         if let Some(args) = args {
             out.push_str(r#","args":"#);
             out.push_str(args);
