@@ -7,7 +7,9 @@
 # (no library outside the manylinux2014 policy), abi3audit (only the stable ABI of CPython 3.10), the wheel's
 # tags (cp310-abi3 and manylinux2014 for its architecture, matching the ELF machine of its library) and
 # twine check (the metadata PyPI will show).
-#   bash scripts/build-wheels.sh [--arch x86_64|aarch64|native|all] [--no-sdist] [--out DIR]
+#   bash scripts/build-wheels.sh [--arch x86_64|aarch64|native|all] [--no-sdist] [--out DIR] [--tools only|skip]
+# --tools only installs the build and check tools into the venv and stops; --tools skip assumes they are there
+# (scripts/setup-env.sh installs them first, then builds while it installs other packages into the same venv).
 # Prints the paths of what it built, one per line (the last line is the last wheel). About 4 minutes per
 # architecture on 2 cores.
 set -euo pipefail
@@ -15,6 +17,7 @@ cd "$(dirname "$0")/.."
 ARCHES=(x86_64 aarch64)
 SDIST=1
 OUT=dist
+TOOLS=install
 while [ $# -gt 0 ]; do
     case "$1" in
         --arch)
@@ -27,6 +30,12 @@ while [ $# -gt 0 ]; do
             shift 2 ;;
         --no-sdist) SDIST=0; shift ;;
         --out) OUT=${2:?--out needs a directory}; shift 2 ;;
+        --tools)
+            case "${2:-}" in
+                only | skip) TOOLS=$2 ;;
+                *) echo "build-wheels: --tools takes only or skip (got '${2:-}')" >&2; exit 2 ;;
+            esac
+            shift 2 ;;
         *) echo "build-wheels: unknown argument '$1' (see the header of $0)" >&2; exit 2 ;;
     esac
 done
@@ -40,7 +49,10 @@ done
 VENV=${RVOD_VENV:-.venv}
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 PYTHON="$VENV/bin/python"
-"$PYTHON" -m pip install -q "maturin>=1.5,<2" "ziglang>=0.13" "auditwheel>=6" "abi3audit>=0.0.20" "twine>=5" >&2
+if [ "$TOOLS" != skip ]; then
+    "$PYTHON" -m pip install -q "maturin>=1.5,<2" "ziglang>=0.13" "auditwheel>=6" "abi3audit>=0.0.20" "twine>=5" >&2
+fi
+[ "$TOOLS" = only ] && exit 0
 
 mkdir -p "$OUT"
 built=()
