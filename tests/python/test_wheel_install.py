@@ -1,8 +1,8 @@
 """The wheel users install works without a Rust toolchain, under every CPython it is tagged for.
 
 Given RVOD_TEST_WHEEL (the manylinux2014 wheel of scripts/build-wheels.sh, which CI builds), install it with
-NumPy into a fresh virtual environment, then, with a PATH holding no cargo or rustc and outside the source
-tree, run a job of size 1 with plain `python` and a 2-rank job with the installed `rvodrun`; then install it
+NumPy into a fresh virtual environment, then, with a PATH holding no Rust tool and no C compiler and outside
+the source tree, run a job of size 1 with plain `python` and a 2-rank job with the installed `rvodrun`; then install it
 into one fresh environment per CPython >= 3.10 on the machine (interpreters.py; the run's header names them)
 and run the job of size 1 under each.
 """
@@ -29,13 +29,23 @@ pytestmark = pytest.mark.skipif(
                       "RVOD_TEST_WHEEL at the .whl file to test installing it")
 
 
+# Rust's tools and every C compiler: the wheel must need none of them where it is installed.
+BUILD_TOOLS = ("cargo", "rustc", "rustup", "maturin", "cc", "gcc", "c++", "g++", "clang", "ld", "zig")
+
+
 def toolchain_free_path(venv: Path) -> str:
-    """The venv's bin directory, then every directory of PATH that has no Rust tool in it."""
-    tools = ("cargo", "rustc", "rustup", "maturin")
+    """The venv's bin directory, then every directory of PATH that holds none of BUILD_TOOLS (which drops
+    /usr/bin; a shell is linked into a folder of its own, for any subprocess that wants one)."""
+    shells = venv.parent / "shells"
+    shells.mkdir(exist_ok=True)
+    for shell in ("sh", "bash"):
+        found = shutil.which(shell)
+        if found and not (shells / shell).exists():
+            (shells / shell).symlink_to(found)
     kept = [d for d in os.environ.get("PATH", "").split(os.pathsep)
-            if d and not any(os.access(os.path.join(d, tool), os.X_OK) for tool in tools)]
-    path = os.pathsep.join([str(venv / "bin"), *kept])
-    for tool in tools:
+            if d and not any(os.access(os.path.join(d, tool), os.X_OK) for tool in BUILD_TOOLS)]
+    path = os.pathsep.join([str(venv / "bin"), str(shells), *kept])
+    for tool in BUILD_TOOLS:
         assert shutil.which(tool, path=path) is None, f"{tool} is still reachable on {path}"
     return path
 
