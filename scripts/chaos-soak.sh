@@ -9,8 +9,11 @@ FAULTS=${1:-100}
 SEED=${2:-20261129}
 VENV=${RVOD_VENV:-.venv}
 mkdir -p bench-out
+# A folder of its own: pytest keeps only its last three run folders, and another pytest started on this machine
+# during the soak would delete the one the job writes to.
+BASETEMP=$(mktemp -d /tmp/rvod-chaos-soak.XXXXXX)
 cd tests
 RVOD_CHAOS_FAULTS=$FAULTS RVOD_CHAOS_SEED=$SEED RVOD_CHAOS_REPORT="$PWD/../bench-out/chaos-soak.json" \
-    PATH="$PWD/../$VENV/bin:$PATH" "../$VENV/bin/python" -m pytest python/test_chaos.py -q -s -p no:cacheprovider \
+    PATH="$PWD/../$VENV/bin:$PATH" "../$VENV/bin/python" -m pytest python/test_chaos.py -q -s -p no:cacheprovider --basetemp "$BASETEMP" \
     | grep -v '^\[' || { echo "chaos-soak: the soak failed (its output above names the fault and the invariant)" >&2; exit 1; }
 echo "chaos-soak: summary in bench-out/chaos-soak.json"
