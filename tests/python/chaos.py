@@ -36,7 +36,8 @@ import time
 from pathlib import Path
 
 import netns
-from test_elastic import WORKER, ElasticJob, assert_every_sample_once_per_epoch, read
+from test_elastic import ElasticJob, assert_every_sample_once_per_epoch, read
+from test_elastic_hosts import worker_pids
 
 FAULT_KINDS = ("kill", "stop_short", "stop_long", "link_down", "crawl", "discovery")
 # Faults after which the job must re-form (a new world) before it trains again.
@@ -112,15 +113,7 @@ class Soak:
         return commits[-1]["round"] if commits else 0
 
     def workers(self, host: str) -> list[int]:
-        found = []
-        for pid in self.cluster.pids(host):
-            try:
-                arguments = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if str(WORKER).encode() in arguments:
-                found.append(pid)
-        return sorted(found)
+        return sorted(worker_pids(self.cluster, host))
 
     def sample_rss(self) -> None:
         for host in self.cluster.names:

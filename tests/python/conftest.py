@@ -105,18 +105,25 @@ def run_rvodrun(job_env: dict[str, str]) -> Callable[..., subprocess.CompletedPr
     def run(
         args: Sequence[str], timeout: float = 60, entry: Sequence[str] = RVODRUN
     ) -> subprocess.CompletedProcess[str]:
-        command = [sys.executable, *entry, *args]
-        process = subprocess.Popen(command, env=job_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                   text=True, errors="replace")
-        try:
-            stdout, stderr = process.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            kill_tagged(job_env[JOB_TAG_VARIABLE])
-            stdout, stderr = process.communicate()
-            pytest.fail(f"rvodrun did not finish within {timeout} s\nstdout:\n{stdout}\nstderr:\n{stderr}")
-        return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+        return run_job([sys.executable, *entry, *args], job_env, timeout)
 
     return run
+
+
+def run_job(command: Sequence[str], env: dict[str, str], timeout: float,
+            cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """Runs `command` (a job tagged by `env`) to the end; on timeout kills whatever carries the tag and fails
+    the test with what the job printed so far."""
+    process = subprocess.Popen(list(command), env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, errors="replace")
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tagged(env[JOB_TAG_VARIABLE])
+        stdout, stderr = process.communicate()
+        pytest.fail(f"{' '.join(command)} did not finish within {timeout} s\nstdout:\n{stdout[-4000:]}\n"
+                    f"stderr:\n{stderr[-4000:]}")
+    return subprocess.CompletedProcess(list(command), process.returncode, stdout, stderr)
 
 
 # With CI set, a skip is a failure unless its reason is one of these: what CI can never have (a GPU), what

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import JOB_TAG_VARIABLE, kill_tagged
+from conftest import run_job
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
@@ -145,18 +145,6 @@ def _driver(pages: list[Page], folder: Path) -> Path:
     return driver
 
 
-def _run(command: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    process = subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               errors="replace")
-    try:
-        stdout, stderr = process.communicate(timeout=JOB_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        kill_tagged(env[JOB_TAG_VARIABLE])
-        stdout, stderr = process.communicate()
-        pytest.fail(f"{shlex.join(command)} did not finish within {JOB_TIMEOUT} s\n{stdout[-3000:]}\n{stderr[-3000:]}")
-    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
-
-
 @pytest.mark.timeout(JOB_TIMEOUT * 2 + 30)
 @pytest.mark.parametrize("job", jobs(), ids=lambda job: job.name)
 def test_the_examples_run_and_print_what_the_guides_say(job, job_env, tmp_path):
@@ -168,14 +156,14 @@ def test_the_examples_run_and_print_what_the_guides_say(job, job_env, tmp_path):
     driver = _driver(job.pages, tmp_path)
     launcher = [] if job.setting("launcher", "rvodrun") == "python" else \
         [sys.executable, "-m", "rvod.runner", "-np", np, *rvodrun_args]
-    result = _run([*launcher, sys.executable, str(driver)], job_env, tmp_path)
+    result = run_job([*launcher, sys.executable, str(driver)], job_env, JOB_TIMEOUT, tmp_path)
     assert result.returncode == 0, f"job {job.name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     printed = result.stdout.splitlines()
     for page in job.pages:
         for index, code in enumerate(page.after):
             script = tmp_path / f"after_{index}.py"
             script.write_text(code)
-            after = _run([sys.executable, str(script)], job_env, tmp_path)
+            after = run_job([sys.executable, str(script)], job_env, JOB_TIMEOUT, tmp_path)
             assert after.returncode == 0, f"{page.name}: an after-block failed:\n{after.stdout}\n{after.stderr[-5000:]}"
             printed += after.stdout.splitlines()
     for page in job.pages:
