@@ -76,7 +76,7 @@ fn beat(kept: &Found, count: u64) -> String {
     let Some((round, sets)) = kept.as_ref() else { return format!("{{\"beat\": {count}}}") };
     let mut by_rank: BTreeMap<u32, &HungRank> = BTreeMap::new();
     for found in sets.values().flatten() {
-        if by_rank.get(&found.rank).is_none_or(|kept| kept.waited < found.waited) {
+        if !by_rank.get(&found.rank).is_some_and(|kept| kept.waited >= found.waited) {
             by_rank.insert(found.rank, found);
         }
     }

@@ -478,3 +478,31 @@ def test_stopped_rank_0_is_found_by_its_missing_heartbeat_and_replaced(job_env, 
     assert HUNG_SECONDS <= seconds < HUNG_SECONDS + 2, found
     print(f"stopped rank 0: found after {seconds:.1f} s without a heartbeat, training resumed {resumed:.1f} s "
           "after the stop")
+
+
+NOT_ELASTIC_SCRIPT = """
+import time
+import torch
+import rvod.torch as hvd
+
+hvd.init()
+if hvd.rank() == 1:
+    time.sleep(4)  # far past RVOD_ELASTIC_HUNG_TIMEOUT: only an elastic job acts on it
+total = hvd.allreduce(torch.ones(1), op=hvd.Sum, name="late")
+print("total", float(total[0]))
+"""
+
+
+@pytest.mark.timeout(60)
+def test_hung_timeout_does_not_act_outside_elastic_jobs(job_env, tmp_path):
+    """A fixed-size job keeps today's behaviour: a rank late by more than RVOD_ELASTIC_HUNG_TIMEOUT is waited for
+    (as before, until the stall warning or RVOD_TIMEOUT), nobody is named hung, and the result is right."""
+    script = tmp_path / "late.py"
+    script.write_text(NOT_ELASTIC_SCRIPT)
+    env = dict(job_env, RVOD_ELASTIC_HUNG_TIMEOUT="1")
+    result = subprocess.run([sys.executable, *RVODRUN, "-np", "2", sys.executable, str(script)], env=env,
+                            capture_output=True, text=True, errors="replace", timeout=50)
+    report = f"stdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"
+    assert result.returncode == 0, report
+    assert result.stdout.count("total 2.0") == 2, report
+    assert "made no progress" not in result.stderr and "heartbeat" not in result.stderr, report
