@@ -49,6 +49,10 @@ pub struct Config {
     pub stall_check: Option<Duration>,
     /// Fail collectives stalled longer than this (only if longer than `stall_check`).
     pub stall_shutdown: Option<Duration>,
+    /// `RVOD_ELASTIC_HUNG_TIMEOUT`, in an elastic job only (`None` elsewhere, or when set to 0): a rank that
+    /// has not submitted a collective the others have waited on for this long is reported hung (see
+    /// [`elastic_hung_timeout`]).
+    pub elastic_hung_timeout: Option<Duration>,
     /// `tracing` filter for the engine's log (`warning` by default).
     pub log_level: String,
     /// Ranks on one host talk through shared memory (`RVOD_SHM`, on unless 0).
@@ -256,6 +260,9 @@ pub const DEFAULT_CYCLE_TIME_MS: f64 = 1.0;
 pub const DEFAULT_CACHE_CAPACITY: usize = 1024;
 pub const DEFAULT_TIMEOUT_SECONDS: f64 = 60.0;
 pub const DEFAULT_STALL_CHECK_SECONDS: f64 = 60.0;
+/// `RVOD_ELASTIC_HUNG_TIMEOUT` when unset: this, or half of `RVOD_TIMEOUT` when that is shorter, so a hung
+/// rank is found before the transports' own time-out ends the round.
+pub const DEFAULT_ELASTIC_HUNG_SECONDS: f64 = 30.0;
 pub const DEFAULT_AUTOTUNE_WARMUP_SAMPLES: usize = 3;
 pub const DEFAULT_AUTOTUNE_STEPS_PER_SAMPLE: usize = 10;
 pub const DEFAULT_AUTOTUNE_BAYES_OPT_MAX_SAMPLES: usize = 20;
@@ -367,6 +374,18 @@ fn decode_hex(name: &str, value: &str) -> Result<Vec<u8>, ConfigError> {
 }
 
 impl Config {
+    /// How long a collective some ranks wait on may go unseen by the coordinator: the stall check time, or
+    /// half the elastic hung time when that is shorter (a waiting rank's cache hit reaches the coordinator's
+    /// table well before a missing rank is judged hung, so a rank that waits is never mistaken for one that
+    /// hangs). `None`: neither check is on.
+    pub fn inspect_after(&self) -> Option<Duration> {
+        let hung = self.elastic_hung_timeout.map(|d| d / 2);
+        match (self.stall_check, hung) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
     /// Read the configuration through `lookup` (variable name -> value), given what the launcher's variables
     /// said (`launch::env::detect`; `None`: no launcher other than rvodrun, or none at all). `launch` has the
     /// function that does both from the process environment.
@@ -448,6 +467,11 @@ impl Config {
         let timeout_seconds = env.seconds("TIMEOUT", DEFAULT_TIMEOUT_SECONDS)?;
         let timeout_seconds = if timeout_seconds > 0.0 { timeout_seconds } else { DEFAULT_TIMEOUT_SECONDS };
         let start_seconds = env.seconds("START_TIMEOUT", timeout_seconds)?;
+        let elastic_round = match env.raw("ELASTIC_ROUND") {
+            None => None,
+            Some(_) => Some(env.usize("ELASTIC_ROUND", 0)? as u64),
+        };
+        let hung = hung_timeout(&env, timeout_seconds)?;
         Ok(Config {
             topology,
             rendezvous,
@@ -458,6 +482,7 @@ impl Config {
             start_timeout: Duration::from_secs_f64(if start_seconds > 0.0 { start_seconds } else { timeout_seconds }),
             stall_check,
             stall_shutdown,
+            elastic_hung_timeout: elastic_round.and(hung),
             log_level: log_level(&env),
             shm: env.flag_or("SHM", true)?,
             shm_dir: env.string("SHM_DIR").unwrap_or_else(|| "/dev/shm".to_string()).into(),
@@ -481,15 +506,32 @@ impl Config {
             timeline: env.string("TIMELINE").filter(|path| !path.is_empty()),
             timeline_mark_cycles: env.flag("TIMELINE_MARK_CYCLES")?,
             metrics_port: metrics_port(&env)?,
-            elastic_round: match env.raw("ELASTIC_ROUND") {
-                None => None,
-                Some(_) => Some(env.usize("ELASTIC_ROUND", 0)? as u64),
-            },
+            elastic_round,
             autotune: autotune(&env)?,
             gpu: gpu_config(&env)?,
             hosts: hosts_config(&env)?,
         })
     }
+}
+
+/// `RVOD_ELASTIC_HUNG_TIMEOUT` (seconds; 0 turns the check off) through `lookup`, with its default
+/// ([`DEFAULT_ELASTIC_HUNG_SECONDS`], or half of `RVOD_TIMEOUT` when shorter). Read by `init()` in elastic
+/// jobs and, on its own, by the elastic driver (which watches the workers' heartbeats with it) and by its
+/// workers (which beat with it).
+pub fn elastic_hung_timeout(lookup: impl Fn(&str) -> Option<String>) -> Result<Option<Duration>, ConfigError> {
+    let env = EnvReader { lookup };
+    let timeout_seconds = env.seconds("TIMEOUT", DEFAULT_TIMEOUT_SECONDS)?;
+    let timeout_seconds = if timeout_seconds > 0.0 { timeout_seconds } else { DEFAULT_TIMEOUT_SECONDS };
+    hung_timeout(&env, timeout_seconds)
+}
+
+/// `ELASTIC_HUNG_TIMEOUT`, given the job's `TIMEOUT` in seconds.
+fn hung_timeout<F: Fn(&str) -> Option<String>>(
+    env: &EnvReader<F>,
+    timeout_seconds: f64,
+) -> Result<Option<Duration>, ConfigError> {
+    let seconds = env.seconds("ELASTIC_HUNG_TIMEOUT", DEFAULT_ELASTIC_HUNG_SECONDS.min(timeout_seconds / 2.0))?;
+    Ok((seconds > 0.0).then(|| Duration::from_secs_f64(seconds)))
 }
 
 /// `NEGOTIATION`.
@@ -719,6 +761,44 @@ mod tests {
     fn config(vars: &[(&str, &str)]) -> Result<Config, ConfigError> {
         let map: HashMap<String, String> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
         Config::from_lookup(move |name| map.get(name).cloned(), None)
+    }
+
+    #[test]
+    fn elastic_hung_timeout_acts_in_elastic_jobs_only() {
+        let secs = |s: f64| Some(Duration::from_secs_f64(s));
+        assert_eq!(config(&[("RVOD_ELASTIC_HUNG_TIMEOUT", "5")]).unwrap().elastic_hung_timeout, None);
+        let elastic = |vars: &[(&str, &str)]| {
+            let mut all = vec![("RVOD_ELASTIC_ROUND", "1")];
+            all.extend_from_slice(vars);
+            config(&all)
+        };
+        assert_eq!(elastic(&[]).unwrap().elastic_hung_timeout, secs(30.0));
+        assert_eq!(elastic(&[("RVOD_TIMEOUT", "20")]).unwrap().elastic_hung_timeout, secs(10.0));
+        assert_eq!(elastic(&[("RVOD_ELASTIC_HUNG_TIMEOUT", "2.5")]).unwrap().elastic_hung_timeout, secs(2.5));
+        assert_eq!(elastic(&[("RVOD_ELASTIC_HUNG_TIMEOUT", "0")]).unwrap().elastic_hung_timeout, None);
+        let err = elastic(&[("RVOD_ELASTIC_HUNG_TIMEOUT", "soon")]).unwrap_err();
+        assert_eq!((err.name.as_str(), err.value.as_str()), ("RVOD_ELASTIC_HUNG_TIMEOUT", "soon"));
+        assert!(err.to_string().contains("invalid environment variable RVOD_ELASTIC_HUNG_TIMEOUT=\"soon\""));
+        // Outside a job's init (the driver, the workers' heartbeat) the same value, elastic or not.
+        let lookup = |vars: &'static [(&'static str, &'static str)]| {
+            move |name: &str| vars.iter().find(|(k, _)| *k == name).map(|(_, v)| v.to_string())
+        };
+        assert_eq!(elastic_hung_timeout(lookup(&[])).unwrap(), secs(30.0));
+        assert_eq!(elastic_hung_timeout(lookup(&[("RVOD_TIMEOUT", "8")])).unwrap(), secs(4.0));
+        assert_eq!(
+            elastic_hung_timeout(lookup(&[("RVOD_ELASTIC_HUNG_TIMEOUT", "-1")])).unwrap_err().name,
+            "RVOD_ELASTIC_HUNG_TIMEOUT"
+        );
+    }
+
+    #[test]
+    fn inspection_comes_by_the_stall_time_or_half_the_hung_time() {
+        let c = config(&[("RVOD_ELASTIC_ROUND", "1"), ("RVOD_ELASTIC_HUNG_TIMEOUT", "4")]).unwrap();
+        assert_eq!(c.inspect_after(), Some(Duration::from_secs(2)));
+        let c = config(&[("RVOD_ELASTIC_ROUND", "1"), ("RVOD_STALL_CHECK_DISABLE", "1")]).unwrap();
+        assert_eq!(c.inspect_after(), Some(Duration::from_secs(15)));
+        assert_eq!(config(&[]).unwrap().inspect_after(), Some(Duration::from_secs(60)));
+        assert_eq!(config(&[("RVOD_STALL_CHECK_DISABLE", "1")]).unwrap().inspect_after(), None);
     }
 
     #[test]

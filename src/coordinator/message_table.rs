@@ -1,12 +1,13 @@
 //! The coordinator's message table (kept by rank 0 of the communicator): requests gathered from every
-//! rank until a tensor is ready everywhere, join bookkeeping, and stall detection.
+//! rank until a tensor is ready everywhere, join bookkeeping, stall detection, and (elastic jobs) the ranks
+//! judged hung.
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use rustc_hash::FxHashMap as HashMap;
 use std::time::{Duration, Instant};
 
-use crate::coordinator::stall::{stall_warning, MissingRanks};
+use crate::coordinator::stall::{stall_warning, HungRank, MissingRanks, NAMES_PER_RANK};
 use crate::coordinator::validate::{construct_response, describe};
 use crate::error::ErrorKind;
 use crate::protocol::message::{Request, Response, ResponseEntry};
@@ -290,6 +291,33 @@ impl MessageTable {
         }
         Some(text)
     }
+
+    /// The ranks that made no progress for `after`: each is missing from a tensor other ranks submitted at
+    /// least `after` ago, has not joined, and has no pending request of its own in this table (a rank that
+    /// waits in a collective is held up, not hung; the hung rank is the one the others wait for). By global
+    /// rank, with the longest wait and the tensors it holds up, oldest first.
+    pub fn hung_ranks(&self, now: Instant, after: Duration) -> Vec<HungRank> {
+        let waiting: BTreeSet<u32> =
+            self.by_name.values().flat_map(|(_, tensor)| tensor.requests.keys().copied()).collect();
+        let mut hung: BTreeMap<u32, HungRank> = BTreeMap::new();
+        for name in self.pending.values() {
+            let Some((_, tensor)) = self.by_name.get(name) else { continue };
+            let waited = now.saturating_duration_since(tensor.first_seen);
+            if waited < after {
+                continue;
+            }
+            for rank in (0..self.size as u32).filter(|r| !waiting.contains(r) && !self.joined.contains(r)) {
+                let global = self.global(rank);
+                let entry =
+                    hung.entry(global).or_insert_with(|| HungRank { rank: global, waited, tensors: Vec::new() });
+                entry.waited = entry.waited.max(waited);
+                if entry.tensors.len() < NAMES_PER_RANK {
+                    entry.tensors.push(name.clone());
+                }
+            }
+        }
+        hung.into_values().collect()
+    }
 }
 
 fn join_response(last_joined: i32) -> Response {
@@ -433,6 +461,44 @@ mod tests {
         let r = c.ready_responses();
         assert!(r[0].error.as_ref().unwrap().1.contains("ranks [1, 2] did not submit"));
         assert!(c.check_stalls(later, Duration::from_secs(60), None).is_none());
+    }
+
+    #[test]
+    fn the_rank_the_others_wait_for_is_hung_not_the_waiters() {
+        let mut c = MessageTable::new(vec![4, 5, 6]);
+        let after = Duration::from_secs(5);
+        c.add_waited(req(0, "grad", CollectiveKind::Allreduce), Duration::from_secs(6));
+        c.add_waited(req(2, "grad", CollectiveKind::Allreduce), Duration::from_millis(5500));
+        // Rank 0 ran ahead to a tensor rank 2 has not reached (rank 2 waits on "grad"): only rank 1 is hung.
+        c.add_waited(req(0, "later", CollectiveKind::Allreduce), Duration::from_secs(6));
+        let now = Instant::now();
+        assert!(c.hung_ranks(now, Duration::from_secs(7)).is_empty(), "not before the hung time");
+        let hung = c.hung_ranks(now, after);
+        assert_eq!(hung.len(), 1, "{hung:?}");
+        assert_eq!(hung[0].rank, 5, "reported by global rank");
+        assert!(hung[0].waited >= Duration::from_secs(6) && hung[0].waited < Duration::from_secs(7));
+        assert_eq!(hung[0].tensors, vec!["grad".to_string(), "later".to_string()]);
+    }
+
+    #[test]
+    fn joined_ranks_and_every_rank_waiting_are_not_hung() {
+        let mut c = MessageTable::new(vec![0, 1, 2]);
+        let now = Instant::now();
+        c.add_waited(req(0, "x", CollectiveKind::Allreduce), Duration::from_secs(9));
+        c.add(req(1, "", CollectiveKind::Join));
+        let hung = c.hung_ranks(now, Duration::from_secs(5));
+        assert_eq!(hung.iter().map(|h| h.rank).collect::<Vec<_>>(), vec![2], "a joined rank is not hung");
+        // Two tensors each missing a rank that waits on the other: a mismatch for the stall warning, not a hang.
+        let mut c = MessageTable::new(vec![0, 1]);
+        c.add_waited(req(0, "a", CollectiveKind::Allreduce), Duration::from_secs(9));
+        c.add_waited(req(1, "b", CollectiveKind::Allreduce), Duration::from_secs(9));
+        assert!(c.hung_ranks(now, Duration::from_secs(5)).is_empty());
+        // Once the tensor is ready (every rank submitted) nobody is hung.
+        let mut c = MessageTable::new(vec![0, 1]);
+        c.add_waited(req(0, "a", CollectiveKind::Allreduce), Duration::from_secs(9));
+        c.add(req(1, "a", CollectiveKind::Allreduce));
+        assert_eq!(c.ready_responses().len(), 1);
+        assert!(c.hung_ranks(Instant::now(), Duration::from_secs(5)).is_empty());
     }
 
     #[test]

@@ -321,6 +321,11 @@ impl Negotiator {
     }
 
     /// The coordinator's state, on rank 0.
+    pub fn coordinator(&self) -> Option<&MessageTable> {
+        self.coordinator.as_ref()
+    }
+
+    /// The coordinator's state, on rank 0, to change.
     pub fn coordinator_mut(&mut self) -> Option<&mut MessageTable> {
         self.coordinator.as_mut()
     }

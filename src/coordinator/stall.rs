@@ -1,5 +1,5 @@
 //! The stall inspector: the coordinator's record of tensors that some ranks submitted and others did not,
-//! and the warning that names the missing ranks.
+//! the warning that names the missing ranks, and in elastic jobs the ranks judged hung ([`HungRank`]).
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 pub type MissingRanks = BTreeMap<u32, Vec<String>>;
 
 /// At most this many tensor names are listed per missing rank.
-const NAMES_PER_RANK: usize = 6;
+pub const NAMES_PER_RANK: usize = 6;
 
 /// Horovod-style warning text naming, for each missing rank, the tensors it has not submitted.
 pub fn stall_warning(
@@ -38,6 +38,32 @@ pub fn stall_warning(
         }
     }
     text
+}
+
+/// A rank that made no progress: it has not submitted collectives the others have waited on for at least the
+/// elastic hung time, and waits on nothing itself (it is not in any collective, so it is blocked in the
+/// script). Found by the coordinator (`MessageTable::hung_ranks`), reported to the elastic driver.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HungRank {
+    /// Global rank.
+    pub rank: u32,
+    /// How long the oldest collective it holds up has waited.
+    pub waited: Duration,
+    /// The collectives it holds up (at most [`NAMES_PER_RANK`]).
+    pub tensors: Vec<String>,
+}
+
+impl HungRank {
+    /// What the coordinator logs, with the rank's host where known: "rank 2 on host X made no progress for 5.0 s".
+    pub fn describe(&self, host: Option<&str>) -> String {
+        let host = host.map(|h| format!(" on host {h}")).unwrap_or_default();
+        format!(
+            "rank {}{host} made no progress for {:.1} s: it has not submitted [{}], which the other ranks wait on",
+            self.rank,
+            self.waited.as_secs_f64(),
+            self.tensors.join(", ")
+        )
+    }
 }
 
 /// When the next stall check is due.
@@ -88,6 +114,17 @@ mod tests {
         let text = stall_warning(&missing, Duration::from_secs(60), Some(Duration::from_secs(90)), &[2]);
         assert!(text.contains("\n2!: ["));
         assert!(text.contains("stalled for longer than 90 seconds"));
+    }
+
+    #[test]
+    fn hung_rank_is_described_by_rank_host_and_time() {
+        let hung = HungRank { rank: 2, waited: Duration::from_millis(5040), tensors: vec!["allreduce.x".into()] };
+        assert_eq!(
+            hung.describe(Some("node7")),
+            "rank 2 on host node7 made no progress for 5.0 s: it has not submitted [allreduce.x], which the other \
+             ranks wait on"
+        );
+        assert!(hung.describe(None).starts_with("rank 2 made no progress for 5.0 s"));
     }
 
     #[test]

@@ -8,6 +8,7 @@
 //! - [`handles`]: the handle table callers wait on; [`peer_hosts`]: the host each rank runs on, for errors
 //!   naming a peer.
 //! - [`process_sets`]: which sets exist and how ids are assigned.
+//! - [`heartbeat`]: an elastic worker's heartbeat to its driver, with the ranks found hung.
 //! - [`connect`]: rendezvous and transport set-up; [`roll_call`]: every rank comes to `init()` in time, or the
 //!   error names those that did not.
 //!
@@ -46,6 +47,7 @@ pub mod fork;
 pub mod gpu_route;
 pub mod grouped;
 pub mod handles;
+pub mod heartbeat;
 pub mod metrics;
 pub mod metrics_server;
 pub mod peer_hosts;
@@ -477,6 +479,7 @@ impl Engine {
             communicator.stop(why);
         }
         self.timeline.stop();
+        heartbeat::forget_hung();
     }
 
     /// `start_timeline()`: record into `path` from now on (switching files if one is open). Refused unless

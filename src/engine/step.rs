@@ -24,6 +24,7 @@ use crate::engine::execute::{execute_eager, Executor, HierarchyChoice, TensorRes
 use crate::engine::execute_device::{self, StagedFailure};
 use crate::engine::gpu_route::GpuRoute;
 use crate::engine::handles::{CompletedPart, PartResult};
+use crate::engine::heartbeat;
 use crate::engine::metrics::METRICS;
 use crate::engine::shared::{AppliedValues, Shared};
 use crate::engine::table::{TensorEntry, TensorTable};
@@ -108,7 +109,7 @@ impl Loop {
             transport.rank(),
             shared.global_ranks.clone(),
             config.cache_capacity,
-            config.stall_check,
+            config.inspect_after(),
             config.negotiation,
         );
         negotiator.share_lateness(Arc::clone(&shared.lateness));
@@ -139,7 +140,7 @@ impl Loop {
         Loop {
             rounds: 0,
             autotune,
-            stall_clock: config.stall_check.map(StallClock::new),
+            stall_clock: config.inspect_after().map(StallClock::new),
             shared,
             transport,
             config,
@@ -479,9 +480,10 @@ impl Loop {
         }
     }
 
-    /// Whether a cache hit on this rank has waited past the stall time (the next round invalidates it).
+    /// Whether a cache hit on this rank has waited past the inspection time (the next round invalidates it, so
+    /// the coordinator sees the request).
     fn cached_entry_stalled(&self) -> bool {
-        match (self.config.stall_check, self.table.oldest_cache_hit()) {
+        match (self.config.inspect_after(), self.table.oldest_cache_hit()) {
             (Some(limit), Some(oldest)) => oldest.elapsed() >= limit,
             _ => false,
         }
@@ -529,19 +531,32 @@ impl Loop {
         (!shown.is_empty()).then(|| format!("\nSlowest ranks: {}", shown.join(", ")))
     }
 
-    /// On the coordinator, warn about tensors some ranks never submitted.
+    /// On the coordinator, warn about tensors some ranks never submitted, and in an elastic job find the
+    /// ranks that hang.
     fn check_stalls(&mut self) {
-        let (Some(clock), Some(limit)) = (self.stall_clock.as_mut(), self.config.stall_check) else { return };
+        let Some(clock) = self.stall_clock.as_mut() else { return };
         let now = Instant::now();
         if !clock.due(now) {
             return;
         }
         let fail_after = self.config.stall_shutdown;
-        if let Some(table) = self.negotiator.coordinator_mut() {
+        if let (Some(limit), Some(table)) = (self.config.stall_check, self.negotiator.coordinator_mut()) {
             if let Some(warning) = table.check_stalls(now, limit, fail_after) {
                 METRICS.stall_warning();
                 let slowest = self.slowest_ranks().unwrap_or_default();
                 tracing::warn!("In {}: {warning}{slowest}", self.shared.describe());
+            }
+        }
+        let elastic = self.config.elastic_hung_timeout.zip(self.config.elastic_round);
+        if let (Some((after, round)), Some(table)) = (elastic, self.negotiator.coordinator()) {
+            // Kept for the elastic driver (the worker's heartbeat carries them), said once per rank found.
+            for rank in heartbeat::note_hung(round, self.shared.set_id, table.hung_ranks(now, after)) {
+                let host = self.shared.hosts.host_of(rank.rank as usize);
+                tracing::error!(
+                    "In {}: {}; the elastic driver replaces it",
+                    self.shared.describe(),
+                    rank.describe(host)
+                );
             }
         }
     }

@@ -542,6 +542,15 @@ pub fn straggler_report(process_set_id: u32) -> PyResult<Option<Vec<(usize, u64,
     }))
 }
 
+/// `RVOD_ELASTIC_HUNG_TIMEOUT` in seconds as read from `env` (None: the check is off); ValueError naming
+/// the variable when a value does not parse. For the elastic driver and its workers' heartbeat.
+#[pyfunction]
+pub fn elastic_hung_timeout(env: std::collections::HashMap<String, String>) -> PyResult<Option<f64>> {
+    crate::config::elastic_hung_timeout(|name| env.get(name).cloned())
+        .map(|timeout| timeout.map(|d| d.as_secs_f64()))
+        .map_err(|err| PyValueError::new_err(err.to_string()))
+}
+
 /// Count an elastic reset this process took part in (`rvod_elastic_resets_total`).
 #[pyfunction]
 pub fn note_elastic_reset() {

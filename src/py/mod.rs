@@ -43,6 +43,7 @@ fn _rvod(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(api::transport_kind, m)?)?;
     m.add_function(wrap_pyfunction!(api::straggler_report, m)?)?;
     m.add_function(wrap_pyfunction!(api::note_elastic_reset, m)?)?;
+    m.add_function(wrap_pyfunction!(api::elastic_hung_timeout, m)?)?;
     m.add_function(wrap_pyfunction!(api::build_info, m)?)?;
     m.add_function(wrap_pyfunction!(gpu::gpu_libraries, m)?)?;
     m.add_function(wrap_pyfunction!(gpu::device_stream, m)?)?;

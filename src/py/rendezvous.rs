@@ -1,5 +1,6 @@
 //! `RendezvousServer`: the job's authenticated key-value store, started by `rvodrun`; `StoreClient`: a
-//! connection to it from Python (`rvod.run` ships the function and collects the results through it).
+//! connection to it from Python (`rvod.run` ships the function and collects the results through it; an
+//! elastic worker's heartbeat beats through one, see `engine::heartbeat`).
 
 use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
@@ -8,7 +9,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use crate::py::detached::{detached, detached_once};
-use crate::py::error::runtime_error;
+use crate::py::error::{runtime_error, to_py_err};
 use crate::transport::rendezvous;
 use crate::transport::rendezvous::StoreClient as NativeStoreClient;
 
@@ -76,6 +77,15 @@ impl StoreClient {
         let client = detached_once(py, || NativeStoreClient::connect(SocketAddr::new(ip, port), &secret, timeout))
             .map_err(|e| runtime_error(e.to_string()))?;
         Ok(StoreClient { client: Some(client) })
+    }
+
+    /// Hands this connection to the elastic heartbeat (`engine::heartbeat`): `key` is set now, then every
+    /// `interval` seconds from a native thread, until the store goes. This client is closed after.
+    fn start_heartbeat(&mut self, py: Python<'_>, key: &str, interval: f64) -> PyResult<()> {
+        let interval = timeout_from_seconds(interval)?;
+        let client = self.client.take().ok_or_else(|| runtime_error("the store client is closed".to_string()))?;
+        let key = key.to_string();
+        detached_once(py, || crate::engine::heartbeat::start(client, key, interval)).map_err(to_py_err)
     }
 
     fn set(&mut self, py: Python<'_>, key: &str, value: Vec<u8>) -> PyResult<()> {

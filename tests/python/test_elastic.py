@@ -423,3 +423,86 @@ def test_rvod_run_elastic_failing_below_min_np_raises_the_reason(job_env, tmp_pa
                             capture_output=True, text=True, errors="replace", timeout=50)
     assert result.returncode == 0, result.stderr
     assert "raised: rvod.run: the job failed (only 1 usable slots (localhost:1) for" in result.stdout, result.stdout
+
+
+HUNG_SECONDS = 3.0
+
+
+def assert_hung_worker_replaced(job: ElasticJob, out: Path, worker: int, rank: int, host: str) -> float:
+    """The job re-formed without the hung worker and finished with every sample counted once; rvodrun named
+    it by rank and host within the hung time (+ slack), long before RVOD_TIMEOUT. Returns the time from the
+    hang to training resumed in world 2."""
+    assert job.finish(100) == 0, job.report()
+    assert_every_sample_once_per_epoch(out, 3, 24)
+    worlds = assert_worlds_start_in_step(out)
+    assert sorted(worlds) == [1, 2] and worlds[2][0]["size"] == 2, job.report()
+    assert host not in {s["host"] for s in worlds[2]}, job.report()
+    found = [line for line in job.stderr.splitlines()
+             if line.startswith(f"rvodrun: worker {worker} (rank {rank} on {host}) ")]
+    assert found and found[0].endswith("; killing it"), job.report()
+    assert f"worker {worker} (rank {rank} on {host}) was killed by signal SIGKILL; host {host} is blacklisted" \
+        in job.stderr, job.report()
+    (hang,) = read(out, "hangs.jsonl")
+    resumed = min(s["time"] for s in worlds[2]) - hang["time"]
+    # Found within the hung time plus a beat, a check and the coordinator's stall check (about 1.5 s), and
+    # training resumed a few seconds later: far from RVOD_TIMEOUT (60 s), the only bound before this.
+    assert resumed < HUNG_SECONDS + 12, (resumed, job.report())
+    return resumed
+
+
+@pytest.mark.timeout(120)
+def test_rank_blocked_in_the_script_is_found_by_the_coordinator_and_replaced(job_env, tmp_path):
+    """Rank 1 of 3 sleeps in its training step (alive, its sockets open) while the others wait in the next
+    allreduce: after --elastic-hung-timeout the coordinator names it, rvodrun kills it and blacklists its host
+    as for a crash, and the two left go on from the last commit with every sample counted once."""
+    job = ElasticJob(job_env, tmp_path, "".join(f"{host}:1\n" for host in HOSTS),
+                     ["--min-np", "2", "--elastic-hung-timeout", str(HUNG_SECONDS)], ELASTIC_HANG="1:1:5:sleep")
+    resumed = assert_hung_worker_replaced(job, tmp_path, 2, 1, "127.0.0.1")
+    found = next(line for line in job.stderr.splitlines() if line.startswith("rvodrun: worker 2 (rank 1 on"))
+    seconds = float(found.split("made no progress for ")[1].split(" s")[0])
+    assert HUNG_SECONDS <= seconds < HUNG_SECONDS + 3, found
+    assert "which the other ranks wait on (found by rank 0)" in found, found
+    assert "rank 1 on host 127.0.0.1 made no progress for" in job.stderr  # the coordinator's own log
+    print(f"blocked rank: found after {seconds:.1f} s, training resumed {resumed:.1f} s after the hang")
+
+
+@pytest.mark.timeout(120)
+def test_stopped_rank_0_is_found_by_its_missing_heartbeat_and_replaced(job_env, tmp_path):
+    """Rank 0 (the coordinator, which cannot report itself) is SIGSTOPped: its heartbeat stops, rvodrun kills it
+    after RVOD_ELASTIC_HUNG_TIMEOUT and the two left re-form as a world of 2 from the last commit."""
+    job = ElasticJob(job_env, tmp_path, "".join(f"{host}:1\n" for host in HOSTS), ["--min-np", "2"],
+                     ELASTIC_HANG="1:0:5:stop", RVOD_ELASTIC_HUNG_TIMEOUT=str(HUNG_SECONDS))
+    resumed = assert_hung_worker_replaced(job, tmp_path, 1, 0, "localhost")
+    found = next(line for line in job.stderr.splitlines() if line.startswith("rvodrun: worker 1 (rank 0 on"))
+    seconds = float(found.split("sent no heartbeat for ")[1].split(" s")[0])
+    assert HUNG_SECONDS <= seconds < HUNG_SECONDS + 2, found
+    print(f"stopped rank 0: found after {seconds:.1f} s without a heartbeat, training resumed {resumed:.1f} s "
+          "after the stop")
+
+
+NOT_ELASTIC_SCRIPT = """
+import time
+import torch
+import rvod.torch as hvd
+
+hvd.init()
+if hvd.rank() == 1:
+    time.sleep(4)  # far past RVOD_ELASTIC_HUNG_TIMEOUT: only an elastic job acts on it
+total = hvd.allreduce(torch.ones(1), op=hvd.Sum, name="late")
+print("total", float(total[0]))
+"""
+
+
+@pytest.mark.timeout(60)
+def test_hung_timeout_does_not_act_outside_elastic_jobs(job_env, tmp_path):
+    """A fixed-size job keeps today's behaviour: a rank late by more than RVOD_ELASTIC_HUNG_TIMEOUT is waited for
+    (as before, until the stall warning or RVOD_TIMEOUT), nobody is named hung, and the result is right."""
+    script = tmp_path / "late.py"
+    script.write_text(NOT_ELASTIC_SCRIPT)
+    env = dict(job_env, RVOD_ELASTIC_HUNG_TIMEOUT="1")
+    result = subprocess.run([sys.executable, *RVODRUN, "-np", "2", sys.executable, str(script)], env=env,
+                            capture_output=True, text=True, errors="replace", timeout=50)
+    report = f"stdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"
+    assert result.returncode == 0, report
+    assert result.stdout.count("total 2.0") == 2, report
+    assert "made no progress" not in result.stderr and "heartbeat" not in result.stderr, report

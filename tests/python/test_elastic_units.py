@@ -1,9 +1,10 @@
 """Elastic training's pure parts, in this process: the run loop's reaction to each error, ObjectState's commit
 and restore, ElasticSampler's split of an epoch over changing worlds, and the driver's discovery parsing,
-blacklist, placement and topology. The jobs themselves are in test_elastic.py."""
+blacklist, placement and topology, and its watch for hung workers. The jobs themselves are in test_elastic.py."""
 
 from __future__ import annotations
 
+import json
 import types
 
 import pytest
@@ -13,6 +14,8 @@ pytest.importorskip("rvod._rvod")
 from rvod.common import elastic, elastic_variables  # noqa: E402
 from rvod.exceptions import HostsUpdatedInterrupt, RvodInternalError, RvodMismatchError  # noqa: E402
 from rvod.runner import elastic as driver  # noqa: E402
+from rvod.runner.cli import build_parser, job_from_args, parse_args  # noqa: E402
+from rvod.runner.hung import Hung, HungWatch  # noqa: E402
 from rvod.runner.job import JobSpec  # noqa: E402
 
 
@@ -365,3 +368,50 @@ def test_object_state_needs_no_framework_and_syncs_from_rank_0():
         assert (state.epoch, state.history) == (4, [1])
     finally:
         basics.shutdown()
+
+
+def _beat(count, round_=None, hung=()):
+    value = {"beat": count}
+    if round_ is not None:
+        value.update(round=round_, hung=[list(h) for h in hung])
+    return json.dumps(value).encode()
+
+
+def test_hung_watch_finds_a_worker_whose_beats_stop_after_the_hung_time():
+    watch = HungWatch(4.0)
+    assert watch.interval == 0.5
+    assert watch.check({1: _beat(1), 2: _beat(1), 3: None}, 1, {0: 1, 1: 2}, 0.0) == []
+    assert watch.check({1: _beat(2), 2: _beat(1), 3: None}, 1, {0: 1, 1: 2}, 3.9) == []
+    # Worker 2 stopped beating at 0.0; worker 3 never beat (not in init() yet): not judged.
+    found = watch.check({1: _beat(3), 2: _beat(1), 3: None}, 1, {0: 1, 1: 2}, 4.1)
+    assert found == [Hung(2, "sent no heartbeat for 4.1 s (its process is stopped or frozen)")]
+    assert watch.check({1: _beat(4), 2: _beat(2)}, 1, {0: 1, 1: 2}, 8.0) == [], "beating again"
+    assert watch.check({1: _beat(5), 2: b"not json", 4: _beat(1)}, 1, {0: 1, 1: 2}, 12.1)[0].worker == 2
+
+
+def test_hung_watch_takes_a_rank_named_by_a_worker_of_the_running_world():
+    watch = HungWatch(3.0)
+    ranks = {0: 10, 1: 11, 2: 12}
+    named = _beat(7, round_=2, hung=[(2, 3.25, ["allreduce.grad"])])
+    found = watch.check({10: named, 11: _beat(1), 12: _beat(1)}, 2, ranks, 0.0)
+    assert found == [Hung(12, "made no progress for 3.2 s: it has not submitted [allreduce.grad], which the other "
+                              "ranks wait on (found by rank 0)")]
+    stale = _beat(8, round_=1, hung=[(2, 9.0, ["allreduce.grad"])])
+    assert watch.check({10: stale, 11: _beat(2), 12: _beat(2)}, 2, ranks, 0.5) == [], "a report of an older world"
+    assert watch.check({10: named, 11: _beat(3)}, 2, ranks, 1.0) == [], "worker 12 is gone already"
+    bad = _beat(9, round_=2, hung=[("x",), (5, 1.0, [])])
+    assert watch.check({10: bad, 11: _beat(4), 12: _beat(4)}, 2, ranks, 1.5) == [], "malformed or unknown ranks"
+
+
+def test_elastic_hung_timeout_comes_from_the_flag_or_the_environment_and_a_bad_value_is_named(monkeypatch):
+    options = parse_args(build_parser(), ["--min-np", "2", "--host-discovery-script", "x", "--elastic-hung-timeout",
+                                          "2.5", "true"])
+    assert job_from_args(options).engine_env()["RVOD_ELASTIC_HUNG_TIMEOUT"] == "2.5"
+    monkeypatch.delenv("RVOD_ELASTIC_HUNG_TIMEOUT", raising=False)
+    monkeypatch.setenv("RVOD_TIMEOUT", "10")
+    assert driver._hung_watch({}).timeout == 5.0, "half of RVOD_TIMEOUT when shorter than 30 s"
+    assert driver._hung_watch({"RVOD_ELASTIC_HUNG_TIMEOUT": "2.5"}).timeout == 2.5
+    assert driver._hung_watch({"RVOD_ELASTIC_HUNG_TIMEOUT": "0"}) is None
+    monkeypatch.setenv("RVOD_ELASTIC_HUNG_TIMEOUT", "soon")
+    with pytest.raises(driver.ElasticFailure, match='invalid environment variable RVOD_ELASTIC_HUNG_TIMEOUT="soon"'):
+        driver._hung_watch({})

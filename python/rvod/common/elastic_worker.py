@@ -11,7 +11,13 @@ driver through the job's rendezvous store (authenticated with the job's secret),
   ``elastic/round/<R>/go`` once every worker of R is ready, so ``init()`` meets peers that are all there;
 - ``elastic/reset/<worker>/<R>``: a worker of world R whose collective failed asks for a new world;
 - ``elastic/finished``: a worker finished training, so no new world will be formed; a worker still waiting
-  for one exits with status 0.
+  for one exits with status 0;
+- ``elastic/heartbeat/<worker>``: set by a native thread of every worker, from its first ``init()`` on, every
+  quarter of RVOD_ELASTIC_HUNG_TIMEOUT (at most every second): JSON with ``beat`` (a count that grows) and,
+  while its engine runs, ``round`` and ``hung``, the ranks its engine found hung as [rank, seconds, tensors]
+  (``src/engine/heartbeat.rs``).
+  The driver kills a worker whose count stops or that a rank of the running world names
+  (``rvod.runner.hung``).
 
 A worker that is a process of its own (rvodrun's) leaves by exiting with status 0; one that is not (a Ray
 actor, after ``leave_by_raising()``) raises ``LeftTheJob`` out of ``init()`` and the function that called it.
@@ -73,8 +79,16 @@ class _DriverLink:
         self.timeout = float(os.environ.get(TIMEOUT, "600"))
         self._want_newer = False
         self.announced: int | None = None  # the world check_host_updates() last told every rank of
-        self._store = _rvod.StoreClient(os.environ["RVOD_RENDEZVOUS_ADDR"], int(os.environ["RVOD_RENDEZVOUS_PORT"]),
-                                        bytes.fromhex(os.environ["RVOD_SECRET"]), self.timeout)
+        self._store = self._connect()
+        hung_timeout = _rvod.elastic_hung_timeout(dict(os.environ))
+        if hung_timeout is not None:
+            # Set once now, before this worker can be in a world, then from a native thread (it beats while the
+            # script holds the GIL; only a frozen process stops it).
+            self._connect().start_heartbeat(f"elastic/heartbeat/{self.worker}", min(1.0, hung_timeout / 4))
+
+    def _connect(self):
+        return _rvod.StoreClient(os.environ["RVOD_RENDEZVOUS_ADDR"], int(os.environ["RVOD_RENDEZVOUS_PORT"]),
+                                 bytes.fromhex(os.environ["RVOD_SECRET"]), self.timeout)
 
     def latest_round(self) -> int:
         value = self._store.try_get("elastic/round", 0)

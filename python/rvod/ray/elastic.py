@@ -193,6 +193,10 @@ class _ActorLauncher:
                   flush=True)
         return _ActorWorker(actor, actor.run.remote(self._fn, {**self._env, **env}, self._queue))
 
+    def kill(self, handle: _ActorWorker) -> None:
+        if handle.actor is not None:
+            _kill(handle.actor)
+
     def stop(self, handles: list[_ActorWorker]) -> None:
         for handle in handles:
             if handle.actor is not None:

@@ -195,6 +195,11 @@ def build_parser() -> argparse.ArgumentParser:
     elastic.add_argument("--elastic-timeout", dest="elastic_timeout", type=_non_negative(float), metavar="SECONDS",
                          help="how long the job waits for --min-np slots before it fails (default: RVOD_ELASTIC_TIMEOUT "
                               "or HOROVOD_ELASTIC_TIMEOUT, else 600)")
+    elastic.add_argument("--elastic-hung-timeout", dest="elastic_hung_timeout", type=_non_negative(float),
+                         metavar="SECONDS",
+                         help="kill and replace a worker that makes no progress this long: frozen, or blocked in "
+                              "the script while the others wait for it (RVOD_ELASTIC_HUNG_TIMEOUT; default 30, or "
+                              "half of --timeout if shorter; 0 never)")
     elastic.add_argument("--reset-limit", dest="reset_limit", type=_non_negative(int), metavar="N",
                          help="fail the job instead of resetting it more than N times (default: no limit)")
     elastic.add_argument("--blacklist-cooldown-range", dest="cooldown_range", type=_non_negative(int), nargs=2,

@@ -7,6 +7,10 @@ worker's collective failed and it asks for one, or when the hosts change: worker
 told to leave, and free slots on added hosts get new workers, up to --max-np. The workers that carried
 the job come first in every new world, in their old order, so rank 0 always holds the last commit.
 
+A worker that is alive but makes no progress for RVOD_ELASTIC_HUNG_TIMEOUT seconds (--elastic-hung-timeout;
+frozen, or blocked in the script while the others wait for it: ``rvod.runner.hung``) is killed and counts as
+failed.
+
 The job ends when its workers end: status 0 when every worker of the last world exited 0. It fails, with
 a line saying why, when fewer than --min-np slots stay usable for --elastic-timeout seconds, when more
 than --reset-limit resets would be needed, or when every discovered host is blacklisted for good.
@@ -32,6 +36,7 @@ from typing import Any, Protocol
 
 from rvod.runner import network, store
 from rvod.runner.hosts import Host, Slot, local_names
+from rvod.runner.hung import HEARTBEAT_KEY, HungWatch
 from rvod.runner.job import JobSpec
 from rvod.runner.ssh import SshSettings, forwarded_environment, remote_python_command
 from rvod.runner.supervisor import STOP_GRACE_SECONDS, WorkerProcess, WorkerSpec, signal_name
@@ -144,6 +149,9 @@ class Launcher(Protocol):
     def stop(self, handles: list[WorkerHandle]) -> None:
         """Stops every worker of ``handles`` still running, and waits for them (bounded)."""
 
+    def kill(self, handle: WorkerHandle) -> None:
+        """Kills a worker that makes no progress, without waiting (it may be stopped: SIGKILL ends it anyway)."""
+
 
 @dataclass
 class _ElasticWorker:
@@ -154,6 +162,7 @@ class _ElasticWorker:
     leaving: bool = False
     reported: bool = False
     joined: bool = False  # has been in a world whose engines started
+    killed: bool = False  # found hung and killed
 
 
 @dataclass
@@ -162,6 +171,7 @@ class _World:
     members: list[_ElasticWorker]
     ready: set[int] = field(default_factory=set)
     started: bool = False
+    ranks: dict[int, int] = field(default_factory=dict)  # rank -> worker id
 
 
 def topology(placed: list[tuple[int, str]]) -> dict[int, Slot]:
@@ -209,6 +219,7 @@ class ElasticDriver:
         self.failure: str | None = None
         self._next_id = 0
         self._received: list[int] = []
+        self.hung_watch: HungWatch | None = None
 
     def _say(self, text: str) -> None:
         _say(text, self.who)
@@ -293,7 +304,7 @@ class ElasticDriver:
             members.append(self._start(worker_id, slots[worker_id]))
         for worker in members:
             worker.rank = slots[worker.id].rank
-        self.world = _World(self.round, members)
+        self.world = _World(self.round, members, ranks={worker.rank: worker.id for worker in members})
         self._say(f"world {self.round} ({cause}): {len(members)} ranks on "
              f"{', '.join(sorted({w.host for w in members}))}" + (f"; {len(new)} started" if new else ""))
         return True
@@ -322,6 +333,7 @@ class ElasticDriver:
             for signum in _FORWARDED_SIGNALS:
                 previous[signum] = signal.signal(signum, lambda number, _frame: self._received.append(number))
         try:
+            self.hung_watch = _hung_watch(self.engine_settings)
             self._refresh_hosts()
             self.rendezvous_addr = self.launcher.rendezvous_address(list(self.hosts))
             server = store.start_store(self.rendezvous_addr, self.secret)
@@ -354,6 +366,7 @@ class ElasticDriver:
         reset_asked_at: float | None = None
         finishing = False
         status = 0
+        next_hung_check = time.monotonic()
         while True:
             time.sleep(_POLL_SECONDS)
             now = time.monotonic()
@@ -391,6 +404,9 @@ class ElasticDriver:
                 if not any(w.process.returncode is None for w in self.workers if not w.leaving):
                     return status
                 continue
+            if self.hung_watch is not None and now >= next_hung_check:
+                next_hung_check = now + self.hung_watch.interval
+                self._kill_hung(client, now)
             if now >= next_discovery:
                 next_discovery = now + DISCOVERY_INTERVAL
                 self._refresh_hosts()
@@ -412,6 +428,19 @@ class ElasticDriver:
                     short_since = short_since or now
             if self.world is not None and not self.world.started:
                 self._release_world(client)
+
+    def _kill_hung(self, client, now: float) -> None:
+        """Kills the workers found hung (``rvod.runner.hung``); their deaths are then handled as failures."""
+        assert self.hung_watch is not None
+        watched = [w for w in self._live() if not w.killed]
+        beats = {w.id: client.try_get(HEARTBEAT_KEY.format(worker=w.id), 0) for w in watched}
+        world = self.started_world
+        found = self.hung_watch.check(beats, world.round if world else None, world.ranks if world else {}, now)
+        for hung in found:
+            worker = next(w for w in watched if w.id == hung.worker)
+            self._say(f"worker {worker.id} (rank {worker.rank} on {worker.host}) {hung.reason}; killing it")
+            worker.killed = True
+            self.launcher.kill(worker.process)
 
     def _check_short(self, now: float, short_since: float | None) -> None:
         usable = self._usable(now)
@@ -476,6 +505,9 @@ class ProcessLauncher:
             _say(f"started worker {worker_id} as rank {slot.rank} on {slot.hostname} (pid {process.process.pid})")
         return process
 
+    def kill(self, handle: WorkerProcess) -> None:
+        handle.signal_group(signal.SIGKILL)
+
     def stop(self, handles: list[WorkerProcess]) -> None:
         running = [process for process in handles if process.group_alive()]
         for process in running:
@@ -517,6 +549,20 @@ def elastic_settings(spec: JobSpec, fixed_hosts: list[Host] | None) -> ElasticSe
                            fixed_hosts=fixed_hosts, slots_per_host=spec.slots_per_host,
                            elastic_timeout=elastic_timeout(spec.elastic_timeout), reset_limit=spec.reset_limit,
                            cooldown_range=cooldown)
+
+
+def _hung_watch(engine_settings: dict[str, str]) -> HungWatch | None:
+    """The watch for hung workers with the job's RVOD_ELASTIC_HUNG_TIMEOUT (None: turned off); ElasticFailure
+    naming the variable when its value is wrong."""
+    try:
+        from rvod._rvod import elastic_hung_timeout
+    except ImportError:
+        return None  # starting the store says what is missing
+    try:
+        timeout = elastic_hung_timeout({**os.environ, **engine_settings})
+    except ValueError as error:
+        raise ElasticFailure(str(error)) from None
+    return HungWatch(timeout) if timeout is not None else None
 
 
 def elastic_timeout(given: float | None) -> float:

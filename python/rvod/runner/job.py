@@ -51,6 +51,7 @@ class JobSpec:
     host_discovery_script: str | None = None
     slots_per_host: int | None = None
     elastic_timeout: float | None = None
+    elastic_hung_timeout: float | None = None  # --elastic-hung-timeout: RVOD_ELASTIC_HUNG_TIMEOUT
     reset_limit: int | None = None
     cooldown_range: tuple[int, int] | None = None
     # Engine settings (None: not set by the job).
@@ -117,6 +118,8 @@ class JobSpec:
                     env[name] = str(value)
             if self.autotune_gaussian_process_noise is not None:
                 env["RVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE"] = _format_number(self.autotune_gaussian_process_noise)
+        if self.elastic_hung_timeout is not None:
+            env["RVOD_ELASTIC_HUNG_TIMEOUT"] = _format_number(self.elastic_hung_timeout)
         if self.no_stall_check is not None:
             env["RVOD_STALL_CHECK_DISABLE"] = "1" if self.no_stall_check else "0"
         if self.stall_warning_seconds is not None:

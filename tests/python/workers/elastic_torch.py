@@ -7,7 +7,10 @@ rank writes a line to OUT/starts.jsonl each time the training function starts (a
 synchronised): its world, rank, size, host, epoch, batch and a checksum of its parameters. With ELASTIC_KILL set
 to "round:rank:steps[,...]" the rank so placed kills itself with SIGKILL after that many steps in that world,
 after writing the time to OUT/kills.jsonl; with ELASTIC_KILL_AT_INIT="round:rank[,...]" the rank so placed
-kills itself as it joins that world, after every worker of it was ready but before its engine starts.
+kills itself as it joins that world, after every worker of it was ready but before its engine starts. With
+ELASTIC_HANG="round:rank:steps:how[,...]" the rank so placed stops making progress after that many steps,
+alive, after writing the time to OUT/hangs.jsonl: `sleep` blocks in the script (a long time.sleep) while the
+others wait in the next collective, `stop` sends itself SIGSTOP (the whole process freezes).
 Calls of state.restore() are logged to OUT/restores.jsonl. With ELASTIC_SHARDED=1 the optimizer is a sharded
 SGD with momentum, and a checksum of its consolidated state is added to every start and logged by rank 0 at
 every commit to OUT/commits.jsonl (once the commit returned) and OUT/precommits.jsonl (just before it, so
@@ -33,6 +36,8 @@ COMMIT_EVERY = int(os.environ.get("ELASTIC_COMMIT_EVERY", "2"))
 STEP_SECONDS = float(os.environ.get("ELASTIC_STEP_SECONDS", "0.05"))
 KILLS = [tuple(int(x) for x in spec.split(":")) for spec in os.environ.get("ELASTIC_KILL", "").split(",") if spec]
 STOP_FILE = os.environ.get("ELASTIC_STOP_FILE")
+HANGS = {tuple(int(x) for x in spec.split(":")[:3]): spec.split(":")[3]
+         for spec in os.environ.get("ELASTIC_HANG", "").split(",") if spec}
 KILLS_AT_INIT = [tuple(int(x) for x in spec.split(":"))
                  for spec in os.environ.get("ELASTIC_KILL_AT_INIT", "").split(",") if spec]
 
@@ -132,6 +137,12 @@ def train(state):
             if (world(), hvd.rank(), steps) in KILLS:
                 record("kills.jsonl", round=world(), rank=hvd.rank(), epoch=state.epoch, batch=state.batch)
                 os.kill(os.getpid(), signal.SIGKILL)
+            hang = HANGS.get((world(), hvd.rank(), steps))
+            if hang is not None:
+                record("hangs.jsonl", round=world(), rank=hvd.rank(), epoch=state.epoch, batch=state.batch, how=hang)
+                if hang == "stop":
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                time.sleep(3600)
             steps += 1
             time.sleep(STEP_SECONDS)
             optimizer.zero_grad()
