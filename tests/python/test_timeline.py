@@ -70,6 +70,27 @@ def assert_op_rows(trace: Trace, tag: str, ranks: set[int], transport: str = TRA
         set().union(*(trace.names(row) for row in fused)), {row: trace.names(row) for row in fused}
 
 
+def assert_whole_microseconds_and_nested(trace: Trace):
+    """Every "ts" and "dur" is a whole number of microseconds, and on each (pid, tid) row the spans nest or
+    are disjoint: Perfetto drops a span that starts inside another and ends after it
+    (slice_drop_overlapping_complete_event)."""
+    timed = [e for e in trace.events if e.get("ph") != "M"]
+    assert timed and all(type(e["ts"]) is int for e in timed), [e for e in timed if type(e["ts"]) is not int][:3]
+    spans = defaultdict(list)
+    for e in timed:
+        if e["ph"] == "X":
+            assert type(e["dur"]) is int and e["dur"] >= 0, e
+            spans[(e["pid"], e["tid"])].append((e["ts"], e["ts"] + e["dur"], e["name"]))
+    for row, row_spans in spans.items():
+        open_spans: list[tuple[int, int, str]] = []  # the enclosing spans of the current one, outermost first
+        for span in sorted(row_spans, key=lambda s: (s[0], -s[1])):
+            while open_spans and open_spans[-1][1] <= span[0]:
+                open_spans.pop()
+            assert not open_spans or span[1] <= open_spans[-1][1], \
+                f"{trace.row_names.get(row[0])} rank {row[1]}: {span} starts inside {open_spans[-1]} and ends after it"
+            open_spans.append(span)
+
+
 @pytest.mark.timeout(60)
 def test_every_op_and_a_process_set_on_every_rank_in_one_file(run_rvodrun, job_env, tmp_path):
     path = tmp_path / "timeline.json"
@@ -79,6 +100,7 @@ def test_every_op_and_a_process_set_on_every_rank_in_one_file(run_rvodrun, job_e
     assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
     trace = Trace(path)
     assert_op_rows(trace, "step", {0, 1, 2})
+    assert_whole_microseconds_and_nested(trace)
     pair = "allreduce.pair.grad (process set 1)"
     assert trace.ranks(pair) == {0, 2}, trace.ranks(pair)
     assert {"NEGOTIATE_ALLREDUCE", "ALLREDUCE", f"{TRANSPORT}_ALLREDUCE"} <= trace.names(pair, 2)
@@ -102,6 +124,7 @@ def test_hierarchical_steps_are_phases_of_the_op(job_env, tmp_path):
         report = job.report()
     assert all(res.returncode == 0 for res in results.values()), report
     trace = Trace(path)
+    assert_whole_microseconds_and_nested(trace)
     for rank in range(4):
         allreduce = trace.names("allreduce.step.grad", rank)
         assert {"ALLREDUCE", "SHM_REDUCESCATTER", "TCP_ALLREDUCE", "SHM_ALLGATHER"} <= allreduce, (rank, allreduce)
