@@ -142,8 +142,11 @@ class Soak:
                      else self.random.uniform(1.3, 1.8) * self.timeout)
             os.kill(pid, signal.SIGSTOP)
             time.sleep(pause)
-            os.kill(pid, signal.SIGCONT)
             detail = f"pid {pid} stopped for {pause:.1f} s"
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:  # RVOD_ELASTIC_HUNG_TIMEOUT: the driver killed it as hung
+                detail += ", killed by the driver meanwhile"
         elif kind == "link_down":
             pause = self.random.uniform(0.5, 2.0) * self.timeout
             self._nic(host, "ip", "link", "set", netns.NIC, "down")

@@ -384,7 +384,7 @@ def test_hung_watch_finds_a_worker_whose_beats_stop_after_the_hung_time():
     assert watch.check({1: _beat(2), 2: _beat(1), 3: None}, 1, {0: 1, 1: 2}, 3.9) == []
     # Worker 2 stopped beating at 0.0; worker 3 never beat (not in init() yet): not judged.
     found = watch.check({1: _beat(3), 2: _beat(1), 3: None}, 1, {0: 1, 1: 2}, 4.1)
-    assert found == [Hung(2, "sent no heartbeat for 4.1 s (its process is stopped or frozen)")]
+    assert found == [Hung(2, "sent no heartbeat for 4.1 s (its process is stopped, frozen or cut off from the driver)")]
     assert watch.check({1: _beat(4), 2: _beat(2)}, 1, {0: 1, 1: 2}, 8.0) == [], "beating again"
     assert watch.check({1: _beat(5), 2: b"not json", 4: _beat(1)}, 1, {0: 1, 1: 2}, 12.1)[0].worker == 2
 

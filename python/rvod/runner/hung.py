@@ -62,8 +62,8 @@ class HungWatch:
             if beat is not None and (seen is None or seen[0] != beat["beat"]):
                 self._seen[worker] = (beat["beat"], now)
             elif seen is not None and now - seen[1] >= self.timeout:
-                found.setdefault(worker, f"sent no heartbeat for {now - seen[1]:.1f} s (its process is stopped "
-                                         "or frozen)")
+                found.setdefault(worker, f"sent no heartbeat for {now - seen[1]:.1f} s (its process is stopped, "
+                                         "frozen or cut off from the driver)")
             if beat is None or world is None or beat.get("round") != world:
                 continue
             for report in beat.get("hung") or []:
