@@ -79,7 +79,7 @@ class Soak:
         self.job = ElasticJob(env, out, self._hosts_text(slots),
                               ["--min-np", "2", "--max-np", str(total), "--blacklist-cooldown-range", "1", "2",
                                "--elastic-timeout", "120"],
-                              wrap=cluster.launch_args, ELASTIC_SAMPLES=str(SAMPLES), ELASTIC_EPOCHS="100000",
+                              wrap=cluster.launch_args, to_files=True, ELASTIC_SAMPLES=str(SAMPLES), ELASTIC_EPOCHS="100000",
                               ELASTIC_STEP_SECONDS="0.02", ELASTIC_STOP_FILE=str(self.stop_file))
         self.discovered = dict(slots)
 
@@ -198,7 +198,6 @@ class Soak:
     def finish(self, timeout: float = 180.0) -> None:
         self.stop_file.write_text("stop\n")
         code = self.job.finish(timeout)
-        (self.out / "rvodrun.stderr").write_text(self.job.stderr)
         assert code == 0, f"rvodrun exited with {code}\n{self.describe()}\n{self.job_report()}"
         epochs = read(self.out, "epochs.jsonl")
         assert epochs, "no epoch was completed"
@@ -228,9 +227,10 @@ class Soak:
         return "faults:\n" + "\n".join(lines)
 
     def job_report(self) -> str:
-        if self.job.process.poll() is None:
-            return "(rvodrun still running)"
-        return self.job.report()
+        """The end of what rvodrun printed so far (its output goes to files in the job's folder)."""
+        stderr = (self.out / "rvodrun.stderr").read_text(errors="replace")
+        running = "still running" if self.job.process.poll() is None else f"exited {self.job.process.returncode}"
+        return f"rvodrun ({running}), the end of its stderr:\n{stderr[-8000:]}"
 
     def summary(self) -> dict:
         """Faults by kind, survived, time to resume (p50, p99), epochs and samples lost (0 when finish passed)."""

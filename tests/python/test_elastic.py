@@ -32,16 +32,24 @@ def read(out: Path, name: str) -> list[dict]:
 class ElasticJob:
     """rvodrun running workers/elastic_torch.py with the hosts in `out/hosts`."""
 
-    def __init__(self, job_env: dict[str, str], out: Path, hosts: str, flags: list[str], wrap=list, **settings: str):
-        """`wrap(command)`: the command line that runs rvodrun's (test_elastic_hosts.py runs it in a namespace)."""
+    def __init__(self, job_env: dict[str, str], out: Path, hosts: str, flags: list[str], wrap=list,
+                 to_files: bool = False, **settings: str):
+        """`wrap(command)`: the command line that runs rvodrun's (test_elastic_hosts.py runs it in a namespace).
+        `to_files`: rvodrun's output goes to out/rvodrun.stdout and out/rvodrun.stderr as it comes (a long job
+        keeps what it printed even if the test is stopped), and is read from there at the end."""
         self.out = out
         self.hosts_file = out / "hosts"
         self.set_hosts(hosts)
         env = dict(job_env, ELASTIC_OUT=str(out), **settings)
         command = wrap([sys.executable, *RVODRUN, *flags, "--host-discovery-script", f"cat {self.hosts_file}",
                         sys.executable, str(WORKER)])
-        self.process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        self.files = (out / "rvodrun.stdout", out / "rvodrun.stderr") if to_files else None
+        outputs = [path.open("w") for path in self.files] if self.files else [subprocess.PIPE, subprocess.PIPE]
+        self.process = subprocess.Popen(command, env=env, stdout=outputs[0], stderr=outputs[1], text=True,
                                         errors="replace")
+        for output in outputs:
+            if output is not subprocess.PIPE:
+                output.close()
 
     def set_hosts(self, text: str) -> None:
         self.hosts_file.with_suffix(".new").write_text(text)
@@ -61,8 +69,14 @@ class ElasticJob:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.stdout, self.stderr = self.process.communicate()
+            self._read_files()
             pytest.fail(f"rvodrun did not finish within {timeout} s\n{self.report()}")
+        self._read_files()
         return self.process.returncode
+
+    def _read_files(self) -> None:
+        if self.files:
+            self.stdout, self.stderr = (path.read_text(errors="replace") for path in self.files)
 
     def report(self) -> str:
         return f"stdout:\n{getattr(self, 'stdout', '')[-4000:]}\nstderr:\n{getattr(self, 'stderr', '')[-6000:]}"
