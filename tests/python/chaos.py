@@ -129,10 +129,20 @@ class Soak:
     def _nic(self, host: str, *args: str) -> None:
         subprocess.run(self.cluster.exec_args(host, list(args)), check=True, capture_output=True, timeout=20)
 
+    def members(self) -> dict[str, list[int]]:
+        """The running world's workers by host (their pids, from the lines they wrote as they started training),
+        leaving out any worker still exiting from an earlier world: a fault must hit the job, not a leaver."""
+        world = self.current_world()
+        members: dict[str, list[int]] = {}
+        for entry in read(self.out, "starts.jsonl"):
+            if entry["round"] == world and entry["pid"] in self.workers(entry["host"]):
+                members.setdefault(entry["host"], []).append(entry["pid"])
+        return {host: sorted(set(pids)) for host, pids in sorted(members.items())}
+
     def inject(self, kind: str) -> Fault:
-        hosts = [h for h in self.cluster.names if self.workers(h)]
-        host = self.random.choice(hosts)
-        pid = self.random.choice(self.workers(host))
+        members = self.members()
+        host = self.random.choice(sorted(members))
+        pid = self.random.choice(members[host])
         started = time.time()
         if kind == "kill":
             os.kill(pid, signal.SIGKILL)

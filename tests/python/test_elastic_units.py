@@ -196,6 +196,33 @@ def test_plan_keeps_survivors_first_and_fills_free_slots_up_to_max_np():
     assert job._plan(0.0) is None  # a is blacklisted, b and c are gone: fewer than --min-np
 
 
+class RecordingStore:
+    def __init__(self):
+        self.values = {}
+
+    def set(self, key, value):
+        self.values[key] = value
+
+
+def test_a_worker_told_to_leave_that_still_runs_is_told_again_in_every_later_world():
+    """A worker reads only the latest world: one that missed the world telling it to leave (it was busy failing a
+    collective, say) must find {"leave": true} in the next, not wait for a place that never comes."""
+    job = _driver(1, 2, {"a": 1, "b": 1})
+    first, second = _worker(job, 1, "a", 0), _worker(job, 2, "b", 1)
+    store = RecordingStore()
+    job.blacklist.add("b", 0.0)
+    assert job._form("failure", 0.0, store)
+    assert json.loads(store.values[f"elastic/round/{job.round}/assign/2"]) == {"leave": True}
+    assert second.leaving and json.loads(store.values[f"elastic/round/{job.round}/assign/1"])["rank"] == 0
+    assert job._form("removed", 0.0, store)  # the leaver has not exited yet
+    assert json.loads(store.values[f"elastic/round/{job.round}/assign/2"]) == {"leave": True}
+    second.process.returncode = 0  # once it has exited, later worlds name it no more
+    assert job._form("removed", 0.0, store)
+    assert f"elastic/round/{job.round}/assign/2" not in store.values
+    assert json.loads(store.values[f"elastic/round/{job.round}/assign/1"])["size"] == 1
+    assert first.rank == 0
+
+
 @pytest.mark.timeout(120)
 def test_tensorflow_state_commits_restores_and_syncs_variables():
     tf = pytest.importorskip("tensorflow")

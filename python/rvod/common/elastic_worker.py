@@ -37,6 +37,7 @@ WORKER_ID = "RVOD_ELASTIC_WORKER_ID"
 ROUND = "RVOD_ELASTIC_ROUND"
 TIMEOUT = "RVOD_ELASTIC_TIMEOUT"
 _POLL_SECONDS = 0.02
+_ASSIGNMENT_GRACE_SECONDS = 5.0
 # The topology variables a world assignment sets before init() reads them (see src/config.rs).
 _ASSIGNED = {"rank": "RVOD_RANK", "size": "RVOD_SIZE", "local_rank": "RVOD_LOCAL_RANK",
              "local_size": "RVOD_LOCAL_SIZE", "cross_rank": "RVOD_CROSS_RANK", "cross_size": "RVOD_CROSS_SIZE",
@@ -131,6 +132,12 @@ class _DriverLink:
             time.sleep(_POLL_SECONDS)
         self.round = self.latest_round()
 
+    def _assignment(self, round_: int) -> bytes | None:
+        """This worker's assignment in world ``round_``; None when the driver wrote none. The driver writes every
+        running worker's assignment before it publishes the round, so none is there only for a worker it no
+        longer counts; the short wait covers a store that answers out of order."""
+        return self._store.try_get(f"elastic/round/{round_}/assign/{self.worker}", _ASSIGNMENT_GRACE_SECONDS)
+
     def enter_world(self) -> None:
         """Takes this worker's place in the latest world it was assigned to: waits until every worker of that
         world is ready (following the driver to a newer world if one is formed meanwhile) and sets the
@@ -142,7 +149,12 @@ class _DriverLink:
         while True:
             round_ = max(self.round, self.latest_round())
             self.round = round_
-            assignment = self._store.get(f"elastic/round/{round_}/assign/{self.worker}", self.timeout)
+            assignment = self._assignment(round_)
+            if assignment is None:
+                if self.latest_round() > round_:
+                    continue
+                _leave(f"worker {self.worker} has no place in world {round_} (the driver no longer counts it); "
+                       "exiting")
             place = json.loads(assignment)
             if place.get("leave"):
                 _leave(f"worker {self.worker} has no place in the new world {round_} (its host was removed or "

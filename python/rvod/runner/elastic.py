@@ -290,10 +290,14 @@ class ElasticDriver:
         slots = topology(placed)
         prefix = f"elastic/round/{self.round}"
         store_client.set(f"{prefix}/cause", cause.encode())
-        for worker in self._live():
+        for worker in self.workers:
+            if worker.process.returncode is not None:
+                continue
             if worker.id in slots:
                 store_client.set(f"{prefix}/assign/{worker.id}", json.dumps(_place(slots[worker.id])).encode())
             else:
+                # Also a worker told to leave in an earlier world that has not exited yet: a worker reads only
+                # the latest world, so one that missed the world that told it would wait for a place in this one.
                 store_client.set(f"{prefix}/assign/{worker.id}", b'{"leave": true}')
                 worker.leaving = True
         for worker_id, _ in new:
