@@ -181,6 +181,9 @@ fn loads_through_the_settings_and_reports_the_gpus() {
     assert_eq!(buses[..3], ["00000000:10:00.0", "00000000:11:00.0", "00000000:12:00.0"]);
     let error = CudaDevice::new(s.cuda, DEVICES).err().unwrap();
     assert_eq!(error.to_string(), "cudaSetDevice failed on GPU 8: invalid device ordinal (cudaErrorInvalidDevice)");
+    // Only a device that is current already skips cudaSetDevice: another, unusable, gets its error.
+    let error = s.cuda.set_current_device(DEVICES).err().unwrap();
+    assert_eq!(error.to_string(), "cudaSetDevice failed on GPU 8: invalid device ordinal (cudaErrorInvalidDevice)");
 }
 
 #[test]
@@ -231,6 +234,39 @@ fn a_missing_wait_reads_stale_bytes_and_the_frameworks_event_gives_the_kernels()
         "waiting on the event: the kernel's values"
     );
     assert_eq!(device.query(&ready), Ok(true));
+}
+
+#[test]
+fn a_dropped_event_is_recorded_again_and_a_wait_made_before_keeps_the_record_it_saw() {
+    let Some(s) = standin() else { return };
+    let device = s.device(3);
+    let (framework, idle, rvod) =
+        (device.new_stream().unwrap(), device.new_stream().unwrap(), device.new_stream().unwrap());
+    let mut seen = std::collections::HashSet::new();
+    for _ in 0..100 {
+        let event = device.record(&rvod).unwrap();
+        device.synchronize(&event).unwrap();
+        seen.insert(event.raw() as usize);
+    }
+    assert_eq!(seen.len(), 1, "one event serves a hundred records, each dropped before the next");
+    let (first, second) = (device.record(&rvod).unwrap(), device.record(&rvod).unwrap());
+    assert_ne!(first.raw(), second.raw(), "two held at once are two events");
+    drop((first, second));
+
+    let tensor = upload(&device, &rvod, &f32s(&[1.0; 4]));
+    s.kernel(&framework, tensor.ptr, &f32s(&[5.0; 4])); // the framework's slow kernel
+    let ready = device.record(&framework).unwrap();
+    let raw = ready.raw();
+    device.wait_event(&rvod, &ready).unwrap();
+    drop(ready); // as an op drops its input's ready event once its stream waits for it
+    let reused = device.record(&idle).unwrap(); // a stream with nothing queued: complete at once
+    assert_eq!(reused.raw(), raw, "the dropped event is the next one recorded");
+    assert_eq!(
+        floats(&download(&device, &rvod, tensor.ptr, 16)),
+        vec![5.0; 4],
+        "the wait enqueued before the event was recorded again still waits for the kernel"
+    );
+    device.synchronize(&reused).unwrap();
 }
 
 #[test]

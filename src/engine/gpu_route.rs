@@ -183,7 +183,7 @@ impl GpuRoute {
         let mut comm = Err(String::new());
         let stream = runtime
             .keeping_current_device(|| {
-                context.device().make_current()?;
+                context.device().bind()?;
                 let id = UniqueId { internal: unique_id.map(|b| b as c_char) };
                 comm = Communicator::init(nccl, id, size, rank, ordinal);
                 context.device().new_stream()

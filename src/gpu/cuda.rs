@@ -7,9 +7,15 @@
 //!
 //! Every call returns a `cudaError_t`; a non-zero one becomes a [`GpuError`] with the call, the device and
 //! CUDA's own name and text for the code.
+//!
+//! Per op, rvod records a few events (a tensor's ready event, an op's done event, a staged copy's); a
+//! [`CudaDevice`] keeps the events no one holds any more and records the next one on one of them instead of
+//! creating and destroying one each time (see [`CudaEvent`]). It also calls `cudaSetDevice` only where the
+//! thread is on another device (a framework's thread mostly is on its tensors' one already).
 
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
 
 use crate::gpu::device::{Device, DevicePtr, PinnedBuffer};
 use crate::gpu::library::symbol;
@@ -147,8 +153,19 @@ impl CudaRuntime {
         Ok(device)
     }
 
-    /// Make `device` the calling thread's current device (`cudaSetDevice`).
+    /// Make `device` the calling thread's current device: `cudaSetDevice`, skipped where it is current
+    /// already (`cudaGetDevice` reads the thread's state; it says nothing of a device that is not current, so
+    /// an unusable one still gets `cudaSetDevice`'s own error).
     pub fn set_current_device(&self, device: i32) -> Result<(), GpuError> {
+        if self.current_device().ok() == Some(device) {
+            return Ok(());
+        }
+        self.set_device(device)
+    }
+
+    /// `cudaSetDevice`, even where `device` is current already: that also makes its primary context current
+    /// on the thread at once (CUDA 12), which set-up relies on (see [`CudaDevice::bind`]).
+    fn set_device(&self, device: i32) -> Result<(), GpuError> {
         // SAFETY: plain call.
         self.check(unsafe { (self.f.set_device)(device) }, "cudaSetDevice", device)
     }
@@ -182,10 +199,11 @@ pub fn device_count_error(status: i32, text: &str) -> String {
 }
 
 /// One GPU through the CUDA runtime. Streams and events are made on this device; the calls that create
-/// them make it the calling thread's current device first.
+/// them make it the calling thread's current device first. Its events are pooled (see [`CudaEvent`]).
 pub struct CudaDevice {
     rt: &'static CudaRuntime,
     ordinal: i32,
+    events: Arc<EventPool>,
 }
 
 pub struct CudaStream {
@@ -193,9 +211,68 @@ pub struct CudaStream {
     raw: RawStream,
 }
 
+/// An event recorded on a stream of a [`CudaDevice`], made by [`Device::record`].
+///
+/// Dropped, it goes back to its device's pool, and a later record reuses it. That is safe once its last
+/// holder lets go: every `cudaStreamWaitEvent` on it was enqueued by then, and CUDA resolves such a wait
+/// against the record as it was at the call (a later `cudaEventRecord` of the event changes nothing for it);
+/// a host wait on it (`cudaEventSynchronize`, `cudaEventQuery`) has returned. Whoever needs an event's record
+/// to last keeps the event (`gpu::tensor` holds each input's ready event until its op is done, an op's done
+/// event until every result's consumer waits for it).
 pub struct CudaEvent {
-    rt: &'static CudaRuntime,
     raw: RawEvent,
+    /// Its device's pool, which takes it back.
+    pool: Arc<EventPool>,
+}
+
+/// A device's events that no one holds: the next records reuse them.
+struct EventPool {
+    rt: &'static CudaRuntime,
+    free: Mutex<Vec<FreeEvent>>,
+}
+
+/// An event in a pool (a CUDA event handle may be used from any host thread).
+struct FreeEvent(RawEvent);
+
+// SAFETY: CUDA events may be used from any host thread; a pooled one is used by no one until taken.
+unsafe impl Send for FreeEvent {}
+
+/// How many unused events a device keeps (a burst of asynchronous ops leaves as many as it had in flight);
+/// more are destroyed.
+const MAX_FREE_EVENTS: usize = 1024;
+
+impl EventPool {
+    fn list(&self) -> std::sync::MutexGuard<'_, Vec<FreeEvent>> {
+        self.free.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// An unused event of this device, if one is there.
+    fn take(&self) -> Option<RawEvent> {
+        self.list().pop().map(|event| event.0)
+    }
+
+    /// Keep `raw` (an event of this device no one holds) for the next record, or destroy it when enough are
+    /// kept.
+    fn give_back(&self, raw: RawEvent) {
+        let mut free = self.list();
+        if free.len() < MAX_FREE_EVENTS {
+            free.push(FreeEvent(raw));
+            return;
+        }
+        drop(free);
+        // SAFETY: created by cudaEventCreateWithFlags; no one holds it.
+        unsafe { (self.rt.f.event_destroy)(raw) };
+    }
+}
+
+impl Drop for EventPool {
+    fn drop(&mut self) {
+        let free = self.free.get_mut().unwrap_or_else(|poisoned| poisoned.into_inner());
+        for event in free.drain(..) {
+            // SAFETY: created by cudaEventCreateWithFlags; no one holds it.
+            unsafe { (self.rt.f.event_destroy)(event.0) };
+        }
+    }
 }
 
 /// Page-locked host memory from `cudaMallocHost`.
@@ -222,9 +299,11 @@ unsafe impl Sync for CudaStream {}
 unsafe impl Sync for CudaEvent {}
 
 impl CudaDevice {
+    /// The device `ordinal`, made the calling thread's current one (an error where it cannot be used).
     pub fn new(rt: &'static CudaRuntime, ordinal: i32) -> Result<CudaDevice, GpuError> {
-        let device = CudaDevice { rt, ordinal };
-        device.make_current()?;
+        let events = Arc::new(EventPool { rt, free: Mutex::new(Vec::new()) });
+        let device = CudaDevice { rt, ordinal, events };
+        device.bind()?;
         Ok(device)
     }
 
@@ -236,10 +315,16 @@ impl CudaDevice {
         self.rt
     }
 
-    /// `cudaSetDevice` for the calling thread.
+    /// Make this device the calling thread's current one (`cudaSetDevice` where another is current, see
+    /// [`CudaRuntime::set_current_device`]).
     pub fn make_current(&self) -> Result<(), GpuError> {
-        // SAFETY: plain call.
-        self.rt.check(unsafe { (self.rt.f.set_device)(self.ordinal) }, "cudaSetDevice", self.ordinal)
+        self.rt.set_current_device(self.ordinal)
+    }
+
+    /// `cudaSetDevice` for the calling thread, even where this device is current already: for set-up (the
+    /// device's first use, an NCCL communicator's start), which then finds its primary context current.
+    pub fn bind(&self) -> Result<(), GpuError> {
+        self.rt.set_device(self.ordinal)
     }
 
     /// The PCI bus id (e.g. `0000:3b:00.0`) that identifies this GPU on its host, for the transport choice.
@@ -340,6 +425,13 @@ impl CudaStream {
     }
 }
 
+impl CudaEvent {
+    /// The `cudaEvent_t` (which events are reused shows here).
+    pub fn raw(&self) -> *mut c_void {
+        self.raw
+    }
+}
+
 impl Drop for CudaStream {
     fn drop(&mut self) {
         // SAFETY: created by cudaStreamCreateWithFlags; work already queued still completes.
@@ -349,8 +441,8 @@ impl Drop for CudaStream {
 
 impl Drop for CudaEvent {
     fn drop(&mut self) {
-        // SAFETY: created by cudaEventCreateWithFlags.
-        unsafe { (self.rt.f.event_destroy)(self.raw) };
+        // Its last holder lets go: no wait on it can still be enqueued (see the type's doc).
+        self.pool.give_back(self.raw);
     }
 }
 
@@ -419,12 +511,19 @@ impl Device for CudaDevice {
 
     fn record(&self, stream: &CudaStream) -> Result<CudaEvent, GpuError> {
         self.make_current()?;
-        let mut raw: RawEvent = std::ptr::null_mut();
-        // SAFETY: a valid out-pointer.
-        let status = unsafe { (self.rt.f.event_create_with_flags)(&mut raw, EVENT_DISABLE_TIMING) };
-        self.rt.check(status, "cudaEventCreateWithFlags", self.ordinal)?;
-        let event = CudaEvent { rt: self.rt, raw };
-        // SAFETY: a live event and stream.
+        let raw = match self.events.take() {
+            Some(raw) => raw,
+            None => {
+                let mut raw: RawEvent = std::ptr::null_mut();
+                // SAFETY: a valid out-pointer.
+                let status = unsafe { (self.rt.f.event_create_with_flags)(&mut raw, EVENT_DISABLE_TIMING) };
+                self.rt.check(status, "cudaEventCreateWithFlags", self.ordinal)?;
+                raw
+            }
+        };
+        // Back to the pool even if the record fails: it is still an event of this device.
+        let event = CudaEvent { raw, pool: self.events.clone() };
+        // SAFETY: a live event (of this device, as its pool is) and stream.
         let status = unsafe { (self.rt.f.event_record)(event.raw, stream.raw) };
         self.rt.check(status, "cudaEventRecord", self.ordinal)?;
         Ok(event)

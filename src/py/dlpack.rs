@@ -132,7 +132,7 @@ pub fn import_capsule(
     let t = unsafe { &(*managed).dl_tensor };
     let on_gpu = match t.device.device_type {
         DEVICE_CPU | DEVICE_CUDA_HOST => None,
-        DEVICE_CUDA => Some(crate::py::gpu::usable_device(capsule.py(), &what(), t.device.device_id)?),
+        DEVICE_CUDA => Some(crate::py::gpu::usable_device(capsule.py(), &what, t.device.device_id)?),
         other => {
             return Err(invalid_argument(format!(
                 "{}: unsupported DLPack device type {other} (rvod takes CPU tensors, and CUDA ones where a GPU is                  usable)",

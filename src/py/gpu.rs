@@ -4,8 +4,13 @@
 //!
 //! The NVIDIA Python packages' directories are found here, through `importlib` (no framework is imported),
 //! and handed to [`crate::gpu::library`], which loads the libraries on the first ask.
+//!
+//! Every GPU tensor asks for its device ([`usable_device`]); once one was taken, nothing it checks can change
+//! in the process (libraries, driver, devices, the GPU settings), so later tensors only take their device's
+//! context: no library lookup, no settings read, no GIL release, no `cudaGetDeviceCount` per op.
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use pyo3::exceptions::PyValueError;
@@ -35,9 +40,13 @@ fn nvidia_dirs(py: Python<'_>) -> Vec<PathBuf> {
     found.unwrap_or_default()
 }
 
-/// This process's GPU libraries, loaded on the first call (with the GPU settings read then).
+/// This process's GPU libraries, loaded on the first call (with the GPU settings read then; a later call
+/// still refuses bad settings).
 pub fn loaded(py: Python<'_>) -> PyResult<&'static GpuLibraries> {
     let config = GpuConfig::from_env().map_err(|e| PyValueError::new_err(e.to_string()))?;
+    if let Some(libs) = crate::gpu::library::loaded() {
+        return Ok(libs); // where to look and the GIL's release serve the first load only
+    }
     let dirs = nvidia_dirs(py);
     Ok(crate::py::detached::detached_once(py, || libraries(&config, &dirs)))
 }
@@ -103,29 +112,46 @@ pub fn gpu_libraries(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     Ok(info)
 }
 
-/// The context of CUDA device `device` for a tensor on it (`what` names the tensor), or the error saying
-/// why rvod cannot run collectives on it here (what is missing, or the device's own error).
-pub fn usable_device(py: Python<'_>, what: &str, device: i32) -> PyResult<Arc<DeviceContext>> {
+/// Set once [`usable_device`] found the libraries, a driver, a device and NCCL there and the GPU settings
+/// valid (see the module doc).
+static USABLE: AtomicBool = AtomicBool::new(false);
+
+/// The context of CUDA device `device` for a tensor on it (`what()` names the tensor; called only for an
+/// error), or the error saying why rvod cannot run collectives on it here (what is missing, or the device's
+/// own error).
+pub fn usable_device(py: Python<'_>, what: impl Fn() -> String, device: i32) -> PyResult<Arc<DeviceContext>> {
+    if USABLE.load(Ordering::Acquire) {
+        // What the checks below found holds still: only this device's context can fail, as below.
+        return context(device).map_err(|error| refused(&what(), device, &error.to_string()));
+    }
     let reason = match loaded(py) {
         Ok(libs) => match (libs.unavailable(), GpuConfig::from_env()) {
             (Some(why), _) => why,
             (None, Err(error)) => error.to_string(),
-            (None, Ok(_)) => match context(device) {
-                Ok(context) => return Ok(context),
-                Err(error) => error.to_string(),
-            },
+            (None, Ok(_)) => {
+                USABLE.store(true, Ordering::Release);
+                match context(device) {
+                    Ok(context) => return Ok(context),
+                    Err(error) => error.to_string(),
+                }
+            }
         },
         Err(error) => error.to_string(),
     };
-    Err(invalid_argument(format!(
+    Err(refused(&what(), device, &reason))
+}
+
+/// The refusal of a tensor on CUDA device `device` (`what` names it), and why.
+fn refused(what: &str, device: i32, reason: &str) -> PyErr {
+    invalid_argument(format!(
         "{what}: the tensor is on CUDA device {device}, and rvod cannot run collectives on it here: {reason}. \
          Move the tensor to the CPU (e.g. tensor.cpu())."
-    )))
+    ))
 }
 
 /// rvod's stream on GPU `ordinal` (a `cudaStream_t` as a number): what a producer's `__dlpack__(stream=...)`
 /// makes wait for its tensor.
 #[pyfunction]
 pub fn device_stream(py: Python<'_>, ordinal: i32) -> PyResult<usize> {
-    usable_device(py, &format!("device_stream({ordinal})"), ordinal).map(|context| context.stream_handle())
+    usable_device(py, || format!("device_stream({ordinal})"), ordinal).map(|context| context.stream_handle())
 }

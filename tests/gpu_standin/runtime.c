@@ -140,6 +140,27 @@ static struct fault faults[32];
 static int fault_count;
 static pthread_mutex_t fault_lock = PTHREAD_MUTEX_INITIALIZER;
 
+/* Calls counted by name (standin_calls), under fault_lock: every call that reaches its injection point. */
+static struct {
+    char name[64];
+    long n;
+} call_counts[64];
+static int call_count_used;
+
+/* Under fault_lock. A name that does not fit (or a full table) is not counted: standin_calls says 0. */
+static void count_call(const char *name) {
+    for (int i = 0; i < call_count_used; i++) {
+        if (strcmp(call_counts[i].name, name) == 0) {
+            call_counts[i].n++;
+            return;
+        }
+    }
+    if (call_count_used == (int)(sizeof call_counts / sizeof call_counts[0]) || strlen(name) >= sizeof call_counts[0].name)
+        return;
+    snprintf(call_counts[call_count_used].name, sizeof call_counts[0].name, "%s", name);
+    call_counts[call_count_used++].n = 1;
+}
+
 /* "name[@device]:nth:code[:text]" */
 static int fault_add(const char *spec) {
     struct fault f = {.device = -1};
@@ -168,6 +189,7 @@ int si_injected(const char *name, int device, char *text, size_t cap) {
     pthread_once(&settings_once, read_settings);
     int code = 0;
     pthread_mutex_lock(&fault_lock);
+    count_call(name);
     for (int i = 0; i < fault_count && !code; i++) {
         struct fault *f = &faults[i];
         if (strcmp(f->name, name) != 0 || (f->device >= 0 && f->device != device)) continue;
@@ -951,6 +973,17 @@ SI_EXPORT void standin_fail_clear(void) {
     pthread_mutex_lock(&fault_lock);
     fault_count = 0;
     pthread_mutex_unlock(&fault_lock);
+}
+
+/* How many times `name` (a CUDA runtime or NCCL function with an injection point) was called in this process,
+ * counting the calls made once a driver and a device are there: what a test of per-op costs counts. */
+SI_EXPORT long standin_calls(const char *name) {
+    long n = 0;
+    pthread_mutex_lock(&fault_lock);
+    for (int i = 0; name && i < call_count_used; i++)
+        if (strcmp(call_counts[i].name, name) == 0) n = call_counts[i].n;
+    pthread_mutex_unlock(&fault_lock);
+    return n;
 }
 
 /* How many of `what` are live: "streams" (created and not destroyed), "events", "allocations",

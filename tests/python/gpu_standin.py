@@ -95,15 +95,22 @@ def load() -> ctypes.CDLL:
             "cudaEventCreateWithFlags": [ctypes.POINTER(p), ctypes.c_uint], "cudaEventRecord": [p, p],
             "cudaStreamWaitEvent": [p, p, ctypes.c_uint], "cudaEventDestroy": [p], "cudaEventQuery": [p],
             "cudaDeviceSynchronize": [], "standin_kernel_write": [p, p, p, size], "standin_read": [p, p, size],
-            "standin_live": [ctypes.c_char_p],
+            "standin_live": [ctypes.c_char_p], "standin_calls": [ctypes.c_char_p],
         }
         for name, argtypes in signatures.items():
             getattr(lib, name).argtypes = argtypes
-        lib.standin_live.restype = ctypes.c_long
+        lib.standin_live.restype = lib.standin_calls.restype = ctypes.c_long
         lib.cudaGetErrorName.restype = ctypes.c_char_p
         lib.cudaGetErrorString.restype = ctypes.c_char_p
         _LIBRARY = lib
     return _LIBRARY
+
+
+def calls(*names: str) -> dict[str, int]:
+    """How many times each of ``names`` (CUDA or NCCL functions) was called in this process so far (the stand-in's
+    ``standin_calls``)."""
+    lib = load()
+    return {name: lib.standin_calls(name.encode()) for name in names}
 
 
 class CudaError(RuntimeError):

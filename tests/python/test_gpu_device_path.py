@@ -1,7 +1,9 @@
 """The engine's GPU path against the GPU stand-in (tests/gpu_standin/): every op on stand-in GPU tensors
 (tests/python/workers/gpu_device_ops.py) against the same op on host arrays, with the framework's kernel that
 writes each input delayed on its stream (a missing wait reads the stand-in's 0xff fill), on ranks that share GPU 0
-(host staging) and ranks with a GPU each (NCCL). Skipped where no C compiler is found. About a minute.
+(host staging) and ranks with a GPU each (NCCL); and two hundred ops in a row (workers/gpu_steady_state.py), right
+and without per-op CUDA event creation, device discovery or needless cudaSetDevice. Skipped where no C compiler is
+found. About a minute and a half.
 """
 
 from __future__ import annotations
@@ -66,6 +68,34 @@ def test_a_freed_result_is_not_reused_before_the_framework_stream_has_read_it(ru
         assert f"[{rank}]<stdout>:case reuse True" in result.stdout, report  # else the test proves nothing
         assert f"[{rank}]<stdout>:case read ok" in result.stdout, report
         assert f"[{rank}]<stdout>:case second ok" in result.stdout, report
+
+
+@pytest.mark.parametrize("placement", ["same", "own", "both"], ids=["host-staging", "nccl", "two-gpus-per-rank"])
+def test_many_ops_in_a_row_stay_right_and_cost_no_new_events_nor_device_discovery(run_rvodrun, job_env, placement):
+    """Two hundred allreduces in a row per rank (workers/gpu_steady_state.py), results kept and then freed as they
+    come: every result right and on its tensor's GPU, and in steady state no CUDA event created per op (each GPU's
+    events are pooled and reused once dropped), no cudaGetDeviceCount (a GPU tensor's device is found usable once),
+    no stream made, no cudaSetDevice where the thread is on the tensor's GPU already, and a freed result's buffer
+    reused. "both": each rank alternates between GPUs 0 and 1 op by op (host staging), so each GPU's context, stream
+    and events serve its own tensors only (the stand-in refuses an event recorded on another GPU's stream)."""
+    job_env.update(gpu_standin.env(devices=2, stream_delay_us=300))
+    job_env.update({"STANDIN_DIR": str(HERE), "GPU_OF_RANK": placement})
+    if placement == "both":
+        job_env["RVOD_GPU_TRANSPORT"] = "host"
+    result = run_rvodrun(["-np", "2", PYTHON, str(WORKERS / "gpu_steady_state.py")], timeout=180)
+    report = f"exit {result.returncode}\nstdout:\n{result.stdout[-6000:]}\nstderr:\n{result.stderr[-6000:]}"
+    wrong = [m.group(0) for m in CASE.finditer(result.stdout) if m.group(3) != "ok"]
+    assert not wrong, "\n".join(wrong) + "\n" + report
+    assert result.returncode == 0, report
+    for rank in (0, 1):
+        expected = {"values.kept", "values.freed", "events.kept", "events.freed", "discovery", "streams",
+                    "buffers.reused"}
+        if placement == "same" or placement == "own" and rank == 0:
+            expected.add("set_device.kept")  # only GPU 0 in this process: every thread is on it already
+        if placement == "both":
+            expected.add("device_streams")
+        found = {m.group(2) for m in CASE.finditer(result.stdout) if int(m.group(1)) == rank}
+        assert found == expected, report
 
 
 def run_failure(run_rvodrun, job_env, failure: str, **settings):

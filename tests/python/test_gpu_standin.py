@@ -143,6 +143,30 @@ print("never recorded", lib.cudaEventQuery(fresh))
     ]
 
 
+def test_calls_are_counted_by_name():
+    """standin_calls, which the per-op cost tests read (tests/python/workers/gpu_steady_state.py): a call that fails
+    counts too; a name never called, or no function's, is 0."""
+    code = """
+import ctypes, gpu_standin as g
+lib = g.load()
+names = ("cudaSetDevice", "cudaEventCreateWithFlags", "cudaMalloc", "cudaNoSuchCall")
+before = g.calls(*names)
+g.check(lib.cudaSetDevice(1))
+g.check(lib.cudaSetDevice(0))
+print("invalid device:", lib.cudaSetDevice(9))
+event = ctypes.c_void_p()
+g.check(lib.cudaEventCreateWithFlags(ctypes.byref(event), 2))
+after = g.calls(*names)
+print({name: after[name] - before[name] for name in names})
+"""
+    result = python(code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "invalid device: 101",
+        "{'cudaSetDevice': 3, 'cudaEventCreateWithFlags': 1, 'cudaMalloc': 0, 'cudaNoSuchCall': 0}",
+    ]
+
+
 def test_dlpack_capsule_fields_stream_protocol_and_deleter():
     code = """
 import ctypes, gc, numpy as np, gpu_standin as g

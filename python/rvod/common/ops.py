@@ -92,7 +92,9 @@ class TensorAdapter:
 
     def consumer_stream(self):
         """The stream that uses an op's GPU results next (torch: the current CUDA stream), which the engine
-        makes wait for them without blocking; ``None``: the host waits for them."""
+        makes wait for them without blocking; ``None``: the host waits for them. Asked by ``synchronize``; an
+        op waited for at once (``wait_for``, a synchronous op) takes the stream ``stream_of`` gave at its
+        submission instead, which no user code can have changed meanwhile."""
         return None
 
 
@@ -208,15 +210,17 @@ def _consumer_stream(adapter):
     return None if adapter is None else adapter.consumer_stream()
 
 
-def _track(handle, wait, pending):
-    """Remember a submitted op until ``synchronize``; under ``wait_for`` (``wait``), wait for it here instead."""
+def _track(handle, wait, pending, stream):
+    """Remember a submitted op until ``synchronize``; under ``wait_for`` (``wait``), wait for it here instead,
+    its GPU results made ready on ``stream``, the one it was submitted with (the current stream of its tensors'
+    GPU, which nothing can have changed since; ``None``: host tensors, or the host waits)."""
     global _waiter
     if not wait:
         _pending[handle] = pending
         return handle
     _waiter = None  # one op per wait_for
     try:
-        outputs, received_splits, last_joined = _rvod.wait(handle, _consumer_stream(pending[1]))
+        outputs, received_splits, last_joined = _rvod.wait(handle, stream)
     except KeyboardInterrupt:
         _pending[handle] = pending  # still running and may write into its tensors: keep them alive
         raise
@@ -290,15 +294,16 @@ def _submit(record, names, adapter, tensors, finish, context, wait=None):
         wait = _waiter is not None and _waiter == get_ident()
     capsules = adapter.export_unchecked(tensors, record.in_place)
     if capsules is not None:
+        stream = adapter.stream_of(tensors[0]) if tensors else None
         try:
-            handle = record.submit(names, capsules, wait, adapter.stream_of(tensors[0]) if tensors else None)
+            handle = record.submit(names, capsules, wait, stream)
         except (TypeError, ValueError):
             pass  # exported again below, tensor by tensor: that path copies what it can and explains the rest
         else:
             if not wait:  # the common case, inline: a burst submits a thousand of these
                 _pending[handle] = (finish, adapter, context, tensors, capsules)
                 return handle
-            return _track(handle, wait, (finish, adapter, context, tensors, capsules))
+            return _track(handle, wait, (finish, adapter, context, tensors, capsules), stream)
     return _submit_exported(record, names, adapter, tensors, finish, context, wait)
 
 
@@ -314,8 +319,9 @@ def _submit_exported(record, names, adapter, tensors, finish, context, wait):
         holders.append(holder)
     if in_place and any(holder is not original for original, holder in zip(tensors, holders)):
         finish, context = _copied_back, (finish, context, tensors, holders)
-    handle = record.submit(names, capsules, wait, adapter.stream_of(tensors[0]) if tensors else None)
-    return _track(handle, wait, (finish, adapter, context, tensors, capsules, holders))
+    stream = adapter.stream_of(tensors[0]) if tensors else None
+    handle = record.submit(names, capsules, wait, stream)
+    return _track(handle, wait, (finish, adapter, context, tensors, capsules, holders), stream)
 
 
 def _submit_one(kind, name, adapter, tensor, in_place, finish, op=Sum, prescale=1.0, postscale=1.0, root=-1,

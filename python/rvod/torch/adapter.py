@@ -18,6 +18,14 @@ from rvod.exceptions import RvodInvalidArgumentError
 
 _to_dlpack = dlpack.to_dlpack
 
+try:
+    # A device's current stream as a number, without building a torch.cuda.Stream (what torch.compile's
+    # generated code calls on every kernel launch).
+    from torch._C import _cuda_getCurrentRawStream as _current_stream
+except ImportError:  # a torch without it (or without CUDA, where no tensor asks)
+    def _current_stream(device_index):
+        return torch.cuda.current_stream(device_index).cuda_stream
+
 SUPPORTED_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
                     torch.float32, torch.float64, torch.bool) + ((torch.uint16,) if hasattr(torch, "uint16") else ())
 _SUPPORTED_NAMES = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
@@ -68,10 +76,12 @@ class TorchAdapter(TensorAdapter):
 
     def as_ndarray(self, tensor):
         try:
-            if tensor.requires_grad:
-                return None  # numpy() refuses it; export() detaches it
+            if tensor.requires_grad or not tensor.is_cpu:
+                # numpy() refuses both; export() detaches the one, and a CUDA tensor crosses by DLPack (asking
+                # numpy() would raise, and cost, a C++ exception on every op).
+                return None
             return tensor.numpy()  # a view of the tensor's memory
-        except Exception:  # noqa: BLE001 - nothing numpy() can view (CUDA, bfloat16, sparse, neg bit, not a tensor)
+        except Exception:  # noqa: BLE001 - nothing numpy() can view (bfloat16, sparse, neg bit, not a tensor)
             return None
 
     def from_ndarray(self, array):
@@ -95,11 +105,11 @@ class TorchAdapter(TensorAdapter):
 
     def stream_of(self, tensor):
         if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
-            return torch.cuda.current_stream(tensor.device).cuda_stream
+            return _current_stream(tensor.get_device())
         return None
 
     def consumer_stream(self):
         # Results on a GPU are used on the current stream next; without CUDA there are none.
         if torch.cuda.is_initialized():
-            return torch.cuda.current_stream().cuda_stream
+            return _current_stream(torch.cuda.current_device())
         return None
