@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 import netns
-from test_elastic import ElasticJob, assert_every_sample_once_per_epoch, read
+from test_elastic import ElasticJob, assert_every_sample_once_per_epoch, completed_epochs, read
 from test_elastic_hosts import worker_pids
 
 FAULT_KINDS = ("kill", "stop_short", "stop_long", "link_down", "crawl", "discovery")
@@ -209,7 +209,7 @@ class Soak:
         self.stop_file.write_text("stop\n")
         code = self.job.finish(timeout)
         assert code == 0, f"rvodrun exited with {code}\n{self.describe()}\n{self.job_report()}"
-        epochs = read(self.out, "epochs.jsonl")
+        epochs = completed_epochs(self.out)
         assert epochs, "no epoch was completed"
         assert_every_sample_once_per_epoch(self.out, len(epochs), SAMPLES)
         stray = self.cluster.wait_until_empty()
@@ -255,6 +255,6 @@ class Soak:
                 "resume_max_s": max(resumes) if resumes else None,
                 "every_slot_p50_s": statistics.median(full) if full else None,
                 "every_slot_max_s": max(full) if full else None,
-                "worlds": self.current_world(), "epochs": len(read(self.out, "epochs.jsonl")),
+                "worlds": self.current_world(), "epochs": len(completed_epochs(self.out)),
                 "rss_growth_max_mib": max((max(v) - v[0] for v in self.rss.values()), default=0) / (1 << 20),
                 "workers_sampled": len(self.rss)}

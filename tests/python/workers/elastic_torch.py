@@ -2,7 +2,7 @@
 
 A linear model trains on NUM_SAMPLES samples split by ElasticSampler, for EPOCHS epochs, committing every
 COMMIT_EVERY batches. A per-sample counter in the committed state counts (allreduced over the ranks) how
-often each sample was trained on; at the end of each epoch rank 0 writes it to OUT/epochs.jsonl. Every
+often each sample was trained on; at the end of each epoch every rank writes it to OUT/epochs.jsonl. Every
 rank writes a line to OUT/starts.jsonl each time the training function starts (after the state was
 synchronised): its world, rank, size, host, epoch, batch and a checksum of its parameters. With ELASTIC_KILL set
 to "round:rank:steps[,...]" the rank so placed kills itself with SIGKILL after that many steps in that world,
@@ -157,8 +157,9 @@ def train(state):
                 if hvd.rank() == 0:
                     record("progress.jsonl", round=world(), size=hvd.size(), epoch=state.epoch, batch=state.batch)
                 commit()
-        if hvd.rank() == 0:
-            record("epochs.jsonl", epoch=state.epoch, counts=state.counter.tolist(), size=hvd.size())
+        # Every rank writes it (the counts are allreduced, so they agree): a rank 0 killed or stopped between the
+        # epoch's last allreduce and this line would otherwise take the record of an epoch the others finished.
+        record("epochs.jsonl", epoch=state.epoch, counts=state.counter.tolist(), size=hvd.size(), rank=hvd.rank())
         state.epoch += 1
         state.batch = 0
         state.counter = torch.zeros(NUM_SAMPLES)
