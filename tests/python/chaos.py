@@ -242,8 +242,18 @@ class Soak:
         running = "still running" if self.job.process.poll() is None else f"exited {self.job.process.returncode}"
         return f"rvodrun ({running}), the end of its stderr:\n{stderr[-8000:]}"
 
+    def samples_off(self) -> int:
+        """Samples not trained on exactly once, summed over the finished epochs (0 when every epoch counted each
+        sample once), plus every sample of an epoch missing between the first and the last finished one."""
+        records = read(self.out, "epochs.jsonl")
+        epochs = completed_epochs(self.out)
+        off = sum(sum(abs(count - 1.0) for count in record["counts"]) for record in
+                  {record["epoch"]: record for record in records}.values())
+        missing = len(set(range(epochs[-1] + 1)) - set(epochs)) if epochs else 0
+        return int(off + missing * SAMPLES)
+
     def summary(self) -> dict:
-        """Faults by kind, survived, time to resume (p50, p99), epochs and samples lost (0 when finish passed)."""
+        """Faults by kind, survived, time to resume (p50, p99), epochs and samples lost or repeated (must be 0)."""
         resumes = sorted(f.time_to_resume for f in self.faults if f.time_to_resume is not None)
         full = sorted(f.full_again - f.ended for f in self.faults if f.full_again is not None)
         by_kind: dict[str, int] = {}
@@ -256,5 +266,6 @@ class Soak:
                 "every_slot_p50_s": statistics.median(full) if full else None,
                 "every_slot_max_s": max(full) if full else None,
                 "worlds": self.current_world(), "epochs": len(completed_epochs(self.out)),
+                "samples_lost_or_repeated": self.samples_off(),
                 "rss_growth_max_mib": max((max(v) - v[0] for v in self.rss.values()), default=0) / (1 << 20),
                 "workers_sampled": len(self.rss)}
