@@ -21,7 +21,8 @@ within `settle_bound` seconds (hosts blacklisted by the fault come back after th
 for each earlier failure of the host, at most 32 s), and samples the resident memory of every worker. `finish()` stops the training at the end of an epoch (a stop file, read by rank 0 and
 agreed by allreduce) and checks the rest: the job exits 0, every sample of every epoch was processed exactly
 once, no process is left in any namespace, no shared-memory segment in the job's folder, no socket listening
-but the sshds', and no worker's resident memory grew by more than `rss_slack` bytes while it lived.
+but the sshds', no worker's private resident memory grew by more than `rss_slack` bytes while it lived, and
+none mapped more shared memory than one world's segment.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ class Soak:
         self.rss_slack = rss_slack
         self.faults: list[Fault] = []
         self.rss: dict[int, list[int]] = {}
+        self.shmem: dict[int, tuple[str, list[int]]] = {}
         self.stop_file = out / "stop"
         env = cluster.env(job_env)
         env.update(RVOD_TIMEOUT=str(timeout), RVOD_SHM_DIR=str(shm_dir))
@@ -116,13 +118,25 @@ class Soak:
         return sorted(worker_pids(self.cluster, host))
 
     def sample_rss(self) -> None:
+        """Each worker's private resident memory (RssAnon: what a leak grows) and its resident shared memory
+        (RssShmem: the job's shared-memory segment, mapped with MAP_POPULATE, so a world with two ranks on a
+        host adds its staging areas at once and a world with one gives them back)."""
         for host in self.cluster.names:
             for pid in self.workers(host):
                 try:
-                    fields = Path(f"/proc/{pid}/statm").read_text().split()
+                    status = Path(f"/proc/{pid}/status").read_text()
                 except OSError:
                     continue
-                self.rss.setdefault(pid, []).append(int(fields[1]) * os.sysconf("SC_PAGE_SIZE"))
+                kib = {line.split(":")[0]: int(line.split()[1]) for line in status.splitlines()
+                       if line.startswith(("RssAnon:", "RssShmem:"))}
+                if len(kib) == 2:
+                    self.rss.setdefault(pid, []).append(kib["RssAnon"] << 10)
+                    self.shmem.setdefault(pid, (host, []))[1].append(kib["RssShmem"] << 10)
+
+    def shmem_bound(self, host: str) -> int:
+        """The most shared memory a worker on `host` may map: a staging area of at most 64 MiB for each rank
+        the host can hold, plus 64 MiB for the channels; more would be segments of earlier worlds kept."""
+        return (self.slots[host] * 64 + 64) << 20
 
     # ------------------------------------------------------------------------------------- faults
 
@@ -220,7 +234,11 @@ class Soak:
         assert all(ports <= {22} for ports in listening.values()), f"sockets still listening: {listening}"
         grown = {pid: (samples[0], max(samples)) for pid, samples in self.rss.items()
                  if max(samples) - samples[0] > self.rss_slack}
-        assert not grown, f"resident memory grew by more than {self.rss_slack >> 20} MiB (first, most): {grown}"
+        assert not grown, (f"private resident memory (RssAnon) grew by more than {self.rss_slack >> 20} MiB "
+                           f"(first, most): {grown}")
+        mapped = {pid: (host, max(samples)) for pid, (host, samples) in self.shmem.items()
+                  if max(samples) > self.shmem_bound(host)}
+        assert not mapped, f"more shared memory mapped than one world's segment (host, most): {mapped}"
 
     def listening_ports(self) -> dict[str, set[int]]:
         ports = {}
@@ -267,5 +285,6 @@ class Soak:
                 "every_slot_max_s": max(full) if full else None,
                 "worlds": self.current_world(), "epochs": len(completed_epochs(self.out)),
                 "samples_lost_or_repeated": self.samples_off(),
-                "rss_growth_max_mib": max((max(v) - v[0] for v in self.rss.values()), default=0) / (1 << 20),
+                "rss_anon_growth_max_mib": max((max(v) - v[0] for v in self.rss.values()), default=0) / (1 << 20),
+                "rss_shmem_max_mib": max((max(v) for _, v in self.shmem.values()), default=0) / (1 << 20),
                 "workers_sampled": len(self.rss)}
