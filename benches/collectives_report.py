@@ -12,6 +12,7 @@ implementation vs gloo, rvod-shm vs rvod-tcp, and every rvod implementation vs h
 
 import csv
 import statistics
+import sys
 from collections import defaultdict
 
 GB = 1e9
@@ -413,8 +414,14 @@ def _impl_rank(label, impls):
 
 
 def plot(path, summary, n, impls):
-    import matplotlib
-
+    """The PNG; where matplotlib is not installed, a line on stderr instead (the table, CSV and JSON are written
+    already, and `--report-only` makes the plot later)."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"matplotlib is not importable: no plot ({path}); pip install matplotlib, then --report-only",
+              file=sys.stderr)
+        return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter

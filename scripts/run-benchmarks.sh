@@ -50,6 +50,8 @@ if [ "$LIST" = 1 ]; then
     for b in "${BENCHES[@]}"; do echo "${b%%|*}"; done
     exit 0
 fi
+# The plots (collectives, hosts_allreduce) need matplotlib, which the test set-up does not install.
+"$PY" -c "import matplotlib" 2>/dev/null || "$PY" -m pip install -q matplotlib
 mkdir -p "$OUT"
 MANIFEST="$OUT/manifest.jsonl"
 : >"$MANIFEST"
@@ -92,6 +94,7 @@ for b in "${BENCHES[@]}"; do
     if [ -n "$ONLY" ] && [[ "$ONLY" != *",$name,"* ]]; then continue; fi
     if [[ "$SKIP" == *",$name,"* ]]; then echo "run-benchmarks: $name skipped (--skip)"; continue; fi
     dir="$OUT/$name"
+    mkdir -p "$dir"
     cmd=${cmd//OUT_DIR/$dir}
     load_before=$(cut -d' ' -f1 /proc/loadavg)
     echo "run-benchmarks: $name (at most ${limit}s): $cmd"
