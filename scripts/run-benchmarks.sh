@@ -5,7 +5,7 @@
 # what ran where: the commit, the date, the machine, the versions, each benchmark's command, exit status,
 # seconds and the load average before and after it, so a figure can be traced to the run it came from.
 #   bash scripts/run-benchmarks.sh [--out DIR] [--only name,name] [--skip name,name] [--list]
-# About 70 minutes on the project's 2-core VM. Needs root for the two-host benchmarks (network namespaces), as
+# About 27 minutes on the project's 2-core VM with --skip autotune,scale_fit (their two: about 25 more). Needs root for the two-host benchmarks (network namespaces), as
 # the multi-host tests do. Settings differ from the defaults only where a benchmark says so (its docstring and
 # docs/performance.md name the setting and why).
 set -uo pipefail
