@@ -336,6 +336,33 @@ def test_rank_killed_by_signal_is_named(run_job, job_env):
 
 
 @pytest.mark.timeout(30)
+def test_a_killed_rank_is_named_before_the_peer_that_failed_because_of_it(run_job, job_env, tmp_path):
+    # Rank 1 is killed; rank 0 fails the moment rank 1 is dead (as a rank whose peer vanished does), so both
+    # are found finished together and rank 0, the lower rank, would otherwise be named as the job's failure.
+    pid_file = tmp_path / "rank1.pid"
+    result = run_job(["-np", "2", *python_code(f"""
+        import os, signal, sys, time
+        from pathlib import Path
+        pid_file = Path({str(pid_file)!r})
+        if os.environ["RVOD_RANK"] == "1":
+            pid_file.write_text(str(os.getpid()))
+            time.sleep(0.3)
+            os.kill(os.getpid(), signal.SIGKILL)
+        while not pid_file.exists():
+            time.sleep(0.01)
+        stat = Path("/proc") / pid_file.read_text() / "stat"
+        while stat.exists() and stat.read_text().split(")")[1].split()[0] != "Z":
+            time.sleep(0.001)
+        sys.exit("rank 0: rank 1 exited or closed its connection")
+    """)])
+    failures = [line for line in result.stderr.splitlines() if re.match(r"rvodrun: rank \d", line)]
+    assert failures and re.fullmatch(r"rvodrun: rank 1 \(pid \d+\) was killed by signal SIGKILL", failures[0]), \
+        result.stderr
+    assert result.returncode == 128 + signal.SIGKILL
+    assert tagged_pids(job_env[JOB_TAG_VARIABLE]) == []
+
+
+@pytest.mark.timeout(30)
 def test_children_left_by_a_clean_run_are_stopped(run_job, job_env):
     started = time.monotonic()
     result = run_job(["-np", "2", "sh", "-c", "sleep 60 & echo started"])

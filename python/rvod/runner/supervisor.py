@@ -5,8 +5,8 @@ the processes it started, and a Ctrl-C in the terminal reaches rvodrun alone, wh
 A worker on another host is an ssh client running `rvod.runner.remote` there: it gets its request (command,
 directory, environment with the secret) on ssh's stdin, signals as `signal N` lines, and when the ssh
 client ends, the remote side stops the rank's group. Its exit comes back as a status line on stderr.
-The first worker to fail (non-zero exit, or killed by a signal) is named on stderr and the others get
-SIGTERM; a SIGINT, SIGTERM or SIGHUP sent to rvodrun is forwarded to every worker. Workers still running
+The first worker to fail (non-zero exit, or killed by a signal; a killed one before the peers that failed
+with it) is named on stderr and the others get SIGTERM; a SIGINT, SIGTERM or SIGHUP sent to rvodrun is forwarded to every worker. Workers still running
 a grace period later get SIGKILL, and so does anything left in a worker's group once the job is over.
 """
 
@@ -32,6 +32,9 @@ STOP_GRACE_SECONDS = 5.0
 _POLL_SECONDS = 0.05
 # A worker's last lines are forwarded before its exit is reported, unless a stray child keeps the pipe open.
 _OUTPUT_DRAIN_SECONDS = 1.0
+# When a worker fails, the others that end within this long are looked at too: a rank killed by a signal
+# makes its peers fail a collective a moment later, and it (the cause) is the one named first.
+_SETTLE_SECONDS = 0.5
 _FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
@@ -250,7 +253,7 @@ class Supervisor:
                 _say(f"received {signal_name(signum)}, stopping {_ranks(len(running))}")
                 exit_code, stopping = 128 + signum, True
                 kill_at = self._stop(running, signum)
-            for worker in [worker for worker in running if worker.finished()]:
+            for worker in self._finished(running, settle=not stopping):
                 running.remove(worker)
                 returncode = worker.returncode
                 assert returncode is not None
@@ -270,6 +273,21 @@ class Supervisor:
                 self._stop(running, signal.SIGKILL)
                 kill_at = None
         return exit_code
+
+    @staticmethod
+    def _finished(running: list[WorkerProcess], settle: bool) -> list[WorkerProcess]:
+        """The workers that have finished, a killed one before one that exited with an error.
+
+        With `settle`, a failure waits up to _SETTLE_SECONDS for the others that end with it, so the rank whose
+        death made its peers fail is the one named as the job's failure, not a peer that was reaped first.
+        """
+        finished = [worker for worker in running if worker.finished()]
+        if settle and any(worker.returncode != 0 for worker in finished):
+            deadline = time.monotonic() + _SETTLE_SECONDS
+            while len(finished) < len(running) and time.monotonic() < deadline:
+                time.sleep(_POLL_SECONDS)
+                finished += [worker for worker in running if worker not in finished and worker.finished()]
+        return sorted(finished, key=lambda worker: (worker.returncode or 0) >= 0)
 
     def _clear_groups(self, workers: list[WorkerProcess]) -> None:
         """Stops whatever is left in the workers' process groups, such as children a worker left behind."""
