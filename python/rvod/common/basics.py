@@ -17,6 +17,9 @@ __all__ = [
 
 _topology = None
 _atexit_registered = False
+# Work rvod started on the user's behalf that the other ranks may still wait for (a sharded optimizer's
+# parameter allgather): finished before this rank's engine stops, at shutdown() or at exit.
+_finish_before_shutdown = []
 # What the native module was built with (``*_built()`` below): the extension says, Python does not guess.
 _BUILD = _rvod.build_info()
 
@@ -92,9 +95,25 @@ def _world_subset(MPI, ranks):
     return world.Create_group(world.Get_group().Incl(ranks))
 
 
+def finish_before_shutdown(callback):
+    """Have ``callback()`` run before this rank's engine stops (``shutdown()`` or the end of the process): it
+    finishes a collective rvod started itself, which the other ranks may still wait for."""
+    _finish_before_shutdown.append(callback)
+
+
+def _finish_started_work():
+    for callback in _finish_before_shutdown:
+        try:
+            callback()
+        except Exception:  # noqa: BLE001 - the job already failed (a peer died): shutting down is all that is left
+            pass
+
+
 def shutdown():
     """Stop this rank's engine (the other ranks stop too). ``init()`` may be called again afterwards."""
     global _topology
+    if _rvod.is_initialized():
+        _finish_started_work()
     _rvod.shutdown()
     _topology = None
     _process_sets.after_shutdown()
@@ -104,6 +123,8 @@ def shutdown():
 def _shutdown_at_exit():
     """The process is ending without having called shutdown(): the other ranks are told it exited."""
     global _topology
+    if _rvod.is_initialized():
+        _finish_started_work()
     _rvod.shutdown(True)
     _topology = None
 

@@ -12,7 +12,9 @@ written, by the first of:
   see the gathered values and a loaded model state is not overwritten by a late allgather;
 - ``hvd.broadcast_parameters``, and the optimizer's own ``step()``, ``synchronize()`` and elastic commits;
 - ``optimizer.wait_for_parameters()``, which code reading ``p`` or ``p.data`` itself between ``step()``
-  and the next forward must call first.
+  and the next forward must call first;
+- ``hvd.shutdown()`` and the end of the process, so a rank whose script ends right after ``step()`` still
+  serves the allgather to a rank that reads its parameters then (rank 0 saving a checkpoint).
 
 An optimizer has its parameters looked after with ``watch(parameters)``; while its allgather is in flight
 it is in ``gathering``, and its ``wait_for_parameters()`` finishes it.
@@ -21,6 +23,8 @@ it is in ``gathering``, and its ``wait_for_parameters()`` finishes it.
 import weakref
 
 import torch
+
+from rvod.common.basics import finish_before_shutdown
 
 gathering = weakref.WeakSet()  # optimizers whose parameter allgather is in flight
 _watched = weakref.WeakValueDictionary()  # id -> parameter of a sharded optimizer (tensors compare by value)
@@ -57,6 +61,7 @@ def _before_forward(module, _inputs):
 def watch(parameters):
     """Install the hooks (once per process) and have them look after ``parameters``."""
     if not _installed:
+        finish_before_shutdown(wait_all)  # another rank may still read its parameters (a checkpoint on rank 0)
         _installed.append(torch.nn.modules.module.register_module_forward_pre_hook(_before_forward))
     for p in parameters:
         _watched[id(p)] = p
