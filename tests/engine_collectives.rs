@@ -376,3 +376,45 @@ fn configured_algorithms_run_and_give_the_same_results() {
         }
     });
 }
+
+#[test]
+fn reducescatters_in_flight_together_fuse_and_give_each_rank_its_rows() {
+    over_every_transport(|| {
+        let (engines, _server) = start_job(3, &[]);
+        // Tensors of 1..=8 rows of 3 elements (uneven splits, ranks without rows), submitted together so
+        // that the engine fuses them; an average with both scale factors.
+        let rows = |i: usize| i + 1;
+        for step in 0..2 {
+            let outs = on_every_rank(&engines, |rank, engine| {
+                let mut buffers: Vec<Vec<u8>> = (0..8)
+                    .map(|i| f32_bytes(&(0..rows(i) * 3).map(|e| (e + rank * 100 + i) as f32).collect::<Vec<_>>()))
+                    .collect();
+                let ids: Vec<HandleId> = buffers
+                    .iter_mut()
+                    .enumerate()
+                    .map(|(i, b)| {
+                        let mut sub = OpSubmission::new(CollectiveKind::Reducescatter);
+                        sub.params.reduce_op = ReduceOp::Average;
+                        sub.params.prescale = 2.0;
+                        sub.params.postscale = 0.5;
+                        sub.tensors.push(tensor(&format!("rs{i}"), b, DataType::Float32, vec![rows(i) as i64, 3]));
+                        engine.submit(sub, 0).unwrap()
+                    })
+                    .collect();
+                ids.into_iter().map(|id| wait(engine, id).unwrap()).collect::<Vec<_>>()
+            });
+            for (rank, results) in outs.iter().enumerate() {
+                for (i, result) in results.iter().enumerate() {
+                    let out = result.tensors[0].as_ref().unwrap();
+                    let (n, size) = (rows(i), 3);
+                    let mine = n / size + usize::from(rank < n % size);
+                    let first = (0..rank).map(|r| n / size + usize::from(r < n % size)).sum::<usize>();
+                    // Average of (e + 100 r + i) over r = 0, 1, 2, times 2 then 0.5: e + 100 + i.
+                    let expected: Vec<f32> = (first * 3..(first + mine) * 3).map(|e| (e + 100 + i) as f32).collect();
+                    assert_eq!(out.shape, vec![mine as i64, 3], "rank {rank} tensor {i} step {step}");
+                    assert_eq!(as_f32(out.buffer.as_slice()), expected, "rank {rank} tensor {i} step {step}");
+                }
+            }
+        }
+    });
+}

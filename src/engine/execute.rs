@@ -13,6 +13,7 @@ use crate::engine::table::TensorEntry;
 use crate::error::EngineError;
 use crate::fusion::layout::{FusionLayout, FusionSlot};
 use crate::fusion::packing::{gather, scatter};
+use crate::fusion::reducescatter_fuses;
 use crate::fusion::tensor_io::{Produced, TensorIo, TensorMemory};
 use crate::gpu::tensor::{DeviceDone, DeviceOutput};
 use crate::protocol::message::{shape_elements, Response, ResponseEntry};
@@ -258,6 +259,15 @@ impl Executor {
                 return each(entries, |e| broadcast(t, algorithms, response, e, phases));
             }
             CollectiveKind::Alltoall => each(entries, |e| alltoall(t, response, e)),
+            CollectiveKind::Reducescatter
+                if entries.len() > 1
+                    && entries.iter().all(Option::is_some)
+                    && reducescatter_fuses(entries.iter().flatten().map(|e| e.input.as_slice().len())) =>
+            {
+                let mut fused: Vec<&mut TensorEntry> = entries.iter_mut().flatten().collect();
+                let total = fused.iter().map(|e| e.input.as_slice().len()).sum();
+                reducescatter_fused(t, response, &mut fused, grown(&mut self.fusion_buffer, total))
+            }
             CollectiveKind::Reducescatter => {
                 let size = t.size();
                 let rank = t.rank();
@@ -747,6 +757,67 @@ fn alltoall(
     }))
 }
 
+/// Elements of each rank's block of a reduce-scatter of a tensor of `shape` over `size` ranks: whole rows
+/// of the first dimension, the first `rows % size` ranks one row more.
+fn reducescatter_blocks(shape: &[i64], size: usize) -> Vec<usize> {
+    let dim0 = shape.first().copied().unwrap_or(0).max(0) as usize;
+    let row_elements = shape_elements(shape.get(1..).unwrap_or(&[]));
+    (0..size).map(|r| (dim0 / size + usize::from(r < dim0 % size)) * row_elements).collect()
+}
+
+/// The shape of rank `rank`'s result of a reduce-scatter of a tensor of `shape` over `size` ranks.
+fn reducescatter_shape(shape: &[i64], rank: usize, size: usize) -> Vec<i64> {
+    let mut out_shape = shape.to_vec();
+    if let Some(first) = out_shape.first_mut() {
+        let dim0 = (*first).max(0) as usize;
+        *first = (dim0 / size + usize::from(rank < dim0 % size)) as i64;
+    }
+    out_shape
+}
+
+/// Several reduce-scatters fused (one dtype, op and scale factors) as one ring reduce-scatter: block `r` of
+/// the fused input holds block `r` of every tensor in turn, so this rank's block of the fused result holds
+/// its block of each tensor side by side. One copy of the inputs into `packed` (the executor's fusion
+/// buffer) and one of this rank's blocks out of it, for one collective instead of one per tensor.
+fn reducescatter_fused(
+    t: &mut dyn Transport,
+    response: &Response,
+    entries: &mut [&mut TensorEntry],
+    packed: &mut [u8],
+) -> Result<Vec<Result<TensorResult, EngineError>>, TransportError> {
+    let (rank, size) = (t.rank(), t.size());
+    let dtype = response.dtype;
+    let element = dtype.size();
+    let blocks: Vec<Vec<usize>> = entries.iter().map(|e| reducescatter_blocks(&e.request.params.shape, size)).collect();
+    let fused_blocks: Vec<usize> = (0..size).map(|r| blocks.iter().map(|b| b[r]).sum()).collect();
+    let mut at = 0;
+    for r in 0..size {
+        for (entry, tensor_blocks) in entries.iter().zip(&blocks) {
+            let start = tensor_blocks[..r].iter().sum::<usize>() * element;
+            let len = tensor_blocks[r] * element;
+            packed[at..at + len].copy_from_slice(&entry.input.as_slice()[start..start + len]);
+            at += len;
+        }
+    }
+    let packed = &mut packed[..at];
+    ring::scale_in_place(packed, dtype, response.prescale);
+    let mut out = AlignedBuffer::for_overwrite(fused_blocks[rank] * element);
+    ring::reducescatter(t, packed, &fused_blocks, dtype, combine_of(response.reduce_op), out.as_mut_slice())?;
+    ring::scale_in_place(out.as_mut_slice(), dtype, postscale_of(response, size));
+    let mut at = 0;
+    Ok(entries
+        .iter()
+        .zip(&blocks)
+        .map(|(entry, tensor_blocks)| {
+            let len = tensor_blocks[rank] * element;
+            let mine = AlignedBuffer::from_slice(&out.as_slice()[at..at + len]);
+            at += len;
+            let shape = reducescatter_shape(&entry.request.params.shape, rank, size);
+            Ok(TensorResult { output: output(mine, shape, dtype), ..TensorResult::default() })
+        })
+        .collect())
+}
+
 fn reducescatter(
     t: &mut dyn Transport,
     response: &Response,
@@ -756,10 +827,7 @@ fn reducescatter(
 ) -> Result<Result<TensorResult, EngineError>, TransportError> {
     let dtype = response.dtype;
     let shape = &entry.request.params.shape;
-    let dim0 = shape.first().copied().unwrap_or(0).max(0) as usize;
-    let row_elements = shape_elements(shape.get(1..).unwrap_or(&[]));
-    let rows_of = |r: usize| dim0 / size + usize::from(r < dim0 % size);
-    let elems_per_rank: Vec<usize> = (0..size).map(|r| rows_of(r) * row_elements).collect();
+    let elems_per_rank = reducescatter_blocks(shape, size);
     // The input is read where it is, unless it must be scaled first.
     let scaled = (response.prescale != 1.0).then(|| {
         let mut copy = AlignedBuffer::from_slice(entry.input.as_slice());
@@ -770,9 +838,6 @@ fn reducescatter(
     let mut out = AlignedBuffer::for_overwrite(elems_per_rank[rank] * dtype.size());
     ring::reducescatter(t, input, &elems_per_rank, dtype, combine_of(response.reduce_op), out.as_mut_slice())?;
     ring::scale_in_place(out.as_mut_slice(), dtype, postscale_of(response, size));
-    let mut out_shape = shape.clone();
-    if let Some(first) = out_shape.first_mut() {
-        *first = rows_of(rank) as i64;
-    }
+    let out_shape = reducescatter_shape(shape, rank, size);
     Ok(Ok(TensorResult { output: output(out, out_shape, dtype), ..TensorResult::default() }))
 }

@@ -9,7 +9,7 @@
 //! - [`packing`]: packing the fusion buffer from those tensors and unpacking the results into them.
 //! - [`packed_group`]: a grouped allreduce's tensors of one dtype seen as one packed tensor.
 //!
-//! Only allreduce responses fuse for now; allgather, reducescatter and the rest run one at a time.
+//! Allreduce and small reduce-scatter responses fuse (see [`plan`]); allgather and the rest run one at a time.
 
 pub mod layout;
 pub mod packed_group;
@@ -18,4 +18,4 @@ pub mod plan;
 pub mod tensor_io;
 
 pub use layout::{FusionLayout, FusionSlot, FUSION_ALIGNMENT};
-pub use plan::plan_fusion;
+pub use plan::{plan_fusion, reducescatter_fuses};
