@@ -40,6 +40,7 @@ BENCHES=(
     "hosts_allreduce|1500|$PY benches/hosts_allreduce.py --rates 2gbit,10gbit --rounds 3 --out OUT_DIR"
     "hosts_ucx|1200|$PY benches/hosts_ucx.py --rates 10gbit --rounds 3 --out OUT_DIR"
     "sharded_optimizer|1200|$PY benches/sharded_optimizer.py --ranks 2 4 --rounds 3"
+    "reducescatter_burst|600|$PY benches/reducescatter_burst.py --np 2 --rounds 3"
     "cluster_step|900|$PY benches/cluster_step.py --rounds 3"
     "compression|1800|$PY benches/compression.py --rounds 3 --out OUT_DIR"
     "autotune|1500|$PY benches/autotune.py --out OUT_DIR"
