@@ -6,8 +6,9 @@ A worker on another host is an ssh client running `rvod.runner.remote` there: it
 directory, environment with the secret) on ssh's stdin, signals as `signal N` lines, and when the ssh
 client ends, the remote side stops the rank's group. Its exit comes back as a status line on stderr.
 The first worker to fail (non-zero exit, or killed by a signal; a killed one before the peers that failed
-with it) is named on stderr and the others get SIGTERM; a SIGINT, SIGTERM or SIGHUP sent to rvodrun is forwarded to every worker. Workers still running
-a grace period later get SIGKILL, and so does anything left in a worker's group once the job is over.
+with it) is named on stderr and the others get SIGTERM; a SIGINT, SIGTERM or SIGHUP sent to rvodrun is
+forwarded to every worker. Workers still running a grace period later get SIGKILL, and so does anything left
+in a worker's group once the job is over.
 """
 
 from __future__ import annotations
