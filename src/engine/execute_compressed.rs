@@ -1,6 +1,9 @@
 //! Running one agreed compressed allreduce (`Compression::Int8`, `OneBit`, `PowerSgd`) on this rank: its
-//! tensors packed, converted to float32 and prescaled, reduced by `ring::compressed` on the route the
-//! communicator calls for, then scaled and written back in their own dtype.
+//! tensors gathered into one float32 vector (float32 ones copied straight in, others packed and converted)
+//! and prescaled, reduced by `ring::compressed` on the route the communicator calls for, then scaled and
+//! written back in their own dtype. The float32 tensors PowerSGD compresses on the flat route skip the vector:
+//! it reads them and writes their results itself ([`Memory`]), a copy in and a copy out less of most of
+//! the op's bytes.
 //!
 //! Routes (the same on every rank: they depend on the transport every member shares and the configuration):
 //! - across hosts: exact inside each host, compressed between hosts (`allreduce_hierarchical`) where every
@@ -19,10 +22,10 @@ use crate::fusion::layout::FusionLayout;
 use crate::fusion::packing::{gather, scatter};
 use crate::fusion::tensor_io::{TensorIo, TensorMemory};
 use crate::protocol::message::Response;
-use crate::ring::compressed::{self, Feedback, Settings, Span};
+use crate::ring::compressed::{self, powersgd, Feedback, Memory, Scales, Settings, Span};
 use crate::timeline::{OpRecord, Stage};
 use crate::transport::{Transport, TransportError};
-use crate::types::DataType;
+use crate::types::{Compression, DataType};
 
 /// How a compressed allreduce runs on this communicator.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -84,30 +87,65 @@ pub(crate) fn allreduce(
         })
         .collect();
     let Scratch { packed, values } = scratch;
-    gather(&tensors, slots, 0, packed);
-    phases.mark(Stage::MemcpyInFusionBuffer);
-
     let counts: Vec<usize> = slots.iter().map(|slot| slot.bytes / dtype.size()).collect();
-    values.clear();
     let mut spans = Vec::with_capacity(slots.len());
-    for (((slot, &count), spec), &contributes) in slots.iter().zip(&counts).zip(&response.entries).zip(&contributes) {
-        let start = values.len();
-        to_f32(&packed[slot.offset..slot.offset + slot.bytes], dtype, values);
-        spans.push(Span { name: &spec.name, shape: &spec.shape, start, len: count, contributes });
+    let mut total = 0;
+    for ((spec, &count), &contributes) in response.entries.iter().zip(&counts).zip(&contributes) {
+        spans.push(Span { name: &spec.name, shape: &spec.shape, start: total, len: count, contributes });
+        total += count;
     }
-    let values = values.as_mut_slice();
-    scale(values, response.prescale);
-
     feedback.begin(compression.code());
     let warm = feedback.step_past_warmup(spans.iter().map(|s| s.name), settings.warmup_steps);
     let route = if warm { route(t, settings.within_host) } else { Route::Exact };
     let label = t.label();
     tracing::debug!(
-        "{compression} allreduce of {} tensor(s), {} values, {route:?} over {label}: {}",
+        "{compression} allreduce of {} tensor(s), {total} values, {route:?} over {label}: {}",
         spans.len(),
-        values.len(),
         spans.iter().map(|s| s.name).collect::<Vec<_>>().join(", ")
     );
+
+    // Float32 tensors are read straight into `values` and their results written straight from it, except
+    // those PowerSGD compresses on the flat route, which it reads and writes itself; other dtypes go through
+    // the packed buffer and a conversion.
+    let direct = dtype == DataType::Float32;
+    let reads_itself = |span: &Span<'_>| match compression {
+        Compression::PowerSgd { rank } => direct && route == Route::Flat && powersgd::compresses(span, rank.into()),
+        _ => false,
+    };
+    let mut memories: Vec<Memory<'_>> = if direct {
+        // Every value outside the tensors PowerSGD reads itself is read over: no need to clear what the last
+        // op left.
+        values.truncate(total);
+        values.resize(total, 0.0);
+        let mut itself = Vec::with_capacity(spans.len());
+        for (io, span) in tensors.iter_mut().zip(&spans) {
+            itself.push(reads_itself(span) && f32_memory(io).is_some());
+            if !itself[itself.len() - 1] {
+                let part = &mut values[span.range()];
+                io.read(0, compressed::f32_bytes_mut(part));
+                scale(part, response.prescale);
+            }
+        }
+        // `f32_memory` depends only on the tensor's memory, so it gives the same memory again: the fallback
+        // is never taken.
+        tensors
+            .iter_mut()
+            .zip(&itself)
+            .map(|(io, &itself)| if itself { f32_memory(io).unwrap_or(Memory::Values) } else { Memory::Values })
+            .collect()
+    } else {
+        values.clear();
+        gather(&tensors, slots, 0, packed);
+        for slot in slots {
+            to_f32(&packed[slot.offset..slot.offset + slot.bytes], dtype, values);
+        }
+        scale(values, response.prescale);
+        spans.iter().map(|_| Memory::Values).collect()
+    };
+    phases.mark(Stage::MemcpyInFusionBuffer);
+
+    let values = values.as_mut_slice();
+    let postscale = effective_postscale(response.reduce_op, response.postscale, t.size());
     let kind = compression.kind_name();
     let parts = if route == Route::Hierarchical { t.hosts() } else { None };
     if let Some(parts) = parts {
@@ -124,18 +162,68 @@ pub(crate) fn allreduce(
         compressed::sum_exactly(t, values)?;
         phases.mark_collective();
     } else {
-        compressed::allreduce(t, compression, values, &spans, feedback)?;
+        if let Compression::PowerSgd { rank } = compression {
+            let scales = Scales { pre: response.prescale as f32, post: postscale as f32 };
+            powersgd::allreduce_in_memory(t, rank.into(), values, &spans, (&mut memories, scales), feedback)?;
+        } else {
+            compressed::allreduce(t, compression, values, &spans, feedback)?;
+        }
         phases.mark(Stage::Compressed { transport: label, compression: kind });
     }
 
-    scale(values, effective_postscale(response.reduce_op, response.postscale, t.size()));
-    for ((slot, &count), span) in slots.iter().zip(&counts).zip(&spans) {
-        let bytes = &mut packed[slot.offset..slot.offset + slot.bytes];
-        from_f32(&values[span.start..span.start + count], dtype, bytes);
+    let written: Vec<bool> = memories.iter().map(|memory| !matches!(memory, Memory::Values)).collect();
+    drop(memories);
+    if direct {
+        for ((io, span), _) in tensors.iter_mut().zip(&spans).zip(&written).filter(|(_, &written)| !written) {
+            let result = &mut values[span.range()];
+            match io.output_mut() {
+                Some(out) => write_scaled(result, postscale, out),
+                None => {
+                    scale(result, postscale);
+                    io.write(0, compressed::f32_bytes(result));
+                }
+            }
+        }
+    } else {
+        scale(values, postscale);
+        for (slot, span) in slots.iter().zip(&spans) {
+            from_f32(&values[span.range()], dtype, &mut packed[slot.offset..slot.offset + slot.bytes]);
+        }
+        scatter(&mut tensors, slots, 0, packed);
     }
-    scatter(&mut tensors, slots, 0, packed);
     phases.mark(Stage::MemcpyOutFusionBuffer);
     Ok(tensors.into_iter().map(|io| Ok(io.finish().into())).collect())
+}
+
+/// The caller's float32 memory of `io`, for an algorithm to read and write itself: `None` for a joined
+/// rank, a packed group, or memory not aligned for float32.
+fn f32_memory<'m>(io: &'m mut TensorIo<'_>) -> Option<Memory<'m>> {
+    fn floats(bytes: &[u8]) -> Option<&[f32]> {
+        // SAFETY: every bit pattern is a valid f32; `align_to` puts only aligned whole values in the middle.
+        let (head, floats, tail) = unsafe { bytes.align_to::<f32>() };
+        (head.is_empty() && tail.is_empty()).then_some(floats)
+    }
+    fn floats_mut(bytes: &mut [u8]) -> Option<&mut [f32]> {
+        // SAFETY: as in `floats`.
+        let (head, floats, tail) = unsafe { bytes.align_to_mut::<f32>() };
+        (head.is_empty() && tail.is_empty()).then_some(floats)
+    }
+    match io.input_and_output()? {
+        (None, memory) => Some(Memory::InPlace(floats_mut(memory)?)),
+        (Some(input), output) => Some(Memory::Separate(floats(input)?, floats_mut(output)?)),
+    }
+}
+
+/// `values` times `factor` written into `out` as native-endian float32, in one pass.
+fn write_scaled(values: &[f32], factor: f64, out: &mut [u8]) {
+    if factor == 1.0 {
+        out[..std::mem::size_of_val(values)].copy_from_slice(compressed::f32_bytes(values));
+        return;
+    }
+    let factor = factor as f32;
+    for (&v, b) in values.iter().zip(out.chunks_exact_mut(4)) {
+        b.copy_from_slice(&(v * factor).to_ne_bytes());
+    }
 }
 
 fn scale(values: &mut [f32], factor: f64) {
@@ -145,28 +233,41 @@ fn scale(values: &mut [f32], factor: f64) {
     }
 }
 
-/// `bytes` (native-endian values of the floating-point `dtype`) as float32, appended to `out`.
+/// `bytes` (native-endian values of the floating-point `dtype`) as float32, appended to `out`. One loop per
+/// dtype, each over a fixed width, so each vectorises.
 fn to_f32(bytes: &[u8], dtype: DataType, out: &mut Vec<f32>) {
-    let values = bytes.chunks_exact(dtype.size());
     match dtype {
-        DataType::Float16 => out.extend(values.map(|b| f16::from_ne_bytes([b[0], b[1]]).to_f32())),
-        DataType::Bfloat16 => out.extend(values.map(|b| bf16::from_ne_bytes([b[0], b[1]]).to_f32())),
-        DataType::Float64 => {
-            out.extend(values.map(|b| f64::from_ne_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]) as f32))
-        }
-        _ => out.extend(values.map(|b| f32::from_ne_bytes([b[0], b[1], b[2], b[3]]))),
+        DataType::Float16 => out.extend(bytes.chunks_exact(2).map(|b| f16::from_ne_bytes([b[0], b[1]]).to_f32())),
+        DataType::Bfloat16 => out.extend(bytes.chunks_exact(2).map(|b| bf16::from_ne_bytes([b[0], b[1]]).to_f32())),
+        DataType::Float64 => out.extend(
+            bytes.chunks_exact(8).map(|b| f64::from_ne_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]) as f32),
+        ),
+        _ => out.extend(bytes.chunks_exact(4).map(|b| f32::from_ne_bytes([b[0], b[1], b[2], b[3]]))),
     }
 }
 
-/// `values` written into `bytes` as the floating-point `dtype` (rounded to nearest).
+/// `values` written into `bytes` as the floating-point `dtype` (rounded to nearest); one loop per dtype, as
+/// in [`to_f32`].
 fn from_f32(values: &[f32], dtype: DataType, bytes: &mut [u8]) {
-    let width = dtype.size();
-    for (&v, b) in values.iter().zip(bytes.chunks_exact_mut(width)) {
-        match dtype {
-            DataType::Float16 => b.copy_from_slice(&f16::from_f32(v).to_ne_bytes()),
-            DataType::Bfloat16 => b.copy_from_slice(&bf16::from_f32(v).to_ne_bytes()),
-            DataType::Float64 => b.copy_from_slice(&f64::from(v).to_ne_bytes()),
-            _ => b.copy_from_slice(&v.to_ne_bytes()),
+    match dtype {
+        DataType::Float16 => {
+            for (&v, b) in values.iter().zip(bytes.chunks_exact_mut(2)) {
+                b.copy_from_slice(&f16::from_f32(v).to_ne_bytes());
+            }
+        }
+        DataType::Bfloat16 => {
+            for (&v, b) in values.iter().zip(bytes.chunks_exact_mut(2)) {
+                b.copy_from_slice(&bf16::from_f32(v).to_ne_bytes());
+            }
+        }
+        DataType::Float64 => {
+            for (&v, b) in values.iter().zip(bytes.chunks_exact_mut(8)) {
+                b.copy_from_slice(&f64::from(v).to_ne_bytes());
+            }
+        }
+        _ => {
+            let len = values.len().min(bytes.len() / 4);
+            bytes[..len * 4].copy_from_slice(compressed::f32_bytes(&values[..len]));
         }
     }
 }

@@ -54,16 +54,40 @@ impl<'a> TensorIo<'a> {
 
     /// Write `bytes`, the result at `offset`.
     pub fn write(&mut self, offset: usize, bytes: &[u8]) {
+        if let TensorMemory::Packed(group) = &mut self.memory {
+            return group.scatter(offset, bytes);
+        }
+        if let Some(dst) = self.output_mut() {
+            dst[offset..offset + bytes.len()].copy_from_slice(bytes);
+        }
+    }
+
+    /// The caller's tensor and where its whole result goes, to read and write directly: `(None, memory)` in
+    /// place (read the tensor, then overwrite it), `(Some(input), output)` for a result in a new tensor.
+    /// `None` for a joined rank and a packed group.
+    pub fn input_and_output(&mut self) -> Option<(Option<&[u8]>, &mut [u8])> {
         let len = self.len;
-        let dst = match &mut self.memory {
-            TensorMemory::Joined => return,
-            TensorMemory::Packed(group) => return group.scatter(offset, bytes),
-            TensorMemory::Plain { input, in_place: true, .. } => input.as_mut_slice(),
-            TensorMemory::Plain { .. } => {
-                self.fresh.get_or_insert_with(|| AlignedBuffer::for_overwrite(len)).as_mut_slice()
+        match &mut self.memory {
+            TensorMemory::Joined | TensorMemory::Packed(_) => None,
+            TensorMemory::Plain { input, in_place: true, .. } => Some((None, input.as_mut_slice())),
+            TensorMemory::Plain { input, .. } => {
+                let output = self.fresh.get_or_insert_with(|| AlignedBuffer::for_overwrite(len)).as_mut_slice();
+                Some((Some(input.as_slice()), output))
             }
-        };
-        dst[offset..offset + bytes.len()].copy_from_slice(bytes);
+        }
+    }
+
+    /// The memory the whole result goes to, to write into directly: a caller's tensor (in place) or its new
+    /// one. `None` for a joined rank and a packed group (whose result is spread over several tensors).
+    pub fn output_mut(&mut self) -> Option<&mut [u8]> {
+        let len = self.len;
+        match &mut self.memory {
+            TensorMemory::Joined | TensorMemory::Packed(_) => None,
+            TensorMemory::Plain { input, in_place: true, .. } => Some(input.as_mut_slice()),
+            TensorMemory::Plain { .. } => {
+                Some(self.fresh.get_or_insert_with(|| AlignedBuffer::for_overwrite(len)).as_mut_slice())
+            }
+        }
     }
 
     /// What the tensor produced, once every byte of the result was written.

@@ -35,8 +35,9 @@ pub struct Feedback {
     /// Hierarchical: the local rank that carries each tensor across hosts, and how many values each carries.
     owners: FxHashMap<String, usize>,
     carried: Vec<usize>,
-    /// How many compressed allreduces of each tensor ran (warm-up steps included).
-    steps: FxHashMap<String, u64>,
+    /// The compression (its code) each tensor last ran with, and how many compressed allreduces of it ran
+    /// with that one (warm-up steps included).
+    steps: FxHashMap<String, (u16, u64)>,
 }
 
 impl Feedback {
@@ -100,16 +101,26 @@ impl Feedback {
     }
 
     /// Count one more step of each of `names`; whether every one of them had run at least `warmup` steps
-    /// before (until then an op is reduced exactly). Every rank runs the same ops, so all agree.
+    /// before (until then an op is reduced exactly). A tensor that last ran with another compression starts
+    /// afresh: its state of every kind is dropped (PowerSGD's factor too, which the other compression never
+    /// touched) and its warm-up starts again. Every rank runs the same ops, so all agree.
     pub fn step_past_warmup<'n>(&mut self, names: impl IntoIterator<Item = &'n str>, warmup: u64) -> bool {
+        let scheme = self.scheme;
         let mut past = true;
         for name in names {
-            let steps = match self.steps.get_mut(name) {
-                Some(steps) => steps,
-                None => self.steps.entry(name.to_string()).or_insert(0),
-            };
-            past &= *steps >= warmup;
-            *steps += 1;
+            let known = self.steps.get(name).map(|&(made_by, _)| made_by);
+            if known != Some(scheme) {
+                if known.is_some() {
+                    self.worker.remove(name);
+                    self.server.remove(name);
+                    self.factor.remove(name);
+                }
+                self.steps.insert(name.to_string(), (scheme, 0));
+            }
+            if let Some((_, steps)) = self.steps.get_mut(name) {
+                past &= *steps >= warmup;
+                *steps += 1;
+            }
         }
         past
     }
@@ -173,6 +184,13 @@ mod tests {
         assert!(!feedback.step_past_warmup(["x", "y"], 2), "y has run one step");
         assert!(feedback.step_past_warmup(["x", "y"], 2));
         assert!(feedback.step_past_warmup(["z"], 0));
+        // Another compression for a tensor drops all its state, the factor too, and restarts its warm-up.
+        feedback.get(Kind::Factor, "x", 2, None).fill(3.0);
+        feedback.begin(5);
+        assert!(!feedback.step_past_warmup(["x"], 1), "warm-up again");
+        assert!(feedback.peek(Kind::Factor, "x").is_none(), "the factor is dropped");
+        feedback.begin(0);
+        assert!(!feedback.step_past_warmup(["x"], 1), "and again when the first compression comes back");
         assert_eq!(feedback.carrier("small", 10, 2), 1);
         assert_eq!(feedback.carrier("next", 10, 2), 1);
         assert_eq!(feedback.carrier("big", 100, 2), 0);

@@ -52,9 +52,50 @@ pub struct Span<'a> {
 }
 
 impl Span<'_> {
-    fn range(&self) -> std::ops::Range<usize> {
+    pub(crate) fn range(&self) -> std::ops::Range<usize> {
         self.start..self.start + self.len
     }
+}
+
+/// Where a tensor's values come from and its result goes when an algorithm reads and writes the caller's
+/// memory itself (PowerSGD's compressed matrices, see [`powersgd::compresses`]) rather than through the op's
+/// dense vector, which saves a copy in and a copy out of every value.
+pub enum Memory<'m> {
+    /// Through the dense vector: filled (and prescaled) before the algorithm runs, read (and postscaled)
+    /// after.
+    Values,
+    /// The caller's float32 tensor, read and then overwritten with the result.
+    InPlace(&'m mut [f32]),
+    /// Read from the first, the result written into the second.
+    Separate(&'m [f32], &'m mut [f32]),
+}
+
+impl Memory<'_> {
+    /// What to read the tensor's values from, where not from the dense vector.
+    fn source(&self) -> Option<&[f32]> {
+        match self {
+            Memory::Values => None,
+            Memory::InPlace(memory) => Some(memory),
+            Memory::Separate(input, _) => Some(input),
+        }
+    }
+
+    /// Where to write the tensor's result, where not into the dense vector.
+    fn destination(&mut self) -> Option<&mut [f32]> {
+        match self {
+            Memory::Values => None,
+            Memory::InPlace(memory) => Some(memory),
+            Memory::Separate(_, output) => Some(output),
+        }
+    }
+}
+
+/// The factors an op's values are scaled by before (`pre`) and after (`post`) the reduction, for the
+/// tensors an algorithm reads and writes itself ([`Memory`]); the executor scales the others.
+#[derive(Clone, Copy, Debug)]
+pub struct Scales {
+    pub pre: f32,
+    pub post: f32,
 }
 
 /// Allreduce (sum) `values`, the tensors of `spans` back to back, compressed as `compression` says, with
@@ -135,6 +176,12 @@ pub(crate) fn sum_exactly(t: &mut dyn Transport, values: &mut [f32]) -> Result<(
 }
 
 /// `values` as their native-endian bytes.
+pub(crate) fn f32_bytes(values: &[f32]) -> &[u8] {
+    // SAFETY: as in `f32_bytes_mut`, borrowed shared.
+    unsafe { std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), std::mem::size_of_val(values)) }
+}
+
+/// `values` as their native-endian bytes, to write.
 pub(crate) fn f32_bytes_mut(values: &mut [f32]) -> &mut [u8] {
     let len = std::mem::size_of_val(values);
     // SAFETY: every bit pattern is a valid u8, u8 has alignment 1, and the byte slice covers exactly the

@@ -10,7 +10,7 @@
 //! `(rows + cols) r` values per tensor, all tensors' factors in one buffer each.
 
 use crate::ring::compressed::feedback::{Feedback, Kind};
-use crate::ring::compressed::{sum_exactly, Span};
+use crate::ring::compressed::{sum_exactly, Memory, Scales, Span};
 use crate::transport::{Transport, TransportError};
 
 /// A compressed tensor: its span and its matrix dimensions.
@@ -32,11 +32,12 @@ fn as_matrix<'s, 'a>(span: &'s Span<'a>, r: usize) -> Option<Matrix<'s, 'a>> {
     (r < rows.min(cols) && factors.checked_mul(2)? <= span.len).then_some(Matrix { span, rows, cols })
 }
 
+/// Whether `span` travels compressed at rank `r` (else it is summed exactly through the dense vector).
+pub fn compresses(span: &Span<'_>, r: usize) -> bool {
+    as_matrix(span, r).is_some()
+}
+
 /// Allreduce (sum) `values` with rank-`r` PowerSGD; see the module doc.
-///
-/// Both factors are kept transposed (`P^T`, `r x rows`, and `Q^T`, `r x cols`, row-major; the warm-started
-/// `Q` in `feedback` too) so that every inner loop runs over contiguous memory: dot products of a matrix row
-/// with a factor row, and multiples of one row added to another.
 pub fn allreduce(
     t: &mut dyn Transport,
     r: usize,
@@ -44,14 +45,33 @@ pub fn allreduce(
     spans: &[Span<'_>],
     feedback: &mut Feedback,
 ) -> Result<(), TransportError> {
+    let mut memories: Vec<Memory<'_>> = spans.iter().map(|_| Memory::Values).collect();
+    allreduce_in_memory(t, r, values, spans, (&mut memories, Scales { pre: 1.0, post: 1.0 }), feedback)
+}
+
+/// [`allreduce`], where a compressed tensor whose `memories` entry is not [`Memory::Values`] is read from and written to that memory instead of `values`
+/// (scaled by `scales` on the way in and out); its span in `values` is scratch.
+///
+/// Both factors are kept transposed (`P^T`, `r x rows`, and `Q^T`, `r x cols`, row-major; the warm-started
+/// `Q` in `feedback` too) so that every inner loop runs over contiguous memory: dot products of a matrix row
+/// with a factor row, and multiples of one row added to another.
+pub fn allreduce_in_memory(
+    t: &mut dyn Transport,
+    r: usize,
+    values: &mut [f32],
+    spans: &[Span<'_>],
+    (memories, scales): (&mut [Memory<'_>], Scales),
+    feedback: &mut Feedback,
+) -> Result<(), TransportError> {
     let n = t.size() as f32;
-    let (matrices, plain): (Vec<_>, Vec<_>) = spans.iter().partition(|span| as_matrix(span, r).is_some());
-    let matrices: Vec<Matrix<'_, '_>> = matrices.into_iter().filter_map(|span| as_matrix(span, r)).collect();
+    let (matrices, plain): (Vec<_>, Vec<_>) = spans.iter().enumerate().partition(|(_, span)| compresses(span, r));
+    let matrices: Vec<(Matrix<'_, '_>, usize)> =
+        matrices.into_iter().filter_map(|(i, span)| Some((as_matrix(span, r)?, i))).collect();
     if !plain.is_empty() {
-        let mut exact: Vec<f32> = plain.iter().flat_map(|span| values[span.range()].iter().copied()).collect();
+        let mut exact: Vec<f32> = plain.iter().flat_map(|(_, span)| values[span.range()].iter().copied()).collect();
         sum_exactly(t, &mut exact)?;
         let mut at = 0;
-        for span in &plain {
+        for (_, span) in &plain {
             values[span.range()].copy_from_slice(&exact[at..at + span.len]);
             at += span.len;
         }
@@ -59,56 +79,39 @@ pub fn allreduce(
     if matrices.is_empty() {
         return Ok(());
     }
-    for m in matrices.iter().filter(|m| m.span.contributes) {
-        let residual = feedback.get(Kind::Worker, m.span.name, m.span.len, None);
-        for (v, e) in values[m.span.range()].iter_mut().zip(residual.iter()) {
-            *v += e;
-        }
-    }
-    // P = M Q, summed and orthonormalised.
-    let mut ps = vec![0.0f32; matrices.iter().map(|m| m.rows * r).sum()];
+    // P = (M + E) Q, the error feedback E added to each row of M as the row is first read.
+    let mut ps = vec![0.0f32; matrices.iter().map(|(m, _)| m.rows * r).sum()];
     let mut at = 0;
-    for m in &matrices {
+    for (m, i) in &matrices {
+        let source = memories[*i].source().map(|source| (source, scales.pre));
         let init = |q: &mut [f32]| seeded_uniform(m.span.name, q);
-        let qt = feedback.get(Kind::Factor, m.span.name, m.cols * r, Some(&init));
-        multiply(&values[m.span.range()], m.rows, m.cols, qt, r, &mut ps[at..at + m.rows * r]);
+        let qt = feedback.get(Kind::Factor, m.span.name, m.cols * r, Some(&init)).to_vec();
+        let residual =
+            if m.span.contributes { Some(&*feedback.get(Kind::Worker, m.span.name, m.span.len, None)) } else { None };
+        add_and_multiply(&mut values[m.span.range()], source, residual, m.cols, (&qt, &mut ps[at..at + m.rows * r]));
         at += m.rows * r;
     }
     sum_exactly(t, &mut ps)?;
     // Q = M^T P, summed.
-    let mut qs = vec![0.0f32; matrices.iter().map(|m| m.cols * r).sum()];
+    let mut qs = vec![0.0f32; matrices.iter().map(|(m, _)| m.cols * r).sum()];
     let (mut p_at, mut q_at) = (0, 0);
-    for m in &matrices {
+    for (m, _) in &matrices {
         let pt = &mut ps[p_at..p_at + m.rows * r];
         orthonormalise(pt, m.rows, r);
-        multiply_transposed(&values[m.span.range()], m.rows, m.cols, pt, r, &mut qs[q_at..q_at + m.cols * r]);
+        multiply_transposed(&values[m.span.range()], m.cols, pt, &mut qs[q_at..q_at + m.cols * r]);
         p_at += m.rows * r;
         q_at += m.cols * r;
     }
     sum_exactly(t, &mut qs)?;
     // The sum is approximated by P Q^T; each rank keeps its share of what that missed.
     let (mut p_at, mut q_at) = (0, 0);
-    let mut approx = Vec::new();
-    for m in &matrices {
+    for (m, i) in &matrices {
         let pt = &ps[p_at..p_at + m.rows * r];
         let qt = &qs[q_at..q_at + m.cols * r];
-        approx.resize(m.cols, 0.0);
-        let own = &mut values[m.span.range()];
-        let mut residual =
+        let residual =
             if m.span.contributes { Some(feedback.get(Kind::Worker, m.span.name, m.span.len, None)) } else { None };
-        for (row, own_row) in own.chunks_exact_mut(m.cols).enumerate() {
-            approx.fill(0.0);
-            for (k, q_row) in qt.chunks_exact(m.cols).enumerate() {
-                add_multiple(&mut approx, pt[k * m.rows + row], q_row);
-            }
-            if let Some(residual) = residual.as_deref_mut() {
-                let residual_row = &mut residual[row * m.cols..(row + 1) * m.cols];
-                for ((e, &v), &a) in residual_row.iter_mut().zip(own_row.iter()).zip(&approx) {
-                    *e = v - a / n;
-                }
-            }
-            own_row.copy_from_slice(&approx);
-        }
+        let destination = memories[*i].destination().map(|destination| (destination, scales.post));
+        approximate(&mut values[m.span.range()], residual, m.cols, (pt, qt, n), destination);
         feedback.get(Kind::Factor, m.span.name, m.cols * r, None).copy_from_slice(qt);
         p_at += m.rows * r;
         q_at += m.cols * r;
@@ -116,21 +119,116 @@ pub fn allreduce(
     Ok(())
 }
 
-/// `out = (m q)^T`: `m` is `rows x cols`, `qt` is `q^T` (`r x cols`), `out` is `r x rows`, row-major.
-fn multiply(m: &[f32], rows: usize, cols: usize, qt: &[f32], r: usize, out: &mut [f32]) {
-    for (row, m_row) in m.chunks_exact(cols).take(rows).enumerate() {
-        for (k, q_row) in qt.chunks_exact(cols).take(r).enumerate() {
-            out[k * rows + row] = dot(m_row, q_row);
+/// Define `fn $name` whose body runs compiled for AVX2 where the CPU has it (checked at run time: the wheel
+/// targets baseline x86-64) and as baseline code elsewhere. The arithmetic is the same either way (no fused
+/// multiply-add, partial sums in a fixed order), so every rank gets the same bits whatever its CPU.
+/// Everything the body calls must be `#[inline(always)]` to be compiled for AVX2 with it.
+macro_rules! wide_where_possible {
+    ($(#[$doc:meta])* fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $body:block) => {
+        $(#[$doc])*
+        fn $name($($arg: $ty),*) {
+            #[inline(always)]
+            fn body($($arg: $ty),*) $body
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx2")]
+                fn wide($($arg: $ty),*) {
+                    body($($arg),*)
+                }
+                if std::arch::is_x86_feature_detected!("avx2") {
+                    // SAFETY: the CPU has AVX2, just checked.
+                    return unsafe { wide($($arg),*) };
+                }
+            }
+            body($($arg),*)
+        }
+    };
+}
+
+wide_where_possible! {
+    /// Row by row in one pass: `m = source * factor` (where a source is given: the caller's tensor, else
+    /// `m` holds the values already), `m += residual` (where given) and `out = (m q)^T`. `m` has rows of
+    /// `cols` values; `factors` is `(q^T, out)`, `q^T` being `r x cols` and `out` `r x rows`, row-major.
+    fn add_and_multiply(
+        m: &mut [f32],
+        source: Option<(&[f32], f32)>,
+        residual: Option<&[f32]>,
+        cols: usize,
+        factors: (&[f32], &mut [f32]),
+    ) {
+        let (qt, out) = factors;
+        let rows = m.len() / cols;
+        for (row, m_row) in m.chunks_exact_mut(cols).enumerate() {
+            let within = row * cols..(row + 1) * cols;
+            if let Some((source, factor)) = source {
+                scaled_copy(m_row, &source[within.clone()], factor);
+            }
+            if let Some(residual) = residual {
+                add_multiple(m_row, 1.0, &residual[within]);
+            }
+            for (k, q_row) in qt.chunks_exact(cols).enumerate() {
+                out[k * rows + row] = dot(m_row, q_row);
+            }
         }
     }
 }
 
-/// `out = (m^T p)^T`: `m` is `rows x cols`, `pt` is `p^T` (`r x rows`), `out` is `r x cols`, row-major.
-fn multiply_transposed(m: &[f32], rows: usize, cols: usize, pt: &[f32], r: usize, out: &mut [f32]) {
-    out.fill(0.0);
-    for (row, m_row) in m.chunks_exact(cols).take(rows).enumerate() {
-        for (k, out_row) in out.chunks_exact_mut(cols).take(r).enumerate() {
-            add_multiple(out_row, pt[k * rows + row], m_row);
+wide_where_possible! {
+    /// `out = (m^T p)^T`: `m` has rows of `cols` values, `pt` is `p^T` (`r x rows`), `out` is `r x cols`,
+    /// row-major.
+    fn multiply_transposed(m: &[f32], cols: usize, pt: &[f32], out: &mut [f32]) {
+        let rows = m.len() / cols;
+        out.fill(0.0);
+        for (row, m_row) in m.chunks_exact(cols).enumerate() {
+            for (k, out_row) in out.chunks_exact_mut(cols).enumerate() {
+                add_multiple(out_row, pt[k * rows + row], m_row);
+            }
+        }
+    }
+}
+
+wide_where_possible! {
+    /// Row by row in one pass: `approx = p q^T` (`factors` = `(p^T, q^T, n)`, the factors transposed as
+    /// above), `residual = m - approx / n` (where given), and the result: `destination = approx * factor`
+    /// where a destination is given (the caller's tensor), else `m = approx`.
+    fn approximate(
+        m: &mut [f32],
+        residual: Option<&mut [f32]>,
+        cols: usize,
+        factors: (&[f32], &[f32], f32),
+        destination: Option<(&mut [f32], f32)>,
+    ) {
+        let (pt, qt, n) = factors;
+        let rows = m.len() / cols;
+        let (mut residual, mut destination) = (residual, destination);
+        let mut approx = vec![0.0f32; cols];
+        for (row, own_row) in m.chunks_exact_mut(cols).enumerate() {
+            approx.fill(0.0);
+            for (k, q_row) in qt.chunks_exact(cols).enumerate() {
+                add_multiple(&mut approx, pt[k * rows + row], q_row);
+            }
+            let within = row * cols..(row + 1) * cols;
+            if let Some(residual) = residual.as_deref_mut() {
+                for ((e, &v), &a) in residual[within.clone()].iter_mut().zip(own_row.iter()).zip(&approx) {
+                    *e = v - a / n;
+                }
+            }
+            match destination.as_mut() {
+                Some((destination, factor)) => scaled_copy(&mut destination[within], &approx, *factor),
+                None => own_row.copy_from_slice(&approx),
+            }
+        }
+    }
+}
+
+/// `out = x * factor` (a plain copy for a factor of 1, as the executor's scaling does: the same bits).
+#[inline(always)]
+fn scaled_copy(out: &mut [f32], x: &[f32], factor: f32) {
+    if factor == 1.0 {
+        out.copy_from_slice(x);
+    } else {
+        for (o, &v) in out.iter_mut().zip(x) {
+            *o = v * factor;
         }
     }
 }
@@ -140,6 +238,7 @@ const LANES: usize = 16;
 
 /// The dot product of `a` and `b`, summed in [`LANES`] partial sums (a fixed order: the same bits on every
 /// rank).
+#[inline(always)]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut sums = [0.0f32; LANES];
     let (a_chunks, b_chunks) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
@@ -153,6 +252,7 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// `out += factor * x`.
+#[inline(always)]
 fn add_multiple(out: &mut [f32], factor: f32, x: &[f32]) {
     for (o, &v) in out.iter_mut().zip(x) {
         *o += factor * v;
@@ -302,6 +402,73 @@ mod tests {
         let sum_error: f32 =
             (0..32 * 24).map(|i| (a.0[i] + b.0[i] - a.1[i] - a.2[i] - b.2[i]).abs()).fold(0.0, f32::max);
         assert!(sum_error < 1e-4, "{sum_error}");
+    }
+
+    #[test]
+    fn reading_and_writing_the_callers_memory_gives_the_same_bits_as_the_dense_vector() {
+        // Two steps (the second uses the first's residual and Q), a matrix in place, one into a separate
+        // output, and a vector through the dense vector, against everything through the dense vector with
+        // the executor's scaling around it.
+        let scales = Scales { pre: 0.5, post: 0.25 };
+        let scaled = |values: &mut [f32], factor: f32| values.iter_mut().for_each(|v| *v *= factor);
+        let results = run_ranks(MemoryTransport::mesh(2), |t| {
+            let spans = [
+                Span { name: "w", shape: &[48, 40], start: 0, len: 48 * 40, contributes: true },
+                Span { name: "b", shape: &[40], start: 48 * 40, len: 40, contributes: true },
+                Span { name: "v", shape: &[30, 20], start: 48 * 40 + 40, len: 600, contributes: true },
+            ];
+            let rank = t.rank();
+            let input = |step: usize| {
+                let mut values = vec![0.0f32; 48 * 40 + 40 + 600];
+                seeded_uniform(&format!("rank {rank} step {step}"), &mut values);
+                values
+            };
+            let (mut dense_feedback, mut own_feedback) = (Feedback::default(), Feedback::default());
+            let mut outcomes = Vec::new();
+            for step in 0..2 {
+                let mut dense = input(step);
+                scaled(&mut dense, scales.pre);
+                allreduce(t, 4, &mut dense, &spans, &mut dense_feedback).unwrap();
+                scaled(&mut dense, scales.post);
+
+                let original = input(step);
+                let mut in_place = original[..48 * 40].to_vec();
+                let mut separate = vec![7.0f32; 600];
+                let mut values = vec![f32::NAN; original.len()];
+                values[48 * 40..48 * 40 + 40].copy_from_slice(&original[48 * 40..48 * 40 + 40]);
+                scaled(&mut values[48 * 40..48 * 40 + 40], scales.pre);
+                let mut memories = [
+                    Memory::InPlace(&mut in_place),
+                    Memory::Values,
+                    Memory::Separate(&original[48 * 40 + 40..], &mut separate),
+                ];
+                allreduce_in_memory(t, 4, &mut values, &spans, (&mut memories, scales), &mut own_feedback).unwrap();
+                scaled(&mut values[48 * 40..48 * 40 + 40], scales.post);
+                let residuals =
+                    |feedback: &Feedback| ["w", "v"].map(|name| feedback.peek(Kind::Worker, name).unwrap().to_vec());
+                outcomes.push((
+                    dense,
+                    in_place,
+                    values,
+                    separate,
+                    residuals(&dense_feedback),
+                    residuals(&own_feedback),
+                ));
+            }
+            outcomes
+        });
+        for (rank, outcomes) in results.iter().enumerate() {
+            for (step, (dense, in_place, values, separate, dense_residuals, own_residuals)) in
+                outcomes.iter().enumerate()
+            {
+                let at = format!("rank {rank}, step {step}");
+                assert_eq!(in_place[..], dense[..48 * 40], "{at}: the matrix reduced in place");
+                assert_eq!(values[48 * 40..48 * 40 + 40], dense[48 * 40..48 * 40 + 40], "{at}: the vector");
+                assert_eq!(separate[..], dense[48 * 40 + 40..], "{at}: the matrix with a separate output");
+                assert_eq!(own_residuals, dense_residuals, "{at}: the residuals");
+                assert!(dense.iter().all(|v| v.is_finite()));
+            }
+        }
     }
 
     /// A timing to run by hand: `cargo test --release --lib powersgd::tests::timing -- --ignored --nocapture`.

@@ -91,6 +91,35 @@ if FORCED:
         first, drift = np.abs(results[0] - exact).max(), np.abs(np.mean(results, axis=0) - exact).max()
         assert drift < first / 3, f"mean of 40 steps {drift:.3g} off, first step {first:.3g}"
 
+    with check("powersgd into a new tensor with scale factors, and in place by the optimizer: the same bits"):
+        # PowerSGD reads and writes float32 tensors itself (no copy through the op's buffer). Its result
+        # depends on the tensor's name (the first Q is seeded by it) and on the name's state, so each path
+        # runs two steps (the second uses the first's residual and Q) of the same name, its state reset in
+        # between by an allreduce of that name with another compression, against numpy's plain Sum.
+        shape, psgd = (64, 48), hvd.Compression.powersgd(rank=4)
+
+        def reset():
+            hnp.allreduce(np.ones(8, dtype=np.float32), name="psgd.same", compression=C.int8)
+
+        plain = [hnp.allreduce(values(R, shape, 13 + s), op=hnp.Sum, name="psgd.same", compression=C.powersgd(rank=4))
+                 for s in range(2)]
+        reset()
+        for s in range(2):
+            scaled = hvd.allreduce(torch.tensor(values(R, shape, 13 + s)), op=hvd.Average, prescale_factor=2.0,
+                                   name="psgd.same", compression=psgd)
+            want = plain[s] * np.float32(2.0) * np.float32(1.0 / N)
+            np.testing.assert_allclose(scaled.numpy(), want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+        reset()
+        model = torch.nn.Linear(48, 64, bias=False)
+        optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), compression=psgd,
+                                             named_parameters=[("psgd.same", model.weight)], op=hvd.Sum)
+        for s in range(2):
+            grad = torch.tensor(values(R, shape, 13 + s))
+            model.weight.grad = grad
+            optimizer.step()
+            assert model.weight.grad is grad, "the optimizer reduces the gradient in place"
+            np.testing.assert_array_equal(grad.numpy(), plain[s])
+
     with check("dtypes are kept and Average is Sum over the ranks"):
         for dtype in [np.float16, np.float64]:
             got = hnp.allreduce(values(R, (600,), 5, dtype), op=hnp.Average, name=f"avg.{np.dtype(dtype).name}",
