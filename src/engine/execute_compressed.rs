@@ -113,10 +113,11 @@ pub(crate) fn allreduce(
         _ => false,
     };
     let mut memories: Vec<Memory<'_>> = if direct {
-        // Every value outside the tensors PowerSGD reads itself is read over: no need to clear what the last
-        // op left.
-        values.truncate(total);
-        values.resize(total, 0.0);
+        // Every value outside the tensors PowerSGD reads itself is read over: what the last op left needs no
+        // clearing, and the vector only ever grows (zeroing megabytes per op costs as much as copying them).
+        if values.len() < total {
+            values.resize(total, 0.0);
+        }
         let mut itself = Vec::with_capacity(spans.len());
         for (io, span) in tensors.iter_mut().zip(&spans) {
             itself.push(reads_itself(span) && f32_memory(io).is_some());
@@ -144,7 +145,7 @@ pub(crate) fn allreduce(
     };
     phases.mark(Stage::MemcpyInFusionBuffer);
 
-    let values = values.as_mut_slice();
+    let values = &mut values[..total];
     let postscale = effective_postscale(response.reduce_op, response.postscale, t.size());
     let kind = compression.kind_name();
     let parts = if route == Route::Hierarchical { t.hosts() } else { None };
