@@ -1,6 +1,7 @@
 """One rank of the compression benchmark (see compression.py): holds an rvod engine and a gloo process group
 at once and, round after round, trains each model from the same initial weights with each contender in
-turn, on the same shards of scikit-learn's digits data in the same order.
+turn, on the same shards of scikit-learn's digits data in the same order (each round from its own seed: its
+own initial weights and order, the same for every contender of the round).
 
     python compression_worker.py '{"models": [...], "contenders": [...], "rounds": k, "epochs": {...}, ...}'
 
@@ -81,12 +82,12 @@ def accuracy(model, test_set):
         return float((model(x).argmax(dim=1) == y).float().mean())
 
 
-def train(plan, build, contender, tag, train_set, test_set):
-    torch.manual_seed(SEED)
+def train(plan, build, contender, tag, train_set, test_set, seed):
+    torch.manual_seed(seed)
     model = build()
     optimizer = torch.optim.SGD(model.parameters(), lr=plan["lr"] * hvd.size(), momentum=0.9)
     module, optimizer, barrier = wrap(contender, model, optimizer, tag, plan["powersgd_rank"])
-    sampler = DistributedSampler(train_set, num_replicas=hvd.size(), rank=hvd.rank(), seed=SEED)
+    sampler = DistributedSampler(train_set, num_replicas=hvd.size(), rank=hvd.rank(), seed=seed)
     loader = DataLoader(train_set, batch_size=plan["batch_size"], sampler=sampler)
     step, start, bytes_before = 0, None, 0
     for epoch in range(plan["epochs"]):
@@ -121,7 +122,8 @@ def main():
             for contender in plan["contenders"]:
                 run = dict(plan, epochs=plan["epochs"][model_name])
                 seconds, wire, acc = train(run, builds[model_name], contender,
-                                           f"{model_name}.{contender}.r{round_index}", train_set, test_set)
+                                           f"{model_name}.{contender}.r{round_index}", train_set, test_set,
+                                           SEED + round_index)
                 seconds = max(hvd.allgather_object(seconds, name="bench.seconds"))
                 if hvd.rank() == 0:
                     print(json.dumps({"round": round_index, "model": model_name, "contender": contender,

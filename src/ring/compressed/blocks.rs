@@ -34,6 +34,7 @@ impl Codec {
     }
 
     /// Values per block.
+    #[inline(always)]
     pub fn block(self) -> usize {
         match self {
             Codec::Int8 => BLOCK,
@@ -41,6 +42,7 @@ impl Codec {
         }
     }
 
+    #[inline(always)]
     fn payload_bytes(self, values: usize) -> usize {
         match self {
             Codec::Int8 => values,
@@ -59,52 +61,20 @@ impl Codec {
     /// Encode `values` into `out` (`encoded_len(values.len())` bytes) and write `value - decoded` into
     /// `residual` (as long as `values`).
     pub fn encode(self, values: &[f32], out: &mut [u8], residual: &mut [f32]) {
-        let mut at = 0;
-        for (block, res) in values.chunks(self.block()).zip(residual.chunks_mut(self.block())) {
-            let end = at + SCALE_BYTES + self.payload_bytes(block.len());
-            let (head, payload) = out[at..end].split_at_mut(SCALE_BYTES);
-            let scale = match self {
-                Codec::Int8 => encode_int8(block, payload),
-                Codec::OneBit => encode_onebit(block, payload),
-            };
-            head.copy_from_slice(&scale.to_ne_bytes());
-            self.decode_block(scale, payload, res);
-            for (r, &v) in res.iter_mut().zip(block) {
-                *r = v - *r;
-            }
-            at = end;
-        }
+        encode_blocks(self, values, out, residual);
     }
 
     /// Add the values `bytes` encodes to `out` (as many values as `out` holds).
     pub fn decode_add(self, bytes: &[u8], out: &mut [f32]) {
-        let mut decoded = [0.0f32; BLOCK];
-        self.for_each_block(bytes, out, |codec, scale, payload, out| {
-            let decoded = &mut decoded[..out.len()];
-            codec.decode_block(scale, payload, decoded);
-            for (o, d) in out.iter_mut().zip(decoded.iter()) {
-                *o += d;
-            }
-        });
+        decode_blocks(self, bytes, out, true);
     }
 
     /// Write the values `bytes` encodes into `out` (as many values as `out` holds).
     pub fn decode(self, bytes: &[u8], out: &mut [f32]) {
-        self.for_each_block(bytes, out, |codec, scale, payload, out| codec.decode_block(scale, payload, out));
+        decode_blocks(self, bytes, out, false);
     }
 
-    fn for_each_block(self, bytes: &[u8], out: &mut [f32], mut each: impl FnMut(Codec, f32, &[u8], &mut [f32])) {
-        let mut at = 0;
-        for block in out.chunks_mut(self.block()) {
-            let end = at + SCALE_BYTES + self.payload_bytes(block.len());
-            let (head, payload) = bytes[at..end].split_at(SCALE_BYTES);
-            let mut scale = [0u8; SCALE_BYTES];
-            scale.copy_from_slice(head);
-            each(self, f32::from_ne_bytes(scale), payload, block);
-            at = end;
-        }
-    }
-
+    #[inline(always)]
     fn decode_block(self, scale: f32, payload: &[u8], out: &mut [f32]) {
         match self {
             Codec::Int8 => {
@@ -113,22 +83,68 @@ impl Codec {
                 }
             }
             Codec::OneBit => {
-                for (i, o) in out.iter_mut().enumerate() {
-                    let set = payload[i / 8] >> (i % 8) & 1 == 1;
-                    *o = if set { scale } else { -scale };
+                for (eight, &bits) in out.chunks_mut(8).zip(payload) {
+                    for (i, o) in eight.iter_mut().enumerate() {
+                        *o = if bits >> i & 1 == 1 { scale } else { -scale };
+                    }
                 }
             }
         }
     }
 }
 
+wide_where_possible! {
+    /// [`Codec::encode`], block by block.
+    fn encode_blocks(codec: Codec, values: &[f32], out: &mut [u8], residual: &mut [f32]) {
+        let mut at = 0;
+        for (block, res) in values.chunks(codec.block()).zip(residual.chunks_mut(codec.block())) {
+            let end = at + SCALE_BYTES + codec.payload_bytes(block.len());
+            let (head, payload) = out[at..end].split_at_mut(SCALE_BYTES);
+            let scale = match codec {
+                Codec::Int8 => encode_int8(block, payload),
+                Codec::OneBit => encode_onebit(block, payload),
+            };
+            head.copy_from_slice(&scale.to_ne_bytes());
+            codec.decode_block(scale, payload, res);
+            for (r, &v) in res.iter_mut().zip(block) {
+                *r = v - *r;
+            }
+            at = end;
+        }
+    }
+}
+
+wide_where_possible! {
+    /// [`Codec::decode`] (`add`: [`Codec::decode_add`]), block by block.
+    fn decode_blocks(codec: Codec, bytes: &[u8], out: &mut [f32], add: bool) {
+        let mut decoded = [0.0f32; BLOCK];
+        let mut at = 0;
+        for block in out.chunks_mut(codec.block()) {
+            let end = at + SCALE_BYTES + codec.payload_bytes(block.len());
+            let (head, payload) = bytes[at..end].split_at(SCALE_BYTES);
+            let scale = f32::from_ne_bytes([head[0], head[1], head[2], head[3]]);
+            if add {
+                let decoded = &mut decoded[..block.len()];
+                codec.decode_block(scale, payload, decoded);
+                for (o, d) in block.iter_mut().zip(decoded.iter()) {
+                    *o += d;
+                }
+            } else {
+                codec.decode_block(scale, payload, block);
+            }
+            at = end;
+        }
+    }
+}
+
 /// Encode one block as int8; returns its scale. Rounds half away from zero through a truncating cast (no
 /// call to `round` per value); the largest magnitude and the NaN check are separate passes, so each
-/// vectorises.
+/// vectorises (the NaN check without stopping early, which would not).
+#[inline(always)]
 fn encode_int8(block: &[f32], payload: &mut [u8]) -> f32 {
     let max = block.iter().fold(0.0f32, |max, v| max.max(v.abs()));
     let scale = max / 127.0;
-    if !scale.is_finite() || block.iter().any(|v| v.is_nan()) {
+    if !scale.is_finite() || block.iter().fold(false, |nan, v| nan | v.is_nan()) {
         payload.fill(0);
         return f32::NAN;
     }
@@ -141,6 +157,7 @@ fn encode_int8(block: &[f32], payload: &mut [u8]) -> f32 {
 }
 
 /// Encode one block as signs (a byte of eight values at a time); returns its scale (the mean magnitude).
+#[inline(always)]
 fn encode_onebit(block: &[f32], payload: &mut [u8]) -> f32 {
     let magnitude: f64 = block.iter().map(|v| f64::from(v.abs())).sum();
     for (byte, values) in payload.iter_mut().zip(block.chunks(8)) {

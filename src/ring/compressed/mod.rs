@@ -13,6 +13,32 @@
 //!
 //! [`Compression`]: crate::types::Compression
 
+/// Define `fn $name` whose body runs compiled for AVX2 where the CPU has it (checked at run time: the wheel
+/// targets baseline x86-64) and as baseline code elsewhere. The arithmetic is the same either way (no fused
+/// multiply-add, partial sums in a fixed order), so every rank gets the same bits whatever its CPU.
+/// Everything the body calls must be `#[inline(always)]` to be compiled for AVX2 with it.
+macro_rules! wide_where_possible {
+    ($(#[$doc:meta])* fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $body:block) => {
+        $(#[$doc])*
+        fn $name($($arg: $ty),*) {
+            #[inline(always)]
+            fn body($($arg: $ty),*) $body
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx2")]
+                fn wide($($arg: $ty),*) {
+                    body($($arg),*)
+                }
+                if std::arch::is_x86_feature_detected!("avx2") {
+                    // SAFETY: the CPU has AVX2, just checked.
+                    return unsafe { wide($($arg),*) };
+                }
+            }
+            body($($arg),*)
+        }
+    };
+}
+
 pub mod blocks;
 pub mod feedback;
 pub mod powersgd;

@@ -111,6 +111,32 @@ fn decode(codec: Codec, units: &[Unit], bytes: &[u8], values: &mut [f32], add: b
     }
 }
 
+/// The buffers of one allreduce, kept from op to op on the thread that runs them (the engine's executor):
+/// allocating them afresh cost more in page faults and zeroing than the encoding itself.
+#[derive(Default)]
+struct Buffers {
+    send: Vec<u8>,
+    received: Vec<u8>,
+    residual: Vec<f32>,
+    reduced: Vec<f32>,
+    server_residual: Vec<f32>,
+    own: Vec<u8>,
+    all: Vec<u8>,
+}
+
+thread_local! {
+    static BUFFERS: std::cell::RefCell<Buffers> = std::cell::RefCell::default();
+}
+
+/// The first `len` elements of `buffer`, grown (never shrunk) to hold them; their contents are whatever the
+/// last op left.
+fn reused<T: Copy + Default>(buffer: &mut Vec<T>, len: usize) -> &mut [T] {
+    if buffer.len() < len {
+        buffer.resize(len, T::default());
+    }
+    &mut buffer[..len]
+}
+
 /// Allreduce (sum) `values` as `codec` blocks; see the module doc.
 pub fn allreduce(
     t: &mut dyn Transport,
@@ -118,6 +144,17 @@ pub fn allreduce(
     values: &mut [f32],
     spans: &[Span<'_>],
     feedback: &mut Feedback,
+) -> Result<(), TransportError> {
+    BUFFERS.with(|buffers| allreduce_with(t, codec, values, spans, feedback, &mut buffers.borrow_mut()))
+}
+
+fn allreduce_with(
+    t: &mut dyn Transport,
+    codec: Codec,
+    values: &mut [f32],
+    spans: &[Span<'_>],
+    feedback: &mut Feedback,
+    buffers: &mut Buffers,
 ) -> Result<(), TransportError> {
     let (rank, n) = (t.rank(), t.size());
     for span in spans.iter().filter(|s| s.contributes) {
@@ -129,11 +166,12 @@ pub fn allreduce(
     let units = units(spans, values.len(), n);
     let by_rank: Vec<Vec<Unit>> = (0..n).map(|owner| owned_by(&units, owner)).collect();
     let sizes: Vec<usize> = by_rank.iter().map(|owned| encoded_len(codec, owned)).collect();
-    let mut send = vec![0u8; sizes.iter().sum()];
-    let mut residual = vec![0.0f32; values.len()];
+    // Every byte of `send` and every value of `residual` is written: the units cover all of `values`.
+    let send = reused(&mut buffers.send, sizes.iter().sum());
+    let residual = reused(&mut buffers.residual, values.len());
     let mut at = 0;
     for (owned, &size) in by_rank.iter().zip(&sizes) {
-        encode(codec, owned, values, &mut send[at..at + size], &mut residual, false);
+        encode(codec, owned, values, &mut send[at..at + size], residual, false);
         at += size;
     }
     for span in spans.iter().filter(|s| s.contributes) {
@@ -143,12 +181,13 @@ pub fn allreduce(
     // Reduce-scatter: every rank's encoding of the units this rank owns, summed in rank order.
     let mine = &by_rank[rank];
     let my_size = sizes[rank];
-    let mut received = vec![0u8; my_size * n];
-    alltoallv(t, &send, &sizes, &mut received, &vec![my_size; n])?;
-    let mut reduced = vec![0.0f32; mine.iter().map(|unit| unit.range.len()).sum()];
+    let received = reused(&mut buffers.received, my_size * n);
+    alltoallv(t, send, &sizes, received, &vec![my_size; n])?;
+    let reduced = reused(&mut buffers.reduced, mine.iter().map(|unit| unit.range.len()).sum());
+    reduced.fill(0.0);
     if my_size > 0 {
         for contribution in received.chunks_exact(my_size) {
-            decode(codec, mine, contribution, &mut reduced, true, true);
+            decode(codec, mine, contribution, reduced, true, true);
         }
     }
     let server_places = |unit: &Unit| unit.tensor.map(|(i, offset)| (&spans[i], offset..offset + unit.range.len()));
@@ -164,9 +203,9 @@ pub fn allreduce(
     }
     let sums = codec.for_sums();
     let gather_sizes: Vec<usize> = by_rank.iter().map(|owned| encoded_len(sums, owned)).collect();
-    let mut own = vec![0u8; gather_sizes[rank]];
-    let mut server_residual = vec![0.0f32; reduced.len()];
-    encode(sums, mine, &reduced, &mut own, &mut server_residual, true);
+    let own = reused(&mut buffers.own, gather_sizes[rank]);
+    let server_residual = reused(&mut buffers.server_residual, reduced.len());
+    encode(sums, mine, reduced, own, server_residual, true);
     let mut value_at = 0;
     for unit in mine {
         if let Some((span, range)) = server_places(unit) {
@@ -177,8 +216,8 @@ pub fn allreduce(
     }
 
     // Allgather: every rank's encoded sums, decoded alike by every rank.
-    let mut all = vec![0u8; gather_sizes.iter().sum()];
-    allgatherv(t, &own, &mut all, &gather_sizes)?;
+    let all = reused(&mut buffers.all, gather_sizes.iter().sum());
+    allgatherv(t, own, all, &gather_sizes)?;
     let mut at = 0;
     for (owned, &size) in by_rank.iter().zip(&gather_sizes) {
         decode(sums, owned, &all[at..at + size], values, false, false);
