@@ -10,8 +10,10 @@ implementation, in turn, for ``--rounds`` alternating rounds. Each job times, pe
 allreduces of a tensor on ``cuda:local_rank % device_count`` after warm-ups, with ``torch.cuda.synchronize()``
 before the clock stops (rank 0's mean per call; RVOD_BENCH_DEVICE=cpu: a dry run on CPU tensors). Reported:
 microseconds per call (medians over rounds), busbw, and rvod's time over gloo's (the median of per-round
-ratios; below 1 is faster). Also times 1 rank alone, the GPU its own (rvod's NCCL route: what rvod adds to
-an op). Prints a table and writes JSON.
+ratios; below 1 is faster). Also times 1 rank alone, the GPU its own, on rvod's NCCL route as it completes ops by
+default (once their work has run) and with RVOD_ENABLE_ASYNC_COMPLETION=1 (once it is queued), against
+torch.distributed's NCCL backend on 1 rank (which queues and returns): the difference is what rvod adds to an
+op. Prints a table and writes JSON.
 """
 
 import argparse
@@ -39,12 +41,14 @@ def worker(impl: str, sizes: list[int], iters: int) -> None:
 
         def allreduce(tensor, name):
             hvd.allreduce_(tensor, op=hvd.Sum, name=name)
-    else:
+    else:  # torch.distributed: "gloo" or "nccl"
         import torch.distributed as dist
 
         rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         local = rank
-        dist.init_process_group("gloo", rank=rank, world_size=size)
+        if impl == "nccl":
+            torch.cuda.set_device(local % torch.cuda.device_count())
+        dist.init_process_group(impl, rank=rank, world_size=size)
 
         def allreduce(tensor, name):
             dist.all_reduce(tensor)
@@ -82,11 +86,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_job(impl: str, ranks: int, sizes: list[int], iters: int) -> dict[int, float]:
+def run_job(impl: str, ranks: int, sizes: list[int], iters: int, env: dict[str, str] | None = None) -> dict[int, float]:
     args = [__file__, "--worker", impl, "--sizes", ",".join(map(str, sizes)), "--iters", str(iters)]
     if impl == "rvod":
         proc = subprocess.run([sys.executable, "-m", "rvod.runner", "-np", str(ranks), sys.executable, *args],
-                              capture_output=True, text=True, timeout=300)
+                              capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
         outputs = [proc.stdout]
         failed = proc.returncode != 0 and proc.stderr[-3000:]
     else:
@@ -125,18 +129,26 @@ def main() -> None:
         for impl in rounds:
             rounds[impl].append(run_job(impl, args.ranks, sizes, args.iters))
     one_rank = run_job("rvod", 1, sizes, args.iters)
+    one_rank_async = run_job("rvod", 1, sizes, args.iters, {"RVOD_ENABLE_ASYNC_COMPLETION": "1"})
+    try:
+        nccl_1_rank = run_job("nccl", 1, sizes, args.iters)
+    except RuntimeError as why:  # no NCCL backend in this torch (or a dry run on CPU)
+        print(f"torch.distributed NCCL on 1 rank not timed: {str(why).splitlines()[0]}")
+        nccl_1_rank = {n: float("nan") for n in sizes}
     median = statistics.median
-    report = {"ranks": args.ranks, "sizes": sizes, "rounds": rounds, "rvod_1_rank": one_rank}
+    report = {"ranks": args.ranks, "sizes": sizes, "rounds": rounds, "rvod_1_rank": one_rank,
+              "rvod_1_rank_async_completion": one_rank_async, "torch_nccl_1_rank": nccl_1_rank}
     print(f"CUDA float32 allreduce, {args.ranks} ranks sharing one GPU (rank 0's mean per call; median of "
           f"{args.rounds} alternating rounds); busbw = bytes / time * 2 (n - 1) / n")
     print(f"{'bytes':>10} {'rvod us':>10} {'gloo us':>10} {'rvod/gloo time':>15} {'rvod busbw GB/s':>16} "
-          f"{'gloo busbw GB/s':>16} {'1-rank us':>10}")
+          f"{'gloo busbw GB/s':>16} {'1 rank: rvod us':>16} {'async us':>9} {'torch nccl us':>14}")
     factor = 2 * (args.ranks - 1) / args.ranks
     for n in sizes:
         rv, gl = median(r[n] for r in rounds["rvod"]), median(r[n] for r in rounds["gloo"])
         ratio = median(a[n] / b[n] for a, b in zip(rounds["rvod"], rounds["gloo"]))
         print(f"{n:>10} {rv * 1e6:>10.1f} {gl * 1e6:>10.1f} {ratio:>15.2f} {n / rv * factor / 1e9:>16.2f} "
-              f"{n / gl * factor / 1e9:>16.2f} {one_rank[n] * 1e6:>10.1f}")
+              f"{n / gl * factor / 1e9:>16.2f} {one_rank[n] * 1e6:>16.1f} {one_rank_async[n] * 1e6:>9.1f} "
+              f"{nccl_1_rank[n] * 1e6:>14.1f}")
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
 

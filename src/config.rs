@@ -208,6 +208,10 @@ pub struct GpuConfig {
     pub nccl_library: Option<std::path::PathBuf>,
     /// `RVOD_CUDA_LIBRARY`: the CUDA runtime library (libcudart) to load; when set, nothing else is tried.
     pub cuda_library: Option<std::path::PathBuf>,
+    /// `RVOD_ENABLE_ASYNC_COMPLETION` (Horovod's flag rule; off by default, as Horovod's): an op through
+    /// NCCL completes as soon as its work is queued on the GPU, not once it has run (see
+    /// `engine::execute_nccl`).
+    pub async_completion: bool,
 }
 
 impl GpuConfig {
@@ -574,7 +578,7 @@ fn hosts_config<F: Fn(&str) -> Option<String>>(env: &EnvReader<F>) -> Result<Hos
     Ok(HostsConfig { transport, ucx_library: env.string("UCX_LIBRARY").map(Into::into) })
 }
 
-/// `GPU_TRANSPORT`, `NCCL_LIBRARY`, `CUDA_LIBRARY`.
+/// `GPU_TRANSPORT`, `NCCL_LIBRARY`, `CUDA_LIBRARY`, `ENABLE_ASYNC_COMPLETION`.
 fn gpu_config<F: Fn(&str) -> Option<String>>(env: &EnvReader<F>) -> Result<GpuConfig, ConfigError> {
     let transport = match env.raw("GPU_TRANSPORT") {
         None => GpuTransport::Auto,
@@ -589,6 +593,7 @@ fn gpu_config<F: Fn(&str) -> Option<String>>(env: &EnvReader<F>) -> Result<GpuCo
         transport,
         nccl_library: env.string("NCCL_LIBRARY").map(Into::into),
         cuda_library: env.string("CUDA_LIBRARY").map(Into::into),
+        async_completion: env.flag("ENABLE_ASYNC_COMPLETION")?,
     })
 }
 
@@ -1099,6 +1104,19 @@ mod tests {
         assert_eq!(c.gpu.cuda_library, Some("/usr/lib/libcudart.so.12".into()));
         assert_eq!(config(&[("RVOD_GPU_TRANSPORT", "nccl")]).unwrap().gpu.transport, GpuTransport::Nccl);
         assert_eq!(config(&[("RVOD_GPU_TRANSPORT", "auto")]).unwrap().gpu.transport, GpuTransport::Auto);
+        assert!(!c.gpu.async_completion);
+        assert!(config(&[("HOROVOD_ENABLE_ASYNC_COMPLETION", "1")]).unwrap().gpu.async_completion);
+        assert!(
+            !config(&[("RVOD_ENABLE_ASYNC_COMPLETION", "0"), ("HOROVOD_ENABLE_ASYNC_COMPLETION", "1")])
+                .unwrap()
+                .gpu
+                .async_completion
+        );
+        let bad = config(&[("RVOD_ENABLE_ASYNC_COMPLETION", "sometimes")]).unwrap_err();
+        assert_eq!(
+            bad.to_string(),
+            "invalid environment variable RVOD_ENABLE_ASYNC_COMPLETION=\"sometimes\": expected 0/1 or true/false"
+        );
         let bad = config(&[("RVOD_GPU_TRANSPORT", "mpi")]).unwrap_err();
         assert_eq!((bad.name.as_str(), bad.value.as_str()), ("RVOD_GPU_TRANSPORT", "mpi"));
         assert!(bad.reason.contains("auto, nccl or host"), "{bad}");

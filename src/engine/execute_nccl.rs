@@ -8,15 +8,23 @@
 //! ([`crate::gpu::nccl::wait_or_abort`], bounded by `RVOD_TIMEOUT`), so a dead peer or an NCCL error becomes
 //! an error instead of a hang; the caller aborts the communicator on any failure (this rank's peers' NCCL
 //! calls then fail too) and ends the process set's loop.
+//!
+//! With `RVOD_ENABLE_ASYNC_COMPLETION` (Horovod's `HOROVOD_ENABLE_ASYNC_COMPLETION`) the op completes as soon
+//! as its work is queued: the consumer's stream waits for the event (a host that waits synchronizes on it),
+//! and nothing waits on the host, as PyTorch DDP's NCCL work does. The op is then kept as [`InFlight`] until
+//! its event has completed; the loop looks at those often ([`NcclRoute::settle`], through
+//! `GpuRoute::watch`), and an NCCL error or an op past `RVOD_TIMEOUT` fails the route as above: the next op
+//! raises, and a host that waited on a failed op's event raises with the reason
+//! ([`crate::gpu::tensor::DeviceDone::failure`]). The communicator is not destroyed under queued work.
 
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use crate::engine::execute::TensorResult;
 use crate::engine::gpu_route::NcclRoute;
 use crate::engine::table::TensorEntry;
 use crate::error::EngineError;
-use crate::gpu::cuda::CudaDevice;
+use crate::gpu::cuda::{CudaDevice, CudaEvent};
 use crate::gpu::device::{Device, DevicePtr};
 use crate::gpu::nccl::wait_or_abort;
 use crate::gpu::plan::NcclPlan;
@@ -41,6 +49,9 @@ pub fn execute(
     entries: &mut [Option<TensorEntry>],
     phases: &mut OpRecord,
 ) -> Result<Results, String> {
+    if route.async_completion {
+        route.settle()?;
+    }
     let mut op = Op { route, gpu: route.context.device(), rank: route.comm.rank, scratch: Vec::new() };
     let ordinal = route.context.ordinal();
     op.gpu.make_current().map_err(|e| op.failed(e))?;
@@ -64,15 +75,25 @@ pub fn execute(
     let enqueued = op.enqueue(plan, response, entries, &mut results);
     // Wait even after a failure: work already queued may still read the inputs (after an abort it ends).
     let done = op.gpu.record(&route.stream).map_err(|e| op.failed(e));
+    let handed_back_early = route.async_completion && enqueued.is_ok();
     let waited = match &done {
+        Ok(_) if handed_back_early => Ok(()),
         Ok(event) => op.wait(event, response),
         Err(e) => Err(e.clone()),
     };
     enqueued?;
     waited?;
+    // Work still queued may use the scratch buffers: each one's drop marks the end of that work on the set's
+    // stream (their consumer), and the pool's next user waits for the mark.
     drop(op.scratch);
     phases.mark_collective();
-    let done = DeviceDone { context: route.context.clone(), event: Arc::new(done?) };
+    let event = Arc::new(done?);
+    let failure = handed_back_early.then(|| {
+        let what = format!("rank {} (GPU {}): {}", route.comm.rank, route.context.ordinal(), describe(response));
+        lock(&route.in_flight).push_back(InFlight { event: event.clone(), what, since: Instant::now() });
+        route.failure.clone()
+    });
+    let done = DeviceDone { context: route.context.clone(), event, failure };
     Ok(entries
         .iter()
         .zip(results)
@@ -83,6 +104,84 @@ pub fn execute(
             Ok(result)
         })
         .collect())
+}
+
+/// An op handed back before its work ran (asynchronous completion, see the module doc).
+pub struct InFlight {
+    /// Recorded after its work.
+    event: Arc<CudaEvent>,
+    /// "rank r (GPU g): allreduce of 'name'", for errors.
+    what: String,
+    /// When it was queued.
+    since: Instant,
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// "allreduce of 'name'": what a response is, for messages.
+fn describe(response: &Response) -> String {
+    format!("{} of '{}'", response.kind, response.entries.first().map_or("", |e| e.name.as_str()))
+}
+
+impl NcclRoute {
+    /// Whether ops handed back early still have work queued.
+    pub fn has_in_flight(&self) -> bool {
+        !lock(&self.in_flight).is_empty()
+    }
+
+    /// Forget the ops handed back early whose work is done; `Err`, why (the communicator must then be
+    /// aborted), where NCCL reported an error or the oldest still queued was queued `RVOD_TIMEOUT` ago.
+    pub fn settle(&self) -> Result<(), String> {
+        let mut in_flight = lock(&self.in_flight);
+        let gpu = self.context.device();
+        while let Some(op) = in_flight.front() {
+            match gpu.query(&op.event) {
+                Ok(true) => {
+                    in_flight.pop_front();
+                }
+                Ok(false) => break,
+                Err(e) => return Err(format!("{}: {e}", op.what)),
+            }
+        }
+        let Some(oldest) = in_flight.front() else { return Ok(()) };
+        self.comm.async_error()?;
+        if oldest.since.elapsed() >= self.timeout {
+            return Err(format!(
+                "{} did not complete within {:.0} s (RVOD_TIMEOUT) after it was handed back; the NCCL communicator \
+                 was aborted",
+                oldest.what,
+                self.timeout.as_secs_f64()
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for NcclRoute {
+    /// The communicator is not destroyed under work still queued (ops handed back early): wait for the
+    /// last, as an op's wait does (an error aborts it).
+    fn drop(&mut self) {
+        if self.comm.is_aborted() {
+            return; // its work ends without the communicator
+        }
+        let Some(last) = lock(&self.in_flight).back().map(|op| (op.event.clone(), op.what.clone())) else { return };
+        let (event, what) = last;
+        let gpu = self.context.device();
+        let comm = &self.comm;
+        let waited = wait_or_abort(
+            || gpu.query(&event).map_err(|e| format!("{what}: {e}")),
+            || comm.async_error(),
+            || comm.abort(),
+            self.timeout,
+            POLL,
+            &what,
+        );
+        if let Err(why) = waited {
+            tracing::warn!("closing the process set's NCCL communicator: {why}");
+        }
+    }
 }
 
 /// One response's NCCL work on this rank.
@@ -146,8 +245,8 @@ impl Op<'_> {
     }
 
     /// Wait for the op's work (see the module doc).
-    fn wait(&self, event: &crate::gpu::cuda::CudaEvent, response: &Response) -> Result<(), String> {
-        let what = format!("{} of '{}'", response.kind, response.entries.first().map_or("", |e| e.name.as_str()));
+    fn wait(&self, event: &CudaEvent, response: &Response) -> Result<(), String> {
+        let what = describe(response);
         let comm = &self.route.comm;
         wait_or_abort(
             || self.gpu.query(event).map_err(|e| self.failed(e)),

@@ -12,11 +12,13 @@
 //! `rvodrun --verbose` shows); a refusal (only where `RVOD_GPU_TRANSPORT=nccl`) at `warn`, and every GPU op of
 //! the set then fails with it, on every rank alike.
 
+use std::collections::VecDeque;
 use std::ffi::c_char;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use crate::config::{Config, GpuTransport};
+use crate::engine::execute_nccl::InFlight;
 use crate::gpu::bootstrap::{agree_on_outcome, agree_on_route, BootstrapError, Placement, Setup};
 use crate::gpu::cuda::CudaStream;
 use crate::gpu::library::loaded;
@@ -34,6 +36,12 @@ pub struct NcclRoute {
     pub version: i32,
     /// `RVOD_TIMEOUT`: how long a collective may take before the communicator is aborted.
     pub timeout: Duration,
+    /// `RVOD_ENABLE_ASYNC_COMPLETION`: ops complete once their work is queued (see `engine::execute_nccl`).
+    pub async_completion: bool,
+    /// Ops handed back whose work has not been seen done yet, oldest first (asynchronous completion).
+    pub in_flight: Mutex<VecDeque<InFlight>>,
+    /// Why the route failed after handing ops back, for the hosts that waited on their events.
+    pub failure: Arc<OnceLock<String>>,
 }
 
 /// What the members agreed, as this rank runs it.
@@ -59,6 +67,7 @@ pub struct GpuRoute {
     setting: GpuTransport,
     host: String,
     timeout: Duration,
+    async_completion: bool,
     state: State,
 }
 
@@ -71,6 +80,7 @@ impl GpuRoute {
             setting: config.gpu.transport,
             host: config.topology.hostname.clone(),
             timeout: config.timeout,
+            async_completion: config.gpu.async_completion,
             state: State::Unagreed,
         }
     }
@@ -88,10 +98,30 @@ impl GpuRoute {
         })
     }
 
+    /// Whether ops handed back early still have work queued on the GPU (the loop then looks at them often,
+    /// see [`GpuRoute::watch`]).
+    pub fn has_in_flight(&self) -> bool {
+        matches!(&self.state, State::Nccl(route) if route.has_in_flight())
+    }
+
+    /// Look at the ops handed back before their work ran (asynchronous completion): forget those done;
+    /// `Err` (the route has failed, see [`GpuRoute::fail`]) where NCCL reported an error or one took longer
+    /// than `RVOD_TIMEOUT`.
+    pub fn watch(&mut self) -> Result<(), String> {
+        let State::Nccl(route) = &self.state else { return Ok(()) };
+        let settled = route.settle();
+        if let Err(why) = &settled {
+            self.fail(why);
+        }
+        settled
+    }
+
     /// The NCCL route failed (`why`): its communicator is aborted (so no peer waits on it) and every later
     /// GPU op of the set fails.
     pub fn fail(&mut self, why: &str) {
         if let State::Nccl(route) = &self.state {
+            // Before the abort, which lets work stuck on a dead peer end: a host waiting for it reads this.
+            let _ = route.failure.set(why.to_string());
             route.comm.abort();
         }
         self.state = State::Refused(format!("the process set's NCCL communicator failed earlier: {why}"));
@@ -189,7 +219,16 @@ impl GpuRoute {
                 context.device().new_stream()
             })
             .map_err(|e| format!("rank {rank}: {e}"))?;
-        Ok(NcclRoute { comm: comm?, context, stream, version: nccl.version, timeout: self.timeout })
+        Ok(NcclRoute {
+            comm: comm?,
+            context,
+            stream,
+            version: nccl.version,
+            timeout: self.timeout,
+            async_completion: self.async_completion,
+            in_flight: Mutex::new(VecDeque::new()),
+            failure: Arc::new(OnceLock::new()),
+        })
     }
 
     fn refused(&self, why: String) -> State {

@@ -48,6 +48,10 @@ pub(crate) const JOIN_GRACE: Duration = Duration::from_micros(200);
 /// the round starts then instead of waiting out the whole cycle.
 const BURST_GAP: Duration = Duration::from_micros(100);
 
+/// How often the loop looks at GPU work still running after its ops were handed back (asynchronous
+/// completion): how late an NCCL error or a dead peer is noticed, at most, while nothing else happens.
+const GPU_WATCH: Duration = Duration::from_millis(2);
+
 /// How the failure of an op pending when the job shut down begins.
 const SHUT_DOWN: &str = "rvod has been shut down: ";
 
@@ -192,6 +196,9 @@ impl Loop {
         let shutdown = stop.is_some();
         self.check_stalls();
         crate::memory::trim_idle();
+        if let Err(why) = self.gpu_route.watch() {
+            return Err(Err(EngineError::Gpu(why)));
+        }
 
         let mut start = first_new.is_some() || shutdown || self.negotiator.wants_round();
         if !start {
@@ -474,9 +481,15 @@ impl Loop {
     }
 
     fn idle_timeout(&self) -> Duration {
-        match (&self.stall_clock, self.table.is_empty()) {
+        let wait = match (&self.stall_clock, self.table.is_empty()) {
             (Some(clock), false) => clock.remaining(Instant::now()).max(Duration::from_millis(10)).min(IDLE_WAIT),
             _ => IDLE_WAIT,
+        };
+        // Ops handed back before their GPU work ran are looked at this often (see `GpuRoute::watch`).
+        if self.gpu_route.has_in_flight() {
+            wait.min(GPU_WATCH)
+        } else {
+            wait
         }
     }
 

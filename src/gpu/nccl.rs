@@ -385,6 +385,10 @@ impl Communicator {
 
     /// `ncclCommGetAsyncError`: an error NCCL hit in the background (a peer died, a link broke), if any.
     pub fn async_error(&self) -> Result<(), String> {
+        if self.is_aborted() {
+            // Its handle is gone: NCCL freed it.
+            return Err(format!("the NCCL communicator of rank {} was aborted", self.rank));
+        }
         let mut status: NcclStatus = SUCCESS;
         // SAFETY: a live communicator and a valid out-pointer.
         let queried = unsafe { (self.nccl.f.comm_get_async_error)(self.comm, &mut status) };
@@ -393,6 +397,11 @@ impl Communicator {
             return Ok(());
         }
         self.check(status, "a collective (reported by ncclCommGetAsyncError)")
+    }
+
+    /// Whether [`Communicator::abort`] ran.
+    pub fn is_aborted(&self) -> bool {
+        self.aborted.load(Ordering::SeqCst)
     }
 
     /// `ncclCommAbort`: stop every operation of this communicator so no kernel waits forever for a dead peer.

@@ -1,7 +1,7 @@
 //! Device tensors as the engine carries them: an input on a GPU with the event that says when it is
 //! ready, a result in a pooled device buffer, and the event that says when results are written.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use crate::gpu::cuda::CudaEvent;
 use crate::gpu::device::DevicePtr;
@@ -44,6 +44,10 @@ pub struct DeviceOutput {
 pub struct DeviceDone {
     pub context: Arc<DeviceContext>,
     pub event: Arc<CudaEvent>,
+    /// For an op handed back before its work ran (asynchronous completion through NCCL): set, with why,
+    /// when that work failed (the event then completes once the communicator is aborted, over results that
+    /// are not the collective's); a host that waited on the event reads it after.
+    pub failure: Option<Arc<OnceLock<String>>>,
 }
 
 impl std::fmt::Debug for DeviceDone {

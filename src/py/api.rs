@@ -591,6 +591,35 @@ pub fn wait(py: Python<'_>, handle: u64, stream: Option<usize>) -> PyResult<Boun
     })
 }
 
+/// The host waits for `event` (an op's GPU results), with the GIL released and Ctrl-C seen between slices
+/// (the work may take long: with asynchronous completion the op is handed back before it runs, and work stuck
+/// on a dead peer ends only when the engine aborts its communicator).
+fn host_wait(
+    py: Python<'_>,
+    device: &crate::gpu::cuda::CudaDevice,
+    event: &crate::gpu::cuda::CudaEvent,
+) -> PyResult<Result<(), crate::gpu::GpuError>> {
+    /// Looks at the event back to back for this long, then sleeps this long between looks.
+    const SPIN: std::time::Duration = std::time::Duration::from_micros(200);
+    const POLL: std::time::Duration = std::time::Duration::from_micros(50);
+    match device.query(event) {
+        Ok(false) => {}
+        done => return Ok(done.map(|_| ())),
+    }
+    let started = std::time::Instant::now();
+    detached(py, |slice| {
+        let until = std::time::Instant::now() + slice;
+        loop {
+            match device.query(event) {
+                Ok(false) if std::time::Instant::now() >= until => return None,
+                Ok(false) if started.elapsed() < SPIN => std::thread::yield_now(),
+                Ok(false) => std::thread::sleep(POLL),
+                done => return Some(done.map(|_| ())),
+            }
+        }
+    })
+}
+
 /// What `wait` returns for a completed op, once `stream` (or the host) waits for its GPU results.
 fn wait_result(
     py: Python<'_>,
@@ -606,9 +635,15 @@ fn wait_result(
                 let borrowed = unsafe { device.borrowed_stream(stream) };
                 device.wait_event(&borrowed, &done.event)
             }
-            None => device.synchronize(&done.event),
+            None => host_wait(py, device, &done.event)?,
         };
         waited.map_err(|e| to_py_err(EngineError::Gpu(e.to_string())))?;
+        // An op handed back before its NCCL work ran, whose work then failed (asynchronous completion).
+        if let Some(why) = done.failure.as_ref().and_then(|failure| failure.get()) {
+            let message =
+                format!("{why} (the op was handed back before its GPU work ran: RVOD_ENABLE_ASYNC_COMPLETION)");
+            return Err(to_py_err(EngineError::Gpu(message)));
+        }
     }
     let outputs = PyList::empty(py);
     let mut on_device = output.device_tensors.into_iter();

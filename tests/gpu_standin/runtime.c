@@ -20,6 +20,9 @@
 
 pthread_mutex_t si_lock = PTHREAD_MUTEX_INITIALIZER;
 pthread_cond_t si_progress = PTHREAD_COND_INITIALIZER;
+/* A stream's thread waits for work on this one (new items, a destroy), so that completions do not wake idle
+   streams' threads. */
+static pthread_cond_t si_work = PTHREAD_COND_INITIALIZER;
 
 /* ---- settings, read once ---- */
 
@@ -34,6 +37,9 @@ static uint8_t *device_view; /* PROT_NONE: what device pointers point into */
 static uint8_t *library_view; /* read-write: the same bytes as this library reaches them */
 static atomic_uint delay_us;
 static atomic_int kernel_us; /* < 0: three times delay_us */
+/* RVOD_STANDIN_INLINE: work enqueued on an idle stream with nothing to wait for runs at once, on the caller's
+   thread (no handoff to the stream's thread): a GPU that costs nothing, to time what rvod itself adds. */
+static int run_inline;
 
 long si_env_long(const char *name, long fallback) {
     const char *v = getenv(name);
@@ -68,6 +74,7 @@ static void read_settings(void) {
     capacity = (capacity + (size_t)page - 1) / (size_t)page * (size_t)page;
     atomic_store(&delay_us, (unsigned)si_env_long("RVOD_STANDIN_STREAM_DELAY_US", 0));
     atomic_store(&kernel_us, (int)si_env_long("RVOD_STANDIN_KERNEL_US", -1));
+    run_inline = si_env_long("RVOD_STANDIN_INLINE", 0) != 0;
     const char *list = getenv("CUDA_VISIBLE_DEVICES");
     if (list) { /* as CUDA: the listed ordinals, up to the first invalid or repeated one */
         const char *p = list;
@@ -233,6 +240,7 @@ struct si_stream {
     int nonblocking;
     int kind;
     int destroyed;
+    int inline_busy; /* an item runs on its caller's thread (RVOD_STANDIN_INLINE): the worker waits */
     uint64_t enqueued, completed;
     struct item *head, *tail;
     si_stream *next_all;
@@ -247,7 +255,7 @@ static void *worker(void *arg) {
     si_stream *s = arg;
     pthread_mutex_lock(&si_lock);
     for (;;) {
-        while (!s->head && !s->destroyed) pthread_cond_wait(&si_progress, &si_lock);
+        while ((!s->head || s->inline_busy) && !s->destroyed) pthread_cond_wait(&si_work, &si_lock);
         struct item *it = s->head;
         if (!it) break;
         s->head = it->next;
@@ -333,10 +341,27 @@ uint64_t si_enqueue(si_stream *s, void (*run)(void *), void *arg, si_stream *aft
         if (l && l->completed < l->enqueued) deps[n++] = (struct dep){l, l->enqueued};
     }
     uint64_t seq = ++s->enqueued;
+    if (run_inline && n == 0 && !s->head && s->completed + 1 == seq && atomic_load(&delay_us) == 0) {
+        /* Nothing before it on this stream and nothing to wait for: run it here (the stream's thread sees
+           completed == enqueued and stays asleep). */
+        free(it);
+        free(deps);
+        s->inline_busy = 1;
+        pthread_mutex_unlock(&si_lock);
+        if (run) run(arg);
+        pthread_mutex_lock(&si_lock);
+        s->inline_busy = 0;
+        s->completed = seq;
+        pthread_cond_broadcast(&si_progress);
+        if (s->head) pthread_cond_broadcast(&si_work); /* queued behind it meanwhile */
+        pthread_mutex_unlock(&si_lock);
+        return seq;
+    }
     *it = (struct item){.seq = seq, .ndeps = n, .deps = deps, .run = run, .arg = arg};
     if (s->tail) s->tail->next = it;
     else s->head = it;
     s->tail = it;
+    pthread_cond_broadcast(&si_work);
     pthread_cond_broadcast(&si_progress);
     pthread_mutex_unlock(&si_lock);
     return seq; /* not it->seq: the worker may have run and freed `it` already */
@@ -722,6 +747,7 @@ SI_EXPORT int cudaStreamDestroy(void *stream) {
     status = (uintptr_t)stream <= 2 ? SI_CUDA_INVALID_RESOURCE_HANDLE : stream_of_locked(stream, 0, &s);
     if (!status) {
         s->destroyed = 1; /* its worker finishes the queued work, then exits */
+        pthread_cond_broadcast(&si_work);
         pthread_cond_broadcast(&si_progress);
     }
     pthread_mutex_unlock(&si_lock);

@@ -269,12 +269,16 @@ def test_the_gpu_worker_itself_runs_on_cpu_tensors(run_rvodrun, job_env):
 @needs_gpu
 @not_yet
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("ranks", [1, 2, 4], ids=["1-rank-nccl", "2-ranks-share-one-gpu-host-staging",
-                                                  "4-ranks-share-one-gpu-host-staging"])
-def test_cuda_tensors_match_the_cpu_results(run_rvodrun, job_env, ranks):
+@pytest.mark.parametrize(("ranks", "handed_back_early"), [(1, False), (1, True), (2, False), (4, False)],
+                         ids=["1-rank-nccl", "1-rank-nccl-async-completion", "2-ranks-share-one-gpu-host-staging",
+                              "4-ranks-share-one-gpu-host-staging"])
+def test_cuda_tensors_match_the_cpu_results(run_rvodrun, job_env, ranks, handed_back_early):
     """Every op x dtype x variant, stream order, DistributedOptimizer and SyncBatchNorm (workers/gpu_ops.py), on
-    the route the ranks must choose: NCCL for one rank with the GPU to itself, host staging for two sharing it."""
+    the route the ranks must choose: NCCL for one rank with the GPU to itself, host staging for two sharing it.
+    With RVOD_ENABLE_ASYNC_COMPLETION, NCCL ops complete once queued: the framework's stream must still wait."""
     job_env.pop("RVOD_LOG_LEVEL", None)
+    if handed_back_early:
+        job_env["RVOD_ENABLE_ASYNC_COMPLETION"] = "1"
     result = run_rvodrun(["-np", str(ranks), "--verbose", PYTHON, GPU_OPS], timeout=240)
     assert_worker_job(result, dict.fromkeys(range(ranks), GPU_OPS_CHECKS))
     route = "via NCCL" if ranks == 1 else "via host staging"

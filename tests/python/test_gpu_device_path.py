@@ -42,12 +42,16 @@ def test_every_op_on_ranks_sharing_gpu_0_by_host_staging(run_rvodrun, job_env, r
     run_cases(run_rvodrun, job_env, ranks, "same", devices=1, stream_delay_us=300)
 
 
-@pytest.mark.parametrize("ranks", [2, 3])
-def test_every_op_with_a_gpu_per_rank_through_nccl(run_rvodrun, job_env, ranks):
+@pytest.mark.parametrize(("ranks", "handed_back_early"), [(2, False), (3, False), (2, True)],
+                         ids=["2", "3", "2-async-completion"])
+def test_every_op_with_a_gpu_per_rank_through_nccl(run_rvodrun, job_env, ranks, handed_back_early):
     """Each rank on a GPU of its own: the process set takes NCCL (what plan.rs sends to host staging, e.g.
     Adasum, int16, scaled integer sums, uneven reducescatter, still stages, and every case must still pass). On 3
-    ranks the process set of ranks 0 and 1 starts a communicator of its own."""
+    ranks the process set of ranks 0 and 1 starts a communicator of its own. With RVOD_ENABLE_ASYNC_COMPLETION the
+    ops complete once their work is queued: every result must still be read after it was written."""
     job_env["RVOD_LOG_LEVEL"] = "info"
+    if handed_back_early:
+        job_env["RVOD_ENABLE_ASYNC_COMPLETION"] = "1"
     result = run_cases(run_rvodrun, job_env, ranks, "own", devices=ranks, stream_delay_us=300)
     sets = [0, 1] if ranks == 3 else [0]
     for set_id in sets:

@@ -61,6 +61,27 @@ def test_a_peer_that_dies_while_an_nccl_call_waits_for_it_raises_instead_of_hang
                         r"broke\)", lines[0][1]), report
 
 
+@pytest.mark.parametrize("early", [False, True], ids=["completed-after-the-work", "async-completion"])
+def test_an_op_completes_after_its_gpu_work_unless_async_completion_hands_it_back_at_once(run_rvodrun, job_env,
+                                                                                        early):
+    settings = {"HOROVOD_ENABLE_ASYNC_COMPLETION": "1"} if early else {}
+    result, lines, report = run(run_rvodrun, job_env, "handed_back", **settings)
+    assert result.returncode == 0, report
+    for rank in (0, 1):
+        assert lines[rank] == [f"early {early}", "result [2.0, 4.0]", "result [10.0]"], report
+
+
+def test_a_peer_that_dies_under_an_op_handed_back_early_makes_the_wait_and_the_next_op_raise(run_rvodrun, job_env):
+    result, lines, report = run(run_rvodrun, job_env, "handed_back_dead", RVOD_ENABLE_ASYNC_COMPLETION="1")
+    assert lines[0][0] == "first [2.0, 4.0]", report
+    assert re.fullmatch(r"raised RvodInternalError: NCCL error on rank 0 \(GPU 0\) in a collective \(reported by "
+                        r"ncclCommGetAsyncError\): ncclRemoteError \(6\): .* - rank 1 \(pid \d+, GPU 1\) exited while "
+                        r"rank 0 \(GPU 0\) waited for it in ncclAllReduce .*\(the op was handed back before its GPU "
+                        r"work ran: RVOD_ENABLE_ASYNC_COMPLETION\)", lines[0][1]), report
+    assert lines[0][2].startswith("raised RvodInternalError: "), report
+    assert "NCCL" in lines[0][2] and "ncclRemoteError" in lines[0][2], report
+
+
 def test_an_nccl_error_raises_on_its_rank_with_ncclss_text_and_on_the_peer(run_rvodrun, job_env):
     result, lines, report = run(run_rvodrun, job_env, "nccl_error")
     assert lines[1][1] == ("raised RvodInternalError: NCCL error on rank 1 (GPU 1) in ncclAllReduce: ncclSystemError "

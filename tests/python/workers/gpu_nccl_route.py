@@ -10,6 +10,13 @@
   allreduce's NCCL call is queued: rank 0 raises (NCCL's remote error), nobody hangs.
 - ``nccl_error``: rank 1's second ncclAllReduce fails (injected ncclSystemError): both raise.
 - ``oom``: rank 1's GPU is too small for the fusion buffer of a fused allreduce: both raise.
+- ``handed_back``: both ranks' streams are slowed down (100 ms an item), then an async allreduce: prints whether
+  its handle completed before its work ran (the device memory still held the input when ``poll`` first said
+  done: ``early True`` with RVOD_ENABLE_ASYNC_COMPLETION, ``early False`` without), then the result once waited
+  for, then a second allreduce's result (the in-flight list emptied and the communicator went on).
+- ``handed_back_dead``: as ``dead``, with RVOD_ENABLE_ASYNC_COMPLETION: the second allreduce is handed back before
+  its work ran; rank 0's host wait for it raises once the loop found NCCL's error (and aborted, which ends the
+  stuck work), and so does the next op.
 
 Each rank prints ``first <values>`` (where it ran one), then ``result <values>`` lines or ``raised <class>:
 <message>``, and ``finished``.
@@ -72,13 +79,34 @@ try:
         except Exception as error:  # noqa: BLE001 - the test reads the class and the message
             print(f"raised {type(error).__name__}: {error}", flush=True)
         print("cpu", hvd.allreduce(np.ones(2, np.float32), op=hvd.Sum, name="cpu").tolist(), flush=True)
-    elif SCENARIO == "dead":
+    elif SCENARIO == "handed_back":
+        import time
+
+        a = on_gpu([1.0, 2.0])
+        g.load().standin_set_stream_delay_us(100_000)
+        handle = hvd.allreduce_async_(a, op=hvd.Sum, name="slow")
+        deadline = time.monotonic() + 20
+        while not hvd.poll(handle) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        print("early", a.peek().tolist() == [1.0, 2.0], flush=True)
+        hvd.synchronize(handle)
+        print("result", a.to_numpy().tolist(), flush=True)
+        g.load().standin_set_stream_delay_us(0)
+        print("result", read(hvd.allreduce(on_gpu([5.0]), op=hvd.Sum, name="after")), flush=True)
+    elif SCENARIO in ("dead", "handed_back_dead"):
         first()
         second = on_gpu([1.0, 1.0])
         if rank == 1:
             g.load().standin_set_stream_delay_us(10_000_000)  # the NCCL call waits in the stream meanwhile
             threading.Timer(1.0, lambda: os._exit(0)).start()
-        hvd.allreduce(second, op=hvd.Sum, name="second")
+        try:
+            hvd.allreduce(second, op=hvd.Sum, name="second")
+            print("no error", flush=True)
+        except Exception as error:  # noqa: BLE001 - the test reads the class and the message
+            if SCENARIO == "dead":
+                raise
+            print(f"raised {type(error).__name__}: {error}", flush=True)
+        hvd.allreduce(on_gpu([1.0]), op=hvd.Sum, name="third")
         print("no error", flush=True)
     elif SCENARIO == "nccl_error":
         first()
@@ -92,6 +120,6 @@ try:
 except Exception as error:  # noqa: BLE001 - the test reads the class and the message
     print(f"raised {type(error).__name__}: {error}", flush=True)
 print("finished", flush=True)
-if SCENARIO in ("join", "join_first", "plain"):
+if SCENARIO in ("join", "join_first", "plain", "handed_back"):
     hvd.shutdown()
 os._exit(0)
