@@ -109,6 +109,25 @@ def run_job(impl: str, ranks: int, sizes: list[int], iters: int, env: dict[str, 
     raise RuntimeError(f"{impl}: no RESULT line in:\n{outputs}")
 
 
+def timeline_phases(path: Path) -> dict[str, float]:
+    """Median microseconds of each phase of the timed ops in an rvod timeline (``RVOD_TIMELINE``), and the median
+    time from one op's negotiation to the next's ("period"): where a 1-rank op's time goes."""
+    events = json.loads(path.read_text())
+    timed = {e["pid"] for e in events if e.get("name") == "process_name" and "timed." in e["args"]["name"]}
+    phases: dict[str, list[float]] = {}
+    starts = []
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in timed:
+            phases.setdefault(e["name"], []).append(e["dur"])
+            if e["name"].startswith("NEGOTIATE"):
+                starts.append(e["ts"])
+    starts.sort()
+    medians = {name: statistics.median(durations) for name, durations in phases.items()}
+    if len(starts) > 1:
+        medians["period"] = statistics.median(b - a for a, b in zip(starts, starts[1:]))
+    return medians
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker")
@@ -135,9 +154,14 @@ def main() -> None:
     except RuntimeError as why:  # no NCCL backend in this torch (or a dry run on CPU)
         print(f"torch.distributed NCCL on 1 rank not timed: {str(why).splitlines()[0]}")
         nccl_1_rank = {n: float("nan") for n in sizes}
+    # Where a 1-rank 4-byte op's time goes, from rvod's timeline (a run of its own: recording costs time too).
+    timeline = Path(args.out or "gpu-bench.json").with_name("gpu-bench-timeline.json")
+    run_job("rvod", 1, [4], 200, {"RVOD_TIMELINE": str(timeline)})
+    phases = timeline_phases(timeline)
     median = statistics.median
     report = {"ranks": args.ranks, "sizes": sizes, "rounds": rounds, "rvod_1_rank": one_rank,
-              "rvod_1_rank_async_completion": one_rank_async, "torch_nccl_1_rank": nccl_1_rank}
+              "rvod_1_rank_async_completion": one_rank_async, "torch_nccl_1_rank": nccl_1_rank,
+              "rvod_1_rank_4_bytes_timeline_us": phases}
     print(f"CUDA float32 allreduce, {args.ranks} ranks sharing one GPU (rank 0's mean per call; median of "
           f"{args.rounds} alternating rounds); busbw = bytes / time * 2 (n - 1) / n")
     print(f"{'bytes':>10} {'rvod us':>10} {'gloo us':>10} {'rvod/gloo time':>15} {'rvod busbw GB/s':>16} "
@@ -149,6 +173,7 @@ def main() -> None:
         print(f"{n:>10} {rv * 1e6:>10.1f} {gl * 1e6:>10.1f} {ratio:>15.2f} {n / rv * factor / 1e9:>16.2f} "
               f"{n / gl * factor / 1e9:>16.2f} {one_rank[n] * 1e6:>16.1f} {one_rank_async[n] * 1e6:>9.1f} "
               f"{nccl_1_rank[n] * 1e6:>14.1f}")
+    print("1 rank, 4 bytes, rvod's timeline (median us): " + ", ".join(f"{k} {v:.0f}" for k, v in phases.items()))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
 

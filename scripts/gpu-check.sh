@@ -6,7 +6,7 @@
 #   bash scripts/gpu-check.sh [WHEEL]        (default: the newest dist/rvod-*.whl)
 #
 # Environment: PYTHON (default python3), OUT (where the report and logs go; default ./gpu-check-out),
-# GPU_CHECK_TEST_TIMEOUT / GPU_CHECK_BENCH_TIMEOUT (seconds; defaults 270 and 150, so the whole check ends
+# GPU_CHECK_TEST_TIMEOUT / GPU_CHECK_BENCH_TIMEOUT (seconds; defaults 270 and 180, so the whole check ends
 # within 8 minutes and can be run twice in a quarter of an hour). Exit status: that of the tests.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -79,7 +79,7 @@ end_section
 section "GPU benchmark"
 started=$SECONDS
 if [ -f benches/gpu_allreduce.py ]; then
-    timeout "${GPU_CHECK_BENCH_TIMEOUT:-150}" "$PYTHON" benches/gpu_allreduce.py --out "$OUT/gpu-bench.json" \
+    timeout "${GPU_CHECK_BENCH_TIMEOUT:-180}" "$PYTHON" benches/gpu_allreduce.py --out "$OUT/gpu-bench.json" \
         >>"$REPORT" 2>&1
     echo "(exit $? after $((SECONDS - started)) s)" >>"$REPORT"
 else
