@@ -64,10 +64,25 @@ class Hosts:
                 # tbf needs a bucket of at least rate / HZ; 4 MB covers 10 Gbit/s at HZ=250 with room.
                 run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", veth, "root", "tbf", "rate", self.rate,
                     "burst", "4mb", "latency", "50ms")
+            self.wait_until_up()
         except BaseException:
             self.__exit__()
             raise
         return self
+
+    def wait_until_up(self, timeout=10.0):
+        """Wait until both ends of the veth pair are operational: a device that is not yet (the kernel reports
+        the carrier a moment after `link set up`) is left out by UCX's TCP transport, whose endpoints then find the
+        other host unreachable."""
+        deadline = time.monotonic() + timeout
+        while True:
+            states = [run("ip", "netns", "exec", ns, "cat", f"/sys/class/net/{veth}/operstate").stdout.strip()
+                      for ns, veth in zip(self.ns, self.veth)]
+            if all(state == "up" for state in states):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the veth pair {self.veth} is not up after {timeout} s: {states}")
+            time.sleep(0.05)
 
     def __exit__(self, *exc):
         for ns in self.ns:
