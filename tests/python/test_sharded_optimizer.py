@@ -60,3 +60,45 @@ def test_rank_0_saves_its_model_after_the_other_ranks_scripts_ended_right_after_
     result = run_rvodrun(["-np", "3", sys.executable, str(script)], timeout=45)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "[0]<stdout>:saved the updated parameters" in result.stdout, result.stdout
+
+
+ADOPTED_OR_COPIED = """
+import torch
+import rvod.torch as hvd
+
+hvd.init()
+torch.manual_seed(0)
+model = torch.nn.Linear(32, 48)
+# A non-contiguous parameter (a transposed weight) is written by copying; a contiguous one adopts its gathered values.
+model.weight = torch.nn.Parameter(torch.randn(32, 48).t())
+hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+reference = torch.nn.Linear(32, 48)
+reference.load_state_dict(model.state_dict())
+plain = torch.optim.SGD(reference.parameters(), lr=0.1)
+optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=model.named_parameters(), sharded=True)
+weight_memory, bias_memory = model.weight.data_ptr(), model.bias.data_ptr()
+x = torch.arange(4 * 32, dtype=torch.float32).reshape(4, 32) / 100
+for step in range(3):
+    for m, opt in ((model, optimizer), (reference, plain)):
+        opt.zero_grad()
+        m(x).square().mean().backward()
+        opt.step()
+    optimizer.wait_for_parameters()
+    for name, (a, b) in {"weight": (model.weight, reference.weight), "bias": (model.bias, reference.bias)}.items():
+        assert torch.allclose(a, b, atol=1e-6), (step, name, (a - b).abs().max())
+assert not model.weight.is_contiguous() and model.weight.data_ptr() == weight_memory, "copied into, in place"
+assert model.bias.is_contiguous() and model.bias.data_ptr() != bias_memory, "the gathered values adopted"
+print("adopted and copied parameters match the plain optimizer")
+"""
+
+
+@pytest.mark.timeout(60)
+def test_contiguous_parameters_adopt_the_gathered_values_and_strided_ones_are_copied_into(run_rvodrun, tmp_path):
+    script = tmp_path / "adopted_or_copied.py"
+    script.write_text(ADOPTED_OR_COPIED)
+    result = run_rvodrun(["-np", "2", sys.executable, str(script)], timeout=45)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"[{rank}]<stdout>:adopted and copied parameters match the plain optimizer" in result.stdout, \
+            result.stdout

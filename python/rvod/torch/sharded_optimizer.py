@@ -10,7 +10,9 @@ reduced gradient of the owned chunk is the shard's ``.grad``). ``step()`` reads 
 parameters (so ``broadcast_parameters`` or loading a model state dict is seen), steps the wrapped optimizer
 on them, and starts allgathering the updated chunks into the parameters; it returns without waiting, and
 the allgather is finished before the parameters are next read (``rvod.torch.parameter_gathers``: a module's
-forward or state dict; code that reads ``p`` itself calls ``optimizer.wait_for_parameters()`` first).
+forward or state dict; code that reads ``p`` itself calls ``optimizer.wait_for_parameters()`` first). A CPU
+parameter then takes the allgather's result as its memory (``p.data`` is swapped, not copied into), so a tensor
+that views a parameter's memory taken before a step (``p.detach()``, ``p.data``) does not follow it after.
 
 Checkpoints: ``state_dict()`` is this rank's shard state plus the layout (under ``SHARDED_KEY``);
 ``consolidate_state_dict(to=0)`` returns on rank ``to`` the state dict a plain optimizer of the wrapped
@@ -230,7 +232,7 @@ class _ShardedOptimizer:
         parameter_gathers.gathering.discard(self)
         if gather is not None:
             handle, params = gather
-            self._write_parameters(params, synchronize(handle))
+            self._write_parameters(params, synchronize(handle), adopt=True)
 
     def _abandon_gather(self):
         """Elastic restore or reset: finish the allgather in flight if the world still can, else drop it (the
@@ -241,10 +243,21 @@ class _ShardedOptimizer:
             pass
 
     @staticmethod
-    def _write_parameters(params, values):
+    def _write_parameters(params, values, adopt=False):
+        """Write the gathered ``values`` into ``params``. With ``adopt`` (``values`` are the allgather's own
+        results, used nowhere else) a contiguous CPU parameter takes its result as its memory instead of a
+        copy of it (as FSDP swaps its parameters' storage: a copy of the whole model per step saved, and its
+        old memory goes back to rvod's buffer pool, where the next step's allgather finds it). GPU parameters
+        are copied into (a device copy is cheap, and CUDA graphs need their parameters to stay put)."""
         with torch.no_grad():
             for p, flat in zip(params, values):
-                p.view(-1).copy_(flat) if p.is_contiguous() else p.copy_(flat.view(p.shape))
+                if adopt and p.device.type == "cpu" and p.is_contiguous() and flat.is_contiguous() \
+                        and flat.dtype == p.dtype and flat.device == p.device and flat.numel() == p.numel():
+                    p.data = flat.view(p.shape)
+                elif p.is_contiguous():
+                    p.view(-1).copy_(flat)
+                else:
+                    p.copy_(flat.view(p.shape))
 
     def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
         """``torch.nn.utils.clip_grad_norm_`` for a sharded optimizer, whose model has no ``p.grad`` left: scale
