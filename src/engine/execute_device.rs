@@ -269,5 +269,5 @@ fn stage_out(
     drop(host_results);
     copied?;
     waited?;
-    Ok(DeviceDone { context: context.clone(), event: Arc::new(done?), failure: None })
+    Ok(DeviceDone { context: context.clone(), event: Arc::new(done?), queued: None })
 }

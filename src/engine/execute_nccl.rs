@@ -4,18 +4,19 @@
 //! copied out), results land in place or in pooled device buffers, and the event recorded after them
 //! completes each tensor's handle. A joined rank (no tensor) takes part with zeros on its GPU.
 //!
-//! The engine thread then waits for that event, polling `ncclCommGetAsyncError` as it does
-//! ([`crate::gpu::nccl::wait_or_abort`], bounded by `RVOD_TIMEOUT`), so a dead peer or an NCCL error becomes
-//! an error instead of a hang; the caller aborts the communicator on any failure (this rank's peers' NCCL
-//! calls then fail too) and ends the process set's loop.
+//! The engine does not wait for that work: the op's handle completes once it is queued, and the op is kept
+//! as [`InFlight`] until its event has completed; the loop looks at those often ([`NcclRoute::settle`],
+//! through `GpuRoute::watch`), polling `ncclCommGetAsyncError` too, so a dead peer, an NCCL error or an op
+//! past `RVOD_TIMEOUT` becomes an error instead of a hang: the communicator is aborted (this rank's peers'
+//! NCCL calls then fail too, and work stuck on a dead peer ends) and the process set's loop ends. The engine
+//! meanwhile negotiates and queues the next ops, so the GPU runs them back to back.
 //!
-//! With `RVOD_ENABLE_ASYNC_COMPLETION` (Horovod's `HOROVOD_ENABLE_ASYNC_COMPLETION`) the op completes as soon
-//! as its work is queued: the consumer's stream waits for the event (a host that waits synchronizes on it),
-//! and nothing waits on the host, as PyTorch DDP's NCCL work does. The op is then kept as [`InFlight`] until
-//! its event has completed; the loop looks at those often ([`NcclRoute::settle`], through
-//! `GpuRoute::watch`), and an NCCL error or an op past `RVOD_TIMEOUT` fails the route as above: the next op
-//! raises, and a host that waited on a failed op's event raises with the reason
-//! ([`crate::gpu::tensor::DeviceDone::failure`]). The communicator is not destroyed under queued work.
+//! For the op's caller ([`crate::gpu::tensor::Queued`]), by default (Horovod's), the op completes once its
+//! work has run: `wait` and `poll` look at the event on the host, and a failure of the set's NCCL work
+//! raises there. With `RVOD_ENABLE_ASYNC_COMPLETION` (Horovod's `HOROVOD_ENABLE_ASYNC_COMPLETION`) it
+//! completes as soon as it is queued: the consumer's stream waits for the event and the host does not, as
+//! PyTorch DDP's NCCL work does; a failure then raises at the next op (or where a host waits on the failed
+//! op's results). The communicator is not destroyed under queued work.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -29,7 +30,7 @@ use crate::gpu::device::{Device, DevicePtr};
 use crate::gpu::nccl::wait_or_abort;
 use crate::gpu::plan::NcclPlan;
 use crate::gpu::runtime::PooledBuffer;
-use crate::gpu::tensor::{DeviceDone, DeviceOutput};
+use crate::gpu::tensor::{DeviceDone, DeviceOutput, Queued};
 use crate::gpu::GpuError;
 use crate::protocol::message::Response;
 use crate::timeline::OpRecord;
@@ -49,9 +50,7 @@ pub fn execute(
     entries: &mut [Option<TensorEntry>],
     phases: &mut OpRecord,
 ) -> Result<Results, String> {
-    if route.async_completion {
-        route.settle()?;
-    }
+    route.settle()?;
     let mut op = Op { route, gpu: route.context.device(), rank: route.comm.rank, scratch: Vec::new() };
     let ordinal = route.context.ordinal();
     op.gpu.make_current().map_err(|e| op.failed(e))?;
@@ -73,27 +72,21 @@ pub fn execute(
     }
     let mut results: Vec<TensorResult> = entries.iter().map(|_| TensorResult::default()).collect();
     let enqueued = op.enqueue(plan, response, entries, &mut results);
-    // Wait even after a failure: work already queued may still read the inputs (after an abort it ends).
     let done = op.gpu.record(&route.stream).map_err(|e| op.failed(e));
-    let handed_back_early = route.async_completion && enqueued.is_ok();
-    let waited = match &done {
-        Ok(_) if handed_back_early => Ok(()),
-        Ok(event) => op.wait(event, response),
-        Err(e) => Err(e.clone()),
-    };
+    if let (Err(_), Ok(event)) = (&enqueued, &done) {
+        // Work already queued may still read the inputs: wait for it (after the abort that follows it ends).
+        let _ = op.wait(event, response);
+    }
     enqueued?;
-    waited?;
     // Work still queued may use the scratch buffers: each one's drop marks the end of that work on the set's
     // stream (their consumer), and the pool's next user waits for the mark.
     drop(op.scratch);
     phases.mark_collective();
     let event = Arc::new(done?);
-    let failure = handed_back_early.then(|| {
-        let what = format!("rank {} (GPU {}): {}", route.comm.rank, route.context.ordinal(), describe(response));
-        lock(&route.in_flight).push_back(InFlight { event: event.clone(), what, since: Instant::now() });
-        route.failure.clone()
-    });
-    let done = DeviceDone { context: route.context.clone(), event, failure };
+    let what = format!("rank {} (GPU {}): {}", route.comm.rank, route.context.ordinal(), describe(response));
+    lock(&route.in_flight).push_back(InFlight { event: event.clone(), what, since: Instant::now() });
+    let queued = Queued { failure: route.failure.clone(), complete_on_host: !route.async_completion };
+    let done = DeviceDone { context: route.context.clone(), event, queued: Some(queued) };
     Ok(entries
         .iter()
         .zip(results)
@@ -106,7 +99,7 @@ pub fn execute(
         .collect())
 }
 
-/// An op handed back before its work ran (asynchronous completion, see the module doc).
+/// An op handed back with its work still queued (see the module doc).
 pub struct InFlight {
     /// Recorded after its work.
     event: Arc<CudaEvent>,
@@ -126,13 +119,13 @@ fn describe(response: &Response) -> String {
 }
 
 impl NcclRoute {
-    /// Whether ops handed back early still have work queued.
+    /// Whether ops handed back still have work queued.
     pub fn has_in_flight(&self) -> bool {
         !lock(&self.in_flight).is_empty()
     }
 
-    /// Forget the ops handed back early whose work is done; `Err`, why (the communicator must then be
-    /// aborted), where NCCL reported an error or the oldest still queued was queued `RVOD_TIMEOUT` ago.
+    /// Forget the ops handed back whose work is done; `Err`, why (the communicator must then be aborted),
+    /// where NCCL reported an error or the oldest still queued was queued `RVOD_TIMEOUT` ago.
     pub fn settle(&self) -> Result<(), String> {
         let mut in_flight = lock(&self.in_flight);
         let gpu = self.context.device();
@@ -149,8 +142,7 @@ impl NcclRoute {
         self.comm.async_error()?;
         if oldest.since.elapsed() >= self.timeout {
             return Err(format!(
-                "{} did not complete within {:.0} s (RVOD_TIMEOUT) after it was handed back; the NCCL communicator \
-                 was aborted",
+                "{} did not complete within {:.0} s (RVOD_TIMEOUT); the NCCL communicator was aborted",
                 oldest.what,
                 self.timeout.as_secs_f64()
             ));
@@ -160,8 +152,8 @@ impl NcclRoute {
 }
 
 impl Drop for NcclRoute {
-    /// The communicator is not destroyed under work still queued (ops handed back early): wait for the
-    /// last, as an op's wait does (an error aborts it).
+    /// The communicator is not destroyed under work still queued: wait for the last op's (an NCCL error or
+    /// `RVOD_TIMEOUT` aborts it).
     fn drop(&mut self) {
         if self.comm.is_aborted() {
             return; // its work ends without the communicator

@@ -36,11 +36,12 @@ pub struct NcclRoute {
     pub version: i32,
     /// `RVOD_TIMEOUT`: how long a collective may take before the communicator is aborted.
     pub timeout: Duration,
-    /// `RVOD_ENABLE_ASYNC_COMPLETION`: ops complete once their work is queued (see `engine::execute_nccl`).
+    /// `RVOD_ENABLE_ASYNC_COMPLETION`: ops complete for their callers once their work is queued, not once it
+    /// has run (see `engine::execute_nccl`).
     pub async_completion: bool,
-    /// Ops handed back whose work has not been seen done yet, oldest first (asynchronous completion).
+    /// Ops handed back whose work has not been seen done yet, oldest first.
     pub in_flight: Mutex<VecDeque<InFlight>>,
-    /// Why the route failed after handing ops back, for the hosts that waited on their events.
+    /// Why the route failed after handing ops back, for the callers that wait on their events.
     pub failure: Arc<OnceLock<String>>,
 }
 
@@ -98,15 +99,14 @@ impl GpuRoute {
         })
     }
 
-    /// Whether ops handed back early still have work queued on the GPU (the loop then looks at them often,
-    /// see [`GpuRoute::watch`]).
+    /// Whether ops handed back still have work queued on the GPU (the loop then looks at them often, see
+    /// [`GpuRoute::watch`]).
     pub fn has_in_flight(&self) -> bool {
         matches!(&self.state, State::Nccl(route) if route.has_in_flight())
     }
 
-    /// Look at the ops handed back before their work ran (asynchronous completion): forget those done;
-    /// `Err` (the route has failed, see [`GpuRoute::fail`]) where NCCL reported an error or one took longer
-    /// than `RVOD_TIMEOUT`.
+    /// Look at the ops handed back with their NCCL work queued: forget those done; `Err` (the route has
+    /// failed, see [`GpuRoute::fail`]) where NCCL reported an error or one took longer than `RVOD_TIMEOUT`.
     pub fn watch(&mut self) -> Result<(), String> {
         let State::Nccl(route) = &self.state else { return Ok(()) };
         let settled = route.settle();

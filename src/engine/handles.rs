@@ -188,6 +188,11 @@ impl HandleTable {
         self.lock().handles.get(&id).map(|s| s.remaining == 0)
     }
 
+    /// The events after which `id`'s GPU results are written (those it has so far).
+    pub fn device_done(&self, id: HandleId) -> Vec<DeviceDone> {
+        self.lock().handles.get(&id).map(|s| s.output.done.clone()).unwrap_or_default()
+    }
+
     /// The result of `id` if it has completed (the handle is then removed), without waiting.
     pub fn take_done(&self, id: HandleId) -> Option<Result<OpOutput, EngineError>> {
         let mut t = self.lock();

@@ -445,9 +445,17 @@ impl Engine {
         }
     }
 
-    /// `Some(true)` once the handle completed, `None` for an unknown handle.
+    /// `Some(true)` once the handle completed, `None` for an unknown handle. An op handed back with its NCCL
+    /// work still queued completes, by default, once that work has run (see `engine::execute_nccl`).
     pub fn poll(&self, id: HandleId) -> Option<bool> {
-        self.handles.is_done(id)
+        let done = self.handles.is_done(id)?;
+        Some(
+            done && self
+                .handles
+                .device_done(id)
+                .iter()
+                .all(|d| !d.host_waits() || d.failure().is_some() || d.context.device().query(&d.event) != Ok(false)),
+        )
     }
 
     /// The result of handle `id` if it has completed (it is then forgotten), without waiting.

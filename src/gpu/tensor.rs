@@ -44,10 +44,31 @@ pub struct DeviceOutput {
 pub struct DeviceDone {
     pub context: Arc<DeviceContext>,
     pub event: Arc<CudaEvent>,
-    /// For an op handed back before its work ran (asynchronous completion through NCCL): set, with why,
-    /// when that work failed (the event then completes once the communicator is aborted, over results that
-    /// are not the collective's); a host that waited on the event reads it after.
-    pub failure: Option<Arc<OnceLock<String>>>,
+    /// Set where the engine handed the op back with its work still queued (the NCCL route).
+    pub queued: Option<Queued>,
+}
+
+/// What a waiter of an op handed back with its GPU work still queued needs (see `engine::execute_nccl`).
+#[derive(Clone)]
+pub struct Queued {
+    /// Set, with why, when the process set's NCCL work failed (the event then completes once the
+    /// communicator is aborted, over results that are not the collective's); read after the event.
+    pub failure: Arc<OnceLock<String>>,
+    /// Whether the op completes for its caller only once its work has run (the default; Horovod's): `wait`
+    /// and `poll` then look at the event on the host. `false` with `RVOD_ENABLE_ASYNC_COMPLETION`.
+    pub complete_on_host: bool,
+}
+
+impl DeviceDone {
+    /// Whether the op's caller must still see the event complete before the op counts as done.
+    pub fn host_waits(&self) -> bool {
+        self.queued.as_ref().is_some_and(|q| q.complete_on_host)
+    }
+
+    /// Why the process set's NCCL work failed after this op was handed back, if it did.
+    pub fn failure(&self) -> Option<&str> {
+        self.queued.as_ref().and_then(|q| q.failure.get()).map(String::as_str)
+    }
 }
 
 impl std::fmt::Debug for DeviceDone {

@@ -629,6 +629,10 @@ fn wait_result(
     let output = result.map_err(to_py_err)?;
     for done in &output.done {
         let device = done.context.device();
+        if done.host_waits() {
+            // Handed back with its NCCL work queued; by default the op is complete once that work has run.
+            host_wait(py, device, &done.event)?.map_err(|e| to_py_err(EngineError::Gpu(e.to_string())))?;
+        }
         let waited = match stream {
             Some(stream) => {
                 // SAFETY: the caller passes its framework's live stream on this device.
@@ -638,10 +642,13 @@ fn wait_result(
             None => host_wait(py, device, &done.event)?,
         };
         waited.map_err(|e| to_py_err(EngineError::Gpu(e.to_string())))?;
-        // An op handed back before its NCCL work ran, whose work then failed (asynchronous completion).
-        if let Some(why) = done.failure.as_ref().and_then(|failure| failure.get()) {
-            let message =
-                format!("{why} (the op was handed back before its GPU work ran: RVOD_ENABLE_ASYNC_COMPLETION)");
+        // The process set's NCCL work failed after the op was handed back.
+        if let Some(why) = done.failure() {
+            let message = if done.host_waits() {
+                why.to_string()
+            } else {
+                format!("{why} (the op was handed back before its GPU work ran: RVOD_ENABLE_ASYNC_COMPLETION)")
+            };
             return Err(to_py_err(EngineError::Gpu(message)));
         }
     }
