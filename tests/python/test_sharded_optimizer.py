@@ -27,6 +27,14 @@ def test_sharded_equals_whole_batch_on_2_3_4_ranks_and_reshards_4_2_3(run_rvodru
     assert_worker_job(result, CHECKS)
 
 
+def run_script(run_rvodrun, path, text, ranks):
+    """Write ``text`` to ``path`` and run it on ``ranks`` ranks; the job must succeed."""
+    path.write_text(text)
+    result = run_rvodrun(["-np", str(ranks), sys.executable, str(path)], timeout=45)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
 SAVE_AFTER_THE_OTHERS_ENDED = """
 import time
 import torch
@@ -55,10 +63,7 @@ if hvd.rank() == 0:
 def test_rank_0_saves_its_model_after_the_other_ranks_scripts_ended_right_after_step(run_rvodrun, tmp_path):
     # The parameter allgather a sharded step() starts is finished by a rank's exit, so the common ending
     # `if hvd.rank() == 0: torch.save(model.state_dict(), ...)` does not meet a job already shut down.
-    script = tmp_path / "save_at_the_end.py"
-    script.write_text(SAVE_AFTER_THE_OTHERS_ENDED)
-    result = run_rvodrun(["-np", "3", sys.executable, str(script)], timeout=45)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_script(run_rvodrun, tmp_path / "save_at_the_end.py", SAVE_AFTER_THE_OTHERS_ENDED, ranks=3)
     assert "[0]<stdout>:saved the updated parameters" in result.stdout, result.stdout
 
 
@@ -95,10 +100,7 @@ print("adopted and copied parameters match the plain optimizer")
 
 @pytest.mark.timeout(60)
 def test_contiguous_parameters_adopt_the_gathered_values_and_strided_ones_are_copied_into(run_rvodrun, tmp_path):
-    script = tmp_path / "adopted_or_copied.py"
-    script.write_text(ADOPTED_OR_COPIED)
-    result = run_rvodrun(["-np", "2", sys.executable, str(script)], timeout=45)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_script(run_rvodrun, tmp_path / "adopted_or_copied.py", ADOPTED_OR_COPIED, ranks=2)
     for rank in (0, 1):
         assert f"[{rank}]<stdout>:adopted and copied parameters match the plain optimizer" in result.stdout, \
             result.stdout
