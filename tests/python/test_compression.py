@@ -64,10 +64,11 @@ def accuracies(output):
 
 # Test accuracy on the digits test set (450 images; one image is 0.22 points) after the same epochs from the
 # same start. The target is 0.5 points for every compressor; measured (docs/compression.md): int8
-# 0.2-0.7 points below, PowerSGD(4) 0.2-1.3 below on 2 ranks and 0.2-4 on 3 (where the order of float
-# additions alone moved it), 1-bit 1-5.1 below. The bounds hold what was measured, a little wider: a drop past
+# 0.2-0.9 points below, PowerSGD(4) 0.2-1.3 below on 2 ranks and 0.2-4 on 3 (where the order of float
+# additions alone moved it); 1-bit 1-5.1 below until vectors and small tensors went uncompressed, then 0-1.1
+# below (torch on 2 and 3 ranks, Keras on 2). The bounds hold what was measured, a little wider: a drop past
 # them is a regression.
-BOUNDS = {"int8": 1.0, "powersgd": 5.0, "onebit": 6.5}
+BOUNDS = {"int8": 1.0, "powersgd": 5.0, "onebit": 2.5}
 
 
 @pytest.mark.timeout(300)

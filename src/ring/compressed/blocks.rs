@@ -10,6 +10,9 @@
 //! Encoding also yields the residual `value - decoded`, what error feedback carries to the next step. A
 //! block holding a NaN or an infinity decodes to NaN throughout (its scale is not finite), as an
 //! uncompressed sum with one would.
+//!
+//! [`Codec::Float32`] is no compression: the values as they are, 4 bytes each and no scale (the residual is
+//! zero), for the tensors the allreduce does not compress (see `quantized`).
 
 /// Values per int8 block, and the unit the allreduce cuts a buffer into chunks by (a multiple of every
 /// codec's block).
@@ -24,20 +27,25 @@ const SCALE_BYTES: usize = 4;
 pub enum Codec {
     Int8,
     OneBit,
+    /// The values as they are (no compression).
+    Float32,
 }
 
 impl Codec {
-    /// The codec the reduced sums travel in: int8 for both (a sum of 1-bit values re-encoded as signs
-    /// loses what error feedback then needs many steps to send).
+    /// The codec the reduced sums travel in: int8 for both compressing codecs (a sum of 1-bit values
+    /// re-encoded as signs loses what error feedback then needs many steps to send); float32 stays float32.
     pub fn for_sums(self) -> Codec {
-        Codec::Int8
+        match self {
+            Codec::Float32 => Codec::Float32,
+            Codec::Int8 | Codec::OneBit => Codec::Int8,
+        }
     }
 
     /// Values per block.
     #[inline(always)]
     pub fn block(self) -> usize {
         match self {
-            Codec::Int8 => BLOCK,
+            Codec::Int8 | Codec::Float32 => BLOCK,
             Codec::OneBit => ONEBIT_BLOCK,
         }
     }
@@ -47,11 +55,15 @@ impl Codec {
         match self {
             Codec::Int8 => values,
             Codec::OneBit => values.div_ceil(8),
+            Codec::Float32 => values * 4,
         }
     }
 
     /// Bytes of `values` values encoded.
     pub fn encoded_len(self, values: usize) -> usize {
+        if self == Codec::Float32 {
+            return values * 4;
+        }
         let block = self.block();
         let (full, rest) = (values / block, values % block);
         let last = if rest > 0 { SCALE_BYTES + self.payload_bytes(rest) } else { 0 };
@@ -61,16 +73,32 @@ impl Codec {
     /// Encode `values` into `out` (`encoded_len(values.len())` bytes) and write `value - decoded` into
     /// `residual` (as long as `values`).
     pub fn encode(self, values: &[f32], out: &mut [u8], residual: &mut [f32]) {
+        if self == Codec::Float32 {
+            out.copy_from_slice(crate::ring::compressed::f32_bytes(values));
+            residual.fill(0.0);
+            return;
+        }
         encode_blocks(self, values, out, residual);
     }
 
     /// Add the values `bytes` encodes to `out` (as many values as `out` holds).
     pub fn decode_add(self, bytes: &[u8], out: &mut [f32]) {
+        if self == Codec::Float32 {
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                *o += f32::from_ne_bytes([b[0], b[1], b[2], b[3]]);
+            }
+            return;
+        }
         decode_blocks(self, bytes, out, true);
     }
 
     /// Write the values `bytes` encodes into `out` (as many values as `out` holds).
     pub fn decode(self, bytes: &[u8], out: &mut [f32]) {
+        if self == Codec::Float32 {
+            let len = out.len() * 4;
+            crate::ring::compressed::f32_bytes_mut(out).copy_from_slice(&bytes[..len]);
+            return;
+        }
         decode_blocks(self, bytes, out, false);
     }
 
@@ -89,6 +117,12 @@ impl Codec {
                     }
                 }
             }
+            // Not in blocks (see `encode`); the values as they are.
+            Codec::Float32 => {
+                for (o, b) in out.iter_mut().zip(payload.chunks_exact(4)) {
+                    *o = f32::from_ne_bytes([b[0], b[1], b[2], b[3]]);
+                }
+            }
         }
     }
 }
@@ -103,6 +137,7 @@ wide_where_possible! {
             let scale = match codec {
                 Codec::Int8 => encode_int8(block, payload),
                 Codec::OneBit => encode_onebit(block, payload),
+                Codec::Float32 => encode_float32(block, payload),
             };
             head.copy_from_slice(&scale.to_ne_bytes());
             codec.decode_block(scale, payload, res);
@@ -156,6 +191,16 @@ fn encode_int8(block: &[f32], payload: &mut [u8]) -> f32 {
     scale
 }
 
+/// Float32 is not sent in blocks ([`Codec::encode`] copies it whole); as a block it would be its values and a
+/// scale of 1.
+#[inline(always)]
+fn encode_float32(block: &[f32], payload: &mut [u8]) -> f32 {
+    for (p, v) in payload.chunks_exact_mut(4).zip(block) {
+        p.copy_from_slice(&v.to_ne_bytes());
+    }
+    1.0
+}
+
 /// Encode one block as signs (a byte of eight values at a time); returns its scale (the mean magnitude).
 #[inline(always)]
 fn encode_onebit(block: &[f32], payload: &mut [u8]) -> f32 {
@@ -186,6 +231,21 @@ mod tests {
         let mut decoded = vec![0.0; input.len()];
         codec.decode(&bytes, &mut decoded);
         (decoded, residual)
+    }
+
+    #[test]
+    fn float32_travels_as_it_is_with_nothing_left_over() {
+        let input = values(BLOCK + 7);
+        assert_eq!(Codec::Float32.encoded_len(input.len()), 4 * input.len());
+        let (decoded, residual) = round_trip(Codec::Float32, &input);
+        assert_eq!(decoded, input);
+        assert!(residual.iter().all(|&r| r == 0.0));
+        let mut bytes = vec![0u8; 4 * input.len()];
+        Codec::Float32.encode(&input, &mut bytes, &mut vec![1.0; input.len()]);
+        let mut sum = vec![1.0f32; input.len()];
+        Codec::Float32.decode_add(&bytes, &mut sum);
+        assert!(sum.iter().zip(&input).all(|(s, v)| *s == 1.0 + v));
+        assert_eq!(Codec::Float32.for_sums(), Codec::Float32);
     }
 
     #[test]

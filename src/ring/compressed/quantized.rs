@@ -10,6 +10,10 @@
 //! rank every unit, which all decode alike (the owner too, so every rank holds the same bits). A rank sends
 //! and receives about `(n-1)/n` of each encoded size: in all a quarter (int8) or about 5/32 (1-bit out,
 //! int8 back) of the float32 ring's traffic, plus a 4-byte scale per block.
+//!
+//! Tensors that are 1-D (biases, normalisation scales) or smaller than [`EXACT_BELOW`] values travel as they
+//! are ([`Codec::Float32`], summed exactly, no residual), in the same exchanges: few bytes, and the
+//! parameters a model is most sensitive to (DDP's PowerSGD hook leaves vectors uncompressed likewise).
 
 use std::ops::Range;
 
@@ -20,6 +24,14 @@ use crate::ring::compressed::feedback::{Feedback, Kind};
 use crate::ring::compressed::Span;
 use crate::transport::{Transport, TransportError};
 
+/// Tensors of fewer values than this travel uncompressed (see the module doc).
+pub const EXACT_BELOW: usize = 1024;
+
+/// Whether `span`'s tensor travels uncompressed (see the module doc).
+pub fn travels_exact(span: &Span<'_>) -> bool {
+    span.shape.len() < 2 || span.len < EXACT_BELOW
+}
+
 /// A unit of values: at most [`BLOCK`] values of one tensor (or of no tensor), and the rank that reduces it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct Unit {
@@ -27,6 +39,19 @@ struct Unit {
     /// The span it belongs to, and its first value's offset in that tensor.
     tensor: Option<(usize, usize)>,
     owner: usize,
+    /// Its tensor travels uncompressed ([`travels_exact`]).
+    exact: bool,
+}
+
+impl Unit {
+    /// The codec this unit travels in where the allreduce's is `codec`.
+    fn codec(&self, codec: Codec) -> Codec {
+        if self.exact {
+            Codec::Float32
+        } else {
+            codec
+        }
+    }
 }
 
 /// The units of `total` values laid out as `spans` on `n` ranks: each span cut into pieces of [`BLOCK`]
@@ -35,7 +60,7 @@ struct Unit {
 /// with, so that rank keeps the unit's residual from step to step.
 fn units(spans: &[Span<'_>], total: usize, n: usize) -> Vec<Unit> {
     let mut units = Vec::with_capacity(total / BLOCK + spans.len() + 1);
-    let mut cut = |range: Range<usize>, tensor: Option<(usize, &str, usize)>| {
+    let mut cut = |range: Range<usize>, tensor: Option<(usize, &str, usize)>, exact: bool| {
         let seed = tensor.map_or(0, |(_, name, _)| name_seed(name));
         let mut at = range.start;
         let mut k = 0usize;
@@ -46,6 +71,7 @@ fn units(spans: &[Span<'_>], total: usize, n: usize) -> Vec<Unit> {
                 range: at..end,
                 tensor: tensor.map(|(i, _, first)| (i, first + at - range.start)),
                 owner,
+                exact,
             });
             at = end;
             k += 1;
@@ -57,11 +83,11 @@ fn units(spans: &[Span<'_>], total: usize, n: usize) -> Vec<Unit> {
     for (i, span) in ordered {
         let start = span.start.max(covered);
         let end = (span.start + span.len).max(start);
-        cut(covered..start, None);
-        cut(start..end, Some((i, span.name, start - span.start)));
+        cut(covered..start, None, false);
+        cut(start..end, Some((i, span.name, start - span.start)), travels_exact(span));
         covered = covered.max(end);
     }
-    cut(covered..total, None);
+    cut(covered..total, None, false);
     units
 }
 
@@ -75,9 +101,9 @@ fn owned_by(units: &[Unit], owner: usize) -> Vec<Unit> {
     units.iter().filter(|unit| unit.owner == owner).cloned().collect()
 }
 
-/// Bytes of `units` encoded by `codec`.
+/// Bytes of `units` encoded by `codec` (each unit in [its own](Unit::codec)).
 fn encoded_len(codec: Codec, units: &[Unit]) -> usize {
-    units.iter().map(|unit| codec.encoded_len(unit.range.len())).sum()
+    units.iter().map(|unit| unit.codec(codec).encoded_len(unit.range.len())).sum()
 }
 
 /// Encode `units` of `values` one after another into `out`, writing what was lost into `residual` (both
@@ -85,7 +111,7 @@ fn encoded_len(codec: Codec, units: &[Unit]) -> usize {
 fn encode(codec: Codec, units: &[Unit], values: &[f32], out: &mut [u8], residual: &mut [f32], packed: bool) {
     let (mut at, mut value_at) = (0, 0);
     for unit in units {
-        let len = unit.range.len();
+        let (len, codec) = (unit.range.len(), unit.codec(codec));
         let range = if packed { value_at..value_at + len } else { unit.range.clone() };
         let size = codec.encoded_len(len);
         codec.encode(&values[range.clone()], &mut out[at..at + size], &mut residual[range]);
@@ -98,7 +124,7 @@ fn encode(codec: Codec, units: &[Unit], values: &[f32], out: &mut [u8], residual
 fn decode(codec: Codec, units: &[Unit], bytes: &[u8], values: &mut [f32], add: bool, packed: bool) {
     let (mut at, mut value_at) = (0, 0);
     for unit in units {
-        let len = unit.range.len();
+        let (len, codec) = (unit.range.len(), unit.codec(codec));
         let range = if packed { value_at..value_at + len } else { unit.range.clone() };
         let size = codec.encoded_len(len);
         if add {
@@ -250,15 +276,18 @@ mod tests {
         assert_eq!((alone[0].owner, alone[0].tensor), (all[3].owner, Some((0, 0))));
     }
 
-    /// Rank `r`'s values of the test: two tensors, 300 and 77 values.
+    const VALUES: usize = 2355;
+
+    /// Rank `r`'s values of the test: two tensors, 1,200 and 1,155 values.
     fn contribution(rank: usize) -> Vec<f32> {
-        (0..377).map(|i| ((i * 31 + rank * 17) % 97) as f32 / 13.0 - 3.0 + rank as f32).collect()
+        (0..VALUES).map(|i| ((i * 31 + rank * 17) % 97) as f32 / 13.0 - 3.0 + rank as f32).collect()
     }
 
+    /// Two matrices, large enough to be compressed (below [`EXACT_BELOW`] values only for this test's scale).
     fn spans() -> [Span<'static>; 2] {
         [
-            Span { name: "a", shape: &[300], start: 0, len: 300, contributes: true },
-            Span { name: "b", shape: &[7, 11], start: 300, len: 77, contributes: true },
+            Span { name: "a", shape: &[30, 40], start: 0, len: 1200, contributes: true },
+            Span { name: "b", shape: &[7, 11, 15], start: 1200, len: 1155, contributes: true },
         ]
     }
 
@@ -281,7 +310,7 @@ mod tests {
         let largest = |values: &[f32]| values.iter().fold(0.0f32, |m, v| m.max(v.abs()));
         for (codec, n) in [(Codec::Int8, 3), (Codec::Int8, 4), (Codec::OneBit, 2)] {
             let results = run(codec, n, 1);
-            let exact: Vec<f32> = (0..377).map(|i| (0..n).map(|r| contribution(r)[i]).sum()).collect();
+            let exact: Vec<f32> = (0..VALUES).map(|i| (0..n).map(|r| contribution(r)[i]).sum()).collect();
             // int8: half a step of each rank's encoding and of the sum's; 1-bit: no more than every value's
             // magnitude and the sum's.
             let worst_values: f32 = (0..n).map(|r| largest(&contribution(r))).sum::<f32>() + largest(&exact);
@@ -295,6 +324,31 @@ mod tests {
     }
 
     #[test]
+    fn vectors_and_small_tensors_are_summed_exactly_and_matrices_compressed() {
+        let spans = [
+            Span { name: "weight", shape: &[40, 30], start: 0, len: 1200, contributes: true },
+            Span { name: "bias", shape: &[1500], start: 1200, len: 1500, contributes: true },
+            Span { name: "kernel", shape: &[4, 1, 3, 3], start: 2700, len: 36, contributes: true },
+        ];
+        let value = |rank: usize, i: usize| ((i * 29 + rank * 13) % 89) as f32 / 11.0 - 4.0 + 0.1 * rank as f32;
+        for (codec, n) in [(Codec::OneBit, 3), (Codec::Int8, 2)] {
+            let results = run_ranks(MemoryTransport::mesh(n), |t| {
+                let mut feedback = Feedback::default();
+                let mut values: Vec<f32> = (0..2736).map(|i| value(t.rank(), i)).collect();
+                allreduce(t, codec, &mut values, &spans, &mut feedback).unwrap();
+                let mut leftover = |name, len| feedback.get(Kind::Worker, name, len, None).iter().any(|&r| r != 0.0);
+                (values, leftover("weight", 1200), leftover("bias", 1500), leftover("kernel", 36))
+            });
+            // Summed in rank order, as the owner of each unit sums its contributions.
+            let exact: Vec<f32> = (0..2736).map(|i| (0..n).fold(0.0f32, |sum, r| sum + value(r, i))).collect();
+            let (values, weight_left, bias_left, kernel_left) = &results[0];
+            assert_eq!(values[1200..], exact[1200..], "{codec:?}: the vector and the small kernel exact");
+            assert_ne!(values[..1200], exact[..1200], "{codec:?}: the matrix compressed");
+            assert!(*weight_left && !bias_left && !kernel_left, "{codec:?}: a residual for the matrix only");
+        }
+    }
+
+    #[test]
     fn error_feedback_makes_the_running_sum_converge_to_the_true_one() {
         // Over k steps of the same values, everything dropped is carried to the next step: the sum of the k
         // results stays within one step's error of k times the exact sum, where without feedback the error
@@ -302,9 +356,9 @@ mod tests {
         for codec in [Codec::Int8, Codec::OneBit] {
             let (n, steps) = (3, 40);
             let results = run(codec, n, steps);
-            let exact: Vec<f32> = (0..377).map(|i| (0..n).map(|r| contribution(r)[i]).sum()).collect();
+            let exact: Vec<f32> = (0..VALUES).map(|i| (0..n).map(|r| contribution(r)[i]).sum()).collect();
             let one_step = results[0][0].iter().zip(&exact).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
-            let mut total = vec![0.0f32; 377];
+            let mut total = vec![0.0f32; VALUES];
             for step in &results[0] {
                 for (t, v) in total.iter_mut().zip(step) {
                     *t += v;

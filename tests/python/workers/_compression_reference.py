@@ -53,7 +53,11 @@ def quantized_allreduce(contributions, kind, steps=1, sizes=None):
     """``steps`` steps of the int8 / 1-bit allreduce of every rank's float32 ``contributions`` (the same
     each step; tensors of ``sizes`` values back to back, one tensor by default), with error feedback: each
     rank adds what it could not send last time, and so does the rank that re-encodes each run's sum.
-    Returns the last step's result, or every step's with ``steps > 1``."""
+    Returns the last step's result, or every step's with ``steps > 1``, in the contributions' shape. Models
+    the tensors the engine compresses (of 2+ dimensions and at least 1,024 values; smaller ones and vectors
+    are summed exactly)."""
+    shape = contributions[0].shape
+    contributions = [c.reshape(-1) for c in contributions]
     n, total = len(contributions), contributions[0].size
     all_units = units(sizes or [total])
     worker = [np.zeros(total, dtype=np.float32) for _ in range(n)]
@@ -69,7 +73,7 @@ def quantized_allreduce(contributions, kind, steps=1, sizes=None):
         summed += server
         result = _each_unit(summed, all_units, "int8")  # the sums travel as int8 for either codec
         server = summed - result
-        results.append(result)
+        results.append(result.reshape(shape))
     return results if steps > 1 else results[0]
 
 

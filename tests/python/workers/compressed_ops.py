@@ -3,7 +3,7 @@ on 2 or 3 ranks, against NumPy references (workers/_compression_reference.py).
 
 With ``RVOD_COMPRESSION_WITHIN_HOST=1`` (argument ``forced``): one step of int8 and 1-bit equals the
 reference of the algorithm; error feedback makes the mean of many steps of the same values converge to the
-exact sum (what was dropped is sent later); PowerSGD recovers a low-rank sum and sums vectors exactly;
+exact sum (what was dropped is sent later); vectors and tensors under 1,024 values travel exactly; PowerSGD recovers a low-rank sum and sums vectors exactly;
 float16/bfloat16/float64 keep their dtype; Average is Sum over n; integers pass through exactly; every rank
 gets the same bits; refusals (Max, a mismatch between ranks naming both, a bad PowerSGD rank). Without it
 (argument ``default``): one host's shared memory reduces exactly, so the results equal uncompressed ones.
@@ -11,6 +11,7 @@ Across two hosts of two ranks (argument ``hosts``): each host's sum is exact and
 compressed between them, with error feedback, as the reference of two ranks holding those sums.
 """
 
+import functools
 import sys
 
 import numpy as np
@@ -43,12 +44,26 @@ def same_on_every_rank(result, label):
 if FORCED:
     for kind, compressor in [("int8", C.int8), ("onebit", C.onebit)]:
         with check(f"{kind}: one step equals the reference"):
-            shape = (3 * 256 * N + 77,)  # chunks of whole blocks and a short last block
+            shape = (1, 3 * 256 * N + 77)  # chunks of whole blocks and a short last block
             got = hnp.allreduce(values(R, shape, 1), op=hnp.Sum, name=f"step.{kind}", compression=compressor)
             want = quantized_allreduce(every(shape, 1), kind)
             assert got.dtype == np.float32 and got.shape == shape
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
             same_on_every_rank(got, kind)
+
+    for kind, compressor in [("int8", C.int8), ("onebit", C.onebit)]:
+        with check(f"{kind}: vectors and tensors under 1,024 values exactly, matrices compressed"):
+            shapes = [(40, 30), (1500,), (4, 1, 3, 3)]
+            mine = [values(R, shape, 14 + i) for i, shape in enumerate(shapes)]
+            got = hnp.grouped_allreduce(mine, op=hnp.Sum, name=f"exact.{kind}", compression=compressor)
+            everyone = [every(shape, 14 + i) for i, shape in enumerate(shapes)]
+            # Summed in rank order in float32, as the rank reducing each part sums its contributions.
+            in_order = [functools.reduce(np.add, rows, np.zeros(rows[0].shape, np.float32)) for rows in everyone]
+            np.testing.assert_array_equal(got[1], in_order[1])
+            np.testing.assert_array_equal(got[2], in_order[2])
+            want = quantized_allreduce(everyone[0], kind)
+            np.testing.assert_allclose(got[0], want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+            assert not np.array_equal(got[0], in_order[0]), "the matrix was not compressed"
 
     with check("round trips of the block codecs"):
         block = np.array([-3.0, 1.0, 0.0, 2.0], dtype=np.float32)
@@ -57,7 +72,7 @@ if FORCED:
 
     for kind, compressor in [("int8", C.int8), ("onebit", C.onebit)]:
         with check(f"{kind}: error feedback carries exactly what each step dropped"):
-            mine, every_rank = values(R, (1000,), 2), every((1000,), 2)
+            mine, every_rank = values(R, (40, 30), 2), every((40, 30), 2)
             got = [hnp.allreduce(mine, op=hnp.Sum, name=f"feedback.{kind}", compression=compressor)
                    for _ in range(8)]
             want = quantized_allreduce(every_rank, kind, steps=8)
@@ -66,7 +81,7 @@ if FORCED:
             assert not np.array_equal(got[0], got[1]), "the second step sent nothing of the first's residual"
 
     with check("int8: the mean of many steps converges to the exact sum"):
-        mine, exact = values(R, (1000,), 2), np.sum(every((1000,), 2), axis=0)
+        mine, exact = values(R, (40, 30), 2), np.sum(every((40, 30), 2), axis=0)
         results = [hnp.allreduce(mine, op=hnp.Sum, name="mean.int8", compression=C.int8) for _ in range(20)]
         one_step, drift = np.abs(results[0] - exact).max(), np.abs(np.mean(results, axis=0) - exact).max()
         # Without feedback every step would drop the same, and the mean would stay one step's error away.
@@ -122,14 +137,14 @@ if FORCED:
 
     with check("dtypes are kept and Average is Sum over the ranks"):
         for dtype in [np.float16, np.float64]:
-            got = hnp.allreduce(values(R, (600,), 5, dtype), op=hnp.Average, name=f"avg.{np.dtype(dtype).name}",
+            got = hnp.allreduce(values(R, (30, 40), 5, dtype), op=hnp.Average, name=f"avg.{np.dtype(dtype).name}",
                                 compression=C.int8)
-            want = quantized_allreduce([v.astype(np.float32) for v in every((600,), 5, dtype)], "int8") / N
+            want = quantized_allreduce([v.astype(np.float32) for v in every((30, 40), 5, dtype)], "int8") / N
             assert got.dtype == dtype, got.dtype
             np.testing.assert_allclose(got.astype(np.float32), want, rtol=2e-3, atol=2e-3 * np.abs(want).max())
-        t = torch.tensor(values(R, (600,), 6)).to(torch.bfloat16)
+        t = torch.tensor(values(R, (30, 40), 6)).to(torch.bfloat16)
         got = hvd.allreduce(t, op=hvd.Sum, name="bf16", compression=hvd.Compression.int8)
-        assert got.dtype == torch.bfloat16 and got.shape == (600,)
+        assert got.dtype == torch.bfloat16 and got.shape == (30, 40)
 
     with check("integers pass through uncompressed"):
         got = hnp.allreduce(np.arange(1000, dtype=np.int64) * (R + 1), op=hnp.Sum, name="ints",
@@ -137,13 +152,13 @@ if FORCED:
         np.testing.assert_array_equal(got, np.arange(1000) * sum(range(1, N + 1)))
 
     with check("torch allreduce, in place and async, and its gradient"):
-        x = torch.tensor(values(R, (700,), 8), requires_grad=True)
+        x = torch.tensor(values(R, (35, 40), 8), requires_grad=True)
         y = hvd.allreduce(x, op=hvd.Sum, name="torch.int8", compression=hvd.Compression.int8)
-        want = quantized_allreduce(every((700,), 8), "int8")
+        want = quantized_allreduce(every((35, 40), 8), "int8")
         np.testing.assert_allclose(y.detach().numpy(), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
-        y.backward(torch.ones(700))
+        y.backward(torch.ones(35, 40))
         # The gradient of a sum-allreduce is the sum-allreduce of the output gradients: N everywhere.
-        np.testing.assert_allclose(x.grad.numpy(), np.full(700, N, dtype=np.float32), rtol=1e-2)
+        np.testing.assert_allclose(x.grad.numpy(), np.full((35, 40), N, dtype=np.float32), rtol=1e-2)
 
     with check("refusals name the problem"):
         expect_error(hnp.RvodInvalidArgumentError, r"int8 compression applies to Sum and Average allreduces, "
@@ -163,9 +178,9 @@ elif MODE == "hosts":
 
     for kind, compressor in [("int8", C.int8), ("onebit", C.onebit)]:
         with check(f"{kind} across hosts: exact inside each, compressed between, feedback kept"):
-            got = [hnp.allreduce(values(R, (2000,), 12), op=hnp.Sum, name=f"hosts.{kind}", compression=compressor)
+            got = [hnp.allreduce(values(R, (40, 50), 12), op=hnp.Sum, name=f"hosts.{kind}", compression=compressor)
                    for _ in range(3)]
-            want = quantized_allreduce(host_sums((2000,), 12), kind, steps=3)
+            want = quantized_allreduce(host_sums((40, 50), 12), kind, steps=3)
             for step, (g, w) in enumerate(zip(got, want)):
                 np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4 * np.abs(w).max(), err_msg=f"step {step}")
             same_on_every_rank(got[-1], f"hosts.{kind}")
