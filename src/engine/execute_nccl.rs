@@ -151,26 +151,32 @@ impl NcclRoute {
     }
 }
 
-impl Drop for NcclRoute {
-    /// The communicator is not destroyed under work still queued: wait for the last op's (an NCCL error or
-    /// `RVOD_TIMEOUT` aborts it).
-    fn drop(&mut self) {
+impl NcclRoute {
+    /// Wait until the work of every op handed back has run: `Err`, why, on an NCCL error or after
+    /// `RVOD_TIMEOUT` (the communicator must then be aborted).
+    pub fn drain(&self) -> Result<(), String> {
         if self.comm.is_aborted() {
-            return; // its work ends without the communicator
+            return Ok(()); // its work ends without the communicator
         }
-        let Some(last) = lock(&self.in_flight).back().map(|op| (op.event.clone(), op.what.clone())) else { return };
-        let (event, what) = last;
+        let Some((event, what)) = lock(&self.in_flight).back().map(|op| (op.event.clone(), op.what.clone())) else {
+            return Ok(());
+        };
         let gpu = self.context.device();
         let comm = &self.comm;
-        let waited = wait_or_abort(
-            || gpu.query(&event).map_err(|e| format!("{what}: {e}")),
-            || comm.async_error(),
-            || comm.abort(),
-            self.timeout,
-            POLL,
-            &what,
-        );
-        if let Err(why) = waited {
+        let query = || gpu.query(&event).map_err(|e| format!("{what}: {e}"));
+        wait_or_abort(query, || comm.async_error(), || {}, self.timeout, POLL, &what)?;
+        lock(&self.in_flight).clear();
+        Ok(())
+    }
+}
+
+impl Drop for NcclRoute {
+    /// The communicator is not destroyed under work still queued: wait for it (an NCCL error or
+    /// `RVOD_TIMEOUT` aborts it, and its waiters raise).
+    fn drop(&mut self) {
+        if let Err(why) = self.drain() {
+            let _ = self.failure.set(why.clone());
+            self.comm.abort();
             tracing::warn!("closing the process set's NCCL communicator: {why}");
         }
     }

@@ -116,6 +116,23 @@ impl GpuRoute {
         settled
     }
 
+    /// The loop has ended (`failure`: why, where it failed): the ops handed back must not wait for a watch
+    /// that is gone. After a failure the route fails at once; after a coordinated stop their work is waited
+    /// for (an NCCL error or `RVOD_TIMEOUT` fails the route), so every waiter returns or raises.
+    pub fn close(&mut self, failure: Option<&str>) {
+        let State::Nccl(route) = &self.state else { return };
+        if !route.has_in_flight() {
+            return;
+        }
+        let drained = match failure {
+            Some(why) => Err(why.to_string()),
+            None => route.drain(),
+        };
+        if let Err(why) = drained {
+            self.fail(&why);
+        }
+    }
+
     /// The NCCL route failed (`why`): its communicator is aborted (so no peer waits on it) and every later
     /// GPU op of the set fails.
     pub fn fail(&mut self, why: &str) {

@@ -345,6 +345,11 @@ impl Loop {
             Some(Err(err)) => err,
             None => EngineError::ShutDown(format!("{SHUT_DOWN}the engine thread stopped")),
         };
+        let failure = match &stopped_because {
+            EngineError::ShutDown(_) => None,
+            err => Some(err.to_string()),
+        };
+        self.gpu_route.close(failure.as_deref());
         self.transport.close();
         self.fail_everything(stopped_because);
     }
