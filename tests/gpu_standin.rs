@@ -363,7 +363,7 @@ fn wait_as_rvod_does(
     nccl::wait_or_abort(
         || device.query(&done).map_err(|e| e.to_string()),
         || comm.async_error(),
-        || comm.abort(),
+        |_| comm.abort(),
         timeout,
         interval,
         what,

@@ -149,9 +149,7 @@ impl NcclRoute {
         }
         Ok(())
     }
-}
 
-impl NcclRoute {
     /// Wait until the work of every op handed back has run: `Err`, why, on an NCCL error or after
     /// `RVOD_TIMEOUT` (the communicator must then be aborted).
     pub fn drain(&self) -> Result<(), String> {
@@ -164,7 +162,7 @@ impl NcclRoute {
         let gpu = self.context.device();
         let comm = &self.comm;
         let query = || gpu.query(&event).map_err(|e| format!("{what}: {e}"));
-        wait_or_abort(query, || comm.async_error(), || {}, self.timeout, POLL, &what)?;
+        wait_or_abort(query, || comm.async_error(), |_| {}, self.timeout, POLL, &what)?;
         lock(&self.in_flight).clear();
         Ok(())
     }
@@ -249,7 +247,11 @@ impl Op<'_> {
         wait_or_abort(
             || self.gpu.query(event).map_err(|e| self.failed(e)),
             || comm.async_error(),
-            || comm.abort(),
+            |why| {
+                // Before the abort, which lets queued work end: the waiters of ops handed back read it.
+                let _ = self.route.failure.set(why.to_string());
+                comm.abort();
+            },
             self.route.timeout,
             POLL,
             &format!("rank {} (GPU {}): {what}", self.rank, self.route.context.ordinal()),

@@ -453,11 +453,12 @@ impl Drop for Communicator {
 /// Wait for enqueued NCCL work without hanging on a dead peer: poll `done` (e.g. `cudaEventQuery` of an
 /// event after the work) and `async_error`, back to back (yielding the CPU) for the first `interval`, so a
 /// short op is seen done at once, then every `interval`; on an async error or after `timeout`, call `abort`
-/// and return the error. Horovod's behaviour with `NCCL_ASYNC_ERROR_HANDLING`, bounded by RVOD_TIMEOUT.
+/// with the error and return it. Horovod's behaviour with `NCCL_ASYNC_ERROR_HANDLING`, bounded by
+/// RVOD_TIMEOUT.
 pub fn wait_or_abort(
     mut done: impl FnMut() -> Result<bool, String>,
     mut async_error: impl FnMut() -> Result<(), String>,
-    abort: impl FnOnce(),
+    abort: impl FnOnce(&str),
     timeout: Duration,
     interval: Duration,
     what: &str,
@@ -471,15 +472,16 @@ pub fn wait_or_abort(
             (Ok(false), Ok(())) => None,
         };
         if let Some(error) = failed {
-            abort();
+            abort(&error);
             return Err(error);
         }
         if Instant::now() >= deadline {
-            abort();
-            return Err(format!(
+            let error = format!(
                 "{what} did not complete within {:.0} s (RVOD_TIMEOUT); the NCCL communicator was aborted",
                 timeout.as_secs_f64()
-            ));
+            );
+            abort(&error);
+            return Err(error);
         }
         if started.elapsed() < interval {
             std::thread::yield_now();
@@ -545,7 +547,7 @@ mod tests {
         let aborted = Cell::new(0);
         let ms = Duration::from_millis(1);
         let waited =
-            wait_or_abort(|| Ok(false), || Ok(()), || aborted.set(aborted.get() + 1), 5 * ms, ms, "allreduce of 'w'");
+            wait_or_abort(|| Ok(false), || Ok(()), |_| aborted.set(aborted.get() + 1), 5 * ms, ms, "allreduce of 'w'");
         assert_eq!(aborted.get(), 1);
         assert_eq!(
             waited.unwrap_err(),
@@ -562,11 +564,11 @@ mod tests {
             }
         };
         let waited =
-            wait_or_abort(|| Ok(false), failing, || aborted.set(aborted.get() + 1), Duration::from_secs(60), ms, "x");
+            wait_or_abort(|| Ok(false), failing, |_| aborted.set(aborted.get() + 1), Duration::from_secs(60), ms, "x");
         assert_eq!(aborted.get(), 2);
         assert!(waited.unwrap_err().contains("ncclRemoteError"));
 
-        let finished = wait_or_abort(|| Ok(true), || Err("stale".into()), || aborted.set(9), ms, ms, "x");
+        let finished = wait_or_abort(|| Ok(true), || Err("stale".into()), |_| aborted.set(9), ms, ms, "x");
         assert!(finished.is_ok(), "completed work wins over a later error");
         assert_eq!(aborted.get(), 2);
     }
