@@ -63,23 +63,42 @@ def accuracies(output):
 
 
 # Test accuracy on the digits test set (450 images; one image is 0.22 points) after the same epochs from the
-# same start. The issue's target is 0.5 points for every compressor; measured (docs/compression.md): int8
-# 0.2-0.9 points below, PowerSGD(4) 0.2-1.3 below on 2 ranks and 0.2-4 on 3 (where the order of float
-# additions alone moved it); 1-bit 1-5.1 below until vectors and small tensors went uncompressed, then 0-1.1
-# below (torch on 2 and 3 ranks, Keras on 2). The bounds hold what was measured, a little wider: a drop past
-# them is a regression.
-BOUNDS = {"int8": 1.0, "powersgd": 5.0, "onebit": 2.5}
+# same start, within the issue's 0.5 points of uncompressed for every compressor. After 12 epochs the
+# compressed runs were up to 1.1 points behind on 3 ranks (still converging); after 24 every run is at
+# 98.4-99.6% (docs/compression.md). On 3 ranks the fused ring's float sums depend on how the ready
+# gradients happened to be fused (a+b+c in another order), which alone moved uncompressed accuracy by 0.7
+# points between identical runs; that job runs without fusion so the comparison is the compressors' alone.
+BOUND = 0.005
+
+
+def assert_close_to_uncompressed(stdout, report):
+    found = accuracies(stdout)
+    assert set(found) == {"none", "int8", "onebit", "powersgd"}, report
+    assert found["none"] > 0.975, report
+    for name in ("int8", "onebit", "powersgd"):
+        assert found[name] >= found["none"] - BOUND, f"{name}: {found[name]:.4f} vs {found['none']:.4f}\n{report}"
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("framework, size", [("torch", 2), ("torch", 3), ("keras", 2)])
+@pytest.mark.parametrize("framework, size", [("torch", 2), ("torch", 3), ("keras", 2), ("tensorflow", 2)])
 def test_every_compressor_trains_the_digits_cnn_close_to_uncompressed(run_rvodrun, job_env, framework, size):
     job_env.update(FORCED)
-    result = run_rvodrun(["-np", str(size), PYTHON, TRAINING, framework, "12"], timeout=280)
+    if size == 3:
+        job_env["RVOD_FUSION_THRESHOLD"] = "0"
+    result = run_rvodrun(["-np", str(size), PYTHON, TRAINING, framework, "24"], timeout=280)
     report = f"exit {result.returncode}\nstdout:\n{result.stdout[-3000:]}\nstderr:\n{failures(result.stderr)[-8000:]}"
     assert result.returncode == 0, report
-    found = accuracies(result.stdout)
-    assert set(found) == {"none", "int8", "onebit", "powersgd"}, report
-    assert found["none"] > 0.95, report
-    for name, bound in BOUNDS.items():
-        assert found[name] >= found["none"] - bound / 100, f"{name}: {found[name]:.4f} vs {found['none']:.4f}\n{report}"
+    assert_close_to_uncompressed(result.stdout, report)
+
+
+@pytest.mark.timeout(300)
+def test_every_compressor_trains_the_digits_cnn_across_two_hosts_of_two_ranks(job_env, tmp_path):
+    """Compression where it is used by default: between hosts, on the host sums of hierarchical allreduce."""
+    job = FakeHostsJob("hosta:2,hostb:2", job_env, 4, [sys.executable, TRAINING, "torch", "24"], tmp_path,
+                       settings={"RVOD_TRANSPORT": "tcp"})
+    with job:
+        job.start()
+        results = job.wait(timeout=280)
+        report = job.report()
+    assert all(res.returncode == 0 for res in results.values()), report
+    assert_close_to_uncompressed(results[0].stdout, report)

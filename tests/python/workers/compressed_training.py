@@ -1,8 +1,9 @@
-"""Training with every compressor (argument ``torch`` or ``keras``): the digits CNN of the framework's
-example trains for the same epochs with ``Compression.none``, ``.int8``, ``.onebit`` and
-``.powersgd(rank=4)`` from the same initial weights, and rank 0 prints each test accuracy
-(``accuracy <name> <value>``) for the test to compare with the uncompressed one. Run with
-``RVOD_COMPRESSION_WITHIN_HOST=1`` so one host's ranks compress as hosts would."""
+"""Training with every compressor (arguments: ``torch``, ``keras`` or ``tensorflow``, then the epochs):
+the digits CNN of the framework's example (Keras's in TensorFlow's custom loop with DistributedGradientTape)
+trains for the same epochs with ``Compression.none``, ``.int8``, ``.onebit`` and ``.powersgd(rank=4)`` from
+the same initial weights, and rank 0 prints each test accuracy (``accuracy <name> <value>``) for the test
+to compare with the uncompressed one. Run with ``RVOD_COMPRESSION_WITHIN_HOST=1`` so one host's ranks
+compress as hosts would, or across hosts."""
 
 import sys
 from pathlib import Path
@@ -51,23 +52,44 @@ def train_torch():
             print(f"accuracy {name} {accuracy:.4f}", flush=True)
 
 
-def train_keras():
-    import keras
+def keras_data(hvd):
+    """The digits split as the Keras example makes it: this rank's training shard (whole batches on every
+    rank) and every rank's test images."""
     import numpy as np
-    from keras_digits import digits_model
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
-    import rvod.keras as hvd
-
-    hvd.init()
     digits = load_digits()
     images = (digits.images / 16.0).astype("float32")[..., None]
     x_train, x_test, y_train, y_test = train_test_split(images, digits.target, test_size=0.25, random_state=42)
     steps = len(x_train) // (hvd.size() * 32)
     shard = slice(hvd.rank(), steps * hvd.size() * 32, hvd.size())
-    x_train, y_train = x_train[shard], y_train[shard]
+    return x_train[shard], y_train[shard].astype(np.int64), x_test, y_test
+
+
+def keras_report(hvd, name, model, x_test, y_test):
+    """Check every rank holds rank 0's weights and print the test accuracy over every rank's share."""
+    import numpy as np
+
+    for i, weight in enumerate(model.get_weights()):
+        if not np.array_equal(hvd.broadcast(weight, root_rank=0, name=f"check.{name}.{i}"), weight):
+            raise SystemExit(f"rank {hvd.rank()}: weight {i} differs from rank 0's after training with {name}")
     mine = slice(hvd.rank(), None, hvd.size())
+    predictions = np.asarray(model(x_test[mine], training=False)).argmax(axis=1)
+    correct, total = hvd.allreduce(np.array([(predictions == y_test[mine]).sum(), len(predictions)]),
+                                   op=hvd.Sum, name=f"test.{name}")
+    if hvd.rank() == 0:
+        print(f"accuracy {name} {correct / total:.4f}", flush=True)
+
+
+def train_keras():
+    import keras
+    from keras_digits import digits_model
+
+    import rvod.keras as hvd
+
+    hvd.init()
+    x_train, y_train, x_test, y_test = keras_data(hvd)
     for name, compression in [("none", hvd.Compression.none), ("int8", hvd.Compression.int8),
                               ("onebit", hvd.Compression.onebit), ("powersgd", hvd.Compression.powersgd(rank=4))]:
         keras.utils.set_random_seed(42)  # the same initial weights on every rank and for every compressor
@@ -76,14 +98,38 @@ def train_keras():
                                              compression=compression)
         model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         model.fit(x_train, y_train, batch_size=32, epochs=EPOCHS, shuffle=False, verbose=0)
-        for i, weight in enumerate(model.get_weights()):
-            if not np.array_equal(hvd.broadcast(weight, root_rank=0, name=f"check.{name}.{i}"), weight):
-                raise SystemExit(f"rank {hvd.rank()}: weight {i} differs from rank 0's after training with {name}")
-        predictions = model.predict(x_test[mine], verbose=0).argmax(axis=1)
-        correct, total = hvd.allreduce(np.array([(predictions == y_test[mine]).sum(), len(predictions)]),
-                                       op=hvd.Sum, name=f"test.{name}")
-        if hvd.rank() == 0:
-            print(f"accuracy {name} {correct / total:.4f}", flush=True)
+        keras_report(hvd, name, model, x_test, y_test)
 
 
-{"torch": train_torch, "keras": train_keras}[FRAMEWORK]()
+def train_tensorflow():
+    """A TensorFlow custom loop: DistributedGradientTape in a tf.function, the Keras model and optimizer."""
+    import keras
+    import tensorflow as tf
+    from keras_digits import digits_model
+
+    import rvod.tensorflow as hvd
+
+    hvd.init()
+    x_train, y_train, x_test, y_test = keras_data(hvd)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    for name, compression in [("none", hvd.Compression.none), ("int8", hvd.Compression.int8),
+                              ("onebit", hvd.Compression.onebit), ("powersgd", hvd.Compression.powersgd(rank=4))]:
+        keras.utils.set_random_seed(42)
+        model = digits_model()
+        optimizer = keras.optimizers.SGD(0.02 * hvd.size(), momentum=0.9)
+
+        @tf.function
+        def train_step(x, y, model=model, optimizer=optimizer, compression=compression):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(y, model(x, training=True))
+            tape = hvd.DistributedGradientTape(tape, compression=compression)
+            gradients = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+
+        for _ in range(EPOCHS):
+            for start in range(0, len(x_train), 32):
+                train_step(x_train[start:start + 32], y_train[start:start + 32])
+        keras_report(hvd, name, model, x_test, y_test)
+
+
+{"torch": train_torch, "keras": train_keras, "tensorflow": train_tensorflow}[FRAMEWORK]()
