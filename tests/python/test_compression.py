@@ -90,15 +90,3 @@ def test_every_compressor_trains_the_digits_cnn_close_to_uncompressed(run_rvodru
     assert result.returncode == 0, report
     assert_close_to_uncompressed(result.stdout, report)
 
-
-@pytest.mark.timeout(300)
-def test_every_compressor_trains_the_digits_cnn_across_two_hosts_of_two_ranks(job_env, tmp_path):
-    """Compression where it is used by default: between hosts, on the host sums of hierarchical allreduce."""
-    job = FakeHostsJob("hosta:2,hostb:2", job_env, 4, [sys.executable, TRAINING, "torch", "24"], tmp_path,
-                       settings={"RVOD_TRANSPORT": "tcp"})
-    with job:
-        job.start()
-        results = job.wait(timeout=280)
-        report = job.report()
-    assert all(res.returncode == 0 for res in results.values()), report
-    assert_close_to_uncompressed(results[0].stdout, report)

@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 from conftest import JOB_TAG_VARIABLE, RVOD_IMPORT_ROOT, RVODRUN, tagged_pids
 from jobs import WORKERS, assert_worker_job, failures, hierarchical_runs_by_phase, verdicts
+from test_compression import assert_close_to_uncompressed
 from test_hierarchical import LAYOUTS as HIERARCHICAL_TOPOLOGIES
 
 import netns
@@ -540,3 +541,13 @@ def test_torch_training_on_two_hosts_of_two(env, cluster):
     result = rvodrun(cluster, env, ["-np", "4", "-H", "a:2,b:2", PYTHON, str(WORKERS / "torch_training.py")], timeout=140)
     assert_worker_job(result, {rank: 57 if rank == 0 else 59 for rank in range(4)})
     assert set(verdicts(result.stdout)) == {0, 1, 2, 3}
+
+
+@pytest.mark.timeout(300)
+def test_every_compressor_trains_the_digits_cnn_across_two_hosts_of_two(env, cluster):
+    """Compression where it runs by default: between hosts, on each host's exact sum (issue 34, item 4)."""
+    pytest.importorskip("torch", reason="rvod.torch needs PyTorch")
+    result = rvodrun(cluster, env, ["-np", "4", "-H", "a:2,b:2", PYTHON, str(WORKERS / "compressed_training.py"),
+                                    "torch", "24"], timeout=280)
+    assert result.returncode == 0, report(result)
+    assert_close_to_uncompressed(result.stdout, report(result))
