@@ -80,7 +80,8 @@ def assert_close_to_uncompressed(stdout, report):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("framework, size", [("torch", 2), ("torch", 3), ("keras", 2), ("tensorflow", 2)])
+@pytest.mark.parametrize("framework, size", [("torch", 2), ("torch", 3), ("keras", 2), ("keras", 3),
+                                             ("tensorflow", 2), ("tensorflow", 3)])
 def test_every_compressor_trains_the_digits_cnn_close_to_uncompressed(run_rvodrun, job_env, framework, size):
     job_env.update(FORCED)
     if size == 3:
