@@ -121,8 +121,13 @@ def main():
     parser.add_argument("--lr", type=float, default=0.02, help="for one rank; scaled by the number of ranks")
     parser.add_argument("--warmup", type=int, default=4, help="untimed steps before the timed ones")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds for the whole job")
+    parser.add_argument("--setting", action="append", default=[], metavar="RVOD_NAME=VALUE",
+                        help="an rvod setting for every rank (repeatable), e.g. RVOD_COMPRESSION_WARMUP_STEPS=60")
     parser.add_argument("--report-only", action="store_true", help="rebuild the report from --out's JSONL")
     args = parser.parse_args()
+    for setting in args.setting:
+        name, _, value = setting.partition("=")
+        shaped.RVOD_SETTINGS["compression"][name] = value
     args.out.mkdir(parents=True, exist_ok=True)
     raw = args.out / "compression.jsonl"
     if args.report_only:
