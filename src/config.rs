@@ -167,6 +167,9 @@ pub struct HostsConfig {
     pub transport: HostsTransport,
     /// `RVOD_UCX_LIBRARY`: the libucp to load (a path); when set, nothing else is tried.
     pub ucx_library: Option<std::path::PathBuf>,
+    /// Whether `UCX_RNDV_SCHEME` is set: UCX reads its own settings, and rvod changes no setting the user
+    /// gave (see `transport::ucx::library::Ucx::new_context`).
+    pub ucx_rndv_scheme_set: bool,
 }
 
 impl HostsConfig {
@@ -564,7 +567,7 @@ fn connections<F: Fn(&str) -> Option<String>>(env: &EnvReader<F>) -> Result<Conn
     })
 }
 
-/// `TRANSPORT`, `UCX_LIBRARY`.
+/// `TRANSPORT`, `UCX_LIBRARY`, and whether UCX's own `UCX_RNDV_SCHEME` is set.
 fn hosts_config<F: Fn(&str) -> Option<String>>(env: &EnvReader<F>) -> Result<HostsConfig, ConfigError> {
     let transport = match env.raw("TRANSPORT") {
         None => HostsTransport::Auto,
@@ -575,7 +578,11 @@ fn hosts_config<F: Fn(&str) -> Option<String>>(env: &EnvReader<F>) -> Result<Hos
             _ => return Err(EnvReader::<F>::error(name, value, "expected auto, tcp or ucx")),
         },
     };
-    Ok(HostsConfig { transport, ucx_library: env.string("UCX_LIBRARY").map(Into::into) })
+    Ok(HostsConfig {
+        transport,
+        ucx_library: env.string("UCX_LIBRARY").map(Into::into),
+        ucx_rndv_scheme_set: (env.lookup)("UCX_RNDV_SCHEME").is_some_and(|v| !v.trim().is_empty()),
+    })
 }
 
 /// `GPU_TRANSPORT`, `NCCL_LIBRARY`, `CUDA_LIBRARY`, `ENABLE_ASYNC_COMPLETION`.
@@ -1089,6 +1096,8 @@ mod tests {
         assert_eq!(config(&[]).unwrap().hosts, HostsConfig::default());
         let ucx = config(&[("RVOD_TRANSPORT", "UCX"), ("RVOD_UCX_LIBRARY", "/opt/ucx/libucp.so.0")]).unwrap().hosts;
         assert_eq!((ucx.transport, ucx.ucx_library), (HostsTransport::Ucx, Some("/opt/ucx/libucp.so.0".into())));
+        assert!(!ucx.ucx_rndv_scheme_set);
+        assert!(config(&[("UCX_RNDV_SCHEME", "get_zcopy")]).unwrap().hosts.ucx_rndv_scheme_set);
         assert_eq!(config(&[("RVOD_TRANSPORT", "tcp")]).unwrap().hosts.transport, HostsTransport::Tcp);
         let bad = config(&[("RVOD_TRANSPORT", "rdma")]).unwrap_err().to_string();
         assert_eq!(bad, "invalid environment variable RVOD_TRANSPORT=\"rdma\": expected auto, tcp or ucx");

@@ -107,7 +107,14 @@ pub fn connect_members(
             return Ok(Box::new(tcp_mesh(store, scope, members, local_rank, linked, false)?));
         };
         let control = tcp_mesh(store, &format!("{scope}-ucx"), members, local_rank, linked, true)?;
-        let transport = UcxTransport::over(control, ucx, config.timeout)
+        let resources = ucx
+            .resources()
+            .map_err(|e| failed("reading UCX's transports", members, TransportError::Setup(format!("UCX: {e}"))))?;
+        let settings = ucx::tuned_settings(resources, config.hosts.ucx_rndv_scheme_set);
+        if !settings.is_empty() {
+            tracing::debug!("UCX settings over the environment's (no RDMA transport here): {settings:?}");
+        }
+        let transport = UcxTransport::over(control, ucx, &settings, config.timeout)
             .map_err(|e| failed("connecting to the other ranks over UCX", members, e))?;
         Ok(Box::new(transport))
     };

@@ -48,7 +48,7 @@ use crate::transport::spin;
 use crate::transport::tcp::TcpTransport;
 use crate::transport::{Activity, Transport, TransportError, Waker};
 use ffi::{posted, Ep, Message, Posted, RequestParam, Status, TagRecvInfo};
-pub use library::{rdma_transports, ucx, Ucx};
+pub use library::{rdma_transports, tuned_settings, ucx, Ucx};
 
 /// Largest message a send is cut into: big enough for UCX's zero-copy protocols, small enough that a
 /// receiver's sink works on one while the next arrives.

@@ -35,10 +35,16 @@ impl UcxTransport {
     /// UCX links between the ranks `control` links (its authenticated connections), numbered as there.
     /// `control` is kept: its end says a peer is gone, and `close` passes this rank's cause over it.
     /// `timeout` bounds the set-up and is then the no-progress limit of every operation.
-    pub fn over(control: TcpTransport, ucx: &'static Ucx, timeout: Duration) -> Result<UcxTransport, TransportError> {
+    /// `settings` go to UCX over the environment's (see [`super::library::tuned_settings`]).
+    pub fn over(
+        control: TcpTransport,
+        ucx: &'static Ucx,
+        settings: &[(&str, &str)],
+        timeout: Duration,
+    ) -> Result<UcxTransport, TransportError> {
         let (rank, size) = (control.rank(), control.size());
         let linked: Vec<usize> = control.peer_fds().into_iter().map(|(peer, _)| peer).collect();
-        let context = ucx.new_context().map_err(|e| TransportError::Setup(format!("UCX: {e}")))?;
+        let context = ucx.new_context(settings).map_err(|e| TransportError::Setup(format!("UCX: {e}")))?;
         let params = WorkerParams {
             field_mask: ffi::UCP_WORKER_PARAM_FIELD_THREAD_MODE,
             thread_mode: ffi::UCS_THREAD_MODE_SERIALIZED,

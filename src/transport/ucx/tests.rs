@@ -48,7 +48,7 @@ fn ranks<T: Send + 'static>(
                     timeout,
                 )
                 .unwrap();
-                body(UcxTransport::over(control, ucx, timeout).unwrap())
+                body(UcxTransport::over(control, ucx, &[], timeout).unwrap())
             })
         })
         .collect();
