@@ -128,6 +128,20 @@ def test_killed_worker_training_goes_on_from_the_commit_with_every_sample_once(j
 
 
 @pytest.mark.timeout(180)
+def test_compressed_training_goes_on_after_a_kill_and_the_new_world_starts_without_error_feedback(job_env, tmp_path):
+    """Issue 34: a world that re-forms drops the compressed allreduces' error feedback and says so; the new
+    world's first int8 allreduce of a name the old world used equals a first step's NumPy reference."""
+    job = ElasticJob(job_env, tmp_path, "".join(f"{host}:1\n" for host in HOSTS), ["--min-np", "2"],
+                     ELASTIC_KILL="1:1:5", ELASTIC_COMPRESSION="int8", RVOD_LOG_LEVEL="info")
+    assert job.finish(150) == 0, job.report()
+    assert_every_sample_once_per_epoch(tmp_path, 3, 24)
+    probes = read(tmp_path, "probes.jsonl")
+    assert sorted((p["round"], p["size"]) for p in probes) == [(1, 3)] * 3 + [(2, 2)] * 2, probes
+    assert all(p["equal"] for p in probes), probes
+    assert "compressed allreduces: dropping the error feedback of" in job.stderr, job.report()
+
+
+@pytest.mark.timeout(180)
 def test_killed_worker_sharded_optimizer_state_comes_back_from_buddy_copies(job_env, tmp_path):
     """(a) with DistributedOptimizer(sharded=True): the killed rank's slice of the momentum comes back from
     its buddy copy; the new world of 2 starts from exactly the state consolidated at the last commit."""

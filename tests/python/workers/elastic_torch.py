@@ -16,6 +16,10 @@ SGD with momentum, and a checksum of its consolidated state is added to every st
 every commit to OUT/commits.jsonl (once the commit returned) and OUT/precommits.jsonl (just before it, so
 also for a commit that raises HostsUpdatedInterrupt). With ELASTIC_STOP_FILE set, training ends after the first
 epoch that ends once that file exists (rank 0 looks; the ranks agree by allreduce), whatever ELASTIC_EPOCHS says.
+With ELASTIC_COMPRESSION=int8 (or onebit) the optimizer compresses with it, and each world starts with a
+compressed allreduce of a 32 x 64 matrix (each rank's from its rank) under one name; every rank logs to
+OUT/probes.jsonl whether it equals the NumPy reference of a first step (no error feedback yet): a new world
+must not inherit the residual the last world's step left under that name.
 """
 
 import json
@@ -23,7 +27,9 @@ import os
 import signal
 import time
 
+import numpy as np
 import torch
+from _compression_reference import quantized_allreduce
 
 import rvod.common.elastic_worker
 import rvod.torch as hvd
@@ -75,8 +81,10 @@ hvd.init()
 dataset = Samples()
 model = torch.nn.Linear(4, 1)
 SHARDED = os.environ.get("ELASTIC_SHARDED") == "1"
+COMPRESSION = os.environ.get("ELASTIC_COMPRESSION")
 optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9 if SHARDED else 0),
-                                     named_parameters=model.named_parameters(), sharded=SHARDED)
+                                     named_parameters=model.named_parameters(), sharded=SHARDED,
+                                     compression=getattr(hvd.Compression, COMPRESSION or "none"))
 sampler = hvd.elastic.ElasticSampler(dataset, shuffle=True, seed=1)
 state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, batch=0,
                                counter=torch.zeros(NUM_SAMPLES))
@@ -124,12 +132,27 @@ def world():
     return int(os.environ.get("RVOD_ELASTIC_ROUND", "0"))
 
 
+def probe_matrix(rank):
+    return np.random.default_rng(rank).standard_normal((32, 64)).astype(np.float32)
+
+
+def compressed_probe():
+    """A world's first compressed allreduce under the name "probe", against a first step's reference."""
+    got = hvd.allreduce(torch.from_numpy(probe_matrix(hvd.rank())), op=hvd.Sum, name="probe",
+                        compression=getattr(hvd.Compression, COMPRESSION)).numpy()
+    expected = quantized_allreduce([probe_matrix(r) for r in range(hvd.size())], COMPRESSION)
+    record("probes.jsonl", round=world(), rank=hvd.rank(), size=hvd.size(), equal=bool(np.array_equal(got, expected)),
+           differs_by=float(np.abs(got - expected).max()))
+
+
 @hvd.elastic.run
 def train(state):
     record("starts.jsonl", round=world(), rank=hvd.rank(), size=hvd.size(), host=os.environ.get("RVOD_HOSTNAME"),
            epoch=state.epoch, batch=state.batch,
            params=checksum(), processed=len(sampler.processed_indices), counted=float(state.counter.sum()),
            optimizer=optimizer_checksum())
+    if COMPRESSION:
+        compressed_probe()
     steps = 0
     while state.epoch < EPOCHS:
         loader = torch.utils.data.DataLoader(dataset, batch_size=BATCH, sampler=sampler)
