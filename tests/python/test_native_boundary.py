@@ -196,6 +196,35 @@ def test_the_tensorflow_tables_name_only_engine_dtypes():
     assert {d.name for d in adapter.SUPPORTED_DTYPES} == ENGINE_DTYPE_NAMES
 
 
+def test_a_tensorflow_tensor_on_a_gpu_crosses_as_a_host_copy(monkeypatch):
+    """TensorFlow's DLPack gives no stream to order the engine's reads after, so a GPU tensor is copied to the
+    host (by TensorFlow, in its stream order) and the copy crosses; a host tensor crosses as it is. (No GPU
+    build of TensorFlow runs here or on the lent GPU machine: the device is what the tensor reports.)"""
+    tf = pytest.importorskip("tensorflow")
+    from rvod.tensorflow import adapter
+
+    host = tf.constant([1.5, -2.0])
+    assert adapter.on_host(host) is host
+    capsule, kept = adapter.TensorFlowAdapter().export(host)
+    assert kept is host
+
+    class OnGpu:
+        device = "/job:localhost/replica:0/task:0/device:GPU:1"
+
+    copies = []
+
+    def identity(tensor):
+        copies.append(tensor)
+        return host
+
+    monkeypatch.setattr(adapter.tf, "identity", identity)
+    gpu = OnGpu()
+    assert adapter.on_host(gpu) is host
+    assert copies == [gpu]
+    OnGpu.device = "/job:worker/replica:0/task:1/device:CPU:0"
+    assert adapter.on_host(gpu) is gpu and copies == [gpu]
+
+
 def test_the_mxnet_tables_name_only_engine_dtypes():
     pytest.importorskip("mxnet")
     from rvod.mxnet import adapter

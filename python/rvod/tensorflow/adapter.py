@@ -2,9 +2,11 @@
 
 An eager CPU tensor crosses without a copy (``tf.experimental.dlpack``: the capsule keeps TensorFlow's
 buffer alive until the engine is done with it); variables, NumPy arrays and Python values are converted to
-a tensor first. Results come back as tensors viewing the engine's output buffer. Tensors on other devices
-and dtypes the engine cannot exchange are refused with ``RvodInvalidArgumentError`` (a ``ValueError`` and a
-``RuntimeError``) before anything is sent; inside a graph TensorFlow reports it as
+a tensor first. Results come back as tensors viewing the engine's output buffer. A tensor on a GPU is copied
+to the host first (TensorFlow's DLPack export gives no stream to order rvod's reads after, so the engine does
+not take its device memory) and its result is a host tensor, which TensorFlow copies to the GPU where a GPU
+op uses it, as Horovod built without GPU operations did. Dtypes the engine cannot exchange are refused with
+``RvodInvalidArgumentError`` (a ``ValueError`` and a ``RuntimeError``) before anything is sent; inside a graph TensorFlow reports it as
 ``tf.errors.InvalidArgumentError``, as it does every ``ValueError``.
 """
 
@@ -49,13 +51,19 @@ def as_tensor(value, what="rvod"):
     return tensor
 
 
+def on_host(tensor):
+    """``tensor`` itself where it is in host memory, else a copy of it there (TensorFlow orders the copy after
+    the work that produces the tensor on its device)."""
+    device = tensor.device
+    if not device or tf.DeviceSpec.from_string(device).device_type in (None, "CPU"):
+        return tensor
+    with tf.device("/CPU:0"):
+        return tf.identity(tensor)
+
+
 class TensorFlowAdapter(TensorAdapter):
     def export(self, tensor):
-        tensor = as_tensor(tensor)
-        device = tensor.device
-        if device and "CPU" not in device.upper():
-            raise RvodInvalidArgumentError(f"rvod: got a tensor on {device}; this build handles CPU tensors only. "
-                             "Place the computation on the CPU (with tf.device('/CPU:0')).")
+        tensor = on_host(as_tensor(tensor))
         return dlpack.to_dlpack(tensor), tensor
 
     def from_dlpack(self, capsule):
