@@ -54,8 +54,8 @@ def as_tensor(value, what="rvod"):
 def on_host(tensor):
     """``tensor`` itself where it is in host memory, else a copy of it there (TensorFlow orders the copy after
     the work that produces the tensor on its device)."""
-    device = tensor.device
-    if not device or tf.DeviceSpec.from_string(device).device_type in (None, "CPU"):
+    device = tensor.device  # e.g. "/job:localhost/replica:0/task:0/device:GPU:0"
+    if not device or device.rpartition("device:")[2].partition(":")[0].upper() in ("", "CPU"):
         return tensor
     with tf.device("/CPU:0"):
         return tf.identity(tensor)
