@@ -33,6 +33,12 @@ impl Algorithms {
         chosen
     }
 
+    /// Whether the allgather algorithm is configured (`RVOD_ALLGATHER_ALGORITHM`): then it runs as
+    /// configured, never staged.
+    pub fn allgather_configured(&self) -> bool {
+        self.overrides.allgather.is_some()
+    }
+
     /// The allgather of `total_bytes` (every rank's blocks together) on `t`'s communicator.
     pub fn allgather(&mut self, t: &dyn Transport, total_bytes: usize) -> AllgatherAlgorithm {
         let chosen = choice::choose_allgather(total_bytes, t.size(), self.overrides.allgather);

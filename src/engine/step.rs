@@ -20,7 +20,7 @@ use crate::config::Config;
 use crate::coordinator::lateness::{NameChange, RankLateness};
 use crate::coordinator::negotiation::{Negotiator, RoundOutcome};
 use crate::coordinator::stall::StallClock;
-use crate::engine::execute::{execute_eager, Executor, HierarchyChoice, TensorResult};
+use crate::engine::execute::{execute_eager, staged_reducescatters, Executor, HierarchyChoice, TensorResult};
 use crate::engine::execute_device::{self, StagedFailure};
 use crate::engine::gpu_route::GpuRoute;
 use crate::engine::handles::{CompletedPart, PartResult};
@@ -303,7 +303,9 @@ impl Loop {
         for change in &outcome.stragglers {
             self.say_straggler(change);
         }
-        outcome.responses = plan_fusion(std::mem::take(&mut outcome.responses), self.config.fusion_threshold);
+        let staged_reducescatters = staged_reducescatters(&mut *self.transport);
+        outcome.responses =
+            plan_fusion(std::mem::take(&mut outcome.responses), self.config.fusion_threshold, staged_reducescatters);
         let shutdown = stop.is_some();
         let agreed = Instant::now();
         for eager in &outcome.eager {

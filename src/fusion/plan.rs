@@ -24,16 +24,18 @@ use crate::fusion::layout::aligned;
 use crate::protocol::message::Response;
 use crate::types::CollectiveKind;
 
-/// Fuses `responses` (in the order every rank agreed on) into the responses to execute, in order.
-pub fn plan_fusion(responses: Vec<Response>, threshold_bytes: usize) -> Vec<Response> {
+/// Fuses `responses` (in the order every rank agreed on) into the responses to execute, in order. With
+/// `staged_reducescatters` (the communicator reduce-scatters through shared staging areas, the same on every
+/// rank) reduce-scatters of any size fuse, since they are packed into the staging area either way.
+pub fn plan_fusion(responses: Vec<Response>, threshold_bytes: usize, staged_reducescatters: bool) -> Vec<Response> {
     if threshold_bytes == 0 {
         return responses;
     }
     let mut pending: VecDeque<Response> = responses.into();
     let mut planned = Vec::with_capacity(pending.len());
     while let Some(mut group) = pending.pop_front() {
-        if is_fusable(&group) {
-            absorb_following(&mut group, &mut pending, threshold_bytes);
+        if is_fusable(&group, staged_reducescatters) {
+            absorb_following(&mut group, &mut pending, threshold_bytes, staged_reducescatters);
         }
         planned.push(group);
     }
@@ -41,12 +43,12 @@ pub fn plan_fusion(responses: Vec<Response>, threshold_bytes: usize) -> Vec<Resp
 }
 
 /// Moves the responses that fuse with `group` from the front part of `pending` into it.
-fn absorb_following(group: &mut Response, pending: &mut VecDeque<Response>, threshold_bytes: usize) {
+fn absorb_following(group: &mut Response, pending: &mut VecDeque<Response>, threshold_bytes: usize, staged: bool) {
     let mut group_end = layout_end(0, group);
     let mut skipped = Vec::new();
     let mut skipped_bytes = 0usize;
     while let Some(next) = pending.pop_front() {
-        if fuses_with(group, &next) {
+        if fuses_with(group, &next, staged) {
             let end_with_next = layout_end(group_end, &next);
             if end_with_next > threshold_bytes {
                 // Never jump over a compatible response: tensors of one kind keep their order.
@@ -81,18 +83,21 @@ pub fn reducescatter_fuses(mut tensor_bytes: impl Iterator<Item = usize>) -> boo
     tensor_bytes.all(|bytes| bytes <= REDUCESCATTER_FUSION_MAX_TENSOR_BYTES)
 }
 
-fn is_fusable(response: &Response) -> bool {
+fn is_fusable(response: &Response, staged_reducescatters: bool) -> bool {
     let kind_fuses = match response.kind {
         CollectiveKind::Allreduce => true,
-        // Small host tensors only: a GPU's reduce-scatters run one by one (see engine::execute_device).
-        CollectiveKind::Reducescatter => !response.on_gpu && reducescatter_fuses(entry_bytes(response)),
+        // Host tensors only (a GPU's reduce-scatters run one by one, see engine::execute_device), small ones
+        // unless they are staged.
+        CollectiveKind::Reducescatter => {
+            !response.on_gpu && (staged_reducescatters || reducescatter_fuses(entry_bytes(response)))
+        }
         _ => false,
     };
     kind_fuses && response.error.is_none()
 }
 
-fn fuses_with(group: &Response, next: &Response) -> bool {
-    is_fusable(next)
+fn fuses_with(group: &Response, next: &Response, staged_reducescatters: bool) -> bool {
+    is_fusable(next, staged_reducescatters)
         && next.kind == group.kind
         && next.dtype == group.dtype
         && next.reduce_op == group.reduce_op
@@ -144,7 +149,7 @@ mod tests {
     fn compatible_allreduces_fuse_up_to_the_threshold() {
         // 16 floats = 64 bytes each: three fit in 192 bytes, the fourth starts a new group.
         let input: Vec<_> = ["a", "b", "c", "d"].iter().map(|n| f32_allreduce(n, 16)).collect();
-        let planned = plan_fusion(input, 192);
+        let planned = plan_fusion(input, 192, false);
         assert_eq!(names(&planned), vec![vec!["a", "b", "c"], vec!["d"]]);
         assert_eq!(FusionLayout::for_response(&planned[0]).unwrap().total_bytes(), 192);
     }
@@ -153,27 +158,27 @@ mod tests {
     fn padding_counts_against_the_threshold() {
         // 1 float each: 4 bytes, but the second tensor starts at offset 64.
         let input = vec![f32_allreduce("a", 1), f32_allreduce("b", 1)];
-        assert_eq!(names(&plan_fusion(input.clone(), 67)), vec![vec!["a"], vec!["b"]]);
-        assert_eq!(names(&plan_fusion(input, 68)), vec![vec!["a", "b"]]);
+        assert_eq!(names(&plan_fusion(input.clone(), 67, false)), vec![vec!["a"], vec!["b"]]);
+        assert_eq!(names(&plan_fusion(input, 68, false)), vec![vec!["a", "b"]]);
     }
 
     #[test]
     fn gpu_tensors_fuse_only_with_gpu_tensors() {
         let gpu = |name| Response { on_gpu: true, ..f32_allreduce(name, 1) };
         let input = vec![gpu("g1"), f32_allreduce("h1", 1), gpu("g2"), f32_allreduce("h2", 1)];
-        assert_eq!(names(&plan_fusion(input, 1024)), vec![vec!["g1", "g2"], vec!["h1", "h2"]]);
+        assert_eq!(names(&plan_fusion(input, 1024, false)), vec![vec!["g1", "g2"], vec!["h1", "h2"]]);
     }
 
     #[test]
     fn zero_threshold_disables_fusion() {
         let input = vec![f32_allreduce("a", 0), f32_allreduce("b", 0)];
-        assert_eq!(plan_fusion(input.clone(), 0), input);
+        assert_eq!(plan_fusion(input.clone(), 0, false), input);
     }
 
     #[test]
     fn a_tensor_over_the_threshold_runs_alone() {
         let input = vec![f32_allreduce("big", 1000), f32_allreduce("a", 1), f32_allreduce("b", 1)];
-        assert_eq!(names(&plan_fusion(input, 128)), vec![vec!["big"], vec!["a", "b"]]);
+        assert_eq!(names(&plan_fusion(input, 128, false)), vec![vec!["big"], vec!["a", "b"]]);
     }
 
     #[test]
@@ -185,7 +190,7 @@ mod tests {
             response(CollectiveKind::Allreduce, "h2", DataType::Float16, 1),
             f32_allreduce("b", 1),
         ];
-        let planned = plan_fusion(input, 1024);
+        let planned = plan_fusion(input, 1024, false);
         assert_eq!(names(&planned), vec![vec!["a", "b"], vec!["h1", "h2"], vec!["bc"]]);
     }
 
@@ -193,7 +198,7 @@ mod tests {
     fn a_compatible_tensor_that_does_not_fit_ends_the_group() {
         // "c" would fit after "a", but must not overtake "b".
         let input = vec![f32_allreduce("a", 81), f32_allreduce("b", 195), f32_allreduce("c", 1)];
-        assert_eq!(names(&plan_fusion(input, 1104)), vec![vec!["a"], vec!["b", "c"]]);
+        assert_eq!(names(&plan_fusion(input, 1104, false)), vec![vec!["a"], vec!["b", "c"]]);
     }
 
     #[test]
@@ -203,7 +208,7 @@ mod tests {
             response(CollectiveKind::Allreduce, "h", DataType::Float16, 100),
             f32_allreduce("b", 1),
         ];
-        assert_eq!(names(&plan_fusion(input, 200)), vec![vec!["a"], vec!["h"], vec!["b"]]);
+        assert_eq!(names(&plan_fusion(input, 200, false)), vec![vec!["a"], vec!["h"], vec!["b"]]);
     }
 
     #[test]
@@ -213,19 +218,25 @@ mod tests {
         let mut failed = f32_allreduce("failed", 1);
         failed.error = Some((ErrorKind::Mismatch, "shapes differ".into()));
         let input = vec![f32_allreduce("a", 1), scaled, failed, f32_allreduce("b", 1)];
-        assert_eq!(names(&plan_fusion(input, 4096)), vec![vec!["a", "b"], vec!["scaled"], vec!["failed"]]);
+        assert_eq!(names(&plan_fusion(input, 4096, false)), vec![vec!["a", "b"], vec!["scaled"], vec!["failed"]]);
     }
 
     #[test]
     fn reducescatters_fuse_with_reducescatters_only() {
         let rs = |name| response(CollectiveKind::Reducescatter, name, DataType::Float32, 4);
         let input = vec![rs("a"), f32_allreduce("x", 4), rs("b"), f32_allreduce("y", 4), rs("c")];
-        assert_eq!(names(&plan_fusion(input, 4096)), vec![vec!["a", "b", "c"], vec!["x", "y"]]);
+        assert_eq!(names(&plan_fusion(input, 4096, false)), vec![vec!["a", "b", "c"], vec!["x", "y"]]);
         let big = response(CollectiveKind::Reducescatter, "big", DataType::Float32, 1 << 20);
-        assert_eq!(names(&plan_fusion(vec![rs("a"), big, rs("b")], 64 << 20)), vec![vec!["a", "b"], vec!["big"]]);
+        let around_big = || vec![rs("a"), big.clone(), rs("b")];
+        assert_eq!(names(&plan_fusion(around_big(), 64 << 20, false)), vec![vec!["a", "b"], vec!["big"]]);
+        // Staged, large ones fuse too (up to the threshold).
+        assert_eq!(names(&plan_fusion(around_big(), 64 << 20, true)), vec![vec!["a", "big", "b"]]);
+        assert_eq!(names(&plan_fusion(around_big(), 1 << 20, true)), vec![vec!["a"], vec!["big"], vec!["b"]]);
         let mut on_gpu = rs("g");
         on_gpu.on_gpu = true;
-        assert_eq!(names(&plan_fusion(vec![rs("a"), on_gpu, rs("b")], 4096)), vec![vec!["a", "b"], vec!["g"]]);
+        let around_gpu = || vec![rs("a"), on_gpu.clone(), rs("b")];
+        assert_eq!(names(&plan_fusion(around_gpu(), 4096, false)), vec![vec!["a", "b"], vec!["g"]]);
+        assert_eq!(names(&plan_fusion(around_gpu(), 4096, true)), vec![vec!["a", "b"], vec!["g"]]);
     }
 
     const KINDS: [CollectiveKind; 5] = [
@@ -263,8 +274,8 @@ mod tests {
     }
 
     /// Responses that may fuse with each other share a class; every other response is its own class.
-    fn class(r: &Response) -> String {
-        if is_fusable(r) {
+    fn class(r: &Response, staged: bool) -> String {
+        if is_fusable(r, staged) {
             format!("{:?}/{:?}/{:?}/{}/{}", r.kind, r.dtype, r.reduce_op, r.prescale, r.postscale)
         } else {
             r.entries[0].name.clone()
@@ -273,8 +284,8 @@ mod tests {
 
     proptest! {
         #[test]
-        fn plan_properties(input in arb_responses(), threshold in 0usize..2048) {
-            let planned = plan_fusion(input.clone(), threshold);
+        fn plan_properties(input in arb_responses(), threshold in 0usize..2048, staged in any::<bool>()) {
+            let planned = plan_fusion(input.clone(), threshold, staged);
             let by_name: HashMap<&str, &Response> = input.iter().map(|r| (r.entries[0].name.as_str(), r)).collect();
             let flat: Vec<&str> = planned.iter().flat_map(|r| r.entries.iter().map(|e| e.name.as_str())).collect();
 
@@ -296,8 +307,8 @@ mod tests {
                 prop_assert!(FusionLayout::for_response(r).unwrap().total_bytes() <= threshold);
                 for entry in &r.entries {
                     let original = by_name[entry.name.as_str()];
-                    prop_assert!(is_fusable(original));
-                    prop_assert_eq!(class(original), class(first));
+                    prop_assert!(is_fusable(original, staged));
+                    prop_assert_eq!(class(original, staged), class(first, staged));
                     prop_assert_eq!(&original.entries[0], entry);
                 }
             }
@@ -306,7 +317,7 @@ mod tests {
             let position: HashMap<&str, usize> = flat.iter().enumerate().map(|(i, n)| (*n, i)).collect();
             for (i, a) in input.iter().enumerate() {
                 for b in &input[i + 1..] {
-                    if class(a) == class(b) {
+                    if class(a, staged) == class(b, staged) {
                         prop_assert!(position[a.entries[0].name.as_str()] < position[b.entries[0].name.as_str()]);
                     }
                 }
@@ -314,7 +325,7 @@ mod tests {
 
             // Responses that never fuse keep their relative order too.
             let unfusable = |names: Vec<&str>| -> Vec<String> {
-                names.into_iter().filter(|n| !is_fusable(by_name[n])).map(str::to_owned).collect()
+                names.into_iter().filter(|n| !is_fusable(by_name[n], staged)).map(str::to_owned).collect()
             };
             prop_assert_eq!(unfusable(flat.clone()), unfusable(input.iter().map(|r| r.entries[0].name.as_str()).collect()));
 

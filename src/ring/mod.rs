@@ -11,7 +11,8 @@
 //! - [`allreduce`], [`reducescatter`], [`allgather`], [`broadcast`], [`alltoall`]: the flat collectives
 //!   (recursive doubling, ring, pipelined two-rank, tree, chain); [`rabenseifner`]: allreduce by recursive
 //!   halving and doubling; [`bruck`]: Bruck's allgather; [`adasum`]: Adasum's combination; [`staged`]:
-//!   allreduce through staging areas every rank can read; [`hierarchical`]: the same over a communicator's
+//!   allreduce through staging areas every rank can read, [`staged_blocks`] reduce-scatter and allgather
+//!   likewise; [`hierarchical`]: the same over a communicator's
 //!   local and cross parts; [`compressed`]: int8, 1-bit and PowerSGD allreduce with error feedback.
 //! - [`reduce`]: the element-wise reduction and scaling kernels; [`bfloat16`]: their bfloat16 conversions;
 //!   [`streaming`]: reducing a message as it streams in.
@@ -39,6 +40,7 @@ mod rabenseifner;
 pub mod reduce;
 pub mod reducescatter;
 pub mod staged;
+pub mod staged_blocks;
 mod streaming;
 
 pub use adasum::adasum_allreduce;

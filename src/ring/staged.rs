@@ -1,5 +1,6 @@
 //! Allreduce through staging areas that every rank can read (the shared-memory transport's fusion
-//! buffers): no bytes travel through channels at all. The engine uses it for fused tensors and packed
+//! buffers): no bytes travel through channels at all (reduce-scatter and allgather likewise:
+//! [`staged_blocks`](super::staged_blocks)). The engine uses it for fused tensors and packed
 //! groups, which must be packed somewhere anyway.
 //!
 //! 1. Each rank packs its contribution to the other ranks' blocks straight into its own area and
@@ -27,11 +28,29 @@ use crate::transport::{Staging, Transport, TransportError};
 use crate::types::{Combine, DataType};
 
 /// Bytes of a block reduced against all sources before moving on: the destination piece stays in cache.
-const REDUCE_PIECE_BYTES: usize = 64 * 1024;
+pub(crate) const REDUCE_PIECE_BYTES: usize = 64 * 1024;
 
 /// Whether `t` can run a [`StagedAllreduce`] of `len` bytes.
 pub fn fits(t: &mut dyn Transport, len: usize) -> bool {
     t.size() > 1 && t.staging().is_some_and(|s| s.area_len() >= len)
+}
+
+/// This rank's staging areas and the start of every rank's area, for a staged `op` writing up to `len` bytes
+/// into each: waits until every rank has finished reading the areas for the previous staged op (each one's
+/// last step says so). Fails, naming `op`, where `len` bytes do not fit an area.
+pub(crate) fn open<'t>(
+    t: &'t mut dyn Transport,
+    len: usize,
+    op: &str,
+) -> Result<(&'t mut dyn Staging, Vec<*mut u8>), TransportError> {
+    let (me, n) = (t.rank(), t.size());
+    let Some(staging) = t.staging().filter(|s| s.area_len() >= len) else {
+        return Err(invalid_argument(me, op, format!("{len} bytes do not fit the staging areas")));
+    };
+    let areas = (0..n).map(|r| staging.area(r)).collect();
+    let previous = staging.completed();
+    staging.wait_for(previous)?;
+    Ok((staging, areas))
 }
 
 /// What [`StagedAllreduce::reduce`] asks of its caller for each piece of this rank's block.
@@ -67,12 +86,7 @@ impl<'t> StagedAllreduce<'t> {
             let detail = format!("{len} bytes is not a whole number of {dtype} elements");
             return Err(invalid_argument(me, "allreduce", detail));
         }
-        let Some(staging) = t.staging().filter(|s| s.area_len() >= len) else {
-            return Err(invalid_argument(me, "allreduce", format!("{len} bytes do not fit the staging areas")));
-        };
-        let areas = (0..n).map(|r| staging.area(r)).collect();
-        let previous = staging.completed();
-        staging.wait_for(previous)?;
+        let (staging, areas) = open(t, len, "allreduce")?;
         let blocks = Blocks::even(len / dtype.size(), n, dtype.size());
         Ok(StagedAllreduce { staging, areas, blocks, me, len, dtype, reduced: false })
     }
@@ -153,17 +167,18 @@ impl Drop for StagedAllreduce<'_> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::transport::memory::{run_ranks, MemoryTransport};
     use crate::transport::shm::ShmTransport;
     use std::time::Duration;
 
-    fn mesh(n: usize, staging: usize) -> Vec<ShmTransport> {
+    /// `n` ranks of one shared-memory segment with staging areas of `staging` bytes.
+    pub(crate) fn mesh(n: usize, staging: usize) -> Vec<ShmTransport> {
         ShmTransport::local_mesh(n, staging, &std::env::temp_dir(), Duration::from_secs(20)).unwrap()
     }
 
-    fn f64_bytes(values: impl IntoIterator<Item = f64>) -> Vec<u8> {
+    pub(crate) fn f64_bytes(values: impl IntoIterator<Item = f64>) -> Vec<u8> {
         values.into_iter().flat_map(f64::to_ne_bytes).collect()
     }
 
