@@ -29,7 +29,7 @@ impl Algorithms {
     pub fn allreduce(&mut self, t: &dyn Transport, bytes: usize) -> AllreduceAlgorithm {
         let cheap = t.capabilities().cheap_handoffs;
         let chosen = choice::choose_allreduce(bytes, t.size(), cheap, self.overrides.allreduce);
-        self.announce(t, CollectiveKind::Allreduce, chosen, self.overrides.allreduce.is_some(), bytes);
+        self.announce_chosen(t, CollectiveKind::Allreduce, chosen, self.overrides.allreduce.is_some(), bytes);
         chosen
     }
 
@@ -42,24 +42,39 @@ impl Algorithms {
     /// The allgather of `total_bytes` (every rank's blocks together) on `t`'s communicator.
     pub fn allgather(&mut self, t: &dyn Transport, total_bytes: usize) -> AllgatherAlgorithm {
         let chosen = choice::choose_allgather(total_bytes, t.size(), self.overrides.allgather);
-        self.announce(t, CollectiveKind::Allgather, chosen, self.overrides.allgather.is_some(), total_bytes);
+        self.announce_chosen(t, CollectiveKind::Allgather, chosen, self.overrides.allgather.is_some(), total_bytes);
         chosen
     }
 
     /// The broadcast of `bytes` on `t`'s communicator.
     pub fn broadcast(&mut self, t: &dyn Transport, bytes: usize) -> BroadcastAlgorithm {
         let chosen = choice::choose_broadcast(bytes, t.size(), self.overrides.broadcast);
-        self.announce(t, CollectiveKind::Broadcast, chosen, self.overrides.broadcast.is_some(), bytes);
+        self.announce_chosen(t, CollectiveKind::Broadcast, chosen, self.overrides.broadcast.is_some(), bytes);
         chosen
     }
 
-    fn announce(&mut self, t: &dyn Transport, kind: CollectiveKind, algorithm: impl Named, forced: bool, bytes: usize) {
-        if t.size() <= 1 || !self.announced.insert((kind, algorithm.name())) {
+    /// Log once per communicator that a `kind` of `bytes` runs through the transport's staging areas.
+    pub fn staged(&mut self, t: &dyn Transport, kind: CollectiveKind, bytes: usize) {
+        self.announce(t, kind, "staged", "through the shared staging areas", bytes);
+    }
+
+    fn announce_chosen(
+        &mut self,
+        t: &dyn Transport,
+        kind: CollectiveKind,
+        chosen: impl Named,
+        forced: bool,
+        bytes: usize,
+    ) {
+        let why = if forced { "configured" } else { "by size and number of ranks" };
+        self.announce(t, kind, chosen.name(), why, bytes);
+    }
+
+    fn announce(&mut self, t: &dyn Transport, kind: CollectiveKind, algorithm: &'static str, why: &str, bytes: usize) {
+        if t.size() <= 1 || !self.announced.insert((kind, algorithm)) {
             return;
         }
-        let why = if forced { "configured" } else { "by size and number of ranks" };
         let (name, ranks, rank) = (kind.name(), t.size(), t.rank());
-        let algorithm = algorithm.name();
         let communicator = if self.communicator.is_empty() { "this communicator" } else { &self.communicator };
         if rank == 0 {
             tracing::info!(

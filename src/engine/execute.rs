@@ -271,12 +271,12 @@ impl Executor {
             {
                 // A reduce-scatter marks its phase: the transport's collective, or staged.
                 let mut fused: Vec<&mut TensorEntry> = entries.iter_mut().flatten().collect();
-                return reducescatter_fused(t, response, &mut fused, &mut self.fusion_buffer, phases);
+                let algorithms = &mut self.algorithms;
+                return reducescatter_fused(t, response, &mut fused, &mut self.fusion_buffer, algorithms, phases);
             }
             CollectiveKind::Reducescatter => {
-                let size = t.size();
-                let rank = t.rank();
-                return each(entries, |e| reducescatter(t, response, e, rank, size, phases));
+                let (size, rank, algorithms) = (t.size(), t.rank(), &mut self.algorithms);
+                return each(entries, |e| reducescatter(t, response, e, (rank, size), algorithms, phases));
             }
             CollectiveKind::Barrier => Ok(entries.iter().map(|_| Ok(TensorResult::default())).collect()),
             CollectiveKind::Join => Ok(entries
@@ -711,6 +711,7 @@ fn allgather(
         let largest = (0..t.size()).map(|r| b.len(r)).max().unwrap_or(0);
         !algorithms.allgather_configured() && staged_allgather_pays(t, largest)
     }) {
+        algorithms.staged(t, CollectiveKind::Allgather, out.len());
         ring::staged_blocks::allgather(t, entry.input.as_slice(), out.as_mut_slice(), &blocks)?;
         phases.mark_algorithm(STAGED);
     } else {
@@ -819,6 +820,7 @@ fn reducescatter_fused(
     response: &Response,
     entries: &mut [&mut TensorEntry],
     fusion_buffer: &mut Option<AlignedBuffer>,
+    algorithms: &mut Algorithms,
     phases: &mut OpRecord,
 ) -> Result<Vec<Result<TensorResult, EngineError>>, TransportError> {
     let (rank, size) = (t.rank(), t.size());
@@ -845,6 +847,7 @@ fn reducescatter_fused(
         Blocks::from_lengths(&fused_blocks, element).filter(|b| staged_reducescatter_pays(t, b.total()))
     {
         // Packed straight into this rank's staging area; the reduced pieces go straight to the outputs.
+        algorithms.staged(t, CollectiveKind::Reducescatter, staged.total());
         let mut deliver = scatter_into(&mut outs);
         ring::staged_blocks::reducescatter(t, &mut pack, &staged, dtype, combine, postscale, &mut deliver)?;
         phases.mark_algorithm(STAGED);
@@ -898,8 +901,8 @@ fn reducescatter(
     t: &mut dyn Transport,
     response: &Response,
     entry: &mut TensorEntry,
-    rank: usize,
-    size: usize,
+    (rank, size): (usize, usize),
+    algorithms: &mut Algorithms,
     phases: &mut OpRecord,
 ) -> Result<Result<TensorResult, EngineError>, TransportError> {
     let dtype = response.dtype;
@@ -918,6 +921,7 @@ fn reducescatter(
         let postscale = postscale_of(response, size);
         let out = out.as_mut_slice();
         let mut deliver = |offset: usize, piece: &[u8]| out[offset..offset + piece.len()].copy_from_slice(piece);
+        algorithms.staged(t, CollectiveKind::Reducescatter, blocks.total());
         ring::staged_blocks::reducescatter(t, &mut pack, &blocks, dtype, combine, postscale, &mut deliver)?;
         phases.mark_algorithm(STAGED);
     } else {

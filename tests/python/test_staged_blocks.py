@@ -36,8 +36,13 @@ def algorithms(timeline, prefix):
 def test_values_and_which_ops_run_staged(run_rvodrun, job_env, tmp_path, ranks, settings, allgather, reducescatter):
     timeline = tmp_path / "timeline.json"
     job_env.update(settings, RVOD_TIMELINE=str(timeline))
-    result = run_rvodrun(["-np", str(ranks), sys.executable, str(WORKERS / "staged_blocks.py")], timeout=100)
+    result = run_rvodrun(["-np", str(ranks), "--verbose", sys.executable, str(WORKERS / "staged_blocks.py")],
+                         timeout=100)
     assert_worker_job(result, {rank: CHECKS for rank in range(ranks)})
     assert algorithms(timeline, "ag.large") == {r: {allgather} for r in range(ranks)}
     assert algorithms(timeline, "rs.sum") == {r: {reducescatter} for r in range(ranks)}
     assert algorithms(timeline, "rs.burst") == {r: {reducescatter} for r in range(ranks)}
+    # --verbose says it once per communicator and collective.
+    said = "by staged (through the shared staging areas; first at"
+    assert (f"allgather {said}" in result.stderr) == (allgather == "staged"), result.stderr[-3000:]
+    assert (f"reducescatter {said}" in result.stderr) == (reducescatter == "staged"), result.stderr[-3000:]
