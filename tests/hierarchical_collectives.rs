@@ -309,7 +309,7 @@ fn broadcast_alltoall_and_reducescatter_across_hosts() {
             let elems = [3usize, 0, 70_001, 5];
             let contribution = input(DataType::Int32, me, elems.iter().sum());
             let mut mine = vec![0u8; elems[me] * 4];
-            ring::reducescatter(t, &contribution, &elems, DataType::Int32, Combine::Sum, &mut mine).unwrap();
+            ring::reducescatter(t, &contribution, &elems, DataType::Int32, Combine::Sum, 1.0, &mut mine).unwrap();
             out.push(mine);
             out
         });

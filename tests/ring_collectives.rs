@@ -263,7 +263,7 @@ fn reducescatter_even_and_uneven_blocks() {
                                 let rank = t.rank();
                                 let buf = input(dtype, rank, count);
                                 let mut out = vec![0xAA; elems_per_rank[rank] * dtype.size()];
-                                reducescatter(t, &buf, &elems_per_rank, dtype, combine, &mut out).unwrap();
+                                reducescatter(t, &buf, &elems_per_rank, dtype, combine, 1.0, &mut out).unwrap();
                                 assert!(buf == input(dtype, rank, count), "rank {rank}'s input changed");
                                 out
                             });
@@ -294,7 +294,7 @@ fn reducescatter_large_buffer() {
                 let rank = t.rank();
                 let buf = input(DataType::Float32, rank, BIG_SIZE);
                 let mut out = vec![0; elems_per_rank[rank] * 4];
-                reducescatter(t, &buf, &elems_per_rank, DataType::Float32, Combine::Sum, &mut out).unwrap();
+                reducescatter(t, &buf, &elems_per_rank, DataType::Float32, Combine::Sum, 1.0, &mut out).unwrap();
                 assert!(buf == input(DataType::Float32, rank, BIG_SIZE), "rank {rank}'s input changed");
                 out
             });
@@ -323,7 +323,7 @@ fn large_results_written_around_the_cache_are_right() {
                 let mut reduced = vec![0xa5u8; src.len()];
                 allreduce_into(t, &src, &mut reduced, DataType::Float32, Combine::Sum).unwrap();
                 let mut scattered = vec![0xa5u8; elems_per_rank[rank] * 4];
-                reducescatter(t, &src, &elems_per_rank, DataType::Float32, Combine::Max, &mut scattered).unwrap();
+                reducescatter(t, &src, &elems_per_rank, DataType::Float32, Combine::Max, 1.0, &mut scattered).unwrap();
                 let send = rank_bytes(rank, 3, bytes_per_rank[rank]);
                 let mut gathered = vec![0xa5u8; bytes_per_rank.iter().sum()];
                 allgatherv(t, &send, &mut gathered, &bytes_per_rank).unwrap();
@@ -428,7 +428,7 @@ fn inconsistent_arguments_are_errors_not_panics() {
             let allreduce_error = allreduce(t, &mut odd, DataType::Float32, Combine::Sum);
             let broadcast_error = broadcast(t, &mut odd, 2);
             let mut out = vec![0u8; 4];
-            let reducescatter_error = reducescatter(t, &odd, &[1, 1], DataType::Float32, Combine::Sum, &mut out);
+            let reducescatter_error = reducescatter(t, &odd, &[1, 1], DataType::Float32, Combine::Sum, 1.0, &mut out);
             let allgather_error = allgatherv(t, &[1, 2, 3], &mut out, &[2, 2]);
             let alltoall_error = alltoallv(t, &[1], &[1], &mut out, &[1, 1]);
             [allreduce_error, broadcast_error, reducescatter_error, allgather_error, alltoall_error]

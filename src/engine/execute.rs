@@ -855,8 +855,7 @@ fn reducescatter_fused(
         let packed = grown(fusion_buffer, fused_blocks.iter().sum::<usize>() * element);
         pack(packed);
         let mut out = AlignedBuffer::for_overwrite(fused_blocks[rank] * element);
-        ring::reducescatter(t, packed, &fused_blocks, dtype, combine, out.as_mut_slice())?;
-        ring::scale_in_place(out.as_mut_slice(), dtype, postscale);
+        ring::reducescatter(t, packed, &fused_blocks, dtype, combine, postscale, out.as_mut_slice())?;
         scatter_into(&mut outs)(0, out.as_slice());
         phases.mark_collective();
     }
@@ -932,8 +931,8 @@ fn reducescatter(
             copy
         });
         let input = scaled.as_ref().map_or(input, AlignedBuffer::as_slice);
-        ring::reducescatter(t, input, &elems_per_rank, dtype, combine, out.as_mut_slice())?;
-        ring::scale_in_place(out.as_mut_slice(), dtype, postscale_of(response, size));
+        let postscale = postscale_of(response, size);
+        ring::reducescatter(t, input, &elems_per_rank, dtype, combine, postscale, out.as_mut_slice())?;
         phases.mark_collective();
     }
     let out_shape = reducescatter_shape(shape, rank, size);

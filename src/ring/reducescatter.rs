@@ -5,26 +5,28 @@
 //! the left neighbour's block streams in and is combined with this rank's own block of the input as its
 //! bytes arrive, so no message is ever staged whole and the input is never copied or changed. Partial
 //! results pass through two block-sized scratch buffers (none with two ranks); the last step writes the
-//! finished block straight into the output. Each block is combined in a fixed chain order, so its result
+//! finished block straight into the output, scaled there by the op's postscale (no second pass over it). Each block is combined in a fixed chain order, so its result
 //! does not depend on timing. `reduce_scatter_ring`, the in-place form, is also the first half of the
 //! large-message allreduce.
 
 use crate::ring::args::{expect_len, invalid_argument};
 use crate::ring::chunks::{reduce_scatter_step, Blocks};
 use crate::ring::disjoint::read_write_pair;
+use crate::ring::reduce::scale_in_place;
 use crate::ring::streaming::StreamingReducer;
 use crate::tensor::{AlignedBuffer, STREAMING_MIN_BYTES};
 use crate::transport::{Transport, TransportError};
 use crate::types::{Combine, DataType};
 
 /// Combine `input` across ranks and leave rank `r`'s block (`elems_per_rank[r]` elements, the blocks laid
-/// out in rank order in `input`) in `out`. `input` is only read.
+/// out in rank order in `input`) in `out`, multiplied by `postscale`. `input` is only read.
 pub fn reducescatter(
     t: &mut dyn Transport,
     input: &[u8],
     elems_per_rank: &[usize],
     dtype: DataType,
     combine: Combine,
+    postscale: f64,
     out: &mut [u8],
 ) -> Result<(), TransportError> {
     const OP: &str = "reducescatter";
@@ -36,18 +38,19 @@ pub fn reducescatter(
     expect_len(rank, OP, "output length in bytes", out.len(), blocks.len(rank))?;
     if t.size() == 1 || blocks.total() == 0 {
         out.copy_from_slice(&input[blocks.range(rank)]);
+        scale_in_place(out, dtype, postscale);
         return Ok(());
     }
-    reduce_scatter_ring_into(t, input, &blocks, dtype, combine, out)
+    reduce_scatter_ring_into(t, input, &blocks, dtype, (combine, postscale), out)
 }
 
-/// The ring reduce-scatter of `input` (only read) into `out`, this rank's block of the result.
+/// The ring reduce-scatter of `input` (only read) into `out`, this rank's block of the result, scaled.
 fn reduce_scatter_ring_into(
     t: &mut dyn Transport,
     input: &[u8],
     blocks: &Blocks,
     dtype: DataType,
-    combine: Combine,
+    (combine, postscale): (Combine, f64),
     out: &mut [u8],
 ) -> Result<(), TransportError> {
     let (rank, n) = (t.rank(), t.size());
@@ -70,8 +73,11 @@ fn reduce_scatter_ring_into(
             if step == 0 { &input[blocks.range(send_block)] } else { &reduced_before[..blocks.len(send_block)] };
         let target: &mut [u8] = if step == n - 2 { &mut *out } else { &mut reducing_now[..blocks.len(recv_block)] };
         let base = &input[blocks.range(recv_block)];
-        let mut reducer = if step == n - 2 && streaming {
-            StreamingReducer::from_base_streaming(base, target, dtype, combine)
+        let last = step == n - 2;
+        let mut reducer = if last && streaming {
+            StreamingReducer::from_base_streaming(base, target, dtype, combine).scaled(postscale)
+        } else if last {
+            StreamingReducer::from_base(base, target, dtype, combine).scaled(postscale)
         } else {
             StreamingReducer::from_base(base, target, dtype, combine)
         };
@@ -127,16 +133,58 @@ mod tests {
         let results = run_ranks(MemoryTransport::mesh(3), |t| {
             let input: Vec<u8> = (0..5).map(|i| (i * 10 + t.rank()) as u8).collect();
             let mut out = vec![0; elems_per_rank[t.rank()]];
-            reducescatter(t, &input, &elems_per_rank, DataType::Uint8, Combine::Max, &mut out).unwrap();
+            reducescatter(t, &input, &elems_per_rank, DataType::Uint8, Combine::Max, 1.0, &mut out).unwrap();
             out
         });
         assert_eq!(results, vec![vec![2, 12], vec![], vec![22, 32, 42]]);
     }
 
+    /// The postscale applied while the last step writes gives the bits of scaling the finished block after:
+    /// float32 and float16 sums scaled by a factor that rounds (1/3), int32 truncated toward zero, on 1-3
+    /// ranks, and blocks large enough for streaming stores (4 MiB and more) as well as small ones.
+    #[test]
+    fn postscale_while_writing_equals_scaling_the_result_after() {
+        let cases =
+            [(DataType::Float32, 1 << 20), (DataType::Float32, 1000), (DataType::Float16, 999), (DataType::Int32, 77)];
+        for size in 1..=3 {
+            for &(dtype, elems_per_rank) in &cases {
+                let counts = vec![elems_per_rank; size];
+                let results = run_ranks(MemoryTransport::mesh(size), |t| {
+                    let input = contribution(dtype, elems_per_rank * t.size(), t.rank());
+                    let mut scaled = vec![0; elems_per_rank * dtype.size()];
+                    reducescatter(t, &input, &counts, dtype, Combine::Sum, 1.0 / 3.0, &mut scaled).unwrap();
+                    let mut after = vec![0; scaled.len()];
+                    reducescatter(t, &input, &counts, dtype, Combine::Sum, 1.0, &mut after).unwrap();
+                    scale_in_place(&mut after, dtype, 1.0 / 3.0);
+                    (scaled, after)
+                });
+                for (rank, (scaled, after)) in results.into_iter().enumerate() {
+                    assert!(scaled == after, "{dtype} x {elems_per_rank} on {size} ranks: rank {rank} differs");
+                    assert!(scaled.iter().any(|&b| b != 0), "{dtype}: the result is all zero, so nothing was tested");
+                }
+            }
+        }
+    }
+
+    /// Rank `rank`'s contribution of `len` elements: values whose sums and thirds round in `dtype`.
+    fn contribution(dtype: DataType, len: usize, rank: usize) -> Vec<u8> {
+        let value = |i: usize| ((i * 7 + rank * 13) % 101) as f64 * 0.37 - 17.0;
+        let mut out = Vec::with_capacity(len * dtype.size());
+        for i in 0..len {
+            match dtype {
+                DataType::Float32 => out.extend_from_slice(&(value(i) as f32).to_ne_bytes()),
+                DataType::Float16 => out.extend_from_slice(&half::f16::from_f64(value(i)).to_ne_bytes()),
+                DataType::Int32 => out.extend_from_slice(&((value(i) * 100.0) as i32).to_ne_bytes()),
+                _ => unreachable!("not a tested dtype"),
+            }
+        }
+        out
+    }
+
     #[test]
     fn mismatched_output_is_rejected() {
         let results = run_ranks(MemoryTransport::mesh(1), |t| {
-            reducescatter(t, &[0; 4], &[4], DataType::Uint8, Combine::Sum, &mut [0; 3])
+            reducescatter(t, &[0; 4], &[4], DataType::Uint8, Combine::Sum, 1.0, &mut [0; 3])
         });
         assert!(matches!(&results[0], Err(TransportError::Io { .. })));
     }

@@ -1,9 +1,11 @@
 //! Reducing a message into a buffer while it streams in, in pieces of any size.
 //!
 //! Pieces need not end on element boundaries: the bytes of an element split across pieces wait in a
-//! small carry buffer until the element is whole. Nothing larger than one element is ever staged.
+//! small carry buffer until the element is whole. Nothing larger than one element is ever staged. A
+//! reducer may also scale what it combines ([`scaled`](StreamingReducer::scaled)) while it is still in
+//! cache, instead of a later pass over the whole result.
 
-use crate::ring::reduce::reduce_into;
+use crate::ring::reduce::{reduce_into, scale_in_place};
 use crate::tensor::copy_streaming;
 use crate::types::{Combine, DataType};
 
@@ -22,6 +24,8 @@ pub(crate) struct StreamingReducer<'a> {
     streaming: bool,
     dtype: DataType,
     combine: Combine,
+    /// Each combined element is multiplied by this (`scale_in_place`'s arithmetic); 1 leaves it.
+    scale: f64,
     /// Bytes of `dst` already combined.
     done: usize,
     carry: [u8; MAX_ELEMENT_BYTES],
@@ -34,8 +38,8 @@ impl<'a> StreamingReducer<'a> {
     }
 
     fn with(dst: &'a mut [u8], base: Option<&'a [u8]>, dtype: DataType, combine: Combine) -> StreamingReducer<'a> {
-        let (streaming, done, carry, carry_len) = (false, 0, [0; MAX_ELEMENT_BYTES], 0);
-        StreamingReducer { dst, base, streaming, dtype, combine, done, carry, carry_len }
+        let (streaming, scale, done, carry, carry_len) = (false, 1.0, 0, [0; MAX_ELEMENT_BYTES], 0);
+        StreamingReducer { dst, base, streaming, dtype, combine, scale, done, carry, carry_len }
     }
 
     /// Write `base ⊕ message` to `dst` (of `base`'s length), leaving `base` as it is.
@@ -58,6 +62,12 @@ impl<'a> StreamingReducer<'a> {
         combine: Combine,
     ) -> StreamingReducer<'a> {
         StreamingReducer { streaming: true, ..Self::from_base(base, dst, dtype, combine) }
+    }
+
+    /// Multiply each combined element by `factor` as it is written (the same bits as `scale_in_place` over
+    /// the finished result: both are element-wise, and each element is scaled once, after combining).
+    pub(crate) fn scaled(self, factor: f64) -> StreamingReducer<'a> {
+        StreamingReducer { scale: factor, ..self }
     }
 
     /// Combine the next piece of the message into `dst`. Bytes beyond `dst`'s length are ignored.
@@ -87,7 +97,10 @@ impl<'a> StreamingReducer<'a> {
         let len = elements.len().min(self.dst.len() - self.done);
         let dst = &mut self.dst[self.done..self.done + len];
         match self.base {
-            None => reduce_into(dst, &elements[..len], self.dtype, self.combine),
+            None => {
+                reduce_into(dst, &elements[..len], self.dtype, self.combine);
+                scale_in_place(dst, self.dtype, self.scale);
+            }
             Some(base) => {
                 let base = &base[self.done..self.done + len];
                 let mut block = [0u8; BASE_BLOCK_BYTES];
@@ -101,10 +114,12 @@ impl<'a> StreamingReducer<'a> {
                         let block = &mut block[..d.len()];
                         block.copy_from_slice(b);
                         reduce_into(block, e, self.dtype, self.combine);
+                        scale_in_place(block, self.dtype, self.scale);
                         copy_streaming(d, block);
                     } else {
                         d.copy_from_slice(b);
                         reduce_into(d, e, self.dtype, self.combine);
+                        scale_in_place(d, self.dtype, self.scale);
                     }
                 }
             }
