@@ -80,7 +80,16 @@ impl Small {
         if self.kind != CollectiveKind::Barrier {
             let (name, dtype, shape, in_place, input) =
                 (self.name.to_string(), self.dtype, self.shape(), self.in_place, self.input());
-            sub.tensors.push(TensorSubmission { name, dtype, shape, input, in_place, packed: None, device: None });
+            sub.tensors.push(TensorSubmission {
+                name,
+                dtype,
+                shape,
+                input,
+                in_place,
+                packed: None,
+                device: None,
+                into: None,
+            });
         }
         sub
     }

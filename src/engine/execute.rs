@@ -24,7 +24,7 @@ use crate::ring::compressed::{self, Feedback};
 use crate::ring::hierarchical::Step;
 use crate::ring::staged::{OwnPiece, StagedAllreduce};
 use crate::tensor::OutputTensor;
-use crate::tensor::{copy_streaming, AlignedBuffer, STREAMING_MIN_BYTES};
+use crate::tensor::{copy_streaming, AlignedBuffer, RawTensor, STREAMING_MIN_BYTES};
 use crate::timeline::{OpRecord, Stage};
 use crate::transport::composite::HostLayout;
 use crate::transport::{HostParts, Transport, TransportError};
@@ -828,6 +828,19 @@ fn reducescatter_fused(
     let element = dtype.size();
     let blocks: Vec<Vec<usize>> = entries.iter().map(|e| reducescatter_blocks(&e.request.params.shape, size)).collect();
     let fused_blocks: Vec<usize> = (0..size).map(|r| blocks.iter().map(|b| b[r]).sum()).collect();
+    // Each tensor's block goes into the caller's memory where it gave some of the right size, else into a
+    // new buffer (a wrong size is refused in `completed`).
+    let mut intos: Vec<Option<RawTensor>> =
+        entries.iter_mut().zip(&blocks).map(|(e, b)| e.into.take_if(|into| into.len() == b[rank] * element)).collect();
+    let mut owned: Vec<Option<AlignedBuffer>> = (intos.iter().zip(&blocks))
+        .map(|(into, b)| into.is_none().then(|| AlignedBuffer::for_overwrite(b[rank] * element)))
+        .collect();
+    let mut outs: Vec<&mut [u8]> = (owned.iter_mut().zip(intos.iter_mut()))
+        .map(|(own, into)| match (own, into) {
+            (Some(buffer), _) => buffer.as_mut_slice(),
+            (None, into) => into.as_mut().map_or(&mut [][..], RawTensor::as_mut_slice),
+        })
+        .collect();
     let mut pack = |packed: &mut [u8]| {
         let copy = copy_for(packed.len());
         let mut at = 0;
@@ -841,7 +854,6 @@ fn reducescatter_fused(
         }
         ring::scale_in_place(&mut packed[..at], dtype, response.prescale);
     };
-    let mut outs: Vec<AlignedBuffer> = blocks.iter().map(|b| AlignedBuffer::for_overwrite(b[rank] * element)).collect();
     let (combine, postscale) = (combine_of(response.reduce_op), postscale_of(response, size));
     if let Some(staged) =
         Blocks::from_lengths(&fused_blocks, element).filter(|b| staged_reducescatter_pays(t, b.total()))
@@ -859,12 +871,13 @@ fn reducescatter_fused(
         scatter_into(&mut outs)(0, out.as_slice());
         phases.mark_collective();
     }
+    drop(outs);
     Ok(entries
         .iter()
-        .zip(outs)
+        .zip(owned)
         .map(|(entry, mine)| {
             let shape = reducescatter_shape(&entry.request.params.shape, rank, size);
-            Ok(TensorResult { output: output(mine, shape, dtype), ..TensorResult::default() })
+            Ok(TensorResult { output: mine.and_then(|mine| output(mine, shape, dtype)), ..TensorResult::default() })
         })
         .collect())
 }
@@ -880,11 +893,11 @@ fn copy_for(len: usize) -> fn(&mut [u8], &[u8]) {
 }
 
 /// Writes consecutive pieces of bytes, handed over in order from offset 0, across `outs` one after another.
-fn scatter_into(outs: &mut [AlignedBuffer]) -> impl FnMut(usize, &[u8]) + '_ {
+fn scatter_into<'a, 'b>(outs: &'a mut [&'b mut [u8]]) -> impl FnMut(usize, &[u8]) + use<'a, 'b> {
     let (mut index, mut at) = (0, 0);
     move |_offset, mut piece: &[u8]| {
         while !piece.is_empty() {
-            let out = outs[index].as_mut_slice();
+            let out = &mut *outs[index];
             if at == out.len() {
                 (index, at) = (index + 1, 0); // full, or empty (a tensor of fewer rows than ranks)
                 continue;
@@ -907,7 +920,13 @@ fn reducescatter(
     let dtype = response.dtype;
     let shape = &entry.request.params.shape;
     let elems_per_rank = reducescatter_blocks(shape, size);
-    let mut out = AlignedBuffer::for_overwrite(elems_per_rank[rank] * dtype.size());
+    let len = elems_per_rank[rank] * dtype.size();
+    // The caller's memory where it gave some of the right size (else a new buffer; see `completed`).
+    let mut owned = None;
+    let out: &mut [u8] = match entry.into.as_mut().filter(|into| into.len() == len) {
+        Some(into) => into.as_mut_slice(),
+        None => owned.insert(AlignedBuffer::for_overwrite(len)).as_mut_slice(),
+    };
     let combine = combine_of(response.reduce_op);
     let input = entry.input.as_slice();
     let staged =
@@ -918,7 +937,6 @@ fn reducescatter(
             ring::scale_in_place(area, dtype, response.prescale);
         };
         let postscale = postscale_of(response, size);
-        let out = out.as_mut_slice();
         let mut deliver = |offset: usize, piece: &[u8]| out[offset..offset + piece.len()].copy_from_slice(piece);
         algorithms.staged(t, CollectiveKind::Reducescatter, blocks.total());
         ring::staged_blocks::reducescatter(t, &mut pack, &blocks, dtype, combine, postscale, &mut deliver)?;
@@ -932,9 +950,9 @@ fn reducescatter(
         });
         let input = scaled.as_ref().map_or(input, AlignedBuffer::as_slice);
         let postscale = postscale_of(response, size);
-        ring::reducescatter(t, input, &elems_per_rank, dtype, combine, postscale, out.as_mut_slice())?;
+        ring::reducescatter(t, input, &elems_per_rank, dtype, combine, postscale, out)?;
         phases.mark_collective();
     }
     let out_shape = reducescatter_shape(shape, rank, size);
-    Ok(Ok(TensorResult { output: output(out, out_shape, dtype), ..TensorResult::default() }))
+    Ok(Ok(TensorResult { output: owned.and_then(|out| output(out, out_shape, dtype)), ..TensorResult::default() }))
 }

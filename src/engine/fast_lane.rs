@@ -215,6 +215,7 @@ impl Loop {
             submitted: Instant::now(),
             packed: None,
             device: None,
+            into: None,
         };
         self.table.insert_announced(entry, Announcement::CacheHit(bit));
         // A round that ends the loop fails what is pending, this op included, when the loop winds up.

@@ -49,6 +49,7 @@ pub fn pack_group(name: &str, members: Vec<GroupMember>, in_place: bool) -> Vec<
                 device: None,
                 in_place,
                 packed: Some(group),
+                into: None,
             }
         })
         .collect()

@@ -566,6 +566,7 @@ fn entries_for(op: OpSubmission, handle: HandleId, rank: u32, names: &[String]) 
             submitted: now,
             packed: None,
             device: None,
+            into: None,
         }];
     }
     let requests: Vec<Request> = op
@@ -590,6 +591,7 @@ fn entries_for(op: OpSubmission, handle: HandleId, rank: u32, names: &[String]) 
             submitted: now,
             packed: t.packed,
             device: t.device,
+            into: t.into,
         })
         .collect()
 }

@@ -65,6 +65,7 @@ impl Engine {
                         in_place: op.in_place,
                         packed: None,
                         device: None,
+                        into: None,
                     }],
                 };
                 let submission = OpSubmission { params: op.params, tensors };

@@ -644,8 +644,27 @@ impl Loop {
     }
 }
 
-/// What a finished table entry gives its op.
-fn completed(entry: TensorEntry, result: Result<TensorResult, EngineError>) -> CompletedPart {
+/// What a finished table entry gives its op. A result the executor made in a buffer of its own for an entry
+/// with caller memory to write it into (`into`) is copied there, or refused when the sizes differ.
+fn completed(mut entry: TensorEntry, result: Result<TensorResult, EngineError>) -> CompletedPart {
+    let result = match (result, entry.into.take()) {
+        (Ok(mut result), Some(mut into)) => match result.output.take() {
+            None => Ok(result),
+            Some(out) if out.buffer.len() == into.len() => {
+                into.as_mut_slice().copy_from_slice(out.buffer.as_slice());
+                Ok(result)
+            }
+            Some(out) => Err(EngineError::InvalidArgument(format!(
+                "{} '{}': the output tensor given holds {} bytes, and this rank's result is {} bytes (shape {:?})",
+                entry.request.params.kind,
+                entry.request.name,
+                into.len(),
+                out.buffer.len(),
+                out.shape
+            ))),
+        },
+        (result, _) => result,
+    };
     let result = match result {
         Ok(TensorResult { members, .. }) if entry.packed.is_some() => PartResult::Members(members),
         Ok(TensorResult { output, received_splits, last_joined_rank, device_output, done, .. }) => {
@@ -664,5 +683,69 @@ pub(super) fn naming_tensor(err: &EngineError, kind: CollectiveKind, name: &str)
             EngineError::Transport { op: format!("{kind} of tensor '{name}' ({op})"), cause: cause.clone() }
         }
         other => other.clone(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::message::{OpParams, Request};
+    use crate::tensor::{AlignedBuffer, OutputTensor, RawTensor};
+    use crate::types::DataType;
+
+    fn entry_into(into: &mut [u8]) -> TensorEntry {
+        TensorEntry {
+            handle: 7,
+            index: 0,
+            request: Request {
+                rank: 0,
+                name: "reducescatter.g".into(),
+                params: OpParams::new(CollectiveKind::Reducescatter),
+            },
+            // SAFETY: a zero-length view of no memory.
+            input: unsafe { RawTensor::new(std::ptr::null_mut(), 0) },
+            in_place: false,
+            submitted: Instant::now(),
+            packed: None,
+            device: None,
+            // SAFETY: `into` outlives the entry, which `completed` consumes at once.
+            into: Some(unsafe { RawTensor::new(into.as_mut_ptr(), into.len()) }),
+        }
+    }
+
+    fn made_by_the_executor(bytes: &[u8]) -> Result<TensorResult, EngineError> {
+        let output = OutputTensor {
+            buffer: AlignedBuffer::from_slice(bytes),
+            shape: vec![bytes.len() as i64],
+            dtype: DataType::Uint8,
+        };
+        Ok(TensorResult { output: Some(output), ..TensorResult::default() })
+    }
+
+    #[test]
+    fn a_result_made_in_a_buffer_of_its_own_is_copied_into_the_callers_memory() {
+        let mut into = [0u8; 4];
+        let part = completed(entry_into(&mut into), made_by_the_executor(&[1, 2, 3, 4]));
+        assert!(
+            matches!(part.result, PartResult::Tensor { output: None, index: 0, .. }),
+            "not a result written in place"
+        );
+        assert_eq!(into, [1, 2, 3, 4]);
+    }
+
+    #[test]
+    fn a_result_of_another_size_than_the_callers_memory_is_refused_naming_both() {
+        let mut into = [9u8; 3];
+        let part = completed(entry_into(&mut into), made_by_the_executor(&[1, 2, 3, 4]));
+        let PartResult::Failed(EngineError::InvalidArgument(message)) = part.result else {
+            panic!("a result of the wrong size was not refused");
+        };
+        assert!(
+            message.contains("'reducescatter.g'")
+                && message.contains("holds 3 bytes")
+                && message.contains("is 4 bytes"),
+            "{message}"
+        );
+        assert_eq!(into, [9, 9, 9], "nothing is written into memory of the wrong size");
     }
 }

@@ -22,6 +22,9 @@ pub struct TensorSubmission {
     /// Set for a tensor in GPU memory: `input` is then empty, and the engine reads the device memory in
     /// stream order when the op runs.
     pub device: Option<DeviceInput>,
+    /// Caller-owned host memory the result is written into instead of a new buffer (a reducescatter's
+    /// block, `reducescatter_async(..., output=)`): exactly the result's bytes.
+    pub into: Option<RawTensor>,
 }
 
 impl TensorSubmission {

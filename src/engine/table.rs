@@ -31,6 +31,8 @@ pub struct TensorEntry {
     /// A tensor in GPU memory: `input` stays empty until the executor stages it (see
     /// [`crate::engine::execute_device`]).
     pub device: Option<DeviceInput>,
+    /// Caller-owned memory for the result (see [`crate::engine::submission::TensorSubmission::into`]).
+    pub into: Option<RawTensor>,
 }
 
 impl TensorEntry {

@@ -143,6 +143,7 @@ mod tests {
             in_place: false,
             packed: None,
             device: None,
+            into: None,
         });
         op.params.splits = splits;
         op

@@ -274,6 +274,7 @@ fn whole_tensor(name: String, imported: ImportedTensor, in_place: bool) -> Tenso
         in_place,
         packed: None,
         device: imported.device,
+        into: None,
     }
 }
 
@@ -294,8 +295,12 @@ fn whole_tensor(name: String, imported: ImportedTensor, in_place: bool) -> Tenso
 /// A capsule of a tensor on a GPU is taken where the GPU libraries are usable: `stream` is the framework's
 /// current stream on its device (a `cudaStream_t` as a number), on which its ready event is recorded; without
 /// one, the producer is expected to have made rvod's stream (`device_stream`) wait for the tensor.
+///
+/// `output` (an asynchronous reducescatter of one tensor in host memory): host memory of the input's dtype
+/// the result is written into instead of a new buffer; the handle's result is then None, as in place. Its
+/// size is checked when the op runs (this rank's block is known then).
 #[pyfunction]
-#[pyo3(signature = (kind, names, tensors, in_place, reduce_op, prescale, postscale, root_rank, process_set_id, wait=false, packed=false, splits=None, stream=None, compression=0))]
+#[pyo3(signature = (kind, names, tensors, in_place, reduce_op, prescale, postscale, root_rank, process_set_id, wait=false, packed=false, splits=None, stream=None, compression=0, output=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn submit<'py>(
     py: Python<'py>,
@@ -313,6 +318,7 @@ pub fn submit<'py>(
     splits: Option<Vec<i64>>,
     stream: Option<usize>,
     compression: u16,
+    output: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyAny>> {
     let (kind, reduce_op) = read_codes(kind, reduce_op)?;
     let compression = Compression::from_code(compression)
@@ -327,6 +333,14 @@ pub fn submit<'py>(
             .into_bound_py_any(py);
     };
     let name = name.to_str()?;
+    if let Some(output) = output {
+        let Some(tensor) = tensors.filter(|_| !wait && kind == CollectiveKind::Reducescatter) else {
+            return Err(PyValueError::new_err(format!(
+                "{kind} '{name}': an output tensor is taken by an asynchronous reducescatter of one tensor only"
+            )));
+        };
+        return submit_into(py, params, name, tensor, output)?.into_bound_py_any(py);
+    }
     match tensors {
         Some(tensor) if !wait || is_capsule(tensor) => submit_one(py, params, name, tensor, wait),
         None if !wait => Err(PyValueError::new_err(format!("{kind} needs a tensor"))),
@@ -432,6 +446,35 @@ fn submit_one<'py>(
     };
     let op = params.op(vec![whole_tensor(name, imported, in_place)], Vec::new());
     with_engine(|engine| queue(py, engine, op, process_set_id, wait))?.into_bound_py_any(py)
+}
+
+/// `submit` of one tensor whose result goes into `output` (see `submit`): both in host memory, one dtype.
+fn submit_into(
+    py: Python<'_>,
+    params: Params,
+    name: &str,
+    tensor: &Bound<'_, PyAny>,
+    output: &Bound<'_, PyAny>,
+) -> PyResult<u64> {
+    let Params { kind, process_set_id, stream, .. } = params;
+    let name = [kind.name(), ".", name].concat();
+    let imported = import_input(tensor, false, stream, || format!("{kind} '{name}'"))?;
+    let into = import_input(output, true, stream, || format!("the output of {kind} '{name}'"))?;
+    if imported.device.is_some() || into.device.is_some() {
+        return Err(invalid_argument(format!(
+            "{kind} '{name}': an output tensor is taken for tensors in host memory only (this one is on a GPU)"
+        )));
+    }
+    if into.dtype != imported.dtype {
+        return Err(invalid_argument(format!(
+            "{kind} '{name}': the output tensor is {}, the input {}; they must be of one dtype",
+            into.dtype, imported.dtype
+        )));
+    }
+    let mut submission = whole_tensor(name, imported, false);
+    submission.into = Some(into.tensor);
+    let op = params.op(vec![submission], Vec::new());
+    with_engine(|engine| queue(py, engine, op, process_set_id, false))
 }
 
 thread_local! {

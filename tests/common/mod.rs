@@ -92,7 +92,16 @@ pub fn as_f32(bytes: &[u8]) -> Vec<f32> {
 pub fn tensor(name: &str, data: &mut Vec<u8>, dtype: DataType, shape: Vec<i64>) -> TensorSubmission {
     // SAFETY: every test keeps `data` alive and untouched until the handle completes.
     let input = unsafe { RawTensor::new(data.as_mut_ptr(), data.len()) };
-    TensorSubmission { name: name.to_string(), dtype, shape, input, in_place: false, packed: None, device: None }
+    TensorSubmission {
+        name: name.to_string(),
+        dtype,
+        shape,
+        input,
+        in_place: false,
+        packed: None,
+        device: None,
+        into: None,
+    }
 }
 
 pub fn wait(engine: &Engine, id: HandleId) -> Result<OpOutput, EngineError> {

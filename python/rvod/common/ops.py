@@ -7,6 +7,7 @@ or ``ValueError`` (``RvodInvalidArgumentError``: at submission, so nothing was s
 by the engine alike on every rank) gives its name back (see ``naming``); a mismatch or a failed op keeps it.
 """
 
+import math
 from threading import get_ident
 
 from rvod import _rvod
@@ -348,6 +349,28 @@ def _submit_one(kind, name, adapter, tensor, in_place, finish, op=Sum, prescale=
     return _submit(record, [record.full_name(name)], adapter, [tensor], finish, tensor)
 
 
+def _submit_into(name, adapter, tensor, output, op, prescale, postscale, process_set):
+    """An asynchronous reducescatter of ``tensor`` whose result the engine writes into ``output`` (the handle's
+    result is ``output``). The output's memory must be what the engine writes: a copy would not be seen."""
+    shape = tuple(int(d) for d in tensor.shape)
+    size, rank = process_set.size(), process_set.rank()
+    rows = (shape[0] // size + (rank < shape[0] % size)) if shape else 0
+    block = (rows,) + shape[1:]
+    if math.prod(block) != math.prod(int(d) for d in output.shape):
+        raise RvodInvalidArgumentError(f"reducescatter '{name}': the output tensor has shape {tuple(output.shape)}, and "
+                                       f"this rank's block of a tensor of shape {shape} is {block}")
+    capsule, holder = adapter.export(tensor)
+    out_capsule, out_holder = adapter.export_for_write(output)
+    if out_holder is not output:
+        raise RvodInvalidArgumentError(f"reducescatter '{name}': the output tensor must be contiguous host memory "
+                                       "the result can be written into as it is")
+    set_id = 0 if process_set is global_process_set else process_set_id_of(process_set)
+    handle = _submit_native(REDUCESCATTER, name, capsule, False, op, prescale, postscale, -1, set_id, False, False,
+                            None, adapter.stream_of(tensor), output=out_capsule)
+    _pending[handle] = (_original, adapter, output, holder, capsule, out_capsule)
+    return handle
+
+
 def poll(handle):
     """True when the op behind ``handle`` has completed (never blocks)."""
     if handle not in _pending:
@@ -534,12 +557,16 @@ def alltoall_async(adapter, tensor, splits=None, name=None, process_set=global_p
 
 
 def reducescatter_async(adapter, tensor, name=None, op=Average, process_set=global_process_set,
-                        prescale_factor=1.0, postscale_factor=1.0):
+                        prescale_factor=1.0, postscale_factor=1.0, output=None):
+    """Start a reducescatter; ``output`` (a contiguous host tensor of the input's dtype holding exactly this
+    rank's block) receives the result instead of a new tensor, and ``synchronize`` returns it."""
     op = resolve_op(op, None)
     unnamed = name is None
     if unnamed:
         name = naming.next_suffix(process_set_id_of(process_set))
     try:
+        if output is not None:
+            return _submit_into(name, adapter, tensor, output, op, prescale_factor, postscale_factor, process_set)
         return _submit_one(REDUCESCATTER, name, adapter, tensor, False, _new_tensor, op, prescale_factor,
                            postscale_factor, process_set=process_set)
     except (TypeError, ValueError) as error:

@@ -162,8 +162,11 @@ def alltoall(tensor, splits=None, name=None, process_set=gps):
 
 
 def reducescatter_async(tensor, name=None, op=Average, process_set=gps, prescale_factor=1.0,
-                        postscale_factor=1.0):
-    return _ops.reducescatter_async(_adapter, tensor, name, op, process_set, prescale_factor, postscale_factor)
+                        postscale_factor=1.0, output=None):
+    """Start a reducescatter; ``output`` (rvod's own): a contiguous writable array of ``tensor``'s dtype with
+    this rank's share's number of elements, which receives the result (``synchronize`` returns it)."""
+    return _ops.reducescatter_async(_adapter, tensor, name, op, process_set, prescale_factor, postscale_factor,
+                                    output)
 
 
 def reducescatter(tensor, name=None, op=Average, process_set=gps, prescale_factor=1.0, postscale_factor=1.0):

@@ -419,9 +419,12 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
 
 
 def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0,
-                        postscale_factor=1.0):
-    """Start reducing ``tensor`` and giving each rank its share of dim 0; returns a handle."""
-    return _ops.reducescatter_async(_adapter, tensor, name, op, process_set, prescale_factor, postscale_factor)
+                        postscale_factor=1.0, output=None):
+    """Start reducing ``tensor`` and giving each rank its share of dim 0; returns a handle. rvod's own
+    ``output=``: a contiguous CPU tensor of ``tensor``'s dtype with this rank's share's number of elements
+    (any shape), which the result is written into (``synchronize`` returns it) instead of a new tensor."""
+    return _ops.reducescatter_async(_adapter, tensor, name, op, process_set, prescale_factor, postscale_factor,
+                                    output)
 
 
 def _reducescatter_grad(gathered, op, factors, process_set):

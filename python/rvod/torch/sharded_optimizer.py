@@ -31,6 +31,7 @@ import math
 
 import torch
 
+from rvod.common.compression import NoneCompressor
 from rvod.common.sharding import (SHARDED_KEY, Param, ShardLayout, StateOps, check_own_shard, join_shards,
                                   split_params)
 from rvod.torch import parameter_gathers
@@ -166,9 +167,15 @@ class _ShardedOptimizer:
         compressed, context = self._dense_flat(p)
         if self._alone():
             return lambda: self._grad_view(p).copy_(self._compression.decompress(compressed, context))
+        view = self._grad_view(p)
+        # Uncompressed in host memory: the engine writes the reduced chunk straight into the shard's gradient.
+        into = (self._compression.decompress is NoneCompressor.decompress and compressed.dtype == view.dtype
+                and compressed.is_cpu and view.is_cpu)
         handle = reducescatter_async(compressed, name=f"sharded.{self._parameter_names[p]}", op=self._op,
                                      process_set=self._process_set, prescale_factor=self._scale[0],
-                                     postscale_factor=self._scale[1])
+                                     postscale_factor=self._scale[1], output=view if into else None)
+        if into:
+            return lambda: synchronize(handle)
 
         def finish():
             self._grad_view(p).copy_(self._compression.decompress(synchronize(handle), context))
