@@ -104,7 +104,8 @@ fn hierarchical_pays(forced: Option<bool>, layout: &HostLayout, bytes: usize) ->
 }
 
 /// Allreduce `buf` with the algorithm `forced`, the communicator's layout and `algorithms` call for; with a
-/// `src`, out of place: `buf` gets the result of reducing `src`, which is left as it is.
+/// `src`, out of place: `buf` gets the result of reducing `src`, which is left as it is. The result comes
+/// multiplied by `postscale`.
 #[allow(clippy::too_many_arguments)]
 fn allreduce_buffer(
     t: &mut dyn Transport,
@@ -113,7 +114,7 @@ fn allreduce_buffer(
     src: Option<&[u8]>,
     buf: &mut [u8],
     dtype: DataType,
-    combine: Combine,
+    (combine, postscale): (Combine, f64),
     phases: &mut OpRecord,
 ) -> Result<(), TransportError> {
     if let Some(parts) = t.hosts() {
@@ -123,11 +124,14 @@ fn allreduce_buffer(
                 buf.copy_from_slice(src);
             }
             let mut on_step = hierarchical_steps(&parts, phases);
-            return ring::hierarchical::allreduce(parts, buf, dtype, combine, &mut on_step);
+            ring::hierarchical::allreduce(parts, buf, dtype, combine, &mut on_step)?;
+            ring::scale_in_place(buf, dtype, postscale);
+            return Ok(());
         }
     }
     let algorithm = algorithms.allreduce(t, buf.len());
-    ring::allreduce_by(t, src, buf, dtype, combine, algorithm)?;
+    // Scaled by the rank that finishes each element, before it goes to the others (no pass of its own).
+    ring::allreduce_scaled_by(t, src, buf, dtype, (combine, postscale), algorithm)?;
     phases.mark_algorithm(algorithm.name());
     Ok(())
 }
@@ -387,8 +391,7 @@ fn allreduce_single(
         None => owned.insert(AlignedBuffer::zeroed(len)).as_mut_slice(),
     };
     ring::scale_in_place(buf, dtype, prescale);
-    allreduce_buffer(t, forced, algorithms, src, buf, dtype, combine, phases)?;
-    ring::scale_in_place(buf, dtype, postscale);
+    allreduce_buffer(t, forced, algorithms, src, buf, dtype, (combine, postscale), phases)?;
     let out = match (entry, owned) {
         (Some(e), Some(b)) if !e.in_place => output(b, spec.shape.clone(), dtype),
         _ => None,
@@ -451,8 +454,7 @@ fn allreduce_fused(
     gather(tensors, slots, 0, buffer);
     ring::scale_in_place(buffer, dtype, prescale);
     phases.mark(Stage::MemcpyInFusionBuffer);
-    allreduce_buffer(t, forced, algorithms, None, buffer, dtype, combine, phases)?;
-    ring::scale_in_place(buffer, dtype, postscale);
+    allreduce_buffer(t, forced, algorithms, None, buffer, dtype, (combine, postscale), phases)?;
     scatter(tensors, slots, 0, buffer);
     phases.mark(Stage::MemcpyOutFusionBuffer);
     Ok(())

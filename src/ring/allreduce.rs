@@ -19,7 +19,7 @@ use crate::ring::args::invalid_argument;
 use crate::ring::choice::{choose_allreduce, AllreduceAlgorithm};
 use crate::ring::chunks::Blocks;
 use crate::ring::rabenseifner::rabenseifner;
-use crate::ring::reduce::reduce_into;
+use crate::ring::reduce::{reduce_into, scale_in_place};
 use crate::ring::reducescatter::reduce_scatter_ring;
 use crate::ring::streaming::StreamingReducer;
 use crate::tensor::{copy_streaming, STREAMING_MIN_BYTES};
@@ -70,6 +70,22 @@ pub fn allreduce_by(
     combine: Combine,
     algorithm: AllreduceAlgorithm,
 ) -> Result<(), TransportError> {
+    allreduce_scaled_by(t, src, buf, dtype, (combine, 1.0), algorithm)
+}
+
+/// [`allreduce_by`], the result multiplied by `postscale` (`scale_in_place`'s arithmetic, the same bits as
+/// scaling it after): each element is scaled once, by the rank that finishes reducing it, before it is sent
+/// to the others (the two-rank pipeline scales a piece while it is in cache, the ring and Rabenseifner's
+/// scale this rank's block between their two phases), so an `Average` costs a pass over `1/n` of the buffer
+/// instead of all of it. Recursive doubling, where every rank reduces everything, scales at the end.
+pub fn allreduce_scaled_by(
+    t: &mut dyn Transport,
+    src: Option<&[u8]>,
+    buf: &mut [u8],
+    dtype: DataType,
+    (combine, postscale): (Combine, f64),
+    algorithm: AllreduceAlgorithm,
+) -> Result<(), TransportError> {
     if let Some(src) = src {
         if src.len() != buf.len() {
             let detail = format!("the source has {} bytes and the destination {}", src.len(), buf.len());
@@ -82,24 +98,28 @@ pub fn allreduce_by(
         if let Some(src) = src {
             buf.copy_from_slice(src);
         }
+        scale_in_place(buf, dtype, postscale);
         return Ok(());
     }
     match algorithm {
         AllreduceAlgorithm::Ring if n == 2 && t.capabilities().cheap_handoffs => {
-            two_ranks_pipelined(t, src, buf, dtype, combine)
+            two_ranks_pipelined(t, src, buf, dtype, (combine, postscale))
         }
         AllreduceAlgorithm::Ring => {
             // The reduce-scatter reads `src` and writes every block but one; the allgather the rest.
             let blocks = Blocks::even(buf.len() / dtype.size(), n, dtype.size());
             reduce_scatter_ring(t, src, buf, &blocks, dtype, combine)?;
+            scale_in_place(&mut buf[blocks.range(t.rank())], dtype, postscale);
             allgather_ring(t, buf, &blocks)
         }
-        AllreduceAlgorithm::Rabenseifner => rabenseifner(t, src, buf, dtype, combine),
+        AllreduceAlgorithm::Rabenseifner => rabenseifner(t, src, buf, dtype, (combine, postscale)),
         AllreduceAlgorithm::RecursiveDoubling => {
             if let Some(src) = src {
                 buf.copy_from_slice(src);
             }
-            recursive_doubling(t, buf, dtype, combine)
+            recursive_doubling(t, buf, dtype, combine)?;
+            scale_in_place(buf, dtype, postscale);
+            Ok(())
         }
     }
 }
@@ -124,7 +144,7 @@ fn two_ranks_pipelined(
     src: Option<&[u8]>,
     buf: &mut [u8],
     dtype: DataType,
-    combine: Combine,
+    (combine, postscale): (Combine, f64),
 ) -> Result<(), TransportError> {
     let rank = t.rank();
     let peer = 1 - rank;
@@ -147,9 +167,10 @@ fn two_ranks_pipelined(
         let (raw_theirs, mut reducer) = match src_halves {
             Some((src_mine, src_theirs)) => {
                 let target = if streaming { &mut scratch[..m1 - m0] } else { &mut mine[m0..m1] };
-                (&src_theirs[t0..t1], StreamingReducer::from_base(&src_mine[m0..m1], target, dtype, combine))
+                let reducer = StreamingReducer::from_base(&src_mine[m0..m1], target, dtype, combine);
+                (&src_theirs[t0..t1], reducer.scaled(postscale))
             }
-            None => (&theirs[t0..t1], StreamingReducer::new(&mut mine[m0..m1], dtype, combine)),
+            None => (&theirs[t0..t1], StreamingReducer::new(&mut mine[m0..m1], dtype, combine).scaled(postscale)),
         };
         t.exchange(peer, raw_theirs, peer, m1 - m0, &mut |_, bytes| reducer.accept(bytes))?;
         let theirs_piece = &mut theirs[t0..t1];
@@ -209,8 +230,10 @@ fn recursive_doubling(
 mod tests {
     use super::*;
     use crate::ring::choice::RECURSIVE_DOUBLING_MAX_BYTES;
+    use crate::ring::reducescatter::tests::contribution;
     use crate::transport::memory::{run_ranks, MemoryTransport, Recorded};
     use crate::transport::Capabilities;
+    use crate::types::Named;
 
     fn f32_bytes(values: impl IntoIterator<Item = f32>) -> Vec<u8> {
         values.into_iter().flat_map(f32::to_ne_bytes).collect()
@@ -262,6 +285,59 @@ mod tests {
             }
             (buf, std::mem::take(&mut t.sent))
         })
+    }
+
+    /// Scaled by the rank that finishes each element (in the two-rank pipeline's pieces, between the ring's
+    /// and Rabenseifner's phases, after recursive doubling) gives the bits of scaling the whole result after:
+    /// every algorithm, 1-5 ranks (5 folds a rank onto a partner), in place and out of place, float32 large
+    /// enough for the pipeline's streaming stores, float16 and int32 (truncated toward zero).
+    #[test]
+    fn every_algorithm_scaled_by_its_last_reducer_equals_scaling_the_result_after() {
+        let cases =
+            [(DataType::Float32, 1 << 20), (DataType::Float32, 4097), (DataType::Float16, 999), (DataType::Int32, 77)];
+        for n in 1..=5 {
+            for cheap in [false, true] {
+                if cheap && n != 2 {
+                    continue; // hand-offs matter to the two-rank pipeline only
+                }
+                let outcomes = run_ranks(Recorded::mesh(n, Capabilities { cheap_handoffs: cheap }), |t| {
+                    let mut outcomes = Vec::new();
+                    for &(dtype, count) in &cases {
+                        let src = contribution(dtype, count, t.rank());
+                        for &algorithm in AllreduceAlgorithm::ALL {
+                            for into in [false, true] {
+                                let mut scaled = if into { vec![0; src.len()] } else { src.clone() };
+                                let from = into.then_some(&src[..]);
+                                allreduce_scaled_by(t, from, &mut scaled, dtype, (Combine::Sum, 1.0 / 3.0), algorithm)
+                                    .unwrap();
+                                let mut after = if into { vec![0; src.len()] } else { src.clone() };
+                                allreduce_by(t, from, &mut after, dtype, Combine::Sum, algorithm).unwrap();
+                                scale_in_place(&mut after, dtype, 1.0 / 3.0);
+                                let changed = scaled != src;
+                                outcomes.push((
+                                    format!("{dtype} x {count} {algorithm} into {into}"),
+                                    scaled == after,
+                                    changed,
+                                ));
+                            }
+                        }
+                    }
+                    outcomes
+                });
+                for (rank, outcomes) in outcomes.iter().enumerate() {
+                    for (case, same, changed) in outcomes {
+                        assert!(
+                            same,
+                            "{n} ranks (cheap hand-offs {cheap}), rank {rank}, {case}: differs from scaling after"
+                        );
+                        assert!(
+                            changed,
+                            "{n} ranks, rank {rank}, {case}: the result equals the input, so nothing was tested"
+                        );
+                    }
+                }
+            }
+        }
     }
 
     #[test]

@@ -45,7 +45,7 @@ mod streaming;
 
 pub use adasum::adasum_allreduce;
 pub use allgather::{allgatherv, allgatherv_by};
-pub use allreduce::{allreduce, allreduce_by, allreduce_into};
+pub use allreduce::{allreduce, allreduce_by, allreduce_into, allreduce_scaled_by};
 pub use alltoall::alltoallv;
 pub use broadcast::{broadcast, broadcast_by};
 pub use choice::{BROADCAST_CHAIN_THRESHOLD_BYTES, BROADCAST_CHUNK_BYTES};

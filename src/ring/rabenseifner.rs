@@ -13,6 +13,7 @@
 use crate::ring::args::invalid_argument;
 use crate::ring::chunks::Blocks;
 use crate::ring::disjoint::read_write_pair;
+use crate::ring::reduce::scale_in_place;
 use crate::ring::streaming::StreamingReducer;
 use crate::transport::{Transport, TransportError};
 use crate::types::{Combine, DataType};
@@ -24,7 +25,7 @@ pub(crate) fn rabenseifner(
     mut src: Option<&[u8]>,
     buf: &mut [u8],
     dtype: DataType,
-    combine: Combine,
+    (combine, postscale): (Combine, f64),
 ) -> Result<(), TransportError> {
     let (rank, n) = (t.rank(), t.size());
     let core = 1usize << n.max(1).ilog2();
@@ -77,6 +78,8 @@ pub(crate) fn rabenseifner(
         // One rank: nothing was exchanged.
         buf.copy_from_slice(src);
     }
+    // This rank's window is finished: scaled once here, before the allgather copies it to the others.
+    scale_in_place(&mut buf[bytes(window)], dtype, postscale);
     // Allgather by recursive doubling: this rank's window of `distance` segments for the partner's.
     let mut distance = 1;
     while distance < core {

@@ -123,7 +123,7 @@ pub(crate) fn reduce_scatter_ring(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::transport::memory::{run_ranks, MemoryTransport};
 
@@ -166,8 +166,9 @@ mod tests {
         }
     }
 
-    /// Rank `rank`'s contribution of `len` elements: values whose sums and thirds round in `dtype`.
-    fn contribution(dtype: DataType, len: usize, rank: usize) -> Vec<u8> {
+    /// Rank `rank`'s contribution of `len` elements (float32, float16 or int32): values whose sums and thirds
+    /// round in `dtype`.
+    pub(crate) fn contribution(dtype: DataType, len: usize, rank: usize) -> Vec<u8> {
         let value = |i: usize| ((i * 7 + rank * 13) % 101) as f64 * 0.37 - 17.0;
         let mut out = Vec::with_capacity(len * dtype.size());
         for i in 0..len {
