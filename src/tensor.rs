@@ -42,6 +42,12 @@ impl RawTensor {
         self.len == 0
     }
 
+    /// Whether the two views share a byte of memory.
+    pub fn overlaps(&self, other: &RawTensor) -> bool {
+        let (a, b) = (self.ptr as usize, other.ptr as usize);
+        self.len > 0 && other.len > 0 && a < b.saturating_add(other.len) && b < a.saturating_add(self.len)
+    }
+
     pub fn as_slice(&self) -> &[u8] {
         if self.len == 0 {
             return &[];
@@ -233,6 +239,18 @@ pub struct OutputTensor {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn views_overlap_when_they_share_a_byte() {
+        let mut memory = [0u8; 16];
+        let base = memory.as_mut_ptr();
+        // SAFETY: views of `memory`, only compared.
+        let view = |start: usize, len: usize| unsafe { RawTensor::new(base.add(start), len) };
+        assert!(view(0, 8).overlaps(&view(4, 8)) && view(4, 8).overlaps(&view(0, 8)));
+        assert!(view(0, 16).overlaps(&view(15, 1)), "one shared byte at the end");
+        assert!(!view(0, 8).overlaps(&view(8, 8)) && !view(8, 8).overlaps(&view(0, 8)), "neighbours do not");
+        assert!(!view(4, 0).overlaps(&view(0, 16)), "an empty view shares nothing");
+    }
 
     #[test]
     fn aligned_buffer_is_aligned_and_zeroed() {

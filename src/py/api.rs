@@ -465,6 +465,12 @@ fn submit_into(
             "{kind} '{name}': an output tensor is taken for tensors in host memory only (this one is on a GPU)"
         )));
     }
+    if into.tensor.overlaps(&imported.tensor) {
+        return Err(invalid_argument(format!(
+            "{kind} '{name}': the output tensor shares memory with the input, which the op reads while it writes \
+             the output; give it memory of its own"
+        )));
+    }
     if into.dtype != imported.dtype {
         return Err(invalid_argument(format!(
             "{kind} '{name}': the output tensor is {}, the input {}; they must be of one dtype",

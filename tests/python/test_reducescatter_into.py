@@ -2,7 +2,8 @@
 gives (the sharded optimizer's gradient buffer) instead of a new tensor. Exact values against the plain
 reducescatter on 2 ranks (the pipelined exchange), 3 (the staging areas, a burst fused there) and 3 over
 TCP (the ring, small tensors fused), outputs that are neighbouring views of one buffer (nothing written
-outside each), torch and NumPy; and refusals that name the problem before anything is sent."""
+outside each), torch and NumPy; and refusals that name the problem before anything is sent (size, dtype, a
+non-contiguous output, an output sharing the input's memory)."""
 
 from __future__ import annotations
 
@@ -60,7 +61,8 @@ checks += 1
 x = torch.ones(10, 3)
 for output, words in ((torch.empty(block(10) * 3 + 1), "this rank's block of a tensor of shape (10, 3)"),
                       (torch.empty(block(10) * 3, dtype=torch.float64), "float64, the input float32"),
-                      (torch.empty(block(10) * 3 * 2)[::2], "contiguous")):
+                      (torch.empty(block(10) * 3 * 2)[::2], "contiguous"),
+                      (x.view(-1)[3:3 + block(10) * 3], "shares memory with the input")):
     try:
         hvd.reducescatter_async(x, name="refused", output=output)
     except ValueError as error:
@@ -81,4 +83,4 @@ hvd.shutdown()
 def test_reducescatter_writes_each_block_into_the_output_given(run_rvodrun, job_env, size, settings):
     job_env.update(settings)
     result = run_rvodrun(["-np", str(size), sys.executable, "-c", WORKER], timeout=120)
-    assert_worker_job(result, {rank: 9 for rank in range(size)})
+    assert_worker_job(result, {rank: 10 for rank in range(size)})
