@@ -156,6 +156,21 @@ def test_killed_worker_sharded_optimizer_state_comes_back_from_buddy_copies(job_
     assert {s["optimizer"] for s in worlds[2]} == {last["optimizer"]} and last["optimizer"] != 0.0
 
 
+def open_ended(tmp_path: Path) -> dict[str, str]:
+    """Worker settings for a job that trains until OUT/stop exists (then ends with the epoch it is in): a test
+    that changes the hosts mid-training cannot lose the race against the training's end on a slow machine."""
+    return {"ELASTIC_EPOCHS": "1000", "ELASTIC_STOP_FILE": str(tmp_path / "stop")}
+
+
+def finish_once_world_2_started(job, tmp_path, timeout, samples):
+    """An `open_ended` job: waits for world 2's start, tells the job to stop, and checks that it ended well with
+    every sample seen once in each epoch it finished."""
+    job.wait_for("starts.jsonl", lambda start: start["round"] == 2, timeout / 2)
+    (tmp_path / "stop").touch()
+    assert job.finish(timeout) == 0, job.report()
+    assert_every_sample_once_per_epoch(tmp_path, len(completed_epochs(tmp_path)), samples)
+
+
 def progressed(entry: dict) -> bool:
     return entry["batch"] >= 2
 
@@ -165,12 +180,12 @@ def test_added_host_joins_from_the_committed_state(job_env, tmp_path):
     """(b) the discovery script adds a host: the job grows to 3 ranks; the new rank starts with the
     committed parameters, epoch and batch of the others (horovod#2844), nothing is restored, and every
     sample is still counted once."""
-    job = ElasticJob(job_env, tmp_path, "localhost:2\n", ["--min-np", "2", "--max-np", "3"], ELASTIC_SAMPLES="48")
+    job = ElasticJob(job_env, tmp_path, "localhost:2\n", ["--min-np", "2", "--max-np", "3"], ELASTIC_SAMPLES="48",
+                     **open_ended(tmp_path))
     job.wait_for("progress.jsonl", progressed, 90)
     added_at, added_wall = time.monotonic(), time.time()
     job.set_hosts("localhost:2\n127.0.0.1:1\n")
-    assert job.finish(150) == 0, job.report()
-    assert_every_sample_once_per_epoch(tmp_path, 3, 48)
+    finish_once_world_2_started(job, tmp_path, 150, 48)
     worlds = assert_worlds_start_in_step(tmp_path)
     assert sorted(worlds) == [1, 2], job.report()
     assert worlds[2][0]["size"] == 3
@@ -185,10 +200,10 @@ def test_added_host_joins_from_the_committed_state(job_env, tmp_path):
 
 
 def assert_removal_went_on_without_restoring(job, tmp_path, timeout, samples, new_size):
-    """After the discovery script dropped a host: the job ends well, every sample was seen once per epoch,
-    world 1 became world 2 of `new_size` ranks, and nothing was restored. Returns the worlds."""
-    assert job.finish(timeout) == 0, job.report()
-    assert_every_sample_once_per_epoch(tmp_path, 3, samples)
+    """After the discovery script dropped a host from an `open_ended` job: world 2 starts (then the job is told
+    to stop), the job ends well, every sample was seen once per epoch, world 1 became world 2 of `new_size`
+    ranks, and nothing was restored. Returns the worlds."""
+    finish_once_world_2_started(job, tmp_path, timeout, samples)
     worlds = assert_worlds_start_in_step(tmp_path)
     assert sorted(worlds) == [1, 2] and worlds[2][0]["size"] == new_size, job.report()
     assert not read(tmp_path, "restores.jsonl")
@@ -199,7 +214,8 @@ def assert_removal_went_on_without_restoring(job, tmp_path, timeout, samples, ne
 def test_removed_host_interrupts_without_restoring(job_env, tmp_path):
     """(c) the discovery script drops a host: HostsUpdatedInterrupt at the next commit, no restore, its
     worker leaves with status 0, the other two go on from where they were."""
-    job = ElasticJob(job_env, tmp_path, "localhost:2\n127.0.0.1:1\n", ["--min-np", "2"], ELASTIC_SAMPLES="48")
+    job = ElasticJob(job_env, tmp_path, "localhost:2\n127.0.0.1:1\n", ["--min-np", "2"], ELASTIC_SAMPLES="48",
+                     **open_ended(tmp_path))
     job.wait_for("progress.jsonl", progressed, 90)
     job.set_hosts("localhost:2\n")
     assert_removal_went_on_without_restoring(job, tmp_path, 150, 48, 2)
@@ -215,7 +231,7 @@ def test_removed_host_hands_over_the_sharded_optimizer_slices(job_env, tmp_path)
     (a slice and its buddy copy on one host); before they leave they hand their slices to rank 0, and the
     world of 1 starts, without restoring, from exactly the optimizer state of the interrupted commit."""
     job = ElasticJob(job_env, tmp_path, "localhost:1\n127.0.0.1:2\n", ["--min-np", "1"], ELASTIC_SAMPLES="36",
-                     ELASTIC_SHARDED="1")
+                     ELASTIC_SHARDED="1", **open_ended(tmp_path))
     job.wait_for("progress.jsonl", progressed, 90)
     job.set_hosts("localhost:1\n")
     worlds = assert_removal_went_on_without_restoring(job, tmp_path, 100, 36, 1)
