@@ -61,6 +61,8 @@ def rvod_compression(contender):
 def wrap(contender, model, optimizer, tag, rank):
     """(module to call, optimizer, barrier) for `contender`; rvod's tensor names carry `tag`, so that no
     contender or round inherits another's error feedback."""
+    if contender == "local":  # no communication: the step's computation alone (each rank its own model)
+        return model, optimizer, hvd.barrier
     if contender.startswith("rvod-"):
         names = [(f"{tag}.{name}", p) for name, p in model.named_parameters()]
         return model, hvd.DistributedOptimizer(optimizer, named_parameters=names,
