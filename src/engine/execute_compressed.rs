@@ -97,6 +97,11 @@ pub(crate) fn allreduce(
     feedback.begin(compression.code());
     let warm = feedback.step_past_warmup(spans.iter().map(|s| s.name), settings.warmup_steps);
     let route = if warm { route(t, settings.within_host) } else { Route::Exact };
+    if route == Route::Hierarchical {
+        // Each local rank's carried tensors back to back: the hierarchical steps work on blocks in place.
+        let local_size = t.hosts().map_or(1, |parts| parts.local.size());
+        compressed::group_by_carrier(&mut spans, feedback, local_size);
+    }
     let label = t.label();
     tracing::debug!(
         "{compression} allreduce of {} tensor(s), {total} values, {route:?} over {label}: {}",
@@ -135,12 +140,14 @@ pub(crate) fn allreduce(
             .map(|(io, &itself)| if itself { f32_memory(io).unwrap_or(Memory::Values) } else { Memory::Values })
             .collect()
     } else {
-        values.clear();
-        gather(&tensors, slots, 0, packed);
-        for slot in slots {
-            to_f32(&packed[slot.offset..slot.offset + slot.bytes], dtype, values);
+        if values.len() < total {
+            values.resize(total, 0.0);
         }
-        scale(values, response.prescale);
+        gather(&tensors, slots, 0, packed);
+        for (slot, span) in slots.iter().zip(&spans) {
+            to_f32(&packed[slot.offset..slot.offset + slot.bytes], dtype, &mut values[span.range()]);
+        }
+        scale(&mut values[..total], response.prescale);
         spans.iter().map(|_| Memory::Values).collect()
     };
     phases.mark(Stage::MemcpyInFusionBuffer);
@@ -234,16 +241,30 @@ fn scale(values: &mut [f32], factor: f64) {
     }
 }
 
-/// `bytes` (native-endian values of the floating-point `dtype`) as float32, appended to `out`. One loop per
+/// `bytes` (native-endian values of the floating-point `dtype`) as float32, written into `out`. One loop per
 /// dtype, each over a fixed width, so each vectorises.
-fn to_f32(bytes: &[u8], dtype: DataType, out: &mut Vec<f32>) {
+fn to_f32(bytes: &[u8], dtype: DataType, out: &mut [f32]) {
     match dtype {
-        DataType::Float16 => out.extend(bytes.chunks_exact(2).map(|b| f16::from_ne_bytes([b[0], b[1]]).to_f32())),
-        DataType::Bfloat16 => out.extend(bytes.chunks_exact(2).map(|b| bf16::from_ne_bytes([b[0], b[1]]).to_f32())),
-        DataType::Float64 => out.extend(
-            bytes.chunks_exact(8).map(|b| f64::from_ne_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]) as f32),
-        ),
-        _ => out.extend(bytes.chunks_exact(4).map(|b| f32::from_ne_bytes([b[0], b[1], b[2], b[3]]))),
+        DataType::Float16 => {
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = f16::from_ne_bytes([b[0], b[1]]).to_f32();
+            }
+        }
+        DataType::Bfloat16 => {
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = bf16::from_ne_bytes([b[0], b[1]]).to_f32();
+            }
+        }
+        DataType::Float64 => {
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(8)) {
+                *o = f64::from_ne_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]) as f32;
+            }
+        }
+        _ => {
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                *o = f32::from_ne_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        }
     }
 }
 

@@ -46,8 +46,10 @@ pub mod quantized;
 
 pub use feedback::Feedback;
 
-use crate::ring::allgather::allgatherv;
+use crate::ring::allgather::allgather_ring;
 use crate::ring::args::invalid_argument;
+use crate::ring::chunks::Blocks;
+use crate::ring::reducescatter::reduce_scatter_ring;
 use crate::transport::{HostParts, Transport, TransportError};
 use crate::types::{Combine, Compression, DataType};
 
@@ -148,11 +150,43 @@ pub fn allreduce(
     }
 }
 
-/// The hierarchical compressed allreduce over a communicator that spans hosts: `values` summed exactly
-/// inside each host (shared memory: faster than any compression), each tensor's host sum compressed across
-/// hosts by one of the host's ranks (its carrier, see [`Feedback::carrier`], so it crosses once per host and
-/// keeps its residual there), and the results shared inside the host again. `on_step` is told of each step
-/// (0: the local sum, 1: the cross-host step, 2: the local share).
+/// Lay `spans` out for [`allreduce_hierarchical`]: the tensors each local rank carries across hosts (its
+/// [`Feedback::carrier`]) back to back, local rank 0's first, each carrier's in the order given. Returns
+/// each span's carrier and the number of values each local rank carries. The executor reads the op's values
+/// into the dense vector at these places, so the hierarchical steps work on whole blocks of it in place.
+pub fn group_by_carrier(
+    spans: &mut [Span<'_>],
+    feedback: &mut Feedback,
+    local_size: usize,
+) -> (Vec<usize>, Vec<usize>) {
+    let carriers: Vec<usize> = spans.iter().map(|s| feedback.carrier(s.name, s.len, local_size)).collect();
+    let mut carried = vec![0usize; local_size.max(1)];
+    for (span, &carrier) in spans.iter().zip(&carriers) {
+        carried[carrier] += span.len;
+    }
+    let mut next: Vec<usize> = carried
+        .iter()
+        .scan(0, |start, &len| {
+            let here = *start;
+            *start += len;
+            Some(here)
+        })
+        .collect();
+    for (span, &carrier) in spans.iter_mut().zip(&carriers) {
+        span.start = next[carrier];
+        next[carrier] += span.len;
+    }
+    (carriers, carried)
+}
+
+/// The hierarchical compressed allreduce over a communicator that spans hosts, on `values` laid out by
+/// [`group_by_carrier`]: a reduce-scatter inside each host (shared memory: faster than any compression)
+/// leaves each local rank the exact host sum of the tensors it carries, which it compresses across hosts
+/// with the same local rank of every other host (so each tensor crosses once per host and keeps its
+/// residual with its carrier), and an allgather inside the host shares the results again. Every step works
+/// on the dense vector in place: no tensor is copied out for the cross-host step or back after it.
+/// `on_step` is told of each step (0: the local reduce-scatter, 1: the cross-host step, 2: the local
+/// allgather).
 pub fn allreduce_hierarchical(
     mut parts: HostParts<'_>,
     compression: Compression,
@@ -161,38 +195,36 @@ pub fn allreduce_hierarchical(
     feedback: &mut Feedback,
     on_step: &mut dyn FnMut(u8),
 ) -> Result<(), TransportError> {
-    sum_exactly(&mut parts.local, values)?;
-    on_step(0);
+    const OP: &str = "hierarchical compressed allreduce";
     let (local_rank, local_size) = (parts.local.rank(), parts.local.size());
-    let carriers: Vec<usize> = spans.iter().map(|s| feedback.carrier(s.name, s.len, local_size)).collect();
-    let mut carried: Vec<f32> = Vec::new();
-    let mut carried_spans = Vec::new();
-    for (span, _) in spans.iter().zip(&carriers).filter(|(_, &carrier)| carrier == local_rank) {
-        carried_spans.push(Span { start: carried.len(), contributes: true, ..*span });
-        carried.extend_from_slice(&values[span.range()]);
+    let mut laid_out = spans.to_vec();
+    let (carriers, carried) = group_by_carrier(&mut laid_out, feedback, local_size);
+    if laid_out.iter().zip(spans).any(|(want, have)| want.start != have.start)
+        || carried.iter().sum::<usize>() != values.len()
+    {
+        let detail = "the op's values are not laid out by the tensors' carriers (group_by_carrier)".to_string();
+        return Err(invalid_argument(local_rank, OP, detail));
     }
-    allreduce(&mut parts.cross, compression, &mut carried, &carried_spans, feedback)?;
-    on_step(1);
-    let mut bytes_per_rank = vec![0usize; local_size];
-    for (span, &carrier) in spans.iter().zip(&carriers) {
-        bytes_per_rank[carrier] += span.len * std::mem::size_of::<f32>();
+    let blocks = Blocks::from_lengths(&carried, std::mem::size_of::<f32>())
+        .ok_or_else(|| invalid_argument(local_rank, OP, format!("{} values overflow", values.len())))?;
+    if local_size > 1 {
+        reduce_scatter_ring(&mut parts.local, None, f32_bytes_mut(values), &blocks, DataType::Float32, Combine::Sum)?;
     }
-    let mut everything = vec![0.0f32; values.len()];
-    allgatherv(&mut parts.local, f32_bytes_mut(&mut carried), f32_bytes_mut(&mut everything), &bytes_per_rank)?;
-    on_step(2);
-    let mut at: Vec<usize> = bytes_per_rank
+    on_step(0);
+    let first = blocks.range(local_rank).start / std::mem::size_of::<f32>();
+    let mine = first..first + carried[local_rank];
+    let carried_spans: Vec<Span<'_>> = spans
         .iter()
-        .scan(0, |start, &bytes| {
-            let here = *start;
-            *start += bytes / std::mem::size_of::<f32>();
-            Some(here)
-        })
+        .zip(&carriers)
+        .filter(|(_, &carrier)| carrier == local_rank)
+        .map(|(span, _)| Span { start: span.start - first, ..*span })
         .collect();
-    for (span, &carrier) in spans.iter().zip(&carriers) {
-        let from = at[carrier];
-        values[span.range()].copy_from_slice(&everything[from..from + span.len]);
-        at[carrier] += span.len;
+    allreduce(&mut parts.cross, compression, &mut values[mine], &carried_spans, feedback)?;
+    on_step(1);
+    if local_size > 1 {
+        allgather_ring(&mut parts.local, f32_bytes_mut(values), &blocks)?;
     }
+    on_step(2);
     Ok(())
 }
 
@@ -213,4 +245,40 @@ pub(crate) fn f32_bytes_mut(values: &mut [f32]) -> &mut [u8] {
     // SAFETY: every bit pattern is a valid u8, u8 has alignment 1, and the byte slice covers exactly the
     // memory of `values`, which it borrows mutably for its lifetime.
     unsafe { std::slice::from_raw_parts_mut(values.as_mut_ptr().cast::<u8>(), len) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn group_by_carrier_lays_each_local_ranks_tensors_back_to_back_in_their_order() {
+        let names = ["a", "b", "c", "d", "e"];
+        let lens = [500, 300, 0, 250, 100];
+        let spans = |starts: &[usize]| -> Vec<Span<'static>> {
+            names
+                .iter()
+                .zip(lens)
+                .zip(starts)
+                .map(|((name, len), &start)| Span { name, shape: &[], start, len, contributes: true })
+                .collect()
+        };
+        let mut feedback = Feedback::default();
+        let mut laid_out = spans(&[0, 500, 800, 800, 1050]);
+        let (carriers, carried) = group_by_carrier(&mut laid_out, &mut feedback, 2);
+        // Each new tensor goes to the rank carrying least so far (ties to the lower rank).
+        assert_eq!(carriers, [0, 1, 1, 1, 0]);
+        assert_eq!(carried, [600, 550]);
+        let starts: Vec<usize> = laid_out.iter().map(|s| s.start).collect();
+        assert_eq!(starts, [0, 600, 900, 900, 500]);
+        // The carriers are kept: the same layout the next time.
+        let mut again = spans(&[0; 5]);
+        assert_eq!(group_by_carrier(&mut again, &mut feedback, 2), (carriers, carried));
+        assert_eq!(again.iter().map(|s| s.start).collect::<Vec<_>>(), starts);
+        // One local rank carries everything.
+        let mut alone = spans(&[0; 5]);
+        let (_, carried) = group_by_carrier(&mut alone, &mut Feedback::default(), 1);
+        assert_eq!(carried, [1150]);
+        assert_eq!(alone.iter().map(|s| s.start).collect::<Vec<_>>(), [0, 500, 800, 800, 1050]);
+    }
 }

@@ -185,6 +185,28 @@ elif MODE == "hosts":
                 np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4 * np.abs(w).max(), err_msg=f"step {step}")
             same_on_every_rank(got[-1], f"hosts.{kind}")
 
+    with check("several tensors in one op, carried by both ranks of each host: each as if alone"):
+        # Biggest first, so each local rank carries some (a tensor goes to the rank carrying least so far);
+        # float16 goes through the engine's conversion to float32 and back.
+        shapes = [(40, 50), (64, 33), (1500,), (30, 40), (20, 60), (7,)]
+        for dtype in (np.float32, np.float16):
+            mine = [values(R, shape, 20 + i, dtype) for i, shape in enumerate(shapes)]
+            name = f"hosts.group.{np.dtype(dtype).name}"
+            got = [hnp.grouped_allreduce(mine, op=hnp.Sum, name=name, compression=C.int8) for _ in range(2)]
+            for i, shape in enumerate(shapes):
+                rows = [v.astype(np.float32) for v in every(shape, 20 + i, dtype)]
+                sums = [rows[0] + rows[1], rows[2] + rows[3]]
+                compressed = len(shape) > 1 and np.prod(shape) >= 1024
+                want = quantized_allreduce(sums, "int8", steps=2) if compressed else [sums[0] + sums[1]] * 2
+                for step in range(2):
+                    g, w = got[step][i], want[step].astype(dtype)
+                    assert g.dtype == dtype and g.shape == shape, (g.dtype, g.shape)
+                    tolerance = 1e-4 if dtype == np.float32 else 2e-3
+                    np.testing.assert_allclose(g.astype(np.float32), w.astype(np.float32), rtol=tolerance,
+                                               atol=tolerance * float(np.abs(w).max()),
+                                               err_msg=f"{np.dtype(dtype).name} tensor {i} {shape}, step {step}")
+            same_on_every_rank(np.concatenate([g.reshape(-1) for g in got[-1]]), name)
+
     with check("powersgd across hosts recovers a low-rank sum"):
         a = low_rank((96, 80), 2, seed=13)
         got = hnp.allreduce((R + 1) * a, op=hnp.Average, name="hosts.psgd", compression=C.powersgd(rank=4))
