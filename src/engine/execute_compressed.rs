@@ -304,9 +304,10 @@ mod tests {
         for dtype in [DataType::Float16, DataType::Bfloat16, DataType::Float32, DataType::Float64] {
             let mut bytes = vec![0u8; values.len() * dtype.size()];
             from_f32(&values, dtype, &mut bytes);
-            let mut back = vec![7.0f32];
-            to_f32(&bytes, dtype, &mut back);
-            assert_eq!(back[1..], values, "{dtype}");
+            let mut back = vec![7.0f32; values.len() + 1];
+            to_f32(&bytes, dtype, &mut back[..values.len()]);
+            assert_eq!(back[..values.len()], values, "{dtype}");
+            assert_eq!(back[values.len()], 7.0, "{dtype}: written past its values");
         }
     }
 
