@@ -114,6 +114,8 @@ def rank_envs(impl, store_port, secret, hosts, per_host=PER_HOST, gloo_port=None
             if gloo_port is not None:
                 env.update(gloo)
         env["OMP_NUM_THREADS"] = "1"
+        if env.get("UCX_NET_DEVICES") == "{veth}":
+            env["UCX_NET_DEVICES"] = hosts.veth[host]
         envs.append((host, env))
     return envs
 

@@ -1,8 +1,11 @@
 """Allreduce across two shaped hosts over UCX against rvod's TCP and torch.distributed gloo, in the same run
 (issue 31, item 5): the namespaces, link shaping, ranks and timing of benches/hosts_allreduce.py, with three
 implementations: rvod-tcp (hierarchical allreduce, rvod's TCP between the hosts), rvod-ucx (the same over
-UCX, RVOD_TRANSPORT=ucx with UCX_TLS=tcp,self,sm: UCX's own TCP transport, as no RDMA hardware is here) and
-gloo.
+UCX, RVOD_TRANSPORT=ucx with UCX_TLS=tcp,self: UCX's own TCP transport, as no RDMA hardware is here) and
+gloo. UCX_NET_DEVICES names each host's end of the link: the two namespaces share one kernel, so UCX would
+otherwise also take loopback for a route to the other host and split large messages across both (on real
+machines loopback never reaches another one); its shared memory is left out for the same reason (see
+tests/python/ucx_env.py).
 
     python benches/hosts_ucx.py --out bench-ucx/ [--rates 10gbit] [--rounds 3]
 
@@ -26,7 +29,8 @@ MiB = 1 << 20
 SIZES = [4, 4 << 10, 64 << 10, 1 * MiB, 16 * MiB, 64 * MiB]
 shaped.RVOD_SETTINGS.update({
     "rvod-tcp": {"RVOD_HIERARCHICAL_ALLREDUCE": "1", "RVOD_TRANSPORT": "tcp"},
-    "rvod-ucx": {"RVOD_HIERARCHICAL_ALLREDUCE": "1", "RVOD_TRANSPORT": "ucx", "UCX_TLS": "tcp,self,sm"},
+    "rvod-ucx": {"RVOD_HIERARCHICAL_ALLREDUCE": "1", "RVOD_TRANSPORT": "ucx", "UCX_TLS": "tcp,self",
+                 "UCX_NET_DEVICES": "{veth}"},
 })
 
 

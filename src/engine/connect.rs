@@ -110,11 +110,15 @@ pub fn connect_members(
         let resources = ucx
             .resources()
             .map_err(|e| failed("reading UCX's transports", members, TransportError::Setup(format!("UCX: {e}"))))?;
-        let settings = ucx::tuned_settings(resources, config.hosts.ucx_rndv_scheme_set);
-        if !settings.is_empty() {
-            tracing::debug!("UCX settings over the environment's (no RDMA transport here): {settings:?}");
+        let tuning = ucx::tuned(resources, config.hosts.ucx_rndv_scheme_set);
+        if !tuning.peer_error_handling {
+            tracing::debug!(
+                "UCX without RDMA here: settings over the environment's {:?}, peer failures seen by rvod's \
+                 control mesh (not UCX's error handling, which would cost its TCP transport the zero-copy put)",
+                tuning.settings
+            );
         }
-        let transport = UcxTransport::over(control, ucx, &settings, config.timeout)
+        let transport = UcxTransport::over(control, ucx, &tuning, config.timeout)
             .map_err(|e| failed("connecting to the other ranks over UCX", members, e))?;
         Ok(Box::new(transport))
     };

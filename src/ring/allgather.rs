@@ -76,15 +76,15 @@ fn ring(t: &mut dyn Transport, buf: &mut [u8], blocks: &Blocks, streaming: bool)
         let (send_block, recv_block) = allgather_step(rank, n, step);
         let (outgoing, incoming) = read_write_pair(buf, blocks.range(send_block), blocks.range(recv_block))
             .ok_or_else(|| invalid_argument(rank, "allgather", "ring blocks overlap or overrun the buffer".into()))?;
-        let incoming_len = incoming.len();
-        t.exchange(right, outgoing, left, incoming_len, &mut |offset, piece| {
-            let dst = &mut incoming[offset..offset + piece.len()];
-            if streaming {
-                copy_streaming(dst, piece);
-            } else {
-                dst.copy_from_slice(piece);
-            }
-        })?;
+        if streaming {
+            let incoming_len = incoming.len();
+            t.exchange(right, outgoing, left, incoming_len, &mut |offset, piece| {
+                copy_streaming(&mut incoming[offset..offset + piece.len()], piece)
+            })?;
+        } else {
+            // Straight into place where the transport can (`sendrecv`).
+            t.sendrecv(right, outgoing, left, incoming)?;
+        }
     }
     Ok(())
 }

@@ -166,6 +166,11 @@ impl Transport for PartView<'_> {
         self.inner.exchange(to, send, from, recv_len, sink).map_err(|e| self.named(e))
     }
 
+    fn sendrecv(&mut self, to: usize, send: &[u8], from: usize, recv: &mut [u8]) -> Result<(), TransportError> {
+        let (to, from) = (self.inner_rank(to)?, self.inner_rank(from)?);
+        self.inner.sendrecv(to, send, from, recv).map_err(|e| self.named(e))
+    }
+
     fn wait_for_activity(&mut self, waker: &Waker, timeout: Duration) -> Result<Activity, TransportError> {
         self.inner.wait_for_activity(waker, timeout).map_err(|e| self.named(e))
     }
@@ -309,6 +314,19 @@ impl Transport for CompositeTransport {
         sink: &mut dyn FnMut(usize, &[u8]),
     ) -> Result<(), TransportError> {
         let outcome = self.exchange_routed(to, send, from, recv_len, sink);
+        self.noted(outcome)
+    }
+
+    fn sendrecv(&mut self, to: usize, send: &[u8], from: usize, recv: &mut [u8]) -> Result<(), TransportError> {
+        let outcome = match (self.route(to)?, self.route(from)?) {
+            (Route::Remote(t), Route::Remote(f)) => self.remote.sendrecv(t, send, f, recv),
+            _ => {
+                let len = recv.len();
+                self.exchange_routed(to, send, from, len, &mut |offset, bytes| {
+                    recv[offset..offset + bytes.len()].copy_from_slice(bytes)
+                })
+            }
+        };
         self.noted(outcome)
     }
 

@@ -232,7 +232,7 @@ pub trait Transport: Send {
         false
     }
 
-    /// Convenience: full-duplex exchange straight into `recv`.
+    /// Full-duplex exchange straight into `recv`; a transport that can receive in place overrides it (UCX).
     fn sendrecv(&mut self, to: usize, send: &[u8], from: usize, recv: &mut [u8]) -> Result<(), TransportError> {
         let len = recv.len();
         self.exchange(to, send, from, len, &mut |off, bytes| {

@@ -94,7 +94,7 @@ def expected_checks(layout: list[int]) -> dict[int, int]:
 
 def between_hosts(transport: str, env: dict[str, str]) -> list[str]:
     """rvodrun's arguments (and `env`'s settings) for the links between hosts: rvod's TCP, or UCX restricted
-    to its TCP, loopback and shared-memory transports (see ucx_env)."""
+    to its TCP and loopback transports (see ucx_env)."""
     if transport == "ucx":
         env.update(UCX_TLS=ucx_env.SETTINGS["UCX_TLS"], RVOD_LOG_LEVEL="info")
     return ["--transport", transport]

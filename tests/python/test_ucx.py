@@ -1,6 +1,6 @@
 """The UCX transport between hosts on one machine: ranks given rvodrun's environment for a -H host list
 whose names are only names (tests/python/jobs.py's FakeHostsJob), so each "host"'s ranks share memory and
-the hosts talk over UCX (RVOD_TRANSPORT=ucx, UCX_TLS=tcp,self,sm). Checks --check-build's UCX section,
+the hosts talk over UCX (RVOD_TRANSPORT=ucx, UCX_TLS=tcp,self). Checks --check-build's UCX section,
 which transport each communicator runs on, a remote rank that is killed or frozen (the others raise
 naming it and its host, over TCP too), a failure inside UCX (an RvodInternalError naming the rank, its host
 and UCX's message), a stranger

@@ -97,6 +97,8 @@ pub struct EpParams {
 pub const UCP_EP_PARAM_FIELD_REMOTE_ADDRESS: u64 = 1 << 0;
 pub const UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE: u64 = 1 << 1;
 pub const UCP_EP_PARAM_FIELD_ERR_HANDLER: u64 = 1 << 2;
+/// `UCP_ERR_HANDLING_MODE_NONE`: UCX leaves a peer's failure to the application.
+pub const UCP_ERR_HANDLING_MODE_NONE: c_uint = 0;
 /// `UCP_ERR_HANDLING_MODE_PEER`: a peer's failure fails its requests instead of hanging them.
 pub const UCP_ERR_HANDLING_MODE_PEER: c_uint = 1;
 

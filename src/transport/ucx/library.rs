@@ -184,16 +184,30 @@ impl Ucx {
     }
 }
 
-/// The settings rvod gives UCX over the environment's (see [`Ucx::new_context`]). Where UCX has no RDMA
-/// transport here (its TCP and shared memory only, as when `RVOD_TRANSPORT=ucx` is forced on Ethernet),
-/// large messages go by put-zcopy rendezvous, straight from the sender's buffer into the receiver's (UCX's
-/// default rendezvous copies through its own buffers there: 64 MiB allreduces between two hosts at 0.73-0.79x
-/// rvod's TCP, 0.84-0.89x with put-zcopy); never when the user set `UCX_RNDV_SCHEME` (`rndv_scheme_set`).
-pub fn tuned_settings(resources: &[String], rndv_scheme_set: bool) -> Vec<(&'static str, &'static str)> {
-    if rndv_scheme_set || !rdma_transports(resources).is_empty() {
-        return Vec::new();
+/// How rvod sets UCX up for the links between hosts, from the transports UCX reports here.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Tuning {
+    /// Settings given to UCX over the environment's (see [`Ucx::new_context`]).
+    pub settings: Vec<(&'static str, &'static str)>,
+    /// Whether endpoints ask UCX to handle a peer's failure (`UCP_ERR_HANDLING_MODE_PEER`).
+    pub peer_error_handling: bool,
+}
+
+/// [`Tuning`] for `resources`. Over RDMA (InfiniBand or RoCE verbs) UCX picks its own protocols and handles
+/// peer failures itself. Where it has no RDMA transport (its TCP and shared memory only, as when
+/// `RVOD_TRANSPORT=ucx` is forced on Ethernet), large messages should go by put-zcopy rendezvous, straight
+/// from the sender's buffer into the receiver's; but UCX's TCP transport (1.13) offers its zero-copy put
+/// lane only to endpoints without peer error handling: with it, a single active-message lane copies every
+/// rendezvous fragment through UCX's buffers on both sides (64 MiB allreduces between two hosts at
+/// 0.73-0.84x rvod's TCP). There endpoints go without UCX's error handling: rvod's own control mesh says
+/// when a peer ended or froze, and its operations then end their requests (see the module doc). The
+/// scheme is left alone where the user set `UCX_RNDV_SCHEME` (`rndv_scheme_set`).
+pub fn tuned(resources: &[String], rndv_scheme_set: bool) -> Tuning {
+    if !rdma_transports(resources).is_empty() {
+        return Tuning { settings: Vec::new(), peer_error_handling: true };
     }
-    vec![("RNDV_SCHEME", "put_zcopy")]
+    let settings = if rndv_scheme_set { Vec::new() } else { vec![("RNDV_SCHEME", "put_zcopy")] };
+    Tuning { settings, peer_error_handling: false }
 }
 
 /// What `print` writes to a C stream, as text.
@@ -271,12 +285,18 @@ mod tests {
     use super::*;
 
     #[test]
-    fn put_zcopy_rendezvous_only_without_rdma_and_without_the_users_own_scheme() {
+    fn without_rdma_put_zcopy_rendezvous_and_no_peer_error_handling_in_ucx() {
         let tcp = vec!["tcp/veth0".to_string(), "self/memory".to_string(), "sysv/memory".to_string()];
         let verbs = vec!["tcp/ib0".to_string(), "rc_mlx5/mlx5_0:1".to_string()];
-        assert_eq!(tuned_settings(&tcp, false), vec![("RNDV_SCHEME", "put_zcopy")]);
-        assert!(tuned_settings(&tcp, true).is_empty(), "UCX_RNDV_SCHEME set by the user");
-        assert!(tuned_settings(&verbs, false).is_empty(), "UCX picks its own scheme over RDMA");
+        let over_tcp = tuned(&tcp, false);
+        assert_eq!(over_tcp.settings, vec![("RNDV_SCHEME", "put_zcopy")]);
+        assert!(!over_tcp.peer_error_handling, "UCX's TCP transport has no zero-copy put with it");
+        let users_scheme = tuned(&tcp, true);
+        assert!(users_scheme.settings.is_empty(), "UCX_RNDV_SCHEME set by the user");
+        assert!(!users_scheme.peer_error_handling);
+        let over_rdma = tuned(&verbs, false);
+        assert!(over_rdma.settings.is_empty(), "UCX picks its own scheme over RDMA");
+        assert!(over_rdma.peer_error_handling, "UCX handles peer failures over RDMA");
     }
 
     #[test]

@@ -10,7 +10,7 @@
 //!
 //! Data: a send is one tagged message per [`CHUNK`] bytes; a receive takes the peer's messages in order as
 //! a byte stream (a message may serve several receives), so the trait's framing-free contract holds. A
-//! receive probes the next message and, when it fits, has UCX write it straight into the caller's buffer
+//! receive (`recv`, `sendrecv`) probes the next message and, when it fits, has UCX write it straight into the caller's buffer
 //! (zero-copy where UCX can); otherwise, and for `exchange`'s sink, into buffers of the transport's own,
 //! up to [`AHEAD`] messages per peer at once. While an operation waits it also takes in what other peers
 //! sent, so two ranks sending each other large messages cannot deadlock. Memory is registered by UCX's own
@@ -22,9 +22,10 @@
 //! engine's waker in [`Transport::wait_for_activity`]); no busy spin beyond the spin window.
 //!
 //! Liveness: the TCP mesh stays open as the control channel and carries nothing after set-up, so its end
-//! (or a UCX endpoint error) says a peer closed or died. An operation fails with
-//! [`TransportError::PeerClosed`] once that peer's messages are all taken and it stays ended for
-//! [`END_GRACE`] (messages sent just before a close may still be in flight), and with
+//! (or a UCX endpoint error, where UCX handles peer failures: over RDMA, see [`library::tuned`]) says a
+//! peer closed or died. An operation fails with [`TransportError::PeerClosed`] once that peer's arrived
+//! messages are all taken and it stays ended for [`END_GRACE`] (messages sent just before a close may still
+//! be in flight; one still arriving after that never will), and with
 //! [`TransportError::Timeout`] after the timeout without progress. The error is then settled by the control
 //! mesh ([`TcpTransport::blame`]), and `close` passes this rank's cause over it, so every survivor names
 //! the rank that died or froze, as over TCP. Other UCX failures name the peer and UCX's own message.
@@ -48,7 +49,7 @@ use crate::transport::spin;
 use crate::transport::tcp::TcpTransport;
 use crate::transport::{Activity, Transport, TransportError, Waker};
 use ffi::{posted, Ep, Message, Posted, RequestParam, Status, TagRecvInfo};
-pub use library::{rdma_transports, tuned_settings, ucx, Ucx};
+pub use library::{rdma_transports, tuned, ucx, Tuning, Ucx};
 
 /// Largest message a send is cut into: big enough for UCX's zero-copy protocols, small enough that a
 /// receiver's sink works on one while the next arrives.
@@ -117,6 +118,8 @@ pub struct UcxTransport {
     /// Receive buffers kept for reuse.
     spare: Vec<Vec<u8>>,
     poll_fds: Vec<libc::pollfd>,
+    /// Whether the endpoints ask UCX to handle peer failures (see [`library::tuned`]).
+    peer_error_handling: bool,
     closed: bool,
 }
 
@@ -299,7 +302,7 @@ impl UcxTransport {
     }
 
     /// The error for `peer` when it has ended (for [`END_GRACE`], or its endpoint failed and its control
-    /// connection ended) and, when `reading`, nothing it sent is left to take.
+    /// connection ended) and, when `reading`, nothing it sent that arrived is left to take.
     fn end_of(&mut self, peer: usize, reading: bool) -> Option<TransportError> {
         let p = self.peers.get(peer)?.as_ref()?;
         let since = p.ended_at?;
@@ -307,10 +310,23 @@ impl UcxTransport {
         if !settled && since.elapsed() < END_GRACE.min(self.timeout / 4) {
             return None;
         }
-        if reading && (!p.incoming.is_empty() || self.has_message(peer, p.key)) {
+        if reading && self.has_arrived(p) {
             return None;
         }
         Some(TransportError::PeerClosed { peer })
+    }
+
+    /// Whether the oldest message received ahead from `p` is all there. Readers take in (or start
+    /// receiving) what a peer sent before they wait, so a message that ended in time is there; a receive
+    /// still running once the peer has ended never completes where UCX does not handle peer failures (see
+    /// [`library::tuned`]), nor does a message UCX only announced.
+    fn has_arrived(&self, p: &Peer) -> bool {
+        p.incoming.front().is_some_and(|front| match front.request {
+            None => true,
+            // SAFETY: a live request of this worker, not freed yet (only looked at here; whoever takes the
+            // message frees it).
+            Some(request) => (unsafe { (self.ucx.api.request_check_status)(request) }) != ffi::UCS_INPROGRESS,
+        })
     }
 
     /// One wait for progress by an operation that has seen none since `stalled_since`: drives UCX, takes
@@ -611,6 +627,24 @@ impl UcxTransport {
         outcome
     }
 
+    /// One [`Self::wait_step`] of an exchange still reading from `from` and/or sending to `to` (each with
+    /// whether it still is).
+    fn wait_both_ways(
+        &mut self,
+        (from, reading): (usize, bool),
+        (to, sending): (usize, bool),
+        stalled_since: Instant,
+    ) -> Result<(), TransportError> {
+        let mut watched = Vec::with_capacity(2);
+        if reading {
+            watched.push((from, true));
+        }
+        if sending {
+            watched.push((to, false));
+        }
+        self.wait_step(&watched, if reading { from } else { to }, stalled_since)
+    }
+
     fn finish_exchange(
         &mut self,
         to: usize,
@@ -638,15 +672,95 @@ impl UcxTransport {
                 stalled_since = Instant::now();
                 continue;
             }
-            let reading = got < recv_len;
-            let mut watched = Vec::with_capacity(2);
-            if reading {
-                watched.push((from, true));
+            self.wait_both_ways((from, got < recv_len), (to, !running.is_empty()), stalled_since)?;
+        }
+    }
+
+    /// [`Transport::sendrecv`]: like [`Self::exchange_bytes`], but a message that fits in what is left of
+    /// `recv` is received straight there (zero-copy where UCX can), up to [`AHEAD`] at once.
+    fn sendrecv_bytes(&mut self, to: usize, send: &[u8], from: usize, recv: &mut [u8]) -> Result<(), TransportError> {
+        if !recv.is_empty() {
+            self.peer(from)?;
+        }
+        let mut running = if send.is_empty() { Vec::new() } else { self.post_sends(to, send)? };
+        let mut direct = VecDeque::new();
+        let outcome = self.finish_sendrecv(to, &mut running, from, recv, &mut direct);
+        if outcome.is_err() {
+            let receives: Vec<*mut c_void> = direct.iter().filter_map(|&(request, _)| request).collect();
+            if !receives.is_empty() {
+                self.abandon(from, &receives);
             }
             if !running.is_empty() {
-                watched.push((to, false));
+                self.abandon(to, &running);
             }
-            self.wait_step(&watched, if reading { from } else { to }, stalled_since)?;
+        }
+        outcome
+    }
+
+    /// The rest of [`Self::sendrecv_bytes`]; `direct` holds the receives straight into `recv`, in order,
+    /// with their lengths (`None`: done at once, after one still running; the running ones are abandoned
+    /// by the caller on failure, as `running` is).
+    fn finish_sendrecv(
+        &mut self,
+        to: usize,
+        running: &mut Vec<*mut c_void>,
+        from: usize,
+        recv: &mut [u8],
+        direct: &mut VecDeque<(Option<*mut c_void>, usize)>,
+    ) -> Result<(), TransportError> {
+        // `got`: bytes of `recv` filled; `posted`: bytes given to receives so far (`got` plus `direct`'s).
+        let (mut got, mut posted) = (0, 0);
+        let mut stalled_since = Instant::now();
+        loop {
+            let mut moved = self.reap_sends(to, running)?;
+            while let Some(&(request, len)) = direct.front() {
+                match request.map(|request| self.finished(request)) {
+                    Some(None) => break,
+                    None | Some(Some(ffi::UCS_OK)) => {}
+                    Some(Some(status)) => {
+                        direct.pop_front();
+                        return Err(self.failure(from, status, "receive"));
+                    }
+                }
+                direct.pop_front();
+                got += len;
+                moved = true;
+            }
+            if got == posted && got < recv.len() {
+                // What was received ahead comes first.
+                let start = got;
+                let n = self.take_received(from, recv.len() - got, &mut |bytes| {
+                    recv[got..got + bytes.len()].copy_from_slice(bytes);
+                    got += bytes.len();
+                })?;
+                posted += got - start;
+                moved |= n > 0;
+            }
+            while posted < recv.len() && direct.len() < AHEAD && self.peer(from)?.incoming.is_empty() {
+                let key = self.peer(from)?.key;
+                let Some((message, len)) = self.probe(from, key, DATA) else { break };
+                moved = true;
+                if len > recv.len() - posted {
+                    // Part of it belongs to a later receive: taken through the transport's own buffer.
+                    self.receive_queued(from, message, len)?;
+                    break;
+                }
+                match self.receive_into(message, recv[posted..].as_mut_ptr(), len) {
+                    Posted::Done if direct.is_empty() => got += len,
+                    Posted::Done => direct.push_back((None, len)),
+                    Posted::Pending(request) => direct.push_back((Some(request), len)),
+                    Posted::Failed(status) => return Err(self.failure(from, status, "receive")),
+                }
+                posted += len;
+            }
+            if running.is_empty() && got == recv.len() {
+                return Ok(());
+            }
+            if moved {
+                stalled_since = Instant::now();
+                continue;
+            }
+            self.wait_both_ways((from, got < recv.len()), (to, !running.is_empty()), stalled_since)?;
         }
     }
 
@@ -692,6 +806,11 @@ impl Transport for UcxTransport {
     }
 
     crate::transport::settled_data_path!();
+
+    fn sendrecv(&mut self, to: usize, send: &[u8], from: usize, recv: &mut [u8]) -> Result<(), TransportError> {
+        let outcome = self.sendrecv_bytes(to, send, from, recv);
+        self.settle(outcome)
+    }
 
     fn wait_for_activity(&mut self, waker: &Waker, timeout: Duration) -> Result<Activity, TransportError> {
         let deadline = handshake::deadline_after(timeout);

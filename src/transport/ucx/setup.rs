@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicI8, Ordering};
 use std::time::{Duration, Instant};
 
 use super::ffi::{self, posted, EpParams, ErrHandler, Posted, RequestParam, SockAddr, Status, WorkerParams};
-use super::{tag, Peer, Ucx, UcxTransport, HELLO};
+use super::{tag, Peer, Tuning, Ucx, UcxTransport, HELLO};
 use crate::transport::handshake;
 use crate::transport::tcp::TcpTransport;
 use crate::transport::{Transport, TransportError};
@@ -35,16 +35,17 @@ impl UcxTransport {
     /// UCX links between the ranks `control` links (its authenticated connections), numbered as there.
     /// `control` is kept: its end says a peer is gone, and `close` passes this rank's cause over it.
     /// `timeout` bounds the set-up and is then the no-progress limit of every operation.
-    /// `settings` go to UCX over the environment's (see [`super::library::tuned_settings`]).
+    /// `tuning` says what goes to UCX over the environment's and whether UCX handles peer failures (see
+    /// [`super::library::tuned`]).
     pub fn over(
         control: TcpTransport,
         ucx: &'static Ucx,
-        settings: &[(&str, &str)],
+        tuning: &Tuning,
         timeout: Duration,
     ) -> Result<UcxTransport, TransportError> {
         let (rank, size) = (control.rank(), control.size());
         let linked: Vec<usize> = control.peer_fds().into_iter().map(|(peer, _)| peer).collect();
-        let context = ucx.new_context(settings).map_err(|e| TransportError::Setup(format!("UCX: {e}")))?;
+        let context = ucx.new_context(&tuning.settings).map_err(|e| TransportError::Setup(format!("UCX: {e}")))?;
         let params = WorkerParams {
             field_mask: ffi::UCP_WORKER_PARAM_FIELD_THREAD_MODE,
             thread_mode: ffi::UCS_THREAD_MODE_SERIALIZED,
@@ -78,6 +79,7 @@ impl UcxTransport {
             timeout,
             spare: Vec::new(),
             poll_fds: Vec::new(),
+            peer_error_handling: tuning.peer_error_handling,
             closed: false,
         };
         let mut efd = -1;
@@ -151,7 +153,11 @@ impl UcxTransport {
                 | ffi::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
                 | ffi::UCP_EP_PARAM_FIELD_ERR_HANDLER,
             address: address.as_ptr().cast(),
-            err_mode: ffi::UCP_ERR_HANDLING_MODE_PEER,
+            err_mode: if self.peer_error_handling {
+                ffi::UCP_ERR_HANDLING_MODE_PEER
+            } else {
+                ffi::UCP_ERR_HANDLING_MODE_NONE
+            },
             err_handler: ErrHandler {
                 cb: Some(on_endpoint_error),
                 arg: (&*failure as *const AtomicI8).cast_mut().cast(),

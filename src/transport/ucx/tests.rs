@@ -28,13 +28,25 @@ fn ranks<T: Send + 'static>(
     body: impl Fn(UcxTransport) -> T + Send + Sync + 'static,
 ) -> Option<Vec<T>> {
     let ucx = loaded()?;
+    ranks_tuned(size, timeout, tuned(ucx.resources().unwrap(), false), body)
+}
+
+/// [`ranks`] with UCX set up as `tuning` says (the engine's choice for the transports here, in `ranks`).
+fn ranks_tuned<T: Send + 'static>(
+    size: usize,
+    timeout: Duration,
+    tuning: Tuning,
+    body: impl Fn(UcxTransport) -> T + Send + Sync + 'static,
+) -> Option<Vec<T>> {
+    let ucx = loaded()?;
+    let tuning = std::sync::Arc::new(tuning);
     let localhost = IpAddr::V4(Ipv4Addr::LOCALHOST);
     let server = RendezvousServer::start(localhost, 0, SECRET.to_vec()).unwrap();
     let addr = server.addr();
     let body = std::sync::Arc::new(body);
     let threads: Vec<_> = (0..size)
         .map(|rank| {
-            let body = body.clone();
+            let (body, tuning) = (body.clone(), tuning.clone());
             thread::spawn(move || {
                 let mut store = StoreClient::connect(addr, SECRET, timeout).unwrap();
                 let control = TcpTransport::connect_mesh(
@@ -48,7 +60,7 @@ fn ranks<T: Send + 'static>(
                     timeout,
                 )
                 .unwrap();
-                body(UcxTransport::over(control, ucx, &[], timeout).unwrap())
+                body(UcxTransport::over(control, ucx, &tuning, timeout).unwrap())
             })
         })
         .collect();
@@ -123,6 +135,37 @@ fn large_exchanges_both_ways_at_once_do_not_deadlock_and_sink_in_order() {
 }
 
 #[test]
+fn sendrecv_lands_every_byte_in_order_across_message_bounds_both_ways_at_once() {
+    // Messages of 5 and 6 chunks' worth (cut at CHUNK), received as 2.5, 3.5 and 5 chunks' worth: some
+    // messages land straight in place, some are split between two receives, and one receive first takes
+    // what an earlier one left received ahead.
+    let (a, b) = (5 * CHUNK + 7, 6 * CHUNK + 1);
+    let cuts = [CHUNK * 5 / 2, CHUNK * 7 / 2, a + b - CHUNK * 6];
+    let Some(results) = ranks(2, Duration::from_secs(30), move |mut t| {
+        let (rank, other) = (t.rank(), 1 - t.rank());
+        let outgoing = [pattern(a, 20 + rank as u32), pattern(b, 30 + rank as u32)].concat();
+        let mut incoming = vec![0u8; a + b];
+        let mut sent = 0;
+        let mut got = 0;
+        for (i, &cut) in cuts.iter().enumerate() {
+            // Sends of whole messages (a, then b) while receiving the cuts.
+            let send: &[u8] = match i {
+                0 => &outgoing[..a],
+                1 => &outgoing[a..],
+                _ => &[],
+            };
+            t.sendrecv(other, send, other, &mut incoming[got..got + cut]).unwrap();
+            sent += send.len();
+            got += cut;
+        }
+        (sent, incoming == [pattern(a, 20 + other as u32), pattern(b, 30 + other as u32)].concat())
+    }) else {
+        return;
+    };
+    assert_eq!(results, vec![(a + b, true); 2]);
+}
+
+#[test]
 fn a_ring_of_three_exchanges_with_different_peers() {
     let Some(results) = ranks(3, Duration::from_secs(20), |mut t| {
         let (rank, size) = (t.rank(), t.size());
@@ -171,12 +214,19 @@ fn waits_report_idle_local_wake_ups_and_peers_that_sent() {
     assert_eq!(results[1], ["Peer", "go"]);
 }
 
+/// Both ways UCX may be set up: with its own peer error handling (over RDMA) and without (its TCP here).
 #[test]
-fn a_peer_that_closes_is_named_and_a_silent_one_times_out() {
+fn a_peer_that_closes_is_named_and_a_silent_one_times_out_with_and_without_ucxs_error_handling() {
+    a_peer_that_closes_is_named_and_a_silent_one_times_out(true);
+    a_peer_that_closes_is_named_and_a_silent_one_times_out(false);
+}
+
+fn a_peer_that_closes_is_named_and_a_silent_one_times_out(peer_error_handling: bool) {
     let (tx, rx) = mpsc::channel::<()>();
     let rx = std::sync::Mutex::new(rx);
     let tx = std::sync::Mutex::new(tx);
-    let Some(results) = ranks(2, Duration::from_secs(2), move |mut t| {
+    let tuning = Tuning { settings: Vec::new(), peer_error_handling };
+    let Some(results) = ranks_tuned(2, Duration::from_secs(2), tuning, move |mut t| {
         let other = 1 - t.rank();
         if t.rank() == 0 {
             // Silent while rank 1 waits for it, then gone.
