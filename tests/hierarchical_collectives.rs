@@ -255,8 +255,16 @@ fn gather_input(rank: usize, len: usize) -> Vec<u8> {
 #[test]
 fn allgather_hierarchical_equals_flat_with_uneven_and_empty_blocks() {
     let layouts: [(&[usize], bool); 3] = [(&TWO_BY_TWO, true), (&INTERLEAVED, true), (&ONE_PLUS_THREE, false)];
-    let per_rank_cases: [[usize; 4]; 5] =
-        [[0, 0, 0, 0], [1, 0, 3, 2], [7, 7, 7, 7], [4097, 0, 1, 100_003], [1_000_003, 5, 0, 1]];
+    // The last two are gathered in place on the consecutive layouts (at least IN_PLACE_MIN_BYTES).
+    let per_rank_cases: [[usize; 4]; 7] = [
+        [0, 0, 0, 0],
+        [1, 0, 3, 2],
+        [7, 7, 7, 7],
+        [4097, 0, 1, 100_003],
+        [1_000_003, 5, 0, 1],
+        [1_500_007, 3, 0, 700_001],
+        [0, 0, 1 << 20, 0],
+    ];
     for (hosts, homogeneous) in layouts {
         let results = on_hosts(hosts, |t| {
             per_rank_cases
@@ -283,6 +291,39 @@ fn allgather_hierarchical_equals_flat_with_uneven_and_empty_blocks() {
                     assert!(hier == &want, "{hosts:?} {bytes:?}: hierarchical allgather wrong on rank {rank}");
                 }
             }
+        }
+    }
+}
+
+#[test]
+fn allgather_on_three_hosts_in_place_and_through_scratch_gathers_every_block() {
+    // 3 hosts x 2 ranks, consecutive: large results are gathered in place (a cross ring of three, then a
+    // local ring for each of the two other hosts); the same op below IN_PLACE_MIN_BYTES goes through scratch.
+    use ring::hierarchical::{Step, IN_PLACE_MIN_BYTES};
+    let hosts = [0, 0, 1, 1, 2, 2];
+    let cases: [[usize; 6]; 3] = [[400_001, 0, 3, 350_000, 299_999, 17], [262_144; 6], [10, 0, 3, 4, 5, 6]];
+    assert!(
+        cases[0].iter().sum::<usize>() >= IN_PLACE_MIN_BYTES && cases[1].iter().sum::<usize>() >= IN_PLACE_MIN_BYTES
+    );
+    let results = on_hosts(&hosts, |t| {
+        cases
+            .iter()
+            .map(|bytes| {
+                let send = gather_input(t.rank(), bytes[t.rank()]);
+                let mut out = vec![0xee; bytes.iter().sum()];
+                let mut steps = Vec::new();
+                ring::hierarchical::allgatherv(t.hosts().unwrap(), &send, &mut out, bytes, &mut |s| steps.push(s))
+                    .unwrap();
+                (out, steps)
+            })
+            .collect::<Vec<_>>()
+    });
+    use Step::*;
+    for (rank, cases_seen) in results.iter().enumerate() {
+        for (bytes, (out, steps)) in cases.iter().zip(cases_seen) {
+            let want: Vec<u8> = (0..6).flat_map(|r| gather_input(r, bytes[r])).collect();
+            assert!(out == &want, "{bytes:?}: hierarchical allgather wrong on rank {rank}");
+            assert_eq!(steps, &[LocalAllgather, CrossAllgather, LocalAllgather], "{bytes:?}, rank {rank}");
         }
     }
 }

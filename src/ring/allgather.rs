@@ -8,6 +8,8 @@
 //!
 //! [`choose_allgather`]: crate::ring::choice::choose_allgather
 
+use std::ops::Range;
+
 use crate::ring::args::{expect_len, invalid_argument};
 use crate::ring::bruck::allgather_bruck;
 use crate::ring::choice::{choose_allgather, AllgatherAlgorithm};
@@ -67,14 +69,34 @@ pub(crate) fn allgather_ring(t: &mut dyn Transport, buf: &mut [u8], blocks: &Blo
     ring(t, buf, blocks, false)
 }
 
+/// The ring allgather over blocks of `buf` anywhere in it: rank `r`'s block is `range_of(r)` (disjoint from
+/// the others), and this rank's is already in place.
+pub(crate) fn allgather_ring_at(
+    t: &mut dyn Transport,
+    buf: &mut [u8],
+    range_of: &dyn Fn(usize) -> Range<usize>,
+) -> Result<(), TransportError> {
+    ring_at(t, buf, range_of, false)
+}
+
 /// [`allgather_ring`], writing what arrives with streaming stores if `streaming`.
 fn ring(t: &mut dyn Transport, buf: &mut [u8], blocks: &Blocks, streaming: bool) -> Result<(), TransportError> {
+    ring_at(t, buf, &|block| blocks.range(block), streaming)
+}
+
+/// [`allgather_ring_at`], writing what arrives with streaming stores if `streaming`.
+fn ring_at(
+    t: &mut dyn Transport,
+    buf: &mut [u8],
+    range_of: &dyn Fn(usize) -> Range<usize>,
+    streaming: bool,
+) -> Result<(), TransportError> {
     let (rank, n) = (t.rank(), t.size());
     let right = (rank + 1) % n;
     let left = (rank + n - 1) % n;
     for step in 0..n - 1 {
         let (send_block, recv_block) = allgather_step(rank, n, step);
-        let (outgoing, incoming) = read_write_pair(buf, blocks.range(send_block), blocks.range(recv_block))
+        let (outgoing, incoming) = read_write_pair(buf, range_of(send_block), range_of(recv_block))
             .ok_or_else(|| invalid_argument(rank, "allgather", "ring blocks overlap or overrun the buffer".into()))?;
         if streaming {
             let incoming_len = incoming.len();
