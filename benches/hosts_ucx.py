@@ -63,7 +63,7 @@ def main():
     parser.add_argument("--impls", default=",".join(IMPLS), help="which to run (the report needs all three)")
     args = parser.parse_args()
     impls = args.impls.split(",")
-    plan = {"sizes": SIZES, "budget": 256 * MiB, "min": 3, "max": 100}
+    plan = {"sizes": SIZES, "budget": 1024 * MiB, "min": 3, "max": 100}
     args.out.mkdir(parents=True, exist_ok=True)
     rows, text = [], []
     for rate in args.rates.split(","):

@@ -10,9 +10,10 @@
 //!
 //! Data: a send is one tagged message per [`CHUNK`] bytes; a receive takes the peer's messages in order as
 //! a byte stream (a message may serve several receives), so the trait's framing-free contract holds. A
-//! receive (`recv`, `sendrecv`) probes the next message and, when it fits, has UCX write it straight into the caller's buffer
-//! (zero-copy where UCX can); otherwise, and for `exchange`'s sink, into buffers of the transport's own,
-//! up to [`AHEAD`] messages per peer at once. While an operation waits it also takes in what other peers
+//! receive (`recv`, `sendrecv`) probes the next messages and has UCX write those that fit straight into the
+//! caller's buffer (zero-copy where UCX can); otherwise, and for `exchange`'s sink, into buffers of the
+//! transport's own; either way up to [`AHEAD`] messages per peer at once, so the rendezvous of the next
+//! overlaps the bytes of this one (one at a time, a receive of 64 MiB over UCX's TCP took 30% longer). While an operation waits it also takes in what other peers
 //! sent, so two ranks sending each other large messages cannot deadlock. Memory is registered by UCX's own
 //! registration cache (the staging buffers are reused, so they register once); explicit `ucp_mem_map`
 //! handles are not passed (that needs UCX 1.12's `memh` request field).
@@ -555,40 +556,10 @@ impl UcxTransport {
         }
     }
 
+    /// A receive is [`Self::sendrecv_bytes`] with nothing to send: up to [`AHEAD`] of the peer's messages are
+    /// received straight into `buf` at once, so the next one's rendezvous overlaps this one's bytes.
     fn recv_bytes(&mut self, peer: usize, buf: &mut [u8]) -> Result<(), TransportError> {
-        let key = self.peer(peer)?.key;
-        let mut got = 0;
-        let mut stalled_since = Instant::now();
-        while got < buf.len() {
-            let want = buf.len() - got;
-            let n = self.take_received(peer, want, &mut |bytes| {
-                buf[got..got + bytes.len()].copy_from_slice(bytes);
-                got += bytes.len();
-            })?;
-            if n > 0 {
-                stalled_since = Instant::now();
-                continue;
-            }
-            if self.peer(peer)?.incoming.is_empty() {
-                if let Some((message, len)) = self.probe(peer, key, DATA) {
-                    if len <= want {
-                        // Straight into the caller's buffer.
-                        match self.receive_into(message, buf[got..].as_mut_ptr(), len) {
-                            Posted::Done => {}
-                            Posted::Pending(request) => self.await_request(peer, request, "receive")?,
-                            Posted::Failed(status) => return Err(self.failure(peer, status, "receive")),
-                        }
-                        got += len;
-                    } else {
-                        self.receive_queued(peer, message, len)?;
-                    }
-                    stalled_since = Instant::now();
-                    continue;
-                }
-            }
-            self.wait_step(&[(peer, true)], peer, stalled_since)?;
-        }
-        Ok(())
+        self.sendrecv_bytes(peer, &[], peer, buf)
     }
 
     /// Receives a probed message of `peer` into a buffer of the transport's own (a reused one: only its
