@@ -48,7 +48,7 @@ def run_all(args):
         store, port = shaped.start_store(hosts, secret)
         try:
             envs = shaped.rank_envs("compression", port, secret, hosts, per_host=args.per_host,
-                                    gloo_port=29000 + secrets.randbelow(20000))
+                                    gloo_port=shaped.gloo_store_port())
             out = shaped.launch(hosts, envs, [str(WORKER), json.dumps(plan)], args.out, "compression",
                                 timeout=args.timeout)
         finally:

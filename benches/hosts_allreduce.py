@@ -147,6 +147,8 @@ def launch(hosts, envs, argv, logs, name, timeout):
             procs.append(subprocess.Popen(hosts.exec_prefix(host) + [sys.executable] + argv, env=env,
                                           stdout=subprocess.PIPE if rank == 0 else log, stderr=log, text=True))
         out, _ = procs[0].communicate(timeout=timeout)
+        if procs[0].returncode:
+            raise RuntimeError(f"{name} job failed on rank 0; see {logs}")
         for p in procs[1:]:
             p.wait(timeout=30)
         if any(p.returncode for p in procs):
@@ -159,11 +161,17 @@ def launch(hosts, envs, argv, logs, name, timeout):
                 p.wait()
 
 
+def gloo_store_port():
+    """A port for gloo's store, below Linux's ephemeral range (32768 and up), where the sockets of earlier jobs
+    in the namespace (rvod's, UCX's) may still hold the one picked."""
+    return 20000 + secrets.randbelow(12000)
+
+
 def run_job(impl, plan, hosts, logs, timeout):
     secret = secrets.token_bytes(16)
     store = None
     if impl == "gloo":
-        port = 29000 + secrets.randbelow(20000)
+        port = gloo_store_port()
     else:
         store, port = start_store(hosts, secret)
     try:

@@ -167,9 +167,10 @@ pub struct HostsConfig {
     pub transport: HostsTransport,
     /// `RVOD_UCX_LIBRARY`: the libucp to load (a path); when set, nothing else is tried.
     pub ucx_library: Option<std::path::PathBuf>,
-    /// Whether `UCX_RNDV_SCHEME` is set: UCX reads its own settings, and rvod changes no setting the user
-    /// gave (see `transport::ucx::library::Ucx::new_context`).
-    pub ucx_rndv_scheme_set: bool,
+    /// Which of the settings rvod gives UCX over TCP (`transport::ucx::library::TCP_SETTINGS`) the user
+    /// set in UCX's own environment (`UCX_<name>`): UCX reads them, and rvod changes no setting the user gave
+    /// (see `transport::ucx::library::Ucx::new_context`).
+    pub ucx_settings_set: Vec<&'static str>,
 }
 
 impl HostsConfig {
@@ -567,7 +568,7 @@ fn connections<F: Fn(&str) -> Option<String>>(env: &EnvReader<F>) -> Result<Conn
     })
 }
 
-/// `TRANSPORT`, `UCX_LIBRARY`, and whether UCX's own `UCX_RNDV_SCHEME` is set.
+/// `TRANSPORT`, `UCX_LIBRARY`, and which of UCX's own settings rvod would tune the user set.
 fn hosts_config<F: Fn(&str) -> Option<String>>(env: &EnvReader<F>) -> Result<HostsConfig, ConfigError> {
     let transport = match env.raw("TRANSPORT") {
         None => HostsTransport::Auto,
@@ -581,7 +582,11 @@ fn hosts_config<F: Fn(&str) -> Option<String>>(env: &EnvReader<F>) -> Result<Hos
     Ok(HostsConfig {
         transport,
         ucx_library: env.string("UCX_LIBRARY").map(Into::into),
-        ucx_rndv_scheme_set: (env.lookup)("UCX_RNDV_SCHEME").is_some_and(|v| !v.trim().is_empty()),
+        ucx_settings_set: crate::transport::ucx::library::TCP_SETTINGS
+            .iter()
+            .map(|setting| setting.name)
+            .filter(|name| (env.lookup)(&format!("UCX_{name}")).is_some_and(|v| !v.trim().is_empty()))
+            .collect(),
     })
 }
 
@@ -1096,8 +1101,10 @@ mod tests {
         assert_eq!(config(&[]).unwrap().hosts, HostsConfig::default());
         let ucx = config(&[("RVOD_TRANSPORT", "UCX"), ("RVOD_UCX_LIBRARY", "/opt/ucx/libucp.so.0")]).unwrap().hosts;
         assert_eq!((ucx.transport, ucx.ucx_library), (HostsTransport::Ucx, Some("/opt/ucx/libucp.so.0".into())));
-        assert!(!ucx.ucx_rndv_scheme_set);
-        assert!(config(&[("UCX_RNDV_SCHEME", "get_zcopy")]).unwrap().hosts.ucx_rndv_scheme_set);
+        assert!(ucx.ucx_settings_set.is_empty());
+        let users = config(&[("UCX_RNDV_SCHEME", "get_zcopy"), ("UCX_TCP_SNDBUF", "1m"), ("UCX_TLS", "tcp")]).unwrap();
+        assert_eq!(users.hosts.ucx_settings_set, ["RNDV_SCHEME", "TCP_SNDBUF"]);
+        assert_eq!(config(&[("UCX_TCP_SNDBUF", " ")]).unwrap().hosts.ucx_settings_set, Vec::<&str>::new());
         assert_eq!(config(&[("RVOD_TRANSPORT", "tcp")]).unwrap().hosts.transport, HostsTransport::Tcp);
         let bad = config(&[("RVOD_TRANSPORT", "rdma")]).unwrap_err().to_string();
         assert_eq!(bad, "invalid environment variable RVOD_TRANSPORT=\"rdma\": expected auto, tcp or ucx");

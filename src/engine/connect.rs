@@ -110,7 +110,7 @@ pub fn connect_members(
         let resources = ucx
             .resources()
             .map_err(|e| failed("reading UCX's transports", members, TransportError::Setup(format!("UCX: {e}"))))?;
-        let tuning = ucx::tuned(resources, config.hosts.ucx_rndv_scheme_set);
+        let tuning = ucx::tuned(resources, &|name| config.hosts.ucx_settings_set.contains(&name));
         if !tuning.peer_error_handling {
             tracing::debug!(
                 "UCX without RDMA here: settings over the environment's {:?}, peer failures seen by rvod's \

@@ -28,7 +28,7 @@ fn ranks<T: Send + 'static>(
     body: impl Fn(UcxTransport) -> T + Send + Sync + 'static,
 ) -> Option<Vec<T>> {
     let ucx = loaded()?;
-    ranks_tuned(size, timeout, tuned(ucx.resources().unwrap(), false), body)
+    ranks_tuned(size, timeout, tuned(ucx.resources().unwrap(), &|_| false), body)
 }
 
 /// [`ranks`] with UCX set up as `tuning` says (the engine's choice for the transports here, in `ranks`).
@@ -249,4 +249,53 @@ fn a_peer_that_closes_is_named_and_a_silent_one_times_out(peer_error_handling: b
         results[1],
         "no progress from rank 0 for 2.0 s after 2s; rank 0 exited or closed its connection within 2 s: true"
     );
+}
+
+/// The send-buffer sizes of this process's TCP sockets (`SO_SNDBUF`, as the kernel reports it: twice what
+/// was asked for).
+fn tcp_send_buffers() -> Vec<i32> {
+    let Ok(fds) = std::fs::read_dir("/proc/self/fd") else { return Vec::new() };
+    fds.flatten()
+        .filter_map(|entry| entry.file_name().to_str()?.parse::<i32>().ok())
+        .filter_map(|fd| {
+            let (mut kind, mut size) = (0 as libc::c_int, 0 as libc::c_int);
+            let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+            // SAFETY: valid out-pointers of the length given; a descriptor that is not a socket just fails.
+            let typed = unsafe {
+                libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_TYPE, (&mut kind as *mut i32).cast(), &mut len)
+            };
+            len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+            // SAFETY: as above.
+            let sized = unsafe {
+                libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_SNDBUF, (&mut size as *mut i32).cast(), &mut len)
+            };
+            (typed == 0 && sized == 0 && kind == libc::SOCK_STREAM).then_some(size)
+        })
+        .collect()
+}
+
+#[test]
+fn the_tuned_send_buffer_reaches_ucxs_tcp_sockets() {
+    // Over UCX's TCP transport alone (as without RDMA), the settings `tuned` gives reach UCX: its sockets'
+    // send buffer is the one asked for (the kernel reports it doubled).
+    let tcp_only = vec!["tcp/lo".to_string()];
+    let mut tuning = tuned(&tcp_only, &|_| false);
+    let asked = tuning.settings.iter().find(|(key, _)| key.contains("SNDBUF")).expect("a send buffer over TCP").1;
+    let asked: i32 = asked.trim_end_matches('k').parse::<i32>().unwrap() * 1024;
+    tuning.settings.push(("TLS", "tcp"));
+    let Some(results) = ranks_tuned(2, Duration::from_secs(20), tuning, move |mut t| {
+        let other = 1 - t.rank();
+        let mut got = vec![0u8; 1 << 20];
+        t.sendrecv(other, &pattern(1 << 20, 7), other, &mut got).unwrap();
+        (got == pattern(1 << 20, 7), tcp_send_buffers())
+    }) else {
+        return;
+    };
+    for (rank, (arrived, buffers)) in results.iter().enumerate() {
+        assert!(arrived, "rank {rank}: bytes differ");
+        assert!(
+            buffers.contains(&(2 * asked)),
+            "rank {rank}: no TCP socket with a {asked}-byte send buffer: {buffers:?}"
+        );
+    }
 }
