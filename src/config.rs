@@ -167,7 +167,7 @@ pub struct HostsConfig {
     pub transport: HostsTransport,
     /// `RVOD_UCX_LIBRARY`: the libucp to load (a path); when set, nothing else is tried.
     pub ucx_library: Option<std::path::PathBuf>,
-    /// Which of the settings rvod gives UCX over TCP (`transport::ucx::library::TCP_SETTINGS`) the user
+    /// Which of the settings rvod gives UCX over TCP ([`UCX_TUNED_SETTINGS`]) the user
     /// set in UCX's own environment (`UCX_<name>`): UCX reads them, and rvod changes no setting the user gave
     /// (see `transport::ucx::library::Ucx::new_context`).
     pub ucx_settings_set: Vec<&'static str>,
@@ -568,6 +568,10 @@ fn connections<F: Fn(&str) -> Option<String>>(env: &EnvReader<F>) -> Result<Conn
     })
 }
 
+/// UCX's own settings (names in its environment, without `UCX_`) that rvod gives UCX where it has no RDMA
+/// transport (`transport::ucx::library::TCP_SETTINGS`, which a test there keeps in step with this list).
+pub const UCX_TUNED_SETTINGS: [&str; 2] = ["RNDV_SCHEME", "TCP_SNDBUF"];
+
 /// `TRANSPORT`, `UCX_LIBRARY`, and which of UCX's own settings rvod would tune the user set.
 fn hosts_config<F: Fn(&str) -> Option<String>>(env: &EnvReader<F>) -> Result<HostsConfig, ConfigError> {
     let transport = match env.raw("TRANSPORT") {
@@ -582,9 +586,8 @@ fn hosts_config<F: Fn(&str) -> Option<String>>(env: &EnvReader<F>) -> Result<Hos
     Ok(HostsConfig {
         transport,
         ucx_library: env.string("UCX_LIBRARY").map(Into::into),
-        ucx_settings_set: crate::transport::ucx::library::TCP_SETTINGS
-            .iter()
-            .map(|setting| setting.name)
+        ucx_settings_set: UCX_TUNED_SETTINGS
+            .into_iter()
             .filter(|name| (env.lookup)(&format!("UCX_{name}")).is_some_and(|v| !v.trim().is_empty()))
             .collect(),
     })

@@ -318,6 +318,7 @@ mod tests {
         assert_eq!(users_scheme.settings, vec![("SNDBUF", "128k")], "UCX_RNDV_SCHEME set by the user");
         assert!(!users_scheme.peer_error_handling);
         assert!(tuned(&tcp, &|_| true).settings.is_empty(), "the user set both");
+        assert_eq!(TCP_SETTINGS.map(|s| s.name), crate::config::UCX_TUNED_SETTINGS, "config reads what is tuned");
         let over_rdma = tuned(&verbs, &|_| false);
         assert!(over_rdma.settings.is_empty(), "UCX picks its own scheme over RDMA");
         assert!(over_rdma.peer_error_handling, "UCX handles peer failures over RDMA");

@@ -13,8 +13,9 @@
 //! receive (`recv`, `sendrecv`) probes the next messages and has UCX write those that fit straight into the
 //! caller's buffer (zero-copy where UCX can); otherwise, and for `exchange`'s sink, into buffers of the
 //! transport's own; either way up to [`AHEAD`] messages per peer at once, so the rendezvous of the next
-//! overlaps the bytes of this one (one at a time, a receive of 64 MiB over UCX's TCP took 30% longer). While an operation waits it also takes in what other peers
-//! sent, so two ranks sending each other large messages cannot deadlock. Memory is registered by UCX's own
+//! overlaps the bytes of this one (one at a time, a receive of 64 MiB over UCX's TCP took 30% longer).
+//! While an operation waits it also takes in what other peers sent, so two ranks sending each other large
+//! messages cannot deadlock. Memory is registered by UCX's own
 //! registration cache (the staging buffers are reused, so they register once); explicit `ucp_mem_map`
 //! handles are not passed (that needs UCX 1.12's `memh` request field).
 //!
