@@ -25,8 +25,11 @@ HOSTS = ["localhost", "127.0.0.1", socket.gethostname()]
 
 
 def read(out: Path, name: str) -> list[dict]:
+    """The records the workers appended to `name` so far. A line still being written (no newline yet: a read
+    can land in the middle of a worker's write) is left for the next read."""
     path = out / name
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    whole = path.read_text().split("\n")[:-1] if path.exists() else []
+    return [json.loads(line) for line in whole if line]
 
 
 class ElasticJob:
