@@ -252,6 +252,11 @@ fn gather_input(rank: usize, len: usize) -> Vec<u8> {
     (0..len).map(|i| (rank * 50 + i % 47) as u8).collect()
 }
 
+/// What an allgather of [`gather_input`]s gives every rank when rank `r` contributes `bytes[r]` bytes.
+fn gathered(bytes: &[usize]) -> Vec<u8> {
+    bytes.iter().enumerate().flat_map(|(r, &len)| gather_input(r, len)).collect()
+}
+
 #[test]
 fn allgather_hierarchical_equals_flat_with_uneven_and_empty_blocks() {
     let layouts: [(&[usize], bool); 3] = [(&TWO_BY_TWO, true), (&INTERLEAVED, true), (&ONE_PLUS_THREE, false)];
@@ -285,7 +290,7 @@ fn allgather_hierarchical_equals_flat_with_uneven_and_empty_blocks() {
         });
         for (rank, cases) in results.iter().enumerate() {
             for (bytes, (flat, hier)) in per_rank_cases.iter().zip(cases) {
-                let want: Vec<u8> = (0..4).flat_map(|r| gather_input(r, bytes[r])).collect();
+                let want = gathered(bytes);
                 assert!(flat == &want, "{hosts:?} {bytes:?}: flat allgather wrong on rank {rank}");
                 if let Some(hier) = hier {
                     assert!(hier == &want, "{hosts:?} {bytes:?}: hierarchical allgather wrong on rank {rank}");
@@ -321,8 +326,7 @@ fn allgather_on_three_hosts_in_place_and_through_scratch_gathers_every_block() {
     use Step::*;
     for (rank, cases_seen) in results.iter().enumerate() {
         for (bytes, (out, steps)) in cases.iter().zip(cases_seen) {
-            let want: Vec<u8> = (0..6).flat_map(|r| gather_input(r, bytes[r])).collect();
-            assert!(out == &want, "{bytes:?}: hierarchical allgather wrong on rank {rank}");
+            assert!(out == &gathered(bytes), "{bytes:?}: hierarchical allgather wrong on rank {rank}");
             assert_eq!(steps, &[LocalAllgather, CrossAllgather, LocalAllgather], "{bytes:?}, rank {rank}");
         }
     }
