@@ -12,7 +12,7 @@ on the same shards of the digits data (a seed per round, so the rounds' accuraci
 2.2 M parameters, 8.3 MiB of gradients a step) and examples/torch_digits.py's DigitsNet (38 K parameters).
 
 Measured per model, contender and round: seconds per step (the slower rank's, after a few untimed steps),
-bytes on the link per step (tx + rx of the first host's veth, headers included) and test accuracy after a
+the ranks' CPU time per step (every thread, summed over ranks) and the share of the cores it fills, bytes on the link per step (tx + rx of the first host's veth, headers included) and test accuracy after a
 fixed number of epochs. Reported: medians [min-max] over rounds, and the medians of per-round ratios: rvod
 powersgd(4) against rvod uncompressed (target >= 3x on the MLP) and against DDP with its PowerSGD hook
 (target >= 1.3x), accuracy against uncompressed (target: within 0.5 points). Writes compression.jsonl
@@ -62,6 +62,17 @@ def spread(values, fmt):
     return f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))}-{fmt.format(max(values))}]"
 
 
+def cpu_use(runs):
+    """The ranks' CPU time per step (all their threads, summed over ranks) and the share of the machine's cores
+    it fills in the step's time: near 100%, the step is bound by the CPU, not the link (on this machine every
+    namespace host shares the same cores)."""
+    if any("cpu_seconds_per_step" not in r for r in runs):
+        return ""  # results written before the benchmark measured it
+    busy = [r["cpu_seconds_per_step"] / (r["cores"] * r["seconds_per_step"]) * 100 for r in runs]
+    return (f", CPU {spread([r['cpu_seconds_per_step'] * 1e3 for r in runs], '{:.1f}')} ms/step "
+            f"({spread(busy, '{:.0f}')}% of {runs[0]['cores']} cores)")
+
+
 def report(results):
     rate, per_host = results[0]["rate"], results[0]["per_host"]
     by = {}
@@ -77,7 +88,7 @@ def report(results):
             runs = by[(model, c)]
             lines.append(f"  {c:15} step {spread([r['seconds_per_step'] * 1e3 for r in runs], '{:.1f}')} ms, "
                          f"wire {spread([r['wire_bytes_per_step'] / 1e6 for r in runs], '{:.3f}')} MB/step, "
-                         f"accuracy {spread([r['accuracy'] * 100 for r in runs], '{:.2f}')} %")
+                         f"accuracy {spread([r['accuracy'] * 100 for r in runs], '{:.2f}')} %{cpu_use(runs)}")
 
         def ratio(a, b):
             """Median over rounds of b's step time / a's: how many times faster a is."""

@@ -91,23 +91,25 @@ def train(plan, build, contender, tag, train_set, test_set, seed):
     module, optimizer, barrier = wrap(contender, model, optimizer, tag, plan["powersgd_rank"])
     sampler = DistributedSampler(train_set, num_replicas=hvd.size(), rank=hvd.rank(), seed=seed)
     loader = DataLoader(train_set, batch_size=plan["batch_size"], sampler=sampler)
-    step, start, bytes_before = 0, None, 0
+    step, start, bytes_before, cpu_before = 0, None, 0, 0.0
     for epoch in range(plan["epochs"]):
         module.train()
         sampler.set_epoch(epoch)
         for x, y in loader:
             if step == plan["warmup"]:
                 barrier()
-                start, bytes_before = time.perf_counter(), link_bytes()
+                start, bytes_before, cpu_before = time.perf_counter(), link_bytes(), time.process_time()
             optimizer.zero_grad()
             F.cross_entropy(module(x), y).backward()
             optimizer.step()
             step += 1
     timed = step - plan["warmup"]
     seconds = (time.perf_counter() - start) / timed
+    # This process's CPU time, all its threads (the engine's included), over the timed steps.
+    cpu = (time.process_time() - cpu_before) / timed
     wire = (link_bytes() - bytes_before) / timed
     barrier()
-    return seconds, wire, accuracy(model, test_set)
+    return seconds, cpu, wire, accuracy(model, test_set)
 
 
 def main():
@@ -123,13 +125,15 @@ def main():
         for model_name in plan["models"]:
             for contender in plan["contenders"]:
                 run = dict(plan, epochs=plan["epochs"][model_name])
-                seconds, wire, acc = train(run, builds[model_name], contender,
+                seconds, cpu, wire, acc = train(run, builds[model_name], contender,
                                            f"{model_name}.{contender}.r{round_index}", train_set, test_set,
                                            SEED + round_index)
                 seconds = max(hvd.allgather_object(seconds, name="bench.seconds"))
+                cpu = sum(hvd.allgather_object(cpu, name="bench.cpu"))
                 if hvd.rank() == 0:
                     print(json.dumps({"round": round_index, "model": model_name, "contender": contender,
-                                      "seconds_per_step": seconds, "wire_bytes_per_step": wire, "accuracy": acc}),
+                                      "seconds_per_step": seconds, "cpu_seconds_per_step": cpu,
+                                      "cores": len(os.sched_getaffinity(0)), "wire_bytes_per_step": wire, "accuracy": acc}),
                           flush=True)
     dist.destroy_process_group()
     hvd.shutdown()
