@@ -165,7 +165,7 @@ pub enum Compression {
     None,
     /// Blockwise int8: each block of values sent as bytes with one float32 scale.
     Int8,
-    /// Blockwise 1-bit: each value's sign, with one float32 scale (the block's mean magnitude).
+    /// Blockwise 1-bit: each value's sign, with one float32 scale (the block's root mean square).
     OneBit,
     /// PowerSGD: each matrix as two rank-`rank` factors, with a warm-started Q.
     PowerSgd { rank: u8 },

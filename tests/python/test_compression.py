@@ -10,6 +10,7 @@ and the test compares each test accuracy with the uncompressed one.
 from __future__ import annotations
 
 import re
+import statistics
 import sys
 
 import pytest
@@ -63,31 +64,48 @@ def accuracies(output):
 
 
 # Test accuracy on the digits test set (450 images; one image is 0.22 points) after the same epochs from the
-# same start, within the issue's 0.5 points of uncompressed for every compressor. After 12 epochs the
-# compressed runs were up to 1.1 points behind on 3 ranks (still converging); after 24 every run is at
-# 98.4-99.6% (docs/compression.md). On 3 ranks the fused ring's float sums depend on how the ready
-# gradients happened to be fused (a+b+c in another order), which alone moved uncompressed accuracy by 0.7
-# points between identical runs; that job runs without fusion so the comparison is the compressors' alone.
+# same start, within the issue's 0.5 points of uncompressed for every compressor: the median over three seeds
+# (initial weights and data order) of each seed's difference. One seed alone moves a compressor by up to 0.9
+# points either way (int8 on 3 TensorFlow ranks: -0.66 at seed 43, 0.00 at 44), so a single run tells the
+# seed, not the compressor. After 12 epochs the compressed runs were up to 1.1 points behind on 3 ranks
+# (still converging); after 24 every run is at 98.4-99.6% (docs/compression.md). On 3 ranks the fused ring's
+# float sums depend on how the ready gradients happened to be fused (a+b+c in another order), which alone
+# moved uncompressed accuracy by 0.7 points between identical runs; those jobs run without fusion so the
+# comparison is the compressors' alone.
 BOUND = 0.005
+SEEDS = (42, 43, 44)
 
 
-def assert_close_to_uncompressed(stdout, report):
-    found = accuracies(stdout)
-    assert set(found) == {"none", "int8", "onebit", "powersgd"}, report
-    assert found["none"] > 0.975, report
-    for name in ("int8", "onebit", "powersgd"):
-        assert found[name] >= found["none"] - BOUND, f"{name}: {found[name]:.4f} vs {found['none']:.4f}\n{report}"
+def median_gaps(outputs):
+    """Per compressor, the median over the runs (one per seed) of its accuracy minus uncompressed's."""
+    gaps = {}
+    for output in outputs:
+        found = accuracies(output)
+        assert set(found) == {"none", "int8", "onebit", "powersgd"}, output
+        assert found["none"] > 0.975, output
+        for name in ("int8", "onebit", "powersgd"):
+            gaps.setdefault(name, []).append(found[name] - found["none"])
+    return {name: statistics.median(values) for name, values in gaps.items()}
 
 
-@pytest.mark.timeout(300)
+def assert_close_to_uncompressed(outputs, report):
+    for name, gap in median_gaps(outputs).items():
+        assert gap >= -BOUND, f"{name}: median {gap * 100:+.2f} points against uncompressed\n{report}"
+
+
+@pytest.mark.timeout(840)
 @pytest.mark.parametrize("framework, size", [("torch", 2), ("torch", 3), ("keras", 2), ("keras", 3),
                                              ("tensorflow", 2), ("tensorflow", 3)])
 def test_every_compressor_trains_the_digits_cnn_close_to_uncompressed(run_rvodrun, job_env, framework, size):
     job_env.update(FORCED)
     if size == 3:
         job_env["RVOD_FUSION_THRESHOLD"] = "0"
-    result = run_rvodrun(["-np", str(size), PYTHON, TRAINING, framework, "24"], timeout=280)
-    report = f"exit {result.returncode}\nstdout:\n{result.stdout[-3000:]}\nstderr:\n{failures(result.stderr)[-8000:]}"
-    assert result.returncode == 0, report
-    assert_close_to_uncompressed(result.stdout, report)
+    outputs, report = [], ""
+    for seed in SEEDS:
+        result = run_rvodrun(["-np", str(size), PYTHON, TRAINING, framework, "24", str(seed)], timeout=260)
+        report += (f"seed {seed}: exit {result.returncode}\nstdout:\n{result.stdout[-1500:]}\n"
+                   f"stderr:\n{failures(result.stderr)[-4000:]}\n")
+        assert result.returncode == 0, report
+        outputs.append(result.stdout)
+    assert_close_to_uncompressed(outputs, report)
 

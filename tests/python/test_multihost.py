@@ -550,4 +550,4 @@ def test_every_compressor_trains_the_digits_cnn_across_two_hosts_of_two(env, clu
     result = rvodrun(cluster, env, ["-np", "4", "-H", "a:2,b:2", PYTHON, str(WORKERS / "compressed_training.py"),
                                     "torch", "24"], timeout=280)
     assert result.returncode == 0, report(result)
-    assert_close_to_uncompressed(result.stdout, report(result))
+    assert_close_to_uncompressed([result.stdout], report(result))

@@ -26,7 +26,7 @@ def encode_decode(values, kind):
             q = np.clip(_round_half_away(block * inverse), -127, 127)
             out[start:start + size] = q * scale
         else:
-            scale = np.float32(np.abs(block).astype(np.float64).mean())
+            scale = np.float32(np.sqrt(np.square(block.astype(np.float64)).mean()))  # root mean square
             out[start:start + size] = np.where(block >= 0, scale, -scale)
     return out
 

@@ -67,7 +67,8 @@ if FORCED:
 
     with check("round trips of the block codecs"):
         block = np.array([-3.0, 1.0, 0.0, 2.0], dtype=np.float32)
-        np.testing.assert_allclose(encode_decode(block, "onebit"), [-1.5, 1.5, 1.5, 1.5])
+        # 1-bit's scale is the block's root mean square: (1 + 1 + 9 + 25) / 4 = 9.
+        np.testing.assert_allclose(encode_decode(np.array([1, -1, 3, -5], np.float32), "onebit"), [3, -3, 3, -3])
         assert np.abs(encode_decode(block, "int8") - block).max() <= 3.0 / 127 / 2 + 1e-7
 
     for kind, compressor in [("int8", C.int8), ("onebit", C.onebit)]:

@@ -1,7 +1,7 @@
-"""Training with every compressor (arguments: ``torch``, ``keras`` or ``tensorflow``, then the epochs):
-the digits CNN of the framework's example (Keras's in TensorFlow's custom loop with DistributedGradientTape)
-trains for the same epochs with ``Compression.none``, ``.int8``, ``.onebit`` and ``.powersgd(rank=4)`` from
-the same initial weights, and rank 0 prints each test accuracy (``accuracy <name> <value>``) for the test
+"""Training with every compressor (arguments: ``torch``, ``keras`` or ``tensorflow``, the epochs, and the seed
+of the initial weights and the data order, 42 if not given): the digits CNN of the framework's example
+(Keras's in TensorFlow's custom loop with DistributedGradientTape) trains for the same epochs with
+``Compression.none``, ``.int8``, ``.onebit`` and ``.powersgd(rank=4)`` from the same initial weights, and rank 0 prints each test accuracy (``accuracy <name> <value>``) for the test
 to compare with the uncompressed one. Run with ``RVOD_COMPRESSION_WITHIN_HOST=1`` so one host's ranks
 compress as hosts would, or across hosts."""
 
@@ -12,6 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
 
 FRAMEWORK = sys.argv[1]
 EPOCHS = int(sys.argv[2])
+SEED = int(sys.argv[3]) if len(sys.argv) > 3 else 42
 
 
 def train_torch():
@@ -26,12 +27,12 @@ def train_torch():
     hvd.init()
     torch.set_num_threads(1)
     train_set, test_set = datasets(42)
-    sampler = DistributedSampler(train_set, num_replicas=hvd.size(), rank=hvd.rank(), seed=42)
+    sampler = DistributedSampler(train_set, num_replicas=hvd.size(), rank=hvd.rank(), seed=SEED)
     test_loader = DataLoader(test_set, batch_size=256,
                              sampler=DistributedSampler(test_set, hvd.size(), hvd.rank(), shuffle=False))
     for name, compression in [("none", hvd.Compression.none), ("int8", hvd.Compression.int8),
                               ("onebit", hvd.Compression.onebit), ("powersgd", hvd.Compression.powersgd(rank=4))]:
-        torch.manual_seed(42)
+        torch.manual_seed(SEED)
         model = DigitsNet()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.02 * hvd.size(), momentum=0.9)
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
@@ -92,7 +93,7 @@ def train_keras():
     x_train, y_train, x_test, y_test = keras_data(hvd)
     for name, compression in [("none", hvd.Compression.none), ("int8", hvd.Compression.int8),
                               ("onebit", hvd.Compression.onebit), ("powersgd", hvd.Compression.powersgd(rank=4))]:
-        keras.utils.set_random_seed(42)  # the same initial weights on every rank and for every compressor
+        keras.utils.set_random_seed(SEED)  # the same initial weights on every rank and for every compressor
         model = digits_model()
         optimizer = hvd.DistributedOptimizer(keras.optimizers.SGD(0.02 * hvd.size(), momentum=0.9),
                                              compression=compression)
@@ -114,7 +115,7 @@ def train_tensorflow():
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     for name, compression in [("none", hvd.Compression.none), ("int8", hvd.Compression.int8),
                               ("onebit", hvd.Compression.onebit), ("powersgd", hvd.Compression.powersgd(rank=4))]:
-        keras.utils.set_random_seed(42)
+        keras.utils.set_random_seed(SEED)
         model = digits_model()
         optimizer = keras.optimizers.SGD(0.02 * hvd.size(), momentum=0.9)
 
