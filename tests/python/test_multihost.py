@@ -543,11 +543,20 @@ def test_torch_training_on_two_hosts_of_two(env, cluster):
     assert set(verdicts(result.stdout)) == {0, 1, 2, 3}
 
 
-@pytest.mark.timeout(300)
+# Nine seeds here (20 s each): on two hosts of two ranks, seeds 43 and 44 alone put PowerSGD 0.67 points
+# below uncompressed and seed 42 0.44 above; over the nine its median is -0.22 (docs/compression.md).
+MULTIHOST_SEEDS = tuple(range(42, 51))
+
+
+@pytest.mark.timeout(600)
 def test_every_compressor_trains_the_digits_cnn_across_two_hosts_of_two(env, cluster):
     """Compression where it runs by default: between hosts, on each host's exact sum (issue 34, item 4)."""
     pytest.importorskip("torch", reason="rvod.torch needs PyTorch")
-    result = rvodrun(cluster, env, ["-np", "4", "-H", "a:2,b:2", PYTHON, str(WORKERS / "compressed_training.py"),
-                                    "torch", "24"], timeout=280)
-    assert result.returncode == 0, report(result)
-    assert_close_to_uncompressed([result.stdout], report(result))
+    outputs, log = [], ""
+    for seed in MULTIHOST_SEEDS:
+        result = rvodrun(cluster, env, ["-np", "4", "-H", "a:2,b:2", PYTHON, str(WORKERS / "compressed_training.py"),
+                                        "torch", "24", str(seed)], timeout=120)
+        log += f"seed {seed}:\n{report(result)}\n"
+        assert result.returncode == 0, log
+        outputs.append(result.stdout)
+    assert_close_to_uncompressed(outputs, log)
