@@ -4,10 +4,11 @@
 //! The values are cut into units of at most [`BLOCK`] values that never cross a tensor's end, each reduced
 //! by a rank chosen from its tensor's name and its place in it: a tensor's blocks, the ranks that reduce
 //! them and so its result are the same whatever it is fused with. Each rank adds its residual to its values
-//! and encodes them; the units rank `j` owns go to rank `j` (one all-to-all), which decodes the `n`
-//! contributions, sums them in rank order, adds its own residual of that sum, and encodes the result once
-//! more, as int8 for either codec (see [`Codec::for_sums`]); an allgather of those encodings gives every
-//! rank every unit, which all decode alike (the owner too, so every rank holds the same bits). A rank sends
+//! and encodes the units other ranks own; the units rank `j` owns go to rank `j` (one all-to-all), which
+//! decodes the `n - 1` contributions, sums them with its own values in rank order (its own exactly: they
+//! never travel, so they leave no residual), adds its own residual of that sum, and encodes the result
+//! once more, as int8 for either codec (see [`Codec::for_sums`]); an allgather of those encodings gives
+//! every rank every unit, which all decode alike (the owner too, so every rank holds the same bits). A rank sends
 //! and receives about `(n-1)/n` of each encoded size: in all a quarter (int8) or about 5/32 (1-bit out,
 //! int8 back) of the float32 ring's traffic, plus a 4-byte scale per block.
 //!
@@ -19,6 +20,8 @@ use std::ops::Range;
 
 use crate::ring::allgather::allgatherv;
 use crate::ring::alltoall::alltoallv;
+#[cfg(test)]
+use crate::ring::compressed::blocks::ONEBIT_BLOCK;
 use crate::ring::compressed::blocks::{Codec, BLOCK};
 use crate::ring::compressed::feedback::{Feedback, Kind};
 use crate::ring::compressed::Span;
@@ -137,6 +140,18 @@ fn decode(codec: Codec, units: &[Unit], bytes: &[u8], values: &mut [f32], add: b
     }
 }
 
+/// Add this rank's own `values` of `units` to `reduced` (the units' values packed one after another).
+fn add_own(units: &[Unit], values: &[f32], reduced: &mut [f32]) {
+    let mut value_at = 0;
+    for unit in units {
+        let len = unit.range.len();
+        for (r, v) in reduced[value_at..value_at + len].iter_mut().zip(&values[unit.range.clone()]) {
+            *r += v;
+        }
+        value_at += len;
+    }
+}
+
 /// The buffers of one allreduce, kept from op to op on the thread that runs them (the engine's executor):
 /// allocating them afresh cost more in page faults and zeroing than the encoding itself.
 #[derive(Default)]
@@ -192,11 +207,20 @@ fn allreduce_with(
     let units = units(spans, values.len(), n);
     let by_rank: Vec<Vec<Unit>> = (0..n).map(|owner| owned_by(&units, owner)).collect();
     let sizes: Vec<usize> = by_rank.iter().map(|owned| encoded_len(codec, owned)).collect();
-    // Every byte of `send` and every value of `residual` is written: the units cover all of `values`.
-    let send = reused(&mut buffers.send, sizes.iter().sum());
+    // What this rank sends: every other rank's units, encoded. Its own contribution to the units it
+    // reduces never travels, so it is added exactly and leaves no residual.
+    let send_sizes: Vec<usize> = (0..n).map(|to| if to == rank { 0 } else { sizes[to] }).collect();
+    let send = reused(&mut buffers.send, send_sizes.iter().sum());
+    // Every value of `residual` is written: the units cover all of `values`.
     let residual = reused(&mut buffers.residual, values.len());
     let mut at = 0;
-    for (owned, &size) in by_rank.iter().zip(&sizes) {
+    for (owned, &size) in by_rank.iter().zip(&send_sizes) {
+        if size == 0 {
+            for unit in owned {
+                residual[unit.range.clone()].fill(0.0);
+            }
+            continue;
+        }
         encode(codec, owned, values, &mut send[at..at + size], residual, false);
         at += size;
     }
@@ -204,16 +228,23 @@ fn allreduce_with(
         feedback.get(Kind::Worker, span.name, span.len, None).copy_from_slice(&residual[span.range()]);
     }
 
-    // Reduce-scatter: every rank's encoding of the units this rank owns, summed in rank order.
+    // Reduce-scatter: the other ranks' encodings of the units this rank owns and its own values, summed in
+    // rank order.
     let mine = &by_rank[rank];
     let my_size = sizes[rank];
-    let received = reused(&mut buffers.received, my_size * n);
-    alltoallv(t, send, &sizes, received, &vec![my_size; n])?;
+    let receive_sizes: Vec<usize> = (0..n).map(|from| if from == rank { 0 } else { my_size }).collect();
+    let received = reused(&mut buffers.received, my_size * (n - 1));
+    alltoallv(t, send, &send_sizes, received, &receive_sizes)?;
     let reduced = reused(&mut buffers.reduced, mine.iter().map(|unit| unit.range.len()).sum());
     reduced.fill(0.0);
     if my_size > 0 {
-        for contribution in received.chunks_exact(my_size) {
-            decode(codec, mine, contribution, reduced, true, true);
+        let mut contributions = received.chunks_exact(my_size);
+        for from in 0..n {
+            if from == rank {
+                add_own(mine, values, reduced);
+            } else if let Some(contribution) = contributions.next() {
+                decode(codec, mine, contribution, reduced, true, true);
+            }
         }
     }
     let server_places = |unit: &Unit| unit.tensor.map(|(i, offset)| (&spans[i], offset..offset + unit.range.len()));
@@ -345,6 +376,40 @@ mod tests {
             assert_eq!(values[1200..], exact[1200..], "{codec:?}: the vector and the small kernel exact");
             assert_ne!(values[..1200], exact[..1200], "{codec:?}: the matrix compressed");
             assert!(*weight_left && !bias_left && !kernel_left, "{codec:?}: a residual for the matrix only");
+        }
+    }
+
+    #[test]
+    fn the_owner_adds_its_own_values_exactly_and_keeps_no_residual_for_them() {
+        // Rank 0 sends a matrix, rank 1 zeros. A unit rank 0 reduces comes back as the int8 round trip of
+        // rank 0's exact values; a unit rank 1 reduces, as the int8 round trip of rank 0's 1-bit encoding.
+        let span = Span { name: "w", shape: &[8, 160], start: 0, len: 1280, contributes: true };
+        let value = |i: usize| ((i * 37) % 101) as f32 / 7.0 - 7.0;
+        let round_trip = |codec: Codec, values: &[f32]| {
+            let (mut bytes, mut lost) = (vec![0u8; codec.encoded_len(values.len())], vec![0.0f32; values.len()]);
+            codec.encode(values, &mut bytes, &mut lost);
+            let mut out = vec![0.0f32; values.len()];
+            codec.decode(&bytes, &mut out);
+            out
+        };
+        let results = run_ranks(MemoryTransport::mesh(2), |t| {
+            let mut feedback = Feedback::default();
+            let mut values: Vec<f32> = (0..1280).map(|i| if t.rank() == 0 { value(i) } else { 0.0 }).collect();
+            allreduce(t, Codec::OneBit, &mut values, &[span], &mut feedback).unwrap();
+            (values, feedback.get(Kind::Worker, "w", 1280, None).to_vec())
+        });
+        let (result, residual) = &results[0];
+        let all = units(&[span], 1280, 2);
+        assert!(all.iter().any(|u| u.owner == 0) && all.iter().any(|u| u.owner == 1));
+        for unit in all {
+            let exact: Vec<f32> = unit.range.clone().map(value).collect();
+            let sent: Vec<f32> = exact.chunks(ONEBIT_BLOCK).flat_map(|b| round_trip(Codec::OneBit, b)).collect();
+            let own = unit.owner == 0;
+            let want = round_trip(Codec::Int8, if own { &exact } else { &sent });
+            assert_eq!(result[unit.range.clone()], want[..], "unit {:?} reduced by rank {}", unit.range, unit.owner);
+            let lost: Vec<f32> =
+                if own { vec![0.0; exact.len()] } else { exact.iter().zip(&sent).map(|(e, s)| e - s).collect() };
+            assert_eq!(residual[unit.range.clone()], lost[..], "residual of unit {:?}", unit.range);
         }
     }
 

@@ -1,6 +1,7 @@
 """NumPy references of the engine's compressed allreduces (src/ring/compressed), for one step from every
 rank's values: the int8 and 1-bit block codecs (256 values a block for int8, 32 for 1-bit, a float32 scale each), their
-reduce-scatter over units (at most 256 values, within one tensor) and allgather of the re-encoded sums, and PowerSGD's
+reduce-scatter over units (at most 256 values, within one tensor, each reduced by a rank its name and place choose)
+and allgather of the re-encoded sums, and PowerSGD's
 orthonormalised factors. Written from the documented algorithm, not from the Rust code."""
 
 import numpy as np
@@ -31,35 +32,34 @@ def encode_decode(values, kind):
     return out
 
 
-def units(sizes):
-    """The units of tensors of ``sizes`` values back to back: at most 256 values, never across a tensor's
-    end. (Which rank reduces each unit changes nothing in the result: every rank sums in rank order.)"""
-    found, start = [], 0
-    for size in sizes:
-        for at in range(start, start + size, BLOCK):
-            found.append((at, min(at + BLOCK, start + size)))
-        start += size
-    return found
+def _name_seed(name):
+    """FNV-1a (64 bits) of the tensor's name: where its units start being dealt out to the ranks."""
+    h = 0xCBF29CE484222325
+    for byte in name.encode():
+        h = ((h ^ byte) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return h
 
 
-def _each_unit(values, units, kind):
-    out = np.empty_like(values)
-    for a, b in units:
-        out[a:b] = encode_decode(values[a:b], kind)
-    return out
+def units(total, name, n):
+    """The units of one tensor of ``total`` values on ``n`` ranks: runs of at most 256 values, the ``k``-th
+    reduced by rank ``(seed + k) mod n``, ``seed`` a hash of the tensor's name."""
+    seed = _name_seed(name)
+    return [(at, min(at + BLOCK, total), ((seed + k) & 0xFFFFFFFFFFFFFFFF) % n)
+            for k, at in enumerate(range(0, total, BLOCK))]
 
 
-def quantized_allreduce(contributions, kind, steps=1, sizes=None):
-    """``steps`` steps of the int8 / 1-bit allreduce of every rank's float32 ``contributions`` (the same
-    each step; tensors of ``sizes`` values back to back, one tensor by default), with error feedback: each
-    rank adds what it could not send last time, and so does the rank that re-encodes each run's sum.
-    Returns the last step's result, or every step's with ``steps > 1``, in the contributions' shape. Models
-    the tensors the engine compresses (of 2+ dimensions and at least 1,024 values; smaller ones and vectors
-    are summed exactly)."""
+def quantized_allreduce(contributions, kind, name, steps=1):
+    """``steps`` steps of the int8 / 1-bit allreduce of every rank's float32 ``contributions`` to the tensor
+    the engine calls ``name`` (the same values each step), with error feedback: each rank encodes its
+    values plus what it could not send last time, except in the units it reduces itself, which it adds
+    exactly (they never travel); the reducing rank sums in rank order, adds what it could not send of the
+    last sum, and encodes the sum as int8 for every rank. Returns the last step's result, or every step's
+    with ``steps > 1``, in the contributions' shape. Models the tensors the engine compresses (of 2+
+    dimensions and at least 1,024 values; smaller ones and vectors are summed exactly)."""
     shape = contributions[0].shape
     contributions = [c.reshape(-1) for c in contributions]
     n, total = len(contributions), contributions[0].size
-    all_units = units(sizes or [total])
+    all_units = units(total, name, n)
     worker = [np.zeros(total, dtype=np.float32) for _ in range(n)]
     server = np.zeros(total, dtype=np.float32)
     results = []
@@ -67,11 +67,16 @@ def quantized_allreduce(contributions, kind, steps=1, sizes=None):
         summed = np.zeros(total, dtype=np.float32)
         for rank, values in enumerate(contributions):  # rank order
             sent = values + worker[rank]
-            decoded = _each_unit(sent, all_units, kind)
+            decoded = sent.copy()
+            for a, b, owner in all_units:
+                if owner != rank:
+                    decoded[a:b] = encode_decode(sent[a:b], kind)
             worker[rank] = sent - decoded
             summed += decoded
         summed += server
-        result = _each_unit(summed, all_units, "int8")  # the sums travel as int8 for either codec
+        result = np.empty_like(summed)
+        for a, b, _ in all_units:  # the sums travel as int8 for either codec
+            result[a:b] = encode_decode(summed[a:b], "int8")
         server = summed - result
         results.append(result.reshape(shape))
     return results if steps > 1 else results[0]

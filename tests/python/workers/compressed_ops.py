@@ -46,7 +46,7 @@ if FORCED:
         with check(f"{kind}: one step equals the reference"):
             shape = (1, 3 * 256 * N + 77)  # chunks of whole blocks and a short last block
             got = hnp.allreduce(values(R, shape, 1), op=hnp.Sum, name=f"step.{kind}", compression=compressor)
-            want = quantized_allreduce(every(shape, 1), kind)
+            want = quantized_allreduce(every(shape, 1), kind, f"allreduce.step.{kind}")
             assert got.dtype == np.float32 and got.shape == shape
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
             same_on_every_rank(got, kind)
@@ -61,7 +61,7 @@ if FORCED:
             in_order = [functools.reduce(np.add, rows, np.zeros(rows[0].shape, np.float32)) for rows in everyone]
             np.testing.assert_array_equal(got[1], in_order[1])
             np.testing.assert_array_equal(got[2], in_order[2])
-            want = quantized_allreduce(everyone[0], kind)
+            want = quantized_allreduce(everyone[0], kind, f"grouped_allreduce.exact.{kind}_0")
             np.testing.assert_allclose(got[0], want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
             assert not np.array_equal(got[0], in_order[0]), "the matrix was not compressed"
 
@@ -76,7 +76,7 @@ if FORCED:
             mine, every_rank = values(R, (40, 30), 2), every((40, 30), 2)
             got = [hnp.allreduce(mine, op=hnp.Sum, name=f"feedback.{kind}", compression=compressor)
                    for _ in range(8)]
-            want = quantized_allreduce(every_rank, kind, steps=8)
+            want = quantized_allreduce(every_rank, kind, f"allreduce.feedback.{kind}", steps=8)
             for step, (g, w) in enumerate(zip(got, want)):
                 np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4 * np.abs(w).max(), err_msg=f"step {step}")
             assert not np.array_equal(got[0], got[1]), "the second step sent nothing of the first's residual"
@@ -140,7 +140,8 @@ if FORCED:
         for dtype in [np.float16, np.float64]:
             got = hnp.allreduce(values(R, (30, 40), 5, dtype), op=hnp.Average, name=f"avg.{np.dtype(dtype).name}",
                                 compression=C.int8)
-            want = quantized_allreduce([v.astype(np.float32) for v in every((30, 40), 5, dtype)], "int8") / N
+            want = quantized_allreduce([v.astype(np.float32) for v in every((30, 40), 5, dtype)], "int8",
+                                        f"allreduce.avg.{np.dtype(dtype).name}") / N
             assert got.dtype == dtype, got.dtype
             np.testing.assert_allclose(got.astype(np.float32), want, rtol=2e-3, atol=2e-3 * np.abs(want).max())
         t = torch.tensor(values(R, (30, 40), 6)).to(torch.bfloat16)
@@ -155,7 +156,7 @@ if FORCED:
     with check("torch allreduce, in place and async, and its gradient"):
         x = torch.tensor(values(R, (35, 40), 8), requires_grad=True)
         y = hvd.allreduce(x, op=hvd.Sum, name="torch.int8", compression=hvd.Compression.int8)
-        want = quantized_allreduce(every((35, 40), 8), "int8")
+        want = quantized_allreduce(every((35, 40), 8), "int8", "allreduce.torch.int8")
         np.testing.assert_allclose(y.detach().numpy(), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
         y.backward(torch.ones(35, 40))
         # The gradient of a sum-allreduce is the sum-allreduce of the output gradients: N everywhere.
@@ -181,7 +182,7 @@ elif MODE == "hosts":
         with check(f"{kind} across hosts: exact inside each, compressed between, feedback kept"):
             got = [hnp.allreduce(values(R, (40, 50), 12), op=hnp.Sum, name=f"hosts.{kind}", compression=compressor)
                    for _ in range(3)]
-            want = quantized_allreduce(host_sums((40, 50), 12), kind, steps=3)
+            want = quantized_allreduce(host_sums((40, 50), 12), kind, f"allreduce.hosts.{kind}", steps=3)
             for step, (g, w) in enumerate(zip(got, want)):
                 np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4 * np.abs(w).max(), err_msg=f"step {step}")
             same_on_every_rank(got[-1], f"hosts.{kind}")
@@ -198,7 +199,8 @@ elif MODE == "hosts":
                 rows = [v.astype(np.float32) for v in every(shape, 20 + i, dtype)]
                 sums = [rows[0] + rows[1], rows[2] + rows[3]]
                 compressed = len(shape) > 1 and np.prod(shape) >= 1024
-                want = quantized_allreduce(sums, "int8", steps=2) if compressed else [sums[0] + sums[1]] * 2
+                want = (quantized_allreduce(sums, "int8", f"grouped_allreduce.{name}_{i}", steps=2) if compressed
+                        else [sums[0] + sums[1]] * 2)
                 for step in range(2):
                     g, w = got[step][i], want[step].astype(dtype)
                     assert g.dtype == dtype and g.shape == shape, (g.dtype, g.shape)

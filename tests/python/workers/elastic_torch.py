@@ -140,7 +140,7 @@ def compressed_probe():
     """A world's first compressed allreduce under the name "probe", against a first step's reference."""
     got = hvd.allreduce(torch.from_numpy(probe_matrix(hvd.rank())), op=hvd.Sum, name="probe",
                         compression=getattr(hvd.Compression, COMPRESSION)).numpy()
-    expected = quantized_allreduce([probe_matrix(r) for r in range(hvd.size())], COMPRESSION)
+    expected = quantized_allreduce([probe_matrix(r) for r in range(hvd.size())], COMPRESSION, "allreduce.probe")
     record("probes.jsonl", round=world(), rank=hvd.rank(), size=hvd.size(), equal=bool(np.array_equal(got, expected)),
            differs_by=float(np.abs(got - expected).max()))
 
